@@ -1,0 +1,96 @@
+"""Start a real kvstore-server process on a free loopback port, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+__all__ = ["ServerProcess", "free_port"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`kvstore-server` as a child process; `with ServerProcess(dram="64MiB") as srv:`.
+
+    Extra keyword arguments become flags (`lease_ttl="1s"` -> `--lease-ttl 1s`). The
+    process is stopped (SIGTERM, then SIGKILL) on exit; its log is kept in `self.log_path`.
+    """
+
+    def __init__(self, *args: str, port: int | None = None, env: dict | None = None,
+                 **flags) -> None:
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.args = list(args)
+        flags.setdefault("dram", "64MiB")
+        for name, value in flags.items():
+            self.args += ["--" + name.replace("_", "-"), str(value)]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        fd, self.log_path = tempfile.mkstemp(prefix="kvstore-server-", suffix=".log")
+        os.close(fd)
+
+    def start(self, wait: float = 20.0) -> "ServerProcess":
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstore_server.main", "--listen", self.address, *self.args],
+            stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        self.wait_healthy(wait)
+        return self
+
+    def wait_healthy(self, wait: float = 20.0) -> None:
+        deadline = time.monotonic() + wait
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"kvstore-server exited with {self.proc.returncode}:\n"
+                                       + self.log())
+                try:
+                    resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("kvstore-server did not become healthy:\n" + self.log())
+                time.sleep(0.05)
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def send_signal(self, sig: int) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,222 @@
+"""Store benchmark: gRPC put/get throughput against a raw socket, and lookup latency.
+
+Throughput: pages of 64 KiB, 1 MiB and 4 MiB, 192 MiB per call, through a real
+kvstore-server process on loopback; the baseline moves the same bytes over a plain TCP
+socket between two processes in the same run (send from one pre-touched buffer,
+recv_into another), which is the ceiling for any socket transport on this machine.
+Lookup: p50/p99 latency of 16, 256 and 4096 keys with 10k and 1M pages stored.
+
+    python -m kvstore_bench.store_bench [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import socket
+import statistics
+import time
+
+import numpy as np
+
+from kvstore_client import KVStoreClient, PageLayout
+
+from .serverproc import ServerProcess
+
+MiB = 1 << 20
+# (label, num_kv_heads, head_size): 32 layers, 16 tokens, bf16 -> these page sizes.
+PAGE_SHAPES = {"64KiB": (1, 32), "1MiB": (8, 64), "4MiB": (32, 64)}
+
+
+def _raw_sender(port_q, nbytes: int, reps: int) -> None:
+    data = np.ones(nbytes, dtype=np.uint8)
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        port_q.put(srv.getsockname()[1])
+        conn, _ = srv.accept()
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            mv = memoryview(data)
+            for _ in range(reps):
+                for start in range(0, nbytes, MiB):
+                    conn.sendall(mv[start:start + MiB])
+                conn.recv(1)   # wait for the reader's ack before the next round
+
+
+def _raw_receiver(port_q, nbytes: int, reps: int) -> None:
+    buf = np.ones(nbytes, dtype=np.uint8)
+    mv = memoryview(buf)
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        port_q.put(srv.getsockname()[1])
+        conn, _ = srv.accept()
+        with conn:
+            for _ in range(reps):
+                pos = 0
+                while pos < nbytes:
+                    pos += conn.recv_into(mv[pos:], min(MiB, nbytes - pos))
+                conn.sendall(b"k")
+
+
+def raw_socket_gbps(nbytes: int, reps: int) -> tuple[float, float]:
+    """(receive GB/s, send GB/s) medians over reps, peer in another process."""
+    out = {}
+    ctx = mp.get_context("spawn")
+    for direction, target in (("recv", _raw_sender), ("send", _raw_receiver)):
+        q = ctx.Queue()
+        peer = ctx.Process(target=target, args=(q, nbytes, reps))
+        peer.start()
+        port = q.get(timeout=30)
+        times = []
+        buf = np.ones(nbytes, dtype=np.uint8)
+        mv = memoryview(buf)
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                if direction == "recv":
+                    pos = 0
+                    while pos < nbytes:
+                        pos += conn.recv_into(mv[pos:], min(MiB, nbytes - pos))
+                    times.append(time.perf_counter() - t0)
+                    conn.sendall(b"k")
+                else:
+                    for start in range(0, nbytes, MiB):
+                        conn.sendall(mv[start:start + MiB])
+                    conn.recv(1)
+                    times.append(time.perf_counter() - t0)
+        peer.join(30)
+        out[direction] = nbytes / statistics.median(times) / 1e9
+    return out["recv"], out["send"]
+
+
+def grpc_gbps(client: KVStoreClient, label: str, total: int, reps: int) -> tuple[float, float]:
+    heads, head_size = PAGE_SHAPES[label]
+    ns = client.register_layout(PageLayout(model=f"bench-{label}", num_layers=32,
+                                           page_tokens=16, num_kv_heads=heads,
+                                           head_size=head_size))
+    n = total // ns.page_bytes
+    pages = np.random.default_rng(0).integers(0, 256, (n, ns.page_bytes), dtype=np.uint8)
+    out = np.ones_like(pages)
+    put_t, get_t = [], []
+    for rep in range(reps):
+        keys = [f"{label}-{rep}-{i}".encode().ljust(24, b".") for i in range(n)]
+        t0 = time.perf_counter()
+        client.put(ns, keys, pages)
+        t1 = time.perf_counter()
+        client.get_into(ns, keys, out)
+        t2 = time.perf_counter()
+        if not np.array_equal(out, pages):
+            raise SystemExit(f"{label}: pages came back different")
+        client.delete(ns, keys)
+        put_t.append(t1 - t0)
+        get_t.append(t2 - t1)
+    return total / statistics.median(put_t) / 1e9, total / statistics.median(get_t) / 1e9
+
+
+def lookup_latency(client: KVStoreClient, stored: int, sizes=(16, 256, 4096),
+                   iters: int = 300) -> dict[int, tuple[float, float]]:
+    """p50/p99 ms of Lookup, every key present, with `stored` 4 KiB pages in the store."""
+    ns = client.register_layout(PageLayout(model=f"bench-lookup-{stored}", num_layers=1,
+                                           page_tokens=1, num_kv_heads=1, head_size=1024,
+                                           dtype="float16"))
+    batch = 16384
+    page = np.zeros((batch, ns.page_bytes), dtype=np.uint8)
+    keys_all = np.arange(stored, dtype=np.uint64)
+    for start in range(0, stored, batch):
+        chunk = keys_all[start:start + batch]
+        keys = [int(k).to_bytes(16, "little") for k in chunk]
+        client.put(ns, keys, page[: len(keys)])
+    rng = np.random.default_rng(1)
+    out = {}
+    for size in sizes:
+        times = []
+        for _ in range(iters):
+            first = int(rng.integers(0, stored - size))
+            keys = [k.to_bytes(16, "little") for k in range(first, first + size)]
+            t0 = time.perf_counter()
+            count = client.lookup(ns, keys)
+            times.append(time.perf_counter() - t0)
+            if count != size:
+                raise SystemExit(f"lookup found {count} of {size} stored keys")
+        times.sort()
+        out[size] = (times[len(times) // 2] * 1e3, times[int(len(times) * 0.99)] * 1e3)
+    client.evict(layout_id=ns.layout_id)
+    return out
+
+
+def index_bytes_per_page(n: int = 200_000) -> float:
+    """Python heap bytes the index needs per page (keys, dict, per-slot arrays)."""
+    import tracemalloc
+
+    from kvstore_server.region import Region
+    from kvstore_server.store import Store
+
+    region = Region(n * 4096 + (64 << 20))          # never touched: tmpfs allocates nothing
+    try:
+        tracemalloc.start()
+        store = Store(region)
+        info = store.register_layout(PageLayout(model="idx", num_layers=1, page_tokens=1,
+                                                num_kv_heads=1, head_size=1024,
+                                                dtype="float16"))
+        before = tracemalloc.get_traced_memory()[0]
+        for start in range(0, n, 10_000):
+            keys = [i.to_bytes(16, "little") for i in range(start, start + 10_000)]
+            store.commit(store.reserve(info.layout_id, keys).lease_id)
+        after = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        return (after - before) / n
+    finally:
+        region.close()
+
+
+def run(quick: bool = False) -> dict:
+    reps = 3 if quick else 5
+    total = 64 * MiB if quick else 192 * MiB
+    results: dict = {"throughput": {}, "lookup": {}}
+    raw_recv, raw_send = raw_socket_gbps(total, reps)
+    results["raw_socket"] = {"recv_gbps": raw_recv, "send_gbps": raw_send}
+    big_pool = "6GiB" if not quick else "1GiB"
+    with ServerProcess(dram=big_pool) as srv, KVStoreClient(srv.address, timeout=60) as client:
+        for label in PAGE_SHAPES:
+            put, get = grpc_gbps(client, label, total, reps)
+            results["throughput"][label] = {"put_gbps": put, "get_gbps": get,
+                                            "put_vs_raw": put / raw_send,
+                                            "get_vs_raw": get / raw_recv}
+        for stored in ((10_000,) if quick else (10_000, 1_000_000)):
+            results["lookup"][stored] = lookup_latency(client, stored)
+    results["index_bytes_per_page"] = index_bytes_per_page(50_000 if quick else 200_000)
+    return results
+
+
+def report(r: dict) -> str:
+    lines = [f"raw socket, same run: recv {r['raw_socket']['recv_gbps']:.2f} GB/s, "
+             f"send {r['raw_socket']['send_gbps']:.2f} GB/s",
+             "", "| page | put GB/s | put / raw | get GB/s | get / raw |",
+             "|---|---|---|---|---|"]
+    for label, t in r["throughput"].items():
+        lines.append(f"| {label} | {t['put_gbps']:.2f} | {t['put_vs_raw']:.0%} | "
+                     f"{t['get_gbps']:.2f} | {t['get_vs_raw']:.0%} |")
+    lines += ["", "| pages stored | keys | lookup p50 ms | p99 ms |", "|---|---|---|---|"]
+    for stored, sizes in r["lookup"].items():
+        for size, (p50, p99) in sizes.items():
+            lines.append(f"| {stored:,} | {size} | {p50:.3f} | {p99:.3f} |")
+    lines += ["", f"index memory per page: {r['index_bytes_per_page']:.0f} bytes"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = p.parse_args(argv)
+    results = run(args.quick)
+    print(json.dumps(results, indent=2, default=str) if args.json else report(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,322 @@
+"""KVStoreClient: register layouts, put, look up, get and delete KV pages.
+
+Every call has a timeout. Idempotent calls are retried with backoff when the server is
+UNAVAILABLE (restarting, briefly overloaded); a server that restarted has forgotten the
+layouts, so a call that meets "unknown layout" registers its layout again and retries
+once. Puts are idempotent too: keys already stored are skipped by the server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Iterator, Sequence, TypeVar
+
+import grpc
+import numpy as np
+
+from ._proto.kvstore.v1 import admin_pb2 as apb
+from ._proto.kvstore.v1 import kvstore_pb2 as pb
+from .buffers import LayerMajorWriter, as_uint8
+from .convert import layout_from_proto, layout_to_proto
+from .errors import KVStoreError, from_rpc_error
+from .keys import pack_keys
+from .layout import PageLayout
+from .wire import CHANNEL_OPTIONS, GET_DATA_TAG, PUT_DATA_TAG, frame, unframe
+
+__all__ = ["KVStoreClient", "LayoutHandle", "PutResult", "Lease"]
+
+T = TypeVar("T")
+
+CHUNK_BYTES = 1 << 20          # Put data messages; matches the server's Get chunks
+_RETRY_CODES = (grpc.StatusCode.UNAVAILABLE,)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LayoutHandle:
+    """A registered layout: what every page call names."""
+
+    layout: PageLayout
+    layout_id: bytes
+    page_bytes: int
+    layer_bytes: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PutResult:
+    stored: int     # pages newly stored
+    skipped: int    # keys that were already present
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Lease:
+    """Pages pinned by a lookup: they cannot be evicted until released or expired."""
+
+    lease_id: int
+    count: int
+
+
+def _put_serializer(message) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def _get_deserializer(message: bytes):
+    payload = unframe(message, GET_DATA_TAG)
+    return payload if payload is not None else memoryview(pb.GetResponse.FromString(message).data)
+
+
+class KVStoreClient:
+    """A connection to one kvstore-server. Thread-safe; use as a context manager.
+
+    timeout: seconds per call (a Get or Put of many pages gets more, scaled by size);
+    retries: extra attempts of idempotent calls on UNAVAILABLE (0 = none).
+    """
+
+    def __init__(self, address: str, *, timeout: float = 10.0, retries: int = 3,
+                 channel: grpc.Channel | None = None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.retries = retries
+        self._channel = channel or grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        c = self._channel
+        s = "/kvstore.v1.KVStore/"
+        a = "/kvstore.v1.Admin/"
+
+        def unary(path, req, resp):
+            return c.unary_unary(path, request_serializer=req.SerializeToString,
+                                 response_deserializer=resp.FromString)
+
+        self._register = unary(s + "RegisterLayout", pb.RegisterLayoutRequest,
+                               pb.RegisterLayoutResponse)
+        self._lookup = unary(s + "Lookup", pb.LookupRequest, pb.LookupResponse)
+        self._release = unary(s + "ReleaseLease", pb.ReleaseLeaseRequest, pb.ReleaseLeaseResponse)
+        self._exists = unary(s + "Exists", pb.ExistsRequest, pb.ExistsResponse)
+        self._delete = unary(s + "Delete", pb.DeleteRequest, pb.DeleteResponse)
+        self._put = c.stream_unary(s + "Put", request_serializer=_put_serializer,
+                                   response_deserializer=pb.PutResponse.FromString)
+        self._get = c.unary_stream(s + "Get", request_serializer=pb.GetRequest.SerializeToString,
+                                   response_deserializer=_get_deserializer)
+        self._stats = unary(a + "Stats", apb.StatsRequest, apb.StatsResponse)
+        self._evict = unary(a + "Evict", apb.EvictRequest, apb.EvictResponse)
+        self._clear = unary(a + "Clear", apb.ClearRequest, apb.ClearResponse)
+        self._list = unary(a + "ListLayouts", apb.ListLayoutsRequest, apb.ListLayoutsResponse)
+        self._inspect = unary(a + "Inspect", apb.InspectRequest, apb.InspectResponse)
+
+    # -- plumbing -------------------------------------------------------------------
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "KVStoreClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _call(self, method: str, fn: Callable[[], T], handle: LayoutHandle | None = None,
+              retry: bool = True) -> T:
+        attempts = 1 + (self.retries if retry else 0)
+        reregistered = False
+        attempt = 0
+        while True:
+            try:
+                return fn()
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if (handle is not None and not reregistered
+                        and code == grpc.StatusCode.INVALID_ARGUMENT
+                        and "unknown layout" in (exc.details() or "")):
+                    reregistered = True           # the server restarted: register again
+                    self.register_layout(handle.layout)
+                    continue
+                attempt += 1
+                if code in _RETRY_CODES and attempt < attempts:
+                    time.sleep(min(0.05 * 2 ** attempt, 1.0))
+                    continue
+                raise from_rpc_error(exc, method) from None
+
+    def _timeout_for(self, nbytes: int) -> float:
+        # Bulk calls get extra time at a pessimistic 100 MB/s.
+        return self.timeout + nbytes / 100e6
+
+    @staticmethod
+    def _packed(keys) -> pb.PackedKeys:
+        data, size = pack_keys(keys)
+        return pb.PackedKeys(data=data, key_size=size)
+
+    # -- layouts --------------------------------------------------------------------
+    def register_layout(self, layout: PageLayout) -> LayoutHandle:
+        req = pb.RegisterLayoutRequest(layout=layout_to_proto(layout))
+        resp = self._call("RegisterLayout", lambda: self._register(req, timeout=self.timeout))
+        if resp.layout_id != layout.layout_id:
+            raise KVStoreError(grpc.StatusCode.INTERNAL,
+                               "server computed a different layout id: client and server "
+                               "disagree on the layout encoding (version mismatch?)")
+        return LayoutHandle(layout, resp.layout_id, resp.page_bytes, resp.layer_bytes)
+
+    # -- pages ----------------------------------------------------------------------
+    def put(self, ns: LayoutHandle, keys: Sequence[bytes], pages) -> PutResult:
+        """Store pages (N, page_bytes) under keys; keys already present are skipped."""
+        keys = list(keys)
+        total = len(keys) * ns.page_bytes
+        flat = as_uint8(pages, total)
+        mv = memoryview(flat)
+        header = pb.PutRequest(header=pb.PutHeader(layout_id=ns.layout_id,
+                                                   keys=self._packed(keys)))
+
+        def messages():
+            yield header
+            for start in range(0, total, CHUNK_BYTES):
+                yield frame(PUT_DATA_TAG, (mv[start:start + CHUNK_BYTES],))
+
+        def call():
+            return self._put(messages(), timeout=self._timeout_for(total))
+
+        resp = self._call("Put", call, ns)
+        return PutResult(resp.stored, resp.skipped)
+
+    def lookup(self, ns: LayoutHandle | Sequence[LayoutHandle], keys: Sequence[bytes]) -> int:
+        """How many leading keys are stored (in every layout, when several are given)."""
+        return self._lookup_call(ns, keys, 0).count
+
+    def lookup_lease(self, ns: LayoutHandle | Sequence[LayoutHandle], keys: Sequence[bytes],
+                     lease_ms: int) -> Lease:
+        """Like lookup, and pin the counted pages for lease_ms (release_lease to end)."""
+        if lease_ms <= 0:
+            raise ValueError("lease_ms must be positive")
+        resp = self._lookup_call(ns, keys, lease_ms)
+        return Lease(resp.lease_id, resp.count)
+
+    def _lookup_call(self, ns, keys, lease_ms: int) -> pb.LookupResponse:
+        handles = [ns] if isinstance(ns, LayoutHandle) else list(ns)
+        req = pb.LookupRequest(layout_ids=[h.layout_id for h in handles],
+                               keys=self._packed(keys), lease_ms=lease_ms)
+
+        def call():
+            # Rebuilt per attempt: a re-registration does not change ids, but keep it cheap.
+            return self._lookup(req, timeout=self.timeout)
+
+        return self._call("Lookup", call, handles[0])
+
+    def release_lease(self, lease: Lease | int) -> bool:
+        lease_id = lease.lease_id if isinstance(lease, Lease) else lease
+        if not lease_id:
+            return False
+        resp = self._call("ReleaseLease", lambda: self._release(
+            pb.ReleaseLeaseRequest(lease_id=lease_id), timeout=self.timeout))
+        return resp.released
+
+    def exists(self, ns: LayoutHandle, keys: Sequence[bytes]) -> list[bool]:
+        req = pb.ExistsRequest(layout_id=ns.layout_id, keys=self._packed(keys))
+        resp = self._call("Exists", lambda: self._exists(req, timeout=self.timeout), ns)
+        bits = np.unpackbits(np.frombuffer(resp.bitmap, dtype=np.uint8), bitorder="little")
+        return bits[: resp.count].astype(bool).tolist()
+
+    def delete(self, ns: LayoutHandle, keys: Sequence[bytes]) -> int:
+        req = pb.DeleteRequest(layout_id=ns.layout_id, keys=self._packed(keys))
+        return self._call("Delete", lambda: self._delete(req, timeout=self.timeout), ns).deleted
+
+    def get(self, ns: LayoutHandle, keys: Sequence[bytes]) -> np.ndarray:
+        """The pages of keys as a new (N, page_bytes) uint8 array; KeyError if one is missing."""
+        keys = list(keys)
+        out = np.empty((len(keys), ns.page_bytes), dtype=np.uint8)
+        self.get_into(ns, keys, out)
+        return out
+
+    def get_into(self, ns: LayoutHandle, keys: Sequence[bytes], out) -> None:
+        """Fill a caller's (N, page_bytes) buffer (numpy, torch CPU, pinned, bytearray)."""
+        keys = list(keys)
+        n, layers, lb = len(keys), ns.layout.num_layers, ns.layer_bytes
+        flat = as_uint8(out, n * ns.page_bytes, writable=True, what="out")
+        by_layer = flat.reshape(n, layers, lb)
+        self._stream(ns, keys, lambda layer: by_layer[:, layer, :])
+
+    def get_layers(self, ns: LayoutHandle, keys: Sequence[bytes]
+                   ) -> Iterator[tuple[int, np.ndarray]]:
+        """Yield (layer, slab) as each layer arrives; slab is a contiguous
+        (N, layer_bytes) array holding every page's bytes of that layer."""
+        keys = list(keys)
+        n, lb = len(keys), ns.layer_bytes
+        slabs: dict[int, np.ndarray] = {}
+        ready: list[int] = []
+
+        def dest(layer: int) -> np.ndarray:
+            slabs[layer] = np.empty((n, lb), dtype=np.uint8)
+            return slabs[layer]
+
+        req = pb.GetRequest(layout_id=ns.layout_id, keys=self._packed(keys))
+        writer = LayerMajorWriter(n, ns.layout.num_layers, lb, dest, ready.append)
+        if n == 0:
+            return
+        try:
+            for payload in self._get(req, timeout=self._timeout_for(n * ns.page_bytes)):
+                writer.write(payload)
+                while ready:
+                    layer = ready.pop(0)
+                    yield layer, slabs.pop(layer)
+        except grpc.RpcError as exc:
+            self._raise_get(exc)
+        if not writer.done:
+            raise KVStoreError(grpc.StatusCode.DATA_LOSS,
+                               f"Get ended after {writer.pos} of {writer.total} bytes", "Get")
+
+    def _stream(self, ns: LayoutHandle, keys: list[bytes],
+                dest: Callable[[int], np.ndarray]) -> None:
+        n = len(keys)
+        if n == 0:
+            return
+        req = pb.GetRequest(layout_id=ns.layout_id, keys=self._packed(keys))
+
+        def call():
+            writer = LayerMajorWriter(n, ns.layout.num_layers, ns.layer_bytes, dest)
+            for payload in self._get(req, timeout=self._timeout_for(n * ns.page_bytes)):
+                writer.write(payload)
+            if not writer.done:
+                raise KVStoreError(grpc.StatusCode.DATA_LOSS,
+                                   f"Get ended after {writer.pos} of {writer.total} bytes", "Get")
+
+        try:
+            self._call("Get", call, ns)
+        except KVStoreError as exc:
+            if exc.code == grpc.StatusCode.NOT_FOUND:
+                raise KeyError(exc.message) from None
+            raise
+
+    @staticmethod
+    def _raise_get(exc: grpc.RpcError):
+        err = from_rpc_error(exc, "Get")
+        if err.code == grpc.StatusCode.NOT_FOUND:
+            raise KeyError(err.message) from None
+        raise err from None
+
+    # -- admin ----------------------------------------------------------------------
+    def stats(self) -> apb.StatsResponse:
+        return self._call("Stats", lambda: self._stats(apb.StatsRequest(), timeout=self.timeout))
+
+    def list_layouts(self) -> list[apb.LayoutStats]:
+        return list(self._call("ListLayouts", lambda: self._list(
+            apb.ListLayoutsRequest(), timeout=self.timeout)).layouts)
+
+    def evict(self, *, layout_id: bytes | None = None, nbytes: int | None = None,
+              everything: bool = False) -> apb.EvictResponse:
+        if sum(x is not None and x is not False for x in (layout_id, nbytes, everything)) != 1:
+            raise ValueError("evict needs exactly one of layout_id, nbytes, everything")
+        if layout_id is not None:
+            req = apb.EvictRequest(layout_id=layout_id)
+        elif nbytes is not None:
+            req = apb.EvictRequest(bytes=nbytes)
+        else:
+            req = apb.EvictRequest(all=True)
+        return self._call("Evict", lambda: self._evict(req, timeout=self.timeout), retry=False)
+
+    def clear(self) -> apb.ClearResponse:
+        return self._call("Clear", lambda: self._clear(apb.ClearRequest(), timeout=self.timeout),
+                          retry=False)
+
+    def inspect(self, layout_id: bytes, key: bytes) -> apb.InspectResponse:
+        return self._call("Inspect", lambda: self._inspect(
+            apb.InspectRequest(layout_id=layout_id, key=key), timeout=self.timeout))
+
+
+def layout_of(stats: apb.LayoutStats) -> PageLayout:
+    """The PageLayout of a ListLayouts/Stats entry."""
+    return layout_from_proto(stats.layout)

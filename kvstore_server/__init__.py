@@ -1,0 +1,3 @@
+"""kvstore-server: the KV page store daemon."""
+
+__version__ = "0.1.0"

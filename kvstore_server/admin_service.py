@@ -1,0 +1,87 @@
+"""The Admin gRPC service: stats, eviction, clearing, listing layouts, inspecting a key."""
+
+from __future__ import annotations
+
+import functools
+
+import grpc
+
+from kvstore_client._proto.kvstore.v1 import admin_pb2 as apb
+from kvstore_client.convert import layout_to_proto
+
+from . import __version__
+from .service import _Invalid, guarded
+from .store import Store
+from .metrics import Metrics
+
+__all__ = ["AdminService", "add_admin_service"]
+
+
+def _layout_stats(entry: dict) -> apb.LayoutStats:
+    info = entry["info"]
+    return apb.LayoutStats(
+        layout_id=info.layout_id, layout=layout_to_proto(info.layout),
+        page_bytes=info.page_bytes, pages=entry["pages"], used_bytes=entry["used_bytes"],
+        hits=entry["hits"], misses=entry["misses"], evictions=entry["evictions"],
+        bytes_in=entry["bytes_in"], bytes_out=entry["bytes_out"])
+
+
+class AdminService:
+    def __init__(self, store: Store, metrics: Metrics) -> None:
+        self.store = store
+        self.metrics = metrics
+
+    def Stats(self, request, context):
+        s = self.store.stats()
+        dram = apb.TierStats(
+            name="dram", capacity_bytes=s["capacity_bytes"], used_bytes=s["used_bytes"],
+            pages=s["pages"], hits=s["hits"], misses=s["misses"], evictions=s["evictions"],
+            bytes_in=s["bytes_in"], bytes_out=s["bytes_out"])
+        return apb.StatsResponse(
+            tiers=[dram], layouts=[_layout_stats(e) for e in s["layouts"]],
+            leases=s["leases"], leased_pages=s["leased_pages"],
+            uptime_seconds=s["uptime_seconds"], version=__version__)
+
+    def Evict(self, request, context):
+        target = request.WhichOneof("target")
+        if target == "layout_id":
+            pages, nbytes, leased = self.store.evict(layout_id=request.layout_id)
+        elif target == "bytes":
+            pages, nbytes, leased = self.store.evict(nbytes=request.bytes)
+        elif target == "all" and request.all:
+            pages, nbytes, leased = self.store.evict(everything=True)
+        else:
+            raise _Invalid("Evict needs a target: layout_id, bytes or all=true")
+        return apb.EvictResponse(pages=pages, bytes=nbytes, skipped_leased=leased)
+
+    def Clear(self, request, context):
+        pages, layouts = self.store.clear()
+        return apb.ClearResponse(pages=pages, layouts=layouts)
+
+    def ListLayouts(self, request, context):
+        return apb.ListLayoutsResponse(
+            layouts=[_layout_stats(e) for e in self.store.stats()["layouts"]])
+
+    def Inspect(self, request, context):
+        if not request.key:
+            raise _Invalid("Inspect needs a key")
+        return apb.InspectResponse(**self.store.inspect(request.layout_id, request.key))
+
+
+def add_admin_service(server: grpc.Server, service: AdminService) -> None:
+    names = {
+        "Stats": (apb.StatsRequest, apb.StatsResponse),
+        "Evict": (apb.EvictRequest, apb.EvictResponse),
+        "Clear": (apb.ClearRequest, apb.ClearResponse),
+        "ListLayouts": (apb.ListLayoutsRequest, apb.ListLayoutsResponse),
+        "Inspect": (apb.InspectRequest, apb.InspectResponse),
+    }
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            functools.partial(guarded("Admin." + name, service.metrics)(getattr(AdminService, name)),
+                              service),
+            request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
+        for name, (req, resp) in names.items()
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("kvstore.v1.Admin", handlers),))

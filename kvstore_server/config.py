@@ -1,0 +1,126 @@
+"""Server configuration: a TOML file, then KVSTORE_* environment variables, then flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+from .units import parse_duration, parse_size
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on 3.10
+    import tomli as tomllib
+
+__all__ = ["ServerConfig", "load_config", "ConfigError"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is malformed; the message names the source and the key."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything the daemon needs to start. Defaults suit one engine host."""
+
+    listen: str = "127.0.0.1:50051"
+    dram: int = 1 << 30             # bytes of the shared-memory page pool
+    disk: int = 0                   # bytes of the disk tier; 0 = no disk tier
+    disk_dir: str = ""              # where the disk tier keeps its slot files
+    metrics_port: int = 0           # Prometheus /metrics on 127.0.0.1:port; 0 = off
+    lease_ttl: float = 30.0         # seconds a lease or reservation lives unless released
+    high_watermark: float = 0.95    # background eviction starts above this share of the pool
+    low_watermark: float = 0.85     # ... and stops below this one
+    shm_dir: str = "/dev/shm"       # where the pool's backing file lives (tmpfs or hugetlbfs)
+    workers: int = 16               # gRPC handler threads
+    log_level: str = "INFO"
+
+
+# How each key is parsed, shared by the file, the environment and the flags.
+_PARSERS = {
+    "listen": str,
+    "dram": parse_size,
+    "disk": parse_size,
+    "disk_dir": str,
+    "metrics_port": int,
+    "lease_ttl": parse_duration,
+    "high_watermark": float,
+    "low_watermark": float,
+    "shm_dir": str,
+    "workers": int,
+    "log_level": str,
+}
+
+
+def _parse(source: str, key: str, value: object) -> object:
+    if key not in _PARSERS:
+        raise ConfigError(f"{source}: unknown setting {key!r} (known: {', '.join(sorted(_PARSERS))})")
+    try:
+        return _PARSERS[key](value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{source}: bad value for {key!r}: {exc}") from None
+
+
+def argument_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvstore-server",
+        description="KV-cache page store: DRAM pool with disk spill, served over gRPC.")
+    p.add_argument("--config", metavar="FILE", help="TOML file with any of the settings below")
+    p.add_argument("--listen", metavar="HOST:PORT", help="gRPC address (default 127.0.0.1:50051)")
+    p.add_argument("--dram", metavar="SIZE", help="page pool size, e.g. 4GiB (default 1GiB)")
+    p.add_argument("--disk", metavar="SIZE", help="disk tier size; 0 = no disk tier (default 0)")
+    p.add_argument("--disk-dir", metavar="PATH", help="folder for the disk tier's slot files")
+    p.add_argument("--metrics-port", metavar="N", help="Prometheus port on 127.0.0.1; 0 = off")
+    p.add_argument("--lease-ttl", metavar="DURATION", help="lease lifetime, e.g. 30s (default 30s)")
+    p.add_argument("--high-watermark", metavar="F", help="evict above this pool share (0.95)")
+    p.add_argument("--low-watermark", metavar="F", help="evict down to this pool share (0.85)")
+    p.add_argument("--shm-dir", metavar="PATH", help="tmpfs or hugetlbfs folder for the pool")
+    p.add_argument("--workers", metavar="N", help="gRPC handler threads (default 16)")
+    p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING (default INFO)")
+    return p
+
+
+def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> ServerConfig:
+    """Build the config; later sources override earlier ones: file < environment < flags."""
+    args = argument_parser().parse_args(argv)
+    environ = os.environ if environ is None else environ
+    values: dict[str, object] = {}
+    config_file = args.config or environ.get("KVSTORE_CONFIG")
+    if config_file:
+        try:
+            with open(config_file, "rb") as f:
+                table = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {config_file}: {exc}") from None
+        for key, value in table.items():
+            values[key.replace("-", "_")] = _parse(config_file, key.replace("-", "_"), value)
+    for key in _PARSERS:
+        env_name = "KVSTORE_" + key.upper()
+        if env_name in environ:
+            values[key] = _parse(env_name, key, environ[env_name])
+    for key in _PARSERS:
+        flag_value = getattr(args, key, None)
+        if flag_value is not None:
+            values[key] = _parse("--" + key.replace("_", "-"), key, flag_value)
+    config = ServerConfig(**values)
+    _check(config)
+    return config
+
+
+def _check(c: ServerConfig) -> None:
+    if c.dram < (16 << 20):
+        raise ConfigError(f"dram must be at least 16MiB, got {c.dram} bytes")
+    if not 0 < c.low_watermark < c.high_watermark <= 1:
+        raise ConfigError("watermarks must satisfy 0 < low < high <= 1, got "
+                          f"low={c.low_watermark} high={c.high_watermark}")
+    if c.lease_ttl <= 0:
+        raise ConfigError("lease_ttl must be positive")
+    if c.disk and not c.disk_dir:
+        raise ConfigError("disk tier needs disk_dir (--disk-dir) when disk > 0")
+    if c.workers < 1:
+        raise ConfigError("workers must be >= 1")
+    host, sep, port = c.listen.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"listen must be HOST:PORT, got {c.listen!r}")

@@ -1,0 +1,154 @@
+"""kvstore-server: start the store, serve it over gRPC, stop cleanly on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvstore_client._proto.kvstore.v1 import admin_pb2, kvstore_pb2
+from kvstore_client.wire import CHANNEL_OPTIONS
+
+from . import __version__
+from .admin_service import AdminService, add_admin_service
+from .config import ConfigError, ServerConfig, load_config
+from .metrics import Metrics
+from .region import Region
+from .service import KVStoreService, add_kvstore_service
+from .store import Store
+from .units import format_size
+
+__all__ = ["Server", "main"]
+
+log = logging.getLogger("kvstore_server")
+
+SERVICES = ("kvstore.v1.KVStore", "kvstore.v1.Admin")
+
+
+class Server:
+    """The daemon's parts wired together; `start()`, then `stop()`."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.region = Region(config.dram // 4096 * 4096, config.shm_dir)
+        self.region.prefault()
+        self.region.lock()
+        self.store = Store(self.region, lease_ttl=config.lease_ttl,
+                           high_watermark=config.high_watermark,
+                           low_watermark=config.low_watermark)
+        self.metrics = Metrics()
+        self.metrics.watch_store(self.store.stats)
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.grpc = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="rpc"),
+            options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
+        add_kvstore_service(self.grpc, KVStoreService(self.store, self.metrics))
+        add_admin_service(self.grpc, AdminService(self.store, self.metrics))
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        reflection.enable_server_reflection(
+            (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME,
+             kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name,
+             admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name), self.grpc)
+        self.port = self.grpc.add_insecure_port(config.listen)
+        if self.port == 0:
+            raise ConfigError(f"cannot listen on {config.listen} (in use or not allowed)")
+
+    def start(self) -> None:
+        self.grpc.start()
+        for name in ("", *SERVICES):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        for target, name in ((self._evictor, "evictor"), (self._reaper, "lease-reaper")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        if self.config.metrics_port:
+            self.metrics.serve(self.config.metrics_port)
+        host = self.config.listen.rpartition(":")[0]
+        log.info("kvstore-server %s listening on %s:%d; pool %s in %s%s; lease ttl %.3gs",
+                 __version__, host, self.port, format_size(self.store.pool.capacity_bytes),
+                 self.region.path, "" if self.region.locked else " (not locked)",
+                 self.config.lease_ttl)
+        if self.config.metrics_port:
+            log.info("metrics on http://127.0.0.1:%d/metrics", self.config.metrics_port)
+        if self.config.disk:
+            log.warning("--disk is set but this build has no disk tier yet; pages evicted "
+                        "from DRAM are dropped")
+
+    def _evictor(self) -> None:
+        # Background eviction keeps usage under the high watermark so puts rarely have to
+        # evict on the request path; it wakes when a reservation crosses the watermark.
+        while not self._stopping.is_set():
+            self.store.pressure.wait(0.1)
+            if self._stopping.is_set():
+                return
+            try:
+                evicted = self.store.evict_to_watermark()
+                if evicted:
+                    log.debug("evicted %d pages to the low watermark", evicted)
+            except Exception:  # noqa: BLE001 - keep evicting whatever happened
+                log.exception("background eviction failed")
+
+    def _reaper(self) -> None:
+        period = min(0.1, self.config.lease_ttl / 10)
+        while not self._stopping.wait(period):
+            try:
+                self.store.expire_leases()
+            except Exception:  # noqa: BLE001
+                log.exception("lease expiry failed")
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Refuse new calls, let running ones finish for `grace` seconds, free the pool."""
+        if self._stopping.is_set():
+            return
+        log.info("stopping: draining calls for up to %.0fs", grace)
+        for name in ("", *SERVICES):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._stopping.set()
+        self.store.pressure.set()
+        self.grpc.stop(grace).wait()
+        self.metrics.stop()
+        for thread in self._threads:
+            thread.join(timeout=2)
+        self.region.close()
+        log.info("stopped")
+
+    def wait(self) -> None:
+        self.grpc.wait_for_termination()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = load_config(argv)
+    except ConfigError as exc:
+        print(f"kvstore-server: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        server = Server(config)
+    except (ConfigError, OSError, ValueError) as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    server.start()
+
+    def on_signal(signum, _frame):
+        log.info("received %s", signal.Signals(signum).name)
+        threading.Thread(target=server.stop, name="stopper").start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server.wait()
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

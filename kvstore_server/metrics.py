@@ -1,0 +1,83 @@
+"""Prometheus metrics: RPC latency histograms, plus the store's counters read at scrape time.
+
+The store keeps plain integer counters; a custom collector turns them into `kvstore_*`
+metrics only when Prometheus scrapes, so the request path pays nothing for metrics
+beyond one histogram observation per RPC. Metrics live in a registry of our own (no
+global state), served on 127.0.0.1:`--metrics-port`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+__all__ = ["Metrics"]
+
+
+class _StoreCollector:
+    def __init__(self, stats: Callable[[], dict], extra: Callable[[], dict]) -> None:
+        self._stats = stats
+        self._extra = extra
+
+    def collect(self):
+        s = self._stats()
+        tier = "dram"
+        yield _gauge("kvstore_capacity_bytes", "Capacity of each tier", tier, s["capacity_bytes"])
+        yield _gauge("kvstore_used_bytes", "Bytes of slots in use per tier", tier, s["used_bytes"])
+        yield _gauge("kvstore_pages", "Pages stored per tier", tier, s["pages"])
+        yield _gauge("kvstore_leases", "Live leases", None, s["leases"])
+        yield _gauge("kvstore_leased_pages", "Pages pinned by a lease", None, s["leased_pages"])
+        yield _counter("kvstore_hits", "Pages found by lookups and gets", tier, s["hits"])
+        yield _counter("kvstore_misses", "Pages asked for and not found", tier, s["misses"])
+        yield _counter("kvstore_evictions", "Pages evicted", tier, s["evictions"])
+        yield _counter("kvstore_bytes_in", "Page bytes stored", tier, s["bytes_in"])
+        yield _counter("kvstore_bytes_out", "Page bytes served", tier, s["bytes_out"])
+        for name, (kind, doc, value) in self._extra().items():
+            yield (_gauge if kind == "gauge" else _counter)(name, doc, None, value)
+
+
+def _gauge(name, doc, tier, value):
+    g = GaugeMetricFamily(name, doc, labels=["tier"] if tier else [])
+    g.add_metric([tier] if tier else [], value)
+    return g
+
+
+def _counter(name, doc, tier, value):
+    c = CounterMetricFamily(name, doc, labels=["tier"] if tier else [])
+    c.add_metric([tier] if tier else [], value)
+    return c
+
+
+class Metrics:
+    """Per-RPC latency and outcome; store gauges and counters at scrape time."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._latency = Histogram(
+            "kvstore_rpc_duration_seconds", "RPC handling time", ["method"],
+            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
+                     0.5, 1, 2.5, 5, 10),
+            registry=self.registry)
+        self._calls = Counter("kvstore_rpc", "RPCs handled, by method and status code",
+                              ["method", "code"], registry=self.registry)
+        self._server = None
+
+    def observe(self, method: str, seconds: float, code: grpc.StatusCode) -> None:
+        self._latency.labels(method).observe(seconds)
+        self._calls.labels(method, code.name).inc()
+
+    def watch_store(self, stats: Callable[[], dict],
+                    extra: Callable[[], dict] = lambda: {}) -> None:
+        self.registry.register(_StoreCollector(stats, extra))
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
+        """Serve /metrics over HTTP (a daemon thread)."""
+        self._server, _ = start_http_server(port, addr=addr, registry=self.registry)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None

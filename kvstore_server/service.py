@@ -1,0 +1,253 @@
+"""The KVStore gRPC service: decodes requests, calls the store, maps outcomes to codes.
+
+This is the one place where storage outcomes become gRPC status codes:
+
+    Outcome.INVALID   -> INVALID_ARGUMENT      Outcome.EXHAUSTED -> RESOURCE_EXHAUSTED
+    Outcome.NOT_FOUND -> NOT_FOUND             Outcome.EXPIRED   -> FAILED_PRECONDITION
+
+Bulk bytes bypass protobuf objects (see kvstore_client.wire): Put's data messages are
+read as memoryviews of the received buffer and Get's chunks are framed straight from
+the pool, one copy each way.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import time
+from typing import Callable
+
+import grpc
+import numpy as np
+
+from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore_client.convert import layout_from_proto
+from kvstore_client.keys import KeyError_, unpack_keys
+from kvstore_client.wire import GET_DATA_TAG, PUT_DATA_TAG, frame, unframe
+
+from .errors import Outcome, StoreError
+from .metrics import Metrics
+from .store import FOREVER, Store
+
+__all__ = ["KVStoreService", "add_kvstore_service", "guarded", "CODES"]
+
+log = logging.getLogger(__name__)
+
+CODES = {
+    Outcome.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    Outcome.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Outcome.EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Outcome.EXPIRED: grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+# About 1 MiB per streamed message: large enough that per-message overhead is small,
+# small enough that the first layer reaches the client early (DESIGN.md).
+CHUNK_BYTES = 1 << 20
+
+
+class _Invalid(Exception):
+    """A request that is malformed in a way the store never sees (e.g. stream shape)."""
+
+
+def guarded(method: str, metrics: Metrics) -> Callable:
+    """Map exceptions to gRPC statuses, time the call, never let a request kill us."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def unary(self, request, context):
+            start = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                return fn(self, request, context)
+            except StoreError as exc:
+                code = CODES[exc.outcome]
+                context.abort(code, exc.message)
+            except (KeyError_, _Invalid, ValueError) as exc:
+                code = grpc.StatusCode.INVALID_ARGUMENT
+                context.abort(code, str(exc))
+            except Exception:  # noqa: BLE001 - the server must survive any request
+                if context.code() is not None:   # context.abort already ran
+                    code = context.code()
+                    raise
+                code = grpc.StatusCode.INTERNAL
+                log.exception("%s failed", method)
+                context.abort(code, f"internal error in {method}; see the server log")
+            finally:
+                metrics.observe(method, time.perf_counter() - start, code)
+
+        @functools.wraps(fn)
+        def streaming(self, request, context):
+            start = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                yield from fn(self, request, context)
+            except StoreError as exc:
+                code = CODES[exc.outcome]
+                context.abort(code, exc.message)
+            except (KeyError_, _Invalid, ValueError) as exc:
+                code = grpc.StatusCode.INVALID_ARGUMENT
+                context.abort(code, str(exc))
+            except GeneratorExit:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception:  # noqa: BLE001
+                if context.code() is not None:
+                    code = context.code()
+                    raise
+                code = grpc.StatusCode.INTERNAL
+                log.exception("%s failed", method)
+                context.abort(code, f"internal error in {method}; see the server log")
+            finally:
+                metrics.observe(method, time.perf_counter() - start, code)
+
+        return streaming if inspect.isgeneratorfunction(fn) else unary
+
+    return wrap
+
+
+def _keys(packed: pb.PackedKeys) -> list[bytes]:
+    if not packed.data:
+        return []
+    return unpack_keys(packed.data, packed.key_size)
+
+
+def _put_deserializer(message: bytes):
+    """A PutRequest: its data payload as a memoryview (fast path) or a parsed message."""
+    payload = unframe(message, PUT_DATA_TAG)
+    return payload if payload is not None else pb.PutRequest.FromString(message)
+
+
+class KVStoreService:
+    """The KVStore RPCs over one Store."""
+
+    def __init__(self, store: Store, metrics: Metrics) -> None:
+        self.store = store
+        self.metrics = metrics
+        self._mem = memoryview(store.mem)
+
+    def RegisterLayout(self, request, context):
+        if not request.HasField("layout"):
+            raise _Invalid("RegisterLayout needs a layout")
+        info = self.store.register_layout(layout_from_proto(request.layout))
+        return pb.RegisterLayoutResponse(layout_id=info.layout_id, page_bytes=info.page_bytes,
+                                         layer_bytes=info.layer_bytes)
+
+    def Lookup(self, request, context):
+        keys = _keys(request.keys)
+        count, lease_id = self.store.lookup(list(request.layout_ids), keys,
+                                            request.lease_ms / 1000.0)
+        return pb.LookupResponse(count=count, lease_id=lease_id)
+
+    def ReleaseLease(self, request, context):
+        return pb.ReleaseLeaseResponse(released=self.store.release(request.lease_id))
+
+    def Exists(self, request, context):
+        present = self.store.exists(request.layout_id, _keys(request.keys))
+        return pb.ExistsResponse(bitmap=np.packbits(present, bitorder="little").tobytes(),
+                                 count=len(present))
+
+    def Delete(self, request, context):
+        return pb.DeleteResponse(deleted=self.store.delete(request.layout_id,
+                                                           _keys(request.keys)))
+
+    def Put(self, request_iterator, context):
+        first = next(request_iterator, None)
+        if first is None or isinstance(first, memoryview) or not first.HasField("header"):
+            raise _Invalid("Put must start with a header message (layout_id and keys)")
+        header = first.header
+        keys = _keys(header.keys)
+        info = self.store.info(header.layout_id)
+        page_bytes = info.page_bytes
+        expected = len(keys) * page_bytes
+        reservation = self.store.reserve(header.layout_id, keys, ttl=FOREVER)
+        offsets = reservation.offsets.tolist()
+        mem = self.store.mem
+        committed = False
+        pos = 0
+        try:
+            for message in request_iterator:
+                if isinstance(message, memoryview):
+                    data = message
+                elif message.WhichOneof("part") == "data":
+                    data = memoryview(message.data)
+                else:
+                    raise _Invalid("Put sent a second header; one Put stores one batch")
+                if pos + len(data) > expected:
+                    raise _Invalid(f"Put sent more than {expected} bytes "
+                                   f"({len(keys)} pages of {page_bytes} bytes)")
+                src = np.frombuffer(data, dtype=np.uint8)
+                while src.size:
+                    page, within = divmod(pos, page_bytes)
+                    take = min(page_bytes - within, src.size)
+                    off = offsets[page]
+                    if off >= 0:
+                        mem[off + within: off + within + take] = src[:take]
+                    src = src[take:]
+                    pos += take
+            if pos != expected:
+                raise _Invalid(f"Put sent {pos} bytes, expected {expected} "
+                               f"({len(keys)} pages of {page_bytes} bytes)")
+            stored = self.store.commit(reservation.lease_id)
+            committed = True
+            return pb.PutResponse(stored=stored, skipped=reservation.skipped)
+        finally:
+            if not committed:
+                self.store.abort(reservation.lease_id)
+
+    def Get(self, request, context):
+        keys = _keys(request.keys)
+        pinned = self.store.acquire(request.layout_id, keys, ttl=FOREVER)
+        try:
+            info = pinned.info
+            layer_bytes = info.layer_bytes
+            offsets = pinned.offsets.tolist()
+            mem = self._mem
+            for layer in range(info.layout.num_layers):
+                parts: list[memoryview] = []
+                size = 0
+                for off in offsets:
+                    start = off + layer * layer_bytes
+                    done = 0
+                    while done < layer_bytes:
+                        take = min(layer_bytes - done, CHUNK_BYTES - size)
+                        parts.append(mem[start + done: start + done + take])
+                        size += take
+                        done += take
+                        if size >= CHUNK_BYTES:
+                            yield frame(GET_DATA_TAG, parts)
+                            parts, size = [], 0
+                # End each layer on a message boundary so a reader can hand layer l
+                # to the GPU as soon as its last message arrives.
+                if parts:
+                    yield frame(GET_DATA_TAG, parts)
+        finally:
+            self.store.release(pinned.lease_id)
+
+
+def add_kvstore_service(server: grpc.Server, service: KVStoreService) -> None:
+    m = service.metrics
+    unary = grpc.unary_unary_rpc_method_handler
+
+    def u(name, req, resp):
+        fn = guarded(name, m)(getattr(KVStoreService, name))
+        return unary(functools.partial(fn, service), request_deserializer=req.FromString,
+                     response_serializer=resp.SerializeToString)
+
+    handlers = {
+        "RegisterLayout": u("RegisterLayout", pb.RegisterLayoutRequest, pb.RegisterLayoutResponse),
+        "Lookup": u("Lookup", pb.LookupRequest, pb.LookupResponse),
+        "ReleaseLease": u("ReleaseLease", pb.ReleaseLeaseRequest, pb.ReleaseLeaseResponse),
+        "Exists": u("Exists", pb.ExistsRequest, pb.ExistsResponse),
+        "Delete": u("Delete", pb.DeleteRequest, pb.DeleteResponse),
+        "Put": grpc.stream_unary_rpc_method_handler(
+            functools.partial(guarded("Put", m)(KVStoreService.Put), service),
+            request_deserializer=_put_deserializer,
+            response_serializer=pb.PutResponse.SerializeToString),
+        "Get": grpc.unary_stream_rpc_method_handler(
+            functools.partial(guarded("Get", m)(KVStoreService.Get), service),
+            request_deserializer=pb.GetRequest.FromString,
+            response_serializer=lambda chunk: chunk),   # already framed
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("kvstore.v1.KVStore", handlers),))

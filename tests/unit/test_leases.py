@@ -1,0 +1,26 @@
+import numpy as np
+
+from kvstore_server.leases import LeaseKind, LeaseTable
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_expiry_in_order_and_pop():
+    clock = Clock()
+    table = LeaseTable(clock)
+    a = table.grant(LeaseKind.READ, np.array([1]), ttl=1.0)
+    b = table.grant(LeaseKind.RESERVE, np.array([2]), ttl=5.0, layout=0, keys=[b"k"])
+    assert a.lease_id != b.lease_id and len(table) == 2
+    assert table.expired() == []
+    clock.now += 2
+    assert [lease.lease_id for lease in table.expired()] == [a.lease_id]
+    assert table.pop(a.lease_id) is None
+    assert table.pop(b.lease_id) is b
+    clock.now += 10
+    assert table.expired() == []          # popped leases never expire again

@@ -1,0 +1,214 @@
+"""The storage engine in-process: states, leases, eviction order. The RPC layer is
+tested against a real server process in tests/integration."""
+
+import numpy as np
+import pytest
+
+from kvstore_client.layout import PageLayout
+from kvstore_server.errors import Outcome, StoreError
+from kvstore_server.region import Region
+from kvstore_server.store import Store
+
+MiB = 1 << 20
+# 256 KiB pages: 4 layers of 64 KiB
+LAYOUT = PageLayout(model="t", num_layers=4, page_tokens=16, num_kv_heads=8, head_size=128)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def store():
+    region = Region(16 * MiB)
+    clock = Clock()
+    s = Store(region, lease_ttl=5.0, clock=clock)
+    s.test_clock = clock
+    yield s
+    region.close()
+
+
+def keys(prefix, n):
+    return [f"{prefix}-{i}".encode().ljust(16, b"_") for i in range(n)]
+
+
+def put(store, info, ks, fill=None):
+    res = store.reserve(info.layout_id, ks)
+    for i, off in enumerate(res.offsets.tolist()):
+        if off >= 0:
+            store.mem[off:off + info.page_bytes] = (fill if fill is not None else i) % 256
+    return store.commit(res.lease_id)
+
+
+def test_writing_pages_are_invisible_until_commit(store):
+    info = store.register_layout(LAYOUT)
+    ks = keys("a", 3)
+    res = store.reserve(info.layout_id, ks)
+    assert store.lookup([info.layout_id], ks) == (0, 0)
+    assert not store.exists(info.layout_id, ks).any()
+    store.commit(res.lease_id)
+    assert store.lookup([info.layout_id], ks)[0] == 3
+
+
+def test_abort_and_expiry_free_reservations(store):
+    info = store.register_layout(LAYOUT)
+    res = store.reserve(info.layout_id, keys("a", 4))
+    store.abort(res.lease_id)
+    assert store.pool.used_bytes == 0
+    res = store.reserve(info.layout_id, keys("b", 4))
+    store.test_clock.now += 6
+    assert store.expire_leases() == 1
+    assert store.pool.used_bytes == 0 and store.lookup([info.layout_id], keys("b", 4))[0] == 0
+    with pytest.raises(StoreError) as err:
+        store.commit(res.lease_id)
+    assert err.value.outcome is Outcome.EXPIRED
+
+
+def test_present_keys_are_skipped_not_stored_twice(store):
+    info = store.register_layout(LAYOUT)
+    put(store, info, keys("a", 2))
+    used = store.pool.used_bytes
+    res = store.reserve(info.layout_id, keys("a", 3) + keys("a", 1))
+    assert res.slots.tolist()[:2] == [-1, -1] and res.slots[2] >= 0 and res.slots[3] == -1
+    assert res.skipped == 3
+    store.commit(res.lease_id)
+    assert store.pool.used_bytes == used + store.pool.slot_bytes(info.cls)
+
+
+def test_lookup_counts_leading_keys_only(store):
+    info = store.register_layout(LAYOUT)
+    ks = keys("p", 6)
+    put(store, info, ks[:2] + ks[3:])          # a hole at 2
+    assert store.lookup([info.layout_id], ks)[0] == 2
+    assert store.exists(info.layout_id, ks).tolist() == [True, True, False, True, True, True]
+
+
+def test_lookup_over_several_layouts_is_the_minimum(store):
+    a = store.register_layout(LAYOUT)
+    b = store.register_layout(PageLayout(**{**_fields(LAYOUT), "tp_rank": 1, "tp_size": 2}))
+    ks = keys("k", 5)
+    put(store, a, ks)
+    put(store, b, ks[:3])
+    assert store.lookup([a.layout_id, b.layout_id], ks)[0] == 3
+
+
+def _fields(layout):
+    import dataclasses
+    return {f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)}
+
+
+def test_eviction_takes_tails_before_heads(store):
+    info = store.register_layout(LAYOUT)
+    capacity = store.pool.capacity_bytes // store.pool.slot_bytes(info.cls)
+    prefixes = [keys(f"r{r}", 8) for r in range(capacity // 8 + 4)]
+    for i, ks in enumerate(prefixes):
+        put(store, info, ks)
+        # re-touch older prefixes as lookups would
+        for older in prefixes[: i + 1][::3]:
+            store.lookup([info.layout_id], older)
+    for ks in prefixes:
+        present = store.exists(info.layout_id, ks).tolist()
+        n = sum(present)
+        assert present == [True] * n + [False] * (8 - n), f"hole in {present}"
+    assert store.evictions > 0
+
+
+def test_leased_pages_are_never_evicted(store):
+    info = store.register_layout(LAYOUT)
+    held = keys("held", 4)
+    put(store, info, held)
+    count, lease = store.lookup([info.layout_id], held, lease_ttl=10)
+    assert count == 4 and lease
+    capacity = store.pool.capacity_bytes // store.pool.slot_bytes(info.cls)
+    for r in range(3):
+        put(store, info, keys(f"fill{r}", capacity - 4))
+    assert store.exists(info.layout_id, held).all()
+    assert store.release(lease)
+    put(store, info, keys("more", capacity - 4))
+    assert not store.exists(info.layout_id, held).all()
+
+
+def test_full_of_leased_pages_is_exhausted(store):
+    info = store.register_layout(LAYOUT)
+    capacity = store.pool.capacity_bytes // store.pool.slot_bytes(info.cls)
+    ks = keys("x", capacity)
+    put(store, info, ks)
+    store.acquire(info.layout_id, ks)
+    with pytest.raises(StoreError) as err:
+        store.reserve(info.layout_id, keys("y", 1))
+    assert err.value.outcome is Outcome.EXHAUSTED
+
+
+def test_delete_of_a_leased_page_waits_for_release(store):
+    info = store.register_layout(LAYOUT)
+    ks = keys("d", 2)
+    put(store, info, ks, fill=7)
+    pinned = store.acquire(info.layout_id, ks)
+    assert store.delete(info.layout_id, ks) == 2
+    assert store.lookup([info.layout_id], ks)[0] == 0
+    used = store.pool.used_bytes
+    assert used > 0                              # still pinned: slots not reused
+    off = int(pinned.offsets[0])
+    assert (store.mem[off:off + info.page_bytes] == 7).all()
+    put(store, info, ks, fill=9)                 # a new put of the same keys gets new slots
+    assert store.release(pinned.lease_id)
+    assert store.pool.used_bytes == used         # old two freed, new two live
+    assert store.lookup([info.layout_id], ks)[0] == 2
+
+
+def test_acquire_missing_names_the_key(store):
+    info = store.register_layout(LAYOUT)
+    ks = keys("m", 3)
+    put(store, info, ks[:2])
+    with pytest.raises(StoreError) as err:
+        store.acquire(info.layout_id, ks)
+    assert err.value.outcome is Outcome.NOT_FOUND and "key 2 of 3" in err.value.message
+
+
+def test_unknown_layout_and_oversized_page(store):
+    with pytest.raises(StoreError) as err:
+        store.lookup([b"\x01" * 16], keys("a", 1))
+    assert err.value.outcome is Outcome.INVALID and "unknown layout" in err.value.message
+    huge = PageLayout(model="h", num_layers=64, page_tokens=256, num_kv_heads=8, head_size=128)
+    with pytest.raises(StoreError) as err:
+        store.register_layout(huge)
+    assert err.value.outcome is Outcome.INVALID
+
+
+def test_admin_evict_by_bytes_layout_and_all(store):
+    a = store.register_layout(LAYOUT)
+    b = store.register_layout(PageLayout(**{**_fields(LAYOUT), "model": "other"}))
+    put(store, a, keys("a", 10))
+    put(store, b, keys("b", 10))
+    slot = store.pool.slot_bytes(a.cls)
+    pages, freed, leased = store.evict(nbytes=3 * slot)
+    assert pages == 3 and freed == 3 * slot and leased == 0
+    pages, _, _ = store.evict(layout_id=b.layout_id)
+    assert store.exists(b.layout_id, keys("b", 10)).sum() == 0
+    store.acquire(a.layout_id, keys("a", 1))
+    pages, _, leased = store.evict(everything=True)
+    assert leased == 1 and store.stats()["pages"] == 1
+
+
+def test_watermark_eviction(store):
+    info = store.register_layout(LAYOUT)
+    capacity = store.pool.capacity_bytes // store.pool.slot_bytes(info.cls)
+    put(store, info, keys("w", capacity))
+    assert store.evict_to_watermark() > 0
+    assert store.pool.used_bytes <= store.low_watermark * store.pool.capacity_bytes
+
+
+def test_inspect_and_stats(store):
+    info = store.register_layout(LAYOUT)
+    put(store, info, keys("i", 2))
+    store.test_clock.now += 3
+    got = store.inspect(info.layout_id, keys("i", 1)[0])
+    assert got["state"] == "READY" and got["size_bytes"] == info.page_bytes
+    assert got["age_seconds"] == pytest.approx(3)
+    s = store.stats()
+    assert s["pages"] == 2 and s["layouts"][0]["pages"] == 2
+    np.testing.assert_equal(s["bytes_in"], 2 * info.page_bytes)
