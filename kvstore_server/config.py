@@ -7,7 +7,7 @@ import dataclasses
 import os
 import sys
 
-from .units import parse_duration, parse_size
+from kvstore_client.units import parse_duration, parse_size
 
 if sys.version_info >= (3, 11):
     import tomllib

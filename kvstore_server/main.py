@@ -22,7 +22,7 @@ from .metrics import Metrics
 from .region import Region
 from .service import KVStoreService, add_kvstore_service
 from .store import Store
-from .units import format_size
+from kvstore_client.units import format_size
 
 __all__ = ["Server", "main"]
 

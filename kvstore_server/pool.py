@@ -60,6 +60,7 @@ class Pool:
         self.capacity_bytes = self.n_slabs * slab_bytes
         self._slab_free = np.ones(self.n_slabs, dtype=bool)
         self._classes: list[_SizeClass] = []
+        self.class_bytes = np.zeros(0, dtype=np.int64)   # size class -> slot bytes
         self._class_by_size: dict[int, int] = {}
         self._extents: dict[int, _Extent] = {}       # extent id -> extent
         self._next_extent = 0
@@ -89,6 +90,7 @@ class Pool:
             k = best[1]
             self._class_by_size[slot] = len(self._classes)
             self._classes.append(_SizeClass(slot, k, k * self.slab_bytes // slot))
+            self.class_bytes = np.array([c.slot_bytes for c in self._classes], dtype=np.int64)
         return self._class_by_size[slot]
 
     def slot_bytes(self, cls: int) -> int:

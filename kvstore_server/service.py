@@ -174,7 +174,7 @@ class KVStoreService:
                 else:
                     raise _Invalid("Put sent a second header; one Put stores one batch")
                 if pos + len(data) > expected:
-                    raise _Invalid(f"Put sent more than {expected} bytes "
+                    raise _Invalid(f"Put sent more bytes than expected: {expected} "
                                    f"({len(keys)} pages of {page_bytes} bytes)")
                 src = np.frombuffer(data, dtype=np.uint8)
                 while src.size:

@@ -299,13 +299,11 @@ class Store:
             ok[ok] = self._state[slots[ok]] == READY
             if not ok.all():
                 first = int(np.argmin(ok))
-                info.misses += int(np.count_nonzero(~ok))
                 raise StoreError(Outcome.NOT_FOUND,
                                  f"key {first} of {len(keys)} ({keys[first].hex()}) is not "
                                  f"stored in layout {layout_id.hex()}")
             np.add.at(self._pins, slots, 1)     # add.at: a key may repeat
             self._touch(slots)
-            info.hits += len(keys)
             info.bytes_out += len(keys) * info.page_bytes
             lease = self._leases.grant(LeaseKind.READ, slots,
                                        self.lease_ttl if ttl is None else ttl)
@@ -405,7 +403,7 @@ class Store:
                 self._evict_sink(info, key, int(self.pool.offset[slot]))
             del info.keys[key]
             info.evictions += 1
-            freed += self.pool.slot_bytes(int(self.pool.cls[slot]))
+            freed += int(self.pool.class_bytes[self.pool.cls[slot]])
         self.evictions += len(slots)
         self._free(slots)
         return freed
@@ -437,6 +435,13 @@ class Store:
             missing -= len(more)
         return np.concatenate(parts)
 
+    def _enough(self, victims: np.ndarray, nbytes: int) -> int:
+        """How many of the victims (in order) free at least nbytes (0 for nbytes <= 0)."""
+        if nbytes <= 0:
+            return 0
+        sizes = self.pool.class_bytes[self.pool.cls[victims]]
+        return int(np.searchsorted(np.cumsum(sizes), nbytes)) + 1
+
     def evict_to_watermark(self, batch: int = 256) -> int:
         """Evict LRU pages until usage is under the low watermark; returns pages evicted.
         Runs in the evictor thread, a batch per lock hold, so requests interleave."""
@@ -451,6 +456,7 @@ class Store:
                 victims = self._policy.victims(batch, self._evictable())
                 if victims.size == 0:
                     return evicted
+                victims = victims[: self._enough(victims, self.pool.used_bytes - low)]
                 self._evict(victims)
                 evicted += len(victims)
 
@@ -466,10 +472,7 @@ class Store:
             eligible = live & (self._pins[:n] == 0)
             if nbytes is not None:
                 victims = self._policy.victims(int(np.count_nonzero(eligible)), eligible)
-                sizes = np.array([self.pool.slot_bytes(int(c)) for c in self.pool.cls[victims]],
-                                 dtype=np.int64)
-                upto = int(np.searchsorted(np.cumsum(sizes), nbytes)) + 1
-                victims = victims[:upto]
+                victims = victims[: self._enough(victims, nbytes)]
             else:
                 victims = np.flatnonzero(eligible)
             freed = self._evict(victims)

@@ -1,0 +1,287 @@
+"""kvstore-admin: look at and operate a running kvstore-server from a shell.
+
+    kvstore-admin [--server ADDR] [--timeout S] COMMAND
+        stats [--json] [--watch SECONDS]      tiers, layouts, leases, uptime
+        layouts [--json]                      registered layouts
+        evict (--layout ID | --bytes SIZE | --all)
+        clear [--yes]                         delete every page (asks first on a terminal)
+        inspect --layout ID KEYHEX            where one page is and how it is used
+        health                                grpc.health.v1 Check; exit 0 only when SERVING
+
+A layout ID may be any unique prefix of its hex id, as git accepts short hashes. Human
+output uses binary units (KiB, MiB); `--json` prints integers for bytes and hex for ids.
+`stats --watch --json` prints one object per line (JSON Lines). Exit status: 0 done,
+1 failed (server unreachable or refusing, not SERVING, clear declined), 2 bad usage.
+Every failure is one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tabulate import tabulate
+
+from .client import KVStoreClient
+from .errors import KVStoreError
+from .units import format_size, parse_size
+
+__all__ = ["main"]
+
+PROG = "kvstore-admin"
+DEFAULT_SERVER = "127.0.0.1:50051"
+
+class _Fail(Exception):
+    """A failure to report as one line on stderr (exit status 1)."""
+
+
+# -- parsing and formatting ---------------------------------------------------------
+def _positive(parse, what: str):
+    """An argparse type: parse(text), which must give a number above zero."""
+    def check(text: str):
+        try:
+            value = parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"{what} must be above zero, got {text!r}")
+        return value
+    return check
+
+
+def _layout_prefix(text: str) -> str:
+    text = text.lower().removeprefix("0x")
+    if not re.fullmatch(r"[0-9a-f]{1,32}", text):
+        raise argparse.ArgumentTypeError(f"a layout id is up to 32 hex digits, got {text!r}")
+    return text
+
+
+def _key(text: str) -> bytes:
+    text = text.lower().removeprefix("0x")
+    if not re.fullmatch(r"(?:[0-9a-f]{2}){1,64}", text):
+        raise argparse.ArgumentTypeError(f"a key is 1 to 64 bytes as hex digits, got {text!r}")
+    return bytes.fromhex(text)
+
+
+_human = format_size
+
+
+def _ratio(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    d, h, m = s // 86400, s // 3600 % 24, s // 60 % 60
+    return (f"{d}d " if d else "") + (f"{h}h " if d or h else "") + f"{m}m {s % 60}s"
+
+
+def _plain(msg) -> dict:
+    """A protobuf message as JSON-ready values: ints stay ints, bytes become hex."""
+    out = {}
+    for field in msg.DESCRIPTOR.fields:
+        value = getattr(msg, field.name)
+        if field.message_type is not None:
+            value = [_plain(v) for v in value] if field.is_repeated else _plain(value)
+        elif isinstance(value, bytes):
+            value = value.hex()
+        out[field.name] = value
+    return out
+
+
+def _emit(args: argparse.Namespace, data, text: str) -> None:
+    print(json.dumps(data, indent=2) if args.json else text, flush=True)
+
+
+# -- commands -----------------------------------------------------------------------
+def _table(rows: list, headers: list[str], text_columns: int) -> str:
+    """Text columns on the left, numbers right-aligned. No number parsing: a hex id made
+    of digits only, or with one "e", would otherwise be printed as a float."""
+    align = ["left"] * text_columns + ["right"] * (len(headers) - text_columns)
+    return tabulate(rows, headers=headers, colalign=align, disable_numparse=True)
+
+
+def _render_stats(resp) -> str:
+    tiers = [[t.name, _human(t.capacity_bytes), _human(t.used_bytes),
+              _ratio(t.used_bytes, t.capacity_bytes), t.pages, t.hits, t.misses,
+              _ratio(t.hits, t.hits + t.misses), t.evictions, _human(t.bytes_in),
+              _human(t.bytes_out)] for t in resp.tiers]
+    layouts = [[s.layout_id.hex(), s.layout.model, s.layout.dtype, s.layout.num_layers,
+                s.layout.page_tokens, f"{s.layout.tp_rank}/{s.layout.tp_size}",
+                _human(s.page_bytes), s.pages, _human(s.used_bytes), s.hits, s.misses,
+                s.evictions] for s in resp.layouts]
+    return "\n\n".join((
+        (f"kvstore-server {resp.version}   uptime {_duration(resp.uptime_seconds)}   "
+         f"leases {resp.leases}   leased pages {resp.leased_pages}"),
+        _table(tiers, ["tier", "capacity", "used", "use %", "pages", "hits", "misses",
+                       "hit rate", "evictions", "bytes in", "bytes out"], 1),
+        _table(layouts, ["layout id", "model", "dtype", "layers", "page tokens", "tp",
+                         "page bytes", "pages", "used", "hits", "misses", "evictions"], 3)
+        if layouts else "(no layouts registered)"))
+
+
+def cmd_stats(client: KVStoreClient, args: argparse.Namespace) -> int:
+    while True:
+        resp = client.stats()
+        if args.json:
+            print(json.dumps(_plain(resp), indent=None if args.watch else 2), flush=True)
+        else:
+            if args.watch and sys.stdout.isatty():
+                print("\x1b[H\x1b[2J", end="")
+            elif args.watch:
+                print(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}")
+            print(_render_stats(resp), flush=True)
+        if not args.watch:
+            return 0
+        time.sleep(args.watch)
+
+
+def cmd_layouts(client: KVStoreClient, args: argparse.Namespace) -> int:
+    layouts = client.list_layouts()
+    rows = [[s.layout_id.hex(), s.layout.model, s.layout.dtype, s.layout.salt,
+             s.layout.num_layers, s.layout.page_tokens, s.layout.num_kv_heads,
+             s.layout.head_size, s.layout.kv_factor, f"{s.layout.tp_rank}/{s.layout.tp_size}",
+             s.layout.pp_rank, _human(s.page_bytes), s.pages] for s in layouts]
+    _emit(args, [_plain(s) for s in layouts], _table(
+        rows, ["layout id", "model", "dtype", "salt", "layers", "page tokens", "kv heads",
+               "head size", "kv factor", "tp", "pp", "page bytes", "pages"], 4)
+        if rows else "(no layouts registered)")
+    return 0
+
+
+def _resolve_layout(client: KVStoreClient, prefix: str) -> bytes:
+    """The id of the one registered layout whose hex id starts with prefix."""
+    ids = [s.layout_id for s in client.list_layouts() if s.layout_id.hex().startswith(prefix)]
+    if not ids:
+        raise _Fail(f"no layout {prefix} on {client.address} (see `{PROG} layouts`)")
+    if len(ids) > 1:
+        raise _Fail(f"layout prefix {prefix} is ambiguous: it matches {len(ids)} layouts")
+    return ids[0]
+
+
+def cmd_evict(client: KVStoreClient, args: argparse.Namespace) -> int:
+    if args.layout is not None:
+        resp = client.evict(layout_id=_resolve_layout(client, args.layout))
+    elif args.bytes is not None:
+        resp = client.evict(nbytes=args.bytes)
+    else:
+        resp = client.evict(everything=True)
+    _emit(args, _plain(resp), f"evicted {resp.pages} pages ({_human(resp.bytes)}); "
+                              f"{resp.skipped_leased} leased pages left in place")
+    return 0
+
+
+def cmd_clear(client: KVStoreClient, args: argparse.Namespace) -> int:
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise _Fail("clear deletes every page: pass --yes (stdin is not a terminal)")
+        pages = sum(t.pages for t in client.stats().tiers)
+        try:
+            answer = input(f"Delete all {pages} pages on {client.address}? [y/N] ")
+        except EOFError:                    # Ctrl-D: no
+            answer = ""
+        if answer.strip().lower() not in ("y", "yes"):
+            print("not cleared")
+            return 1
+    resp = client.clear()
+    _emit(args, _plain(resp), f"cleared {resp.pages} pages of {resp.layouts} layouts")
+    return 0
+
+
+def cmd_inspect(client: KVStoreClient, args: argparse.Namespace) -> int:
+    layout_id = _resolve_layout(client, args.layout)
+    resp = client.inspect(layout_id, args.key)
+    rows = [("layout id", layout_id.hex()), ("key", args.key.hex()), ("tier", resp.tier),
+            ("state", resp.state), ("size", f"{_human(resp.size_bytes)} ({resp.size_bytes} B)"),
+            ("age", f"{resp.age_seconds:.1f}s"), ("idle", f"{resp.idle_seconds:.1f}s"),
+            ("leases", resp.leases), ("slot offset", resp.slot_offset)]
+    _emit(args, {"layout_id": layout_id.hex(), "key": args.key.hex(), **_plain(resp)},
+          tabulate(rows, tablefmt="plain", disable_numparse=True))
+    return 0
+
+
+def cmd_health(address: str, args: argparse.Namespace) -> int:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=args.service),
+                              timeout=args.timeout)
+        except grpc.RpcError as exc:
+            raise KVStoreError(exc.code(), exc.details() or "", "Check") from None
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    print(status)
+    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+# -- entry point --------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Look at and operate a kvstore-server.")
+    p.add_argument("--server", default=os.environ.get("KVSTORE_SERVER", DEFAULT_SERVER),
+                   metavar="ADDR",
+                   help="host:port (default: $KVSTORE_SERVER or %(default)s)")
+    p.add_argument("--timeout", type=_positive(float, "--timeout"), default=5.0,
+                   metavar="S", help="seconds per call (default: %(default)s)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, run, text: str, json_flag: bool = True) -> argparse.ArgumentParser:
+        s = sub.add_parser(name, help=text, description=text)
+        if json_flag:
+            s.add_argument("--json", action="store_true", help="print JSON")
+        s.set_defaults(run=run)
+        return s
+
+    s = command("stats", cmd_stats, "tiers, layouts, leases and uptime")
+    s.add_argument("--watch", type=_positive(float, "SECONDS"), metavar="SECONDS",
+                   help="print again every SECONDS until Ctrl-C")
+    command("layouts", cmd_layouts, "registered layouts")
+    s = command("evict", cmd_evict, "evict unleased pages from DRAM")
+    what = s.add_mutually_exclusive_group(required=True)
+    what.add_argument("--layout", type=_layout_prefix, metavar="ID", help="every page of a layout")
+    what.add_argument("--bytes", type=_positive(parse_size, "SIZE"), metavar="SIZE",
+                      help="at least SIZE (e.g. 512MiB), least recently used first")
+    what.add_argument("--all", action="store_true", help="every page")
+    s = command("clear", cmd_clear, "delete every page of every layout")
+    s.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    s = command("inspect", cmd_inspect, "where one key's page is and how it is used")
+    s.add_argument("--layout", type=_layout_prefix, metavar="ID", required=True)
+    s.add_argument("key", type=_key, metavar="KEYHEX")
+    s = command("health", None, "grpc.health.v1 Check; exit 0 only when SERVING", False)
+    s.add_argument("--service", default="", help="service name (default: the server)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.run is None:
+            return cmd_health(args.server, args)
+        with KVStoreClient(args.server, timeout=args.timeout, retries=1) as client:
+            return args.run(client, args)
+    except KeyboardInterrupt:
+        # Ctrl-C is how --watch ends; anywhere else it still is no error worth a trace.
+        return 0 if getattr(args, "watch", None) else 130
+    except BrokenPipeError:
+        # The reader went away (`stats --watch | head`): stop quietly, as cat does.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except _Fail as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+    except KVStoreError as exc:
+        if exc.code == grpc.StatusCode.UNAVAILABLE:
+            print(f"{PROG}: cannot reach {args.server}: {exc.message}", file=sys.stderr)
+        elif exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            print(f"{PROG}: {args.command}: no answer from {args.server} within "
+                  f"{args.timeout:g}s (--timeout)", file=sys.stderr)
+        else:
+            print(f"{PROG}: {args.command} failed: {exc.code.name}: {exc.message}",
+                  file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""Bad input gets a clear gRPC status and never hurts the server or stored pages."""
+
+import grpc
+import numpy as np
+import pytest
+
+from kvstore_client import KVStoreClient, KVStoreError, PageLayout
+from kvstore_client._proto.kvstore.v1 import admin_pb2 as apb
+from kvstore_client._proto.kvstore.v1 import admin_pb2_grpc
+from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore_client._proto.kvstore.v1 import kvstore_pb2_grpc
+from kvstore_client.convert import layout_to_proto
+
+LAYOUT = PageLayout(model="err", num_layers=2, page_tokens=4, num_kv_heads=2, head_size=16,
+                    dtype="float32")
+GOOD_KEYS = [b"good-key%08d" % i for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def setup(server):
+    channel = grpc.insecure_channel(server.address)
+    client = KVStoreClient(server.address)
+    ns = client.register_layout(LAYOUT)
+    pages = np.arange(3 * ns.page_bytes, dtype=np.uint32).astype(np.uint8).reshape(3, -1)
+    client.put(ns, GOOD_KEYS, pages)
+    yield kvstore_pb2_grpc.KVStoreStub(channel), admin_pb2_grpc.AdminStub(channel), client, ns, pages
+    client.close()
+    channel.close()
+
+
+def status_of(call, *args):
+    with pytest.raises(grpc.RpcError) as err:
+        result = call(*args, timeout=10)
+        if hasattr(result, "__iter__") and not isinstance(result, (bytes, str)):
+            for _ in result:
+                pass
+    return err.value.code(), err.value.details()
+
+
+def packed(data: bytes, size: int):
+    return pb.PackedKeys(data=data, key_size=size)
+
+
+def test_malformed_keys(setup):
+    stub, _, _, ns, _ = setup
+    lid = [ns.layout_id]
+    cases = [(b"x" * 17, 16, "not a multiple"), (b"x" * 4, 0, "key_size"),
+             (b"x" * 65, 65, "key_size")]
+    for data, size, words in cases:
+        code, details = status_of(stub.Lookup, pb.LookupRequest(layout_ids=lid,
+                                                                keys=packed(data, size)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and words in details
+        code, _ = status_of(stub.Exists, pb.ExistsRequest(layout_id=ns.layout_id,
+                                                          keys=packed(data, size)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_unknown_layout_and_missing_layout_ids(setup):
+    stub, _, _, _, _ = setup
+    code, details = status_of(stub.Lookup, pb.LookupRequest(
+        layout_ids=[b"\x00" * 16], keys=packed(GOOD_KEYS[0], 16)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "unknown layout" in details
+    code, details = status_of(stub.Lookup, pb.LookupRequest(keys=packed(GOOD_KEYS[0], 16)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "layout" in details
+    code, _ = status_of(stub.Get, pb.GetRequest(layout_id=b"nope", keys=packed(GOOD_KEYS[0], 16)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("num_layers", 0, "num_layers"), ("dtype", "complex64", "dtype"),
+    ("kv_factor", 3, "kv_factor"), ("model", "", "model"), ("tp_rank", 4, "tp_rank"),
+])
+def test_invalid_layouts(setup, field, value, words):
+    stub = setup[0]
+    msg = layout_to_proto(LAYOUT)
+    setattr(msg, field, value)
+    code, details = status_of(stub.RegisterLayout, pb.RegisterLayoutRequest(layout=msg))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and words in details
+    code, _ = status_of(stub.RegisterLayout, pb.RegisterLayoutRequest())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_page_too_large_for_pool(setup):
+    stub = setup[0]
+    huge = PageLayout(model="huge", num_layers=128, page_tokens=1024, num_kv_heads=8,
+                      head_size=128)
+    code, details = status_of(stub.RegisterLayout,
+                              pb.RegisterLayoutRequest(layout=layout_to_proto(huge)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "does not fit" in details
+
+
+def put_messages(ns, keys, payload, header_first=True, two_headers=False):
+    header = pb.PutRequest(header=pb.PutHeader(layout_id=ns.layout_id,
+                                               keys=packed(b"".join(keys), 16)))
+    msgs = [pb.PutRequest(data=payload)]
+    if header_first:
+        msgs.insert(0, header)
+    if two_headers:
+        msgs.append(header)
+    return iter(msgs)
+
+
+@pytest.mark.parametrize("delta", [-1, +1, -4096])
+def test_put_of_wrong_size_stores_nothing(setup, delta):
+    stub, _, client, ns, _ = setup
+    keys = [b"wrong-size-%05d" % i for i in range(2)]
+    payload = b"\x01" * (2 * ns.page_bytes + delta)
+    code, details = status_of(stub.Put, put_messages(ns, keys, payload))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "expected" in details
+    assert client.exists(ns, keys) == [False, False]
+
+
+def test_put_stream_shape(setup):
+    stub, _, client, ns, _ = setup
+    keys = [b"shape-key-%06d" % i for i in range(1)]
+    code, details = status_of(stub.Put, put_messages(ns, keys, b"x" * ns.page_bytes,
+                                                     header_first=False))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "header" in details
+    code, details = status_of(stub.Put, put_messages(ns, keys, b"x" * ns.page_bytes,
+                                                     two_headers=True))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "second header" in details
+    code, _ = status_of(stub.Put, iter([]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert client.exists(ns, keys) == [False]
+
+
+def test_client_side_validation(setup):
+    _, _, client, ns, _ = setup
+    with pytest.raises(ValueError, match="expected"):
+        client.put(ns, GOOD_KEYS, b"short")
+    with pytest.raises(ValueError, match="one length"):
+        client.lookup(ns, [b"a" * 16, b"b" * 8])
+    with pytest.raises(ValueError):
+        client.get_into(ns, GOOD_KEYS, np.zeros(10, dtype=np.uint8))
+
+
+def test_get_missing_is_not_found(setup):
+    stub, _, client, ns, _ = setup
+    code, details = status_of(stub.Get, pb.GetRequest(
+        layout_id=ns.layout_id, keys=packed(GOOD_KEYS[0] + b"m" * 16, 16)))
+    assert code == grpc.StatusCode.NOT_FOUND and "key 1 of 2" in details
+    with pytest.raises(KeyError):
+        client.get(ns, [b"m" * 16])
+
+
+def test_admin_bad_input(setup):
+    _, admin, client, ns, _ = setup
+    code, details = status_of(admin.Evict, apb.EvictRequest())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "target" in details
+    code, _ = status_of(admin.Inspect, apb.InspectRequest(layout_id=ns.layout_id, key=b"nope"))
+    assert code == grpc.StatusCode.NOT_FOUND
+    code, _ = status_of(admin.Inspect, apb.InspectRequest(layout_id=ns.layout_id))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(KVStoreError) as err:
+        client.inspect(b"\x00" * 16, b"k")
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_pool_full_of_leased_pages_is_resource_exhausted(fresh_server):
+    srv = fresh_server(dram="16MiB")
+    with KVStoreClient(srv.address) as c:
+        ns = c.register_layout(PageLayout(model="full", num_layers=4, page_tokens=16,
+                                          num_kv_heads=8, head_size=128))   # 256 KiB
+        n = (16 << 20) // ns.page_bytes
+        keys = [b"full-%011d" % i for i in range(n)]
+        c.put(ns, keys, np.zeros((n, ns.page_bytes), dtype=np.uint8))
+        # The background evictor may have trimmed the tail to the low watermark.
+        held = c.lookup_lease(ns, keys, lease_ms=60_000).count
+        assert held >= 0.8 * n
+        more = [b"more-%011d" % i for i in range(n - held + 1)]
+        with pytest.raises(KVStoreError) as err:
+            c.put(ns, more, np.zeros((len(more), ns.page_bytes), dtype=np.uint8))
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "leased" in err.value.message
+        assert c.lookup(ns, keys) == held        # the leased pages are untouched
+
+
+def test_server_survives_and_data_is_intact(setup, server):
+    _, _, client, ns, pages = setup
+    assert server.proc.poll() is None
+    assert np.array_equal(client.get(ns, GOOD_KEYS), pages)

@@ -1,0 +1,57 @@
+import pytest
+
+from kvstore_server.config import ConfigError, load_config
+from kvstore_client.units import format_size, parse_duration, parse_size
+
+
+def test_units():
+    assert parse_size("512MiB") == 512 << 20 and parse_size("4GiB") == 4 << 30
+    assert parse_size("1.5G") == 1_500_000_000 and parse_size(42) == 42
+    assert parse_duration("2s") == 2 and parse_duration("500ms") == 0.5
+    assert parse_duration("1m") == 60
+    for bad in ("", "12 parsecs", "-1", "MiB"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    with pytest.raises(ValueError):
+        parse_duration("soon")
+    assert format_size(3 << 30) == "3.0 GiB"
+
+
+def test_defaults():
+    c = load_config([], environ={})
+    assert c.listen == "127.0.0.1:50051" and c.lease_ttl == 30 and c.disk == 0
+
+
+def test_file_then_environment_then_flags(tmp_path):
+    path = tmp_path / "kvstore.toml"
+    path.write_text('dram = "256MiB"\nlease-ttl = "5s"\nmetrics_port = 9100\n'
+                    'listen = "127.0.0.1:7000"\n')
+    env = {"KVSTORE_LEASE_TTL": "7s", "KVSTORE_METRICS_PORT": "9200"}
+    c = load_config(["--config", str(path), "--metrics-port", "9300"], environ=env)
+    assert c.dram == 256 << 20            # file
+    assert c.lease_ttl == 7.0             # environment beats file
+    assert c.metrics_port == 9300         # flag beats environment
+    assert c.listen == "127.0.0.1:7000"
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--dram", "lots"], "dram"),
+    (["--dram", "1MiB"], "at least"),
+    (["--lease-ttl", "0s"], "lease_ttl"),
+    (["--disk", "1GiB"], "disk_dir"),
+    (["--listen", "nowhere"], "HOST:PORT"),
+    (["--high-watermark", "0.5", "--low-watermark", "0.9"], "watermarks"),
+])
+def test_bad_values_name_the_setting(argv, words):
+    with pytest.raises(ConfigError, match=words):
+        load_config(argv, environ={})
+
+
+def test_bad_file(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("dram = \n")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(["--config", str(path)], environ={})
+    path.write_text('colour = "blue"\n')
+    with pytest.raises(ConfigError, match="unknown setting 'colour'"):
+        load_config(["--config", str(path)], environ={})
