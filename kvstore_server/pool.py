@@ -66,7 +66,7 @@ class Pool:
         self._next_extent = 0
         self.offset = np.zeros(1024, dtype=np.int64)  # slot id -> byte offset in region
         self.cls = np.full(1024, -1, dtype=np.int32)  # slot id -> size class (-1 = none)
-        self._extent_of = np.zeros(1024, dtype=np.int64)
+        self._extent_of = np.zeros(1024, dtype=np.int32)
         self._spare_ids: list[int] = []               # ids of released extents, reused first
         self._next_id = 0
         self.used_bytes = 0                           # bytes of slots handed out
