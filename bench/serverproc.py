@@ -90,7 +90,7 @@ class ServerProcess:
         return self.proc.returncode
 
     def __enter__(self) -> "ServerProcess":
-        return self.start()
+        return self if self.proc is not None else self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()

@@ -1,5 +1,9 @@
 """KVStoreClient: register layouts, put, look up, get and delete KV pages.
 
+On the same host as the server, page bytes move through the server's shared-memory pool
+(kvstore_client.shm) and gRPC carries only offsets and leases; elsewhere they stream over
+gRPC. `put`, `get`, `get_into` and `get_layers` pick the path by themselves.
+
 Every call has a timeout. Idempotent calls are retried with backoff when the server is
 UNAVAILABLE (restarting, briefly overloaded); a server that restarted has forgotten the
 layouts, so a call that meets "unknown layout" registers its layout again and retries
@@ -9,6 +13,8 @@ once. Puts are idempotent too: keys already stored are skipped by the server.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import threading
 import time
 from typing import Callable, Iterator, Sequence, TypeVar
 
@@ -22,9 +28,12 @@ from .convert import layout_from_proto, layout_to_proto
 from .errors import KVStoreError, from_rpc_error
 from .keys import pack_keys
 from .layout import PageLayout
+from .shm import Acquired, Reservation, SharedRegion
 from .wire import CHANNEL_OPTIONS, GET_DATA_TAG, PUT_DATA_TAG, frame, unframe
 
 __all__ = ["KVStoreClient", "LayoutHandle", "PutResult", "Lease"]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -69,14 +78,21 @@ class KVStoreClient:
     """A connection to one kvstore-server. Thread-safe; use as a context manager.
 
     timeout: seconds per call (a Get or Put of many pages gets more, scaled by size);
-    retries: extra attempts of idempotent calls on UNAVAILABLE (0 = none).
+    retries: extra attempts of idempotent calls on UNAVAILABLE (0 = none);
+    shared_memory: None = use the server's shared-memory pool when it can be mapped (same
+    host), else gRPC; True = require it; False = always gRPC.
     """
 
     def __init__(self, address: str, *, timeout: float = 10.0, retries: int = 3,
+                 shared_memory: bool | None = None,
                  channel: grpc.Channel | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self.retries = retries
+        self.shared_memory = shared_memory
+        self._region: SharedRegion | None = None
+        self._region_tried = False
+        self._region_lock = threading.Lock()   # guards attaching and re-attaching
         self._channel = channel or grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         c = self._channel
         s = "/kvstore.v1.KVStore/"
@@ -96,6 +112,11 @@ class KVStoreClient:
                                    response_deserializer=pb.PutResponse.FromString)
         self._get = c.unary_stream(s + "Get", request_serializer=pb.GetRequest.SerializeToString,
                                    response_deserializer=_get_deserializer)
+        self._attach = unary(s + "Attach", pb.AttachRequest, pb.AttachResponse)
+        self._reserve = unary(s + "Reserve", pb.ReserveRequest, pb.ReserveResponse)
+        self._commit = unary(s + "Commit", pb.CommitRequest, pb.CommitResponse)
+        self._abort = unary(s + "Abort", pb.AbortRequest, pb.AbortResponse)
+        self._acquire = unary(s + "Acquire", pb.AcquireRequest, pb.AcquireResponse)
         self._stats = unary(a + "Stats", apb.StatsRequest, apb.StatsResponse)
         self._evict = unary(a + "Evict", apb.EvictRequest, apb.EvictResponse)
         self._clear = unary(a + "Clear", apb.ClearRequest, apb.ClearResponse)
@@ -105,6 +126,9 @@ class KVStoreClient:
     # -- plumbing -------------------------------------------------------------------
     def close(self) -> None:
         self._channel.close()
+        if self._region is not None:
+            self._region.close()
+            self._region = None
 
     def __enter__(self) -> "KVStoreClient":
         return self
@@ -116,12 +140,18 @@ class KVStoreClient:
               retry: bool = True) -> T:
         attempts = 1 + (self.retries if retry else 0)
         reregistered = False
+        reattached = False
         attempt = 0
         while True:
             try:
                 return fn()
             except grpc.RpcError as exc:
                 code = exc.code()
+                if (not reattached and code == grpc.StatusCode.FAILED_PRECONDITION
+                        and "shared-memory token" in (exc.details() or "")):
+                    reattached = True             # the server restarted: map its new region
+                    self._attach_region(force=True)
+                    continue
                 if (handle is not None and not reregistered
                         and code == grpc.StatusCode.INVALID_ARGUMENT
                         and "unknown layout" in (exc.details() or "")):
@@ -159,6 +189,14 @@ class KVStoreClient:
         keys = list(keys)
         total = len(keys) * ns.page_bytes
         flat = as_uint8(pages, total)
+        if keys and self.region() is not None:
+            by_page = flat.reshape(len(keys), ns.page_bytes)
+            with self.reserve(ns, keys) as res:
+                for page, view in zip(by_page, res.views):
+                    if view is not None:
+                        view[:] = page
+                stored = res.commit()
+            return PutResult(stored, res.skipped)
         mv = memoryview(flat)
         header = pb.PutRequest(header=pb.PutHeader(layout_id=ns.layout_id,
                                                    keys=self._packed(keys)))
@@ -227,6 +265,11 @@ class KVStoreClient:
         keys = list(keys)
         n, layers, lb = len(keys), ns.layout.num_layers, ns.layer_bytes
         flat = as_uint8(out, n * ns.page_bytes, writable=True, what="out")
+        if keys and self.region() is not None:
+            with self._acquire_or_keyerror(ns, keys) as acq:
+                for page, view in zip(flat.reshape(n, ns.page_bytes), acq.views):
+                    page[:] = view
+            return
         by_layer = flat.reshape(n, layers, lb)
         self._stream(ns, keys, lambda layer: by_layer[:, layer, :])
 
@@ -243,10 +286,18 @@ class KVStoreClient:
             slabs[layer] = np.empty((n, lb), dtype=np.uint8)
             return slabs[layer]
 
-        req = pb.GetRequest(layout_id=ns.layout_id, keys=self._packed(keys))
-        writer = LayerMajorWriter(n, ns.layout.num_layers, lb, dest, ready.append)
         if n == 0:
             return
+        if self.region() is not None:
+            with self._acquire_or_keyerror(ns, keys) as acq:
+                for layer in range(ns.layout.num_layers):
+                    slab = np.empty((n, lb), dtype=np.uint8)
+                    for row, view in zip(slab, acq.layer(layer)):
+                        row[:] = view
+                    yield layer, slab
+            return
+        req = pb.GetRequest(layout_id=ns.layout_id, keys=self._packed(keys))
+        writer = LayerMajorWriter(n, ns.layout.num_layers, lb, dest, ready.append)
         try:
             for payload in self._get(req, timeout=self._timeout_for(n * ns.page_bytes)):
                 writer.write(payload)
@@ -287,6 +338,82 @@ class KVStoreClient:
         if err.code == grpc.StatusCode.NOT_FOUND:
             raise KeyError(err.message) from None
         raise err from None
+
+    # -- same-host data plane ---------------------------------------------------------
+    def region(self) -> SharedRegion | None:
+        """The server's pool mapped here, or None when only gRPC can be used."""
+        if self._region is None and not self._region_tried and self.shared_memory is not False:
+            self._attach_region()
+        return self._region
+
+    def _attach_region(self, force: bool = False) -> None:
+        with self._region_lock:
+            if self._region_tried and not force:
+                return
+            self._region_tried = True
+            old, self._region = self._region, None
+            try:
+                resp = self._call("Attach", lambda: self._attach(pb.AttachRequest(),
+                                                                 timeout=self.timeout))
+                self._region = SharedRegion(resp.path, resp.size, resp.token_offset)
+                log.debug("mapped the server's pool %s (%d bytes)", resp.path, resp.size)
+            except (OSError, KVStoreError) as exc:
+                if self.shared_memory:
+                    raise KVStoreError(grpc.StatusCode.FAILED_PRECONDITION,
+                                       f"shared memory was required but the server's pool "
+                                       f"cannot be mapped: {exc}", "Attach") from None
+                log.info("server pool not mappable from here (%s); using gRPC for page bytes",
+                         exc)
+            finally:
+                if old is not None:
+                    old.close()
+
+    def _need_region(self) -> SharedRegion:
+        region = self.region()
+        if region is None:
+            raise KVStoreError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "the server's shared-memory pool is not mapped (another host, "
+                               "or shared_memory=False)")
+        return region
+
+    def reserve(self, ns: LayoutHandle, keys: Sequence[bytes], lease_ms: int = 0) -> Reservation:
+        """WRITING slots in the shared pool for the keys not yet stored (two-phase put).
+        Write `views[i]`, then `commit()`; or `abort()`. lease_ms 0 = the server's ttl."""
+        self._need_region()
+        packed = self._packed(keys)
+        resp = self._call("Reserve", lambda: self._reserve(pb.ReserveRequest(
+            layout_id=ns.layout_id, keys=packed, token=self._region.token, lease_ms=lease_ms),
+            timeout=self.timeout), ns)
+        offsets = np.frombuffer(resp.offsets, dtype="<i8")
+        return Reservation(ns, resp.lease_id, offsets, resp.skipped, self._region,
+                           self._commit_lease, self._abort_lease)
+
+    def acquire(self, ns: LayoutHandle, keys: Sequence[bytes], lease_ms: int = 0) -> Acquired:
+        """Pin the pages of keys in the shared pool and return read-only views of them;
+        `release()` when done. NOT_FOUND (KVStoreError) if a key is missing."""
+        self._need_region()
+        packed = self._packed(keys)
+        resp = self._call("Acquire", lambda: self._acquire(pb.AcquireRequest(
+            layout_id=ns.layout_id, keys=packed, token=self._region.token, lease_ms=lease_ms),
+            timeout=self.timeout), ns)
+        offsets = np.frombuffer(resp.offsets, dtype="<i8")
+        return Acquired(ns, resp.lease_id, offsets, self._region, self.release_lease)
+
+    def _acquire_or_keyerror(self, ns: LayoutHandle, keys: Sequence[bytes]) -> Acquired:
+        try:
+            return self.acquire(ns, keys)
+        except KVStoreError as exc:
+            if exc.code == grpc.StatusCode.NOT_FOUND:
+                raise KeyError(exc.message) from None
+            raise
+
+    def _commit_lease(self, lease_id: int) -> int:
+        return self._call("Commit", lambda: self._commit(pb.CommitRequest(lease_id=lease_id),
+                                                         timeout=self.timeout)).stored
+
+    def _abort_lease(self, lease_id: int) -> bool:
+        return self._call("Abort", lambda: self._abort(pb.AbortRequest(lease_id=lease_id),
+                                                       timeout=self.timeout)).aborted
 
     # -- admin ----------------------------------------------------------------------
     def stats(self) -> apb.StatsResponse:

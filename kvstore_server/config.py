@@ -34,6 +34,7 @@ class ServerConfig:
     high_watermark: float = 0.95    # background eviction starts above this share of the pool
     low_watermark: float = 0.85     # ... and stops below this one
     shm_dir: str = "/dev/shm"       # where the pool's backing file lives (tmpfs or hugetlbfs)
+    shm_group: str = ""             # group allowed to map the pool too (0660); "" = owner only
     workers: int = 16               # gRPC handler threads
     log_level: str = "INFO"
 
@@ -49,6 +50,7 @@ _PARSERS = {
     "high_watermark": float,
     "low_watermark": float,
     "shm_dir": str,
+    "shm_group": str,
     "workers": int,
     "log_level": str,
 }
@@ -77,6 +79,8 @@ def argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--high-watermark", metavar="F", help="evict above this pool share (0.95)")
     p.add_argument("--low-watermark", metavar="F", help="evict down to this pool share (0.85)")
     p.add_argument("--shm-dir", metavar="PATH", help="tmpfs or hugetlbfs folder for the pool")
+    p.add_argument("--shm-group", metavar="GROUP",
+                   help="let clients of this group map the pool (mode 0660); default: owner only")
     p.add_argument("--workers", metavar="N", help="gRPC handler threads (default 16)")
     p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING (default INFO)")
     return p

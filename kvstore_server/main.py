@@ -18,8 +18,9 @@ from kvstore_client.wire import CHANNEL_OPTIONS
 from . import __version__
 from .admin_service import AdminService, add_admin_service
 from .config import ConfigError, ServerConfig, load_config
+from kvstore_client.malloc import keep_freed_buffers
 from .metrics import Metrics
-from .region import Region
+from .region import HEADER_BYTES, Region
 from .service import KVStoreService, add_kvstore_service
 from .store import Store
 from kvstore_client.units import format_size
@@ -36,7 +37,8 @@ class Server:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.region = Region(config.dram // 4096 * 4096, config.shm_dir)
+        self.region = Region(config.dram // 4096 * 4096 + HEADER_BYTES, config.shm_dir,
+                             config.shm_group)
         self.region.prefault()
         self.region.lock()
         self.store = Store(self.region, lease_ttl=config.lease_ttl,
@@ -132,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    keep_freed_buffers()
     try:
         server = Server(config)
     except (ConfigError, OSError, ValueError) as exc:

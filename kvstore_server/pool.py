@@ -1,6 +1,7 @@
 """Slots in the shared region: fixed-size slots per size class, carved in extents.
 
-The region is cut into slabs of `slab_bytes` (8 MiB, or a quarter of a small region).
+The region is cut into slabs of `slab_bytes` (8 MiB, or a power of two about a quarter
+of a small region).
 A size class (one per distinct slot size, i.e. per page size rounded up to 4 KiB) takes
 an *extent* of one or more contiguous slabs when it runs out of slots, and cuts it into
 equal slots; when every slot of an extent is free again the slabs go back to the region,
@@ -52,9 +53,12 @@ class _SizeClass:
 class Pool:
     """Allocates slots of per-class sizes from a region of `size` bytes."""
 
-    def __init__(self, size: int, slab_bytes: int | None = None) -> None:
+    def __init__(self, size: int, slab_bytes: int | None = None, base: int = 0) -> None:
+        """size: bytes to carve; base: offset of the first slab in the region."""
+        self.base = base
         if slab_bytes is None:
-            slab_bytes = min(_DEFAULT_SLAB, max(SLOT_ALIGN, size // 4 // SLOT_ALIGN * SLOT_ALIGN))
+            # A power of two, so power-of-two pages tile slabs with no waste.
+            slab_bytes = min(_DEFAULT_SLAB, 1 << max(12, (size // 4).bit_length() - 1))
         self.slab_bytes = slab_bytes
         self.n_slabs = size // slab_bytes
         self.capacity_bytes = self.n_slabs * slab_bytes
@@ -183,7 +187,7 @@ class Pool:
             return None
         self._slab_free[first:first + c.extent_slabs] = False
         ids = self._new_ids(c.slots_per_extent)
-        base = first * self.slab_bytes
+        base = self.base + first * self.slab_bytes
         ext_id = self._next_extent
         self._next_extent += 1
         self.offset[ids] = base + np.arange(len(ids), dtype=np.int64) * c.slot_bytes

@@ -11,7 +11,7 @@ import secrets
 
 import numpy as np
 
-__all__ = ["Region"]
+__all__ = ["Region", "HEADER_BYTES", "TOKEN_OFFSET", "TOKEN_BYTES", "MAGIC"]
 
 log = logging.getLogger(__name__)
 
@@ -20,20 +20,41 @@ log = logging.getLogger(__name__)
 # same host can map the very same pages (the zero-copy data plane): the server owns it,
 # clients only map it. The file name carries the pid and a random part so a restarted
 # server never hands out a stale region.
+#
+# The first 4 KiB are a header; pages start after it:
+#
+#     0               16              32                      4096
+#     | magic (16 B)  | token (16 B)  | zero ...              | pool slots ...
+#
+# The token is random per region. A client proves it mapped this very region (so it is
+# on this host and may read the file) by sending the token back with every data-plane
+# call; a restarted server has a new token, so a stale mapping is refused, never read.
 _PAGE = 4096
+HEADER_BYTES = _PAGE
+MAGIC = b"kvstore-region\x00\x01"
+TOKEN_OFFSET = 16
+TOKEN_BYTES = 16
 
 
 class Region:
     """A MAP_SHARED byte region backed by a file in `directory`; `mem` is a uint8 view."""
 
-    def __init__(self, size: int, directory: str = "/dev/shm", mode: int = 0o600) -> None:
-        if size <= 0 or size % _PAGE:
-            raise ValueError(f"region size must be a positive multiple of {_PAGE}, got {size}")
+    def __init__(self, size: int, directory: str = "/dev/shm", group: str = "") -> None:
+        """size: bytes including the 4 KiB header. group: a group whose members' clients may
+        map the region too (mode 0660); empty = the server's user only (mode 0600)."""
+        if size <= HEADER_BYTES or size % _PAGE:
+            raise ValueError(f"region size must be a multiple of {_PAGE} above {HEADER_BYTES}, "
+                             f"got {size}")
         self.size = size
         self.name = f"kvstore-{os.getpid()}-{secrets.token_hex(4)}"
         self.path = os.path.join(directory, self.name)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+        self.token = secrets.token_bytes(TOKEN_BYTES)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            if group:
+                import grp
+                os.fchown(fd, -1, grp.getgrnam(group).gr_gid)
+                os.fchmod(fd, 0o660)
             os.ftruncate(fd, size)
             self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
                                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -43,6 +64,8 @@ class Region:
             raise
         os.close(fd)
         self.mem = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.mem[:len(MAGIC)] = np.frombuffer(MAGIC, dtype=np.uint8)
+        self.mem[TOKEN_OFFSET:TOKEN_OFFSET + TOKEN_BYTES] = np.frombuffer(self.token, np.uint8)
         self.locked = False
 
     def prefault(self) -> None:

@@ -28,6 +28,7 @@ from kvstore_client.wire import GET_DATA_TAG, PUT_DATA_TAG, frame, unframe
 
 from .errors import Outcome, StoreError
 from .metrics import Metrics
+from .region import TOKEN_OFFSET
 from .store import FOREVER, Store
 
 __all__ = ["KVStoreService", "add_kvstore_service", "guarded", "CODES"]
@@ -118,6 +119,10 @@ def _put_deserializer(message: bytes):
     return payload if payload is not None else pb.PutRequest.FromString(message)
 
 
+def _offsets(offsets: np.ndarray) -> bytes:
+    return np.ascontiguousarray(offsets, dtype="<i8").tobytes()
+
+
 class KVStoreService:
     """The KVStore RPCs over one Store."""
 
@@ -125,6 +130,41 @@ class KVStoreService:
         self.store = store
         self.metrics = metrics
         self._mem = memoryview(store.mem)
+
+    # -- same-host data plane ---------------------------------------------------------
+    def _check_token(self, token: bytes) -> None:
+        if token != self.store.region.token:
+            raise StoreError(Outcome.EXPIRED,
+                             "shared-memory token does not match this server's region (the "
+                             "server restarted, or the client is not on this host): Attach "
+                             "again")
+
+    def _ttl(self, lease_ms: int) -> float | None:
+        return lease_ms / 1000.0 if lease_ms else None
+
+    def Attach(self, request, context):
+        region = self.store.region
+        return pb.AttachResponse(path=region.path, size=region.size,
+                                 token_offset=TOKEN_OFFSET)
+
+    def Reserve(self, request, context):
+        self._check_token(request.token)
+        res = self.store.reserve(request.layout_id, _keys(request.keys),
+                                 ttl=self._ttl(request.lease_ms))
+        return pb.ReserveResponse(lease_id=res.lease_id, offsets=_offsets(res.offsets),
+                                  skipped=res.skipped)
+
+    def Commit(self, request, context):
+        return pb.CommitResponse(stored=self.store.commit(request.lease_id))
+
+    def Abort(self, request, context):
+        return pb.AbortResponse(aborted=self.store.abort(request.lease_id))
+
+    def Acquire(self, request, context):
+        self._check_token(request.token)
+        pinned = self.store.acquire(request.layout_id, _keys(request.keys),
+                                    ttl=self._ttl(request.lease_ms))
+        return pb.AcquireResponse(lease_id=pinned.lease_id, offsets=_offsets(pinned.offsets))
 
     def RegisterLayout(self, request, context):
         if not request.HasField("layout"):
@@ -240,6 +280,11 @@ def add_kvstore_service(server: grpc.Server, service: KVStoreService) -> None:
         "ReleaseLease": u("ReleaseLease", pb.ReleaseLeaseRequest, pb.ReleaseLeaseResponse),
         "Exists": u("Exists", pb.ExistsRequest, pb.ExistsResponse),
         "Delete": u("Delete", pb.DeleteRequest, pb.DeleteResponse),
+        "Attach": u("Attach", pb.AttachRequest, pb.AttachResponse),
+        "Reserve": u("Reserve", pb.ReserveRequest, pb.ReserveResponse),
+        "Commit": u("Commit", pb.CommitRequest, pb.CommitResponse),
+        "Abort": u("Abort", pb.AbortRequest, pb.AbortResponse),
+        "Acquire": u("Acquire", pb.AcquireRequest, pb.AcquireResponse),
         "Put": grpc.stream_unary_rpc_method_handler(
             functools.partial(guarded("Put", m)(KVStoreService.Put), service),
             request_deserializer=_put_deserializer,

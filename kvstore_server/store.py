@@ -33,7 +33,7 @@ from .errors import Outcome, StoreError
 from .leases import Lease, LeaseKind, LeaseTable
 from .lru import LRUPolicy
 from .pool import Pool
-from .region import Region
+from .region import HEADER_BYTES, Region
 
 __all__ = ["Store", "LayoutInfo", "FREE", "WRITING", "READY", "DOOMED", "FOREVER"]
 
@@ -113,7 +113,7 @@ class Store:
                  evict_sink: EvictSink | None = None) -> None:
         self.region = region
         self.mem = region.mem
-        self.pool = Pool(region.size)
+        self.pool = Pool(region.size - HEADER_BYTES, base=HEADER_BYTES)
         self.lease_ttl = lease_ttl
         self.high_watermark = high_watermark
         self.low_watermark = low_watermark
@@ -266,12 +266,15 @@ class Store:
             info.bytes_in += len(live) * info.page_bytes
             return len(live)
 
-    def abort(self, lease_id: int) -> None:
-        """Drop a reservation: its slots are freed and its keys never become visible."""
+    def abort(self, lease_id: int) -> bool:
+        """Drop a reservation: its slots are freed and its keys never become visible.
+        False if it was unknown or had already expired (and so was undone already)."""
         with self._lock:
-            lease = self._leases.pop(lease_id)
-            if lease is not None:
-                self._undo_reservation(lease)
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.kind is not LeaseKind.RESERVE:
+                return False
+            self._undo_reservation(self._leases.pop(lease_id))
+            return True
 
     def _undo_reservation(self, lease: Lease) -> None:
         info = self._by_idx[lease.layout]

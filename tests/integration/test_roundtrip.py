@@ -5,6 +5,7 @@ import time
 
 import numpy as np
 import pytest
+import xxhash
 
 from kvstore_client import KVStoreClient, PageLayout
 
@@ -20,17 +21,19 @@ LAYOUTS = [
 ]
 
 
-def keys(tag, n, size=16):
-    return [f"{tag}:{i}".encode().ljust(size, b".")[:size] for i in range(n)]
+def keys(tag, n):
+    return [xxhash.xxh3_128_digest(f"{tag}:{i}".encode()) for i in range(n)]
 
 
 def pages_for(ns, n, seed=0):
     return np.random.default_rng(seed).integers(0, 256, (n, ns.page_bytes), dtype=np.uint8)
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with KVStoreClient(server.address) as c:
+@pytest.fixture(scope="module", params=[True, False], ids=["shm", "grpc"])
+def client(server, request):
+    """Both data paths: the shared-memory pool and page bytes over gRPC."""
+    with KVStoreClient(server.address, shared_memory=request.param) as c:
+        assert (c.region() is not None) == request.param
         yield c
 
 
@@ -39,7 +42,7 @@ def test_byte_exact_round_trip(client, layout):
     ns = client.register_layout(layout)
     assert ns.page_bytes == layout.page_bytes and ns.layout_id == layout.layout_id
     n = max(2, min(20, (8 << 20) // ns.page_bytes))
-    ks = keys(layout.model, n)
+    ks = keys(f"{layout.model}-{client.shared_memory}", n)
     pages = pages_for(ns, n)
     assert client.put(ns, ks, pages).stored == n
     assert np.array_equal(client.get(ns, ks), pages)
@@ -59,18 +62,19 @@ def test_put_accepts_bytes_and_torch_tensors(client):
     torch = pytest.importorskip("torch")
     ns = client.register_layout(LAYOUTS[1])
     pages = pages_for(ns, 3, seed=5)
-    client.put(ns, keys("bytes", 3), pages.tobytes())
+    tag = str(client.shared_memory)
+    client.put(ns, keys("bytes" + tag, 3), pages.tobytes())
     tensor = torch.from_numpy(pages.copy())
-    client.put(ns, keys("torch", 3), tensor)
+    client.put(ns, keys("torch" + tag, 3), tensor)
     out = torch.zeros_like(tensor)
-    client.get_into(ns, keys("torch", 3), out)
+    client.get_into(ns, keys("torch" + tag, 3), out)
     assert torch.equal(out, tensor)
-    assert np.array_equal(client.get(ns, keys("bytes", 3)), pages)
+    assert np.array_equal(client.get(ns, keys("bytes" + tag, 3)), pages)
 
 
 def test_prefix_count_with_holes_and_exists(client):
     ns = client.register_layout(LAYOUTS[1])
-    ks = keys("holes", 10)
+    ks = keys(f"holes{client.shared_memory}", 10)
     client.put(ns, ks[:4] + ks[5:], pages_for(ns, 9))
     assert client.lookup(ns, ks) == 4
     assert client.lookup(ns, ks[5:]) == 5
@@ -82,7 +86,7 @@ def test_prefix_count_with_holes_and_exists(client):
 
 def test_repeated_put_is_skipped(client):
     ns = client.register_layout(LAYOUTS[1])
-    ks = keys("again", 4)
+    ks = keys(f"again{client.shared_memory}", 4)
     first = pages_for(ns, 4, seed=1)
     assert client.put(ns, ks, first).stored == 4
     result = client.put(ns, ks, pages_for(ns, 4, seed=2))
@@ -97,7 +101,7 @@ def test_layouts_are_isolated(client, change):
     a = client.register_layout(base)
     b = client.register_layout(dataclasses.replace(base, **change))
     assert a.layout_id != b.layout_id
-    ks = keys(f"iso{sorted(change)}", 3)
+    ks = keys(f"iso{sorted(change)}{client.shared_memory}", 3)
     client.put(a, ks, pages_for(a, 3))
     assert client.lookup(b, ks) == 0
     assert client.exists(b, ks) == [False] * 3

@@ -153,3 +153,83 @@ class DeleteResponse(_message.Message):
     DELETED_FIELD_NUMBER: _ClassVar[int]
     deleted: int
     def __init__(self, deleted: _Optional[int] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AttachResponse(_message.Message):
+    __slots__ = ("path", "size", "token_offset")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    token_offset: int
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., token_offset: _Optional[int] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("layout_id", "keys", "token", "lease_ms")
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    layout_id: bytes
+    keys: PackedKeys
+    token: bytes
+    lease_ms: int
+    def __init__(self, layout_id: _Optional[bytes] = ..., keys: _Optional[_Union[PackedKeys, _Mapping]] = ..., token: _Optional[bytes] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("lease_id", "offsets", "skipped")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    offsets: bytes
+    skipped: int
+    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[bytes] = ..., skipped: _Optional[int] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("stored",)
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    def __init__(self, stored: _Optional[int] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("aborted",)
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    aborted: bool
+    def __init__(self, aborted: _Optional[bool] = ...) -> None: ...
+
+class AcquireRequest(_message.Message):
+    __slots__ = ("layout_id", "keys", "token", "lease_ms")
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    layout_id: bytes
+    keys: PackedKeys
+    token: bytes
+    lease_ms: int
+    def __init__(self, layout_id: _Optional[bytes] = ..., keys: _Optional[_Union[PackedKeys, _Mapping]] = ..., token: _Optional[bytes] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class AcquireResponse(_message.Message):
+    __slots__ = ("lease_id", "offsets")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    offsets: bytes
+    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[bytes] = ...) -> None: ...

@@ -69,6 +69,31 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.DeleteRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DeleteResponse.FromString,
                 _registered_method=True)
+        self.Attach = channel.unary_unary(
+                '/kvstore.v1.KVStore/Attach',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.AttachRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AttachResponse.FromString,
+                _registered_method=True)
+        self.Reserve = channel.unary_unary(
+                '/kvstore.v1.KVStore/Reserve',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReserveResponse.FromString,
+                _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/kvstore.v1.KVStore/Commit',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.CommitRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.CommitResponse.FromString,
+                _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/kvstore.v1.KVStore/Abort',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.AbortRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AbortResponse.FromString,
+                _registered_method=True)
+        self.Acquire = channel.unary_unary(
+                '/kvstore.v1.KVStore/Acquire',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.AcquireRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AcquireResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -116,6 +141,36 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attach(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reserve(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abort(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Acquire(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +208,31 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Delete,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DeleteRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.DeleteResponse.SerializeToString,
+            ),
+            'Attach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AttachRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.AttachResponse.SerializeToString,
+            ),
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReserveRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReserveResponse.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.CommitRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.CommitResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AbortRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.AbortResponse.SerializeToString,
+            ),
+            'Acquire': grpc.unary_unary_rpc_method_handler(
+                    servicer.Acquire,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AcquireRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.AcquireResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -344,6 +424,141 @@ class KVStore:
             '/kvstore.v1.KVStore/Delete',
             kvstore_dot_v1_dot_kvstore__pb2.DeleteRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.DeleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Attach',
+            kvstore_dot_v1_dot_kvstore__pb2.AttachRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.AttachResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Reserve',
+            kvstore_dot_v1_dot_kvstore__pb2.ReserveRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Commit',
+            kvstore_dot_v1_dot_kvstore__pb2.CommitRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Abort',
+            kvstore_dot_v1_dot_kvstore__pb2.AbortRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Acquire(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Acquire',
+            kvstore_dot_v1_dot_kvstore__pb2.AcquireRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.AcquireResponse.FromString,
             options,
             channel_credentials,
             insecure,

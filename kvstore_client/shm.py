@@ -1,0 +1,130 @@
+"""The server's page pool, mapped into this process: the same-host data plane.
+
+Lifecycle of a put through shared memory (DESIGN.md, "Same-host data plane"):
+
+    Reserve(keys) -> offsets of WRITING slots (keys already stored are skipped, -1)
+    write the bytes at those offsets (a memcpy here, or a D2H copy from the GPU)
+    Commit -> the pages become visible          | Abort, or the lease runs out -> freed
+And of a get:
+    Acquire(keys) -> offsets of READY pages, pinned by a lease
+    read the bytes (a memcpy, or an H2D copy straight from the mapping)
+    ReleaseLease -> unpinned                    | or the lease runs out
+
+The mapping is made once, with MAP_POPULATE so the first copy does not page-fault on
+every 4 KiB. The server's region token, read from the mapping, goes with every call as
+proof that this process mapped the server's current region.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .client import LayoutHandle
+
+__all__ = ["SharedRegion", "Reservation", "Acquired"]
+
+TOKEN_BYTES = 16
+
+
+class SharedRegion:
+    """The server's region mapped read-write; `mem` is a flat uint8 view of it."""
+
+    def __init__(self, path: str, size: int, token_offset: int) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._mmap = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.path = path
+        self.size = size
+        self.mem = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.token = self.mem[token_offset:token_offset + TOKEN_BYTES].tobytes()
+
+    def pages(self, offsets: np.ndarray, page_bytes: int) -> list[np.ndarray | None]:
+        """A view of each page (None where the offset is -1)."""
+        mem = self.mem
+        return [None if off < 0 else mem[off:off + page_bytes] for off in offsets.tolist()]
+
+    def close(self) -> None:
+        self.mem = np.zeros(0, dtype=np.uint8)
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a caller still holds a view; the mapping goes when that view does
+
+
+class Reservation:
+    """WRITING slots for a put: fill `views[i]` (None: key i was already stored), then
+    `commit()`. As a context manager it commits on success and aborts on an exception."""
+
+    def __init__(self, ns: "LayoutHandle", lease_id: int, offsets: np.ndarray, skipped: int,
+                 region: SharedRegion, commit: Callable[[int], int],
+                 abort: Callable[[int], bool]) -> None:
+        self.ns = ns
+        self.lease_id = lease_id
+        self.offsets = offsets          # int64 byte offsets in the region, -1 = skipped
+        self.skipped = skipped
+        self.region = region
+        self.views = region.pages(offsets, ns.page_bytes)
+        self._commit = commit
+        self._abort = abort
+        self._done = False
+
+    def commit(self) -> int:
+        """Make the written pages visible; returns how many were stored."""
+        self._done = True
+        return self._commit(self.lease_id)
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self._abort(self.lease_id)
+
+    def __enter__(self) -> "Reservation":
+        return self
+
+    def __exit__(self, exc_type, *rest) -> None:
+        if self._done:
+            return
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+class Acquired:
+    """READY pages pinned for reading: read-only `views[i]`; `release()` when done."""
+
+    def __init__(self, ns: "LayoutHandle", lease_id: int, offsets: np.ndarray,
+                 region: SharedRegion, release: Callable[[int], bool]) -> None:
+        self.ns = ns
+        self.lease_id = lease_id
+        self.offsets = offsets
+        self.region = region
+        self.views = region.pages(offsets, ns.page_bytes)
+        for view in self.views:
+            view.flags.writeable = False
+        self._release = release
+        self._done = False
+
+    def layer(self, layer: int) -> list[np.ndarray]:
+        """Each page's slab of one layer (read-only views)."""
+        lb = self.ns.layer_bytes
+        return [v[layer * lb:(layer + 1) * lb] for v in self.views]
+
+    def release(self) -> None:
+        if not self._done:
+            self._done = True
+            self._release(self.lease_id)
+
+    def __enter__(self) -> "Acquired":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
