@@ -9,6 +9,7 @@ import sys
 BENCHES = {
     "store": "store_bench",
     "hash": "hash_bench",
+    "shm": "shm_bench",
 }
 
 

@@ -397,7 +397,14 @@ class KVStoreClient:
             layout_id=ns.layout_id, keys=packed, token=self._region.token, lease_ms=lease_ms),
             timeout=self.timeout), ns)
         offsets = np.frombuffer(resp.offsets, dtype="<i8")
-        return Acquired(ns, resp.lease_id, offsets, self._region, self.release_lease)
+        return Acquired(ns, resp.lease_id, offsets, self._region, self._release_later)
+
+    def _release_later(self, lease_id: int) -> None:
+        """End a lease without waiting for the answer: the caller has finished reading,
+        and a lost release only costs the pages their pin until the lease expires."""
+        future = self._release.future(pb.ReleaseLeaseRequest(lease_id=lease_id),
+                                      timeout=self.timeout)
+        future.add_done_callback(_log_release_failure)
 
     def _acquire_or_keyerror(self, ns: LayoutHandle, keys: Sequence[bytes]) -> Acquired:
         try:
@@ -442,6 +449,12 @@ class KVStoreClient:
     def inspect(self, layout_id: bytes, key: bytes) -> apb.InspectResponse:
         return self._call("Inspect", lambda: self._inspect(
             apb.InspectRequest(layout_id=layout_id, key=key), timeout=self.timeout))
+
+
+def _log_release_failure(future: grpc.Future) -> None:
+    if future.exception() is not None:
+        log.warning("releasing a lease failed (%s); it expires by itself",
+                    future.exception())
 
 
 def layout_of(stats: apb.LayoutStats) -> PageLayout:

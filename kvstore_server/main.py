@@ -37,8 +37,10 @@ class Server:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.region = Region(config.dram // 4096 * 4096 + HEADER_BYTES, config.shm_dir,
-                             config.shm_group)
+        # Rounded up to 2 MiB so the region can live on hugetlbfs, whose files must be a
+        # whole number of huge pages.
+        size = -(-(config.dram // 4096 * 4096 + HEADER_BYTES) // (2 << 20)) * (2 << 20)
+        self.region = Region(size, config.shm_dir, config.shm_group)
         self.region.prefault()
         self.region.lock()
         self.store = Store(self.region, lease_ttl=config.lease_ttl,

@@ -1,0 +1,165 @@
+"""Same-host data plane benchmark: shared-memory put/get against gRPC and a plain copy.
+
+192 MiB per call in 1 MiB pages through a real kvstore-server on loopback, the same
+client process measuring, in one run: (a) the shared-memory path (Reserve/Commit,
+Acquire/Release, numpy copies in and out of the mapped pool), (b) the gRPC path of the
+same client (`shared_memory=False`), (c) a plain numpy copy of the same bytes between
+two pre-touched buffers. With `--gpu` and a CUDA device, also pool -> GPU copies of
+the acquired pages (the mapping registered with cudaHostRegister once) against a
+pinned-memory cudaMemcpy of the same size.
+
+    python -m kvstore_bench.shm_bench [--quick] [--gpu] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+from kvstore_client import KVStoreClient, PageLayout
+from kvstore_client.malloc import keep_freed_buffers
+
+from .serverproc import ServerProcess
+
+MiB = 1 << 20
+LAYOUT = PageLayout(model="bench-shm", num_layers=32, page_tokens=16, num_kv_heads=8,
+                    head_size=64)      # 1 MiB pages
+
+
+def _median_gbps(nbytes: int, times: list[float]) -> float:
+    return nbytes / statistics.median(times) / 1e9
+
+
+def memcpy_gbps(nbytes: int, reps: int) -> float:
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.ones(nbytes, dtype=np.uint8)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst[:] = src
+        times.append(time.perf_counter() - t0)
+    return _median_gbps(nbytes, times)
+
+
+def path_gbps(client: KVStoreClient, total: int, reps: int, tag: str) -> tuple[float, float]:
+    ns = client.register_layout(LAYOUT)
+    n = total // ns.page_bytes
+    pages = np.random.default_rng(0).integers(0, 256, (n, ns.page_bytes), dtype=np.uint8)
+    out = np.ones_like(pages)
+    put_t, get_t = [], []
+    for rep in range(reps):
+        keys = [f"{tag}-{rep}-{i}".encode().ljust(16, b".")[:16] for i in range(n)]
+        t0 = time.perf_counter()
+        client.put(ns, keys, pages)
+        t1 = time.perf_counter()
+        client.get_into(ns, keys, out)
+        t2 = time.perf_counter()
+        if not np.array_equal(out, pages):
+            raise SystemExit(f"{tag}: pages came back different")
+        client.delete(ns, keys)
+        put_t.append(t1 - t0)
+        get_t.append(t2 - t1)
+    return _median_gbps(total, put_t), _median_gbps(total, get_t)
+
+
+def gpu_gbps(client: KVStoreClient, total: int, reps: int) -> dict:
+    """Acquired pool pages -> one GPU buffer, against a pinned buffer -> GPU, same size."""
+    import torch
+
+    from connector.cuda import HostRegistration
+
+    ns = client.register_layout(LAYOUT)
+    n = total // ns.page_bytes
+    keys = [f"gpu-{i}".encode().ljust(16, b".") for i in range(n)]
+    client.put(ns, keys, np.ones((n, ns.page_bytes), dtype=np.uint8))
+    region = client.region()
+    t0 = time.perf_counter()
+    registration = HostRegistration(region.mem)
+    register_s = time.perf_counter() - t0
+    pool = torch.from_numpy(region.mem)
+    dst = torch.empty(total, dtype=torch.uint8, device="cuda")
+    pinned = torch.ones(total, dtype=torch.uint8).pin_memory()
+    stream = torch.cuda.Stream()
+    timings = {"pool": [], "pinned": []}
+    with client.acquire(ns, keys) as acq:
+        offsets = acq.offsets.tolist()
+        for _ in range(reps + 1):
+            for name in ("pinned", "pool"):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                with torch.cuda.stream(stream):
+                    start.record()
+                    if name == "pinned":
+                        dst.copy_(pinned, non_blocking=True)
+                    else:
+                        for i, off in enumerate(offsets):   # one copy per 1 MiB page
+                            dst[i * ns.page_bytes:(i + 1) * ns.page_bytes].copy_(
+                                pool[off:off + ns.page_bytes], non_blocking=True)
+                    end.record()
+                end.synchronize()
+                timings[name].append(start.elapsed_time(end) / 1e3)
+    registration.close()
+    pool_gbps = _median_gbps(total, timings["pool"][1:])
+    pinned_gbps = _median_gbps(total, timings["pinned"][1:])
+    return {"pool_gbps": pool_gbps, "pinned_gbps": pinned_gbps,
+            "pool_vs_pinned": pool_gbps / pinned_gbps, "register_ms": register_s * 1e3,
+            "region_bytes": region.size}
+
+
+def run(quick: bool, gpu: bool) -> dict:
+    keep_freed_buffers()   # this process reads pages over gRPC too (see kvstore_client.malloc)
+    reps = 3 if quick else 7
+    total = 64 * MiB if quick else 192 * MiB
+    results: dict = {"memcpy_gbps": memcpy_gbps(total, reps)}
+    with ServerProcess(dram="1GiB").start(wait=120) as srv:
+        with KVStoreClient(srv.address, shared_memory=True) as shm:
+            put, get = path_gbps(shm, total, reps, "shm")
+            results["shm"] = {"put_gbps": put, "get_gbps": get}
+            if gpu:
+                results["gpu"] = gpu_gbps(shm, total, reps)
+        with KVStoreClient(srv.address, shared_memory=False, timeout=60) as remote:
+            put, get = path_gbps(remote, total, reps, "grpc")
+            results["grpc"] = {"put_gbps": put, "get_gbps": get}
+    results["get_shm_vs_grpc"] = results["shm"]["get_gbps"] / results["grpc"]["get_gbps"]
+    results["get_shm_vs_memcpy"] = results["shm"]["get_gbps"] / results["memcpy_gbps"]
+    results["put_shm_vs_grpc"] = results["shm"]["put_gbps"] / results["grpc"]["put_gbps"]
+    results["put_shm_vs_memcpy"] = results["shm"]["put_gbps"] / results["memcpy_gbps"]
+    return results
+
+
+def report(r: dict) -> str:
+    lines = ["| path | put GB/s | get GB/s |", "|---|---|---|",
+             f"| shared memory | {r['shm']['put_gbps']:.2f} | {r['shm']['get_gbps']:.2f} |",
+             f"| gRPC | {r['grpc']['put_gbps']:.2f} | {r['grpc']['get_gbps']:.2f} |",
+             f"| plain numpy copy | {r['memcpy_gbps']:.2f} | {r['memcpy_gbps']:.2f} |", "",
+             f"get: shared memory / gRPC = {r['get_shm_vs_grpc']:.1f}x, "
+             f"/ memcpy = {r['get_shm_vs_memcpy']:.0%}",
+             f"put: shared memory / gRPC = {r['put_shm_vs_grpc']:.1f}x, "
+             f"/ memcpy = {r['put_shm_vs_memcpy']:.0%}"]
+    if "gpu" in r:
+        g = r["gpu"]
+        lines += ["", f"pool -> GPU {g['pool_gbps']:.1f} GB/s, pinned cudaMemcpy "
+                      f"{g['pinned_gbps']:.1f} GB/s: {g['pool_vs_pinned']:.0%} "
+                      f"(cudaHostRegister of {g['region_bytes'] >> 20} MiB: "
+                      f"{g['register_ms']:.0f} ms, once)"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--gpu", action="store_true", help="also pool -> GPU (needs CUDA)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    r = run(args.quick, args.gpu)
+    print(json.dumps(r, indent=2) if args.json else report(r))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
