@@ -1,7 +1,8 @@
 """Store benchmark: gRPC put/get throughput against a raw socket, and lookup latency.
 
 Throughput: pages of 64 KiB, 1 MiB and 4 MiB, 192 MiB per call, through a real
-kvstore-server process on loopback; the baseline moves the same bytes over a plain TCP
+kvstore-server process on loopback over gRPC (the shared-memory path is off here; see
+shm_bench); the baseline moves the same bytes over a plain TCP
 socket between two processes in the same run (send from one pre-touched buffer,
 recv_into another), which is the ceiling for any socket transport on this machine.
 Lookup: p50/p99 latency of 16, 256 and 4096 keys with 10k and 1M pages stored.
@@ -21,6 +22,7 @@ import time
 import numpy as np
 
 from kvstore_client import KVStoreClient, PageLayout
+from kvstore_client.malloc import keep_freed_buffers
 
 from .serverproc import ServerProcess
 
@@ -180,7 +182,9 @@ def run(quick: bool = False) -> dict:
     raw_recv, raw_send = raw_socket_gbps(total, reps)
     results["raw_socket"] = {"recv_gbps": raw_recv, "send_gbps": raw_send}
     big_pool = "6GiB" if not quick else "1GiB"
-    with ServerProcess(dram=big_pool) as srv, KVStoreClient(srv.address, timeout=60) as client:
+    keep_freed_buffers()    # this process receives pages over gRPC (kvstore_client.malloc)
+    with ServerProcess(dram=big_pool).start(wait=300) as srv, \
+            KVStoreClient(srv.address, timeout=60, shared_memory=False) as client:
         for label in PAGE_SHAPES:
             put, get = grpc_gbps(client, label, total, reps)
             results["throughput"][label] = {"put_gbps": put, "get_gbps": get,

@@ -1,0 +1,85 @@
+"""Connector settings, shared by the scheduler and worker halves and every adapter."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Mapping
+
+__all__ = ["ConnectorConfig", "Role", "LoadMode", "SavePolicy"]
+
+
+class Role(enum.Enum):
+    """What this engine instance does with the store (vLLM's kv_role)."""
+
+    PRODUCER = "kv_producer"   # only saves: a prefill instance handing KV to decoders
+    CONSUMER = "kv_consumer"   # only loads: a decode instance
+    BOTH = "kv_both"
+
+    @property
+    def loads(self) -> bool:
+        return self is not Role.PRODUCER
+
+    @property
+    def saves(self) -> bool:
+        return self is not Role.CONSUMER
+
+
+class LoadMode(enum.Enum):
+    # The request runs in the same step as its load; each layer's attention waits only
+    # for that layer's pages, so the copy of layer l+1 hides behind the compute of layer
+    # l. Best time to first token.
+    LAYERWISE = "layerwise"
+    # The load runs between steps (vLLM's WAITING_FOR_REMOTE_KVS) and the request is
+    # scheduled once every layer is in place; other requests keep running meanwhile.
+    ASYNC = "async"
+
+
+class SavePolicy(enum.Enum):
+    ALL = "all"          # every full page the engine computes, prompt and output
+    PROMPT = "prompt"    # only pages inside the prompt (outputs are rarely reused)
+    NONE = "none"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """Settings from the engine's connector config (vLLM: kv_connector_extra_config).
+
+    Defaults suit one engine on the store's host.
+    """
+
+    server: str = "127.0.0.1:50051"
+    page_tokens: int = 0            # tokens per stored page; 0 = the engine's block size
+    lookup_timeout: float = 0.5     # seconds; a slower lookup answers "ask again later"
+    lease_ms: int = 30_000          # pages a lookup counted stay pinned until loaded
+    role: Role = Role.BOTH
+    load_mode: LoadMode = LoadMode.LAYERWISE
+    save: SavePolicy = SavePolicy.ALL
+    salt: str = ""                  # namespace for pages (e.g. per deployment or tenant)
+    model: str = ""                 # page namespace; "" = the engine's model name
+    token: str = ""                 # credentials for the store (bearer token)
+    shared_memory: bool | None = None   # None = use the shared pool when mappable
+    timeout: float = 10.0           # seconds for store calls other than the lookup
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], role: str | None = None) -> "ConnectorConfig":
+        """Build from a plain dict (JSON config); ValueError names a bad key or value."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(values) - known
+        if unknown:
+            raise ValueError(f"unknown kvstore connector settings: {sorted(unknown)} "
+                             f"(known: {sorted(known)})")
+        kwargs = dict(values)
+        if role is not None:
+            kwargs.setdefault("role", role)
+        try:
+            for name, enum_type in (("role", Role), ("load_mode", LoadMode), ("save", SavePolicy)):
+                if name in kwargs and not isinstance(kwargs[name], enum_type):
+                    kwargs[name] = enum_type(kwargs[name])
+        except ValueError as exc:
+            raise ValueError(f"kvstore connector config: {exc}") from None
+        config = cls(**kwargs)
+        if config.page_tokens < 0 or config.lookup_timeout <= 0 or config.lease_ms < 0:
+            raise ValueError("kvstore connector config: page_tokens must be >= 0, "
+                             "lookup_timeout > 0 and lease_ms >= 0")
+        return config

@@ -1,0 +1,42 @@
+"""Per-step plans the scheduler half hands the worker half: which pages to load or save.
+
+These are the only things that cross from the scheduler process to the workers, so they
+are small, immutable and picklable (vLLM sends them to worker processes every step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+__all__ = ["LoadSpec", "SaveSpec", "StepMeta"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Load pages keys[i] into the engine blocks block_ids[i] (k blocks per page)."""
+
+    req_id: str
+    keys: tuple[bytes, ...]
+    block_ids: np.ndarray          # (pages, blocks_per_page) int64
+    is_async: bool                 # True: report in finished_recving when done
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SaveSpec:
+    """Store the pages held in block_ids[i] under keys[i] (skipped if already stored)."""
+
+    req_id: str
+    keys: tuple[bytes, ...]
+    block_ids: np.ndarray          # (pages, blocks_per_page) int64
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepMeta:
+    loads: tuple[LoadSpec, ...] = ()
+    saves: tuple[SaveSpec, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not self.loads and not self.saves

@@ -1,0 +1,255 @@
+"""The scheduler half: how much of a prompt the store holds, and what to load and save.
+
+It runs beside the engine's scheduler and never touches tensors. Per request:
+
+    hit(req, tokens, local)   -> external tokens to load (page-aligned, beyond the
+                                 engine's own prefix cache), None = "ask again", leasing
+                                 the counted pages so they cannot vanish before the load
+    allocated(req, blocks, n) -> a LoadSpec for the next step's metadata
+    scheduled(req, ...)       -> SaveSpecs for pages this step completes
+    build()                   -> the StepMeta for the workers (and forget it)
+    load_finished / load_failed / finished(req) -> leases released, state dropped
+
+Keys are the connector's chained page hashes (connector.hashing), computed once per page
+and extended as a request grows. With tensor parallelism every rank has its own layout;
+the hit is asked over all of them in one Lookup, which answers the minimum, so ranks
+never disagree about what to load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Sequence
+
+import grpc
+import numpy as np
+
+from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
+
+from .config import ConnectorConfig, SavePolicy
+from .hashing import page_keys
+from .meta import LoadSpec, SaveSpec, StepMeta
+
+__all__ = ["SchedulerHalf"]
+
+log = logging.getLogger(__name__)
+
+# Errors after which the store counts as unreachable: no hit, one warning, no failure.
+_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+         grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+@dataclasses.dataclass(slots=True)
+class _Request:
+    tokens: np.ndarray                     # int32 token ids known so far
+    prompt_len: int
+    keys: list[bytes] = dataclasses.field(default_factory=list)  # keys of full pages
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    local_tokens: int = 0                  # the engine's own prefix-cache hit
+    lease_id: int = 0                      # pins the counted pages until loaded
+    saved_pages: int = 0                   # leading pages known stored (hit or saved)
+    loading: bool = False
+    load_failed: bool = False
+
+
+class SchedulerHalf:
+    """Engine-agnostic scheduler logic; adapters translate engine objects into calls."""
+
+    def __init__(self, config: ConnectorConfig, layouts: Sequence[PageLayout], block_size: int,
+                 client: KVStoreClient | None = None) -> None:
+        if not layouts:
+            raise ValueError("the scheduler half needs at least one layout (one per rank)")
+        self.config = config
+        self.page_tokens = layouts[0].page_tokens
+        if self.page_tokens % block_size:
+            raise ValueError(f"page_tokens {self.page_tokens} must be a multiple of the "
+                             f"engine's block size {block_size}")
+        self.block_size = block_size
+        self.blocks_per_page = self.page_tokens // block_size
+        self.layouts = list(layouts)
+        self.seed = layouts[0].chain_seed
+        # The scheduler only asks and leases: no page bytes, so no shared memory; and a
+        # lookup must answer within lookup_timeout, so no retries either.
+        self.client = client or KVStoreClient(config.server, timeout=config.lookup_timeout,
+                                              retries=0, shared_memory=False)
+        self._handles: list[LayoutHandle] | None = None
+        self._requests: dict[str, _Request] = {}
+        self._loads: list[LoadSpec] = []
+        self._saves: list[SaveSpec] = []
+        self._leases_to_release: list[int] = []
+        self._down_since = 0.0        # when the store was last found unreachable
+
+    # -- the store ----------------------------------------------------------------------
+    def _ns(self) -> list[LayoutHandle]:
+        if self._handles is None:
+            self._handles = [self.client.register_layout(layout) for layout in self.layouts]
+        return self._handles
+
+    def _store_down(self, exc: Exception) -> None:
+        now = time.monotonic()
+        if now - self._down_since > 60:
+            log.warning("kvstore at %s unreachable (%s): serving without it",
+                        self.config.server, exc)
+        self._down_since = now
+
+    # -- requests -----------------------------------------------------------------------
+    def _state(self, req_id: str, tokens, prompt_len: int | None = None) -> _Request:
+        state = self._requests.get(req_id)
+        # Converting a 32k-token list costs milliseconds: only when the request grew.
+        if state is None:
+            arr = np.asarray(tokens, dtype=np.int32)
+            state = _Request(arr, len(arr) if prompt_len is None else prompt_len)
+            self._requests[req_id] = state
+        elif len(tokens) > len(state.tokens):
+            state.tokens = np.asarray(tokens, dtype=np.int32)
+        return state
+
+    def _keys_upto(self, state: _Request, pages: int) -> list[bytes]:
+        """Keys of the first `pages` pages, hashing only pages not hashed before."""
+        have = len(state.keys)
+        if pages > have:
+            t = self.page_tokens
+            parent = state.keys[-1] if state.keys else None
+            state.keys += page_keys(state.tokens[have * t:pages * t], t, self.seed,
+                                    parent=parent)
+        return state.keys[:pages]
+
+    def hit(self, req_id: str, tokens, num_local_tokens: int) -> int | None:
+        """Tokens to load beyond the engine's own `num_local_tokens`; None = ask again."""
+        if not self.config.role.loads:
+            return 0
+        state = self._state(req_id, tokens)
+        state.local_tokens = num_local_tokens
+        if state.load_failed:
+            return 0          # a failed load is recomputed, not retried in a loop
+        if time.monotonic() - self._down_since < 5:
+            return 0          # recently unreachable: do not stall every request on it
+        t = self.page_tokens
+        # Never claim the whole prompt: the engine must compute at least its last token.
+        usable = (len(state.tokens) - 1) // t
+        if usable * t <= num_local_tokens or num_local_tokens % t:
+            # Nothing beyond the local hit, or a local hit that ends inside a page (only
+            # possible when a page spans several blocks): loading would overwrite blocks
+            # the engine already shares, so recompute instead.
+            return 0
+        keys = self._keys_upto(state, usable)
+        first = num_local_tokens // t
+        self._drop_lease(state)
+        try:
+            lease = self.client.lookup_lease(self._ns(), keys, self.config.lease_ms) \
+                if self.config.lease_ms else None
+            count = lease.count if lease else self.client.lookup(self._ns(), keys)
+        except KVStoreError as exc:
+            if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return None
+            if exc.code in _DOWN:
+                self._store_down(exc)
+                return 0
+            raise
+        if lease is not None:
+            state.lease_id = lease.lease_id
+        state.saved_pages = max(state.saved_pages, count)
+        if count <= first:
+            self._drop_lease(state)
+            return 0
+        return (count - first) * t
+
+    def _drop_lease(self, state: _Request) -> None:
+        if state.lease_id:
+            self._leases_to_release.append(state.lease_id)
+            state.lease_id = 0
+
+    def allocated(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """The engine gave the request blocks (all of them) for local + external tokens."""
+        state = self._requests.get(req_id)
+        if state is None:
+            return
+        state.block_ids = list(block_ids)
+        if num_external_tokens <= 0:
+            return
+        t = self.page_tokens
+        first = state.local_tokens // t
+        last = first + num_external_tokens // t
+        keys = state.keys[first:last]
+        blocks = np.asarray(state.block_ids[first * self.blocks_per_page:
+                                            last * self.blocks_per_page], dtype=np.int64)
+        state.loading = True
+        self._loads.append(LoadSpec(req_id, tuple(keys),
+                                    blocks.reshape(len(keys), self.blocks_per_page),
+                                    self.config.load_mode.value == "async"))
+
+    def scheduled(self, req_id: str, tokens, num_computed_tokens: int, num_new_tokens: int,
+                  block_ids: Sequence[int] | None = None, new_block_ids: Sequence[int] = (),
+                  prompt_len: int | None = None) -> None:
+        """The engine runs num_new_tokens after num_computed_tokens this step; pages that
+        become full are saved (layer by layer, as the engine writes their KV)."""
+        state = self._state(req_id, tokens, prompt_len)
+        if block_ids is not None:
+            state.block_ids = list(block_ids)
+        elif new_block_ids:
+            state.block_ids.extend(new_block_ids)
+        if not self.config.role.saves or self.config.save is SavePolicy.NONE:
+            return
+        t = self.page_tokens
+        full = min(num_computed_tokens + num_new_tokens, len(state.tokens)) // t
+        if self.config.save is SavePolicy.PROMPT:
+            full = min(full, state.prompt_len // t)
+        full = min(full, len(state.block_ids) // self.blocks_per_page)
+        start = state.saved_pages
+        if full <= start:
+            return
+        keys = self._keys_upto(state, full)[start:full]
+        k = self.blocks_per_page
+        blocks = np.asarray(state.block_ids[start * k:full * k], dtype=np.int64)
+        self._saves.append(SaveSpec(req_id, tuple(keys), blocks.reshape(len(keys), k)))
+        state.saved_pages = full
+
+    def build(self) -> StepMeta:
+        """This step's plan for the workers; the scheduler half forgets it."""
+        meta = StepMeta(tuple(self._loads), tuple(self._saves))
+        self._loads.clear()
+        self._saves.clear()
+        self._release_dropped()
+        return meta
+
+    def _release_dropped(self) -> None:
+        while self._leases_to_release:
+            lease_id = self._leases_to_release.pop()
+            try:
+                self.client.release_lease(lease_id)
+            except KVStoreError as exc:   # it expires by itself
+                log.debug("releasing lease %d failed: %s", lease_id, exc)
+
+    def load_finished(self, req_id: str) -> None:
+        """The workers have the request's pages: its lease is no longer needed."""
+        state = self._requests.get(req_id)
+        if state is not None:
+            state.loading = False
+            self._drop_lease(state)
+
+    def load_failed_blocks(self, block_ids: set[int]) -> list[str]:
+        """Mark requests whose load wrote to these blocks as failed (they recompute and
+        are not offered the same hit again); returns their ids."""
+        failed = []
+        for req_id, state in self._requests.items():
+            if state.loading and block_ids.intersection(state.block_ids):
+                state.load_failed = True
+                state.loading = False
+                state.saved_pages = state.local_tokens // self.page_tokens
+                self._drop_lease(state)
+                failed.append(req_id)
+        return failed
+
+    def finished(self, req_id: str) -> None:
+        """The request is done (or aborted); nothing of it is held for later."""
+        state = self._requests.pop(req_id, None)
+        if state is not None:
+            self._drop_lease(state)
+
+    def close(self) -> None:
+        for state in self._requests.values():
+            self._drop_lease(state)
+        self._release_dropped()
+        self.client.close()

@@ -1,0 +1,227 @@
+"""vLLM adapter: `KVStoreConnector`, a KVConnectorBase_V1 for vLLM 0.33.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector":"KVStoreConnector",
+        "kv_connector_module_path":"connector.vllm","kv_role":"kv_both",
+        "kv_connector_extra_config":{"server":"127.0.0.1:50051"}}'
+
+`kv_connector_extra_config` takes the fields of connector.config.ConnectorConfig
+(server, page_tokens, lookup_timeout, lease_ms, load_mode, save, salt, model, token,
+shared_memory, timeout); `kv_role` is honoured (a producer only saves, a consumer only
+loads). This module only translates vLLM's objects into the engine-agnostic halves
+(connector.scheduler, connector.worker); it imports only when vLLM is installed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvstore_client import PageLayout
+
+from .config import ConnectorConfig, LoadMode
+from .kvviews import detect_kind, kv5
+from .meta import StepMeta
+from .scheduler import SchedulerHalf
+from .worker import WorkerHalf
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KVStoreConnector", "KVStoreConnectorMetadata"]
+
+log = logging.getLogger(__name__)
+
+
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    """One step's plan (connector.meta.StepMeta), sent from the scheduler to workers."""
+
+    def __init__(self, step: StepMeta) -> None:
+        self.step = step
+
+
+def _dtype_name(vllm_config: "VllmConfig") -> str:
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype and cache_dtype != "auto":
+        return {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+                "fp8_e5m2": "float8_e5m2"}.get(cache_dtype, cache_dtype)
+    return str(vllm_config.model_config.dtype).removeprefix("torch.")
+
+
+def _layouts(vllm_config: "VllmConfig", config: ConnectorConfig,
+             page_tokens: int) -> tuple[list[PageLayout], bool]:
+    """Every tensor-parallel rank's layout, and whether the model uses MLA."""
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    mla = bool(getattr(model_config, "use_mla", False))
+    common = dict(
+        model=config.model or model_config.model,
+        num_layers=model_config.get_num_layers(parallel),
+        page_tokens=page_tokens,
+        head_size=model_config.get_head_size(),
+        dtype=_dtype_name(vllm_config),
+        pp_rank=getattr(parallel, "rank", 0) // max(parallel.tensor_parallel_size, 1)
+        if parallel.pipeline_parallel_size > 1 else 0,
+        salt=config.salt,
+    )
+    if mla:
+        # MLA's latent KV is the same on every TP rank: one layout, loaded by all.
+        return [PageLayout(num_kv_heads=1, kv_factor=1, **common)], True
+    tp = parallel.tensor_parallel_size
+    heads = model_config.get_num_kv_heads(parallel)
+    return [PageLayout(num_kv_heads=heads, tp_rank=r, tp_size=tp, **common)
+            for r in range(tp)], False
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        return get_tensor_model_parallel_rank()
+    except (ImportError, AssertionError, AttributeError, RuntimeError):
+        return 0    # not initialised: a single process (tests, CPU harness)
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """kvstore as vLLM's KV connector: prefix hits from the store, layer-wise loads."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.config = ConnectorConfig.from_mapping(
+            dict(transfer.kv_connector_extra_config or {}), role=transfer.kv_role)
+        self.block_size = vllm_config.cache_config.block_size
+        page_tokens = self.config.page_tokens or self.block_size
+        self.layouts, self.mla = _layouts(vllm_config, self.config, page_tokens)
+        self._scheduler: SchedulerHalf | None = None
+        self._worker: WorkerHalf | None = None
+        self._requests: dict[str, "Request"] = {}     # live scheduler objects
+        self._last_sync_loads: list[str] = []         # layer-wise loads of the last step
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerHalf(self.config, self.layouts, self.block_size)
+        log.info("kvstore connector (%s) for %s: server %s, %d-token pages, %s loads",
+                 role.name.lower(), self.layouts[0].model, self.config.server, page_tokens,
+                 self.config.load_mode.value)
+
+    # -- scheduler side -------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._requests[request.request_id] = request
+        hit = self._scheduler.hit(request.request_id, request.all_token_ids,
+                                  num_computed_tokens)
+        if hit is None:
+            return None, False
+        return hit, hit > 0 and self.config.load_mode is LoadMode.ASYNC
+
+    def update_state_after_alloc(self, request: "Request", blocks: Any,
+                                 num_external_tokens: int) -> None:
+        (block_ids, *_) = blocks.get_block_ids()
+        self._scheduler.allocated(request.request_id, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        sched = self._scheduler
+        # Layer-wise loads ran within the previous step: their leases can go.
+        for req_id in self._last_sync_loads:
+            sched.load_finished(req_id)
+        counts = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            request = self._requests.get(new.req_id)
+            tokens = request.all_token_ids if request is not None else new.prompt_token_ids
+            sched.scheduled(new.req_id, tokens, new.num_computed_tokens,
+                            counts.get(new.req_id, 0), block_ids=new.block_ids[0],
+                            prompt_len=len(new.prompt_token_ids or tokens))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            request = self._requests.get(req_id)
+            if request is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            blocks = list(new_blocks[0]) if new_blocks is not None else []
+            resumed = req_id in cached.resumed_req_ids
+            sched.scheduled(req_id, request.all_token_ids, cached.num_computed_tokens[i],
+                            counts.get(req_id, 0), block_ids=blocks if resumed else None,
+                            new_block_ids=() if resumed else blocks,
+                            prompt_len=request.num_prompt_tokens)
+        step = sched.build()
+        self._last_sync_loads = [load.req_id for load in step.loads if not load.is_async]
+        return KVStoreConnectorMetadata(step)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        for req_id in connector_output.finished_recving or ():
+            self._scheduler.load_finished(req_id)
+        if connector_output.invalid_block_ids:
+            failed = self._scheduler.load_failed_blocks(set(connector_output.invalid_block_ids))
+            if failed:
+                log.warning("kvstore loads failed for %s: recomputing", failed)
+
+    def request_finished(self, request: "Request",
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # Saves finish within the step that computed the pages (wait_for_save), so no
+        # block needs to outlive the request.
+        self._requests.pop(request.request_id, None)
+        self._scheduler.finished(request.request_id)
+        return False, None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False          # a store is a best-effort cache: a lost save is a miss
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return (extra_config or {}).get("load_mode", "layerwise") == "layerwise"
+
+    # -- worker side ----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layout = self.layouts[0] if self.mla else self.layouts[_tp_rank()]
+        views = {}
+        for name, tensor in kv_caches.items():
+            views[name] = kv5(tensor, detect_kind(tensor, mla=self.mla))
+        saves = not self.mla or _tp_rank() == 0      # MLA: one rank saves for all
+        self._worker = WorkerHalf(self.config, layout, views, saves=saves)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.bind(connector_metadata.step)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._worker is not None:
+            self._worker.start_load(self._get_connector_metadata().step)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        if self._worker is not None:
+            self._worker.save_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        received = self._worker.finished()
+        return None, received or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()

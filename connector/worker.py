@@ -1,0 +1,237 @@
+"""The worker half: moves pages between the store and the engine's paged KV tensors.
+
+Per step, in the order engines call it (docs/dev/vllm-0.33-connector-api.md, section 5):
+
+    bind(meta)             reserve store slots for this step's saves (before the forward)
+    start_load(meta)       pin the pages to load (Acquire) and start copying them, every
+                           layer on a side stream with one event per layer
+    wait_for_layer(name)   the compute stream waits for that layer's copies only
+    save_layer(name)       that layer's pages to save are gathered and copied out (D2H)
+    wait_for_save()        every save copy has landed: commit the reservations
+    finished(ids)          loads whose copies are done release their pins; async loads are
+                           reported as received
+    load_errors()          block ids whose load failed (the engine recomputes them)
+
+On the store's host the pages move straight between the shared pool (registered with
+CUDA once) and the GPU; elsewhere they go through a pinned buffer and gRPC. All CUDA
+work is in connector.transfer; this module only plans it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from typing import Sequence
+
+import numpy as np
+
+from kvstore_client import KVStoreClient, KVStoreError, PageLayout
+
+from .config import ConnectorConfig
+from .meta import LoadSpec, SaveSpec, StepMeta
+from .transfer import HostRegistration, KVTransfer
+
+__all__ = ["WorkerHalf", "layer_order"]
+
+log = logging.getLogger(__name__)
+
+
+def layer_order(names: Sequence[str]) -> list[str]:
+    """Layer names in model order: by the first number in the name (model.layers.7...),
+    falling back to the order given."""
+    def index(item):
+        pos, name = item
+        match = re.search(r"\.(\d+)\.", name) or re.search(r"(\d+)", name)
+        return (int(match.group(1)) if match else pos, pos)
+    return [name for _, name in sorted(enumerate(names), key=index)]
+
+
+@dataclasses.dataclass(slots=True)
+class _Load:
+    spec: LoadSpec
+    handle: object            # transfer.LoadHandle
+    release: object           # callable ending the pin on the source pages
+
+
+@dataclasses.dataclass(slots=True)
+class _Save:
+    spec: SaveSpec
+    host: np.ndarray          # where the slabs go: the shared pool or a pinned buffer
+    offsets: np.ndarray       # page offsets in host (-1: already stored, skipped)
+    commit: object            # callable: Commit the reservation, or Put the buffer (gRPC)
+    abort: object             # callable: give the reserved slots back
+
+
+class WorkerHalf:
+    """Engine-agnostic worker logic over kv5 views of the engine's KV tensors."""
+
+    def __init__(self, config: ConnectorConfig, layout: PageLayout, layers: dict[str, object],
+                 *, saves: bool = True, client: KVStoreClient | None = None) -> None:
+        """layers: layer name -> kv5 view [kv_factor, blocks, block_size, heads, head]."""
+        names = layer_order(list(layers))
+        if len(names) != layout.num_layers:
+            raise ValueError(f"layout has {layout.num_layers} layers, the engine registered "
+                             f"{len(names)}")
+        self.config = config
+        self.layout = layout
+        self._index = {name: i for i, name in enumerate(names)}
+        views = [layers[name] for name in names]
+        self.device = views[0].device
+        self.transfer = KVTransfer(views, layout.page_tokens, self.device)
+        self.saves_enabled = saves and config.role.saves
+        self.client = client or KVStoreClient(config.server, timeout=config.timeout,
+                                              shared_memory=config.shared_memory)
+        self._ns = None                            # registered on first use
+        self._registration = None
+        self._region_mem = None
+        self._loads: list[_Load] = []              # this step's layer-wise loads
+        self._async: dict[str, _Load] = {}         # loads reported when done
+        self._saves: list[_Save] = []
+        self._errors: set[int] = set()
+        self._failed_async: set[str] = set()
+
+    @property
+    def ns(self):
+        """The layout's handle; registering lazily lets an engine start while the store
+        is down (its loads and saves then fail softly until it is back)."""
+        if self._ns is None:
+            self._ns = self.client.register_layout(self.layout)
+        return self._ns
+
+    # -- host memory ------------------------------------------------------------------
+    def _pool(self) -> np.ndarray | None:
+        """The shared pool, registered with CUDA once (None: use gRPC and pinned buffers)."""
+        region = self.client.region()
+        if region is None:
+            return None
+        if region.mem is not self._region_mem:         # first use, or the server restarted
+            if self._registration is not None:
+                self._registration.close()
+            self._registration = HostRegistration(region.mem)
+            self._region_mem = region.mem
+        return region.mem
+
+    def _buffer(self, n_pages: int) -> np.ndarray:
+        """A pinned host buffer for n pages (gRPC path)."""
+        import torch
+        nbytes = n_pages * self.ns.page_bytes
+        pin = self.device.type == "cuda"
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin).numpy()
+
+    # -- loads --------------------------------------------------------------------------
+    def start_load(self, meta: StepMeta) -> None:
+        for spec in meta.loads:
+            try:
+                load = self._start_one(spec)
+            except (KVStoreError, KeyError, OSError, RuntimeError, ValueError) as exc:
+                log.warning("load of %d pages for %s failed, the engine recomputes them: %s",
+                            len(spec.keys), spec.req_id, exc)
+                self._errors.update(int(b) for b in spec.block_ids.reshape(-1))
+                if spec.is_async:
+                    self._failed_async.add(spec.req_id)
+                continue
+            if spec.is_async:
+                self._async[spec.req_id] = load
+            else:
+                self._loads.append(load)
+
+    def _start_one(self, spec: LoadSpec) -> _Load:
+        lb = self.ns.layer_bytes
+        pool = self._pool()
+        if pool is not None:
+            acquired = self.client.acquire(self.ns, spec.keys)
+            try:
+                handle = self.transfer.load(pool, acquired.offsets, lb, spec.block_ids)
+            except BaseException:
+                acquired.release()
+                raise
+            return _Load(spec, handle, acquired.release)
+        host = self._buffer(len(spec.keys))
+        self.client.get_into(self.ns, spec.keys, host)
+        offsets = np.arange(len(spec.keys), dtype=np.int64) * self.ns.page_bytes
+        handle = self.transfer.load(host, offsets, lb, spec.block_ids)
+        return _Load(spec, handle, lambda: None)
+
+    def wait_for_layer(self, name: str) -> None:
+        layer = self._index[name]
+        for load in self._loads:
+            load.handle.wait_layer(layer)
+
+    # -- saves --------------------------------------------------------------------------
+    def bind(self, meta: StepMeta) -> None:
+        """Reserve the store's slots for this step's saves before the forward starts, so
+        no RPC waits inside the layers."""
+        self._saves.clear()
+        if not self.saves_enabled:
+            return
+        for spec in meta.saves:
+            try:
+                self._saves.append(self._reserve(spec))
+            except (KVStoreError, OSError) as exc:
+                log.warning("not saving %d pages of %s: %s", len(spec.keys), spec.req_id, exc)
+
+    def _reserve(self, spec: SaveSpec) -> _Save:
+        pool = self._pool()
+        if pool is not None:
+            res = self.client.reserve(self.ns, spec.keys)
+            return _Save(spec, pool, res.offsets, res.commit, res.abort)
+        host = self._buffer(len(spec.keys))
+        offsets = np.arange(len(spec.keys), dtype=np.int64) * self.ns.page_bytes
+        keys = spec.keys
+        return _Save(spec, host, offsets,
+                     lambda: self.client.put(self.ns, keys,
+                                             host.reshape(len(keys), self.ns.page_bytes)),
+                     lambda: None)
+
+    def save_layer(self, name: str) -> None:
+        layer = self._index[name]
+        for save in self._saves:
+            self.transfer.save_layer(layer, save.host, save.offsets, save.spec.block_ids)
+
+    def wait_for_save(self) -> None:
+        if not self._saves:
+            return
+        try:
+            self.transfer.finish_save()
+            ok = True
+        except RuntimeError as exc:
+            log.warning("saving pages failed, they are not stored: %s", exc)
+            ok = False
+        for save in self._saves:
+            try:
+                save.commit() if ok else save.abort()
+            except KVStoreError as exc:
+                log.warning("finishing the save of %d pages of %s failed: %s",
+                            len(save.spec.keys), save.spec.req_id, exc)
+        self._saves.clear()
+
+    # -- completion ---------------------------------------------------------------------
+    def finished(self) -> set[str]:
+        """Release finished loads' pins; return ids of async loads now complete."""
+        for load in self._loads:
+            load.handle.synchronize()       # the forward waited on every layer already
+            load.release()
+        self._loads.clear()
+        done = set(self._failed_async)
+        self._failed_async.clear()
+        for req_id, load in list(self._async.items()):
+            if load.handle.done():
+                load.release()
+                del self._async[req_id]
+                done.add(req_id)
+        return done
+
+    def load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def close(self) -> None:
+        for load in [*self._loads, *self._async.values()]:
+            load.handle.synchronize()
+            load.release()
+        self._loads.clear()
+        self._async.clear()
+        if self._registration is not None:
+            self._registration.close()
+        self.client.close()

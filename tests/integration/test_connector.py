@@ -1,0 +1,263 @@
+"""The connector's scheduler and worker halves with CPU tensors against a real server:
+the whole protocol an engine drives, without an engine."""
+
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from connector.config import ConnectorConfig, LoadMode, Role   # noqa: E402
+from connector.scheduler import SchedulerHalf                   # noqa: E402
+from connector.worker import WorkerHalf                         # noqa: E402
+from kvstore_bench.serverproc import ServerProcess              # noqa: E402
+from kvstore_client import KVStoreClient, PageLayout            # noqa: E402
+
+LAYERS, BLOCKS, BLOCK, HEADS, HEAD = 3, 64, 16, 2, 8
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+def layout(page_tokens=BLOCK, **kw):
+    return PageLayout(model="toy", num_layers=LAYERS, page_tokens=page_tokens,
+                      num_kv_heads=HEADS, head_size=HEAD, dtype="float32", **kw)
+
+
+def kv_value(layer, positions, tokens):
+    """Deterministic KV of a token: equal prefixes get equal KV (a stand-in model)."""
+    base = (layer + 1) * 1e5 + positions * 10.0 + (tokens % 7)
+    grid = torch.arange(2 * HEADS * HEAD, dtype=torch.float32).view(2, 1, HEADS, HEAD) / 1e3
+    return base.view(1, -1, 1, 1) + grid          # [2, n, H, D]
+
+
+class Engine:
+    """Paged caches in the FlashAttention layout and a block allocator."""
+
+    def __init__(self, server, role=Role.BOTH, page_tokens=BLOCK, mode=LoadMode.LAYERWISE,
+                 **config):
+        self.config = ConnectorConfig(server=server, role=role, load_mode=mode, **config)
+        self.layout = layout(page_tokens)
+        self.caches = {n: torch.full((2, BLOCKS, BLOCK, HEADS, HEAD), -1.0) for n in NAMES}
+        self.sched = SchedulerHalf(self.config, [self.layout], BLOCK)
+        self.worker = WorkerHalf(self.config, self.layout, self.caches)
+        self.free = list(range(BLOCKS))[::-1]
+
+    def alloc(self, tokens):
+        return [self.free.pop() for _ in range(-(-tokens // BLOCK))]
+
+    def step(self, writes):
+        """One engine step: writes = [(block_ids, tokens, start, stop)] of computed tokens."""
+        meta = self.sched.build()
+        self.worker.bind(meta)
+        self.worker.start_load(meta)
+        for layer, name in enumerate(NAMES):
+            self.worker.wait_for_layer(name)
+            for block_ids, tokens, start, stop in writes:
+                pos = torch.arange(start, stop)
+                kv = kv_value(layer, pos, torch.as_tensor(tokens[start:stop]))
+                blocks = torch.as_tensor(block_ids)[pos // BLOCK]
+                self.caches[name][:, blocks, pos % BLOCK] = kv
+            self.worker.save_layer(name)
+        self.worker.wait_for_save()
+        return meta, self.worker.finished(), self.worker.load_errors()
+
+    def run_prompt(self, req_id, tokens, local=0, local_blocks=()):
+        """Lookup, allocate, load and compute one prompt; returns (hit tokens, blocks)."""
+        hit = self.sched.hit(req_id, tokens, local)
+        blocks = list(local_blocks) + self.alloc(len(tokens) - local)
+        self.sched.allocated(req_id, blocks, hit)
+        self.sched.scheduled(req_id, tokens, local + hit, len(tokens) - local - hit,
+                             block_ids=blocks)
+        meta, done, errors = self.step([(blocks, tokens, local + hit, len(tokens))])
+        return hit, blocks, meta, errors
+
+    def expect_kv(self, blocks, tokens, upto):
+        for layer, name in enumerate(NAMES):
+            pos = torch.arange(upto)
+            got = self.caches[name][:, torch.as_tensor(blocks)[pos // BLOCK], pos % BLOCK]
+            want = kv_value(layer, pos, torch.as_tensor(tokens[:upto]))
+            assert torch.equal(got, want), f"layer {layer} differs"
+
+    def close(self):
+        self.worker.close()
+        self.sched.close()
+
+
+def prompt(n, seed):
+    return np.random.default_rng(seed).integers(0, 32000, n).astype(np.int32)
+
+
+@pytest.fixture
+def srv(fresh_server):
+    return fresh_server(dram="64MiB", lease_ttl="2s")
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "grpc"])
+def test_full_partial_and_no_hit(srv, shm):
+    a = Engine(srv.address, shared_memory=shm)
+    tokens = prompt(100, 1)
+    hit, _, meta, _ = a.run_prompt("a", tokens)
+    assert hit == 0 and len(meta.saves) == 1 and len(meta.saves[0].keys) == 6
+    # Same prompt on a second engine: every full page but never the last token.
+    b = Engine(srv.address, shared_memory=shm)
+    hit, blocks, meta, errors = b.run_prompt("b", tokens)
+    assert hit == 96 and not errors and len(meta.loads[0].keys) == 6
+    b.expect_kv(blocks, tokens, 100)
+    # Shares 40 tokens: two whole pages.
+    other = np.concatenate([tokens[:40], prompt(60, 2)])
+    hit, blocks, _, _ = b.run_prompt("c", other)
+    assert hit == 32
+    b.expect_kv(blocks, other, 100)
+    # Nothing shared.
+    hit, _, _, _ = b.run_prompt("d", prompt(50, 3))
+    assert hit == 0
+    for e in (a, b):
+        e.close()
+
+
+def test_local_hit_is_not_loaded_again(srv):
+    a = Engine(srv.address)
+    tokens = prompt(80, 4)
+    a.run_prompt("a", tokens)
+    b = Engine(srv.address)
+    local_blocks = b.alloc(32)
+    for layer, name in enumerate(NAMES):        # the engine's own prefix cache: 2 blocks
+        pos = torch.arange(32)
+        b.caches[name][:, torch.as_tensor(local_blocks)[pos // BLOCK], pos % BLOCK] = \
+            kv_value(layer, pos, torch.as_tensor(tokens[:32]))
+    hit, blocks, meta, _ = b.run_prompt("b", tokens, local=32, local_blocks=local_blocks)
+    assert hit == 32                           # pages 2 and 3; the 5th holds the last token
+    assert meta.loads[0].block_ids.reshape(-1).tolist() == blocks[2:4]
+    b.expect_kv(blocks, tokens, 80)
+
+
+def test_pages_spanning_two_blocks_and_unaligned_prompts(srv):
+    a = Engine(srv.address, page_tokens=32)
+    tokens = prompt(77, 5)                     # 2 full 32-token pages, then 13 tokens
+    hit, _, meta, _ = a.run_prompt("a", tokens)
+    assert meta.saves[0].block_ids.shape == (2, 2)
+    b = Engine(srv.address, page_tokens=32)
+    hit, blocks, meta, _ = b.run_prompt("b", tokens)
+    assert hit == 64 and meta.loads[0].block_ids.shape == (2, 2)
+    b.expect_kv(blocks, tokens, 77)
+    # A local hit that ends inside a 32-token page is not extended (it would overwrite
+    # blocks the engine shares).
+    c = Engine(srv.address, page_tokens=32)
+    assert c.sched.hit("c", tokens, 16) == 0
+
+
+def test_two_requests_sharing_a_prefix_in_one_step(srv):
+    a = Engine(srv.address)
+    system = prompt(64, 6)
+    a.run_prompt("a", np.concatenate([system, prompt(20, 7)]))
+    b = Engine(srv.address)
+    t1, t2 = (np.concatenate([system, prompt(30, s)]) for s in (8, 9))
+    h1, h2 = b.sched.hit("r1", t1, 0), b.sched.hit("r2", t2, 0)
+    assert h1 == h2 == 64
+    b1, b2 = b.alloc(len(t1)), b.alloc(len(t2))
+    b.sched.allocated("r1", b1, h1)
+    b.sched.allocated("r2", b2, h2)
+    b.sched.scheduled("r1", t1, 64, len(t1) - 64, block_ids=b1)
+    b.sched.scheduled("r2", t2, 64, len(t2) - 64, block_ids=b2)
+    meta, _, errors = b.step([(b1, t1, 64, len(t1)), (b2, t2, 64, len(t2))])
+    assert len(meta.loads) == 2 and not errors
+    b.expect_kv(b1, t1, len(t1))
+    b.expect_kv(b2, t2, len(t2))
+
+
+def test_roles_producer_saves_consumer_loads(srv):
+    producer = Engine(srv.address, role=Role.PRODUCER)
+    tokens = prompt(64, 10)
+    hit, _, meta, _ = producer.run_prompt("p", tokens)
+    assert hit == 0 and meta.saves
+    assert producer.sched.hit("p2", tokens, 0) == 0        # a producer never loads
+    consumer = Engine(srv.address, role=Role.CONSUMER)
+    hit, blocks, meta, _ = consumer.run_prompt("c", tokens)
+    assert hit == 48 and not meta.saves                     # a consumer never saves
+    consumer.expect_kv(blocks, tokens, 64)
+
+
+def test_async_load_reports_when_done_and_abort_releases(srv):
+    a = Engine(srv.address)
+    tokens = prompt(64, 11)
+    a.run_prompt("a", tokens)
+    b = Engine(srv.address, mode=LoadMode.ASYNC)
+    hit = b.sched.hit("b", tokens, 0)
+    blocks = b.alloc(64)
+    b.sched.allocated("b", blocks, hit)
+    meta, done, errors = b.step([])
+    assert meta.loads[0].is_async and not errors
+    deadline = time.monotonic() + 5
+    while "b" not in done and time.monotonic() < deadline:
+        done = b.worker.finished()
+    assert "b" in done
+    b.sched.load_finished("b")
+    b.expect_kv(blocks, tokens, hit)
+    # An aborted request: the scheduler drops its lease, nothing stays pinned.
+    hit = b.sched.hit("gone", tokens, 0)
+    assert hit == 48
+    b.sched.finished("gone")
+    b.sched.build()
+    with KVStoreClient(srv.address) as c:
+        assert c.stats().leases == 0
+
+
+def test_server_down_means_no_hit(srv):
+    a = Engine(srv.address)
+    srv.stop()
+    assert a.sched.hit("x", prompt(64, 12), 0) == 0        # a warning, not a failure
+    a.sched.build()
+
+
+def test_server_restart_mid_load_falls_back_to_recompute(srv):
+    a = Engine(srv.address)
+    tokens = prompt(64, 13)
+    a.run_prompt("a", tokens)
+    b = Engine(srv.address)
+    hit = b.sched.hit("b", tokens, 0)
+    assert hit == 48
+    blocks = b.alloc(64)
+    b.sched.allocated("b", blocks, hit)
+    b.sched.scheduled("b", tokens, hit, 64 - hit, block_ids=blocks)
+    srv.stop()
+    again = ServerProcess(port=srv.port, dram="64MiB").start()
+    try:
+        meta, _, errors = b.step([(blocks, tokens, hit, 64)])
+        assert errors == set(blocks[:3])                      # the engine recomputes these
+        assert b.sched.load_failed_blocks(errors) == ["b"]
+        assert b.sched.hit("b", tokens, 0) == 0               # and is not offered it again
+    finally:
+        again.stop()
+
+
+def test_lookup_timeout_answers_ask_again(srv):
+    a = Engine(srv.address, lookup_timeout=1e-6)
+    assert a.sched.hit("t", prompt(64, 14), 0) is None
+
+
+def test_keys_match_across_processes_and_ranks(srv):
+    """Two TP ranks' layouts share keys (one Lookup answers the minimum over both)."""
+    r0, r1 = layout(tp_rank=0, tp_size=2), layout(tp_rank=1, tp_size=2)
+    assert r0.chain_seed == r1.chain_seed and r0.layout_id != r1.layout_id
+    cfg = ConnectorConfig(server=srv.address)
+    sched = SchedulerHalf(cfg, [r0, r1], BLOCK)
+    tokens = prompt(64, 15)
+    caches = {n: torch.zeros((2, BLOCKS, BLOCK, HEADS, HEAD)) for n in NAMES}
+    w0 = WorkerHalf(cfg, r0, caches)
+    sched.hit("x", tokens, 0)
+    sched.allocated("x", list(range(4)), 0)
+    sched.scheduled("x", tokens, 0, 64, block_ids=list(range(4)))
+    meta = sched.build()
+    w0.bind(meta)
+    for name in NAMES:
+        w0.save_layer(name)
+    w0.wait_for_save()                       # only rank 0 saved
+    assert sched.hit("y", tokens, 0) == 0    # rank 1 lacks the pages: no hit for anyone
+    w1 = WorkerHalf(cfg, r1, {n: t.clone() for n, t in caches.items()})
+    w1.bind(meta)
+    for name in NAMES:
+        w1.save_layer(name)
+    w1.wait_for_save()
+    assert sched.hit("y", tokens, 0) == 48
+    dataclasses.replace(cfg)                 # the config is a frozen value

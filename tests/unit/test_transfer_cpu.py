@@ -1,0 +1,285 @@
+"""connector.kvviews and connector.transfer on CPU tensors, against a real server's pool.
+
+Every engine layout is checked against its own indexing written out by hand
+(`engine_block`), not through kv5, so a wrong view cannot agree with itself.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from connector.kvviews import KVKind, detect_kind, kv5
+from connector.transfer import HostRegistration, KVTransfer
+from kvstore_client import KVStoreClient, PageLayout
+
+BLOCKS = 24
+HEADS, HEAD, MLA_HEAD = 2, 8, 24
+POISON = -12345                      # int16 pattern of every cache element not written
+
+
+def keys(tag: str, n: int) -> list[bytes]:
+    return [xxhash.xxh3_128_digest(f"{tag}:{i}".encode()) for i in range(n)]
+
+
+def make_cache(kind: KVKind, block_size: int, dtype=torch.bfloat16, device="cpu",
+               physical: str = "NHC") -> torch.Tensor:
+    """An engine tensor of `kind`, filled with POISON. VLLM_4D is a strided view of a
+    buffer in LBNHC ("NHC") or LBHNC ("HNC") order with a padded block stride."""
+    n, h, d = block_size, HEADS, HEAD
+    if kind is KVKind.FLASH_NHD:
+        t = torch.empty(2, BLOCKS, n, h, d, dtype=dtype, device=device)
+    elif kind is KVKind.FLASH_HND:
+        t = torch.empty(2, BLOCKS, h, n, d, dtype=dtype, device=device)
+    elif kind is KVKind.VLLM_4D:
+        pad = 16                     # elements of padding after each block
+        raw = torch.empty(BLOCKS, n * h * 2 * d + pad, dtype=dtype, device=device)
+        if physical == "NHC":
+            t = raw[:, :n * h * 2 * d].view(BLOCKS, n, h, 2 * d).permute(0, 2, 1, 3)
+        else:
+            t = raw[:, :n * h * 2 * d].view(BLOCKS, h, n, 2 * d)
+        raw.view(torch.int16).fill_(POISON)
+        return t
+    elif kind is KVKind.MLA_3D:
+        t = torch.empty(BLOCKS, n, MLA_HEAD, dtype=dtype, device=device)
+    else:
+        t = torch.empty(BLOCKS, 1, n, MLA_HEAD, dtype=dtype, device=device)
+    t.view(torch.int16).fill_(POISON)
+    return t
+
+
+def engine_block(t: torch.Tensor, kind: KVKind, kv: int, block: int) -> torch.Tensor:
+    """The engine's own indexing: K (kv=0) or V of one block as [block_size, heads, head]."""
+    if kind is KVKind.FLASH_NHD:
+        return t[kv, block]
+    if kind is KVKind.FLASH_HND:
+        return t[kv, block].transpose(0, 1)
+    if kind is KVKind.VLLM_4D:
+        d = t.shape[3] // 2
+        return t[block, :, :, kv * d:(kv + 1) * d].transpose(0, 1)
+    if kind is KVKind.MLA_3D:
+        return t[block].unsqueeze(1)
+    return t[block, 0].unsqueeze(1)
+
+
+def layout_for(kind: KVKind, page_tokens: int, layers: int = 3) -> PageLayout:
+    if kind.kv_factor == 1:
+        return PageLayout(model=f"t-{kind.value}", num_layers=layers, page_tokens=page_tokens,
+                          num_kv_heads=1, head_size=MLA_HEAD, kv_factor=1)
+    return PageLayout(model=f"t-{kind.value}", num_layers=layers, page_tokens=page_tokens,
+                      num_kv_heads=HEADS, head_size=HEAD)
+
+
+def expected_page(caches, kind, layout, blocks_of_page) -> np.ndarray:
+    """A page's bytes as the store keeps them, built from the engine tensors."""
+    slabs = []
+    for t in caches:
+        per_kv = [torch.cat([engine_block(t, kind, kv, int(b)) for b in blocks_of_page])
+                  for kv in range(layout.kv_factor)]
+        slabs.append(torch.stack(per_kv).contiguous().cpu().view(torch.uint8).numpy().ravel())
+    return np.concatenate(slabs)
+
+
+def check_loaded(caches, kind, layout, pages: np.ndarray, block_ids: np.ndarray) -> None:
+    """Every target block holds its page's bytes; every other block is still POISON."""
+    for p, blocks_of_page in enumerate(block_ids):
+        got = expected_page(caches, kind, layout, blocks_of_page)
+        assert np.array_equal(got, pages[p]), f"page {p} differs"
+    others = sorted(set(range(BLOCKS)) - set(block_ids.reshape(-1).tolist()))
+    for t in caches:
+        for b in others:
+            for kv in range(layout.kv_factor):
+                assert bool((engine_block(t, kind, kv, b).view(torch.int16) == POISON).all())
+
+
+CASES = [(kind, k) for kind in KVKind for k in (1, 2)] + [("VLLM_4D_HNC", 2)]
+
+
+def case(kind_or_name):
+    if kind_or_name == "VLLM_4D_HNC":
+        return KVKind.VLLM_4D, "HNC"
+    return kind_or_name, "NHC"
+
+
+def run_load(server_address, kind_or_name, k, device="cpu", dtype=torch.bfloat16,
+             block_size=4, n_pages=5, seed=0):
+    kind, physical = case(kind_or_name)
+    layout = layout_for(kind, k * block_size)
+    rng = np.random.default_rng(seed)
+    pages = rng.integers(0, 256, (n_pages, layout.page_bytes), dtype=np.uint8)
+    ks = keys(f"load-{kind.value}-{physical}-{k}-{device}", n_pages)
+    caches = [make_cache(kind, block_size, dtype, device, physical)
+              for _ in range(layout.num_layers)]
+    block_ids = rng.permutation(BLOCKS)[:n_pages * k].reshape(n_pages, k).astype(np.int64)
+    with KVStoreClient(server_address, shared_memory=True) as c:
+        ns = c.register_layout(layout)
+        c.put(ns, ks, pages)
+        mem = c.region().mem
+        reg = HostRegistration(mem)
+        try:
+            xfer = KVTransfer([kv5(t, kind) for t in caches], layout.page_tokens, device)
+            with c.acquire(ns, ks) as acq:
+                handle = xfer.load(mem, acq.offsets, ns.layer_bytes, block_ids)
+                for layer in range(layout.num_layers):
+                    handle.wait_layer(layer)
+                handle.synchronize()
+                assert handle.done()
+        finally:
+            reg.close()
+    check_loaded(caches, kind, layout, pages, block_ids)
+
+
+def run_save(server_address, kind_or_name, k, device="cpu", dtype=torch.bfloat16,
+             block_size=4, n_pages=5, seed=1):
+    kind, physical = case(kind_or_name)
+    layout = layout_for(kind, k * block_size)
+    gen = torch.Generator().manual_seed(seed)
+    caches = []
+    for _ in range(layout.num_layers):
+        t = make_cache(kind, block_size, dtype, device, physical)
+        noise = torch.randint(-2**15, 2**15, t.shape, dtype=torch.int16, generator=gen)
+        t.view(torch.int16).copy_(noise)
+        caches.append(t)
+    rng = np.random.default_rng(seed)
+    block_ids = rng.permutation(BLOCKS)[:n_pages * k].reshape(n_pages, k).astype(np.int64)
+    want = [expected_page(caches, kind, layout, b) for b in block_ids]
+    ks = keys(f"save-{kind.value}-{physical}-{k}-{device}", n_pages)
+    with KVStoreClient(server_address, shared_memory=True) as c:
+        ns = c.register_layout(layout)
+        c.put(ns, ks[1:2], want[1][None])              # already stored: offset -1, skipped
+        mem = c.region().mem
+        reg = HostRegistration(mem)
+        try:
+            xfer = KVTransfer([kv5(t, kind) for t in caches], layout.page_tokens, device)
+            res = c.reserve(ns, ks)
+            assert res.offsets[1] == -1 and (np.delete(res.offsets, 1) >= 0).all()
+            for layer in range(layout.num_layers):
+                xfer.save_layer(layer, mem, res.offsets, block_ids)
+            handle = xfer.finish_save()
+            assert handle.done()
+            assert res.commit() == n_pages - 1
+        finally:
+            reg.close()
+        got = c.get(ns, ks)
+    for p in range(n_pages):
+        assert np.array_equal(got[p], want[p]), f"page {p} differs"
+
+
+# -- kv5 views ----------------------------------------------------------------------------
+@pytest.mark.parametrize("kind_or_name", list(KVKind) + ["VLLM_4D_HNC"])
+def test_kv5_writes_through_to_the_engine_tensor(kind_or_name):
+    kind, physical = case(kind_or_name)
+    t = make_cache(kind, 4, torch.float32, physical=physical)
+    view = kv5(t, kind)
+    heads = 1 if kind.kv_factor == 1 else HEADS
+    head = MLA_HEAD if kind.kv_factor == 1 else HEAD
+    assert tuple(view.shape) == (kind.kv_factor, BLOCKS, 4, heads, head)
+    assert view.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        kv, b, n, h, d = (int(rng.integers(s)) for s in view.shape)
+        value = float(rng.integers(1, 1000))
+        view[kv, b, n, h, d] = value
+        assert engine_block(t, kind, kv, b)[n, h, d].item() == value
+
+
+def test_kv5_rejects_wrong_shapes():
+    with pytest.raises(ValueError):
+        kv5(torch.zeros(3, 4, 4, 2, 8), KVKind.FLASH_NHD)
+    with pytest.raises(ValueError):
+        kv5(torch.zeros(4, 2, 4, 7), KVKind.VLLM_4D)
+    with pytest.raises(ValueError):
+        kv5(torch.zeros(4, 2, 4, 8), KVKind.MLA_VLLM_4D)
+    with pytest.raises(ValueError):
+        kv5(torch.zeros(4, 4, 8), KVKind.FLASH_NHD)
+
+
+def test_detect_kind():
+    assert detect_kind(torch.zeros(2, 4, 16, 8, 64)) is KVKind.FLASH_NHD
+    assert detect_kind(torch.zeros(2, 4, 8, 16, 64), block_size=16) is KVKind.FLASH_HND
+    assert detect_kind(torch.zeros(2, 4, 8, 16, 64), num_kv_heads=8) is KVKind.FLASH_HND
+    assert detect_kind(torch.zeros(4, 8, 16, 128)) is KVKind.VLLM_4D
+    assert detect_kind(torch.zeros(4, 16, 576), mla=True) is KVKind.MLA_3D
+    assert detect_kind(torch.zeros(4, 1, 16, 576), mla=True) is KVKind.MLA_VLLM_4D
+    for bad, kw in [(torch.zeros(4, 8, 16, 127), {}), (torch.zeros(4, 16, 64), {}),
+                    (torch.zeros(4, 2, 16, 576), {"mla": True}),
+                    (torch.zeros(2, 4, 16, 8, 64), {"block_size": 32}),
+                    (torch.zeros(4, 8, 16, 128), {"num_kv_heads": 4})]:
+        with pytest.raises(ValueError):
+            detect_kind(bad, **kw)
+
+
+# -- loads and saves through the store's pool -----------------------------------------------
+@pytest.mark.parametrize("kind_or_name,k", CASES)
+def test_load_pages_into_random_blocks(server, kind_or_name, k):
+    run_load(server.address, kind_or_name, k)
+
+
+@pytest.mark.parametrize("kind_or_name,k", CASES)
+def test_save_blocks_into_reserved_slots(server, kind_or_name, k):
+    run_save(server.address, kind_or_name, k)
+
+
+def test_host_registration_is_a_no_op_without_cuda():
+    mem = np.zeros(4096, dtype=np.uint8)
+    with HostRegistration(mem) as reg:
+        assert reg.registered == torch.cuda.is_available()
+
+
+# -- refusals ---------------------------------------------------------------------------------
+def _xfer(block_size=4, k=2, layers=2):
+    caches = [make_cache(KVKind.FLASH_NHD, block_size) for _ in range(layers)]
+    layout = layout_for(KVKind.FLASH_NHD, k * block_size, layers)
+    return KVTransfer([kv5(t, KVKind.FLASH_NHD) for t in caches], k * block_size), layout, caches
+
+
+def test_bad_inputs_raise_and_write_nothing():
+    xfer, layout, caches = _xfer()
+    lb, extent = layout.layer_bytes, layout.page_bytes
+    host = np.zeros(3 * extent, dtype=np.uint8)
+    ok_blocks = np.array([[0, 1], [2, 3]])
+    bad = [
+        (np.array([0, 2 * extent + 1]), ok_blocks, lb),     # runs past the end
+        (np.array([-1, 0]), ok_blocks, lb),                 # negative (loads skip nothing)
+        (np.array([0, extent]), np.array([[0, 1], [2, BLOCKS]]), lb),   # no such block
+        (np.array([0, extent]), np.array([[0, 1], [1, 3]]), lb),        # block twice
+        (np.array([0, extent]), np.array([0, 1]), lb),                  # not (pages, k)
+        (np.array([0, extent]), ok_blocks, lb + 2),                     # wrong layer size
+    ]
+    for offsets, blocks, layer_bytes in bad:
+        with pytest.raises(ValueError):
+            xfer.load(host, offsets, layer_bytes, blocks)
+    with pytest.raises(ValueError):                      # overlapping pages
+        xfer.save_layer(0, host, np.array([0, extent - 2]), ok_blocks)
+    with pytest.raises(ValueError):                      # not uint8
+        xfer.save_layer(0, host.view(np.int16), np.array([0]), ok_blocks[:1])
+    with pytest.raises(IndexError):
+        xfer.save_layer(2, host, np.array([0]), ok_blocks[:1])
+    read_only = host.copy()
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError):
+        xfer.save_layer(0, read_only, np.array([0]), ok_blocks[:1])
+    assert not host.any()
+    for t in caches:
+        assert bool((t.view(torch.int16) == POISON).all())
+
+
+def test_geometry_is_checked():
+    caches = [make_cache(KVKind.FLASH_NHD, 4) for _ in range(2)]
+    with pytest.raises(ValueError):                      # page not a multiple of blocks
+        KVTransfer([kv5(t, KVKind.FLASH_NHD) for t in caches], 6)
+    with pytest.raises(ValueError):                      # layers of different shapes
+        KVTransfer([kv5(caches[0], KVKind.FLASH_NHD),
+                    kv5(make_cache(KVKind.FLASH_NHD, 8), KVKind.FLASH_NHD)], 8)
+    with pytest.raises(ValueError):                      # head not contiguous
+        KVTransfer([caches[0].transpose(3, 4)], 8)
+
+
+def test_save_with_every_page_already_stored_is_a_no_op():
+    xfer, layout, _ = _xfer()
+    host = np.zeros(2 * layout.page_bytes, dtype=np.uint8)
+    xfer.save_layer(0, host, np.array([-1, -1]), np.array([[0, 1], [2, 3]]))
+    assert xfer.finish_save().done()
+    assert not host.any()
