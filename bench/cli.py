@@ -10,6 +10,7 @@ BENCHES = {
     "store": "store_bench",
     "hash": "hash_bench",
     "shm": "shm_bench",
+    "load": "load_bench",
 }
 
 

@@ -70,7 +70,7 @@ def gpu_gbps(client: KVStoreClient, total: int, reps: int) -> dict:
     """Acquired pool pages -> one GPU buffer, against a pinned buffer -> GPU, same size."""
     import torch
 
-    from connector.cuda import HostRegistration
+    from connector.transfer import HostRegistration
 
     ns = client.register_layout(LAYOUT)
     n = total // ns.page_bytes

@@ -35,9 +35,19 @@ in host memory first (a CPU gather, no faster than memcpy). So the GPU path is o
 kernel per layer that reads the registered pool directly through its UVA address and
 writes each head straight into its engine block (for saves the reverse: reads the blocks,
 writes the pool) -- no staging buffer, no CPU copy, one launch per layer. Measured on
-the H200 by bench/load_bench.py (8B shape, 16k tokens, 2 GiB, medians of 5):
-MEASURED_NUMBERS. The kernel is capped at `max_ctas` persistent programs so that a load
-running beside the model leaves most SMs to the model's own kernels.
+the H200 by bench/load_bench.py (8B shape, vLLM 0.33 4D caches, random block ids, host
+wall-clock medians of 5 including launches, against one pinned cudaMemcpy of the bytes):
+
+    tokens  bytes     load GB/s  of H2D    save GB/s  of D2H
+    1k      128 MiB   44.0       80%       46.4       84%
+    4k      512 MiB   49.0       89%       49.6       90%
+    16k     2 GiB     50.3       91%       51.4       93%
+    32k     4 GiB     50.6       91%       52.0       94%      (H2D 55.1-55.5, D2H 55.0-55.3)
+    CopyMethod.COPIES at 16k: load 8.6, save 8.2 (one cudaMemcpy per 64 KiB slab)
+
+The ~9% left on loads is the SMs' own PCIe reads against the copy engine's DMA (DESIGN.md
+measured the same kernel idea at 51.3 of 55.5 on contiguous pages). The kernel is capped
+at `max_ctas` persistent programs so that a load beside the model leaves most SMs free.
 
 On CPU tensors (CI) and with CopyMethod.COPIES the same API runs torch copies: per
 slab `copy_` into a staging tensor and one indexed write per layer (and the reverse);
@@ -66,8 +76,10 @@ except ImportError:                   # pragma: no cover - depends on the instal
 __all__ = ["CopyMethod", "HostRegistration", "KVTransfer", "LoadHandle", "SaveHandle",
            "TransferError"]
 
-# Default cap on the kernel's programs (persistent CTAs); see the module docstring.
-DEFAULT_MAX_CTAS = 64
+# Default cap on the kernel's programs (persistent CTAs). On the H200 16, 32, 64, 128 and
+# uncapped all moved 49.8-50.2 GB/s (load) and 50.8-51.2 GB/s (save) at 16k tokens: PCIe,
+# not the SMs, is the limit, so take few and leave the rest of the 132 SMs to the model.
+DEFAULT_MAX_CTAS = 32
 # Bytes one program moves per loop iteration (rows of one contiguous unit each).
 _TILE_BYTES = 16 << 10
 _CUDA_ERROR_ALREADY_REGISTERED = 712          # cudaErrorHostMemoryAlreadyRegistered
@@ -89,7 +101,10 @@ class HostRegistration:
     Registering makes the pages of the server's pool DMA-able and gives them a UVA
     address the GPU can read and write, so copies from the pool run at PCIe speed (55 GB/s
     on the H200, as from cudaHostAlloc memory). It costs time proportional to the size:
-    REGISTRATION_NUMBERS. Register once per mapping. Without CUDA this is a no-op object.
+    533-652 ms for an 11 GiB pool already populated by the client's MAP_POPULATE (H200,
+    bench/load_bench.py; DESIGN.md: 216 ms for 4 GiB touched, 803 ms for 2 GiB of another
+    process's pages not yet touched). So register once per mapping, at attach, never per
+    request. Without CUDA this is a no-op object.
     Memory some other registration already covers is used as is and not unregistered.
     """
 
@@ -504,7 +519,7 @@ if triton is not None:
         cols = tl.arange(0, U)
         pid = tl.program_id(0).to(tl.int64)
         nprog = tl.num_programs(0)
-        for i in range(0, iters):               # past the last tile every row is masked
+        for i in range(iters):                  # past the last tile every row is masked
             u = (pid + i * nprog) * ROWS + tl.arange(0, ROWS)
             ok = u < n_rows
             p = u // (KV * T * H * R)
