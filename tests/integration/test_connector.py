@@ -36,6 +36,8 @@ class Engine:
 
     def __init__(self, server, role=Role.BOTH, page_tokens=BLOCK, mode=LoadMode.LAYERWISE,
                  **config):
+        # A generous lookup timeout: a loaded CI machine must not turn hits into "ask again".
+        config.setdefault("lookup_timeout", 5.0)
         self.config = ConnectorConfig(server=server, role=role, load_mode=mode, **config)
         self.layout = layout(page_tokens)
         self.caches = {n: torch.full((2, BLOCKS, BLOCK, HEADS, HEAD), -1.0) for n in NAMES}
@@ -240,7 +242,7 @@ def test_keys_match_across_processes_and_ranks(srv):
     """Two TP ranks' layouts share keys (one Lookup answers the minimum over both)."""
     r0, r1 = layout(tp_rank=0, tp_size=2), layout(tp_rank=1, tp_size=2)
     assert r0.chain_seed == r1.chain_seed and r0.layout_id != r1.layout_id
-    cfg = ConnectorConfig(server=srv.address)
+    cfg = ConnectorConfig(server=srv.address, lookup_timeout=5.0)
     sched = SchedulerHalf(cfg, [r0, r1], BLOCK)
     tokens = prompt(64, 15)
     caches = {n: torch.zeros((2, BLOCKS, BLOCK, HEADS, HEAD)) for n in NAMES}
