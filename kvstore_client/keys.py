@@ -6,7 +6,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["MAX_KEY_BYTES", "pack_keys", "unpack_keys", "KeyError_"]
+__all__ = ["MAX_KEY_BYTES", "pack_keys", "unpack_keys", "KeyError_", "Packed"]
 
 MAX_KEY_BYTES = 64
 
@@ -61,3 +61,41 @@ def _check_size(key_size: int) -> None:
     if not 1 <= key_size <= MAX_KEY_BYTES:
         raise KeyError_(f"key_size must be 1..{MAX_KEY_BYTES} bytes, got {key_size}")
 
+
+
+class Packed:
+    """Keys as they travel: n keys of `size` bytes back to back. `rows` views them as an
+    (n, size) uint8 array without copying; `key(i)` cuts one out only when needed."""
+
+    __slots__ = ("data", "size", "n")
+
+    def __init__(self, data: bytes, size: int) -> None:
+        if data:
+            _check_size(size)
+            if len(data) % size:
+                raise KeyError_(f"{len(data)} bytes of packed keys is not a multiple of "
+                                f"key_size {size}")
+        self.data = bytes(data)
+        self.size = size
+        self.n = len(data) // size if data else 0
+
+    @classmethod
+    def of(cls, keys) -> "Packed":
+        """From a Packed, or a sequence of equal-length bytes keys."""
+        if isinstance(keys, Packed):
+            return keys
+        data, size = pack_keys(list(keys))
+        return cls(data, size)
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def rows(self) -> np.ndarray:
+        return np.frombuffer(self.data, dtype=np.uint8).reshape(self.n, self.size)
+
+    def key(self, i: int) -> bytes:
+        return self.data[i * self.size:(i + 1) * self.size]
+
+    def select(self, idx) -> list[bytes]:
+        return [self.key(int(i)) for i in idx]

@@ -23,7 +23,7 @@ import numpy as np
 
 from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client.convert import layout_from_proto
-from kvstore_client.keys import KeyError_, unpack_keys
+from kvstore_client.keys import KeyError_, Packed
 from kvstore_client.wire import GET_DATA_TAG, PUT_DATA_TAG, frame, unframe
 
 from .errors import Outcome, StoreError
@@ -107,10 +107,8 @@ def guarded(method: str, metrics: Metrics) -> Callable:
     return wrap
 
 
-def _keys(packed: pb.PackedKeys) -> list[bytes]:
-    if not packed.data:
-        return []
-    return unpack_keys(packed.data, packed.key_size)
+def _keys(packed: pb.PackedKeys) -> Packed:
+    return Packed(packed.data, packed.key_size)
 
 
 def _put_deserializer(message: bytes):

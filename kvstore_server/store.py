@@ -27,9 +27,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from kvstore_client.keys import Packed
 from kvstore_client.layout import PageLayout
 
 from .errors import Outcome, StoreError
+from .index import KeyIndex
 from .leases import Lease, LeaseKind, LeaseTable
 from .lru import LRUPolicy
 from .pool import Pool
@@ -56,9 +58,11 @@ class LayoutInfo:
     layout: PageLayout
     layout_id: bytes
     cls: int                        # pool size class of its pages
-    # key -> slot id of READY pages only, so a lookup is dict probes and no state check
-    ready: dict[bytes, int] = dataclasses.field(default_factory=dict)
-    # key -> slot id of pages being written (reserved, not yet committed)
+    # READY pages only, one vectorised hash table per key size (a request's keys all
+    # have one size), so a lookup is a few numpy calls and no per-key state check
+    ready: dict[int, KeyIndex] = dataclasses.field(default_factory=dict)
+    # key -> slot id of pages being written (reserved, not yet committed); small and
+    # short-lived, so a dict
     writing: dict[bytes, int] = dataclasses.field(default_factory=dict)
     hits: int = 0
     misses: int = 0
@@ -131,7 +135,7 @@ class Store:
         # Seconds since start, float32 (4 bytes a page; precise to ~0.1 s after 10 days).
         self._committed_at = np.zeros(n, dtype=np.float32)
         self._touched_at = np.zeros(n, dtype=np.float32)
-        self._key_of: list[bytes | None] = [None] * n
+        self._key_size = np.zeros(n, dtype=np.uint8)   # which of the layout's indexes
         self.evictions = 0
         self.started_at = clock()
         self.pressure = threading.Event()      # set when usage crosses the high watermark
@@ -167,24 +171,29 @@ class Store:
         return list(self._by_idx)
 
     # -- lookups --------------------------------------------------------------------
-    def _leading(self, info: LayoutInfo, keys: Sequence[bytes]) -> np.ndarray:
+    @staticmethod
+    def _find(info: LayoutInfo, keys: Packed) -> np.ndarray:
+        """The READY slot of each key, -1 where there is none."""
+        index = info.ready.get(keys.size)
+        if index is None or not len(keys):
+            return np.full(len(keys), -1, dtype=np.int64)
+        return index.find(keys.rows)
+
+    def _leading(self, info: LayoutInfo, keys: Packed) -> np.ndarray:
         """Slots of the leading keys that are READY, stopping at the first that is not."""
-        # map() runs the dict probes in C: ~4x faster than a Python loop with a break.
-        slots = list(map(info.ready.get, keys))
-        try:
-            slots = slots[: slots.index(None)]
-        except ValueError:
-            pass
-        return np.array(slots, dtype=np.int64)
+        slots = self._find(info, keys)
+        missing = np.flatnonzero(slots < 0)
+        return slots[: missing[0]] if missing.size else slots
 
     def _touch(self, slots: np.ndarray) -> None:
         # Reversed: the prefix's head becomes the most recent, its tail goes first.
         self._policy.touch(slots[::-1])
         self._touched_at[slots] = self.clock() - self.started_at
 
-    def lookup(self, layout_ids: Sequence[bytes], keys: Sequence[bytes],
+    def lookup(self, layout_ids: Sequence[bytes], keys: Packed | Sequence[bytes],
                lease_ttl: float = 0.0) -> tuple[int, int]:
         """(leading keys present in every layout, lease id or 0)."""
+        keys = Packed.of(keys)
         if not layout_ids:
             raise StoreError(Outcome.INVALID, "lookup needs at least one layout_id")
         with self._lock:
@@ -201,23 +210,25 @@ class Store:
             np.add.at(self._pins, pinned, 1)    # add.at: a key may repeat
             return count, self._leases.grant(LeaseKind.READ, pinned, lease_ttl).lease_id
 
-    def exists(self, layout_id: bytes, keys: Sequence[bytes]) -> np.ndarray:
+    def exists(self, layout_id: bytes, keys: Packed | Sequence[bytes]) -> np.ndarray:
         """One bool per key: READY in this layout."""
+        keys = Packed.of(keys)
         with self._lock:
-            info = self.info(layout_id)
-            return np.array(list(map(info.ready.__contains__, keys)), dtype=bool)
+            return self._find(self.info(layout_id), keys) >= 0
 
     # -- puts -----------------------------------------------------------------------
-    def reserve(self, layout_id: bytes, keys: Sequence[bytes],
+    def reserve(self, layout_id: bytes, keys: Packed | Sequence[bytes],
                 ttl: float | None = None) -> Reservation:
         """WRITING slots for the keys not yet present; the caller writes, then commits."""
+        keys = Packed.of(keys)
         with self._lock:
             info = self.info(layout_id)
             slots = np.full(len(keys), -1, dtype=np.int64)
             wanted = []
             seen = set()
-            for i, key in enumerate(keys):
-                if key not in info.ready and key not in info.writing and key not in seen:
+            for i in np.flatnonzero(self._find(info, keys) < 0).tolist():
+                key = keys.key(i)
+                if key not in info.writing and key not in seen:
                     wanted.append(i)
                     seen.add(key)
             got = self._alloc(info.cls, len(wanted))
@@ -227,15 +238,15 @@ class Store:
                                  f"pool full: no room for {len(wanted)} pages of "
                                  f"{info.page_bytes} bytes; every page is leased or being "
                                  "written")
-            new_keys = [keys[i] for i in wanted]
+            new_keys = keys.select(wanted)
             self._grow()
             slots[wanted] = got
             self._state[got] = WRITING
             self._pins[got] += 1
             self._layout_of[got] = info.idx
+            self._key_size[got] = keys.size
             for key, slot in zip(new_keys, got.tolist()):
                 info.writing[key] = slot
-                self._key_of[slot] = key
             lease = self._leases.grant(LeaseKind.RESERVE, got,
                                        self.lease_ttl if ttl is None else ttl,
                                        info.idx, new_keys)
@@ -251,15 +262,21 @@ class Store:
             info = self._by_idx[lease.layout]
             slots = lease.slots
             self._pins[slots] -= 1
-            live = []
+            live, live_keys = [], []
             for key, slot in zip(lease.keys, slots.tolist()):
                 if self._state[slot] == WRITING and info.writing.get(key) == slot:
                     del info.writing[key]
-                    info.ready[key] = slot
                     live.append(slot)
+                    live_keys.append(key)
                 elif self._state[slot] == DOOMED and self._pins[slot] == 0:
                     self._free([slot])          # deleted while being written
             live_arr = np.array(live, dtype=np.int64)
+            if live:
+                size = len(live_keys[0])
+                index = info.ready.get(size)
+                if index is None:
+                    index = info.ready[size] = KeyIndex(size)
+                index.insert(b"".join(live_keys), live_arr)
             self._state[live_arr] = READY
             self._committed_at[live_arr] = self.clock() - self.started_at
             self._touch(live_arr)
@@ -288,18 +305,19 @@ class Store:
                 self._state[slot] = DOOMED
 
     # -- gets -----------------------------------------------------------------------
-    def acquire(self, layout_id: bytes, keys: Sequence[bytes],
+    def acquire(self, layout_id: bytes, keys: Packed | Sequence[bytes],
                 ttl: float | None = None) -> Pinned:
         """Pin every key's page for reading; NOT_FOUND names the first missing key."""
+        keys = Packed.of(keys)
         with self._lock:
             info = self.info(layout_id)
-            found = list(map(info.ready.get, keys))
-            if None in found:
-                first = found.index(None)
+            slots = self._find(info, keys)
+            missing = np.flatnonzero(slots < 0)
+            if missing.size:
+                first = int(missing[0])
                 raise StoreError(Outcome.NOT_FOUND,
-                                 f"key {first} of {len(keys)} ({keys[first].hex()}) is not "
-                                 f"stored in layout {layout_id.hex()}")
-            slots = np.array(found, dtype=np.int64)
+                                 f"key {first} of {len(keys)} ({keys.key(first).hex()}) is "
+                                 f"not stored in layout {layout_id.hex()}")
             np.add.at(self._pins, slots, 1)     # add.at: a key may repeat
             self._touch(slots)
             info.bytes_out += len(keys) * info.page_bytes
@@ -347,23 +365,27 @@ class Store:
             return len(gone)
 
     # -- deletes --------------------------------------------------------------------
-    def delete(self, layout_id: bytes, keys: Sequence[bytes]) -> int:
+    def delete(self, layout_id: bytes, keys: Packed | Sequence[bytes]) -> int:
+        """Delete pages; a leased one turns invisible now and is freed at release."""
+        keys = Packed.of(keys)
         with self._lock:
             info = self.info(layout_id)
-            deleted = 0
-            for key in keys:
-                slot = info.ready.pop(key, None)
-                if slot is None:
-                    slot = info.writing.pop(key, None)
-                if slot is None:
-                    continue
-                deleted += int(self._state[slot] == READY)
-                if self._pins[slot] > 0:
-                    self._state[slot] = DOOMED
-                    self._policy.remove(np.array([slot]))
-                else:
-                    self._free([slot])
-            return deleted
+            index = info.ready.get(keys.size)
+            ready = (index.remove(keys.rows) if index is not None and len(keys)
+                     else np.full(len(keys), -1, dtype=np.int64))
+            writing = [info.writing.pop(keys.key(i), -1) for i in np.flatnonzero(ready < 0)]
+            self._drop(ready[ready >= 0])
+            self._drop(np.array([s for s in writing if s >= 0], dtype=np.int64))
+            return int(np.count_nonzero(ready >= 0))
+
+    def _drop(self, slots: np.ndarray) -> None:
+        """Slots already out of the index: free them, or doom them while pinned."""
+        if not slots.size:
+            return
+        pinned = self._pins[slots] > 0
+        self._state[slots[pinned]] = DOOMED
+        self._policy.remove(slots[pinned])
+        self._free(slots[~pinned])
 
     # -- slots and eviction -----------------------------------------------------------
     def _grow(self) -> None:
@@ -372,19 +394,18 @@ class Store:
             return
         size = max(n, 2 * len(self._state))
         for name, fill in (("_state", 0), ("_pins", 0), ("_layout_of", -1),
-                           ("_committed_at", 0), ("_touched_at", 0)):
+                           ("_committed_at", 0), ("_touched_at", 0), ("_key_size", 0)):
             old = getattr(self, name)
             new = np.full(size, fill, dtype=old.dtype)
             new[: len(old)] = old
             setattr(self, name, new)
-        self._key_of.extend([None] * (size - len(self._key_of)))
 
     def _free(self, slots) -> None:
         slots = np.asarray(slots, dtype=np.int64)
+        if not slots.size:
+            return
         self._state[slots] = FREE
         self._layout_of[slots] = -1
-        for slot in slots.tolist():
-            self._key_of[slot] = None
         self._policy.remove(slots)
         self.pool.free(slots)
 
@@ -395,15 +416,19 @@ class Store:
 
     def _evict(self, slots: np.ndarray) -> int:
         """Evict these unleased READY slots; returns bytes freed."""
-        freed = 0
-        for slot in slots.tolist():
-            info = self._by_idx[int(self._layout_of[slot])]
-            key = self._key_of[slot]
+        if not slots.size:
+            return 0
+        group = self._layout_of[slots].astype(np.int64) * 256 + self._key_size[slots]
+        for g in np.unique(group).tolist():
+            members = slots[group == g]
+            info = self._by_idx[g // 256]
+            index = info.ready[g % 256]
             if self._evict_sink is not None:
-                self._evict_sink(info, key, int(self.pool.offset[slot]))
-            del info.ready[key]
-            info.evictions += 1
-            freed += int(self.pool.class_bytes[self.pool.cls[slot]])
+                for key, slot in zip(index.keys_of(members), members.tolist()):
+                    self._evict_sink(info, key.tobytes(), int(self.pool.offset[slot]))
+            index.remove_slots(members)
+            info.evictions += len(members)
+        freed = int(self.pool.class_bytes[self.pool.cls[slots]].sum())
         self.evictions += len(slots)
         self._free(slots)
         return freed
@@ -480,20 +505,31 @@ class Store:
 
     def clear(self) -> tuple[int, int]:
         """Delete every page of every layout (leased ones when released)."""
-        pages = 0
-        touched = 0
-        for info in self.layouts():
-            keys = [*info.ready, *info.writing]
-            if keys:
+        with self._lock:
+            pages = touched = 0
+            n = self.pool.id_capacity
+            for info in self._by_idx:
+                mine = (self._layout_of[:n] == info.idx) & (self._state[:n] == READY)
+                slots = np.flatnonzero(mine)
+                writing = np.array(list(info.writing.values()), dtype=np.int64)
+                info.writing.clear()
+                if not slots.size and not writing.size:
+                    continue
                 touched += 1
-                pages += self.delete(info.layout_id, keys)
-        return pages, touched
+                pages += len(slots)
+                for size, index in info.ready.items():
+                    index.remove_slots(slots[self._key_size[slots] == size])
+                self._drop(slots)
+                self._drop(writing)
+            return pages, touched
 
     # -- introspection ----------------------------------------------------------------
     def inspect(self, layout_id: bytes, key: bytes) -> dict:
         with self._lock:
             info = self.info(layout_id)
-            slot = info.ready.get(key, info.writing.get(key))
+            slot = int(self._find(info, Packed(key, len(key)))[0])
+            if slot < 0:
+                slot = info.writing.get(key)
             if slot is None:
                 raise StoreError(Outcome.NOT_FOUND, f"key {key.hex()} is not stored in layout "
                                                     f"{layout_id.hex()}")
