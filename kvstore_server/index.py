@@ -3,28 +3,29 @@
 A pure data structure: no locks, no I/O. Not safe for concurrent use.
 
 Why not a dict of bytes -> int: a Lookup of 4,096 keys against 1M stored pages spent
-~0.7 ms in dict probes (each a chain of cache misses: the dict's table, its entry, the key
-object) and ~0.15 ms splitting the packed keys into bytes objects, and each page cost
-~190 bytes of index. Here the keys stay packed and a Lookup is ~45 numpy calls over the
-whole batch; an entry costs two buckets of (key rounded up to 8 bytes) + 8 bytes, plus
-8 bytes per slot id for the reverse map: 60 bytes for 16-byte keys.
+~0.7 ms in dict probes (each a chain of cache misses: table, entry, key object) and
+~0.15 ms splitting the packed keys into bytes objects, and a page cost ~190 bytes of
+index. Here the keys stay packed and a Lookup is ~60 numpy calls over the whole batch;
+an entry costs two buckets of (key rounded up to 8 bytes) + 8, and 8 bytes of reverse
+map. bench/index_bench.py, 1M 16-byte keys, on the GPU host's CPU: a Lookup of 4,096
+present keys 0.27 ms (dict in the same run: 0.45 ms of probes, 1.13 ms with the split),
+of absent keys 0.14 ms; 61 bytes per entry (dict: 123, not counting the server's own).
 
-Why open addressing with linear probing: a probe past the home bucket reads the next
-record, usually on the cache line just read, and the whole table is one array that numpy
-gathers from in one call. The load is kept at or below 1/2, tombstones included: ~77% of
-keys then sit in their home bucket and 98% within four buckets of it.
+Why open addressing with linear probing: the table is one array that numpy gathers from
+in one call, and a probe past the home bucket reads the next record, usually on the line
+just read. The load stays at or below 1/2, tombstones included: ~77% of keys then sit in
+their home bucket, 98% within four buckets of it.
 
-Why two vectorised rounds, and a reach in each bucket: a numpy call costs 2-5 us whatever
-its size (more with cold caches, as between requests), so a Lookup costs its number of
-calls. Probing in rounds that widen until no key is pending took three rounds of ~20
-calls more often than not, and misses walked to the next empty bucket. So each bucket
-records its reach: how far past it the entries whose home it is may lie (an upper bound,
-raised by inserts, reset by a rehash). Round one reads every key's home bucket; a key
-neither there nor with a reach to look further is absent. Round two reads, for each key
-left, exactly the buckets its home's reach covers, all keys in one gather. Both rounds
-compare a 24-bit tag; the key is compared once, at the bucket whose tag matched. A tag
-that matches another key (one compare in 2**23) sends that key to a scan of its window.
-bench/index_bench.py measures this against the dict, in the same run.
+Why two vectorised rounds, and a reach per bucket: a numpy call costs 2-5 us whatever its
+size (more with cold caches, as between requests), so a Lookup costs its number of calls.
+Rounds that widened until no key was pending took three rounds of ~20 calls more often
+than not, and misses walked on to an empty bucket. So each bucket keeps a reach: how far
+past it the entries whose home it is may lie (an upper bound, raised by inserts, reset by
+a rehash). Round one reads every key's home bucket; a key neither there nor with a reach
+to look further is absent. Round two reads, for the keys left, exactly the buckets their
+reach covers, end to end in one gather. Rounds compare a 24-bit tag; the key is compared
+once, where its tag matched. A tag that matches another key (one compare in 2**23) sends
+that key to a scan of its window. No lookup walks past tombstones to an empty bucket.
 
 One record per bucket, one row of a (buckets, words + 1) uint64 array:
 
@@ -44,7 +45,7 @@ import sys
 
 import numpy as np
 
-__all__ = ["KeyIndex", "MAX_SLOT"]
+__all__ = ["MAX_SLOT", "KeyIndex"]
 
 MAX_SLOT = (1 << 31) - 1      # slot ids fit the 32-bit ref with room for the two codes
 _LIVE = 2                     # ref of a live entry: slot + _LIVE
@@ -154,16 +155,18 @@ class KeyIndex:
         if (self._pos[slots[slots < len(self._pos)]] >= 0).any():
             raise ValueError("slot id already holds a key")
         h = _hash(words)
-        _check_distinct(words, h)
+        hashes = np.sort(h)                      # distinct hashes prove distinct keys
+        same = np.isin(h, hashes[1:][hashes[1:] == hashes[:-1]])
+        if len({key.tobytes() for key in words[same]}) < np.count_nonzero(same):
+            raise ValueError("repeated key in one insert")
         if (self._find(words, h) >= 0).any():
             raise ValueError("key already present")
 
         if 2 * (self._live + self._tombs + len(words)) > len(self._table):
             self._rehash(max(len(self._table), self._fit(len(words))))
         if ordered[-1] >= len(self._pos):
-            grown = np.full(max(ordered[-1] + 1, 2 * len(self._pos)), -1, dtype=np.int64)
-            grown[: len(self._pos)] = self._pos
-            self._pos = grown
+            more = max(ordered[-1] + 1 - len(self._pos), len(self._pos))
+            self._pos = np.pad(self._pos, (0, more), constant_values=-1)
         rows = np.empty((len(words), self._nw + 1), dtype=np.uint64)
         rows[:, : self._nw] = words
         rows[:, self._nw] = ((slots + _LIVE).astype(np.uint64) << _SHIFT) | _tags(h)
@@ -222,14 +225,14 @@ class KeyIndex:
         if pending.size:
             # Round two: the buckets home + 1 .. home + reach of every pending key, laid
             # end to end; owner says whose each is.
-            start, length = home[pending], low[pending] >> np.uint32(24)
+            length = low[pending] >> np.uint32(24)
             ends = np.cumsum(length, dtype=np.int64)
-            idx = (np.repeat(start + 1 + length - ends, length) + np.arange(ends[-1])) & mask
+            idx = np.repeat(home[pending] + length - ends, length) + np.arange(1, ends[-1] + 1)
+            idx &= mask
             owner = np.repeat(pending, length)
             m = metas[idx]
             hits = np.flatnonzero((_low(m) & _TAG) == tag[owner])
-            bucket[owner[hits]] = idx[hits]
-            meta[owner[hits]] = m[hits]
+            bucket[owner[hits]], meta[owner[hits]] = idx[hits], m[hits]
         # The key itself, compared once where its tag matched.
         found = bucket >= 0
         hit = found.copy()
@@ -277,7 +280,7 @@ class KeyIndex:
             claimed = np.flatnonzero(ok)
             win = claimed[np.unique(claim[claimed], return_index=True)[1]]
             at, old = claim[win], metas[claim[win]]
-            self._tombs -= int(np.count_nonzero(old & ~_REACH == _TOMB_META))
+            self._tombs -= int(np.count_nonzero((old & ~_REACH) == _TOMB_META))
             table[at] = rows[todo[win]]
             metas[at] |= old & _REACH            # a bucket keeps its reach
             where[todo[win]] = at
@@ -323,13 +326,3 @@ class KeyIndex:
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 1).bit_length()
 
-
-def _check_distinct(words: np.ndarray, h: np.ndarray) -> None:
-    """ValueError if two keys are equal. Distinct hashes prove it; the rare equal hashes
-    are compared as bytes."""
-    s = np.sort(h)
-    same = s[1:][s[1:] == s[:-1]]
-    if same.size:
-        group = words[np.isin(h, same)]
-        if len({row.tobytes() for row in group}) < len(group):
-            raise ValueError("repeated key in one insert")

@@ -1,0 +1,209 @@
+import numpy as np
+import pytest
+
+from kvstore_server import index as index_module
+from kvstore_server.index import MAX_SLOT, KeyIndex
+
+
+def packed(keys: list[bytes]) -> bytes:
+    return b"".join(keys)
+
+
+def key_pool(key_size: int, n: int, rng: np.random.Generator) -> list[bytes]:
+    """Distinct keys that are hard on a hash: long common prefixes, trailing zero bytes,
+    counters, and some random ones."""
+    if key_size == 1:
+        return [bytes([i]) for i in rng.permutation(256)[:n]]
+    pool: set[bytes] = set()
+    prefix = b"good-key" * 8
+    i = 0
+    while len(pool) < n:
+        i += 1
+        kind = i % 4
+        if kind == 0:                                     # common prefix, counter last
+            pool.add((prefix + i.to_bytes(8, "big"))[-key_size:])
+        elif kind == 1:                                   # counter first, trailing zeros
+            pool.add((i.to_bytes(4, "little") + bytes(64))[:key_size])
+        elif kind == 2:                                   # one varying byte in zeros
+            raw = bytearray(key_size)
+            raw[int(rng.integers(key_size))] = int(rng.integers(1, 256))
+            pool.add(bytes(raw))
+        else:
+            pool.add(rng.integers(0, 256, key_size, dtype=np.uint8).tobytes())
+    return list(pool)
+
+
+def check_load(ix: KeyIndex) -> None:
+    buckets = len(ix._table)
+    assert buckets & (buckets - 1) == 0
+    assert 2 * (len(ix) + ix._tombs) <= buckets
+
+
+@pytest.mark.parametrize("key_size", [1, 5, 16, 64])
+def test_differential_against_dict(key_size):
+    rng = np.random.default_rng(key_size)
+    pool = key_pool(key_size, 200 if key_size == 1 else 3000, rng)
+    ix, model = KeyIndex(key_size, capacity=8), {}
+    free = list(range(len(pool)))[::-1]                   # slots, reused last-in first-out
+    for _ in range(120):
+        absent = [k for k in pool if k not in model]
+        if absent and free:
+            n = int(rng.integers(0, min(len(absent), len(free), 300) + 1))
+            new = [absent[i] for i in rng.choice(len(absent), n, replace=False)]
+            slots = [free.pop() for _ in new]
+            ix.insert(packed(new), slots)
+            model.update(zip(new, slots))
+        if model and rng.random() < 0.6:                  # evict by slot
+            held = list(model.items())
+            picks = rng.choice(len(held), int(rng.integers(0, len(held) // 2 + 1)),
+                               replace=False)
+            gone = [held[i] for i in picks]
+            ix.remove_slots([slot for _, slot in gone])
+            for key, slot in gone:
+                del model[key]
+                free.append(slot)
+        if rng.random() < 0.3:                            # delete by key, some absent
+            keys = [pool[i] for i in rng.choice(len(pool), 20, replace=False)]
+            expected = [model.pop(k, -1) for k in keys]
+            assert ix.remove(packed(keys)).tolist() == expected
+            free.extend(s for s in expected if s >= 0)
+        query = [pool[i] for i in rng.choice(len(pool), 400)]
+        assert ix.find(packed(query)).tolist() == [model.get(k, -1) for k in query]
+        assert len(ix) == len(model)
+        check_load(ix)
+        for key, slot in list(model.items())[:5]:
+            assert ix.key_of(slot) == key
+    everything = packed(pool)
+    assert ix.find(everything).tolist() == [model.get(k, -1) for k in pool]
+
+
+def test_find_on_an_empty_index():
+    ix = KeyIndex(16)
+    assert ix.find(b"").dtype == np.int64 and ix.find(b"").size == 0
+    assert ix.find(bytes(32)).tolist() == [-1, -1]
+    assert ix.find(np.zeros((0, 16), dtype=np.uint8)).size == 0
+    assert ix.leading(bytes(16)) == 0 and len(ix) == 0
+
+
+def test_keys_as_bytes_or_arrays():
+    ix = KeyIndex(16)
+    keys = np.arange(16 * 8, dtype=np.uint8).reshape(8, 16)
+    ix.insert(keys, np.arange(8))
+    assert ix.find(keys.tobytes()).tolist() == list(range(8))
+    assert ix.find(bytearray(keys.tobytes())).tolist() == list(range(8))
+    assert ix.find(memoryview(keys.tobytes())).tolist() == list(range(8))
+    assert ix.find(keys[::2]).tolist() == [0, 2, 4, 6]   # not contiguous
+    assert ix.keys_of([3, 1]).tolist() == keys[[3, 1]].tolist()
+    with pytest.raises(ValueError):
+        ix.find(bytes(17))
+    with pytest.raises(ValueError):
+        ix.find(np.zeros((2, 15), dtype=np.uint8))
+    with pytest.raises(ValueError):
+        ix.find(np.zeros((2, 16), dtype=np.int64))
+    with pytest.raises(ValueError):
+        KeyIndex(65)
+
+
+def test_insert_errors_leave_the_index_unchanged():
+    ix = KeyIndex(4)
+    ix.insert(b"aaaabbbb", [0, 1])
+    bad = [
+        (b"cccccccc", [2, 3]),             # repeated key in one insert
+        (b"ccccaaaa", [2, 3]),             # key already present
+        (b"ccccdddd", [2, 2]),             # repeated slot
+        (b"ccccdddd", [2, 1]),             # slot already holds a key
+        (b"cccc", [-1]),
+        (b"cccc", [MAX_SLOT + 1]),
+        (b"ccccdddd", [2]),                # one slot for two keys
+    ]
+    for keys, slots in bad:
+        with pytest.raises(ValueError):
+            ix.insert(keys, slots)
+    assert len(ix) == 2
+    assert ix.find(b"aaaabbbbccccdddd").tolist() == [0, 1, -1, -1]
+
+
+def test_remove_slots_and_key_of():
+    ix = KeyIndex(8)
+    keys = [b"key%05d" % i for i in range(100)]
+    ix.insert(packed(keys), np.arange(100) * 3)
+    ix.remove_slots([0, 3, 3, 297])                        # a repeated slot, once
+    assert len(ix) == 97
+    assert ix.find(packed(keys[:2] + keys[-1:])).tolist() == [-1, -1, -1]
+    assert ix.key_of(6) == keys[2]
+    for missing in (0, 1, -1, 10**6):
+        with pytest.raises(KeyError):
+            ix.key_of(missing)
+    with pytest.raises(KeyError):
+        ix.remove_slots([6, 1])                            # 1 holds no key: nothing goes
+    assert ix.key_of(6) == keys[2] and len(ix) == 97
+    with pytest.raises(KeyError):
+        ix.keys_of([6, 0])
+
+
+def test_slots_reused_after_removal():
+    ix = KeyIndex(16)
+    ix.insert(b"first-key-000001", [5])
+    ix.remove_slots([5])
+    ix.insert(b"other-key-000002", [5])
+    assert ix.find(b"first-key-000001other-key-000002").tolist() == [-1, 5]
+    assert ix.key_of(5) == b"other-key-000002"
+    assert ix.remove(b"other-key-000002").tolist() == [5]
+    ix.insert(b"first-key-000001", [5])                    # and the key itself comes back
+    assert ix.key_of(5) == b"first-key-000001"
+
+
+def test_leading_stops_at_the_first_hole():
+    ix = KeyIndex(2)
+    ix.insert(b"aabbdd", [0, 1, 2])
+    assert ix.leading(b"aabbccdd") == 2
+    assert ix.leading(b"aabbdd") == 3
+    assert ix.leading(b"ccaabb") == 0
+    assert ix.leading(b"") == 0
+
+
+def test_growth_tombstones_and_shrink():
+    ix = KeyIndex(16, capacity=16)
+    keys = np.random.default_rng(0).integers(0, 256, (20_000, 16), dtype=np.uint8)
+    for lo in range(0, len(keys), 1000):
+        ix.insert(keys[lo:lo + 1000], np.arange(lo, lo + 1000))
+        check_load(ix)
+    big = ix.nbytes
+    ix.remove_slots(np.arange(19_900))                     # tombstones, then a rehash
+    check_load(ix)
+    assert ix.nbytes < big and len(ix) == 100
+    assert (ix.find(keys[:19_900]) == -1).all()
+    assert ix.find(keys[19_900:]).tolist() == list(range(19_900, 20_000))
+
+
+def test_tags_that_all_match_still_find_exactly(monkeypatch):
+    # Every tag equal: each compare is a false match but one, so every lookup goes
+    # through the scan that a real tag collision (one in 2**23) would take.
+    monkeypatch.setattr(index_module, "_tags", lambda h: np.ones_like(h))
+    ix = KeyIndex(8, capacity=8)
+    keys = [b"k%07d" % i for i in range(500)]
+    ix.insert(packed(keys[:300]), np.arange(300))
+    ix.remove_slots(np.arange(0, 300, 7))
+    expected = [-1 if i >= 300 or i % 7 == 0 else i for i in range(500)]
+    assert ix.find(packed(keys)).tolist() == expected
+
+
+def test_a_run_past_the_reach_limit_grows_the_table(monkeypatch):
+    monkeypatch.setattr(index_module, "_MAX_REACH", 1)
+    ix = KeyIndex(16, capacity=64)
+    keys = np.random.default_rng(1).integers(0, 256, (100, 16), dtype=np.uint8)
+    ix.insert(keys, np.arange(100))
+    assert len(ix._table) > 256
+    assert ix.find(keys).tolist() == list(range(100))
+
+
+def test_hash_spreads_structured_keys():
+    n = 1 << 16
+    for keys in (b"".join(b"good-key%08d" % i for i in range(n)),
+                 b"".join(bytes(14) + i.to_bytes(2, "big") for i in range(n))):
+        h = index_module._hash(np.frombuffer(keys, dtype=np.uint64).reshape(n, 2))
+        # n keys, n values: a random function takes 1 - 1/e of them. The low bits
+        # pick buckets, bits 40..63 are the tag.
+        for shift in (0, 40, 48):
+            taken = len(np.unique((h >> np.uint64(shift)) & np.uint64(n - 1))) / n
+            assert abs(taken - (1 - np.exp(-1))) < 0.01
