@@ -11,6 +11,7 @@ BENCHES = {
     "hash": "hash_bench",
     "shm": "shm_bench",
     "load": "load_bench",
+    "e2e": "e2e_bench",
 }
 
 

@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvstore_client import PageLayout
 
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["KVStoreConnector", "KVStoreConnectorMetadata"]
+__all__ = ["KVStoreConnector", "KVStoreConnectorMetadata", "KVStoreConnectorStats"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,24 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 
     def __init__(self, step: StepMeta) -> None:
         self.step = step
+
+
+class KVStoreConnectorStats(KVConnectorStats):
+    """Counters from the workers: pages and bytes loaded and saved, failed loads."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
 
 
 def _dtype_name(vllm_config: "VllmConfig") -> str:
@@ -216,6 +235,16 @@ class KVStoreConnector(KVConnectorBase_V1):
             return None, None
         received = self._worker.finished()
         return None, received or None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is None:
+            return None
+        stats = KVStoreConnectorStats(data=self._worker.take_stats())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KVStoreConnectorStats(data=dict(data or {}))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()

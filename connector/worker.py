@@ -90,6 +90,7 @@ class WorkerHalf:
         self._saves: list[_Save] = []
         self._errors: set[int] = set()
         self._failed_async: set[str] = set()
+        self._stats = self._zero_stats()
 
     @property
     def ns(self):
@@ -127,10 +128,17 @@ class WorkerHalf:
             except (KVStoreError, KeyError, OSError, RuntimeError, ValueError) as exc:
                 log.warning("load of %d pages for %s failed, the engine recomputes them: %s",
                             len(spec.keys), spec.req_id, exc)
+                self._stats["load_failures"] += 1
                 self._errors.update(int(b) for b in spec.block_ids.reshape(-1))
                 if spec.is_async:
                     self._failed_async.add(spec.req_id)
+                else:
+                    # This step computes the request over blocks that were never filled:
+                    # none of its pages may be stored.
+                    self._cancel_saves(spec.req_id)
                 continue
+            self._stats["pages_loaded"] += len(spec.keys)
+            self._stats["bytes_loaded"] += len(spec.keys) * self.ns.page_bytes
             if spec.is_async:
                 self._async[spec.req_id] = load
             else:
@@ -184,6 +192,18 @@ class WorkerHalf:
                                              host.reshape(len(keys), self.ns.page_bytes)),
                      lambda: None)
 
+    def _cancel_saves(self, req_id: str) -> None:
+        keep = []
+        for save in self._saves:
+            if save.spec.req_id == req_id:
+                try:
+                    save.abort()
+                except KVStoreError as exc:     # the reservation expires by itself
+                    log.debug("aborting the save of %s failed: %s", req_id, exc)
+            else:
+                keep.append(save)
+        self._saves = keep
+
     def save_layer(self, name: str) -> None:
         layer = self._index[name]
         for save in self._saves:
@@ -201,6 +221,10 @@ class WorkerHalf:
         for save in self._saves:
             try:
                 save.commit() if ok else save.abort()
+                if ok:
+                    stored = int((save.offsets >= 0).sum())
+                    self._stats["pages_saved"] += stored
+                    self._stats["bytes_saved"] += stored * self.ns.page_bytes
             except KVStoreError as exc:
                 log.warning("finishing the save of %d pages of %s failed: %s",
                             len(save.spec.keys), save.spec.req_id, exc)
@@ -221,6 +245,16 @@ class WorkerHalf:
                 del self._async[req_id]
                 done.add(req_id)
         return done
+
+    @staticmethod
+    def _zero_stats() -> dict[str, int]:
+        return {"pages_loaded": 0, "bytes_loaded": 0, "load_failures": 0,
+                "pages_saved": 0, "bytes_saved": 0}
+
+    def take_stats(self) -> dict[str, int]:
+        """Counters since the last call (pages and bytes loaded and saved, failures)."""
+        stats, self._stats = self._stats, self._zero_stats()
+        return stats
 
     def load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()

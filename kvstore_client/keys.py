@@ -26,7 +26,8 @@ def pack_keys(keys: Sequence[bytes] | bytes, key_size: int | None = None) -> tup
                             f"key_size {key_size}")
         _check_size(key_size)
         return data, key_size
-    keys = list(keys)
+    if not isinstance(keys, list):
+        keys = list(keys)
     if not keys:
         return b"", key_size or 16
     try:

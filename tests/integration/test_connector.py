@@ -227,6 +227,9 @@ def test_server_restart_mid_load_falls_back_to_recompute(srv):
     try:
         meta, _, errors = b.step([(blocks, tokens, hit, 64)])
         assert errors == set(blocks[:3])                      # the engine recomputes these
+        assert len(meta.saves) == 1                           # page 3 was due to be saved...
+        with KVStoreClient(again.address) as c:
+            assert c.stats().tiers[0].pages == 0              # ...but KV over a failed load
         assert b.sched.load_failed_blocks(errors) == ["b"]
         assert b.sched.hit("b", tokens, 0) == 0               # and is not offered it again
     finally:

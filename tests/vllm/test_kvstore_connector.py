@@ -111,8 +111,10 @@ def test_layerwise_load_runs_in_the_same_step(model_dir, store):
     assert second.status("b") == RequestStatus.RUNNING
     assert out.scheduled_new_reqs[0].num_computed_tokens == 48
     assert out.has_sync_kv_loads
-    second.finish(out)
+    result = second.finish(out)
     assert_loaded(second, "b", 48)
+    stats = result.kv_connector_output.kv_connector_stats
+    assert stats.data["pages_loaded"] == 3 and stats.data["bytes_loaded"] > 0
 
 
 def test_no_hit_and_producer_consumer_hand_over(model_dir, store):
