@@ -12,6 +12,7 @@ BENCHES = {
     "shm": "shm_bench",
     "load": "load_bench",
     "e2e": "e2e_bench",
+    "disk": "disk_bench",
 }
 
 

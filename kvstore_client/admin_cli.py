@@ -3,7 +3,7 @@
     kvstore-admin [--server ADDR] [--timeout S] COMMAND
         stats [--json] [--watch SECONDS]      tiers, layouts, leases, uptime
         layouts [--json]                      registered layouts
-        evict (--layout ID | --bytes SIZE | --all)
+        evict (--layout ID | --bytes SIZE | --all) [--tier dram|disk|all]
         clear [--yes]                         delete every page (asks first on a terminal)
         inspect --layout ID KEYHEX            where one page is and how it is used
         health                                grpc.health.v1 Check; exit 0 only when SERVING
@@ -167,11 +167,11 @@ def _resolve_layout(client: KVStoreClient, prefix: str) -> bytes:
 
 def cmd_evict(client: KVStoreClient, args: argparse.Namespace) -> int:
     if args.layout is not None:
-        resp = client.evict(layout_id=_resolve_layout(client, args.layout))
+        resp = client.evict(layout_id=_resolve_layout(client, args.layout), tier=args.tier)
     elif args.bytes is not None:
-        resp = client.evict(nbytes=args.bytes)
+        resp = client.evict(nbytes=args.bytes, tier=args.tier)
     else:
-        resp = client.evict(everything=True)
+        resp = client.evict(everything=True, tier=args.tier)
     _emit(args, _plain(resp), f"evicted {resp.pages} pages ({_human(resp.bytes)}); "
                               f"{resp.skipped_leased} leased pages left in place")
     return 0
@@ -240,7 +240,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--watch", type=_positive(float, "SECONDS"), metavar="SECONDS",
                    help="print again every SECONDS until Ctrl-C")
     command("layouts", cmd_layouts, "registered layouts")
-    s = command("evict", cmd_evict, "evict unleased pages from DRAM")
+    s = command("evict", cmd_evict, "evict unleased pages (DRAM pages move to disk, if any)")
+    s.add_argument("--tier", choices=["dram", "disk", "all"], default="dram",
+                   help="which tier to evict from (default dram)")
     what = s.add_mutually_exclusive_group(required=True)
     what.add_argument("--layout", type=_layout_prefix, metavar="ID", help="every page of a layout")
     what.add_argument("--bytes", type=_positive(parse_size, "SIZE"), metavar="SIZE",

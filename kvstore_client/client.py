@@ -431,15 +431,16 @@ class KVStoreClient:
             apb.ListLayoutsRequest(), timeout=self.timeout)).layouts)
 
     def evict(self, *, layout_id: bytes | None = None, nbytes: int | None = None,
-              everything: bool = False) -> apb.EvictResponse:
+              everything: bool = False, tier: str = "dram") -> apb.EvictResponse:
+        """Evict from tier "dram" (pages move to disk, if any), "disk" or "all"."""
         if sum(x is not None and x is not False for x in (layout_id, nbytes, everything)) != 1:
             raise ValueError("evict needs exactly one of layout_id, nbytes, everything")
         if layout_id is not None:
-            req = apb.EvictRequest(layout_id=layout_id)
+            req = apb.EvictRequest(layout_id=layout_id, tier=tier)
         elif nbytes is not None:
-            req = apb.EvictRequest(bytes=nbytes)
+            req = apb.EvictRequest(bytes=nbytes, tier=tier)
         else:
-            req = apb.EvictRequest(all=True)
+            req = apb.EvictRequest(all=True, tier=tier)
         return self._call("Evict", lambda: self._evict(req, timeout=self.timeout), retry=False)
 
     def clear(self) -> apb.ClearResponse:

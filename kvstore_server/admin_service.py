@@ -37,19 +37,29 @@ class AdminService:
             name="dram", capacity_bytes=s["capacity_bytes"], used_bytes=s["used_bytes"],
             pages=s["pages"], hits=s["hits"], misses=s["misses"], evictions=s["evictions"],
             bytes_in=s["bytes_in"], bytes_out=s["bytes_out"])
+        tiers = [dram]
+        lower = s["lower"]
+        if lower is not None:
+            tiers.append(apb.TierStats(
+                name="disk", capacity_bytes=lower["capacity_bytes"],
+                used_bytes=lower["used_bytes"], pages=lower["pages"], hits=s["promotions"],
+                evictions=lower["evictions"], bytes_in=lower["bytes_written"],
+                bytes_out=lower["bytes_read"], reads=lower["reads"], writes=lower["writes"],
+                drops=lower["drops"], corrupt=lower["corrupt_pages"], failed=lower["failed"]))
         return apb.StatsResponse(
-            tiers=[dram], layouts=[_layout_stats(e) for e in s["layouts"]],
+            tiers=tiers, layouts=[_layout_stats(e) for e in s["layouts"]],
             leases=s["leases"], leased_pages=s["leased_pages"],
             uptime_seconds=s["uptime_seconds"], version=__version__)
 
     def Evict(self, request, context):
         target = request.WhichOneof("target")
+        tier = request.tier or "dram"
         if target == "layout_id":
-            pages, nbytes, leased = self.store.evict(layout_id=request.layout_id)
+            pages, nbytes, leased = self.store.evict(layout_id=request.layout_id, tier=tier)
         elif target == "bytes":
-            pages, nbytes, leased = self.store.evict(nbytes=request.bytes)
+            pages, nbytes, leased = self.store.evict(nbytes=request.bytes, tier=tier)
         elif target == "all" and request.all:
-            pages, nbytes, leased = self.store.evict(everything=True)
+            pages, nbytes, leased = self.store.evict(everything=True, tier=tier)
         else:
             raise _Invalid("Evict needs a target: layout_id, bytes or all=true")
         return apb.EvictResponse(pages=pages, bytes=nbytes, skipped_leased=leased)

@@ -29,6 +29,8 @@ class ServerConfig:
     dram: int = 1 << 30             # bytes of the shared-memory page pool
     disk: int = 0                   # bytes of the disk tier; 0 = no disk tier
     disk_dir: str = ""              # where the disk tier keeps its slot files
+    flush_on_stop: bool = True      # a graceful stop writes DRAM pages to disk first
+    flush_timeout: float = 60.0     # ... for at most this many seconds
     metrics_port: int = 0           # Prometheus /metrics on 127.0.0.1:port; 0 = off
     lease_ttl: float = 30.0         # seconds a lease or reservation lives unless released
     high_watermark: float = 0.95    # background eviction starts above this share of the pool
@@ -39,12 +41,25 @@ class ServerConfig:
     log_level: str = "INFO"
 
 
+def _bool(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {value!r} (true/false)")
+
+
 # How each key is parsed, shared by the file, the environment and the flags.
 _PARSERS = {
     "listen": str,
     "dram": parse_size,
     "disk": parse_size,
     "disk_dir": str,
+    "flush_on_stop": _bool,
+    "flush_timeout": parse_duration,
     "metrics_port": int,
     "lease_ttl": parse_duration,
     "high_watermark": float,
@@ -74,6 +89,10 @@ def argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--dram", metavar="SIZE", help="page pool size, e.g. 4GiB (default 1GiB)")
     p.add_argument("--disk", metavar="SIZE", help="disk tier size; 0 = no disk tier (default 0)")
     p.add_argument("--disk-dir", metavar="PATH", help="folder for the disk tier's slot files")
+    p.add_argument("--flush-on-stop", metavar="BOOL",
+                   help="on SIGTERM write DRAM pages to the disk tier first (default true)")
+    p.add_argument("--flush-timeout", metavar="DURATION",
+                   help="longest that flush may take (default 60s)")
     p.add_argument("--metrics-port", metavar="N", help="Prometheus port on 127.0.0.1; 0 = off")
     p.add_argument("--lease-ttl", metavar="DURATION", help="lease lifetime, e.g. 30s (default 30s)")
     p.add_argument("--high-watermark", metavar="F", help="evict above this pool share (0.95)")

@@ -18,6 +18,7 @@ from kvstore_client.wire import CHANNEL_OPTIONS
 from . import __version__
 from .admin_service import AdminService, add_admin_service
 from .config import ConfigError, ServerConfig, load_config
+from .disk import DiskTier
 from kvstore_client.malloc import keep_freed_buffers
 from .metrics import Metrics
 from .region import HEADER_BYTES, Region
@@ -43,9 +44,16 @@ class Server:
         self.region = Region(size, config.shm_dir, config.shm_group)
         self.region.prefault()
         self.region.lock()
+        self.disk = None
+        if config.disk:
+            self.disk = DiskTier(config.disk_dir, config.disk)
+            stats = self.disk.stats()
+            log.info("disk tier: %s in %s, %d pages found on disk (%.2fs), %s I/O",
+                     format_size(config.disk), config.disk_dir, stats["pages"],
+                     stats["rebuild_seconds"], "direct" if stats["direct_io"] else "buffered")
         self.store = Store(self.region, lease_ttl=config.lease_ttl,
                            high_watermark=config.high_watermark,
-                           low_watermark=config.low_watermark)
+                           low_watermark=config.low_watermark, lower=self.disk)
         self.metrics = Metrics()
         self.metrics.watch_store(self.store.stats)
         self._stopping = threading.Event()
@@ -82,9 +90,6 @@ class Server:
                  self.config.lease_ttl)
         if self.config.metrics_port:
             log.info("metrics on http://127.0.0.1:%d/metrics", self.config.metrics_port)
-        if self.config.disk:
-            log.warning("--disk is set but this build has no disk tier yet; pages evicted "
-                        "from DRAM are dropped")
 
     def _evictor(self) -> None:
         # Background eviction keeps usage under the high watermark so puts rarely have to
@@ -121,6 +126,12 @@ class Server:
         self.metrics.stop()
         for thread in self._threads:
             thread.join(timeout=2)
+        if self.disk is not None:
+            if self.config.flush_on_stop:
+                offered, left = self.store.spill_all(self.config.flush_timeout)
+                log.info("flushed DRAM to disk: %d pages offered, %d not written in %.0fs",
+                         offered, left, self.config.flush_timeout)
+            self.disk.close()
         self.region.close()
         log.info("stopped")
 

@@ -35,6 +35,24 @@ class _StoreCollector:
         yield _counter("kvstore_evictions", "Pages evicted", tier, s["evictions"])
         yield _counter("kvstore_bytes_in", "Page bytes stored", tier, s["bytes_in"])
         yield _counter("kvstore_bytes_out", "Page bytes served", tier, s["bytes_out"])
+        lower = s.get("lower")
+        if lower is not None:
+            tier = "disk"
+            yield _gauge("kvstore_capacity_bytes", "Capacity of each tier", tier,
+                         lower["capacity_bytes"])
+            yield _gauge("kvstore_used_bytes", "Bytes of slots in use per tier", tier,
+                         lower["used_bytes"])
+            yield _gauge("kvstore_pages", "Pages stored per tier", tier, lower["pages"])
+            yield _counter("kvstore_disk_reads", "Pages read back from disk", None,
+                           lower["reads"])
+            yield _counter("kvstore_disk_writes", "Pages written to disk", None,
+                           lower["writes"])
+            yield _counter("kvstore_disk_drops", "Pages not spilled: write queue full", None,
+                           lower["drops"])
+            yield _counter("kvstore_disk_corrupt_pages", "Disk pages whose checksum failed "
+                           "(dropped, never served)", None, lower["corrupt_pages"])
+            yield _gauge("kvstore_disk_failed", "1 when disk writes stopped (full or failing)",
+                         None, int(lower["failed"]))
         for name, (kind, doc, value) in self._extra().items():
             yield (_gauge if kind == "gauge" else _counter)(name, doc, None, value)
 

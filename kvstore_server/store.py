@@ -30,6 +30,7 @@ import numpy as np
 from kvstore_client.keys import Packed
 from kvstore_client.layout import PageLayout
 
+from .disk import NoDisk, Tier
 from .errors import Outcome, StoreError
 from .index import KeyIndex
 from .leases import Lease, LeaseKind, LeaseTable
@@ -103,18 +104,15 @@ class Pinned:
     offsets: np.ndarray
 
 
-# Eviction hands each victim to the tier below before its slot is freed.
-# (layout info, key, slot offset) -> None; the default drops the page.
-EvictSink = Callable[[LayoutInfo, bytes, int], None]
-
-
 class Store:
     """Pages of every layout in one shared region, with leases and LRU eviction."""
 
     def __init__(self, region: Region, *, lease_ttl: float = 30.0,
                  high_watermark: float = 0.95, low_watermark: float = 0.85,
                  clock: Callable[[], float] = time.monotonic,
-                 evict_sink: EvictSink | None = None) -> None:
+                 lower: Tier | None = None) -> None:
+        """lower: the tier below DRAM (disk.DiskTier); evicted pages are offered to it,
+        and a lookup, exists or acquire that misses in DRAM asks it."""
         self.region = region
         self.mem = region.mem
         self.pool = Pool(region.size - HEADER_BYTES, base=HEADER_BYTES)
@@ -122,7 +120,8 @@ class Store:
         self.high_watermark = high_watermark
         self.low_watermark = low_watermark
         self.clock = clock
-        self._evict_sink = evict_sink
+        self.lower: Tier = lower if lower is not None else NoDisk()
+        self.promotions = 0                    # pages read back from the tier below
         self._lock = threading.Lock()          # guards everything below
         self._layouts: dict[bytes, LayoutInfo] = {}
         self._by_idx: list[LayoutInfo] = []
@@ -179,12 +178,6 @@ class Store:
             return np.full(len(keys), -1, dtype=np.int64)
         return index.find(keys.rows)
 
-    def _leading(self, info: LayoutInfo, keys: Packed) -> np.ndarray:
-        """Slots of the leading keys that are READY, stopping at the first that is not."""
-        slots = self._find(info, keys)
-        missing = np.flatnonzero(slots < 0)
-        return slots[: missing[0]] if missing.size else slots
-
     def _touch(self, slots: np.ndarray) -> None:
         # Reversed: the prefix's head becomes the most recent, its tail goes first.
         self._policy.touch(slots[::-1])
@@ -198,23 +191,44 @@ class Store:
             raise StoreError(Outcome.INVALID, "lookup needs at least one layout_id")
         with self._lock:
             infos = [self.info(layout_id) for layout_id in layout_ids]
-            found = [self._leading(info, keys) for info in infos]
-            count = min(len(f) for f in found)
+            found, reach = [], []
+            for info in infos:
+                slots, run = self._present_run(info, keys)
+                found.append(slots)
+                reach.append(run)
+            count = min(reach)
             for info, slots in zip(infos, found):
                 info.hits += count
                 info.misses += len(keys) - count
-                self._touch(slots[:count])
-            if lease_ttl <= 0 or count == 0:
+                self._touch(slots[:count][slots[:count] >= 0])
+            # Only the DRAM pages of the run can be leased; Acquire reads the rest back.
+            pinned = np.concatenate([slots[:count][slots[:count] >= 0] for slots in found])
+            if lease_ttl <= 0 or not pinned.size:
                 return count, 0
-            pinned = np.concatenate([slots[:count] for slots in found])
             np.add.at(self._pins, pinned, 1)    # add.at: a key may repeat
             return count, self._leases.grant(LeaseKind.READ, pinned, lease_ttl).lease_id
 
+    def _present_run(self, info: LayoutInfo, keys: Packed) -> tuple[np.ndarray, int]:
+        """(DRAM slot of each key or -1, how many leading keys are stored in DRAM or on
+        the tier below, position by position)."""
+        slots = self._find(info, keys)
+        present = slots >= 0
+        missing = np.flatnonzero(~present)
+        if missing.size and not isinstance(self.lower, NoDisk):
+            present[missing] = self.lower.contains(info.layout_id, keys.select(missing))
+        gaps = np.flatnonzero(~present)
+        return slots, int(gaps[0]) if gaps.size else len(keys)
+
     def exists(self, layout_id: bytes, keys: Packed | Sequence[bytes]) -> np.ndarray:
-        """One bool per key: READY in this layout."""
+        """One bool per key: stored in this layout, in DRAM or on the tier below."""
         keys = Packed.of(keys)
         with self._lock:
-            return self._find(self.info(layout_id), keys) >= 0
+            info = self.info(layout_id)
+            present = self._find(info, keys) >= 0
+            missing = np.flatnonzero(~present)
+            if missing.size and not isinstance(self.lower, NoDisk):
+                present[missing] = self.lower.contains(layout_id, keys.select(missing))
+            return present
 
     # -- puts -----------------------------------------------------------------------
     def reserve(self, layout_id: bytes, keys: Packed | Sequence[bytes],
@@ -307,23 +321,46 @@ class Store:
     # -- gets -----------------------------------------------------------------------
     def acquire(self, layout_id: bytes, keys: Packed | Sequence[bytes],
                 ttl: float | None = None) -> Pinned:
-        """Pin every key's page for reading; NOT_FOUND names the first missing key."""
+        """Pin every key's page for reading, reading pages on the tier below back into
+        DRAM first; NOT_FOUND names the first key stored nowhere."""
         keys = Packed.of(keys)
-        with self._lock:
-            info = self.info(layout_id)
-            slots = self._find(info, keys)
-            missing = np.flatnonzero(slots < 0)
-            if missing.size:
+        for attempt in (0, 1):
+            with self._lock:
+                info = self.info(layout_id)
+                slots = self._find(info, keys)
+                missing = np.flatnonzero(slots < 0)
+                if not missing.size:
+                    np.add.at(self._pins, slots, 1)     # add.at: a key may repeat
+                    self._touch(slots)
+                    info.bytes_out += len(keys) * info.page_bytes
+                    lease = self._leases.grant(LeaseKind.READ, slots,
+                                               self.lease_ttl if ttl is None else ttl)
+                    return Pinned(lease.lease_id, info, slots, self.pool.offset[slots])
+            if attempt or not self._promote(info, keys, missing):
                 first = int(missing[0])
                 raise StoreError(Outcome.NOT_FOUND,
                                  f"key {first} of {len(keys)} ({keys.key(first).hex()}) is "
                                  f"not stored in layout {layout_id.hex()}")
-            np.add.at(self._pins, slots, 1)     # add.at: a key may repeat
-            self._touch(slots)
-            info.bytes_out += len(keys) * info.page_bytes
-            lease = self._leases.grant(LeaseKind.READ, slots,
-                                       self.lease_ttl if ttl is None else ttl)
-            return Pinned(lease.lease_id, info, slots, self.pool.offset[slots])
+        raise AssertionError("unreachable")
+
+    def _promote(self, info: LayoutInfo, keys: Packed, missing: np.ndarray) -> bool:
+        """Read the missing pages back from the tier below into DRAM (one batched read,
+        outside the lock, into slots a reservation owns); False if one is not there."""
+        if isinstance(self.lower, NoDisk):
+            return False
+        wanted = keys.select(missing)
+        if not self.lower.contains(info.layout_id, wanted).all():
+            return False
+        res = self.reserve(info.layout_id, wanted, ttl=FOREVER)
+        todo = np.flatnonzero(res.slots >= 0)
+        pb = info.page_bytes
+        views = [self.mem[off:off + pb] for off in res.offsets[todo].tolist()]
+        ok = self.lower.read_into(info.layout_id, [wanted[i] for i in todo], views)
+        if not all(ok):                 # a corrupt or unreadable page: never served
+            self.abort(res.lease_id)
+            return False
+        self.promotions += self.commit(res.lease_id)
+        return True
 
     def release(self, lease_id: int) -> bool:
         """End a READ lease; False if it was unknown or had already expired."""
@@ -376,7 +413,10 @@ class Store:
             writing = [info.writing.pop(keys.key(i), -1) for i in np.flatnonzero(ready < 0)]
             self._drop(ready[ready >= 0])
             self._drop(np.array([s for s in writing if s >= 0], dtype=np.int64))
-            return int(np.count_nonzero(ready >= 0))
+            deleted = int(np.count_nonzero(ready >= 0))
+        if not isinstance(self.lower, NoDisk) and len(keys):
+            self.lower.delete(layout_id, keys.select(range(len(keys))))
+        return deleted
 
     def _drop(self, slots: np.ndarray) -> None:
         """Slots already out of the index: free them, or doom them while pinned."""
@@ -423,9 +463,13 @@ class Store:
             members = slots[group == g]
             info = self._by_idx[g // 256]
             index = info.ready[g % 256]
-            if self._evict_sink is not None:
+            if not isinstance(self.lower, NoDisk):
+                # Write-behind: offer copies the page into the tier's staging memory and
+                # returns at once (or drops it when the queue is full).
+                pb = info.page_bytes
                 for key, slot in zip(index.keys_of(members), members.tolist()):
-                    self._evict_sink(info, key.tobytes(), int(self.pool.offset[slot]))
+                    off = int(self.pool.offset[slot])
+                    self.lower.offer(info.layout_id, key.tobytes(), self.mem[off:off + pb])
             index.remove_slots(members)
             info.evictions += len(members)
         freed = int(self.pool.class_bytes[self.pool.cls[slots]].sum())
@@ -486,8 +530,23 @@ class Store:
                 evicted += len(victims)
 
     def evict(self, *, layout_id: bytes | None = None, nbytes: int | None = None,
-              everything: bool = False) -> tuple[int, int, int]:
-        """Admin eviction: (pages, bytes, pages skipped because leased)."""
+              everything: bool = False, tier: str = "dram") -> tuple[int, int, int]:
+        """Admin eviction from tier "dram" (to the tier below), "disk" (gone), or "all":
+        (pages, bytes, pages skipped because leased)."""
+        if tier not in ("dram", "disk", "all"):
+            raise StoreError(Outcome.INVALID, f"tier must be dram, disk or all, got {tier!r}")
+        pages = freed = leased = 0
+        if tier in ("dram", "all"):
+            pages, freed, leased = self._evict_dram(layout_id, nbytes)
+        if tier in ("disk", "all") and not isinstance(self.lower, NoDisk):
+            if layout_id is not None:
+                self.info(layout_id)
+            more, more_bytes = self.lower.evict(nbytes=nbytes, layout_id=layout_id,
+                                                everything=nbytes is None and layout_id is None)
+            pages, freed = pages + more, freed + more_bytes
+        return pages, freed, leased
+
+    def _evict_dram(self, layout_id: bytes | None, nbytes: int | None) -> tuple[int, int, int]:
         with self._lock:
             n = self.pool.id_capacity
             live = self._state[:n] == READY
@@ -504,7 +563,7 @@ class Store:
             return len(victims), freed, leased
 
     def clear(self) -> tuple[int, int]:
-        """Delete every page of every layout (leased ones when released)."""
+        """Delete every page of every layout, in every tier (leased ones when released)."""
         with self._lock:
             pages = touched = 0
             n = self.pool.id_capacity
@@ -521,7 +580,44 @@ class Store:
                     index.remove_slots(slots[self._key_size[slots] == size])
                 self._drop(slots)
                 self._drop(writing)
-            return pages, touched
+        if not isinstance(self.lower, NoDisk):
+            pages += self.lower.evict(everything=True)[0]
+        return pages, touched
+
+    def spill_all(self, timeout: float) -> tuple[int, int]:
+        """Write every DRAM page to the tier below, for a graceful stop: (pages offered,
+        pages left unwritten when the time ran out). The tier's queue is bounded, so this
+        offers until it is full, waits for the writer, and goes on."""
+        if isinstance(self.lower, NoDisk):
+            return 0, 0
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            n = self.pool.id_capacity
+            slots = np.flatnonzero(self._state[:n] == READY)
+            group = self._layout_of[slots].astype(np.int64) * 256 + self._key_size[slots]
+            todo = []
+            for g in np.unique(group).tolist():
+                members = slots[group == g]
+                info = self._by_idx[g // 256]
+                keys = info.ready[g % 256].keys_of(members)
+                todo += [(info, k.tobytes(), int(self.pool.offset[m]))
+                         for k, m in zip(keys, members.tolist())]
+            # The pages stay pinned while offered: no request may reuse their slots.
+            np.add.at(self._pins, slots, 1)
+        offered = 0
+        try:
+            for info, key, off in todo:
+                page = self.mem[off:off + info.page_bytes]
+                while not self.lower.offer(info.layout_id, key, page):
+                    if self.lower.stats()["failed"] or time.monotonic() > deadline:
+                        return offered, len(todo) - offered
+                    self.lower.flush(min(1.0, max(0.0, deadline - time.monotonic())))
+                offered += 1
+            left = self.lower.flush(max(0.0, deadline - time.monotonic()))
+            return offered, left
+        finally:
+            with self._lock:
+                self._unpin(slots)
 
     # -- introspection ----------------------------------------------------------------
     def inspect(self, layout_id: bytes, key: bytes) -> dict:
@@ -571,5 +667,7 @@ class Store:
                 "leases": len(self._leases),
                 "leased_pages": int(np.count_nonzero(self._pins[:n] > 0)),
                 "uptime_seconds": self.clock() - self.started_at,
+                "promotions": self.promotions,
                 "layouts": layouts,
+                "lower": None if isinstance(self.lower, NoDisk) else self.lower.stats(),
             }

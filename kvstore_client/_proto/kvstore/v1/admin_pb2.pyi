@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "capacity_bytes", "used_bytes", "pages", "hits", "misses", "evictions", "bytes_in", "bytes_out")
+    __slots__ = ("name", "capacity_bytes", "used_bytes", "pages", "hits", "misses", "evictions", "bytes_in", "bytes_out", "reads", "writes", "drops", "corrupt", "failed")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,11 @@ class TierStats(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    READS_FIELD_NUMBER: _ClassVar[int]
+    WRITES_FIELD_NUMBER: _ClassVar[int]
+    DROPS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
     name: str
     capacity_bytes: int
     used_bytes: int
@@ -27,7 +32,12 @@ class TierStats(_message.Message):
     evictions: int
     bytes_in: int
     bytes_out: int
-    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ...) -> None: ...
+    reads: int
+    writes: int
+    drops: int
+    corrupt: int
+    failed: bool
+    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., reads: _Optional[int] = ..., writes: _Optional[int] = ..., drops: _Optional[int] = ..., corrupt: _Optional[int] = ..., failed: _Optional[bool] = ...) -> None: ...
 
 class LayoutStats(_message.Message):
     __slots__ = ("layout_id", "layout", "page_bytes", "pages", "used_bytes", "hits", "misses", "evictions", "bytes_in", "bytes_out")
@@ -74,14 +84,16 @@ class StatsResponse(_message.Message):
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., layouts: _Optional[_Iterable[_Union[LayoutStats, _Mapping]]] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
-    __slots__ = ("layout_id", "bytes", "all")
+    __slots__ = ("layout_id", "bytes", "all", "tier")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     ALL_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     layout_id: bytes
     bytes: int
     all: bool
-    def __init__(self, layout_id: _Optional[bytes] = ..., bytes: _Optional[int] = ..., all: _Optional[bool] = ...) -> None: ...
+    tier: str
+    def __init__(self, layout_id: _Optional[bytes] = ..., bytes: _Optional[int] = ..., all: _Optional[bool] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class EvictResponse(_message.Message):
     __slots__ = ("pages", "bytes", "skipped_leased")

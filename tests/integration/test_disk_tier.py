@@ -1,0 +1,165 @@
+"""The disk tier inside a real server: spill, read-back, restarts, corruption, disk full."""
+
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvstore_bench.serverproc import ServerProcess
+from kvstore_client import KVStoreClient, PageLayout
+
+LAYOUT = PageLayout(model="disk", num_layers=32, page_tokens=16, num_kv_heads=8,
+                    head_size=64)                                # 1 MiB pages
+N = 150                                                          # 150 MiB of pages
+
+
+def keys(n, tag="p"):
+    return [xxhash.xxh3_128_digest(f"{tag}:{i}".encode()) for i in range(n)]
+
+
+def page(i):
+    return np.random.default_rng(i).integers(0, 256, LAYOUT.page_bytes, dtype=np.uint8)
+
+
+def fill(client, ns, n=N):
+    ks = keys(n)
+    for start in range(0, n, 10):
+        chunk = range(start, min(n, start + 10))
+        client.put(ns, [ks[i] for i in chunk], np.stack([page(i) for i in chunk]))
+    return ks
+
+
+def served(client, ns, ks):
+    """Indexes of pages the server returns, each checked byte-exact."""
+    good = []
+    for i, key in enumerate(ks):
+        try:
+            got = client.get(ns, [key])[0]
+        except KeyError:
+            continue
+        assert np.array_equal(got, page(i)), f"page {i} came back different"
+        good.append(i)
+    return good
+
+
+def disk_stats(client):
+    tiers = {t.name: t for t in client.stats().tiers}
+    return tiers["disk"]
+
+
+def wait_written(client, pages, timeout=30):
+    deadline = time.monotonic() + timeout
+    while disk_stats(client).pages < pages and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return disk_stats(client).pages
+
+
+def server(tmp_path, **flags):
+    flags = {"dram": "32MiB", "disk": "512MiB", "disk_dir": str(tmp_path / "disk"), **flags}
+    return ServerProcess(**flags)
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "grpc"])
+def test_pages_spill_and_come_back_byte_exact(tmp_path, shm):
+    with server(tmp_path) as srv, KVStoreClient(srv.address, shared_memory=shm) as c:
+        ns = c.register_layout(LAYOUT)
+        ks = fill(c, ns)
+        assert c.stats().tiers[0].pages < N                     # most left DRAM
+        assert c.lookup(ns, ks) == N                            # ... but all are still here
+        assert all(c.exists(ns, ks))
+        assert served(c, ns, ks) == list(range(N))
+        d = disk_stats(c)
+        assert d.writes > 0 and d.reads > 0 and d.corrupt == 0 and not d.failed
+        assert c.stats().tiers[0].used_bytes <= 32 << 20
+
+
+def test_sigterm_restart_comes_back_warm(tmp_path):
+    srv = server(tmp_path).start()
+    with KVStoreClient(srv.address) as c:
+        ns = c.register_layout(LAYOUT)
+        ks = fill(c, ns)
+    assert srv.stop(signal.SIGTERM) == 0
+    assert "flushed DRAM to disk" in srv.log()
+    with server(tmp_path, port=srv.port) as again, KVStoreClient(again.address) as c:
+        ns = c.register_layout(LAYOUT)
+        back = served(c, ns, ks)
+        assert len(back) >= 0.95 * N, f"only {len(back)} of {N} pages after SIGTERM"
+        assert c.lookup(ns, ks) == len(back) or c.lookup(ns, ks) >= 0.95 * N
+
+
+def test_sigkill_keeps_every_page_that_reached_disk(tmp_path):
+    srv = server(tmp_path).start()
+    with KVStoreClient(srv.address) as c:
+        ns = c.register_layout(LAYOUT)
+        ks = fill(c, ns)
+        on_disk = wait_written(c, N - 40)
+    srv.stop(signal.SIGKILL)
+    with server(tmp_path, port=srv.port) as again, KVStoreClient(again.address) as c:
+        ns = c.register_layout(LAYOUT)
+        assert disk_stats(c).pages >= on_disk
+        assert len(served(c, ns, ks)) >= on_disk
+
+
+def test_flipped_bytes_are_never_served(tmp_path):
+    srv = server(tmp_path).start()
+    with KVStoreClient(srv.address) as c:
+        ns = c.register_layout(LAYOUT)
+        ks = fill(c, ns)
+    srv.stop(signal.SIGTERM)
+    rng = np.random.default_rng(3)
+    files = [os.path.join(dp, f) for dp, _, fs in os.walk(tmp_path / "disk") for f in fs
+             if os.path.getsize(os.path.join(dp, f)) > 1 << 20]
+    assert files
+    for path in files:
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:
+            for pos in rng.integers(0, size, 200).tolist():
+                f.seek(pos)
+                byte = f.read(1)
+                f.seek(pos)
+                f.write(bytes([byte[0] ^ 0xFF]))
+    with server(tmp_path, port=srv.port) as again, KVStoreClient(again.address) as c:
+        ns = c.register_layout(LAYOUT)
+        back = served(c, ns, ks)                    # asserts every served page is exact
+        d = disk_stats(c)
+        assert len(back) < N and d.corrupt + (N - d.pages) > 0
+        assert again.proc.poll() is None
+
+
+def test_disk_full_stops_the_tier_and_dram_goes_on(tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "kvtest", str(small)],
+                          capture_output=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        with server(tmp_path, disk_dir=str(small)) as srv, KVStoreClient(srv.address) as c:
+            ns = c.register_layout(LAYOUT)
+            ks = fill(c, ns, 80)
+            deadline = time.monotonic() + 20
+            while not disk_stats(c).failed and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert disk_stats(c).failed
+            fresh = keys(5, "after")
+            c.put(ns, fresh, np.stack([page(i) for i in range(5)]))   # DRAM still takes pages
+            assert np.array_equal(c.get(ns, fresh), np.stack([page(i) for i in range(5)]))
+            served(c, ns, ks)                                          # whatever is left is exact
+            assert srv.proc.poll() is None
+            assert "disk" in srv.log().lower()
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)
+
+
+def test_admin_evicts_the_disk_tier(tmp_path):
+    with server(tmp_path) as srv, KVStoreClient(srv.address) as c:
+        ns = c.register_layout(LAYOUT)
+        ks = fill(c, ns, 60)
+        wait_written(c, 20)
+        resp = c.evict(everything=True, tier="all")
+        assert resp.pages > 0
+        assert c.lookup(ns, ks) == 0 and disk_stats(c).pages == 0
