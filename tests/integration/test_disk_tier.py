@@ -126,7 +126,7 @@ def test_flipped_bytes_are_never_served(tmp_path):
         ns = c.register_layout(LAYOUT)
         back = served(c, ns, ks)                    # asserts every served page is exact
         d = disk_stats(c)
-        assert len(back) < N and d.corrupt + (N - d.pages) > 0
+        assert len(back) < N and d.corrupt > 0          # found at restart or on read
         assert again.proc.poll() is None
 
 
