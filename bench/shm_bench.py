@@ -24,6 +24,7 @@ from kvstore_client import KVStoreClient, PageLayout
 from kvstore_client.malloc import keep_freed_buffers
 
 from .serverproc import ServerProcess
+from .store_bench import put_get_gbps
 
 MiB = 1 << 20
 LAYOUT = PageLayout(model="bench-shm", num_layers=32, page_tokens=16, num_kv_heads=8,
@@ -46,24 +47,7 @@ def memcpy_gbps(nbytes: int, reps: int) -> float:
 
 
 def path_gbps(client: KVStoreClient, total: int, reps: int, tag: str) -> tuple[float, float]:
-    ns = client.register_layout(LAYOUT)
-    n = total // ns.page_bytes
-    pages = np.random.default_rng(0).integers(0, 256, (n, ns.page_bytes), dtype=np.uint8)
-    out = np.ones_like(pages)
-    put_t, get_t = [], []
-    for rep in range(reps):
-        keys = [f"{tag}-{rep}-{i}".encode().ljust(16, b".")[:16] for i in range(n)]
-        t0 = time.perf_counter()
-        client.put(ns, keys, pages)
-        t1 = time.perf_counter()
-        client.get_into(ns, keys, out)
-        t2 = time.perf_counter()
-        if not np.array_equal(out, pages):
-            raise SystemExit(f"{tag}: pages came back different")
-        client.delete(ns, keys)
-        put_t.append(t1 - t0)
-        get_t.append(t2 - t1)
-    return _median_gbps(total, put_t), _median_gbps(total, get_t)
+    return put_get_gbps(client, client.register_layout(LAYOUT), total, reps, tag)
 
 
 def gpu_gbps(client: KVStoreClient, total: int, reps: int) -> dict:

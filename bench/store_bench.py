@@ -95,28 +95,35 @@ def raw_socket_gbps(nbytes: int, reps: int) -> tuple[float, float]:
     return out["recv"], out["send"]
 
 
-def grpc_gbps(client: KVStoreClient, label: str, total: int, reps: int) -> tuple[float, float]:
-    heads, head_size = PAGE_SHAPES[label]
-    ns = client.register_layout(PageLayout(model=f"bench-{label}", num_layers=32,
-                                           page_tokens=16, num_kv_heads=heads,
-                                           head_size=head_size))
+def put_get_gbps(client: KVStoreClient, ns, total: int, reps: int,
+                 tag: str) -> tuple[float, float]:
+    """Median put and get_into GB/s of `total` bytes of ns's pages, checked byte-exact.
+    Shared by the benchmarks: the client's settings pick the path (gRPC, shared memory)."""
     n = total // ns.page_bytes
     pages = np.random.default_rng(0).integers(0, 256, (n, ns.page_bytes), dtype=np.uint8)
     out = np.ones_like(pages)
     put_t, get_t = [], []
     for rep in range(reps):
-        keys = [f"{label}-{rep}-{i}".encode().ljust(24, b".") for i in range(n)]
+        keys = [f"{tag}-{rep}-{i}".encode().ljust(24, b".") for i in range(n)]
         t0 = time.perf_counter()
         client.put(ns, keys, pages)
         t1 = time.perf_counter()
         client.get_into(ns, keys, out)
         t2 = time.perf_counter()
         if not np.array_equal(out, pages):
-            raise SystemExit(f"{label}: pages came back different")
+            raise SystemExit(f"{tag}: pages came back different")
         client.delete(ns, keys)
         put_t.append(t1 - t0)
         get_t.append(t2 - t1)
     return total / statistics.median(put_t) / 1e9, total / statistics.median(get_t) / 1e9
+
+
+def grpc_gbps(client: KVStoreClient, label: str, total: int, reps: int) -> tuple[float, float]:
+    heads, head_size = PAGE_SHAPES[label]
+    ns = client.register_layout(PageLayout(model=f"bench-{label}", num_layers=32,
+                                           page_tokens=16, num_kv_heads=heads,
+                                           head_size=head_size))
+    return put_get_gbps(client, ns, total, reps, label)
 
 
 def lookup_latency(client: KVStoreClient, stored: int, sizes=(16, 256, 4096),

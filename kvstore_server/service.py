@@ -51,6 +51,21 @@ class _Invalid(Exception):
     """A request that is malformed in a way the store never sees (e.g. stream shape)."""
 
 
+def _abort(context, method: str, exc: BaseException) -> grpc.StatusCode:
+    """Turn an exception into the call's gRPC status (context.abort raises)."""
+    if isinstance(exc, StoreError):
+        code, message = CODES[exc.outcome], exc.message
+    elif isinstance(exc, (KeyError_, _Invalid, ValueError)):
+        code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    elif context.code() is not None:      # context.abort already ran: keep its status
+        raise exc
+    else:
+        log.error("%s failed", method, exc_info=exc)
+        code, message = grpc.StatusCode.INTERNAL, f"internal error in {method}; see the server log"
+    context.abort(code, message)
+    raise AssertionError("unreachable: context.abort raises")
+
+
 def guarded(method: str, metrics: Metrics) -> Callable:
     """Map exceptions to gRPC statuses, time the call, never let a request kill us."""
 
@@ -61,19 +76,9 @@ def guarded(method: str, metrics: Metrics) -> Callable:
             code = grpc.StatusCode.OK
             try:
                 return fn(self, request, context)
-            except StoreError as exc:
-                code = CODES[exc.outcome]
-                context.abort(code, exc.message)
-            except (KeyError_, _Invalid, ValueError) as exc:
-                code = grpc.StatusCode.INVALID_ARGUMENT
-                context.abort(code, str(exc))
-            except Exception:  # noqa: BLE001 - the server must survive any request
-                if context.code() is not None:   # context.abort already ran
-                    code = context.code()
-                    raise
-                code = grpc.StatusCode.INTERNAL
-                log.exception("%s failed", method)
-                context.abort(code, f"internal error in {method}; see the server log")
+            except Exception as exc:  # noqa: BLE001 - the server must survive any request
+                code = _code_of(exc, context)
+                _abort(context, method, exc)
             finally:
                 metrics.observe(method, time.perf_counter() - start, code)
 
@@ -83,28 +88,26 @@ def guarded(method: str, metrics: Metrics) -> Callable:
             code = grpc.StatusCode.OK
             try:
                 yield from fn(self, request, context)
-            except StoreError as exc:
-                code = CODES[exc.outcome]
-                context.abort(code, exc.message)
-            except (KeyError_, _Invalid, ValueError) as exc:
-                code = grpc.StatusCode.INVALID_ARGUMENT
-                context.abort(code, str(exc))
             except GeneratorExit:
                 code = grpc.StatusCode.CANCELLED
                 raise
-            except Exception:  # noqa: BLE001
-                if context.code() is not None:
-                    code = context.code()
-                    raise
-                code = grpc.StatusCode.INTERNAL
-                log.exception("%s failed", method)
-                context.abort(code, f"internal error in {method}; see the server log")
+            except Exception as exc:  # noqa: BLE001
+                code = _code_of(exc, context)
+                _abort(context, method, exc)
             finally:
                 metrics.observe(method, time.perf_counter() - start, code)
 
         return streaming if inspect.isgeneratorfunction(fn) else unary
 
     return wrap
+
+
+def _code_of(exc: BaseException, context) -> grpc.StatusCode:
+    if isinstance(exc, StoreError):
+        return CODES[exc.outcome]
+    if isinstance(exc, (KeyError_, _Invalid, ValueError)):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return context.code() or grpc.StatusCode.INTERNAL
 
 
 def _keys(packed: pb.PackedKeys) -> Packed:
