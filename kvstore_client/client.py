@@ -26,7 +26,7 @@ from ._proto.kvstore.v1 import kvstore_pb2 as pb
 from .buffers import LayerMajorWriter, as_uint8
 from .convert import layout_from_proto, layout_to_proto
 from .errors import KVStoreError, from_rpc_error
-from .keys import pack_keys
+from .keys import Packed, pack_keys
 from .layout import PageLayout
 from .shm import Acquired, Reservation, SharedRegion
 from .wire import CHANNEL_OPTIONS, GET_DATA_TAG, PUT_DATA_TAG, frame, unframe
@@ -170,6 +170,10 @@ class KVStoreClient:
 
     @staticmethod
     def _packed(keys) -> pb.PackedKeys:
+        """Keys for the wire; a Packed (kvstore_client.keys) passes through without the
+        per-key checks, which cost ~0.3 ms for 4,096 keys."""
+        if isinstance(keys, Packed):
+            return pb.PackedKeys(data=keys.data, key_size=keys.size)
         data, size = pack_keys(keys)
         return pb.PackedKeys(data=data, key_size=size)
 

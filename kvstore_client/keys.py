@@ -98,5 +98,13 @@ class Packed:
     def key(self, i: int) -> bytes:
         return self.data[i * self.size:(i + 1) * self.size]
 
+    def __iter__(self):
+        return iter(self.select(range(self.n)))
+
+    def __getitem__(self, i: int) -> bytes:
+        if not -self.n <= i < self.n:
+            raise IndexError(i)
+        return self.key(i % self.n)
+
     def select(self, idx) -> list[bytes]:
         return [self.key(int(i)) for i in idx]

@@ -1,0 +1,370 @@
+"""SGLang adapter: `KVStoreHiCacheStorage`, a HiCache storage backend for SGLang 0.5.23.
+
+    python -m sglang.launch_server ... --enable-hierarchical-cache \\
+        --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
+        '{"backend_name":"kvstore","module_path":"connector.sglang",
+          "class_name":"KVStoreHiCacheStorage","server":"127.0.0.1:50051","interface_v1":true}'
+
+Besides SGLang's own keys, the extra config takes these fields of
+connector.config.ConnectorConfig: server, timeout, salt, model, shared_memory.
+
+How SGLang drives a backend (managers/cache_controller.py):
+
+    StorageBackendFactory.create_backend("dynamic") -> cls(storage_config, {})
+    register_mem_pool_host(host_pool), on_host_pools_registered()
+    prefetch thread: batch_exists(keys) -> hits; batch_get_v1(keys[:hits], host_indices)
+    backup thread:   batch_set_v1(keys, host_indices)        (interface_v1)
+                     batch_set(keys, flat pages) / batch_get  (otherwise)
+
+Keys and pages. SGLang names a page by a chained hash string; the store key is
+xxh3_128 of that string, so any hash format fits the store's 16-byte keys. Pages live in
+the namespace of a PageLayout built from the storage config and the host pool (model,
+KV dtype, layers, page size, heads, TP rank and size, PP rank, MLA), so pages of two
+ranks, dtypes or models never mix (SGLang #33268 lost the dtype from its keys). An MLA
+latent is the same on every TP rank: its layout leaves TP out (rank 0 of 1), so every
+rank reads what SGLang's one writer rank stored. Decode context parallelism is refused.
+
+Bytes. A stored page is the store's layer-major page (kvstore_client.layout): per layer
+a [kv_factor, page_tokens, heads * head_dim] slab, the same bytes vLLM's connector
+stores. Each host layout (layer_first, page_first, page_first_direct) is viewed in that
+order without a copy, so moving a page is one strided copy between the store's mapped
+pool and the host pool; the flat pages of the generic get/set are converted the same way,
+so both paths share pages.
+
+Failures. A backend error never raises into SGLang's prefetch or backup threads (SGLang
+#38428 lost its prefetch thread that way): every store error becomes a miss or a failed
+write, is logged, and is counted in `failures`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+import xxhash
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+from sglang.srt.observability.metrics_collector import StorageMetrics
+
+from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
+
+from .config import ConnectorConfig
+
+__all__ = ["KVStoreHiCacheStorage", "PageCodec", "store_key"]
+
+log = logging.getLogger(__name__)
+
+# ConnectorConfig fields that mean something to this backend; SGLang's own keys
+# (backend_name, module_path, class_name, interface_v1, ...) are left to SGLang.
+_SETTINGS = ("server", "timeout", "salt", "model", "shared_memory")
+_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+
+def store_key(key: str) -> bytes:
+    """The 16-byte store key of an SGLang page hash (any string format)."""
+    return xxhash.xxh3_128_digest(key.encode())
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class PageCodec:
+    """Views of one host pool's pages in the store's page order, without copies.
+
+    Every view is uint8 and shaped (layers, kv_factor, page_tokens, row_bytes), where a
+    row is one token's heads * head_dim elements of one layer.
+    """
+
+    layout: str         # the host pool's layout, one of _LAYOUTS
+    mla: bool           # host buffer has no K/V axis (kv_factor 1)
+    page_tokens: int
+    page_shape: tuple   # uint8 shape of one host page, rows merged (host_page's result)
+    host: torch.Tensor  # the whole host buffer as uint8, rows merged
+
+    @classmethod
+    def of(cls, pool) -> "PageCodec":
+        if pool.layout not in _LAYOUTS:
+            raise ValueError(f"kvstore: host layout {pool.layout!r} is not supported "
+                             f"(supported: {', '.join(_LAYOUTS)})")
+        host = pool.kv_buffer.view(torch.uint8).flatten(-2)
+        codec = cls(pool.layout, isinstance(pool, MLATokenToKVPoolHost), pool.page_size, (), host)
+        shape = tuple(codec.host_page(0).shape)
+        return dataclasses.replace(codec, page_shape=shape)
+
+    def host_page(self, index: int) -> torch.Tensor:
+        """The host page starting at token index, in the host's own axis order."""
+        t, h = self.page_tokens, self.host
+        if self.layout == "page_first_direct":
+            p = index // t
+            return h[:, p:p + 1] if not self.mla else h[p:p + 1]
+        if self.layout == "page_first":
+            return h[:, index:index + t] if not self.mla else h[index:index + t]
+        return h[:, :, index:index + t] if not self.mla else h[:, index:index + t]
+
+    def store_order(self, page: torch.Tensor) -> torch.Tensor:
+        """A host-ordered page (host_page's shape) permuted to (L, kv, T, row)."""
+        if self.mla:
+            if self.layout == "page_first_direct":
+                page = page[0]                   # (L, T, row)
+            elif self.layout == "page_first":
+                page = page.permute(1, 0, 2)     # (T, L, row) -> (L, T, row)
+            return page.unsqueeze(1)
+        if self.layout == "page_first_direct":
+            return page[:, 0].permute(1, 0, 2, 3)   # (2, 1, L, T, row)
+        if self.layout == "page_first":
+            return page.permute(2, 0, 1, 3)         # (2, T, L, row)
+        return page.permute(1, 0, 2, 3)             # (2, L, T, row)
+
+    def flat(self, value: torch.Tensor) -> torch.Tensor:
+        """A flat data page (SGLang's get_data_page(flat=True)) in store order."""
+        return self.store_order(value.view(torch.uint8).reshape(self.page_shape))
+
+
+def _layout_of(config: HiCacheStorageConfig, pool, settings: ConnectorConfig) -> PageLayout:
+    if getattr(pool, "dcp_size", 1) != 1:
+        raise ValueError("kvstore: decode context parallelism (dcp_size > 1) is not supported")
+    mla = isinstance(pool, MLATokenToKVPoolHost)
+    if mla:
+        heads, head_dim = 1, pool.kv_cache_dim
+        # One latent for all TP ranks (rank 0 writes, every rank reads): not TP-scoped.
+        tp_rank, tp_size = 0, 1
+    else:
+        if pool.head_dim != pool.v_head_dim:
+            raise ValueError(f"kvstore: K and V widths differ ({pool.head_dim} != "
+                             f"{pool.v_head_dim}); the store's pages need equal widths")
+        heads, head_dim = pool.head_num, pool.head_dim
+        tp_rank, tp_size = config.tp_rank, config.tp_size
+    salt = settings.salt
+    if getattr(pool, "storage_format_tag", None):
+        salt = f"{salt}/{pool.storage_format_tag}"
+    return PageLayout(
+        model=settings.model or config.model_name or "sglang",
+        num_layers=pool.layer_num, page_tokens=pool.page_size, num_kv_heads=heads,
+        head_size=head_dim, dtype=str(pool.dtype).removeprefix("torch."),
+        kv_factor=1 if mla else 2, tp_rank=tp_rank, tp_size=tp_size,
+        pp_rank=config.pp_rank, salt=salt)
+
+
+@dataclasses.dataclass(slots=True)
+class _Metrics:
+    """SGLang's storage metrics since the last get_stats, and failure counts."""
+
+    prefetch_pgs: list = dataclasses.field(default_factory=list)
+    backup_pgs: list = dataclasses.field(default_factory=list)
+    prefetch_bandwidth: list = dataclasses.field(default_factory=list)   # GB/s per call
+    backup_bandwidth: list = dataclasses.field(default_factory=list)
+
+
+class KVStoreHiCacheStorage(HiCacheStorage):
+    """HiCache L3 storage in a kvstore-server; thread-safe (prefetch and backup threads).
+
+    Zero-copy on the server's host: pages move between the server's shared-memory pool
+    and SGLang's host pool with one copy each; elsewhere they go over gRPC.
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None,
+                 *, client: Optional[KVStoreClient] = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        self.settings = ConnectorConfig.from_mapping(
+            {k: extra[k] for k in _SETTINGS if k in extra})
+        self.storage_config = storage_config
+        self.client = client or KVStoreClient(self.settings.server,
+                                              timeout=self.settings.timeout,
+                                              shared_memory=self.settings.shared_memory)
+        self.handle: Optional[LayoutHandle] = None   # set by register_mem_pool_host
+        self.codec: Optional[PageCodec] = None
+        self.failures = {"get": 0, "set": 0, "exists": 0}   # pages (calls for exists)
+        self._lock = threading.Lock()   # guards failures, _metrics and _region_view
+        self._metrics = _Metrics()
+        self._region_view: tuple[Any, torch.Tensor] | None = None   # (region, its tensor)
+
+    # -- setup ----------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        layout = _layout_of(self.storage_config, mem_pool_host, self.settings)
+        self.codec = PageCodec.of(mem_pool_host)
+        try:
+            self.handle = self.client.register_layout(layout)
+        except KVStoreError as exc:
+            # Not fatal: a server that is down now is retried by the first call.
+            log.warning("kvstore: registering the layout failed (%s); retrying on use", exc)
+            self.handle = LayoutHandle(layout, layout.layout_id, layout.page_bytes,
+                                       layout.layer_bytes)
+
+    def _store_page(self, offset: int) -> torch.Tensor:
+        """The store's page at a byte offset of its shared pool, as (L, kv, T, row)."""
+        region = self.client.region()
+        with self._lock:
+            if self._region_view is None or self._region_view[0] is not region:
+                self._region_view = (region, torch.from_numpy(region.mem))
+            mem = self._region_view[1]
+        lay = self.handle.layout
+        return mem[offset:offset + self.handle.page_bytes].view(
+            lay.num_layers, lay.kv_factor, lay.page_tokens, -1)
+
+    # -- moving pages -----------------------------------------------------------------
+    def _write(self, keys: Sequence[str], sources: Callable[[int], torch.Tensor]) -> int:
+        """Store pages; sources(i) is page i in store order. Returns pages newly stored."""
+        skeys = [store_key(k) for k in keys]
+        if self.client.region() is None:
+            pages = torch.stack([sources(i).contiguous() for i in range(len(keys))])
+            return self.client.put(self.handle, skeys, pages.numpy()).stored
+        with self.client.reserve(self.handle, skeys) as res:
+            for i, offset in enumerate(res.offsets.tolist()):
+                if offset >= 0:
+                    self._store_page(offset).copy_(sources(i))
+            return res.commit()
+
+    def _read(self, keys: Sequence[str], dests: Callable[[int], torch.Tensor]) -> List[bool]:
+        """Load the pages that are stored into dests(i) (store order); which ones were."""
+        skeys = [store_key(k) for k in keys]
+        present = [True] * len(keys)
+        try:
+            self._read_all(skeys, list(range(len(keys))), dests)
+        except KeyError:
+            # Some pages are gone (evicted since batch_exists): load those still here.
+            present = self.client.exists(self.handle, skeys)
+            idx = [i for i, hit in enumerate(present) if hit]
+            try:
+                self._read_all([skeys[i] for i in idx], idx, dests)
+            except KeyError:
+                return [False] * len(keys)
+        return present
+
+    def _read_all(self, skeys: list, idx: list, dests: Callable[[int], torch.Tensor]) -> None:
+        if not skeys:
+            return
+        if self.client.region() is None:
+            pages = self.client.get(self.handle, skeys)   # KeyError when one is missing
+            lay = self.handle.layout
+            shape = (lay.num_layers, lay.kv_factor, lay.page_tokens, -1)
+            for i, page in zip(idx, torch.from_numpy(pages)):
+                dests(i).copy_(page.view(shape))
+            return
+        try:
+            acq = self.client.acquire(self.handle, skeys)
+        except KVStoreError as exc:
+            if exc.code.name == "NOT_FOUND":
+                raise KeyError(exc.message) from None
+            raise
+        with acq:
+            for i, offset in zip(idx, acq.offsets.tolist()):
+                dests(i).copy_(self._store_page(offset))
+
+    def _guard(self, what: str, pages: int, fallback, fn: Callable[[], Any]):
+        """fn(), or fallback when the store (or anything below it) fails."""
+        if self.handle is None:
+            log.warning("kvstore: %s before register_mem_pool_host; treated as a miss", what)
+            self._count(what, pages)
+            return fallback
+        try:
+            return fn()
+        except Exception as exc:   # never into SGLang's threads (#38428)
+            log.warning("kvstore: %s of %d page(s) failed: %s", what, pages, exc)
+            self._count(what, pages)
+            return fallback
+
+    def _count(self, what: str, pages: int) -> None:
+        with self._lock:
+            self.failures[what] += pages
+
+    def _record(self, series: str, pages: int, start: float) -> None:
+        gbps = pages * self.handle.page_bytes / max(time.perf_counter() - start, 1e-9) / 1e9
+        with self._lock:
+            getattr(self._metrics, series + "_pgs").append(pages)
+            getattr(self._metrics, series + "_bandwidth").append(gbps)
+
+    def _host_pages(self, host_indices: torch.Tensor, n: int) -> list[torch.Tensor]:
+        starts = host_indices.reshape(-1)[::self.codec.page_tokens][:n].tolist()
+        if len(starts) != n:
+            raise ValueError(f"{host_indices.numel()} host indices for {n} pages")
+        return [self.codec.store_order(self.codec.host_page(s)) for s in starts]
+
+    # -- zero-copy interface (interface_v1) --------------------------------------------
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        def run():
+            start = time.perf_counter()
+            views = self._host_pages(host_indices, len(keys))
+            hits = self._read(keys, views.__getitem__)
+            self._record("prefetch", sum(hits), start)
+            return hits
+        return self._guard("get", len(keys), [False] * len(keys), run)
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        def run():
+            start = time.perf_counter()
+            views = self._host_pages(host_indices, len(keys))
+            self._write(keys, views.__getitem__)
+            self._record("backup", len(keys), start)
+            return [True] * len(keys)
+        return self._guard("set", len(keys), [False] * len(keys), run)
+
+    def batch_exists(self, keys: List[str],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        """Leading pages stored, in one Lookup."""
+        if not keys:
+            return 0
+        return self._guard("exists", 1, 0, lambda: self.client.lookup(
+            self.handle, [store_key(k) for k in keys]))
+
+    # -- generic interface (flat data pages) ---------------------------------------------
+    def get(self, key: str, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
+        def run():
+            outs = list(target_locations) if target_locations is not None else [None] * len(keys)
+            outs = [o if o is not None else self.mem_pool_host.get_dummy_flat_data_page()
+                    for o in outs]
+            start = time.perf_counter()
+            hits = self._read(keys, lambda i: self.codec.flat(outs[i]))
+            self._record("prefetch", sum(hits), start)
+            return [o if hit else None for o, hit in zip(outs, hits)]
+        return self._guard("get", len(keys), [None] * len(keys), run)
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None,
+                  target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> bool:
+        def run():
+            if values is None or len(values) != len(keys):
+                raise ValueError("batch_set needs one flat page per key")
+            start = time.perf_counter()
+            self._write(keys, lambda i: self.codec.flat(values[i]))
+            self._record("backup", len(keys), start)
+            return True
+        return self._guard("set", len(keys), False, run)
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # -- housekeeping -------------------------------------------------------------------
+    def clear(self) -> None:
+        """Drop this layout's pages (other layouts and engines keep theirs)."""
+        if self.handle is not None:
+            self._guard("exists", 1, None, lambda: self.client.evict(
+                layout_id=self.handle.layout_id, tier="all"))
+
+    def get_stats(self) -> StorageMetrics:
+        """SGLang's storage metrics since the last call (what its collector logs)."""
+        with self._lock:
+            m, self._metrics = self._metrics, _Metrics()
+        return StorageMetrics(prefetch_pgs=m.prefetch_pgs, backup_pgs=m.backup_pgs,
+                              prefetch_bandwidth=m.prefetch_bandwidth,
+                              backup_bandwidth=m.backup_bandwidth)
+
+    def close(self) -> None:
+        self.client.close()
