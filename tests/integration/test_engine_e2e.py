@@ -164,10 +164,25 @@ def test_preemption_without_a_store_recomputes(model):
     assert_same(outs["b"], recompute(model, b, 30))
 
 
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_after_a_restart_pages_come_from_disk(model, tmp_path, mode):
+    """SIGTERM flushes DRAM to the disk tier; the restarted server finds the pages in
+    its slot files and the engine loads them with the logits of a recompute."""
+    tokens = prompt(100, 14)
+    flags = dict(dram="32MiB", disk="64MiB", disk_dir=str(tmp_path / "disk"))
+    first = ServerProcess(**flags).start()
+    try:
+        serve(make_engine(model, first), {"a": tokens})
+    finally:
+        first.stop()
+    with ServerProcess(port=first.port, **flags) as again:
+        engine = make_engine(model, again, load_mode=mode)
+        out = serve(engine, {"b": tokens})["b"]
+        assert out.num_external_tokens == 96
+        assert_same(out, recompute(model, tokens))
+
+
 def test_restarted_empty_server_means_a_clean_recompute(model, srv):
-    # TODO(disk tier): once the server spills pages to disk and rebuilds its index from
-    # the slot headers at start, the restarted server must serve this prompt from disk:
-    # the variant to add then asserts num_external_tokens == 96 with the same logits.
     tokens = prompt(100, 12)
     serve(make_engine(model, srv), {"a": tokens})
     engine = make_engine(model, srv)           # connected before the restart
