@@ -13,6 +13,7 @@ BENCHES = {
     "load": "load_bench",
     "e2e": "e2e_bench",
     "disk": "disk_bench",
+    "sglang": "sglang_bench",
 }
 
 

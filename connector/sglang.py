@@ -36,13 +36,18 @@ Failures. A backend error never raises into SGLang's prefetch or backup threads 
 write, is logged, and is counted in `failures`.
 """
 
+# The methods SGLang calls keep its HiCacheStorage signatures verbatim, List and Optional
+# included (tests compare them with inspect.signature), hence:
+# ruff: noqa: UP006, UP035, UP045
+
 from __future__ import annotations
 
 import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, List, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import torch
 import xxhash
@@ -57,6 +62,9 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
 
 from .config import ConnectorConfig
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.pool_host import HostKVCache
 
 __all__ = ["KVStoreHiCacheStorage", "PageCodec", "store_key"]
 
@@ -88,7 +96,7 @@ class PageCodec:
     host: torch.Tensor  # the whole host buffer as uint8, rows merged
 
     @classmethod
-    def of(cls, pool) -> "PageCodec":
+    def of(cls, pool) -> PageCodec:
         if pool.layout not in _LAYOUTS:
             raise ValueError(f"kvstore: host layout {pool.layout!r} is not supported "
                              f"(supported: {', '.join(_LAYOUTS)})")
@@ -153,7 +161,7 @@ def _layout_of(config: HiCacheStorageConfig, pool, settings: ConnectorConfig) ->
 
 @dataclasses.dataclass(slots=True)
 class _Metrics:
-    """SGLang's storage metrics since the last get_stats, and failure counts."""
+    """SGLang's storage metrics since the last get_stats (StorageMetrics' fields)."""
 
     prefetch_pgs: list = dataclasses.field(default_factory=list)
     backup_pgs: list = dataclasses.field(default_factory=list)
@@ -185,7 +193,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self._region_view: tuple[Any, torch.Tensor] | None = None   # (region, its tensor)
 
     # -- setup ----------------------------------------------------------------------
-    def register_mem_pool_host(self, mem_pool_host) -> None:
+    def register_mem_pool_host(self, mem_pool_host: HostKVCache):
         super().register_mem_pool_host(mem_pool_host)
         layout = _layout_of(self.storage_config, mem_pool_host, self.settings)
         self.codec = PageCodec.of(mem_pool_host)
@@ -265,7 +273,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             return fallback
         try:
             return fn()
-        except Exception as exc:   # never into SGLang's threads (#38428)
+        except Exception as exc:  # noqa: BLE001 - never into SGLang's threads (#38428)
             log.warning("kvstore: %s of %d page(s) failed: %s", what, pages, exc)
             self._count(what, pages)
             return fallback
@@ -281,9 +289,10 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             getattr(self._metrics, series + "_bandwidth").append(gbps)
 
     def _host_pages(self, host_indices: torch.Tensor, n: int) -> list[torch.Tensor]:
-        starts = host_indices.reshape(-1)[::self.codec.page_tokens][:n].tolist()
-        if len(starts) != n:
-            raise ValueError(f"{host_indices.numel()} host indices for {n} pages")
+        if host_indices.numel() != n * self.codec.page_tokens:
+            raise ValueError(f"{host_indices.numel()} host indices for {n} pages of "
+                             f"{self.codec.page_tokens} tokens")
+        starts = host_indices.reshape(-1)[::self.codec.page_tokens].tolist()
         return [self.codec.store_order(self.codec.host_page(s)) for s in starts]
 
     # -- zero-copy interface (interface_v1) --------------------------------------------
@@ -321,7 +330,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         return self.batch_get([key], [target_location])[0]
 
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
+                  target_sizes: Optional[Any] = None) -> List[torch.Tensor | None] | int:
         def run():
             outs = list(target_locations) if target_locations is not None else [None] * len(keys)
             outs = [o if o is not None else self.mem_pool_host.get_dummy_flat_data_page()
@@ -358,7 +367,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             self._guard("exists", 1, None, lambda: self.client.evict(
                 layout_id=self.handle.layout_id, tier="all"))
 
-    def get_stats(self) -> StorageMetrics:
+    def get_stats(self):
         """SGLang's storage metrics since the last call (what its collector logs)."""
         with self._lock:
             m, self._metrics = self._metrics, _Metrics()

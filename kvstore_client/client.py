@@ -362,6 +362,8 @@ class KVStoreClient:
                 self._region = SharedRegion(resp.path, resp.size, resp.token_offset)
                 log.debug("mapped the server's pool %s (%d bytes)", resp.path, resp.size)
             except (OSError, KVStoreError) as exc:
+                if isinstance(exc, KVStoreError) and exc.code in _RETRY_CODES:
+                    self._region_tried = False    # the server is down: ask again later
                 if self.shared_memory:
                     raise KVStoreError(grpc.StatusCode.FAILED_PRECONDITION,
                                        f"shared memory was required but the server's pool "
