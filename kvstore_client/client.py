@@ -93,6 +93,7 @@ class KVStoreClient:
         self._region: SharedRegion | None = None
         self._region_tried = False
         self._region_lock = threading.Lock()   # guards attaching and re-attaching
+        self._releases: set[grpc.Future] = set()   # lease releases still in flight
         self._channel = channel or grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         c = self._channel
         s = "/kvstore.v1.KVStore/"
@@ -125,6 +126,11 @@ class KVStoreClient:
 
     # -- plumbing -------------------------------------------------------------------
     def close(self) -> None:
+        for future in list(self._releases):     # let async releases reach the server
+            try:
+                future.result(timeout=1.0)
+            except (grpc.RpcError, grpc.FutureTimeoutError):
+                pass
         self._channel.close()
         if self._region is not None:
             self._region.close()
@@ -410,7 +416,12 @@ class KVStoreClient:
         and a lost release only costs the pages their pin until the lease expires."""
         future = self._release.future(pb.ReleaseLeaseRequest(lease_id=lease_id),
                                       timeout=self.timeout)
-        future.add_done_callback(_log_release_failure)
+        self._releases.add(future)
+        future.add_done_callback(self._release_done)
+
+    def _release_done(self, future: grpc.Future) -> None:
+        self._releases.discard(future)
+        _log_release_failure(future)
 
     def _acquire_or_keyerror(self, ns: LayoutHandle, keys: Sequence[bytes]) -> Acquired:
         try:
