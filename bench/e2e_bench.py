@@ -11,8 +11,9 @@ embedded one unless --server is given):
     DRAM hit     the same prompt again: every full page but the one holding the last token
                  is loaded (lookup RPC, Acquire, layer-wise host-to-GPU copies overlapped
                  with the remaining prefill, which is the last page's tokens)
-    disk hit     TODO(disk tier): the server has no disk tier yet; once it does, evict the
-                 pages from DRAM (kvstore-admin evict) and time the same hit from disk.
+    disk hit     the same prompt after its pages were evicted from DRAM to the embedded
+                 server's disk tier (Admin Evict, tier dram; O_DIRECT slot files): the
+                 Acquire reads them back into DRAM first (--disk 0 skips it)
 
 TTFT is from submitting the request to its first token's logits on the host (the engine
 syncs there), through the whole connector path. Alongside: the load alone through the
@@ -52,6 +53,7 @@ import json
 import math
 import os
 import statistics
+import tempfile
 import sys
 import time
 
@@ -103,6 +105,7 @@ class _Bench:
         self.client = KVStoreClient(address)        # deletes; clears an embedded one
         self.ns = self.client.register_layout(self.layout)
         self.may_clear = clear
+        self.disk = clear and bool(args.disk)      # the embedded server has a disk tier
         self.rng = np.random.default_rng(args.seed)
         self._pinned = self._device_buf = None
         self._cycles_per_ms = 0.0
@@ -273,7 +276,7 @@ class _Bench:
         self.clear()
         recompute_s, ref = self.ttft(self.engine(False), tokens, reps)
         point = {"preset": self.preset, "tokens": n, "recompute_s": recompute_s,
-                 "disk_hit_s": None}          # TODO(disk tier): time a hit served from disk
+                 "disk_hit_s": None}
         if n > args.max_batched_tokens:
             point["recompute_one_step_s"], _ = self.ttft(self.engine(False, n), tokens, reps)
         store = self.engine(True)
@@ -299,8 +302,28 @@ class _Bench:
                      max_abs_logit_diff=(out.logits - ref.logits).abs().max().item())
         if hit:
             point.update(self.overlap(tokens, hit, hit_s, ""))
+        if self.disk and hit:
+            times = []
+            for _ in range(reps + 1):
+                self.to_disk(hit // self.page_tokens)
+                (out,), _ = self.serve(store, [tokens])
+                times.append(out.ttft)
+            point.update(disk_hit_s=statistics.median(times[1:]),
+                         disk_hit_tokens=out.num_external_tokens,
+                         disk_max_abs_logit_diff=(out.logits - ref.logits).abs().max().item())
         self.clear()
         return point
+
+    def to_disk(self, pages: int, timeout: float = 120.0) -> None:
+        """Move every page from DRAM to the disk tier and wait until they are written."""
+        self.client.evict(everything=True, tier="dram")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            disk = [t for t in self.client.stats().tiers if t.name == "disk"]
+            if disk and disk[0].pages >= pages:
+                return
+            time.sleep(0.05)
+        raise SystemExit(f"the disk tier did not take {pages} pages in {timeout:.0f}s")
 
     def overlap(self, tokens: np.ndarray, hit: int, hit_s: float, prefix: str) -> dict:
         """The load and the remaining prefill each alone, and how much of the load the hit
@@ -419,7 +442,7 @@ _GREEDY_PAIRS = (("hit_vs_same_split", "hit vs same-split recompute"),
 def _ttft_row(p: dict) -> str:
     return (f"| {p['preset']} | {p['tokens']} | {_ms(p['recompute_s'])} | "
             f"{_ms(p['miss_save_s'])} | {_ms(p.get('half_hit_s'))} | {_ms(p['dram_hit_s'])} "
-            f"| n/a (TODO: disk tier) | {p['speedup']:.1f}x | {p['max_abs_logit_diff']:.3g}, "
+            f"| {_ms(p.get('disk_hit_s'))} | {p['speedup']:.1f}x | {p['max_abs_logit_diff']:.3g}, "
             f"{_f(p.get('half_max_abs_logit_diff'), '{:.3g}')} |")
 
 
@@ -554,8 +577,12 @@ def run(args) -> dict:
             r["server"] = address
         else:
             dram = args.dram or f"{_dram_bytes(args) >> 30}GiB"
+            disk = {}
+            if args.disk:
+                folder = stack.enter_context(tempfile.TemporaryDirectory(dir=args.disk_dir))
+                disk = {"disk": args.disk, "disk_dir": folder}
             t0 = time.perf_counter()
-            srv = stack.enter_context(ServerProcess(dram=dram).start(wait=600))
+            srv = stack.enter_context(ServerProcess(dram=dram, **disk).start(wait=600))
             address = srv.address
             r["server"] = f"embedded, --dram {dram} (started in {time.perf_counter() - t0:.0f} s)"
         for preset in args.preset:
@@ -594,6 +621,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server", help="an existing kvstore-server (default: start one); it is "
                    "never cleared, so earlier pages may be hit")
     p.add_argument("--dram", help="pool of the embedded server (default: sized from the run)")
+    p.add_argument("--disk", default="8GiB",
+                   help="disk tier of the embedded server, for the disk-hit mode; 0 = none")
+    p.add_argument("--disk-dir", default=None, help="where its slot files go (default: tmp)")
     p.add_argument("--load-mode", choices=["layerwise", "async"], default="layerwise")
     p.add_argument("--max-batched-tokens", type=int, default=8192, help="token budget per step")
     p.add_argument("--block-size", type=int, default=16)
@@ -625,6 +655,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"must be a multiple of --block-size")
     if args.system_len < page:
         args.multi = 0
+    if args.disk in ("0", "", "0B"):
+        args.disk = None
     r = run(args)
     text = report(r)
     if args.out:
