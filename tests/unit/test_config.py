@@ -55,3 +55,11 @@ def test_bad_file(tmp_path):
     path.write_text('colour = "blue"\n')
     with pytest.raises(ConfigError, match="unknown setting 'colour'"):
         load_config(["--config", str(path)], environ={})
+
+
+def test_the_example_deploy_config_loads():
+    import pathlib
+    example = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "kvstore.toml"
+    c = load_config(["--config", str(example)], environ={})
+    assert c.dram == 64 << 30 and c.disk == 512 << 30 and c.flush_on_stop
+    assert c.metrics_port == 9464 and c.disk_dir == "/var/lib/kvstore"
