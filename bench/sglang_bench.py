@@ -25,6 +25,7 @@ import types
 import numpy as np
 
 from .serverproc import ServerProcess
+from .shm_bench import memcpy_gbps
 
 __all__ = ["host_pool", "install_torchvision_stub", "main", "make_backend", "run",
            "storage_config"]
@@ -150,17 +151,6 @@ def make_backend(config, pool):
 
 def _gbps(nbytes: int, times: list[float]) -> float:
     return nbytes / statistics.median(times) / 1e9
-
-
-def memcpy_gbps(nbytes: int, reps: int) -> float:
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.ones(nbytes, dtype=np.uint8)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dst[:] = src
-        times.append(time.perf_counter() - t0)
-    return _gbps(nbytes, times)
 
 
 def layout_gbps(server: ServerProcess, layout: str, reps: int, geometry: dict) -> dict:
