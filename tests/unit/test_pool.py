@@ -49,3 +49,17 @@ def test_ids_are_recycled():
     again = pool.alloc(c, 16)
     assert set(again.tolist()) == set(first.tolist())
     assert pool.id_capacity == len(np.unique(first))
+
+
+def test_one_alloc_hands_out_slots_in_offset_order():
+    # Readers copy a run of adjacent slots with one copy: a fresh pool gives one run,
+    # and slots freed in any order come back sorted.
+    pool = Pool(64 * MiB)
+    cls = pool.class_for(1 * MiB)
+    first = pool.alloc(cls, 40)
+    offsets = pool.offset[first]
+    assert (np.diff(offsets) == pool.slot_bytes(cls)).all()
+    rng = np.random.default_rng(0)
+    pool.free(rng.permutation(first[:20]))
+    again = pool.offset[pool.alloc(cls, 20)]
+    assert (np.diff(again) > 0).all()
