@@ -26,7 +26,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
+
+# SDPA's backends, cuDNN left out. On the H200 (torch 2.11) SDPA picks cuDNN for the decode
+# attention, and there two identical greedy runs of the 1B preset drew different attention
+# outputs from equal inputs from the third decode step on (a race: it went away when the
+# host waited for the GPU before each step, under CUDA_LAUNCH_BLOCKING=1, and with the
+# flash backend). FlashAttention serves every bf16/fp16 shape here; the others catch the rest.
+_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 __all__ = [
     "PagedCacheSpec",
@@ -280,5 +288,7 @@ def _attend_group(q: torch.Tensor, kv_layer: torch.Tensor, group: _AttnGroup) ->
     q = q.view(num_seqs, group.query_len, num_heads, head_size).transpose(1, 2)
     kv = gather_kv(kv_layer, group.block_table, group.context_len)  # [2, G, ctx, kv_heads, d]
     k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.attn_mask, enable_gqa=True)
+    with sdpa_kernel(_BACKENDS):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.attn_mask,
+                                             enable_gqa=True)
     return out.transpose(1, 2).reshape(num_tokens, num_heads * head_size)
