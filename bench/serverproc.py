@@ -27,10 +27,12 @@ class ServerProcess:
 
     Extra keyword arguments become flags (`lease_ttl="1s"` -> `--lease-ttl 1s`). The
     process is stopped (SIGTERM, then SIGKILL) on exit; its log is kept in `self.log_path`.
+    credentials: how the health check reaches a server started with --tls-cert.
     """
 
     def __init__(self, *args: str, port: int | None = None, env: dict | None = None,
-                 **flags) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, **flags) -> None:
+        self.credentials = credentials
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.args = list(args)
@@ -52,7 +54,8 @@ class ServerProcess:
 
     def wait_healthy(self, wait: float = 20.0) -> None:
         deadline = time.monotonic() + wait
-        with grpc.insecure_channel(self.address) as channel:
+        with (grpc.insecure_channel(self.address) if self.credentials is None else
+              grpc.secure_channel(self.address, self.credentials)) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 if self.proc.poll() is not None:

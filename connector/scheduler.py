@@ -75,7 +75,8 @@ class SchedulerHalf:
         # The scheduler only asks and leases: no page bytes, so no shared memory; and a
         # lookup must answer within lookup_timeout, so no retries either.
         self.client = client or KVStoreClient(config.server, timeout=config.lookup_timeout,
-                                              retries=0, shared_memory=False)
+                                              retries=0, shared_memory=False,
+                                              token=config.token or None)
         self._handles: list[LayoutHandle] | None = None
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadSpec] = []

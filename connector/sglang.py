@@ -72,7 +72,7 @@ log = logging.getLogger(__name__)
 
 # ConnectorConfig fields that mean something to this backend; SGLang's own keys
 # (backend_name, module_path, class_name, interface_v1, ...) are left to SGLang.
-_SETTINGS = ("server", "timeout", "salt", "model", "shared_memory")
+_SETTINGS = ("server", "timeout", "salt", "model", "shared_memory", "token")
 _LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
 
@@ -184,7 +184,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self.storage_config = storage_config
         self.client = client or KVStoreClient(self.settings.server,
                                               timeout=self.settings.timeout,
-                                              shared_memory=self.settings.shared_memory)
+                                              shared_memory=self.settings.shared_memory,
+                                              token=self.settings.token or None)
         self.handle: Optional[LayoutHandle] = None   # set by register_mem_pool_host
         self.codec: Optional[PageCodec] = None
         self.failures = {"get": 0, "set": 0, "exists": 0}   # pages (calls for exists)

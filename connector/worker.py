@@ -81,7 +81,8 @@ class WorkerHalf:
         self.transfer = KVTransfer(views, layout.page_tokens, self.device)
         self.saves_enabled = saves and config.role.saves
         self.client = client or KVStoreClient(config.server, timeout=config.timeout,
-                                              shared_memory=config.shared_memory)
+                                              shared_memory=config.shared_memory,
+                                              token=config.token or None)
         self._ns = None                            # registered on first use
         self._registration = None
         self._region_mem = None

@@ -1,6 +1,7 @@
 """kvstore-admin: look at and operate a running kvstore-server from a shell.
 
-    kvstore-admin [--server ADDR] [--timeout S] COMMAND
+    kvstore-admin [--server ADDR] [--timeout S] [--token T] [--tls-ca PEM
+                  [--tls-cert PEM --tls-key PEM]] COMMAND
         stats [--json] [--watch SECONDS]      tiers, layouts, leases, uptime
         layouts [--json]                      registered layouts
         evict (--layout ID | --bytes SIZE | --all) [--tier dram|disk|all]
@@ -10,7 +11,9 @@
 
 A layout ID may be any unique prefix of its hex id, as git accepts short hashes. Human
 output uses binary units (KiB, MiB); `--json` prints integers for bytes and hex for ids.
-`stats --watch --json` prints one object per line (JSON Lines). Exit status: 0 done,
+`stats --watch --json` prints one object per line (JSON Lines). A server with an auth
+file needs an admin token: `--token` or, better (flags show in `ps`), $KVSTORE_TOKEN.
+Exit status: 0 done,
 1 failed (server unreachable or refusing, not SERVING, clear declined), 2 bad usage.
 Every failure is one line on stderr, never a traceback.
 """
@@ -28,6 +31,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tabulate import tabulate
 
+from .channel import open_channel
 from .client import KVStoreClient
 from .errors import KVStoreError
 from .units import format_size, parse_size
@@ -116,14 +120,21 @@ def _render_stats(resp) -> str:
                 s.layout.page_tokens, f"{s.layout.tp_rank}/{s.layout.tp_size}",
                 _human(s.page_bytes), s.pages, _human(s.used_bytes), s.hits, s.misses,
                 s.evictions] for s in resp.layouts]
-    return "\n\n".join((
+    # Tenants only where there is more than the one built-in tenant of a server
+    # without auth, or a quota.
+    tenants = [[t.name, _human(t.used_bytes), _human(t.quota_bytes) if t.quota_bytes else "-",
+                _ratio(t.used_bytes, t.quota_bytes), t.pages] for t in resp.tenants]
+    show_tenants = len(resp.tenants) > 1 or any(t.quota_bytes for t in resp.tenants)
+    return "\n\n".join(part for part in (
         (f"kvstore-server {resp.version}   uptime {_duration(resp.uptime_seconds)}   "
          f"leases {resp.leases}   leased pages {resp.leased_pages}"),
         _table(tiers, ["tier", "capacity", "used", "use %", "pages", "hits", "misses",
                        "hit rate", "evictions", "bytes in", "bytes out"], 1),
         _table(layouts, ["layout id", "model", "dtype", "layers", "page tokens", "tp",
                          "page bytes", "pages", "used", "hits", "misses", "evictions"], 3)
-        if layouts else "(no layouts registered)"))
+        if layouts else "(no layouts registered)",
+        _table(tenants, ["tenant", "used", "quota", "use %", "pages"], 1)
+        if show_tenants else "") if part)
 
 
 def cmd_stats(client: KVStoreClient, args: argparse.Namespace) -> int:
@@ -207,7 +218,7 @@ def cmd_inspect(client: KVStoreClient, args: argparse.Namespace) -> int:
 
 
 def cmd_health(address: str, args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, **_tls(args)) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             resp = stub.Check(health_pb2.HealthCheckRequest(service=args.service),
@@ -220,6 +231,10 @@ def cmd_health(address: str, args: argparse.Namespace) -> int:
 
 
 # -- entry point --------------------------------------------------------------------
+def _tls(args: argparse.Namespace) -> dict:
+    return {"tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key}
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Look at and operate a kvstore-server.")
     p.add_argument("--server", default=os.environ.get("KVSTORE_SERVER", DEFAULT_SERVER),
@@ -227,6 +242,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="host:port (default: $KVSTORE_SERVER or %(default)s)")
     p.add_argument("--timeout", type=_positive(float, "--timeout"), default=5.0,
                    metavar="S", help="seconds per call (default: %(default)s)")
+    p.add_argument("--token", default=os.environ.get("KVSTORE_TOKEN") or None, metavar="T",
+                   help="admin bearer token of a server with --auth-file (default: "
+                        "$KVSTORE_TOKEN, which unlike a flag does not show in ps)")
+    p.add_argument("--tls-ca", metavar="PEM", help="CA certificate of the server's: use TLS")
+    p.add_argument("--tls-cert", metavar="PEM", help="client certificate, for mutual TLS")
+    p.add_argument("--tls-key", metavar="PEM", help="key of --tls-cert")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, run, text: str, json_flag: bool = True) -> argparse.ArgumentParser:
@@ -263,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.run is None:
             return cmd_health(args.server, args)
-        with KVStoreClient(args.server, timeout=args.timeout, retries=1) as client:
+        with KVStoreClient(args.server, timeout=args.timeout, retries=1, token=args.token,
+                           **_tls(args)) as client:
             return args.run(client, args)
     except KeyboardInterrupt:
         # Ctrl-C is how --watch ends; anywhere else it still is no error worth a trace.
@@ -271,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         # The reader went away (`stats --watch | head`): stop quietly, as cat does.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError) as exc:       # an unreadable PEM file, a bad token
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
     except _Fail as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
     except KVStoreError as exc:

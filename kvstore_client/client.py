@@ -24,12 +24,13 @@ import numpy as np
 from ._proto.kvstore.v1 import admin_pb2 as apb
 from ._proto.kvstore.v1 import kvstore_pb2 as pb
 from .buffers import LayerMajorWriter, as_uint8
+from .channel import PEM, open_channel, with_token
 from .convert import layout_from_proto, layout_to_proto
 from .errors import KVStoreError, from_rpc_error
 from .keys import Packed, pack_keys
 from .layout import PageLayout
 from .shm import Acquired, Reservation, SharedRegion
-from .wire import CHANNEL_OPTIONS, GET_DATA_TAG, PUT_DATA_TAG, frame, unframe
+from .wire import GET_DATA_TAG, PUT_DATA_TAG, frame, unframe
 
 __all__ = ["KVStoreClient", "LayoutHandle", "PutResult", "Lease"]
 
@@ -81,10 +82,16 @@ class KVStoreClient:
     retries: extra attempts of idempotent calls on UNAVAILABLE (0 = none);
     shared_memory: None = use the server's shared-memory pool when it can be mapped (same
     host), else gRPC; True = require it; False = always gRPC.
+    token: bearer token of a server with --auth-file (None = send none);
+    tls_ca: CA certificate (path or PEM bytes) that signed the server's: use TLS;
+    tls_cert, tls_key: this client's certificate and key, for a server that requires
+    mutual TLS (kvstore_client.channel).
     """
 
     def __init__(self, address: str, *, timeout: float = 10.0, retries: int = 3,
-                 shared_memory: bool | None = None,
+                 shared_memory: bool | None = None, token: str | None = None,
+                 tls_ca: PEM | None = None, tls_cert: PEM | None = None,
+                 tls_key: PEM | None = None,
                  channel: grpc.Channel | None = None) -> None:
         self.address = address
         self.timeout = timeout
@@ -94,7 +101,9 @@ class KVStoreClient:
         self._region_tried = False
         self._region_lock = threading.Lock()   # guards attaching and re-attaching
         self._releases: set[grpc.Future] = set()   # lease releases still in flight
-        self._channel = channel or grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = (with_token(channel, token) if channel is not None else
+                         open_channel(address, token=token, tls_ca=tls_ca, tls_cert=tls_cert,
+                                      tls_key=tls_key))
         c = self._channel
         s = "/kvstore.v1.KVStore/"
         a = "/kvstore.v1.Admin/"

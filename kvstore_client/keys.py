@@ -71,8 +71,11 @@ class Packed:
     __slots__ = ("data", "size", "n")
 
     def __init__(self, data: bytes, size: int) -> None:
-        if data:
+        # No keys may come with key_size 0 (an unset PackedKeys); any other size is
+        # checked even with no keys, so the store never sees a size it cannot record.
+        if data or size:
             _check_size(size)
+        if data:
             if len(data) % size:
                 raise KeyError_(f"{len(data)} bytes of packed keys is not a multiple of "
                                 f"key_size {size}")

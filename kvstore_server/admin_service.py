@@ -10,6 +10,8 @@ from kvstore_client._proto.kvstore.v1 import admin_pb2 as apb
 from kvstore_client.convert import layout_to_proto
 
 from . import __version__
+from .auth import Authenticator
+from .parsing import parser
 from .service import _Invalid, guarded
 from .store import Store
 from .metrics import Metrics
@@ -23,13 +25,16 @@ def _layout_stats(entry: dict) -> apb.LayoutStats:
         layout_id=info.layout_id, layout=layout_to_proto(info.layout),
         page_bytes=info.page_bytes, pages=entry["pages"], used_bytes=entry["used_bytes"],
         hits=entry["hits"], misses=entry["misses"], evictions=entry["evictions"],
-        bytes_in=entry["bytes_in"], bytes_out=entry["bytes_out"])
+        bytes_in=entry["bytes_in"], bytes_out=entry["bytes_out"], tenant=info.tenant)
 
 
 class AdminService:
-    def __init__(self, store: Store, metrics: Metrics) -> None:
+    """Operators' view: every tenant's layouts and pages (callers need an admin token)."""
+
+    def __init__(self, store: Store, metrics: Metrics, auth: Authenticator | None = None) -> None:
         self.store = store
         self.metrics = metrics
+        self.auth = auth          # for the tenants' quotas; None = no auth file
 
     def Stats(self, request, context):
         s = self.store.stats()
@@ -46,8 +51,12 @@ class AdminService:
                 evictions=lower["evictions"], bytes_in=lower["bytes_written"],
                 bytes_out=lower["bytes_read"], reads=lower["reads"], writes=lower["writes"],
                 drops=lower["drops"], corrupt=lower["corrupt_pages"], failed=lower["failed"]))
+        quotas = self.auth.quotas() if self.auth is not None else {}
+        tenants = [apb.TenantStats(name=t["name"], used_bytes=t["used_bytes"],
+                                   pages=t["pages"], quota_bytes=quotas.get(t["name"], 0))
+                   for t in s["tenants"]]
         return apb.StatsResponse(
-            tiers=tiers, layouts=[_layout_stats(e) for e in s["layouts"]],
+            tiers=tiers, layouts=[_layout_stats(e) for e in s["layouts"]], tenants=tenants,
             leases=s["leases"], leased_pages=s["leased_pages"],
             uptime_seconds=s["uptime_seconds"], version=__version__)
 
@@ -90,7 +99,7 @@ def add_admin_service(server: grpc.Server, service: AdminService) -> None:
         name: grpc.unary_unary_rpc_method_handler(
             functools.partial(guarded("Admin." + name, service.metrics)(getattr(AdminService, name)),
                               service),
-            request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
+            request_deserializer=parser(req), response_serializer=resp.SerializeToString)
         for name, (req, resp) in names.items()
     }
     server.add_generic_rpc_handlers(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import os
 import sys
 
@@ -14,7 +15,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
 
-__all__ = ["ServerConfig", "load_config", "ConfigError"]
+__all__ = ["ConfigError", "ServerConfig", "is_loopback", "load_config"]
 
 
 class ConfigError(ValueError):
@@ -38,7 +39,18 @@ class ServerConfig:
     shm_dir: str = "/dev/shm"       # where the pool's backing file lives (tmpfs or hugetlbfs)
     shm_group: str = ""             # group allowed to map the pool too (0660); "" = owner only
     workers: int = 16               # gRPC handler threads
+    # A Get or Put stream that moves no message for this long is cancelled, so a client
+    # that stops reading or writing cannot hold a handler thread and its pages for ever
+    # (kvstore_server.watchdog); 0 = never
+    stream_timeout: float = 30.0
     log_level: str = "INFO"
+    # Security (SECURITY.md). Without auth_file every caller is one tenant with Admin
+    # open, so the server refuses a non-loopback listen address unless insecure_listen.
+    auth_file: str = ""             # TOML of token hashes: tenants, quotas, admins (auth.py)
+    insecure_listen: bool = False   # allow a non-loopback address with no auth and no mTLS
+    tls_cert: str = ""              # PEM certificate chain; with tls_key, serve TLS only
+    tls_key: str = ""               # PEM private key of tls_cert
+    tls_client_ca: str = ""         # PEM CA: clients must present a certificate it signed
 
 
 def _bool(value: object) -> bool:
@@ -67,7 +79,13 @@ _PARSERS = {
     "shm_dir": str,
     "shm_group": str,
     "workers": int,
+    "stream_timeout": parse_duration,
     "log_level": str,
+    "auth_file": str,
+    "insecure_listen": _bool,
+    "tls_cert": str,
+    "tls_key": str,
+    "tls_client_ca": str,
 }
 
 
@@ -101,7 +119,22 @@ def argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--shm-group", metavar="GROUP",
                    help="let clients of this group map the pool (mode 0660); default: owner only")
     p.add_argument("--workers", metavar="N", help="gRPC handler threads (default 16)")
+    p.add_argument("--stream-timeout", metavar="DURATION",
+                   help="cancel a Get or Put stream that moves nothing for this long; "
+                        "0 = never (default 30s)")
     p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING (default INFO)")
+    s = p.add_argument_group("security (see SECURITY.md)")
+    s.add_argument("--auth-file", metavar="FILE",
+                   help="TOML with the SHA-256 of each tenant's and admin's bearer token; "
+                        "reloaded on SIGHUP. Default: no auth (everyone is one tenant)")
+    s.add_argument("--insecure-listen", nargs="?", const="true", metavar="BOOL",
+                   help="allow a non-loopback --listen without --auth-file or "
+                        "--tls-client-ca: anyone who reaches the port can read every page")
+    s.add_argument("--tls-cert", metavar="FILE", help="PEM certificate chain: serve TLS")
+    s.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
+    s.add_argument("--tls-client-ca", metavar="FILE",
+                   help="PEM CA certificate(s): require clients to present a certificate "
+                        "they signed (mutual TLS)")
     return p
 
 
@@ -144,6 +177,33 @@ def _check(c: ServerConfig) -> None:
         raise ConfigError("disk tier needs disk_dir (--disk-dir) when disk > 0")
     if c.workers < 1:
         raise ConfigError("workers must be >= 1")
+    if c.stream_timeout < 0:
+        raise ConfigError("stream_timeout must be >= 0 (0 = never)")
     host, sep, port = c.listen.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ConfigError(f"listen must be HOST:PORT, got {c.listen!r}")
+    if bool(c.tls_cert) != bool(c.tls_key):
+        raise ConfigError("TLS needs both tls_cert and tls_key (--tls-cert, --tls-key)")
+    if c.tls_client_ca and not c.tls_cert:
+        raise ConfigError("tls_client_ca (--tls-client-ca) needs TLS: add --tls-cert and "
+                          "--tls-key")
+    # Without auth the first caller on the network could read, overwrite or clear every
+    # page, so only loopback is allowed unless the operator says otherwise. Plain TLS
+    # does not count: it hides the bytes on the wire, not who may call.
+    if not (c.auth_file or c.tls_client_ca or c.insecure_listen or is_loopback(host)):
+        raise ConfigError(
+            f"listen address {c.listen} is not loopback and no --auth-file is set: anyone "
+            "who can reach it could read, overwrite or clear every page. Add --auth-file "
+            "FILE (bearer tokens, see SECURITY.md) or --tls-client-ca FILE (mutual TLS), or "
+            "--insecure-listen to accept that on a trusted network")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether HOST (of HOST:PORT) only accepts connections from this machine."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False        # a host name: it may resolve to anything

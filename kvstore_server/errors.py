@@ -1,4 +1,4 @@
-"""Outcomes the storage engine reports; the RPC layer maps each to one gRPC status."""
+"""Outcomes a request can have; the RPC layer maps each to one gRPC status."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ __all__ = ["Outcome", "StoreError"]
 class Outcome(enum.Enum):
     INVALID = "invalid"          # malformed keys, wrong sizes, unknown layout
     NOT_FOUND = "not_found"      # a key the caller needs is not stored
-    EXHAUSTED = "exhausted"      # no slot can be freed: everything is leased or being written
+    EXHAUSTED = "exhausted"      # no slot can be freed (all leased or being written), or quota
     EXPIRED = "expired"          # the lease or reservation named is gone
+    UNAUTHENTICATED = "unauthenticated"  # no credentials, or ones the server does not know
+    DENIED = "denied"            # known caller, not allowed this (a tenant on Admin, ...)
 
 
 class StoreError(Exception):

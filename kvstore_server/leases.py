@@ -15,6 +15,7 @@ import dataclasses
 import enum
 import heapq
 import itertools
+import math
 import time
 from typing import Callable
 
@@ -38,6 +39,9 @@ class Lease:
     expires_at: float
     layout: int = -1         # layout index, for RESERVE (its keys go with the slots)
     keys: list[bytes] = dataclasses.field(default_factory=list)
+    # The tenant whose request took it: lease ids are guessable, so only the owner may
+    # commit, abort or release one (store.py checks; "" in tests that do not care).
+    owner: str = ""
 
 
 class LeaseTable:
@@ -55,10 +59,20 @@ class LeaseTable:
         return len(self._leases)
 
     def grant(self, kind: LeaseKind, slots: np.ndarray, ttl: float, layout: int = -1,
-              keys: list[bytes] | None = None) -> Lease:
-        lease = Lease(next(self._ids), kind, slots, self.clock() + ttl, layout, keys or [])
+              keys: list[bytes] | None = None, owner: str = "") -> Lease:
+        lease = Lease(next(self._ids), kind, slots, self.clock() + ttl, layout, keys or [],
+                      owner)
         self._leases[lease.lease_id] = lease
-        heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
+        # A lease that never expires (a Put or Get stream's, released in a `finally`) has
+        # no heap entry: one (inf, id) pushed per stream was never popped, 100 bytes a
+        # stream for ever. Entries of leases released early wait for their expiry; when
+        # they outnumber the live ones, the heap is rebuilt.
+        if lease.expires_at != math.inf:
+            heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
+            if len(self._expiry) > 2 * len(self._leases) + 1024:
+                self._expiry = [(x.expires_at, x.lease_id) for x in self._leases.values()
+                                if x.expires_at != math.inf]
+                heapq.heapify(self._expiry)
         return lease
 
     def get(self, lease_id: int) -> Lease | None:

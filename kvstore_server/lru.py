@@ -44,8 +44,10 @@ class LRUPolicy:
         self._clock += ids.size
 
     def remove(self, ids: np.ndarray) -> None:
-        """Stop tracking ids (freed or deleted)."""
+        """Stop tracking ids (freed or deleted). Ids never touched are fine: a slot
+        reserved and then aborted was never tracked, and may lie past the stamp array."""
         ids = np.asarray(ids, dtype=np.int64)
+        ids = ids[ids < len(self._stamp)]
         if ids.size:
             self._stamp[ids] = 0
 

@@ -17,13 +17,15 @@ from kvstore_client.wire import CHANNEL_OPTIONS
 
 from . import __version__
 from .admin_service import AdminService, add_admin_service
-from .config import ConfigError, ServerConfig, load_config
+from .auth import Authenticator, tls_server_credentials
+from .config import ConfigError, ServerConfig, is_loopback, load_config
 from .disk import DiskTier
-from kvstore_client.malloc import keep_freed_buffers
+from kvstore_client.malloc import keep_freed_buffers, limit_arenas
 from .metrics import Metrics
-from .region import HEADER_BYTES, Region
+from .region import HEADER_BYTES, Region, remove_stale
 from .service import KVStoreService, add_kvstore_service
 from .store import Store
+from .watchdog import StreamWatchdog
 from kvstore_client.units import format_size
 
 __all__ = ["Server", "main"]
@@ -38,9 +40,15 @@ class Server:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        # Who may call (auth.py); None = no auth file, everyone is the default tenant.
+        # Read first, with the TLS files, so a bad file fails before the pool exists.
+        self.auth = Authenticator(config.auth_file) if config.auth_file else None
+        tls = (tls_server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+               if config.tls_cert else None)
         # Rounded up to 2 MiB so the region can live on hugetlbfs, whose files must be a
         # whole number of huge pages.
         size = -(-(config.dram // 4096 * 4096 + HEADER_BYTES) // (2 << 20)) * (2 << 20)
+        remove_stale(config.shm_dir)      # pools of servers killed before they could stop
         self.region = Region(size, config.shm_dir, config.shm_group)
         self.region.prefault()
         self.region.lock()
@@ -60,16 +68,22 @@ class Server:
         self._threads: list[threading.Thread] = []
         self.grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="rpc"),
-            options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
-        add_kvstore_service(self.grpc, KVStoreService(self.store, self.metrics))
-        add_admin_service(self.grpc, AdminService(self.store, self.metrics))
+            options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
+            interceptors=[self.auth.interceptor()] if self.auth else None)
+        self.streams = StreamWatchdog(config.stream_timeout)
+        add_kvstore_service(self.grpc, KVStoreService(self.store, self.metrics, self.auth),
+                            self.streams)
+        add_admin_service(self.grpc, AdminService(self.store, self.metrics, self.auth))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
             (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME,
              kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name,
              admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name), self.grpc)
-        self.port = self.grpc.add_insecure_port(config.listen)
+        if tls is not None:
+            self.port = self.grpc.add_secure_port(config.listen, tls)
+        else:
+            self.port = self.grpc.add_insecure_port(config.listen)
         if self.port == 0:
             raise ConfigError(f"cannot listen on {config.listen} (in use or not allowed)")
 
@@ -81,6 +95,7 @@ class Server:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
+        self.streams.start()
         if self.config.metrics_port:
             self.metrics.serve(self.config.metrics_port)
         host = self.config.listen.rpartition(":")[0]
@@ -90,6 +105,33 @@ class Server:
                  self.config.lease_ttl)
         if self.config.metrics_port:
             log.info("metrics on http://127.0.0.1:%d/metrics", self.config.metrics_port)
+        self._log_security(host)
+
+    def _log_security(self, host: str) -> None:
+        c = self.config
+        tls = ("mutual TLS" if c.tls_client_ca else "TLS") if c.tls_cert else "no TLS"
+        if self.auth is None:
+            log.info("auth: off (no --auth-file): every caller is one tenant and may use "
+                     "Admin; %s", tls)
+        else:
+            tenants, admins = self.auth.counts()
+            log.info("auth: %d tenants, %d admins from %s (SIGHUP reloads); %s", tenants,
+                     admins, c.auth_file, tls)
+        if not is_loopback(host):
+            if self.auth is not None and not c.tls_cert:
+                log.warning("auth is on but TLS is off on %s: bearer tokens and pages "
+                            "travel in clear text; add --tls-cert/--tls-key", c.listen)
+            elif self.auth is None and not c.tls_client_ca:
+                log.warning("listening on %s with no auth (--insecure-listen): anyone who "
+                            "reaches the port can read, overwrite or clear every page",
+                            c.listen)
+
+    def reload(self) -> None:
+        """SIGHUP: read the auth file again (a bad file keeps the tokens in force)."""
+        if self.auth is None:
+            log.info("SIGHUP: nothing to reload (no --auth-file)")
+        else:
+            self.auth.reload()
 
     def _evictor(self) -> None:
         # Background eviction keeps usage under the high watermark so puts rarely have to
@@ -124,6 +166,7 @@ class Server:
         self.store.pressure.set()
         self.grpc.stop(grace).wait()
         self.metrics.stop()
+        self.streams.stop()
         for thread in self._threads:
             thread.join(timeout=2)
         if self.disk is not None:
@@ -148,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keep_freed_buffers()
+    limit_arenas()
     try:
         server = Server(config)
     except (ConfigError, OSError, ValueError) as exc:
@@ -161,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # Reload in a thread: the handler runs on the main thread between its waits.
+    signal.signal(signal.SIGHUP, lambda _s, _f: threading.Thread(
+        target=server.reload, name="reloader").start())
     server.wait()
     server.stop()
     return 0

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import fcntl
 import logging
 import mmap
 import os
+import re
 import secrets
+import time
 
 import numpy as np
 
-__all__ = ["Region", "HEADER_BYTES", "TOKEN_OFFSET", "TOKEN_BYTES", "MAGIC"]
+__all__ = ["Region", "HEADER_BYTES", "TOKEN_OFFSET", "TOKEN_BYTES", "MAGIC", "remove_stale"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,7 @@ class Region:
         self.token = secrets.token_bytes(TOKEN_BYTES)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX)      # held while we live: see remove_stale
             if group:
                 import grp
                 os.fchown(fd, -1, grp.getgrnam(group).gr_gid)
@@ -62,7 +66,7 @@ class Region:
             os.close(fd)
             os.unlink(self.path)
             raise
-        os.close(fd)
+        self._fd = fd               # kept open for the lock; closed with the region
         self.mem = np.frombuffer(self._mmap, dtype=np.uint8)
         self.mem[:len(MAGIC)] = np.frombuffer(MAGIC, dtype=np.uint8)
         self.mem[TOKEN_OFFSET:TOKEN_OFFSET + TOKEN_BYTES] = np.frombuffer(self.token, np.uint8)
@@ -71,7 +75,7 @@ class Region:
     def prefault(self) -> None:
         """Touch every page now, so no request ever waits on a page fault or on tmpfs
         allocation; a region larger than free memory fails here, at start, not later."""
-        self.mem[::_PAGE] = 0
+        self.mem[HEADER_BYTES::_PAGE] = 0      # past the header: it holds the magic
 
     def lock(self) -> bool:
         """mlock the region so the kernel never swaps pages out; False (and a log line)
@@ -105,3 +109,65 @@ class Region:
                 # shutdown); the mapping goes away with the process.
                 pass
             self._mmap = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+_NAME = re.compile(r"kvstore-(\d+)-[0-9a-f]{8}")
+
+
+def remove_stale(directory: str, min_age: float = 60.0) -> list[tuple[str, int]]:
+    """Remove the region files of servers that died without stopping; returns (path, bytes)
+    of each removed.
+
+    A server killed by SIGKILL, the OOM killer or a crash never runs `close`, and its
+    file stays in tmpfs holding the whole pool's memory until someone removes it: a
+    restart loop would leak one pool per crash. A live server holds an exclusive flock on
+    its file from the moment it creates it, so a file whose lock can be taken has no
+    server. To be safe against servers of another pid namespace or of an older version
+    (which took no lock), a file is removed only when, besides, the pid in its name is not
+    running here and it carries the region magic (or, without it, is `min_age` old: a file
+    cut short by a crash during start). Clients still mapping a removed file keep their
+    mapping; the memory goes when they drop it.
+    """
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        match = _NAME.fullmatch(name)
+        if match is None or _running(int(match.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            st = os.fstat(fd)
+            head = os.pread(fd, len(MAGIC), 0)
+            if head != MAGIC and time.time() - st.st_mtime < min_age:
+                continue
+            os.unlink(path)
+            removed.append((path, st.st_blocks * 512))
+        except OSError:
+            continue                    # locked (a live server), or not ours to remove
+        finally:
+            os.close(fd)
+    for path, nbytes in removed:
+        log.warning("removed %s (%d MiB): the pool of a server that did not stop cleanly",
+                    path, nbytes >> 20)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -4,6 +4,11 @@ This is the one place where storage outcomes become gRPC status codes:
 
     Outcome.INVALID   -> INVALID_ARGUMENT      Outcome.EXHAUSTED -> RESOURCE_EXHAUSTED
     Outcome.NOT_FOUND -> NOT_FOUND             Outcome.EXPIRED   -> FAILED_PRECONDITION
+    Outcome.UNAUTHENTICATED -> UNAUTHENTICATED Outcome.DENIED    -> PERMISSION_DENIED
+
+Every call acts for one tenant (auth.py): the layout ids a client sends are its own, and
+are scoped to its tenant here before the store sees them (tenants.py); lease ids are
+checked against the tenant that took them.
 
 Bulk bytes bypass protobuf objects (see kvstore_client.wire): Put's data messages are
 read as memoryviews of the received buffer and Get's chunks are framed straight from
@@ -26,10 +31,14 @@ from kvstore_client.convert import layout_from_proto
 from kvstore_client.keys import KeyError_, Packed
 from kvstore_client.wire import GET_DATA_TAG, PUT_DATA_TAG, frame, unframe
 
+from .auth import ANONYMOUS, Authenticator, Principal
 from .errors import Outcome, StoreError
 from .metrics import Metrics
+from .parsing import checked, parser
 from .region import TOKEN_OFFSET
 from .store import FOREVER, Store
+from .tenants import scoped_layout_id
+from .watchdog import StreamWatchdog, watched_requests, watched_stream
 
 __all__ = ["KVStoreService", "add_kvstore_service", "guarded", "CODES"]
 
@@ -40,6 +49,8 @@ CODES = {
     Outcome.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     Outcome.EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Outcome.EXPIRED: grpc.StatusCode.FAILED_PRECONDITION,
+    Outcome.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    Outcome.DENIED: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 # About 1 MiB per streamed message: large enough that per-message overhead is small,
@@ -59,6 +70,8 @@ def _abort(context, method: str, exc: BaseException) -> grpc.StatusCode:
         code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     elif context.code() is not None:      # context.abort already ran: keep its status
         raise exc
+    elif isinstance(exc, grpc.RpcError) and not context.is_active():
+        raise exc     # the call is over (peer gone, or refused by gRPC): not our error
     else:
         log.error("%s failed", method, exc_info=exc)
         code, message = grpc.StatusCode.INTERNAL, f"internal error in {method}; see the server log"
@@ -75,7 +88,7 @@ def guarded(method: str, metrics: Metrics) -> Callable:
             start = time.perf_counter()
             code = grpc.StatusCode.OK
             try:
-                return fn(self, request, context)
+                return fn(self, checked(request), context)
             except Exception as exc:  # noqa: BLE001 - the server must survive any request
                 code = _code_of(exc, context)
                 _abort(context, method, exc)
@@ -87,7 +100,7 @@ def guarded(method: str, metrics: Metrics) -> Callable:
             start = time.perf_counter()
             code = grpc.StatusCode.OK
             try:
-                yield from fn(self, request, context)
+                yield from fn(self, checked(request), context)
             except GeneratorExit:
                 code = grpc.StatusCode.CANCELLED
                 raise
@@ -107,6 +120,8 @@ def _code_of(exc: BaseException, context) -> grpc.StatusCode:
         return CODES[exc.outcome]
     if isinstance(exc, (KeyError_, _Invalid, ValueError)):
         return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, grpc.RpcError) and not context.is_active():
+        return context.code() or grpc.StatusCode.CANCELLED
     return context.code() or grpc.StatusCode.INTERNAL
 
 
@@ -114,10 +129,14 @@ def _keys(packed: pb.PackedKeys) -> Packed:
     return Packed(packed.data, packed.key_size)
 
 
+_parse_put_request = parser(pb.PutRequest)
+
+
 def _put_deserializer(message: bytes):
-    """A PutRequest: its data payload as a memoryview (fast path) or a parsed message."""
+    """A PutRequest: its data payload as a memoryview (fast path), a parsed message, or
+    parsing.Unparsed (never raises: see parsing.py)."""
     payload = unframe(message, PUT_DATA_TAG)
-    return payload if payload is not None else pb.PutRequest.FromString(message)
+    return payload if payload is not None else _parse_put_request(message)
 
 
 def _offsets(offsets: np.ndarray) -> bytes:
@@ -127,10 +146,46 @@ def _offsets(offsets: np.ndarray) -> bytes:
 class KVStoreService:
     """The KVStore RPCs over one Store."""
 
-    def __init__(self, store: Store, metrics: Metrics) -> None:
+    def __init__(self, store: Store, metrics: Metrics,
+                 auth: Authenticator | None = None) -> None:
+        """auth: who may call, from --auth-file; None = everyone is ANONYMOUS."""
         self.store = store
         self.metrics = metrics
+        self.auth = auth
         self._mem = memoryview(store.mem)
+
+    # -- who is calling ------------------------------------------------------------------
+    def _caller(self, context) -> Principal:
+        """The tenant this call acts for (the interceptor already refused the others)."""
+        if self.auth is None:
+            return ANONYMOUS
+        return self.auth.principal(context.invocation_metadata())
+
+    def _layout(self, caller: Principal, layout_id: bytes) -> bytes:
+        """The store's id of the caller's layout. A layout the caller did not register is
+        "unknown layout", under the id it sent, whoever else has one."""
+        scoped = scoped_layout_id(caller.name, layout_id)
+        if self.auth is not None:
+            # Checked by owner, not by id: the built-in tenant's ids are the clients' own,
+            # so a tenant named "default" could otherwise send another tenant's scoped id
+            # (a hash of a name and a layout, both guessable) and reach its pages.
+            try:
+                owner = self.store.info(scoped).tenant
+            except StoreError:
+                owner = None
+            if owner != caller.name:
+                raise StoreError(Outcome.INVALID, f"unknown layout {layout_id.hex() or '(empty)'}"
+                                                  ": call RegisterLayout first")
+        return scoped
+
+    @staticmethod
+    def _may_map(caller: Principal) -> None:
+        # The pool holds every tenant's pages: whoever maps it can read them all.
+        if not caller.shared_memory:
+            raise StoreError(Outcome.DENIED, (
+                f"tenant {caller.name!r} may not use the shared-memory pool, which holds "
+                "every tenant's pages: it uses gRPC Put/Get (an operator can trust it with "
+                "shared_memory = true in the auth file)"))
 
     # -- same-host data plane ---------------------------------------------------------
     def _check_token(self, token: bytes) -> None:
@@ -144,53 +199,67 @@ class KVStoreService:
         return lease_ms / 1000.0 if lease_ms else None
 
     def Attach(self, request, context):
+        self._may_map(self._caller(context))
         region = self.store.region
         return pb.AttachResponse(path=region.path, size=region.size,
                                  token_offset=TOKEN_OFFSET)
 
     def Reserve(self, request, context):
+        caller = self._caller(context)
+        self._may_map(caller)
         self._check_token(request.token)
-        res = self.store.reserve(request.layout_id, _keys(request.keys),
-                                 ttl=self._ttl(request.lease_ms))
+        res = self.store.reserve(self._layout(caller, request.layout_id), _keys(request.keys),
+                                 ttl=self._ttl(request.lease_ms), quota=caller.quota_bytes)
         return pb.ReserveResponse(lease_id=res.lease_id, offsets=_offsets(res.offsets),
                                   skipped=res.skipped)
 
     def Commit(self, request, context):
-        return pb.CommitResponse(stored=self.store.commit(request.lease_id))
+        return pb.CommitResponse(stored=self.store.commit(request.lease_id,
+                                                          self._caller(context).name))
 
     def Abort(self, request, context):
-        return pb.AbortResponse(aborted=self.store.abort(request.lease_id))
+        return pb.AbortResponse(aborted=self.store.abort(request.lease_id,
+                                                         self._caller(context).name))
 
     def Acquire(self, request, context):
+        caller = self._caller(context)
+        self._may_map(caller)
         self._check_token(request.token)
-        pinned = self.store.acquire(request.layout_id, _keys(request.keys),
+        pinned = self.store.acquire(self._layout(caller, request.layout_id), _keys(request.keys),
                                     ttl=self._ttl(request.lease_ms))
         return pb.AcquireResponse(lease_id=pinned.lease_id, offsets=_offsets(pinned.offsets))
 
     def RegisterLayout(self, request, context):
         if not request.HasField("layout"):
             raise _Invalid("RegisterLayout needs a layout")
-        info = self.store.register_layout(layout_from_proto(request.layout))
-        return pb.RegisterLayoutResponse(layout_id=info.layout_id, page_bytes=info.page_bytes,
+        layout = layout_from_proto(request.layout)
+        info = self.store.register_layout(layout, self._caller(context).name)
+        # The client's id, not the store's scoped one: the client names its layouts.
+        return pb.RegisterLayoutResponse(layout_id=layout.layout_id,
+                                         page_bytes=info.page_bytes,
                                          layer_bytes=info.layer_bytes)
 
     def Lookup(self, request, context):
         keys = _keys(request.keys)
-        count, lease_id = self.store.lookup(list(request.layout_ids), keys,
+        caller = self._caller(context)
+        count, lease_id = self.store.lookup([self._layout(caller, layout_id)
+                                             for layout_id in request.layout_ids], keys,
                                             request.lease_ms / 1000.0)
         return pb.LookupResponse(count=count, lease_id=lease_id)
 
     def ReleaseLease(self, request, context):
-        return pb.ReleaseLeaseResponse(released=self.store.release(request.lease_id))
+        return pb.ReleaseLeaseResponse(released=self.store.release(
+            request.lease_id, self._caller(context).name))
 
     def Exists(self, request, context):
-        present = self.store.exists(request.layout_id, _keys(request.keys))
+        present = self.store.exists(self._layout(self._caller(context), request.layout_id),
+                                    _keys(request.keys))
         return pb.ExistsResponse(bitmap=np.packbits(present, bitorder="little").tobytes(),
                                  count=len(present))
 
     def Delete(self, request, context):
-        return pb.DeleteResponse(deleted=self.store.delete(request.layout_id,
-                                                           _keys(request.keys)))
+        layout_id = self._layout(self._caller(context), request.layout_id)
+        return pb.DeleteResponse(deleted=self.store.delete(layout_id, _keys(request.keys)))
 
     def Put(self, request_iterator, context):
         first = next(request_iterator, None)
@@ -198,10 +267,13 @@ class KVStoreService:
             raise _Invalid("Put must start with a header message (layout_id and keys)")
         header = first.header
         keys = _keys(header.keys)
-        info = self.store.info(header.layout_id)
+        caller = self._caller(context)
+        layout_id = self._layout(caller, header.layout_id)
+        info = self.store.info(layout_id)
         page_bytes = info.page_bytes
         expected = len(keys) * page_bytes
-        reservation = self.store.reserve(header.layout_id, keys, ttl=FOREVER)
+        reservation = self.store.reserve(layout_id, keys, ttl=FOREVER,
+                                         quota=caller.quota_bytes)
         offsets = reservation.offsets.tolist()
         mem = self.store.mem
         committed = False
@@ -238,7 +310,8 @@ class KVStoreService:
 
     def Get(self, request, context):
         keys = _keys(request.keys)
-        pinned = self.store.acquire(request.layout_id, keys, ttl=FOREVER)
+        pinned = self.store.acquire(self._layout(self._caller(context), request.layout_id),
+                                    keys, ttl=FOREVER)
         try:
             info = pinned.info
             layer_bytes = info.layer_bytes
@@ -266,13 +339,21 @@ class KVStoreService:
             self.store.release(pinned.lease_id)
 
 
-def add_kvstore_service(server: grpc.Server, service: KVStoreService) -> None:
+def _describe_get(request) -> str:
+    keys = getattr(request, "keys", None)       # None: parsing.Unparsed, refused later
+    return "Get" if keys is None else f"Get of {len(keys.data) // max(1, keys.key_size)} keys"
+
+
+def add_kvstore_service(server: grpc.Server, service: KVStoreService,
+                        streams: StreamWatchdog | None = None) -> None:
+    """streams: cancels Get and Put streams that stall (kvstore_server.watchdog)."""
     m = service.metrics
+    streams = streams or StreamWatchdog(0)
     unary = grpc.unary_unary_rpc_method_handler
 
     def u(name, req, resp):
         fn = guarded(name, m)(getattr(KVStoreService, name))
-        return unary(functools.partial(fn, service), request_deserializer=req.FromString,
+        return unary(functools.partial(fn, service), request_deserializer=parser(req),
                      response_serializer=resp.SerializeToString)
 
     handlers = {
@@ -287,12 +368,14 @@ def add_kvstore_service(server: grpc.Server, service: KVStoreService) -> None:
         "Abort": u("Abort", pb.AbortRequest, pb.AbortResponse),
         "Acquire": u("Acquire", pb.AcquireRequest, pb.AcquireResponse),
         "Put": grpc.stream_unary_rpc_method_handler(
-            functools.partial(guarded("Put", m)(KVStoreService.Put), service),
+            watched_requests(streams, functools.partial(
+                guarded("Put", m)(KVStoreService.Put), service), "Put"),
             request_deserializer=_put_deserializer,
             response_serializer=pb.PutResponse.SerializeToString),
         "Get": grpc.unary_stream_rpc_method_handler(
-            functools.partial(guarded("Get", m)(KVStoreService.Get), service),
-            request_deserializer=pb.GetRequest.FromString,
+            watched_stream(streams, functools.partial(
+                guarded("Get", m)(KVStoreService.Get), service), _describe_get),
+            request_deserializer=parser(pb.GetRequest),
             response_serializer=lambda chunk: chunk),   # already framed
     }
     server.add_generic_rpc_handlers(

@@ -10,6 +10,11 @@ The page lifecycle, owned here:
                                                       └─ delete: freed now, or DOOMED (invisible)
                                                           until its last lease is released
 
+Tenants: a layout belongs to one tenant (tenants.py). A slot's page bytes are charged to
+that tenant from reserve until the slot is freed, whichever way it goes; a reserve that
+would take the tenant past its quota first evicts the tenant's own coldest pages
+(_make_room). A lease remembers its tenant, and only that tenant may end it.
+
 Concurrency: one lock guards the index, the slot arrays, the policy and the leases.
 Critical sections are short and vectorised; the bytes are copied outside the lock, into
 slots a RESERVE lease owns or out of slots a READ lease pins, so no copy can race with a
@@ -29,6 +34,7 @@ import numpy as np
 
 from kvstore_client.keys import Packed
 from kvstore_client.layout import PageLayout
+from kvstore_client.units import format_size
 
 from .disk import NoDisk, Tier
 from .errors import Outcome, StoreError
@@ -37,6 +43,7 @@ from .leases import Lease, LeaseKind, LeaseTable
 from .lru import LRUPolicy
 from .pool import Pool
 from .region import HEADER_BYTES, Region
+from .tenants import DEFAULT_TENANT, scoped_layout_id
 
 __all__ = ["Store", "LayoutInfo", "FREE", "WRITING", "READY", "DOOMED", "FOREVER"]
 
@@ -49,6 +56,13 @@ STATE_NAMES = {FREE: "FREE", WRITING: "WRITING", READY: "READY", DOOMED: "DOOMED
 # A lease the RPC layer releases itself in a `finally` (a Put or Get stream in this
 # process) never expires: expiring it would let the slot be reused under a live copy.
 FOREVER = math.inf
+# Layouts one Lookup may name: one per tensor/pipeline-parallel rank of an engine.
+MAX_LOOKUP_LAYOUTS = 256
+
+
+def _owns(tenant: str | None, lease: Lease) -> bool:
+    """May this caller end the lease? None is the server itself, which may end any."""
+    return tenant is None or lease.owner == tenant
 
 
 @dataclasses.dataclass(slots=True)
@@ -57,8 +71,9 @@ class LayoutInfo:
 
     idx: int
     layout: PageLayout
-    layout_id: bytes
+    layout_id: bytes                # the store's id: scoped to the tenant (tenants.py)
     cls: int                        # pool size class of its pages
+    tenant: str = DEFAULT_TENANT    # whose pages these are: quota and lease ownership
     # READY pages only, one vectorised hash table per key size (a request's keys all
     # have one size), so a lookup is a few numpy calls and no per-key state check
     ready: dict[int, KeyIndex] = dataclasses.field(default_factory=dict)
@@ -123,6 +138,9 @@ class Store:
         self.lower: Tier = lower if lower is not None else NoDisk()
         self.promotions = 0                    # pages read back from the tier below
         self._lock = threading.Lock()          # guards everything below
+        # Page bytes of each tenant's slots (WRITING, READY, or DOOMED until released),
+        # charged when reserved and refunded in _free: what a quota limits.
+        self._tenant_bytes: dict[str, int] = {}
         self._layouts: dict[bytes, LayoutInfo] = {}
         self._by_idx: list[LayoutInfo] = []
         self._policy = LRUPolicy()
@@ -140,9 +158,10 @@ class Store:
         self.pressure = threading.Event()      # set when usage crosses the high watermark
 
     # -- layouts --------------------------------------------------------------------
-    def register_layout(self, layout: PageLayout) -> LayoutInfo:
-        """Idempotent: the same layout always gets the same LayoutInfo."""
-        layout_id = layout.layout_id
+    def register_layout(self, layout: PageLayout, tenant: str = DEFAULT_TENANT) -> LayoutInfo:
+        """Idempotent: the same layout of one tenant always gets the same LayoutInfo; its
+        layout_id is scoped_layout_id(tenant, layout.layout_id)."""
+        layout_id = scoped_layout_id(tenant, layout.layout_id)
         with self._lock:
             info = self._layouts.get(layout_id)
             if info is not None:
@@ -151,7 +170,7 @@ class Store:
                 cls = self.pool.class_for(layout.page_bytes)
             except ValueError as exc:
                 raise StoreError(Outcome.INVALID, str(exc)) from None
-            info = LayoutInfo(len(self._by_idx), layout, layout_id, cls)
+            info = LayoutInfo(len(self._by_idx), layout, layout_id, cls, tenant)
             self._layouts[layout_id] = info
             self._by_idx.append(info)
             log.info("registered layout %s: %s, %d layers, %d tokens/page, %d bytes/page",
@@ -189,6 +208,12 @@ class Store:
         keys = Packed.of(keys)
         if not layout_ids:
             raise StoreError(Outcome.INVALID, "lookup needs at least one layout_id")
+        if len(layout_ids) > MAX_LOOKUP_LAYOUTS:
+            # Each layout costs a full pass over the keys under the lock: uncapped, one
+            # request of 20k ids and 2k keys held it for 0.5 s (found by fuzzing).
+            raise StoreError(Outcome.INVALID, f"lookup names {len(layout_ids)} layouts; at "
+                                              f"most {MAX_LOOKUP_LAYOUTS} (one per rank)")
+        layout_ids = list(dict.fromkeys(layout_ids))     # a repeated id counts once
         with self._lock:
             infos = [self.info(layout_id) for layout_id in layout_ids]
             found, reach = [], []
@@ -197,16 +222,21 @@ class Store:
                 found.append(slots)
                 reach.append(run)
             count = min(reach)
-            for info, slots in zip(infos, found):
+            # Only the DRAM pages of the run are touched and can be leased; Acquire reads
+            # the rest back.
+            dram = [slots[:count][slots[:count] >= 0] for slots in found]
+            for info, run_slots in zip(infos, dram):
                 info.hits += count
                 info.misses += len(keys) - count
-                self._touch(slots[:count][slots[:count] >= 0])
-            # Only the DRAM pages of the run can be leased; Acquire reads the rest back.
-            pinned = np.concatenate([slots[:count][slots[:count] >= 0] for slots in found])
-            if lease_ttl <= 0 or not pinned.size:
+                self._touch(run_slots)
+            if lease_ttl <= 0:
+                return count, 0
+            pinned = np.concatenate(dram)
+            if not pinned.size:
                 return count, 0
             np.add.at(self._pins, pinned, 1)    # add.at: a key may repeat
-            return count, self._leases.grant(LeaseKind.READ, pinned, lease_ttl).lease_id
+            return count, self._leases.grant(LeaseKind.READ, pinned, lease_ttl,
+                                             owner=infos[0].tenant).lease_id
 
     def _present_run(self, info: LayoutInfo, keys: Packed) -> tuple[np.ndarray, int]:
         """(DRAM slot of each key or -1, how many leading keys are stored in DRAM or on
@@ -232,8 +262,9 @@ class Store:
 
     # -- puts -----------------------------------------------------------------------
     def reserve(self, layout_id: bytes, keys: Packed | Sequence[bytes],
-                ttl: float | None = None) -> Reservation:
-        """WRITING slots for the keys not yet present; the caller writes, then commits."""
+                ttl: float | None = None, quota: int = 0) -> Reservation:
+        """WRITING slots for the keys not yet present; the caller writes, then commits.
+        quota: bytes the layout's tenant may hold (0 = unlimited); see _make_room."""
         keys = Packed.of(keys)
         with self._lock:
             info = self.info(layout_id)
@@ -245,6 +276,7 @@ class Store:
                 if key not in info.writing and key not in seen:
                     wanted.append(i)
                     seen.add(key)
+            self._make_room(info, len(wanted), quota)
             got = self._alloc(info.cls, len(wanted))
             if len(got) < len(wanted):
                 self.pool.free(got)
@@ -261,18 +293,54 @@ class Store:
             self._key_size[got] = keys.size
             for key, slot in zip(new_keys, got.tolist()):
                 info.writing[key] = slot
+            self._tenant_bytes[info.tenant] = (self._tenant_bytes.get(info.tenant, 0)
+                                               + len(got) * info.page_bytes)
             lease = self._leases.grant(LeaseKind.RESERVE, got,
                                        self.lease_ttl if ttl is None else ttl,
-                                       info.idx, new_keys)
+                                       info.idx, new_keys, owner=info.tenant)
             if self.pool.used_bytes > self.high_watermark * self.pool.capacity_bytes:
                 self.pressure.set()
             offsets = np.where(slots >= 0, self.pool.offset[np.maximum(slots, 0)], -1)
             return Reservation(lease.lease_id, info, slots, offsets)
 
-    def commit(self, lease_id: int) -> int:
-        """Make a reservation's pages visible; returns how many became READY."""
+    def _make_room(self, info: LayoutInfo, n: int, quota: int) -> None:
+        """Keep info's tenant within quota (bytes, 0 = unlimited) when n more of its pages
+        are reserved, by evicting that tenant's own least recently used unleased pages;
+        EXHAUSTED (nothing evicted) when those cannot free enough.
+
+        A quota caps a tenant's share of the pool, so that it cannot push the others'
+        pages out; it does not make a full tenant's saves fail. This is a cache: like
+        the pool as a whole, a tenant at its quota keeps its hot pages and drops its
+        cold ones. Eviction here never touches another tenant's pages."""
+        used = self._tenant_bytes.get(info.tenant, 0)
+        need = n * info.page_bytes
+        over = used + need - quota
+        if not quota or over <= 0:
+            return
+        asked = f"{n} pages of {format_size(info.page_bytes)}"
+        if need > quota:
+            raise StoreError(Outcome.EXHAUSTED, (
+                f"tenant {info.tenant!r} asked for {asked}, more than its whole quota of "
+                f"{format_size(quota)} (it holds {format_size(used)}): store fewer at once"))
+        mine = [i for i in self._by_idx if i.tenant == info.tenant]
+        n_ids = self.pool.id_capacity
+        eligible = self._evictable() & np.isin(self._layout_of[:n_ids], [i.idx for i in mine])
+        # Enough victims even if every one is of the tenant's smallest page size.
+        victims = self._policy.victims(-(-over // min(i.page_bytes for i in mine)), eligible)
+        page_bytes = np.array([i.page_bytes for i in self._by_idx], dtype=np.int64)
+        freed = np.cumsum(page_bytes[self._layout_of[victims]])
+        if not freed.size or freed[-1] < over:
+            raise StoreError(Outcome.EXHAUSTED, (
+                f"tenant {info.tenant!r} is at its quota of {format_size(quota)}: it holds "
+                f"{format_size(used)}, asked for {asked} more, and its other pages are "
+                "leased or being written"))
+        self._evict(victims[: int(np.searchsorted(freed, over)) + 1])
+
+    def commit(self, lease_id: int, tenant: str | None = None) -> int:
+        """Make a reservation's pages visible; returns how many became READY.
+        tenant: the caller, who must own the lease (None: the server itself)."""
         with self._lock:
-            lease = self._take(lease_id, LeaseKind.RESERVE)
+            lease = self._take(lease_id, LeaseKind.RESERVE, tenant)
             info = self._by_idx[lease.layout]
             slots = lease.slots
             self._pins[slots] -= 1
@@ -297,12 +365,14 @@ class Store:
             info.bytes_in += len(live) * info.page_bytes
             return len(live)
 
-    def abort(self, lease_id: int) -> bool:
+    def abort(self, lease_id: int, tenant: str | None = None) -> bool:
         """Drop a reservation: its slots are freed and its keys never become visible.
-        False if it was unknown or had already expired (and so was undone already)."""
+        False if it was unknown or had already expired (and so was undone already), or
+        is another tenant's."""
         with self._lock:
             lease = self._leases.get(lease_id)
-            if lease is None or lease.kind is not LeaseKind.RESERVE:
+            if (lease is None or lease.kind is not LeaseKind.RESERVE
+                    or not _owns(tenant, lease)):
                 return False
             self._undo_reservation(self._leases.pop(lease_id))
             return True
@@ -334,13 +404,14 @@ class Store:
                     self._touch(slots)
                     info.bytes_out += len(keys) * info.page_bytes
                     lease = self._leases.grant(LeaseKind.READ, slots,
-                                               self.lease_ttl if ttl is None else ttl)
+                                               self.lease_ttl if ttl is None else ttl,
+                                               owner=info.tenant)
                     return Pinned(lease.lease_id, info, slots, self.pool.offset[slots])
             if attempt or not self._promote(info, keys, missing):
                 first = int(missing[0])
                 raise StoreError(Outcome.NOT_FOUND,
                                  f"key {first} of {len(keys)} ({keys.key(first).hex()}) is "
-                                 f"not stored in layout {layout_id.hex()}")
+                                 f"not stored in layout {info.layout.layout_id.hex()}")
         raise AssertionError("unreachable")
 
     def _promote(self, info: LayoutInfo, keys: Packed, missing: np.ndarray) -> bool:
@@ -362,12 +433,14 @@ class Store:
         self.promotions += self.commit(res.lease_id)
         return True
 
-    def release(self, lease_id: int) -> bool:
-        """End a READ lease; False if it was unknown or had already expired."""
+    def release(self, lease_id: int, tenant: str | None = None) -> bool:
+        """End a READ lease; False if it was unknown, had already expired, or is another
+        tenant's (tenant None: the server itself)."""
         with self._lock:
-            lease = self._leases.pop(lease_id)
-            if lease is None:
+            lease = self._leases.get(lease_id)
+            if lease is None or not _owns(tenant, lease):
                 return False
+            self._leases.pop(lease_id)
             if lease.kind is LeaseKind.RESERVE:
                 self._undo_reservation(lease)
             else:
@@ -380,9 +453,10 @@ class Store:
         if doomed.size:
             self._free(np.unique(doomed))
 
-    def _take(self, lease_id: int, kind: LeaseKind) -> Lease:
+    def _take(self, lease_id: int, kind: LeaseKind, tenant: str | None = None) -> Lease:
         lease = self._leases.get(lease_id)
-        if lease is None or lease.kind is not kind:
+        # Another tenant's lease reads as unknown: ids are guessable, existence is not news.
+        if lease is None or lease.kind is not kind or not _owns(tenant, lease):
             raise StoreError(Outcome.EXPIRED, f"{kind.value} lease {lease_id} is unknown or "
                                               "has expired")
         return self._leases.pop(lease_id)
@@ -411,9 +485,12 @@ class Store:
             ready = (index.remove(keys.rows) if index is not None and len(keys)
                      else np.full(len(keys), -1, dtype=np.int64))
             writing = [info.writing.pop(keys.key(i), -1) for i in np.flatnonzero(ready < 0)]
-            self._drop(ready[ready >= 0])
+            # A key may repeat in one request: drop its slot once, or the pool would take
+            # it back twice and later hand it to two pages.
+            gone = np.unique(ready[ready >= 0])
+            self._drop(gone)
             self._drop(np.array([s for s in writing if s >= 0], dtype=np.int64))
-            deleted = int(np.count_nonzero(ready >= 0))
+            deleted = len(gone)
         if not isinstance(self.lower, NoDisk) and len(keys):
             self.lower.delete(layout_id, keys.select(range(len(keys))))
         return deleted
@@ -444,6 +521,11 @@ class Store:
         slots = np.asarray(slots, dtype=np.int64)
         if not slots.size:
             return
+        owners = self._layout_of[slots]
+        per_layout = np.bincount(owners[owners >= 0], minlength=len(self._by_idx))
+        for idx in np.flatnonzero(per_layout).tolist():
+            info = self._by_idx[idx]
+            self._tenant_bytes[info.tenant] -= int(per_layout[idx]) * info.page_bytes
         self._state[slots] = FREE
         self._layout_of[slots] = -1
         self._policy.remove(slots)
@@ -647,8 +729,13 @@ class Store:
             ready = self._state[:n] == READY
             per_layout = np.bincount(self._layout_of[:n][ready], minlength=len(self._by_idx))
             layouts = []
+            tenants: dict[str, dict] = {}
             for info in self._by_idx:
                 pages = int(per_layout[info.idx])
+                tenant = tenants.setdefault(info.tenant, {
+                    "name": info.tenant, "pages": 0,
+                    "used_bytes": self._tenant_bytes.get(info.tenant, 0)})
+                tenant["pages"] += pages
                 layouts.append({
                     "info": info, "pages": pages,
                     "used_bytes": pages * self.pool.slot_bytes(info.cls),
@@ -669,5 +756,6 @@ class Store:
                 "uptime_seconds": self.clock() - self.started_at,
                 "promotions": self.promotions,
                 "layouts": layouts,
+                "tenants": list(tenants.values()),
                 "lower": None if isinstance(self.lower, NoDisk) else self.lower.stats(),
             }

@@ -2,6 +2,8 @@
 the whole protocol an engine drives, without an engine."""
 
 import dataclasses
+import os
+import signal
 import time
 
 import numpy as np
@@ -237,8 +239,16 @@ def test_server_restart_mid_load_falls_back_to_recompute(srv):
 
 
 def test_lookup_timeout_answers_ask_again(srv):
-    a = Engine(srv.address, lookup_timeout=1e-6)
-    assert a.sched.hit("t", prompt(64, 14), 0) is None
+    a = Engine(srv.address, lookup_timeout=5.0)
+    assert a.sched.hit("warm", prompt(64, 13), 0) == 0    # connected, layout registered
+    # A server that cannot answer in time (stopped, not gone: the connection stays up).
+    # A tiny deadline instead is a race: a fast loopback answer can beat its timer.
+    a.sched.client.timeout = 0.3
+    os.kill(srv.proc.pid, signal.SIGSTOP)
+    try:
+        assert a.sched.hit("t", prompt(64, 14), 0) is None
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
 
 
 def test_keys_match_across_processes_and_ranks(srv):

@@ -1,5 +1,8 @@
 """Bad input gets a clear gRPC status and never hurts the server or stored pages."""
 
+import threading
+import time
+
 import grpc
 import numpy as np
 import pytest
@@ -64,6 +67,16 @@ def test_unknown_layout_and_missing_layout_ids(setup):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "layout" in details
     code, _ = status_of(stub.Get, pb.GetRequest(layout_id=b"nope", keys=packed(GOOD_KEYS[0], 16)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_lookup_layout_ids_are_capped_and_counted_once(setup):
+    stub, _, _, ns, _ = setup
+    keys = packed(b"".join(GOOD_KEYS), 16)
+    code, details = status_of(stub.Lookup, pb.LookupRequest(
+        layout_ids=[ns.layout_id] * 20_000, keys=keys))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "at most" in details
+    resp = stub.Lookup(pb.LookupRequest(layout_ids=[ns.layout_id] * 8, keys=keys), timeout=10)
+    assert resp.count == len(GOOD_KEYS)
 
 
 @pytest.mark.parametrize("field,value,words", [
@@ -154,6 +167,102 @@ def test_admin_bad_input(setup):
     with pytest.raises(KVStoreError) as err:
         client.inspect(b"\x00" * 16, b"k")
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("method,kind", [
+    ("/kvstore.v1.KVStore/Lookup", "unary"), ("/kvstore.v1.KVStore/RegisterLayout", "unary"),
+    ("/kvstore.v1.Admin/Inspect", "unary"), ("/kvstore.v1.KVStore/Get", "stream_out"),
+    ("/kvstore.v1.KVStore/Put", "stream_in"),
+])
+def test_request_bytes_that_do_not_parse(setup, server, method, kind):
+    # Regression (fuzzing, issue #8): a deserializer that raised made gRPC answer
+    # INTERNAL "Exception deserializing request!". b"\x0a\x01\xff" is a string or bytes
+    # field 1 cut short; b"\x0a\x02\xff\xff" is bad UTF-8 in RegisterLayout's model.
+    with grpc.insecure_channel(server.address) as channel:
+        call = getattr(channel, {"unary": "unary_unary", "stream_out": "unary_stream",
+                                 "stream_in": "stream_unary"}[kind])(method)
+        bad_utf8 = [b"\x0a\x04\x0a\x02\xff\xff"] if method.endswith("RegisterLayout") else []
+        for garbage in [b"\xff\xff\xff", b"\x0a\x05\xff", *bad_utf8]:
+            request = iter([garbage]) if kind == "stream_in" else garbage
+            code, details = status_of(call, request)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (garbage, details)
+            assert "malformed request" in details
+
+
+def test_put_aborted_after_reserving_many_slots(setup):
+    # Regression (fuzzing, issue #8): undoing a reservation whose slot ids lay past the
+    # LRU's stamp array (never touched: ids >= 1024) raised IndexError -> INTERNAL, and
+    # leaked the slots. A Put of the wrong size undoes its reservation.
+    stub, _, client, ns, _ = setup
+    keys = [b"many-slots-%05d" % i for i in range(1500)]
+    payload = b"\x02" * (len(keys) * ns.page_bytes - 1)
+    code, details = status_of(stub.Put, put_messages(ns, keys, payload))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "expected" in details
+    assert client.put(ns, keys, np.full((len(keys), ns.page_bytes), 2, np.uint8)).stored == 1500
+    client.delete(ns, keys)
+
+
+def test_no_keys_with_an_impossible_key_size(setup):
+    # Regression (fuzzing, issue #8): an empty key list skipped the key_size check, and a
+    # Put with key_size > 255 then failed in the store (OverflowError -> INTERNAL).
+    stub, _, _, ns, _ = setup
+    header = pb.PutRequest(header=pb.PutHeader(layout_id=ns.layout_id, keys=packed(b"", 300)))
+    code, details = status_of(stub.Put, iter([header]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "key_size" in details
+    code, details = status_of(stub.Lookup, pb.LookupRequest(layout_ids=[ns.layout_id],
+                                                            keys=packed(b"", 2**32 - 1)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "key_size" in details
+    assert stub.Lookup(pb.LookupRequest(layout_ids=[ns.layout_id]), timeout=10).count == 0
+
+
+def test_delete_of_a_repeated_key_frees_its_slot_once(fresh_server):
+    # Regression (fuzzing, issue #8): Delete([k, k]) freed k's slot twice, so the pool
+    # later gave that one slot to two pages (the next Put of two keys failed), or
+    # released its extent under live pages, whose bytes the next extent overwrote (the
+    # fuzzer saw another layout's pages change), then KeyError -> INTERNAL.
+    srv = fresh_server(dram="16MiB")
+    with KVStoreClient(srv.address, shared_memory=False) as c:
+        ns = c.register_layout(LAYOUT)
+        keep = [b"keep-%011d" % i for i in range(3)]
+        kept = np.random.default_rng(1).integers(0, 256, (3, ns.page_bytes), dtype=np.uint8)
+        c.put(ns, keep, kept)
+        c.put(ns, [b"gone-%011d" % 0], np.zeros((1, ns.page_bytes), np.uint8))
+        assert c.delete(ns, [b"gone-%011d" % 0] * 3) == 1
+        fresh = [b"new-%012d" % i for i in range(2)]
+        pages = np.stack([np.full(ns.page_bytes, 1, np.uint8), np.full(ns.page_bytes, 2, np.uint8)])
+        c.put(ns, fresh, pages)
+        assert np.array_equal(c.get(ns, fresh), pages)
+        assert np.array_equal(c.get(ns, keep), kept)
+        assert c.delete(ns, keep + keep + fresh) == 5
+
+
+def test_put_abandoned_by_its_client_is_not_a_server_error(setup, server):
+    # Regression (fuzzing, issue #8): when a Put's call ended under it (the client
+    # cancelled, or gRPC refused metadata over its size limit), reading the next message
+    # raised grpc.RpcError, which was logged as "Put failed" with a traceback and counted
+    # as INTERNAL.
+    stub, _, client, ns, _ = setup
+    keys = [b"abandoned-%06d" % i for i in range(2)]
+    sent = threading.Event()
+
+    def messages():
+        yield pb.PutRequest(header=pb.PutHeader(layout_id=ns.layout_id,
+                                                keys=packed(b"".join(keys), 16)))
+        yield pb.PutRequest(data=b"\x03" * ns.page_bytes)
+        sent.set()
+        time.sleep(1.0)          # the client cancels meanwhile
+
+    call = stub.Put.future(messages(), timeout=10)
+    assert sent.wait(5)
+    time.sleep(0.2)
+    call.cancel()
+    big = [("authorization", "Bearer " + "A" * 6000)] * 3     # over the 16 KiB hard limit
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Put(put_messages(ns, keys, b"\x03" * 2 * ns.page_bytes), timeout=10, metadata=big)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    time.sleep(0.5)
+    assert "Put failed" not in server.log()
+    assert client.exists(ns, keys) == [False, False]
 
 
 def test_pool_full_of_leased_pages_is_resource_exhausted(fresh_server):

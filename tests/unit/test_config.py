@@ -20,6 +20,9 @@ def test_units():
 def test_defaults():
     c = load_config([], environ={})
     assert c.listen == "127.0.0.1:50051" and c.lease_ttl == 30 and c.disk == 0
+    assert c.stream_timeout == 30
+    assert load_config(["--stream-timeout", "1500ms"], environ={}).stream_timeout == 1.5
+    assert load_config([], environ={"KVSTORE_STREAM_TIMEOUT": "0"}).stream_timeout == 0
 
 
 def test_file_then_environment_then_flags(tmp_path):
@@ -38,6 +41,7 @@ def test_file_then_environment_then_flags(tmp_path):
     (["--dram", "lots"], "dram"),
     (["--dram", "1MiB"], "at least"),
     (["--lease-ttl", "0s"], "lease_ttl"),
+    (["--stream-timeout=-1s"], "stream_timeout"),
     (["--disk", "1GiB"], "disk_dir"),
     (["--listen", "nowhere"], "HOST:PORT"),
     (["--high-watermark", "0.5", "--low-watermark", "0.9"], "watermarks"),

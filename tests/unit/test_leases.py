@@ -24,3 +24,15 @@ def test_expiry_in_order_and_pop():
     assert table.pop(b.lease_id) is b
     clock.now += 10
     assert table.expired() == []          # popped leases never expire again
+
+
+def test_released_leases_leave_nothing_behind():
+    clock = Clock()
+    table = LeaseTable(clock)
+    for _ in range(10_000):                  # streams' leases, and short ones released early
+        table.pop(table.grant(LeaseKind.READ, np.array([1]), ttl=float("inf")).lease_id)
+        table.pop(table.grant(LeaseKind.READ, np.array([1]), ttl=30.0).lease_id)
+    kept = table.grant(LeaseKind.READ, np.array([2]), ttl=1.0)
+    assert len(table) == 1 and len(table._expiry) <= 1024 + 3
+    clock.now += 2
+    assert table.expired() == [kept]

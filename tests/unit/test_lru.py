@@ -34,3 +34,11 @@ def test_grows_past_initial_capacity():
     lru.touch(np.array([5000, 3]))
     assert lru.victims(5).tolist() == [5000, 3]
     assert lru.stamp(np.array([3, 99999])).tolist()[1] == 0
+
+
+def test_remove_of_ids_never_touched():
+    # A slot reserved and then aborted was never touched; its id may lie past the stamps.
+    lru = LRUPolicy(capacity=4)
+    lru.touch(np.array([1]))
+    lru.remove(np.array([1, 2, 4000]))
+    assert lru.victims(10).size == 0

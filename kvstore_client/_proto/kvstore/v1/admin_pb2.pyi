@@ -40,7 +40,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., reads: _Optional[int] = ..., writes: _Optional[int] = ..., drops: _Optional[int] = ..., corrupt: _Optional[int] = ..., failed: _Optional[bool] = ...) -> None: ...
 
 class LayoutStats(_message.Message):
-    __slots__ = ("layout_id", "layout", "page_bytes", "pages", "used_bytes", "hits", "misses", "evictions", "bytes_in", "bytes_out")
+    __slots__ = ("layout_id", "layout", "page_bytes", "pages", "used_bytes", "hits", "misses", "evictions", "bytes_in", "bytes_out", "tenant")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class LayoutStats(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     layout_id: bytes
     layout: _kvstore_pb2.Layout
     page_bytes: int
@@ -61,27 +62,42 @@ class LayoutStats(_message.Message):
     evictions: int
     bytes_in: int
     bytes_out: int
-    def __init__(self, layout_id: _Optional[bytes] = ..., layout: _Optional[_Union[_kvstore_pb2.Layout, _Mapping]] = ..., page_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., used_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, layout_id: _Optional[bytes] = ..., layout: _Optional[_Union[_kvstore_pb2.Layout, _Mapping]] = ..., page_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., used_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class TenantStats(_message.Message):
+    __slots__ = ("name", "used_bytes", "quota_bytes", "pages")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    used_bytes: int
+    quota_bytes: int
+    pages: int
+    def __init__(self, name: _Optional[str] = ..., used_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., pages: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "layouts", "leases", "leased_pages", "uptime_seconds", "version")
+    __slots__ = ("tiers", "layouts", "leases", "leased_pages", "uptime_seconds", "version", "tenants")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LAYOUTS_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     LEASED_PAGES_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     layouts: _containers.RepeatedCompositeFieldContainer[LayoutStats]
     leases: int
     leased_pages: int
     uptime_seconds: float
     version: str
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., layouts: _Optional[_Iterable[_Union[LayoutStats, _Mapping]]] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., layouts: _Optional[_Iterable[_Union[LayoutStats, _Mapping]]] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("layout_id", "bytes", "all", "tier")
