@@ -14,6 +14,7 @@ BENCHES = {
     "e2e": "e2e_bench",
     "disk": "disk_bench",
     "sglang": "sglang_bench",
+    "load-test": "load_test",
 }
 
 
