@@ -324,29 +324,34 @@ class _Bench:
         return point
 
     def to_disk(self, pages: int) -> bool:
-        """Move every page from DRAM to the disk tier and wait until they are written;
-        False if the disk has not taken them within DISK_WAIT_S.
+        """Move every page from DRAM to the (emptied) disk tier and wait until they are
+        written; False if the disk has not taken them within DISK_WAIT_S.
 
         In batches smaller than the server's write-behind queue (256 MiB), each written
         before the next is evicted: the queue drops what it cannot hold (a put never
         waits on the disk), and evicting a 32k prompt's 4 GiB at once left most of it
         dropped instead of on disk."""
         deadline = time.monotonic() + DISK_WAIT_S
+        self.client.evict(everything=True, tier="disk")   # pages of earlier runs
 
-        def disk_pages() -> int:
-            disk = [t for t in self.client.stats().tiers if t.name == "disk"]
-            return disk[0].pages if disk else 0
+        def tiers() -> dict:
+            return {t.name: t for t in self.client.stats().tiers}
 
-        while time.monotonic() < deadline:
-            have = disk_pages()
-            if have >= pages:
-                return True
+        while True:
+            t = tiers()
+            if not t["dram"].pages:
+                return t["disk"].pages >= pages
+            taken = t["disk"].pages + t["disk"].drops
             moved = self.client.evict(nbytes=128 << 20, tier="dram").pages
             if not moved:
-                return False                 # DRAM is empty: the rest were dropped
-            while disk_pages() < have + moved and time.monotonic() < deadline:
+                return False                     # what is left is leased
+            while True:
+                disk = tiers()["disk"]
+                if disk.pages + disk.drops >= taken + moved:
+                    break
+                if time.monotonic() > deadline:
+                    return False
                 time.sleep(0.02)
-        return False
 
     def overlap(self, tokens: np.ndarray, hit: int, hit_s: float, prefix: str) -> dict:
         """The load and the remaining prefill each alone, and how much of the load the hit
