@@ -5,42 +5,43 @@ A pure data structure: no locks, no I/O. Not safe for concurrent use.
 Why not a dict of bytes -> int: a Lookup of 4,096 keys against 1M stored pages spent
 ~0.7 ms in dict probes (each a chain of cache misses: table, entry, key object) and
 ~0.15 ms splitting the packed keys into bytes objects, and a page cost ~190 bytes of
-index. Here the keys stay packed and a Lookup is ~60 numpy calls over the whole batch;
-an entry costs two buckets of (key rounded up to 8 bytes) + 8, and 8 bytes of reverse
-map. bench/index_bench.py, 1M 16-byte keys, on the GPU host's CPU: a Lookup of 4,096
-present keys 0.27 ms (dict in the same run: 0.45 ms of probes, 1.13 ms with the split),
-of absent keys 0.14 ms; 61 bytes per entry (dict: 123, not counting the server's own).
+index. Here the keys stay packed and a lookup is about 20 numpy calls over the batch.
 
-Why open addressing with linear probing: the table is one array that numpy gathers from
-in one call, and a probe past the home bucket reads the next record, usually on the line
-just read. The load stays at or below 1/2, tombstones included: ~77% of keys then sit in
-their home bucket, 98% within four buckets of it.
+Why so few calls: on the 2-core dev machine a numpy call costs 2 us warm and 10-20 us
+with the caches cold, as they are when a request arrives; a lookup that took 45 calls
+(the previous design: a 14-step hash, a tag compare, then a second round) spent
+0.85 ms of a 2.4 ms Lookup RPC in `find` at 1M pages. So:
+- the hash is four calls per key word (multiplicative hashing: the home bucket is the
+  top bits of a product), seeded at random per index so that keys cannot be chosen to
+  collide;
+- each bucket is one record, padded to 16 or 32 bytes when it fits: numpy's `take` has
+  a fast path for those item sizes (a 4,096-row gather from a 128 MB table: 86-119 us
+  for 32-byte rows, 130-255 us for 24-byte ones, same run);
+- a lookup gathers every key's home record in one `take` and compares the key words
+  there: ~87% of keys sit in their home bucket at the loads kept here;
+- each bucket keeps a reach: how far past it the entries whose home it is may lie (an
+  upper bound, raised by inserts, reset by a rehash). Only keys not at home whose home
+  has a reach go on, in one gather of the window their homes' reach covers. No lookup
+  walks past tombstones to an empty bucket.
 
-Why two vectorised rounds, and a reach per bucket: a numpy call costs 2-5 us whatever its
-size (more with cold caches, as between requests), so a Lookup costs its number of calls.
-Rounds that widened until no key was pending took three rounds of ~20 calls more often
-than not, and misses walked on to an empty bucket. So each bucket keeps a reach: how far
-past it the entries whose home it is may lie (an upper bound, raised by inserts, reset by
-a rehash). Round one reads every key's home bucket; a key neither there nor with a reach
-to look further is absent. Round two reads, for the keys left, exactly the buckets their
-reach covers, end to end in one gather. Rounds compare a 24-bit tag; the key is compared
-once, where its tag matched. A tag that matches another key (one compare in 2**23) sends
-that key to a scan of its window. No lookup walks past tombstones to an empty bucket.
+Why linear probing: a probe past the home bucket reads the next record, usually on the
+line just read, and the table stays one array. The load stays at or below 1/2,
+tombstones included.
 
-One record per bucket, one row of a (buckets, words + 1) uint64 array:
+One record per bucket, one row of a (buckets, row words) uint64 array:
 
-    ┌───────── key, zero-padded to whole 8-byte words ─────────┬────────── meta ──────────┐
-    │ word 0 │ word 1 │ ...                                     │ ref:32 │ reach:8 │ tag:24 │
-    └────────┴────────┴─────────────────────────────────────────┴────────┴─────────┴────────┘
+    ┌──────── key, zero-padded to whole 8-byte words ────────┬──────── meta ─────────┬─────┐
+    │ word 0 │ word 1 │ ...                                   │ ref:32 │ 0:24 │ reach:8│ pad │
+    └────────┴────────┴───────────────────────────────────────┴────────┴──────┴────────┴─────┘
 
     ref: 0 = empty, 1 = tombstone (a removed entry), slot + 2 = live.
     reach: of this bucket as a home (kept when the entry here is removed); 0..255.
-    tag: bits 40..63 of the key's 64-bit hash, made odd so that it never matches an empty
-    bucket or a tombstone (tag 0). The low bits of the hash pick the home bucket.
+    pad: zero words up to 2 or 4 words a row (none past 4: no fast path to gain).
 """
 
 from __future__ import annotations
 
+import secrets
 import sys
 
 import numpy as np
@@ -50,45 +51,36 @@ __all__ = ["MAX_SLOT", "KeyIndex"]
 MAX_SLOT = (1 << 31) - 1      # slot ids fit the 32-bit ref with room for the two codes
 _LIVE = 2                     # ref of a live entry: slot + _LIVE
 _SHIFT = np.uint64(32)        # ref = meta >> 32
-_TAG = np.uint32(0xFFFFFF)    # tag bits, and the largest low half with a reach of 0
-_REACH = np.uint64(0xFF << 24)
+_REACH = np.uint64(0xFF)
 _MAX_REACH = 255              # a longer run grows the table (never seen at a load of 1/2)
 _TOMB_META = np.uint64(1 << 32)
 _LIVE_META = np.uint64(_LIVE << 32)  # a meta at least this is a live entry
 _AHEAD = np.arange(8)          # buckets an insert reads per round
-_LO = 0 if sys.byteorder == "little" else 1   # the low half of a uint64 viewed as 2 uint32
+_STEPS = np.arange(1, 1 << 14)  # 1, 2, ...: offsets past the homes in one probe
+_REACH_BYTE = 0 if sys.byteorder == "little" else 7   # the reach's byte in a meta word
 
-# A 64-bit mix over the key's words: per word, xor it in, multiply, fold the high half
-# down (a bijection of the state for each word, so keys that differ in one word never
-# collide), then finish like MurmurHash3's fmix64. Structured keys ("good-key00000001",
-# a big-endian counter at the end) fill buckets and tags as random keys do.
-_SEED = np.uint64(0x9E3779B97F4A7C15)
+# Odd 64-bit constants (from MurmurHash3's fmix64): multiplying by one is a bijection.
 _K1 = np.uint64(0xFF51AFD7ED558CCD)
 _K2 = np.uint64(0xC4CEB9FE1A85EC53)
 
 
-def _hash(words: np.ndarray) -> np.ndarray:
-    h = words[:, 0] ^ _SEED
-    for j in range(words.shape[1]):
-        if j:
-            h ^= words[:, j]
-        h *= _K1
-        h ^= h >> _SHIFT
-    h *= _K2                  # two more multiplies and folds, as in fmix64, so a few
-    h ^= h >> np.uint64(29)   # differing high bits (a counter in a key's last bytes)
-    h *= _K1                  # reach the bucket bits and the tag
+def _hash(words: np.ndarray, seed: np.uint64) -> np.ndarray:
+    """64-bit hashes of keys given as (n, words) uint64; homes are their top bits.
+
+    Per word: xor it in, fold the high half down, multiply. Bit i of a product depends on
+    bits 0..i of what was multiplied, so the top bits depend on all of it, and the fold
+    lets a word's high bits reach the low ones before the multiply. Without the fold, a
+    counter in a key's last bytes (a word's high bits) took 0.43 of 2**16 buckets for
+    2**16 keys where a random function takes 0.63; with it 0.57-0.69 for every key
+    shape in tests/unit/test_index.py."""
+    h = words[:, 0] ^ seed
     h ^= h >> _SHIFT
+    h *= _K1
+    for j in range(1, words.shape[1]):
+        h ^= words[:, j]
+        h ^= h >> _SHIFT
+        h *= _K2
     return h
-
-
-def _tags(h: np.ndarray) -> np.ndarray:
-    """The tags of hashes h, as uint64."""
-    return (h >> np.uint64(40)) | np.uint64(1)
-
-
-def _low(meta: np.ndarray) -> np.ndarray:
-    """The low halves (reach and tag) of meta words, as uint32 (a view)."""
-    return meta.view(np.uint32)[..., _LO::2]
 
 
 class KeyIndex:
@@ -97,13 +89,16 @@ class KeyIndex:
     key_size: bytes per key, 1..64, fixed for the index. capacity: entries expected;
     the table grows past it (doubling) and never shrinks below it. Slot ids are small
     dense integers (at most MAX_SLOT): the reverse map is an array indexed by slot id.
+    seed: of the hash; random unless given (tests give one to repeat a layout).
     """
 
-    def __init__(self, key_size: int, capacity: int = 1024) -> None:
+    def __init__(self, key_size: int, capacity: int = 1024, seed: int | None = None) -> None:
         if not 1 <= key_size <= 64:
             raise ValueError(f"key_size must be 1..64, not {key_size}")
         self.key_size = key_size
         self._nw = -(-key_size // 8)                   # key words per record
+        self._rw = _pow2(self._nw + 1) if self._nw < 4 else self._nw + 1   # row words
+        self._seed = np.uint64(secrets.randbits(64) if seed is None else seed)
         self._min_buckets = _pow2(2 * max(capacity, 8))
         self._new_table(self._min_buckets)
         self._pos = np.full(max(capacity, 8), -1, dtype=np.int64)  # slot -> bucket, -1 none
@@ -121,7 +116,7 @@ class KeyIndex:
     def find(self, keys) -> np.ndarray:
         """The slot of each key, -1 where absent. keys: (n, key_size) uint8, or bytes."""
         words = self._words(keys)
-        return self._find(words, _hash(words))
+        return self._find(words, self._home(_hash(words, self._seed)))
 
     def leading(self, keys) -> int:
         """How many leading keys are present (stops at the first absent one)."""
@@ -154,12 +149,12 @@ class KeyIndex:
             raise ValueError("repeated slot id in one insert")
         if (self._pos[slots[slots < len(self._pos)]] >= 0).any():
             raise ValueError("slot id already holds a key")
-        h = _hash(words)
+        h = _hash(words, self._seed)
         hashes = np.sort(h)                      # distinct hashes prove distinct keys
         same = np.isin(h, hashes[1:][hashes[1:] == hashes[:-1]])
         if len({key.tobytes() for key in words[same]}) < np.count_nonzero(same):
             raise ValueError("repeated key in one insert")
-        if (self._find(words, h) >= 0).any():
+        if (self._find(words, self._home(h)) >= 0).any():
             raise ValueError("key already present")
 
         if 2 * (self._live + self._tombs + len(words)) > len(self._table):
@@ -167,9 +162,9 @@ class KeyIndex:
         if ordered[-1] >= len(self._pos):
             more = max(ordered[-1] + 1 - len(self._pos), len(self._pos))
             self._pos = np.pad(self._pos, (0, more), constant_values=-1)
-        rows = np.empty((len(words), self._nw + 1), dtype=np.uint64)
+        rows = np.zeros((len(words), self._rw), dtype=np.uint64)
         rows[:, : self._nw] = words
-        rows[:, self._nw] = ((slots + _LIVE).astype(np.uint64) << _SHIFT) | _tags(h)
+        rows[:, self._nw] = (slots + _LIVE).astype(np.uint64) << _SHIFT
         self._live += len(words)
         self._place(rows, h)
 
@@ -211,44 +206,45 @@ class KeyIndex:
         words[:, : self.key_size] = keys
         return words.view(np.uint64)
 
-    def _find(self, words: np.ndarray, h: np.ndarray) -> np.ndarray:
-        table, mask = self._table, len(self._table) - 1
-        metas = table[:, self._nw]   # a strided view: fancy indexing reads it in place
-        home = (h & np.uint64(mask)).view(np.int64)
-        tag = _low(_tags(h))
-        # Round one: each key's home bucket. `bucket` is where its tag matched, or -1.
-        meta = metas[home]
-        low = _low(meta)
-        match = (low & _TAG) == tag
-        bucket = np.where(match, home, -1)
-        pending = np.flatnonzero(~match & (low > _TAG))        # a reach to look further
-        if pending.size:
-            # Round two: the buckets home + 1 .. home + reach of every pending key, laid
-            # end to end; owner says whose each is.
-            length = low[pending] >> np.uint32(24)
-            ends = np.cumsum(length, dtype=np.int64)
-            idx = np.repeat(home[pending] + length - ends, length) + np.arange(1, ends[-1] + 1)
-            idx &= mask
-            owner = np.repeat(pending, length)
-            m = metas[idx]
-            hits = np.flatnonzero((_low(m) & _TAG) == tag[owner])
-            bucket[owner[hits]], meta[owner[hits]] = idx[hits], m[hits]
-        # The key itself, compared once where its tag matched.
-        found = bucket >= 0
-        hit = found.copy()
-        for j in range(self._nw):
-            hit &= table[:, j][bucket] == words[:, j]
-        out = np.where(hit, (meta >> _SHIFT).view(np.int64) - _LIVE, -1)
-        for i in np.flatnonzero(found & ~hit):   # the tag matched another key
-            out[i] = self._scan(words[i], int(home[i]))
-        return out
+    def _home(self, h: np.ndarray) -> np.ndarray:
+        """The home buckets of hashes h: their top bits, as int64."""
+        return (h >> self._bits).view(np.int64)
 
-    def _scan(self, words: np.ndarray, home: int) -> int:
-        """The slot of one key, comparing whole records across its window."""
-        reach = (int(self._table[home, self._nw]) & int(_REACH)) >> 24
-        rows = self._table[(home + np.arange(reach + 1)) & (len(self._table) - 1)]
-        hit = (rows[:, : self._nw] == words).all(axis=1) & (rows[:, self._nw] >= _LIVE_META)
-        return int(rows[hit.argmax(), self._nw] >> _SHIFT) - _LIVE if hit.any() else -1
+    def _find(self, words: np.ndarray, home: np.ndarray) -> np.ndarray:
+        nw = self._nw
+        rows = self._table.take(home, axis=0)
+        slot = (rows[:, nw] >> _SHIFT).view(np.int64)
+        slot -= _LIVE                      # empty -2, tombstone -1
+        ok = slot >= 0
+        for j in range(nw):
+            ok &= rows[:, j] == words[:, j]
+        elsewhere = ~ok
+        np.putmask(slot, elsewhere, -1)
+        reach = rows.view(np.uint8)[:, 8 * nw + _REACH_BYTE]
+        far = (elsewhere & (reach != 0)).nonzero()[0]    # not flatnonzero: fewer calls
+        if far.size:
+            slot[far] = self._probe(words[far], home[far], reach[far].astype(np.int64))
+        return slot
+
+    def _probe(self, words: np.ndarray, home: np.ndarray, reach: np.ndarray) -> np.ndarray:
+        """The slots of keys not in their home bucket, -1 where absent: one gather of
+        the buckets home + 1 .. home + reach of every key, laid end to end."""
+        nw = self._nw
+        ends = np.cumsum(reach)
+        owner = np.repeat(np.arange(len(home)), reach)      # whose each bucket is
+        idx = np.repeat(home - ends + reach, reach)
+        idx += _STEPS[: ends[-1]] if ends[-1] <= len(_STEPS) else np.arange(1, ends[-1] + 1)
+        idx &= len(self._table) - 1
+        rows = self._table.take(idx, axis=0)
+        slot = (rows[:, nw] >> _SHIFT).view(np.int64)
+        ok = slot >= _LIVE
+        words = words.take(owner, axis=0)
+        for j in range(nw):
+            ok &= rows[:, j] == words[:, j]
+        out = np.full(len(home), -1, dtype=np.int64)
+        hit = ok.nonzero()[0]              # a key is live in one bucket at most
+        out[owner[hit]] = slot[hit] - _LIVE
+        return out
 
     # -- update internals -----------------------------------------------------------
     def _place(self, rows: np.ndarray, h: np.ndarray, fresh: bool = False) -> None:
@@ -261,7 +257,7 @@ class KeyIndex:
         free one; records claiming one bucket are settled by np.unique (the first wins)."""
         table, mask = self._table, len(self._table) - 1
         metas = table[:, self._nw]
-        home = (h & np.uint64(mask)).view(np.int64)
+        home = self._home(h)
         where = np.empty(len(rows), dtype=np.int64)
         todo = np.arange(len(rows))
         if fresh:
@@ -294,9 +290,9 @@ class KeyIndex:
             self._rehash(2 * len(table))
             return
         homes, inverse = np.unique(home[far > 0], return_inverse=True)
-        reach = (metas[homes] & _REACH) >> np.uint64(24)
+        reach = metas[homes] & _REACH
         np.maximum.at(reach, inverse, far[far > 0].astype(np.uint64))
-        metas[homes] = (metas[homes] & ~_REACH) | (reach << np.uint64(24))
+        metas[homes] = (metas[homes] & ~_REACH) | reach
 
     def _buckets_of(self, slots) -> np.ndarray:
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
@@ -312,7 +308,8 @@ class KeyIndex:
         return max(self._min_buckets, _pow2(-(-8 * (self._live + extra) // 3)))
 
     def _new_table(self, buckets: int) -> None:
-        self._table = np.zeros((buckets, self._nw + 1), dtype=np.uint64)
+        self._table = np.zeros((buckets, self._rw), dtype=np.uint64)
+        self._bits = np.uint64(64 - (buckets.bit_length() - 1))   # h >> this = home
         self._tombs = 0                                # tombstones count toward load
 
     def _rehash(self, buckets: int) -> None:
@@ -320,9 +317,8 @@ class KeyIndex:
         rows = old[old[:, self._nw] >= _LIVE_META]
         rows[:, self._nw] &= ~_REACH
         self._new_table(buckets)
-        self._place(rows, _hash(rows[:, : self._nw]), fresh=True)
+        self._place(rows, _hash(rows[:, : self._nw], self._seed), fresh=True)
 
 
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 1).bit_length()
-

@@ -37,10 +37,14 @@ class LRUPolicy:
     def touch(self, ids: np.ndarray) -> None:
         """Mark ids used now, in order: ids[-1] becomes the most recent. Also adds them."""
         ids = np.asarray(ids, dtype=np.int64)
-        if ids.size == 0:
-            return
-        self._grow(int(ids.max()))
-        self._stamp[ids] = np.arange(self._clock, self._clock + ids.size)
+        stamps = np.arange(self._clock, self._clock + ids.size)
+        # Grown only when an id lies past the end (IndexError): a max() on every touch
+        # is one more numpy call on the Lookup path, ~10-20 us with the caches cold.
+        try:
+            self._stamp[ids] = stamps
+        except IndexError:
+            self._grow(int(ids.max()))
+            self._stamp[ids] = stamps
         self._clock += ids.size
 
     def remove(self, ids: np.ndarray) -> None:

@@ -223,8 +223,10 @@ class Store:
                 reach.append(run)
             count = min(reach)
             # Only the DRAM pages of the run are touched and can be leased; Acquire reads
-            # the rest back.
-            dram = [slots[:count][slots[:count] >= 0] for slots in found]
+            # the rest back. Without a tier below, every key of the run is in DRAM.
+            disk = not isinstance(self.lower, NoDisk)
+            dram = [slots[:count][slots[:count] >= 0] if disk else slots[:count]
+                    for slots in found]
             for info, run_slots in zip(infos, dram):
                 info.hits += count
                 info.misses += len(keys) - count
@@ -242,11 +244,11 @@ class Store:
         """(DRAM slot of each key or -1, how many leading keys are stored in DRAM or on
         the tier below, position by position)."""
         slots = self._find(info, keys)
-        present = slots >= 0
-        missing = np.flatnonzero(~present)
-        if missing.size and not isinstance(self.lower, NoDisk):
-            present[missing] = self.lower.contains(info.layout_id, keys.select(missing))
-        gaps = np.flatnonzero(~present)
+        gaps = np.flatnonzero(slots < 0)
+        if gaps.size and not isinstance(self.lower, NoDisk):
+            present = slots >= 0
+            present[gaps] = self.lower.contains(info.layout_id, keys.select(gaps))
+            gaps = np.flatnonzero(~present)
         return slots, int(gaps[0]) if gaps.size else len(keys)
 
     def exists(self, layout_id: bytes, keys: Packed | Sequence[bytes]) -> np.ndarray:

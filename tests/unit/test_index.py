@@ -176,15 +176,19 @@ def test_growth_tombstones_and_shrink():
     assert ix.find(keys[19_900:]).tolist() == list(range(19_900, 20_000))
 
 
-def test_tags_that_all_match_still_find_exactly(monkeypatch):
-    # Every tag equal: each compare is a false match but one, so every lookup goes
-    # through the scan that a real tag collision (one in 2**23) would take.
-    monkeypatch.setattr(index_module, "_tags", lambda h: np.ones_like(h))
+def test_keys_that_share_a_few_hashes_are_found_exactly(monkeypatch):
+    # Every key hashes to one of 16 homes: almost every key lies past its home, among
+    # tombstones of removed keys, so lookups go through the window the reach covers.
+    monkeypatch.setattr(index_module, "_hash",
+                        lambda words, seed: (words[:, 0] >> np.uint64(56)) << np.uint64(60))
     ix = KeyIndex(8, capacity=8)
     keys = [b"k%07d" % i for i in range(500)]
     ix.insert(packed(keys[:300]), np.arange(300))
     ix.remove_slots(np.arange(0, 300, 7))
+    ix.insert(packed(keys[0:300:14]), np.arange(300, 300 + len(keys[0:300:14])))
     expected = [-1 if i >= 300 or i % 7 == 0 else i for i in range(500)]
+    for n, i in enumerate(range(0, 300, 14)):
+        expected[i] = 300 + n
     assert ix.find(packed(keys)).tolist() == expected
 
 
@@ -200,10 +204,25 @@ def test_a_run_past_the_reach_limit_grows_the_table(monkeypatch):
 def test_hash_spreads_structured_keys():
     n = 1 << 16
     for keys in (b"".join(b"good-key%08d" % i for i in range(n)),
-                 b"".join(bytes(14) + i.to_bytes(2, "big") for i in range(n))):
-        h = index_module._hash(np.frombuffer(keys, dtype=np.uint64).reshape(n, 2))
-        # n keys, n values: a random function takes 1 - 1/e of them. The low bits
-        # pick buckets, bits 40..63 are the tag.
-        for shift in (0, 40, 48):
-            taken = len(np.unique((h >> np.uint64(shift)) & np.uint64(n - 1))) / n
-            assert abs(taken - (1 - np.exp(-1))) < 0.01
+                 b"".join(bytes(14) + i.to_bytes(2, "big") for i in range(n)),
+                 b"".join(i.to_bytes(2, "little") + bytes(14) for i in range(n))):
+        words = np.frombuffer(keys, dtype=np.uint64).reshape(n, 2)
+        for seed in (0, 12345):
+            h = index_module._hash(words, np.uint64(seed))
+            # Homes are the top bits. n keys into n buckets: a random function takes
+            # 1 - 1/e = 0.63 of them (a hash without the fold took 0.43); into 16n, the keys
+            # land in 0.97n distinct buckets.
+            for bits, least in ((16, 0.55), (20, 0.95)):
+                taken = len(np.unique(h >> np.uint64(64 - bits))) / min(n, 1 << bits)
+                assert taken > least
+
+
+def test_a_lookup_whose_probe_spans_more_buckets_than_the_step_table():
+    # 300k keys: tens of thousands lie past their homes, so one probe gathers more
+    # buckets than the precomputed offsets cover and takes the other branch.
+    keys = np.random.default_rng(2).integers(0, 256, (300_000, 16), dtype=np.uint8)
+    ix = KeyIndex(16, capacity=8)
+    ix.insert(keys, np.arange(300_000))
+    assert (ix.find(keys) == np.arange(300_000)).all()
+    absent = np.random.default_rng(3).integers(0, 256, (1000, 16), dtype=np.uint8)
+    assert (ix.find(absent) == -1).all()
