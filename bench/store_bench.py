@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from kvstore_client import KVStoreClient, PageLayout
+from kvstore_client.buffers import page_aligned_empty
 from kvstore_client.keys import Packed
 from kvstore_client.malloc import keep_freed_buffers
 
@@ -101,8 +102,11 @@ def put_get_gbps(client: KVStoreClient, ns, total: int, reps: int,
     """Median put and get_into GB/s of `total` bytes of ns's pages, checked byte-exact.
     Shared by the benchmarks: the client's settings pick the path (gRPC, shared memory)."""
     n = total // ns.page_bytes
-    pages = np.random.default_rng(0).integers(0, 256, (n, ns.page_bytes), dtype=np.uint8)
-    out = np.ones_like(pages)
+    # Page-aligned buffers, as pinned and engine buffers are (see shm.copy_pages).
+    pages = page_aligned_empty((n, ns.page_bytes))
+    pages[:] = np.random.default_rng(0).integers(0, 256, (n, ns.page_bytes), dtype=np.uint8)
+    out = page_aligned_empty((n, ns.page_bytes))
+    out[:] = 1
     put_t, get_t = [], []
     for rep in range(reps):
         keys = [f"{tag}-{rep}-{i}".encode().ljust(24, b".") for i in range(n)]

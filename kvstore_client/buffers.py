@@ -6,7 +6,7 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["as_uint8", "LayerMajorWriter"]
+__all__ = ["as_uint8", "page_aligned_empty", "LayerMajorWriter"]
 
 
 def as_uint8(data, nbytes: int, *, writable: bool = False, what: str = "pages") -> np.ndarray:
@@ -32,6 +32,15 @@ def as_uint8(data, nbytes: int, *, writable: bool = False, what: str = "pages") 
     if writable and not arr.flags.writeable:
         raise ValueError(f"{what} buffer is read-only")
     return arr
+
+
+def page_aligned_empty(shape: tuple[int, ...], page: int = 4096) -> np.ndarray:
+    """An uninitialised uint8 array whose data starts on a page boundary (a view into a
+    slightly larger allocation, so freed memory is reused like any numpy array's)."""
+    nbytes = int(np.prod(shape))
+    raw = np.empty(nbytes + page, dtype=np.uint8)
+    start = -raw.ctypes.data % page
+    return raw[start:start + nbytes].reshape(shape)
 
 
 class LayerMajorWriter:

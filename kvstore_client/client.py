@@ -23,13 +23,13 @@ import numpy as np
 
 from ._proto.kvstore.v1 import admin_pb2 as apb
 from ._proto.kvstore.v1 import kvstore_pb2 as pb
-from .buffers import LayerMajorWriter, as_uint8
+from .buffers import LayerMajorWriter, as_uint8, page_aligned_empty
 from .channel import PEM, open_channel, with_token
 from .convert import layout_from_proto, layout_to_proto
 from .errors import KVStoreError, from_rpc_error
 from .keys import Packed, pack_keys
 from .layout import PageLayout
-from .shm import Acquired, Reservation, SharedRegion
+from .shm import Acquired, Reservation, SharedRegion, copy_pages
 from .wire import GET_DATA_TAG, PUT_DATA_TAG, frame, unframe
 
 __all__ = ["KVStoreClient", "LayoutHandle", "PutResult", "Lease"]
@@ -211,9 +211,7 @@ class KVStoreClient:
         if keys and self.region() is not None:
             by_page = flat.reshape(len(keys), ns.page_bytes)
             with self.reserve(ns, keys) as res:
-                for page, view in zip(by_page, res.views):
-                    if view is not None:
-                        view[:] = page
+                copy_pages(by_page, res.region.mem, res.offsets, to_pool=True)
                 stored = res.commit()
             return PutResult(stored, res.skipped)
         mv = memoryview(flat)
@@ -275,7 +273,8 @@ class KVStoreClient:
     def get(self, ns: LayoutHandle, keys: Sequence[bytes]) -> np.ndarray:
         """The pages of keys as a new (N, page_bytes) uint8 array; KeyError if one is missing."""
         keys = list(keys)
-        out = np.empty((len(keys), ns.page_bytes), dtype=np.uint8)
+        # Page-aligned like the pool, so long runs copy at full speed (shm.copy_pages).
+        out = page_aligned_empty((len(keys), ns.page_bytes))
         self.get_into(ns, keys, out)
         return out
 
@@ -286,8 +285,8 @@ class KVStoreClient:
         flat = as_uint8(out, n * ns.page_bytes, writable=True, what="out")
         if keys and self.region() is not None:
             with self._acquire_or_keyerror(ns, keys) as acq:
-                for page, view in zip(flat.reshape(n, ns.page_bytes), acq.views):
-                    page[:] = view
+                copy_pages(flat.reshape(n, ns.page_bytes), acq.region.mem, acq.offsets,
+                           to_pool=False)
             return
         by_layer = flat.reshape(n, layers, lb)
         self._stream(ns, keys, lambda layer: by_layer[:, layer, :])

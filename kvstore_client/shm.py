@@ -26,9 +26,47 @@ import numpy as np
 if TYPE_CHECKING:
     from .client import LayoutHandle
 
-__all__ = ["SharedRegion", "Reservation", "Acquired"]
+__all__ = ["SharedRegion", "Reservation", "Acquired", "copy_pages"]
 
 TOKEN_BYTES = 16
+PAGE = 4096
+
+
+def copy_pages(pages: np.ndarray, mem: np.ndarray, offsets: np.ndarray, *,
+               to_pool: bool) -> None:
+    """Copy (n, page_bytes) `pages` into the pool at `offsets` (to_pool) or out of it;
+    an offset of -1 is skipped.
+
+    Pages that lie back to back in the pool (a put's slots are handed out in order) are
+    copied with one call per run, when the buffer and the pool sit at the same offset
+    within a 4 KiB page; otherwise one call per page. Why: glibc copies at least its
+    non-temporal threshold (3/4 of the L3 it is told of: 192 MiB on the dev VM) with
+    streaming stores, which do not read the destination first: a 192 MiB run out of the
+    pool ran at 8.7 GB/s against 5.6 in 1 MiB pieces. But that path slows to 2.9-4.2 GB/s
+    when the destination lies 8-256 bytes past the source modulo 4 KiB (AMD EPYC, glibc
+    2.36, measured at 13 offsets), while 1 MiB pieces run at 5.6 at any offset.
+    """
+    n, page_bytes = pages.shape
+    if not n:
+        return
+    buf = pages.reshape(-1)
+    coaligned = (buf.ctypes.data - mem.ctypes.data) % PAGE == 0
+    offs = offsets.tolist()
+    i = 0
+    while i < n:
+        if offs[i] < 0:
+            i += 1
+            continue
+        j = i + 1
+        if coaligned:
+            while j < n and offs[j] == offs[j - 1] + page_bytes:
+                j += 1
+        a, b, off = i * page_bytes, j * page_bytes, offs[i]
+        if to_pool:
+            mem[off:off + b - a] = buf[a:b]
+        else:
+            buf[a:b] = mem[off:off + b - a]
+        i = j
 
 
 class SharedRegion:
