@@ -224,28 +224,27 @@ class KeyIndex:
         reach = rows.view(np.uint8)[:, 8 * nw + _REACH_BYTE]
         far = (elsewhere & (reach != 0)).nonzero()[0]    # not flatnonzero: fewer calls
         if far.size:
-            slot[far] = self._probe(words[far], home[far], reach[far].astype(np.int64))
+            self._probe(slot, far, words[far], home[far], reach[far])
         return slot
 
-    def _probe(self, words: np.ndarray, home: np.ndarray, reach: np.ndarray) -> np.ndarray:
-        """The slots of keys not in their home bucket, -1 where absent: one gather of
-        the buckets home + 1 .. home + reach of every key, laid end to end."""
+    def _probe(self, slot: np.ndarray, far: np.ndarray, words: np.ndarray,
+               home: np.ndarray, reach: np.ndarray) -> None:
+        """Set slot[far[i]] for the keys (words, home, reach) found past their home
+        bucket (the rest stay -1): one gather of the buckets home + 1 .. home + reach
+        of every key, laid end to end. Written for few numpy calls (see above)."""
         nw = self._nw
-        ends = np.cumsum(reach)
-        owner = np.repeat(np.arange(len(home)), reach)      # whose each bucket is
-        idx = np.repeat(home - ends + reach, reach)
+        ends = np.cumsum(reach, dtype=np.int64)
+        idx = np.repeat(home + reach - ends, reach)
         idx += _STEPS[: ends[-1]] if ends[-1] <= len(_STEPS) else np.arange(1, ends[-1] + 1)
         idx &= len(self._table) - 1
         rows = self._table.take(idx, axis=0)
-        slot = (rows[:, nw] >> _SHIFT).view(np.int64)
-        ok = slot >= _LIVE
-        words = words.take(owner, axis=0)
+        found = (rows[:, nw] >> _SHIFT).view(np.int64)
+        ok = found >= _LIVE
+        words = np.repeat(words, reach, axis=0)          # each key beside its buckets
         for j in range(nw):
             ok &= rows[:, j] == words[:, j]
-        out = np.full(len(home), -1, dtype=np.int64)
-        hit = ok.nonzero()[0]              # a key is live in one bucket at most
-        out[owner[hit]] = slot[hit] - _LIVE
-        return out
+        hit = ok.nonzero()[0]                            # a key is live in one bucket at most
+        slot[far[np.searchsorted(ends, hit, side="right")]] = found[hit] - _LIVE
 
     # -- update internals -----------------------------------------------------------
     def _place(self, rows: np.ndarray, h: np.ndarray, fresh: bool = False) -> None:
