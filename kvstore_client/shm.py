@@ -17,6 +17,7 @@ proof that this process mapped the server's current region.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 from typing import TYPE_CHECKING, Callable
@@ -109,10 +110,15 @@ class Reservation:
         self.offsets = offsets          # int64 byte offsets in the region, -1 = skipped
         self.skipped = skipped
         self.region = region
-        self.views = region.pages(offsets, ns.page_bytes)
         self._commit = commit
         self._abort = abort
         self._done = False
+
+    @functools.cached_property
+    def views(self) -> list[np.ndarray | None]:
+        """A writable view of each reserved page (None: key i was already stored). Made
+        on first use: the client's own put copies by offsets (copy_pages) instead."""
+        return self.region.pages(self.offsets, self.ns.page_bytes)
 
     def commit(self) -> int:
         """Make the written pages visible; returns how many were stored."""
@@ -145,11 +151,17 @@ class Acquired:
         self.lease_id = lease_id
         self.offsets = offsets
         self.region = region
-        self.views = region.pages(offsets, ns.page_bytes)
-        for view in self.views:
-            view.flags.writeable = False
         self._release = release
         self._done = False
+
+    @functools.cached_property
+    def views(self) -> list[np.ndarray]:
+        """A read-only view of each page. Made on first use: the client's own get copies
+        by offsets (copy_pages) instead."""
+        views = self.region.pages(self.offsets, self.ns.page_bytes)
+        for view in views:
+            view.flags.writeable = False
+        return views
 
     def layer(self, layer: int) -> list[np.ndarray]:
         """Each page's slab of one layer (read-only views)."""
