@@ -7,33 +7,13 @@
 # import, with torch pinned by a constraints file so nothing upgrades it. Then this
 # repository, editable, with its runtime deps.
 #
-# Idempotent: a marker in the venv holds the hash of this script and of pyproject.toml;
-# when it matches, the script does nothing. Editing either (or --force) re-runs every
-# step; pip skips what is already satisfied. --recreate deletes the venv first.
+# Idempotent; see scripts/engine-venv.sh (also for VENV and PYTHON).
 #
 # Usage: scripts/venv-sglang.sh [--force | --recreate]
-#   VENV   where to build it (default: <repo>/.venv-sglang)
-#   PYTHON interpreter to build it from (default: python3)
 set -euo pipefail
 
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${VENV:-$REPO/.venv-sglang}"
-PYTHON="${PYTHON:-python3}"
-MARKER="$VENV/.kvstore-venv-sglang"
-SCRIPT_HASH="$(cat "${BASH_SOURCE[0]}" "$REPO/pyproject.toml" | sha256sum | cut -d' ' -f1)"
-
-case "${1:-}" in
-  "") ;;
-  --force) rm -f "$MARKER" ;;
-  --recreate) rm -rf "$VENV" ;;
-  *) echo "usage: $0 [--force | --recreate]" >&2; exit 2 ;;
-esac
-
-if [[ -f "$MARKER" && "$(cat "$MARKER")" == "$SCRIPT_HASH" ]]; then
-  echo "venv-sglang: $VENV is complete (marker matches); nothing to do"
-  exit 0
-fi
-
+ENGINE=sglang
+STEPS=4
 TORCH="torch==2.13.0"
 # The real triton: sglang's modules import it at top level and a stub fails (ENGINES.md).
 SGLANG_NO_DEPS=(sglang==0.5.23 triton==3.8.0)
@@ -44,29 +24,15 @@ SGLANG_DEPS=(
   tqdm IPython aiohttp dill gguf "transformers==5.19.0" "apache-tvm-ffi==0.1.11"
   "sentencepiece==0.2.1" "compressed-tensors==0.18.0"
 )
-# This repository's runtime deps (pyproject.toml) plus the test runner.
-REPO_DEPS=(grpcio grpcio-health-checking grpcio-reflection protobuf numpy xxhash
-           prometheus-client tabulate pytest)
 
-[[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
-
-CONSTRAINTS="$VENV/kvstore-constraints.txt"
-echo "$TORCH" > "$CONSTRAINTS"
-
-echo "venv-sglang: [1/4] $TORCH (local CPU build)"
-"${PIP[@]}" "$TORCH"
-echo "venv-sglang: [2/4] ${SGLANG_NO_DEPS[*]} --no-deps"
+source "$(dirname "${BASH_SOURCE[0]}")/engine-venv.sh"
+venv_start "$@"
+say "[2/4] ${SGLANG_NO_DEPS[*]} --no-deps"
 "${PIP[@]}" --no-deps "${SGLANG_NO_DEPS[@]}"
-echo "venv-sglang: [3/4] sglang's import-time dependencies (torch pinned)"
-echo "venv-sglang:       (pip then lists sglang's other declared deps as missing: expected)"
+say "[3/4] sglang's import-time dependencies (torch pinned)"
+say "      (pip then lists sglang's other declared deps as missing: expected)"
 "${PIP[@]}" -c "$CONSTRAINTS" "${SGLANG_DEPS[@]}"
-echo "venv-sglang: [4/4] this repository (editable) and its runtime deps"
-"${PIP[@]}" -c "$CONSTRAINTS" "${REPO_DEPS[@]}"
-if ! "${PIP[@]}" --no-deps -e "$REPO"; then
-  echo "venv-sglang: WARNING: editable install of $REPO failed; tests/sglang adds the" \
-       "repository root to sys.path instead" >&2
-fi
+venv_repo
 
 # Fail here, not in a test, if the install is incomplete or torch was replaced. The
 # torchvision stand-in is the one tests/sglang and the bench use (ENGINES.md: the
@@ -86,5 +52,4 @@ assert not torch.version.cuda, f"a CUDA torch was installed: {torch.version.cuda
 print(f"venv-sglang: torch {torch.__version__}, sglang {sglang.__version__}")
 PY
 
-echo "$SCRIPT_HASH" > "$MARKER"
-echo "venv-sglang: done ($(du -sh "$VENV" | cut -f1) in $VENV)"
+venv_done

@@ -6,34 +6,13 @@
 # --no-deps, then only what vLLM's imports need, with torch pinned by a constraints
 # file so nothing upgrades it. Then this repository, editable, with its runtime deps.
 #
-# Idempotent: a marker in the venv holds the hash of this script and of pyproject.toml
-# (the editable install maps the packages it lists); when it matches, the script does
-# nothing. Editing either (or --force) re-runs every step; pip skips what is already
-# satisfied. --recreate deletes the venv first.
+# Idempotent; see scripts/engine-venv.sh (also for VENV and PYTHON).
 #
 # Usage: scripts/venv-vllm.sh [--force | --recreate]
-#   VENV   where to build it (default: <repo>/.venv-vllm)
-#   PYTHON interpreter to build it from (default: python3)
 set -euo pipefail
 
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${VENV:-$REPO/.venv-vllm}"
-PYTHON="${PYTHON:-python3}"
-MARKER="$VENV/.kvstore-venv-vllm"
-SCRIPT_HASH="$(cat "${BASH_SOURCE[0]}" "$REPO/pyproject.toml" | sha256sum | cut -d' ' -f1)"
-
-case "${1:-}" in
-  "") ;;
-  --force) rm -f "$MARKER" ;;
-  --recreate) rm -rf "$VENV" ;;
-  *) echo "usage: $0 [--force | --recreate]" >&2; exit 2 ;;
-esac
-
-if [[ -f "$MARKER" && "$(cat "$MARKER")" == "$SCRIPT_HASH" ]]; then
-  echo "venv-vllm: $VENV is complete (marker matches); nothing to do"
-  exit 0
-fi
-
+ENGINE=vllm
+STEPS=5
 TORCH="torch==2.13.0"
 VLLM="vllm==0.33.0"
 # What vLLM 0.33's imports need for the scheduler, the connector factory and the
@@ -46,33 +25,17 @@ VLLM_DEPS=(
 )
 # xgrammar's declared deps pull a 1 GB triton that its import does not need.
 NO_DEPS_EXTRAS=(xgrammar==0.2.8 apache-tvm-ffi==0.1.11)
-# This repository's runtime deps (pyproject.toml) plus the test runner.
-REPO_DEPS=(grpcio grpcio-health-checking grpcio-reflection protobuf numpy xxhash
-           prometheus-client tabulate pytest)
 
-[[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
-
-CONSTRAINTS="$VENV/kvstore-constraints.txt"
-echo "$TORCH" > "$CONSTRAINTS"
-
-echo "venv-vllm: [1/5] $TORCH (local CPU build)"
-"${PIP[@]}" "$TORCH"
-echo "venv-vllm: [2/5] $VLLM --no-deps"
+source "$(dirname "${BASH_SOURCE[0]}")/engine-venv.sh"
+venv_start "$@"
+say "[2/5] $VLLM --no-deps"
 "${PIP[@]}" --no-deps "$VLLM"
-echo "venv-vllm: [3/5] vLLM's import-time dependencies (torch pinned)"
-echo "venv-vllm:       (pip's resolver then lists vLLM's other declared deps as missing: expected)"
+say "[3/5] vLLM's import-time dependencies (torch pinned)"
+say "      (pip's resolver then lists vLLM's other declared deps as missing: expected)"
 "${PIP[@]}" -c "$CONSTRAINTS" "${VLLM_DEPS[@]}"
-echo "venv-vllm: [4/5] ${NO_DEPS_EXTRAS[*]} --no-deps"
+say "[4/5] ${NO_DEPS_EXTRAS[*]} --no-deps"
 "${PIP[@]}" --no-deps "${NO_DEPS_EXTRAS[@]}"
-echo "venv-vllm: [5/5] this repository (editable) and its runtime deps"
-"${PIP[@]}" -c "$CONSTRAINTS" "${REPO_DEPS[@]}"
-if ! "${PIP[@]}" --no-deps -e "$REPO"; then
-  # pyproject.toml may name packages that are not written yet; tests/vllm puts the
-  # repository root on sys.path itself, so the venv is still usable.
-  echo "venv-vllm: WARNING: editable install of $REPO failed; tests/vllm adds the" \
-       "repository root to sys.path instead" >&2
-fi
+venv_repo
 
 # Fail here, not in a test, if the install is incomplete or torch was replaced.
 "$VENV/bin/python" - <<'EOF'
@@ -84,5 +47,4 @@ assert not torch.version.cuda, f"a CUDA torch was installed: {torch.version.cuda
 print(f"venv-vllm: torch {torch.__version__}, vllm {vllm.__version__}")
 EOF
 
-echo "$SCRIPT_HASH" > "$MARKER"
-echo "venv-vllm: done ($(du -sh "$VENV" | cut -f1) in $VENV)"
+venv_done
