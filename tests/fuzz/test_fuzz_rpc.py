@@ -416,25 +416,11 @@ def run_lease_ops(h: Harness, grants, ops) -> None:
         h.end_example()
 
 
+@pytest.mark.parametrize("method", ["Commit", "Abort", "ReleaseLease"])
 @examples(200)
-@given(grants=st.lists(granting, max_size=3), ops=lease_ops.map(
-    lambda ops: [("Commit", ref) for _, ref in ops]))
-def test_commit(h, grants, ops):
-    run_lease_ops(h, grants, ops)
-
-
-@examples(200)
-@given(grants=st.lists(granting, max_size=3), ops=lease_ops.map(
-    lambda ops: [("Abort", ref) for _, ref in ops]))
-def test_abort(h, grants, ops):
-    run_lease_ops(h, grants, ops)
-
-
-@examples(200)
-@given(grants=st.lists(granting, max_size=3), ops=lease_ops.map(
-    lambda ops: [("ReleaseLease", ref) for _, ref in ops]))
-def test_release_lease(h, grants, ops):
-    run_lease_ops(h, grants, ops)
+@given(grants=st.lists(granting, max_size=3), ops=lease_ops)
+def test_one_lease_method(h, method, grants, ops):
+    run_lease_ops(h, grants, [(method, ref) for _, ref in ops])
 
 
 @examples(200)
