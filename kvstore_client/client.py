@@ -29,6 +29,7 @@ from .convert import layout_from_proto, layout_to_proto
 from .errors import KVStoreError, from_rpc_error
 from .keys import Packed, pack_keys
 from .layout import PageLayout
+from .lookup_stream import LookupStream
 from .shm import Acquired, Reservation, SharedRegion, copy_pages
 from .wire import GET_DATA_TAG, PUT_DATA_TAG, frame, unframe
 
@@ -91,7 +92,7 @@ class KVStoreClient:
     def __init__(self, address: str, *, timeout: float = 10.0, retries: int = 3,
                  shared_memory: bool | None = None, token: str | None = None,
                  tls_ca: PEM | None = None, tls_cert: PEM | None = None,
-                 tls_key: PEM | None = None,
+                 tls_key: PEM | None = None, lookup_stream: bool = True,
                  channel: grpc.Channel | None = None) -> None:
         self.address = address
         self.timeout = timeout
@@ -115,6 +116,10 @@ class KVStoreClient:
         self._register = unary(s + "RegisterLayout", pb.RegisterLayoutRequest,
                                pb.RegisterLayoutResponse)
         self._lookup = unary(s + "Lookup", pb.LookupRequest, pb.LookupResponse)
+        # Lookups go over one open stream where they can (kvstore_client.lookup_stream).
+        self._lookups = LookupStream(c.stream_stream(
+            s + "LookupStream", request_serializer=pb.LookupRequest.SerializeToString,
+            response_deserializer=pb.LookupResponse.FromString)) if lookup_stream else None
         self._release = unary(s + "ReleaseLease", pb.ReleaseLeaseRequest, pb.ReleaseLeaseResponse)
         self._exists = unary(s + "Exists", pb.ExistsRequest, pb.ExistsResponse)
         self._delete = unary(s + "Delete", pb.DeleteRequest, pb.DeleteResponse)
@@ -140,6 +145,8 @@ class KVStoreClient:
                 future.result(timeout=1.0)
             except (grpc.RpcError, grpc.FutureTimeoutError):
                 pass
+        if self._lookups is not None:
+            self._lookups.close()
         self._channel.close()
         if self._region is not None:
             self._region.close()
@@ -247,8 +254,9 @@ class KVStoreClient:
                                keys=self._packed(keys), lease_ms=lease_ms)
 
         def call():
-            # Rebuilt per attempt: a re-registration does not change ids, but keep it cheap.
-            return self._lookup(req, timeout=self.timeout)
+            # The stream when it can answer, else the unary call (lookup_stream.py).
+            response = None if self._lookups is None else self._lookups.ask(req, self.timeout)
+            return response if response is not None else self._lookup(req, timeout=self.timeout)
 
         return self._call("Lookup", call, handles[0])
 

@@ -43,6 +43,10 @@ class ServerConfig:
     # that stops reading or writing cannot hold a handler thread and its pages for ever
     # (kvstore_server.watchdog); 0 = never
     stream_timeout: float = 30.0
+    # Open LookupStream calls allowed at once; each holds a handler thread of its own (on
+    # top of `workers`) for as long as it is open. One per engine scheduler is typical.
+    # Past the limit a client falls back to unary Lookup; 0 = no streams.
+    lookup_streams: int = 32
     log_level: str = "INFO"
     # Security (SECURITY.md). Without auth_file every caller is one tenant with Admin
     # open, so the server refuses a non-loopback listen address unless insecure_listen.
@@ -80,6 +84,7 @@ _PARSERS = {
     "shm_group": str,
     "workers": int,
     "stream_timeout": parse_duration,
+    "lookup_streams": int,
     "log_level": str,
     "auth_file": str,
     "insecure_listen": _bool,
@@ -122,6 +127,9 @@ def argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-timeout", metavar="DURATION",
                    help="cancel a Get or Put stream that moves nothing for this long; "
                         "0 = never (default 30s)")
+    p.add_argument("--lookup-streams", metavar="N",
+                   help="open LookupStream calls allowed, each on a thread of its own; "
+                        "0 = none, clients use Lookup (default 32)")
     p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING (default INFO)")
     s = p.add_argument_group("security (see SECURITY.md)")
     s.add_argument("--auth-file", metavar="FILE",
@@ -179,6 +187,8 @@ def _check(c: ServerConfig) -> None:
         raise ConfigError("workers must be >= 1")
     if c.stream_timeout < 0:
         raise ConfigError("stream_timeout must be >= 0 (0 = never)")
+    if c.lookup_streams < 0:
+        raise ConfigError("lookup_streams must be >= 0 (0 = none)")
     host, sep, port = c.listen.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ConfigError(f"listen must be HOST:PORT, got {c.listen!r}")

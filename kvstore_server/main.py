@@ -63,16 +63,20 @@ class Server:
                            high_watermark=config.high_watermark,
                            low_watermark=config.low_watermark, lower=self.disk)
         self.metrics = Metrics()
-        self.metrics.watch_store(self.store.stats)
+        self.metrics.watch_store(self.store.stats, lambda: {"kvstore_lookup_streams": (
+            "gauge", "Open LookupStream calls", self.lookups.open_streams())})
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self.grpc = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="rpc"),
+            # Each open LookupStream holds a thread (lookup_streams.py): they get their own.
+            futures.ThreadPoolExecutor(max_workers=config.workers + config.lookup_streams,
+                                       thread_name_prefix="rpc"),
             options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
             interceptors=[self.auth.interceptor()] if self.auth else None)
         self.streams = StreamWatchdog(config.stream_timeout)
-        add_kvstore_service(self.grpc, KVStoreService(self.store, self.metrics, self.auth),
-                            self.streams)
+        self.lookups = add_kvstore_service(
+            self.grpc, KVStoreService(self.store, self.metrics, self.auth), self.streams,
+            config.lookup_streams)
         add_admin_service(self.grpc, AdminService(self.store, self.metrics, self.auth))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -96,6 +100,7 @@ class Server:
             thread.start()
             self._threads.append(thread)
         self.streams.start()
+        self.lookups.start()
         if self.config.metrics_port:
             self.metrics.serve(self.config.metrics_port)
         host = self.config.listen.rpartition(":")[0]
@@ -164,6 +169,7 @@ class Server:
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._stopping.set()
         self.store.pressure.set()
+        self.lookups.stop()
         self.grpc.stop(grace).wait()
         self.metrics.stop()
         self.streams.stop()

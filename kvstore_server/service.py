@@ -33,6 +33,7 @@ from kvstore_client.wire import GET_DATA_TAG, PUT_DATA_TAG, frame, unframe
 
 from .auth import ANONYMOUS, Authenticator, Principal
 from .errors import Outcome, StoreError
+from .lookup_streams import LookupStreams
 from .metrics import Metrics
 from .parsing import checked, parser
 from .region import TOKEN_OFFSET
@@ -345,10 +346,15 @@ def _describe_get(request) -> str:
 
 
 def add_kvstore_service(server: grpc.Server, service: KVStoreService,
-                        streams: StreamWatchdog | None = None) -> None:
-    """streams: cancels Get and Put streams that stall (kvstore_server.watchdog)."""
+                        streams: StreamWatchdog | None = None,
+                        lookup_streams: int = 0) -> LookupStreams:
+    """streams: cancels Get and Put streams that stall (kvstore_server.watchdog).
+    lookup_streams: LookupStream calls open at once (the server's pool needs as many
+    threads on top of its workers). Returns them, to start and stop with the server."""
     m = service.metrics
     streams = streams or StreamWatchdog(0)
+    lookups = LookupStreams(lookup_streams, functools.partial(
+        guarded("Lookup", m)(KVStoreService.Lookup), service))
     unary = grpc.unary_unary_rpc_method_handler
 
     def u(name, req, resp):
@@ -377,6 +383,10 @@ def add_kvstore_service(server: grpc.Server, service: KVStoreService,
                 guarded("Get", m)(KVStoreService.Get), service), _describe_get),
             request_deserializer=parser(pb.GetRequest),
             response_serializer=lambda chunk: chunk),   # already framed
+        "LookupStream": grpc.stream_stream_rpc_method_handler(
+            lookups.handle, request_deserializer=parser(pb.LookupRequest),
+            response_serializer=pb.LookupResponse.SerializeToString),
     }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("kvstore.v1.KVStore", handlers),))
+    return lookups

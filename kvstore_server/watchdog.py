@@ -56,13 +56,18 @@ class Watch:
 class StreamWatchdog:
     """Cancels watched streams idle for `timeout` seconds (0 = never: watch does nothing).
 
-    clock: a seam for tests; `check()` runs one round without the thread."""
+    clock: a seam for tests; `check()` runs one round without the thread. level, reason:
+    how a cancellation is logged (a stall is a warning; an idle lookup stream is not)."""
 
-    def __init__(self, timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, timeout: float, clock: Callable[[], float] = time.monotonic,
+                 level: int = logging.WARNING,
+                 reason: str = "cancelled a stalled stream") -> None:
         if timeout < 0:
             raise ValueError(f"stream timeout must be >= 0, got {timeout}")
         self.timeout = timeout
         self.clock = clock
+        self._level = level
+        self._reason = reason
         self.cancelled = 0                      # streams cancelled since start
         self._lock = threading.Lock()           # guards _watches
         self._watches: set[Watch] = set()
@@ -90,11 +95,20 @@ class StreamWatchdog:
             late = [w for w in self._watches if w.deadline <= now]
             self._watches.difference_update(late)
         for w in late:                  # outside the lock: cancel calls into gRPC
-            log.warning("cancelled a stalled stream: %s from %s moved nothing for %.3gs",
-                        w.what, _peer(w.context), self.timeout)
+            log.log(self._level, "%s: %s from %s moved nothing for %.3gs", self._reason,
+                    w.what, _peer(w.context), self.timeout)
             w.context.cancel()
         self.cancelled += len(late)
         return len(late)
+
+    def cancel_all(self) -> int:
+        """Cancel every watched stream now (a stop); returns how many."""
+        with self._lock:
+            watched = list(self._watches)
+            self._watches.clear()
+        for w in watched:
+            w.context.cancel()
+        return len(watched)
 
     def open_streams(self) -> int:
         with self._lock:

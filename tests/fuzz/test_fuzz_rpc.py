@@ -49,6 +49,7 @@ DOCUMENTED = frozenset({C.OK, C.INVALID_ARGUMENT, C.NOT_FOUND, C.RESOURCE_EXHAUS
 TIMEOUT = 30.0                    # seconds; only a hang gets near it
 CHECK_EVERY = 5                   # examples between two reads of the sentinel
 WORKERS = 16                      # the server's handler threads (its default)
+LOOKUP_STREAMS = 4                # ... and the threads kept for LookupStream calls
 MIN_REQUESTS = 10_000             # issue #8's acceptance: generated requests per run
 SCALE = float(os.environ.get("KVSTORE_FUZZ_SCALE", "1"))
 
@@ -84,7 +85,8 @@ ADMIN = "/kvstore.v1.Admin/"
 UNARY = [KV + m for m in ("RegisterLayout", "Lookup", "ReleaseLease", "Exists", "Delete",
                           "Attach", "Reserve", "Commit", "Abort", "Acquire")]
 UNARY += [ADMIN + m for m in ("Stats", "Evict", "Clear", "ListLayouts", "Inspect")]
-METHODS = UNARY + [KV + "Put", KV + "Get"]
+METHODS = UNARY + [KV + "Put", KV + "Get", KV + "LookupStream"]
+STREAMED_IN = (KV + "Put", KV + "LookupStream")     # requests go as a list of messages
 
 COUNTS: collections.Counter[str] = collections.Counter()   # generated requests per test
 CONNECTIONS: collections.Counter[str] = collections.Counter()  # raw socket connections
@@ -106,6 +108,7 @@ class Harness:
         self.unary = {m: c.unary_unary(m) for m in UNARY}
         self.put = c.stream_unary(KV + "Put")
         self.get = c.unary_stream(KV + "Get")
+        self.lookups = c.stream_stream(KV + "LookupStream")
         self.token = b""
         self.sentinel_lease = 0
         self.test = ""                 # the test whose requests are being counted
@@ -124,6 +127,13 @@ class Harness:
                 answer = self.put(iter(request), timeout=TIMEOUT, metadata=metadata)
             elif method == KV + "Get":
                 answer = b"".join(self.get(request, timeout=TIMEOUT, metadata=metadata))
+            elif method == KV + "LookupStream":
+                answer = b""
+                for one in self.lookups(iter(request), timeout=TIMEOUT, metadata=metadata):
+                    answer += one            # leases taken before a bad request: released
+                    lease = pb.LookupResponse.FromString(one).lease_id
+                    if lease:
+                        self.leases.append(lease)
             else:
                 answer = self.unary[method](request, timeout=TIMEOUT, metadata=metadata)
             code = C.OK
@@ -202,7 +212,7 @@ def harness(tmp_path_factory):
     # A small disk tier too, so Evict's tiers and reads back from disk are fuzzed as well.
     disk_dir = tmp_path_factory.mktemp("fuzz-disk")
     with ServerProcess(dram="64MiB", disk="32MiB", disk_dir=str(disk_dir),
-                       workers=WORKERS) as srv:
+                       workers=WORKERS, lookup_streams=LOOKUP_STREAMS) as srv:
         h = Harness(srv)
         h.start()
         yield h
@@ -566,13 +576,24 @@ nested = st.builds(lambda inner, outer: wire_bytes(outer) + b"\x12" + _varint(le
 garbage = st.one_of(st.binary(max_size=2000), shaped, nested)
 
 
+@examples(300)
+@given(requests=st.lists(st.one_of(
+    st.builds(lambda ids, keys, ms: pb.LookupRequest(layout_ids=ids, lease_ms=ms,
+                                                     **keys_kw(keys)).SerializeToString(),
+              st.lists(layout_ids, max_size=3), packed_keys, lease_ms),
+    garbage), max_size=4))
+def test_lookup_stream(h, requests):
+    """Several lookups on one stream; a bad one ends it with a documented status."""
+    fuzz(h, KV + "LookupStream", requests)
+
+
 @examples(1300)
 @given(method=st.sampled_from(METHODS), body=garbage,
        more=st.lists(st.one_of(garbage, st.binary(max_size=64)), max_size=3))
 def test_garbage_requests(h, method, body, more):
     if method.endswith("/Clear"):
         method = ADMIN + "Stats"            # Clear parses anything: it has no fields
-    fuzz(h, method, [body, *more] if method == KV + "Put" else body)
+    fuzz(h, method, [body, *more] if method in STREAMED_IN else body)
 
 
 # Well-typed requests whose bytes are then cut or flipped: near-valid garbage.
@@ -815,12 +836,13 @@ def test_half_open_connections(h):
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "known limitation: gRPC Python's sync server runs every started call on a handler "
-    "thread, which waits for the request's bytes; as many stalled calls as --workers "
-    "starve every other call until those connections close (grpc/grpc#7052)"))
+    "thread, which waits for the request's bytes; as many stalled calls as the pool has "
+    "threads (--workers + --lookup-streams) starve every other call until those "
+    "connections close (grpc/grpc#7052)"))
 def test_stalled_calls_do_not_starve_the_server(h):
     socks = []
     try:
-        for _ in range(2 * WORKERS):
+        for _ in range(2 * (WORKERS + LOOKUP_STREAMS)):    # every thread of the pool
             socks.append(_connect(h))
             socks[-1].sendall(_stalled_call())
         time.sleep(0.3)

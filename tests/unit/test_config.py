@@ -42,6 +42,7 @@ def test_file_then_environment_then_flags(tmp_path):
     (["--dram", "1MiB"], "at least"),
     (["--lease-ttl", "0s"], "lease_ttl"),
     (["--stream-timeout=-1s"], "stream_timeout"),
+    (["--lookup-streams=-1"], "lookup_streams"),
     (["--disk", "1GiB"], "disk_dir"),
     (["--listen", "nowhere"], "HOST:PORT"),
     (["--high-watermark", "0.5", "--low-watermark", "0.9"], "watermarks"),

@@ -1,7 +1,11 @@
 """The stream watchdog with a clock the test advances and a stand-in for a call context."""
 
+import logging
+
+import grpc
 import pytest
 
+from kvstore_server.lookup_streams import IDLE_SECONDS, LookupStreams
 from kvstore_server.watchdog import StreamWatchdog, watched_requests, watched_stream
 
 
@@ -37,6 +41,56 @@ def test_idle_streams_are_cancelled_moving_ones_are_not(caplog):
         assert dog.cancelled == 1 and dog.open_streams() == 1
     assert dog.open_streams() == 0
     assert "Get of 8 keys from ipv4:127.0.0.1:1234" in caplog.text
+
+
+def test_cancel_all_and_a_quieter_log(caplog):
+    clock = Clock()
+    dog = StreamWatchdog(300.0, clock, level=logging.INFO, reason="closed an idle stream")
+    a, b = Context(), Context()
+    with caplog.at_level(logging.INFO), dog.watch(a, "LookupStream"), \
+            dog.watch(b, "LookupStream"):
+        clock.now += 301
+        assert dog.check() == 2
+    assert "closed an idle stream: LookupStream from ipv4" in caplog.text
+    assert all(r.levelno == logging.INFO for r in caplog.records)
+    c = Context()
+    with dog.watch(c, "LookupStream"):
+        assert dog.cancel_all() == 1 and c.cancelled and dog.open_streams() == 0
+
+
+class Aborted(Exception):
+    pass
+
+
+class AbortingContext(Context):
+    def abort(self, code, message):
+        self.code, self.message = code, message
+        raise Aborted(message)
+
+
+def test_lookup_streams_are_admitted_up_to_the_limit_and_closed_when_idle():
+    clock = Clock()
+    streams = LookupStreams(1, lambda request, context: request * 2, clock=clock)
+    first, second = AbortingContext(), AbortingContext()
+    answers = streams.handle(iter([1, 2, 3]), first)
+    assert next(answers) == 2 and streams.open_streams() == 1
+    with pytest.raises(Aborted, match="1 lookup streams are open"):
+        next(streams.handle(iter([5]), second))
+    assert second.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert list(answers) == [4, 6] and streams.open_streams() == 0
+    idle = AbortingContext()
+    answers = streams.handle(iter([7, 8]), idle)       # admitted again
+    assert next(answers) == 14
+    clock.now += IDLE_SECONDS + 1
+    assert streams.watchdog.check() == 1 and idle.cancelled
+    answers.close()
+    stopped = AbortingContext()
+    answers = streams.handle(iter([9]), stopped)
+    assert next(answers) == 18
+    streams.stop()                                     # a graceful stop cancels them all
+    assert stopped.cancelled
+    with pytest.raises(Aborted):
+        next(LookupStreams(0, lambda r, c: r).handle(iter([1]), AbortingContext()))
 
 
 def test_zero_timeout_watches_nothing():

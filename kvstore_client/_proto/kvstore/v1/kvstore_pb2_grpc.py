@@ -44,6 +44,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.LookupRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LookupResponse.FromString,
                 _registered_method=True)
+        self.LookupStream = channel.stream_stream(
+                '/kvstore.v1.KVStore/LookupStream',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.LookupRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LookupResponse.FromString,
+                _registered_method=True)
         self.ReleaseLease = channel.unary_unary(
                 '/kvstore.v1.KVStore/ReleaseLease',
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReleaseLeaseRequest.SerializeToString,
@@ -107,6 +112,18 @@ class KVStoreServicer:
 
     def Lookup(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LookupStream(self, request_iterator, context):
+        """Lookup over one long-lived call: each request is answered, in order, by one
+        response, exactly as Lookup would answer it. It saves gRPC's per-call set-up, the
+        larger part of a small lookup's cost in Python. A request Lookup would refuse ends
+        the stream with Lookup's status; the server also ends a stream idle for five
+        minutes, and refuses streams past its --lookup-streams limit (RESOURCE_EXHAUSTED):
+        a client then uses Lookup.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -181,6 +198,11 @@ def add_KVStoreServicer_to_server(servicer, server):
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LookupRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.LookupResponse.SerializeToString,
+            ),
+            'LookupStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.LookupStream,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LookupRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.LookupResponse.SerializeToString,
             ),
@@ -287,6 +309,33 @@ class KVStore:
             request,
             target,
             '/kvstore.v1.KVStore/Lookup',
+            kvstore_dot_v1_dot_kvstore__pb2.LookupRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.LookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LookupStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvstore.v1.KVStore/LookupStream',
             kvstore_dot_v1_dot_kvstore__pb2.LookupRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.LookupResponse.FromString,
             options,
