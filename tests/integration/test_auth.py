@@ -303,6 +303,22 @@ def test_sighup_reloads_the_auth_file(fresh_server, tmp_path):
     assert srv.proc.poll() is None
 
 
+def test_a_revoked_token_stops_working_on_an_open_lookup_stream(fresh_server, tmp_path):
+    """LookupStream checks the caller at every request, not only when it opens."""
+    path = tmp_path / "auth.toml"
+    path.write_text(auth_toml(a="", ops=""))
+    srv = fresh_server(auth_file=str(path))
+    with client(srv, "a") as c:
+        ns = c.register_layout(LAYOUT)
+        assert c.lookup(ns, [b"k" * 16]) == 0 and c._lookups.opened == 1
+        path.write_text(auth_toml(b="", ops=""))       # a removed
+        srv.send_signal(signal.SIGHUP)
+        wait_for(lambda: "auth reloaded" in srv.log(), "the reload")
+        with pytest.raises(KVStoreError) as err:
+            c.lookup(ns, [b"k" * 16])
+        assert err.value.code == CODE.UNAUTHENTICATED
+
+
 def test_sighup_without_auth_file_is_harmless(fresh_server):
     srv = fresh_server()
     srv.send_signal(signal.SIGHUP)
