@@ -6,7 +6,9 @@ import dataclasses
 import enum
 from typing import Any, Mapping
 
-__all__ = ["ConnectorConfig", "Role", "LoadMode", "SavePolicy"]
+from kvstore_client import KVStoreClient
+
+__all__ = ["ConnectorConfig", "Role", "LoadMode", "SavePolicy", "open_client"]
 
 
 class Role(enum.Enum):
@@ -58,6 +60,10 @@ class ConnectorConfig:
     salt: str = ""                  # namespace for pages (e.g. per deployment or tenant)
     model: str = ""                 # page namespace; "" = the engine's model name
     token: str = ""                 # credentials for the store (bearer token)
+    # TLS to a store across the network (SECURITY.md); "" = plain text, fine on loopback.
+    tls_ca: str = ""                # PEM file of the CA that signed the server's certificate
+    tls_cert: str = ""              # this engine's certificate and key (PEM files), for a
+    tls_key: str = ""               # ... server that requires mutual TLS
     shared_memory: bool | None = None   # None = use the shared pool when mappable
     timeout: float = 10.0           # seconds for store calls other than the lookup
 
@@ -82,4 +88,16 @@ class ConnectorConfig:
         if config.page_tokens < 0 or config.lookup_timeout <= 0 or config.lease_ms < 0:
             raise ValueError("kvstore connector config: page_tokens must be >= 0, "
                              "lookup_timeout > 0 and lease_ms >= 0")
+        if bool(config.tls_cert) != bool(config.tls_key):
+            raise ValueError("kvstore connector config: a client certificate needs both "
+                             "tls_cert and tls_key")
         return config
+
+
+def open_client(config: ConnectorConfig, timeout: float, *, retries: int = 3,
+                shared_memory: bool | None = None) -> KVStoreClient:
+    """A client of config.server with the config's credentials (token, TLS)."""
+    return KVStoreClient(config.server, timeout=timeout, retries=retries,
+                         shared_memory=shared_memory, token=config.token or None,
+                         tls_ca=config.tls_ca or None, tls_cert=config.tls_cert or None,
+                         tls_key=config.tls_key or None)

@@ -29,7 +29,7 @@ import numpy as np
 from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
 from kvstore_client.keys import Packed
 
-from .config import ConnectorConfig, SavePolicy
+from .config import ConnectorConfig, SavePolicy, open_client
 from .hashing import KEY_BYTES, page_keys
 from .meta import LoadSpec, SaveSpec, StepMeta
 
@@ -74,9 +74,8 @@ class SchedulerHalf:
         self.seed = layouts[0].chain_seed
         # The scheduler only asks and leases: no page bytes, so no shared memory; and a
         # lookup must answer within lookup_timeout, so no retries either.
-        self.client = client or KVStoreClient(config.server, timeout=config.lookup_timeout,
-                                              retries=0, shared_memory=False,
-                                              token=config.token or None)
+        self.client = client or open_client(config, config.lookup_timeout, retries=0,
+                                            shared_memory=False)
         self._handles: list[LayoutHandle] | None = None
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadSpec] = []

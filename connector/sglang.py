@@ -61,7 +61,7 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
 
-from .config import ConnectorConfig
+from .config import ConnectorConfig, open_client
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.pool_host import HostKVCache
@@ -72,7 +72,8 @@ log = logging.getLogger(__name__)
 
 # ConnectorConfig fields that mean something to this backend; SGLang's own keys
 # (backend_name, module_path, class_name, interface_v1, ...) are left to SGLang.
-_SETTINGS = ("server", "timeout", "salt", "model", "shared_memory", "token")
+_SETTINGS = ("server", "timeout", "salt", "model", "shared_memory", "token", "tls_ca",
+             "tls_cert", "tls_key")
 _LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
 
@@ -182,10 +183,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self.settings = ConnectorConfig.from_mapping(
             {k: extra[k] for k in _SETTINGS if k in extra})
         self.storage_config = storage_config
-        self.client = client or KVStoreClient(self.settings.server,
-                                              timeout=self.settings.timeout,
-                                              shared_memory=self.settings.shared_memory,
-                                              token=self.settings.token or None)
+        self.client = client or open_client(self.settings, self.settings.timeout,
+                                            shared_memory=self.settings.shared_memory)
         self.handle: Optional[LayoutHandle] = None   # set by register_mem_pool_host
         self.codec: Optional[PageCodec] = None
         self.failures = {"get": 0, "set": 0, "exists": 0}   # pages (calls for exists)

@@ -28,7 +28,7 @@ import numpy as np
 
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
 
-from .config import ConnectorConfig
+from .config import ConnectorConfig, open_client
 from .meta import LoadSpec, SaveSpec, StepMeta
 from .transfer import HostRegistration, KVTransfer
 
@@ -80,9 +80,8 @@ class WorkerHalf:
         self.device = views[0].device
         self.transfer = KVTransfer(views, layout.page_tokens, self.device)
         self.saves_enabled = saves and config.role.saves
-        self.client = client or KVStoreClient(config.server, timeout=config.timeout,
-                                              shared_memory=config.shared_memory,
-                                              token=config.token or None)
+        self.client = client or open_client(config, config.timeout,
+                                            shared_memory=config.shared_memory)
         self._ns = None                            # registered on first use
         self._registration = None
         self._region_mem = None

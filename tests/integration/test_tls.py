@@ -126,3 +126,23 @@ def test_unreadable_certificate_stops_the_start(pki, tmp_path):
          "64MiB", "--tls-cert", str(tmp_path / "missing.pem"), "--tls-key",
          str(pki / "server.key")], capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode != 0 and "missing.pem" in proc.stderr
+
+
+def test_connector_settings_reach_a_tls_server_with_mutual_tls(pki):
+    """The connector's tls_* settings (vLLM's kv_connector_extra_config, SGLang's
+    extra_config) make every client it opens speak (mutual) TLS."""
+    from connector.config import ConnectorConfig, open_client
+    with ServerProcess(credentials=creds(pki, client_cert=True), tls_cert=pki / "server.pem",
+                       tls_key=pki / "server.key", tls_client_ca=pki / "ca.pem") as srv:
+        config = ConnectorConfig.from_mapping({
+            "server": srv.address, "tls_ca": str(pki / "ca.pem"),
+            "tls_cert": str(pki / "client.pem"), "tls_key": str(pki / "client.key")})
+        with open_client(config, 10.0) as c:
+            roundtrip(c)
+        plain = ConnectorConfig.from_mapping({"server": srv.address})
+        with open_client(plain, 3.0, retries=0) as c:
+            with pytest.raises(KVStoreError) as info:
+                c.register_layout(LAYOUT)
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(ValueError, match="needs both tls_cert and tls_key"):
+        ConnectorConfig.from_mapping({"tls_cert": str(pki / "client.pem")})
