@@ -31,7 +31,7 @@ import logging
 import re
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import grpc
 
@@ -213,16 +213,21 @@ class Authenticator:
                      admins, f"; quotas {quotas}" if quotas else "")
             return True
 
-    def interceptor(self) -> grpc.ServerInterceptor:
-        return _AuthInterceptor(self)
+    def interceptor(self, refused: Callable[[str, grpc.StatusCode], None] = lambda m, c: None
+                    ) -> grpc.ServerInterceptor:
+        """refused(method, code) is told of every call refused here (for the metrics:
+        these calls never reach a handler that would count them)."""
+        return _AuthInterceptor(self, refused)
 
 
 class _AuthInterceptor(grpc.ServerInterceptor):
     """Refuses KVStore calls without a tenant token and Admin calls without an admin one,
     before the request is read."""
 
-    def __init__(self, auth: Authenticator) -> None:
+    def __init__(self, auth: Authenticator, refused: Callable[[str, grpc.StatusCode], None]
+                 ) -> None:
         self.auth = auth
+        self._refused = refused
 
     def intercept_service(self, continuation, details):
         needed = _SERVICE_ROLES.get(details.method.rpartition("/")[0].lstrip("/"))
@@ -237,7 +242,10 @@ class _AuthInterceptor(grpc.ServerInterceptor):
                     f"{needed.value} token"))
         except StoreError as exc:
             log.debug("refused %s: %s", details.method, exc.message)
-            return _refusal(continuation(details), _CODES[exc.outcome], exc.message)
+            handler = continuation(details)
+            if handler is not None:          # None: no such method (UNIMPLEMENTED)
+                self._refused(details.method.rpartition("/")[2], _CODES[exc.outcome])
+            return _refusal(handler, _CODES[exc.outcome], exc.message)
         return continuation(details)
 
 

@@ -72,7 +72,7 @@ class Server:
             futures.ThreadPoolExecutor(max_workers=config.workers + config.lookup_streams,
                                        thread_name_prefix="rpc"),
             options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
-            interceptors=[self.auth.interceptor()] if self.auth else None)
+            interceptors=[self.auth.interceptor(self.metrics.refused)] if self.auth else None)
         self.streams = StreamWatchdog(config.stream_timeout)
         self.lookups = add_kvstore_service(
             self.grpc, KVStoreService(self.store, self.metrics, self.auth), self.streams,

@@ -94,6 +94,10 @@ class Metrics:
         series[0].observe(seconds)
         series[1].inc()
 
+    def refused(self, method: str, code: grpc.StatusCode) -> None:
+        """A call refused before any handler ran (auth): counted, with no latency."""
+        self._calls.labels(method, code.name).inc()
+
     def watch_store(self, stats: Callable[[], dict],
                     extra: Callable[[], dict] = lambda: {}) -> None:
         self.registry.register(_StoreCollector(stats, extra))

@@ -100,6 +100,30 @@ def test_no_token_or_a_bad_one_is_unauthenticated(srv):
             assert info.value.code == CODE.UNAUTHENTICATED
 
 
+def test_refused_calls_are_counted_in_the_metrics(fresh_server, tmp_path):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    path = tmp_path / "auth.toml"
+    path.write_text(auth_toml(a="", ops=""))
+    port = free_port()
+    srv = fresh_server(auth_file=str(path), metrics_port=port)
+    with client(srv, None) as c, client(srv, "a") as tenant:
+        for _ in range(2):
+            with pytest.raises(KVStoreError):
+                c.register_layout(LAYOUT)
+        with pytest.raises(KVStoreError):
+            tenant.stats()                                  # an Admin call by a tenant
+        tenant.register_layout(LAYOUT)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    calls = {(s.labels["method"], s.labels["code"]): s.value
+             for f in text_string_to_metric_families(text) for s in f.samples
+             if s.name == "kvstore_rpc_total"}
+    assert calls[("RegisterLayout", "UNAUTHENTICATED")] == 2
+    assert calls[("Stats", "PERMISSION_DENIED")] == 1
+    assert calls[("RegisterLayout", "OK")] == 1
+
+
 def test_roles_are_kept_apart(srv):
     with client(srv, "a") as c:
         with pytest.raises(KVStoreError) as info:
