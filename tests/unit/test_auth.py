@@ -207,6 +207,34 @@ def test_quota_evicts_only_the_tenants_own_pages(store):
     put(store, a.layout_id, keys("y", 1), quota)
 
 
+def test_a_tenant_at_its_quota_evicts_a_batch_not_a_page_per_put():
+    """Each reserve over the quota scans every slot for victims, so it evicts up to
+    QUOTA_BATCH of the quota beyond its need (whole pages): the next puts find room."""
+    from kvstore_server.store import QUOTA_BATCH
+    small = PageLayout(model="q", num_layers=1, page_tokens=1, num_kv_heads=1,
+                       head_size=1024, dtype="float16")                   # 4 KiB pages
+    region = Region(16 * MiB)
+    try:
+        store = Store(region)
+        a = store.register_layout(small, "a")
+        quota = 256 * 4096
+        batch = int(256 * QUOTA_BATCH)                          # 8 pages
+        put(store, a.layout_id, keys("a", 256), quota)
+
+        def pages():
+            return store.stats()["tenants"][0]["pages"]
+
+        put(store, a.layout_id, keys("x", 1), quota)       # 1 needed, 8 more in the batch
+        assert pages() == 256 - batch
+        assert store.exists(a.layout_id, keys("a", 256)).tolist() == \
+            [True] * (256 - batch - 1) + [False] * (batch + 1)   # the coldest: the tail
+        evictions = store.stats()["evictions"]
+        put(store, a.layout_id, keys("y", batch), quota)   # fits in the room the batch made
+        assert store.stats()["evictions"] == evictions and pages() == 256
+    finally:
+        region.close()
+
+
 def test_usage_is_refunded_on_every_way_out(store):
     a = store.register_layout(LAYOUT, "a")
 
