@@ -4,7 +4,9 @@ Throughput: pages of 64 KiB, 1 MiB and 4 MiB, 192 MiB per call, through a real
 kvstore-server process on loopback over gRPC (the shared-memory path is off here; see
 shm_bench); the baseline moves the same bytes over a plain TCP
 socket between two processes in the same run (send from one pre-touched buffer,
-recv_into another), which is the ceiling for any socket transport on this machine.
+recv_into another), which is the ceiling for any socket transport on this machine. A
+second baseline, Python gRPC streaming prebuilt 1 MiB messages with no store behind it
+(grpc_baseline.py), shows how much of the gap is gRPC's own.
 Lookup: p50/p99 latency of 16, 256 and 4096 keys with 10k and 1M pages stored.
 
     python -m kvstore_bench.store_bench [--quick] [--json]
@@ -26,6 +28,7 @@ from kvstore_client.buffers import page_aligned_empty
 from kvstore_client.keys import Packed
 from kvstore_client.malloc import keep_freed_buffers
 
+from .grpc_baseline import grpc_stream_gbps
 from .serverproc import ServerProcess
 
 MiB = 1 << 20
@@ -203,6 +206,9 @@ def run(quick: bool = False) -> dict:
     results: dict = {"throughput": {}, "lookup": {}}
     raw_recv, raw_send = raw_socket_gbps(total, reps)
     results["raw_socket"] = {"recv_gbps": raw_recv, "send_gbps": raw_send}
+    # Python gRPC's own ceiling for a stream of ~1 MiB messages (grpc_baseline.py).
+    grpc_stream = grpc_stream_gbps(total, reps)
+    results["grpc_stream_gbps"] = grpc_stream
     big_pool = "6GiB" if not quick else "1GiB"
     keep_freed_buffers()    # this process receives pages over gRPC (kvstore_client.malloc)
     with ServerProcess(dram=big_pool).start(wait=300) as srv, \
@@ -213,7 +219,8 @@ def run(quick: bool = False) -> dict:
             put, get = grpc_gbps(client, label, total, reps)
             results["throughput"][label] = {"put_gbps": put, "get_gbps": get,
                                             "put_vs_raw": put / raw_send,
-                                            "get_vs_raw": get / raw_recv}
+                                            "get_vs_raw": get / raw_recv,
+                                            "get_vs_grpc": get / grpc_stream}
         for stored in ((10_000,) if quick else (10_000, 1_000_000)):
             results["lookup"][stored] = lookup_latency(client, unary, stored)
     results["index_bytes_per_page"] = index_bytes_per_page(50_000 if quick else 200_000)
@@ -223,11 +230,13 @@ def run(quick: bool = False) -> dict:
 def report(r: dict) -> str:
     lines = [f"raw socket, same run: recv {r['raw_socket']['recv_gbps']:.2f} GB/s, "
              f"send {r['raw_socket']['send_gbps']:.2f} GB/s",
-             "", "| page | put GB/s | put / raw | get GB/s | get / raw |",
-             "|---|---|---|---|---|"]
+             f"gRPC stream of prebuilt 1 MiB messages (no store), same run: "
+             f"{r['grpc_stream_gbps']:.2f} GB/s",
+             "", "| page | put GB/s | put / raw | get GB/s | get / raw | get / gRPC stream |",
+             "|---|---|---|---|---|---|"]
     for label, t in r["throughput"].items():
         lines.append(f"| {label} | {t['put_gbps']:.2f} | {t['put_vs_raw']:.0%} | "
-                     f"{t['get_gbps']:.2f} | {t['get_vs_raw']:.0%} |")
+                     f"{t['get_gbps']:.2f} | {t['get_vs_raw']:.0%} | {t['get_vs_grpc']:.0%} |")
     lines += ["", "| pages stored | keys | given as, call | lookup p50 ms | p99 ms |",
               "|---|---|---|---|---|"]
     for stored, sizes in r["lookup"].items():
