@@ -206,11 +206,11 @@ def run(quick: bool = False) -> dict:
     results: dict = {"throughput": {}, "lookup": {}}
     raw_recv, raw_send = raw_socket_gbps(total, reps)
     results["raw_socket"] = {"recv_gbps": raw_recv, "send_gbps": raw_send}
-    # Python gRPC's own ceiling for a stream of ~1 MiB messages (grpc_baseline.py).
+    keep_freed_buffers()    # this process receives pages over gRPC (kvstore_client.malloc)
+    # Python gRPC alone streaming ~1 MiB messages, for reference (grpc_baseline.py).
     grpc_stream = grpc_stream_gbps(total, reps)
     results["grpc_stream_gbps"] = grpc_stream
     big_pool = "6GiB" if not quick else "1GiB"
-    keep_freed_buffers()    # this process receives pages over gRPC (kvstore_client.malloc)
     with ServerProcess(dram=big_pool).start(wait=300) as srv, \
             KVStoreClient(srv.address, timeout=60, shared_memory=False) as client, \
             KVStoreClient(srv.address, timeout=60, shared_memory=False,
