@@ -30,7 +30,7 @@ from .errors import KVStoreError, from_rpc_error
 from .keys import Packed, pack_keys
 from .layout import PageLayout
 from .lookup_stream import LookupStream
-from .shm import Acquired, Reservation, SharedRegion, copy_pages
+from .shm import Acquired, Reservation, SharedRegion, copy_layer, copy_pages
 from .wire import GET_DATA_TAG, PUT_DATA_TAG, frame, unframe
 
 __all__ = ["KVStoreClient", "LayoutHandle", "PutResult", "Lease"]
@@ -318,8 +318,7 @@ class KVStoreClient:
             with self._acquire_or_keyerror(ns, keys) as acq:
                 for layer in range(ns.layout.num_layers):
                     slab = np.empty((n, lb), dtype=np.uint8)
-                    for row, view in zip(slab, acq.layer(layer)):
-                        row[:] = view
+                    copy_layer(slab, acq.region.mem, acq.offsets, layer, ns.page_bytes)
                     yield layer, slab
             return
         req = pb.GetRequest(layout_id=ns.layout_id, keys=self._packed(keys))

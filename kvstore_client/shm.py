@@ -70,6 +70,25 @@ def copy_pages(pages: np.ndarray, mem: np.ndarray, offsets: np.ndarray, *,
         i = j
 
 
+def copy_layer(slab: np.ndarray, mem: np.ndarray, offsets: np.ndarray, layer: int,
+               page_bytes: int) -> None:
+    """Copy one layer's slab of each page at `offsets` out of the pool into `slab`,
+    (n, layer_bytes): one strided copy per run of pages lying back to back in the pool
+    (a put's pages form one), not one per page."""
+    n, lb = slab.shape
+    offs = offsets.tolist()
+    i = 0
+    while i < n:
+        j = i + 1
+        while j < n and offs[j] == offs[j - 1] + page_bytes:
+            j += 1
+        start = offs[i] + layer * lb
+        run = np.lib.stride_tricks.as_strided(mem[start:], shape=(j - i, lb),
+                                              strides=(page_bytes, 1), writeable=False)
+        slab[i:j] = run
+        i = j
+
+
 class SharedRegion:
     """The server's region mapped read-write; `mem` is a flat uint8 view of it."""
 

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from kvstore_client.buffers import page_aligned_empty
-from kvstore_client.shm import copy_pages
+from kvstore_client.shm import copy_layer, copy_pages
 
 PB = 8192
 
@@ -38,6 +38,17 @@ def test_copy_out_and_in_byte_exact(shift):
             assert np.array_equal(mem[off:off + PB], pages[i])
             written[off:off + PB] = True
     assert np.array_equal(mem[~written], before[~written])    # nothing else touched
+
+
+@pytest.mark.parametrize("layer", [0, 1, 3])
+def test_copy_layer_gathers_each_pages_slab(layer):
+    mem, offsets = pool_and_offsets()
+    offsets = offsets[offsets >= 0]           # get_layers names only stored pages
+    lb = PB // 4                              # four layers a page
+    slab = np.full((len(offsets), lb), 7, dtype=np.uint8)
+    copy_layer(slab, mem, offsets, layer, PB)
+    for i, off in enumerate(offsets.tolist()):
+        assert np.array_equal(slab[i], mem[off + layer * lb: off + (layer + 1) * lb])
 
 
 def test_no_pages():
