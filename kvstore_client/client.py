@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import threading
 import time
+import weakref
 from typing import Callable, Iterator, Sequence, TypeVar
 
 import grpc
@@ -120,6 +121,11 @@ class KVStoreClient:
         self._lookups = LookupStream(c.stream_stream(
             s + "LookupStream", request_serializer=pb.LookupRequest.SerializeToString,
             response_deserializer=pb.LookupResponse.FromString)) if lookup_stream else None
+        if self._lookups is not None:
+            # A client dropped without close() would keep its stream, and a server thread,
+            # open until the server's idle timeout (5 minutes): close it with the client
+            # (not at interpreter exit, where the process's end closes it anyway).
+            weakref.finalize(self, self._lookups.close).atexit = False
         self._release = unary(s + "ReleaseLease", pb.ReleaseLeaseRequest, pb.ReleaseLeaseResponse)
         self._exists = unary(s + "Exists", pb.ExistsRequest, pb.ExistsResponse)
         self._delete = unary(s + "Delete", pb.DeleteRequest, pb.DeleteResponse)

@@ -136,3 +136,18 @@ def test_stop_does_not_wait_for_idle_streams(fresh_server):
         start = time.monotonic()
         assert srv.stop(signal.SIGTERM) == 0
         assert time.monotonic() - start < 4.0          # the grace is 5 s
+
+
+def test_a_client_dropped_without_close_closes_its_stream(fresh_server):
+    import gc
+    port = free_port()
+    srv = fresh_server(metrics_port=port)
+    c = KVStoreClient(srv.address, shared_memory=False)
+    ns = c.register_layout(PageLayout(**LAYOUT))
+    assert c.lookup(ns, _keys("drop", 2)) == 0 and _open_streams(port) == 1
+    del c, ns
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while _open_streams(port) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _open_streams(port) == 0
