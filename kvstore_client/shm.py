@@ -20,14 +20,14 @@ from __future__ import annotations
 import functools
 import mmap
 import os
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
 if TYPE_CHECKING:
     from .client import LayoutHandle
 
-__all__ = ["SharedRegion", "Reservation", "Acquired", "copy_pages"]
+__all__ = ["SharedRegion", "Reservation", "Acquired", "copy_layer", "copy_pages"]
 
 TOKEN_BYTES = 16
 PAGE = 4096
@@ -52,22 +52,12 @@ def copy_pages(pages: np.ndarray, mem: np.ndarray, offsets: np.ndarray, *,
         return
     buf = pages.reshape(-1)
     coaligned = (buf.ctypes.data - mem.ctypes.data) % PAGE == 0
-    offs = offsets.tolist()
-    i = 0
-    while i < n:
-        if offs[i] < 0:
-            i += 1
-            continue
-        j = i + 1
-        if coaligned:
-            while j < n and offs[j] == offs[j - 1] + page_bytes:
-                j += 1
-        a, b, off = i * page_bytes, j * page_bytes, offs[i]
+    for i, j, off in _runs(offsets, page_bytes, join=coaligned):
+        a, b = i * page_bytes, j * page_bytes
         if to_pool:
             mem[off:off + b - a] = buf[a:b]
         else:
             buf[a:b] = mem[off:off + b - a]
-        i = j
 
 
 def copy_layer(slab: np.ndarray, mem: np.ndarray, offsets: np.ndarray, layer: int,
@@ -75,17 +65,29 @@ def copy_layer(slab: np.ndarray, mem: np.ndarray, offsets: np.ndarray, layer: in
     """Copy one layer's slab of each page at `offsets` out of the pool into `slab`,
     (n, layer_bytes): one strided copy per run of pages lying back to back in the pool
     (a put's pages form one), not one per page."""
-    n, lb = slab.shape
+    lb = slab.shape[1]
+    for i, j, off in _runs(offsets, page_bytes):
+        slab[i:j] = np.lib.stride_tricks.as_strided(
+            mem[off + layer * lb:], shape=(j - i, lb), strides=(page_bytes, 1),
+            writeable=False)
+
+
+def _runs(offsets: np.ndarray, page_bytes: int, join: bool = True
+          ) -> Iterator[tuple[int, int, int]]:
+    """(i, j, offset of page i) for each run of pages i..j-1 that lie back to back in the
+    pool (each page alone when not join); offsets of -1 are skipped."""
     offs = offsets.tolist()
+    n = len(offs)
     i = 0
     while i < n:
+        if offs[i] < 0:
+            i += 1
+            continue
         j = i + 1
-        while j < n and offs[j] == offs[j - 1] + page_bytes:
-            j += 1
-        start = offs[i] + layer * lb
-        run = np.lib.stride_tricks.as_strided(mem[start:], shape=(j - i, lb),
-                                              strides=(page_bytes, 1), writeable=False)
-        slab[i:j] = run
+        if join:
+            while j < n and offs[j] == offs[j - 1] + page_bytes:
+                j += 1
+        yield i, j, offs[i]
         i = j
 
 
