@@ -266,7 +266,10 @@ class _Bench:
 
     # -- the measurements -------------------------------------------------------------------
     def warm_up(self) -> None:
-        """Compile, register the pool with CUDA, grow the allocators: nothing timed pays."""
+        """Compile, register the pool with CUDA, grow the allocators, capture the model's
+        CUDA graphs: nothing timed pays."""
+        if self.model.graphs is not None:
+            self.model.graphs.capture()
         tokens = self.prompt(4 * self.page_tokens + 1)
         for store in (False, True, True):
             self.serve(self.engine(store), [tokens])

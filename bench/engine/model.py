@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .graphs import GraphedLayers
 from .paged_cache import (
     PagedCacheSpec,
     SeqStep,
@@ -168,8 +169,9 @@ class _DecoderLayer(nn.Module):
         self.gate_up_proj = _weight(2 * cfg.intermediate_size, h, **w)
         self.down_proj = _weight(h, cfg.intermediate_size, **w)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: StepMetadata,
-                kv_layer: torch.Tensor, hooks: LayerHooks) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Norm, QKV projection and RoPE: ``q`` ``[T, heads, d]``, ``k``/``v`` ``[T, kv_heads, d]``."""
         cfg, t = self.cfg, x.shape[0]
         h = F.rms_norm(x, (cfg.hidden_size,), self.input_norm, cfg.rms_norm_eps)
         q, k, v = F.linear(h, self.qkv_proj).split(
@@ -177,14 +179,29 @@ class _DecoderLayer(nn.Module):
              cfg.num_kv_heads * cfg.head_size], dim=-1)
         q = _rotate(q.view(t, cfg.num_heads, cfg.head_size), cos, sin)
         k = _rotate(k.view(t, cfg.num_kv_heads, cfg.head_size), cos, sin)
-        write_kv(kv_layer, meta.slots, k, v.view(t, cfg.num_kv_heads, cfg.head_size))
+        return q, k, v.view(t, cfg.num_kv_heads, cfg.head_size)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata,
+               kv_layer: torch.Tensor, hooks: LayerHooks) -> torch.Tensor:
+        """Write the new K/V, wait for this layer's load, attend, offer the layer to save."""
+        write_kv(kv_layer, meta.slots, k, v)
         hooks.wait_for_layer_load(self.name)
         attn = paged_attention(q, kv_layer, meta)
         hooks.save_kv_layer(self.name, kv_layer)
+        return attn
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection, norm and MLP with their residuals: the next layer's input."""
+        cfg = self.cfg
         x = x + F.linear(attn, self.o_proj)
         h = F.rms_norm(x, (cfg.hidden_size,), self.post_attention_norm, cfg.rms_norm_eps)
         gate, up = F.linear(h, self.gate_up_proj).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, self.down_proj)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: StepMetadata,
+                kv_layer: torch.Tensor, hooks: LayerHooks) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
+        return self.finish(x, self.attend(q, k, v, meta, kv_layer, hooks))
 
 
 class LlamaModel(nn.Module):
@@ -193,10 +210,13 @@ class LlamaModel(nn.Module):
     ``dtype`` defaults to bfloat16 on CUDA and float32 elsewhere. Weights are drawn on
     ``device`` from a generator seeded with ``seed``: the same (config, seed, device type,
     dtype) always gives the same weights, but CPU and CUDA draw different numbers.
+
+    On CUDA, steps of up to ``graphs.BUCKETS[-1]`` tokens replay piecewise CUDA graphs
+    (``graphs.py`` says why); ``cuda_graphs=False`` runs every step eagerly.
     """
 
     def __init__(self, config: ModelConfig, *, device: torch.device | str = "cpu",
-                 dtype: torch.dtype | None = None, seed: int = 0):
+                 dtype: torch.dtype | None = None, seed: int = 0, cuda_graphs: bool = True):
         super().__init__()
         self.config = config
         self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", to compare
@@ -212,6 +232,15 @@ class LlamaModel(nn.Module):
         inv_freq = (1.0 / config.rope_theta**half).to(torch.float32)
         self.register_buffer("inv_freq", inv_freq.to(self.device), persistent=False)
         self._init_weights(seed)
+        self.graphs: GraphedLayers | None = None
+        if cuda_graphs and self.device.type == "cuda":
+            c = config
+            shapes = {"x": (c.hidden_size,), "rope": (1, c.head_size // 2),
+                      "q": (c.num_heads, c.head_size), "kv": (c.num_kv_heads, c.head_size),
+                      "attn": (c.num_heads * c.head_size,)}
+            self.graphs = GraphedLayers([layer.project for layer in self.layers],
+                                        [layer.finish for layer in self.layers],
+                                        shapes, self.dtype, self.device)
 
     @torch.no_grad()
     def _init_weights(self, seed: int) -> None:
@@ -250,8 +279,15 @@ class LlamaModel(nn.Module):
         cos = freqs.cos().to(self.dtype).unsqueeze(1)  # [T, 1, head_size / 2]
         sin = freqs.sin().to(self.dtype).unsqueeze(1)
         x = F.embedding(meta.input_ids, self.embed_tokens)
-        for layer in self.layers:
-            x = layer(x, cos, sin, meta, kv_caches[layer.name], hooks)
+        if self.graphs is not None and x.shape[0] <= self.graphs.max_tokens:
+            layers = self.layers
+
+            def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+                return layers[i].attend(q, k, v, meta, kv_caches[layers[i].name], hooks)
+            x = self.graphs.run(x, cos, sin, attend)
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin, meta, kv_caches[layer.name], hooks)
         last = self._logits(x.index_select(0, meta.last_index))
         return StepOutput(logits=last, all_logits=self._logits(x) if all_logits else None)
 

@@ -282,9 +282,27 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: StepMetadata)
     return out
 
 
+def _flash_prefill(q: torch.Tensor, kv_layer: torch.Tensor, group: _AttnGroup) -> torch.Tensor:
+    """One prefill through FlashAttention's own op, whose causal mask is bottom-right aligned.
+
+    Through SDPA the same kernel needs a ``CausalBias`` (Python dispatch) and four transposes:
+    on the H200 that cost more host time per layer than the kernel's device time at 16 new
+    tokens. The op takes ``[batch, seq, heads, head]`` as the cache stores it, and grouped
+    K/V heads as they are.
+    """
+    kv = gather_kv(kv_layer, group.block_table[0], group.context_len)  # [2, ctx, kv_heads, d]
+    out = torch.ops.aten._flash_attention_forward(
+        q.unsqueeze(0), kv[0].unsqueeze(0), kv[1].unsqueeze(0), None, None,
+        group.query_len, group.context_len, 0.0, True, False)[0]
+    return out.view(q.shape[0], q.shape[1] * q.shape[2])
+
+
 def _attend_group(q: torch.Tensor, kv_layer: torch.Tensor, group: _AttnGroup) -> torch.Tensor:
     num_tokens, num_heads, head_size = q.shape
     num_seqs = group.block_table.shape[0]
+    if (group.query_len > 1 and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+            and head_size % 8 == 0 and head_size <= 256):
+        return _flash_prefill(q, kv_layer, group)
     q = q.view(num_seqs, group.query_len, num_heads, head_size).transpose(1, 2)
     kv = gather_kv(kv_layer, group.block_table, group.context_len)  # [2, G, ctx, kv_heads, d]
     k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
