@@ -89,7 +89,8 @@ class _Bench:
         self.cuda = args.device == "cuda"
         cfg = ModelConfig.preset(preset)
         dtype = getattr(torch, args.dtype) if args.dtype else None
-        self.model = LlamaModel(cfg, device=args.device, dtype=dtype, seed=args.seed)
+        self.model = LlamaModel(cfg, device=args.device, dtype=dtype, seed=args.seed,
+                                cuda_graphs=not args.no_cuda_graphs)
         bs = args.block_size
         self.page_tokens = args.page_tokens or bs
         tokens = max(max(args.prompt_lens), args.greedy_len) + args.decode_steps + 1
@@ -307,6 +308,8 @@ class _Bench:
                      max_abs_logit_diff=(out.logits - ref.logits).abs().max().item())
         if hit:
             point.update(self.overlap(tokens, hit, hit_s, ""))
+            if self.args.breakdown:
+                point["breakdown"] = self.breakdown(store, tokens, hit, point)
         if self.disk and hit:
             times = []
             for _ in range(reps + 1):
@@ -325,6 +328,27 @@ class _Bench:
                              .item())
         self.clear()
         return point
+
+    def breakdown(self, store, tokens: np.ndarray, hit: int, point: dict) -> dict:
+        """Median ms of each part of a DRAM hit and of a recompute (see ``_BREAKDOWN_NOTE``)."""
+        from .breakdown import CALLS, CallTimer
+        runs: list[dict] = []
+        with CallTimer(self.store) as timer:
+            for _ in range(self.args.reps + 1):
+                timer.reset()
+                (out,), _ = self.serve(store, [tokens])
+                parts = {CALLS[n]: s * 1e3 for n, s in timer.seconds.items()}
+                parts["ttft"] = out.ttft * 1e3
+                runs.append(parts)
+        hit_parts = {k: statistics.median(r[k] for r in runs[1:]) for k in runs[0]}
+        connector = sum(v for k, v in hit_parts.items() if k != "ttft")
+        hit_parts.update(connector=connector, rest=point["rest_s"] * 1e3,
+                         load_device=point.get("load_device_ms"),
+                         leftover=hit_parts["ttft"] - connector - point["rest_s"] * 1e3)
+        forward = self.rest_alone(tokens, 0, self.args.reps) * 1e3
+        return {"hit": hit_parts, "recompute": {
+            "forward": forward, "ttft": point["recompute_s"] * 1e3,
+            "leftover": point["recompute_s"] * 1e3 - forward}}
 
     def to_disk(self, pages: int) -> bool:
         """Move every page from DRAM to the (emptied) disk tier and wait until they are
@@ -369,7 +393,8 @@ class _Bench:
                "hidden": min(1.0, max(0.0, (load["wall_s"] + rest - hit_s) / load["wall_s"]))}
         copy = self.pinned_copy(load["bytes"], self.args.reps)
         if copy is not None:
-            out.update(load_device_gbps=gb / (load["device_ms"] / 1e3),
+            out.update(load_device_ms=load["device_ms"],
+                       load_device_gbps=gb / (load["device_ms"] / 1e3),
                        pcie_gbps=gb / (copy["device_ms"] / 1e3),
                        pcie_wall_gbps=gb / copy["wall_s"],
                        load_of_pcie=copy["device_ms"] / load["device_ms"],
@@ -461,6 +486,28 @@ _LOAD_NOTE = ("Loads alone through the worker half (host: bind to last layer lan
               "bound.")
 _LOAD_HEAD = ("| preset | tokens | hit | MiB | load GB/s host | load GB/s device "
               "| pinned H2D GB/s device / host | load/H2D device / host | rest ms | hidden |")
+_BREAKDOWN_NOTE = ("Breakdown (ms, medians): host time inside each connector call during a "
+                   "DRAM hit; rest = the remaining prefill alone with the prefix resident; "
+                   "load (device) = the load's copies alone on CUDA events, hidden or not; "
+                   "leftover = hit TTFT - connector calls - rest (launches, unhidden load, "
+                   "sampling). Recompute: forward = the model alone over the whole prompt.")
+_BREAKDOWN_PARTS = ("lookup", "step meta", "reserve saves", "acquire + launch load",
+                    "layer waits", "save layers", "save wait", "finished + release")
+_BREAKDOWN_HEAD = ("| preset | tokens | " + " | ".join(_BREAKDOWN_PARTS) + " | other calls "
+                   "| connector | load (device) | rest | leftover | hit TTFT | recompute forward "
+                   "| recompute leftover | recompute TTFT |")
+
+
+def _breakdown_row(p: dict) -> str:
+    h, r = p["breakdown"]["hit"], p["breakdown"]["recompute"]
+    other = h["connector"] - sum(h.get(k, 0.0) for k in _BREAKDOWN_PARTS)
+    cells = [_f(h.get(k), "{:.2f}") for k in _BREAKDOWN_PARTS]
+    cells += [f"{other:.2f}", f"{h['connector']:.2f}", _f(h["load_device"], "{:.2f}"),
+              f"{h['rest']:.1f}", f"{h['leftover']:.1f}", f"{h['ttft']:.1f}",
+              f"{r['forward']:.1f}", f"{r['leftover']:.1f}", f"{r['ttft']:.1f}"]
+    return f"| {p['preset']} | {p['tokens']} | " + " | ".join(cells) + " |"
+
+
 _MULTI_HEAD = ("| preset | requests | system + user tokens | decode | without store s "
                "| with store s | speedup | req/s without | req/s with "
                "| mean TTFT without ms | mean TTFT with ms |")
@@ -508,7 +555,8 @@ def _multi_row(m: dict) -> str:
 
 
 def report(r: dict) -> str:
-    lines = [(f"device {r['device']}, {r['dtype']}; {r['load_mode']} loads; token budget "
+    lines = [(f"device {r['device']}, {r['dtype']}"
+              f"{', CUDA graphs' if r.get('cuda_graphs') else ''}; {r['load_mode']} loads; token budget "
               f"{r['max_batched_tokens']}; {r['page_tokens']}-token pages; server "
               f"{r['server']}"), "", _TTFT_NOTE, "", _TTFT_HEAD, "|" + "---|" * 9]
     lines += [_ttft_row(p) for p in r["ttft"]]
@@ -517,6 +565,11 @@ def report(r: dict) -> str:
     lines += ["", _LOAD_NOTE, "", _LOAD_HEAD, "|" + "---|" * 10]
     lines += [_load_row(p, pre, what) for p in r["ttft"]
               for pre, what in (("", "DRAM"), ("half_", "half")) if pre + "load_bytes" in p]
+    broken = [p for p in r["ttft"] if "breakdown" in p]
+    if broken:
+        lines += ["", _BREAKDOWN_NOTE, "", _BREAKDOWN_HEAD,
+                  "|" + "---|" * (len(_BREAKDOWN_PARTS) + 11)]
+        lines += [_breakdown_row(p) for p in broken]
     one = [p for p in r["ttft"] if "recompute_one_step_s" in p]
     if one:
         lines += ["", "recompute in one step (budget = prompt): " + ", ".join(
@@ -603,6 +656,7 @@ def run(args) -> dict:
                                                        else "float32"),
          "load_mode": args.load_mode, "max_batched_tokens": args.max_batched_tokens,
          "page_tokens": args.page_tokens or args.block_size, "reps": args.reps,
+         "cuda_graphs": args.device == "cuda" and not args.no_cuda_graphs,
          "ttft": [], "greedy": [], "multi": []}
     with contextlib.ExitStack() as stack:
         if args.server:
@@ -672,6 +726,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system-len", type=int, default=2048)
     p.add_argument("--user-len", type=int, default=128)
     p.add_argument("--multi-decode", type=int, default=32)
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run the model eagerly (to compare; graphs are what a real engine uses)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also split each DRAM hit's and recompute's time into its parts")
     p.add_argument("--out", help="folder for e2e.json, e2e.md and e2e_ttft.png")
     p.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     p.add_argument("--check", action="store_true", help="exit 1 if the acceptance fails")
