@@ -41,7 +41,7 @@ class _InterpolationMode(enum.Enum):
 
 
 def install_torchvision_stub() -> None:
-    """Let SGLang 0.5.23 import beside a CPU-only torch (shared/ENGINES.md).
+    """Let SGLang 0.5.23 import beside a CPU-only torch.
 
     The registry's torchvision does not import beside the CPU torch, and SGLang's
     host-pool modules reach it only through image-processing imports never run here.

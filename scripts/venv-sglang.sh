@@ -2,7 +2,7 @@
 # Build .venv-sglang: SGLang 0.5.23 on a CPU-only machine, without a CUDA stack.
 #
 # A plain `pip install sglang` pulls a CUDA torch and gigabytes of kernels. Instead
-# (shared/ENGINES.md, "SGLang 0.5.23"): the local CPU torch 2.13.0 first, sglang and the
+# the local CPU torch 2.13.0 first, sglang and the
 # real triton with --no-deps, then only what the HiCache storage and host-pool modules
 # import, with torch pinned by a constraints file so nothing upgrades it. Then this
 # repository, editable, with its runtime deps.

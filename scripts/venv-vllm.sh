@@ -2,7 +2,7 @@
 # Build .venv-vllm: vLLM 0.33.0 on a CPU-only machine, without a CUDA stack.
 #
 # A plain `pip install vllm` pulls torch 2.14 with 6-9 GB of CUDA libraries. Instead
-# (shared/ENGINES.md, "vLLM 0.33.0"): the local CPU torch 2.13.0 first, vLLM with
+# the local CPU torch 2.13.0 first, vLLM with
 # --no-deps, then only what vLLM's imports need, with torch pinned by a constraints
 # file so nothing upgrades it. Then this repository, editable, with its runtime deps.
 #
