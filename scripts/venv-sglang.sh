@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build .venv-sglang: SGLang 0.5.23 on a CPU-only machine, without a CUDA stack.
 #
-# A plain `pip install sglang` pulls a CUDA torch and gigabytes of kernels. Instead
+# A plain `pip install sglang` pulls a CUDA torch and gigabytes of kernels. Instead:
 # the local CPU torch 2.13.0 first, sglang and the
 # real triton with --no-deps, then only what the HiCache storage and host-pool modules
 # import, with torch pinned by a constraints file so nothing upgrades it. Then this

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build .venv-vllm: vLLM 0.33.0 on a CPU-only machine, without a CUDA stack.
 #
-# A plain `pip install vllm` pulls torch 2.14 with 6-9 GB of CUDA libraries. Instead
+# A plain `pip install vllm` pulls torch 2.14 with 6-9 GB of CUDA libraries. Instead:
 # the local CPU torch 2.13.0 first, vLLM with
 # --no-deps, then only what vLLM's imports need, with torch pinned by a constraints
 # file so nothing upgrades it. Then this repository, editable, with its runtime deps.
