@@ -1,0 +1,72 @@
+"""Bounds on one request, checked before any work or memory proportional to it.
+
+Why. Nothing but the 64 MiB message limit bounded a request: a Get naming one stored key
+60 million times (a 57 MiB request) took the server from 125 MiB to 3.9 GB of RSS in the
+per-key arrays and lists built for it, and a Lookup of 60 M keys held the store's lock for
+11.5 s. Every per-key structure the server builds is proportional to the keys named, so
+one cap on keys bounds them all, and a smaller message limit bounds what gRPC itself
+buffers before a handler can look.
+
+The limits (SECURITY.md and README's settings table state them too):
+- keys per request (Lookup, Exists, Get, Put, Delete, Reserve, Acquire, and each message
+  of a LookupStream): `max_keys_per_request`, 65,536 by default, a 1M-token prompt at
+  16 tokens a page. Past it: INVALID_ARGUMENT, before the keys are even copied.
+- bytes of one request message: request_message_bytes(max_keys), 8 MiB by default: the
+  keys at their longest (64 bytes) and room to spare; Put's data messages are 1 MiB.
+  Past it gRPC answers RESOURCE_EXHAUSTED before a handler runs.
+- bytes of one Get's response: at most the pool's capacity. A Get may name a key more
+  than once and each is sent, but the distinct pages of one Get always fit the pool, so
+  only repeats can go past it: RESOURCE_EXHAUSTED, before anything is pinned.
+- layouts per Lookup: 256 (store.MAX_LOOKUP_LAYOUTS).
+
+With these, one request's memory on the server is its message (up to 8 MiB, held twice
+while parsed) plus about 100 bytes a key (6.5 MiB at 65,536 keys): under 24 MiB, whatever
+it names; bench/limits_bench.py measures it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvstore_client.keys import MAX_KEY_BYTES, Packed
+
+from .errors import Outcome, StoreError
+
+__all__ = ["DEFAULT_MAX_KEYS", "RequestLimits", "request_message_bytes"]
+
+DEFAULT_MAX_KEYS = 65_536
+
+
+def request_message_bytes(max_keys: int) -> int:
+    """The largest request message the server takes: max_keys keys of the longest size,
+    plus 1 MiB for the rest of the message; never under 8 MiB (Put's 1 MiB chunks)."""
+    return max(8 << 20, max_keys * MAX_KEY_BYTES + (1 << 20))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What one request may ask for (see the module docstring)."""
+
+    max_keys: int = DEFAULT_MAX_KEYS
+
+    def __post_init__(self) -> None:
+        if self.max_keys < 1:
+            raise ValueError(f"max_keys must be >= 1, got {self.max_keys}")
+
+    def keys(self, data: bytes, key_size: int, method: str) -> Packed:
+        """The request's packed keys, refused (INVALID) past max_keys before any copy."""
+        n = len(data) // key_size if key_size > 0 else 0
+        if n > self.max_keys:
+            raise StoreError(Outcome.INVALID, (
+                f"{method} names {n} keys; at most {self.max_keys} per request "
+                "(--max-keys-per-request): split it"))
+        return Packed(data, key_size)
+
+    @staticmethod
+    def get_bytes(n_keys: int, page_bytes: int, pool_bytes: int) -> None:
+        """Refuse (EXHAUSTED) a Get whose response would be more than the pool holds."""
+        if n_keys * page_bytes > pool_bytes:
+            raise StoreError(Outcome.EXHAUSTED, (
+                f"Get of {n_keys} pages of {page_bytes} bytes would send "
+                f"{n_keys * page_bytes} bytes, more than the pool holds ({pool_bytes}); "
+                "a key named more than once is sent each time: ask for fewer"))
