@@ -103,7 +103,10 @@ class Tier(Protocol):
         """Copy each held, intact page into outs[i] (exactly its size); False where not,
         and outs[i] then holds unspecified bytes. Blocks on I/O: hold no lock around it."""
     def delete(self, layout_id: bytes, keys: Sequence[bytes]) -> int:
-        """Forget these pages; returns how many were held."""
+        """Forget these pages; returns how many were held. Durable when it returns: no
+        restart brings them back."""
+    def describe(self, layout_id: bytes, key: bytes) -> dict | None:
+        """Admin Inspect's fields for a page held here, None if it is not."""
     def evict(self, *, nbytes: int | None = None, layout_id: bytes | None = None,
               everything: bool = False) -> tuple[int, int]:
         """Forget least recently used pages worth nbytes (of one layout if given), or a
@@ -128,6 +131,9 @@ class NoDisk:
 
     def delete(self, layout_id, keys) -> int:
         return 0
+
+    def describe(self, layout_id, key) -> dict | None:
+        return None
 
     def evict(self, *, nbytes=None, layout_id=None, everything=False) -> tuple[int, int]:
         return 0, 0
@@ -358,6 +364,21 @@ class DiskTier:
             if held:
                 self._durable(dropped)
             return held
+
+    def describe(self, layout_id: bytes, key: bytes) -> dict | None:
+        # Ages are not kept for disk pages (their generation orders them): 0.
+        with self._lock:
+            sid = self._index.get(layout_id, {}).get(key)
+            if sid is not None:
+                return {"tier": "disk", "state": "READY", "size_bytes": int(self._plen[sid]),
+                        "age_seconds": 0.0, "idle_seconds": 0.0, "leases": int(self._pins[sid]),
+                        "slot_offset": self._file_of[sid].offset(int(self._idx[sid]))}
+            entry = self._queued.get(layout_id, {}).get(key)
+            if entry is not None:
+                return {"tier": "disk", "state": "QUEUED", "size_bytes": entry.nbytes,
+                        "age_seconds": 0.0, "idle_seconds": 0.0, "leases": 0,
+                        "slot_offset": 0}
+        return None
 
     def evict(self, *, nbytes: int | None = None, layout_id: bytes | None = None,
               everything: bool = False) -> tuple[int, int]:

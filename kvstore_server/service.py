@@ -219,7 +219,7 @@ class KVStoreService:
         res = self.store.reserve(self._layout(caller, request.layout_id), self._keys(request.keys, "Reserve"),
                                  ttl=self._ttl(request.lease_ms), quota=caller.quota_bytes)
         return pb.ReserveResponse(lease_id=res.lease_id, offsets=_offsets(res.offsets),
-                                  skipped=res.skipped)
+                                  skipped=res.skipped, in_flight=res.in_flight)
 
     def Commit(self, request, context):
         return pb.CommitResponse(stored=self.store.commit(request.lease_id,
@@ -234,7 +234,7 @@ class KVStoreService:
         self._may_map(caller)
         self._check_token(request.token)
         pinned = self.store.acquire(self._layout(caller, request.layout_id), self._keys(request.keys, "Acquire"),
-                                    ttl=self._ttl(request.lease_ms))
+                                    ttl=self._ttl(request.lease_ms), quota=caller.quota_bytes)
         return pb.AcquireResponse(lease_id=pinned.lease_id, offsets=_offsets(pinned.offsets))
 
     def RegisterLayout(self, request, context):
@@ -312,7 +312,8 @@ class KVStoreService:
                                f"({len(keys)} pages of {page_bytes} bytes)")
             stored = self.store.commit(reservation.lease_id)
             committed = True
-            return pb.PutResponse(stored=stored, skipped=reservation.skipped)
+            return pb.PutResponse(stored=stored, skipped=reservation.skipped,
+                                  in_flight=reservation.in_flight)
         finally:
             if not committed:
                 self.store.abort(reservation.lease_id)
@@ -322,7 +323,8 @@ class KVStoreService:
         layout_id = self._layout(self._caller(context), request.layout_id)
         self.limits.get_bytes(len(keys), self.store.info(layout_id).page_bytes,
                               self.store.pool.capacity_bytes)
-        pinned = self.store.acquire(layout_id, keys, ttl=FOREVER)
+        pinned = self.store.acquire(layout_id, keys, ttl=FOREVER,
+                                    quota=self._caller(context).quota_bytes)
         try:
             info = pinned.info
             layer_bytes = info.layer_bytes

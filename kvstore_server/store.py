@@ -44,6 +44,7 @@ from .lru import LRUPolicy
 from .pool import Pool
 from .region import HEADER_BYTES, Region
 from .tenants import DEFAULT_TENANT, scoped_layout_id
+from .timed_lock import TimedLock
 
 __all__ = ["Store", "LayoutInfo", "FREE", "WRITING", "READY", "DOOMED", "FOREVER"]
 
@@ -60,6 +61,8 @@ FOREVER = math.inf
 MAX_LOOKUP_LAYOUTS = 256
 # A tenant over its quota evicts this share of the quota beyond what it needs (_make_room).
 QUOTA_BATCH = 1 / 32
+# Keys of a lookup asked of the tier below at once: it stops at the first one missing.
+_PROBE_CHUNK = 1024
 
 
 def _owns(tenant: str | None, lease: Lease) -> bool:
@@ -99,16 +102,20 @@ class LayoutInfo:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Reservation:
-    """Slots for a put: slots[i] = -1 where keys[i] was already present (skipped)."""
+    """Slots for a put: slots[i] = -1 where keys[i] is not this put's to write: already
+    stored or named earlier in the request (skipped), or being written by another
+    reservation (in flight: stored only if that one commits, so a caller that must have
+    the page stored puts it again later)."""
 
     lease_id: int
     info: LayoutInfo
     slots: np.ndarray
-    offsets: np.ndarray       # byte offset in the region of each slot (-1 if skipped)
+    offsets: np.ndarray       # byte offset in the region of each slot (-1 if not written)
+    in_flight: int = 0
 
     @property
     def skipped(self) -> int:
-        return int(np.count_nonzero(self.slots < 0))
+        return int(np.count_nonzero(self.slots < 0)) - self.in_flight
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -139,7 +146,9 @@ class Store:
         self.clock = clock
         self.lower: Tier = lower if lower is not None else NoDisk()
         self.promotions = 0                    # pages read back from the tier below
-        self._lock = threading.Lock()          # guards everything below
+        # Guards everything below. Timed: the longest hold is the longest one call can
+        # stall the others (limits.py bounds it; /metrics shows it).
+        self._lock = TimedLock()
         # Page bytes of each tenant's slots (WRITING, READY, or DOOMED until released),
         # charged when reserved and refunded in _free: what a quota limits.
         self._tenant_bytes: dict[str, int] = {}
@@ -218,40 +227,50 @@ class Store:
         layout_ids = list(dict.fromkeys(layout_ids))     # a repeated id counts once
         with self._lock:
             infos = [self.info(layout_id) for layout_id in layout_ids]
-            found, reach = [], []
-            for info in infos:
-                slots, run = self._present_run(info, keys)
-                found.append(slots)
-                reach.append(run)
-            count = min(reach)
-            # Only the DRAM pages of the run are touched and can be leased; Acquire reads
-            # the rest back. Without a tier below, every key of the run is in DRAM.
-            disk = not isinstance(self.lower, NoDisk)
-            dram = [slots[:count][slots[:count] >= 0] if disk else slots[:count]
-                    for slots in found]
-            for info, run_slots in zip(infos, dram):
-                info.hits += count
-                info.misses += len(keys) - count
-                self._touch(run_slots)
-            if lease_ttl <= 0:
-                return count, 0
-            pinned = np.concatenate(dram)
-            if not pinned.size:
-                return count, 0
-            np.add.at(self._pins, pinned, 1)    # add.at: a key may repeat
-            return count, self._leases.grant(LeaseKind.READ, pinned, lease_ttl,
-                                             owner=infos[0].tenant).lease_id
+            found = [self._find(info, keys) for info in infos]
+            if isinstance(self.lower, NoDisk):
+                count = min(int(np.argmin(f >= 0)) if (f < 0).any() else len(keys)
+                            for f in found)
+                return self._count_and_lease(infos, keys, found, count, lease_ttl)
+        # The tier below is asked outside the store's lock: it has its own, and its probe
+        # costs a dict lookup a key (a Lookup of 60 M keys held the store's lock 11.5 s).
+        count = min(self._reach(info, keys, slots) for info, slots in zip(infos, found))
+        run = keys if count == len(keys) else Packed(keys.data[:count * keys.size], keys.size)
+        with self._lock:
+            # Find the run's DRAM pages again, to touch and pin them in this hold: one
+            # may have moved down meanwhile (it is then read back by Acquire, like any
+            # page of the run on the tier below).
+            found = [self._find(info, run) for info in infos]
+            return self._count_and_lease(infos, keys, found, count, lease_ttl)
 
-    def _present_run(self, info: LayoutInfo, keys: Packed) -> tuple[np.ndarray, int]:
-        """(DRAM slot of each key or -1, how many leading keys are stored in DRAM or on
-        the tier below, position by position)."""
-        slots = self._find(info, keys)
+    def _count_and_lease(self, infos: list[LayoutInfo], keys: Packed, found: list[np.ndarray],
+                         count: int, lease_ttl: float) -> tuple[int, int]:
+        """Count the hits, touch the run's DRAM pages, and lease them if asked: the
+        pages of the tier below are counted, not leased; Acquire reads them back."""
+        dram = [slots[:count][slots[:count] >= 0] for slots in found]
+        for info, run_slots in zip(infos, dram):
+            info.hits += count
+            info.misses += len(keys) - count
+            self._touch(run_slots)
+        if lease_ttl <= 0:
+            return count, 0
+        pinned = np.concatenate(dram)
+        if not pinned.size:
+            return count, 0
+        np.add.at(self._pins, pinned, 1)    # add.at: a key may repeat
+        return count, self._leases.grant(LeaseKind.READ, pinned, lease_ttl,
+                                         owner=infos[0].tenant).lease_id
+
+    def _reach(self, info: LayoutInfo, keys: Packed, slots: np.ndarray) -> int:
+        """How many leading keys are stored, in DRAM (slots >= 0) or on the tier below;
+        the tier is asked about the gaps a chunk at a time, up to the first one it lacks."""
         gaps = np.flatnonzero(slots < 0)
-        if gaps.size and not isinstance(self.lower, NoDisk):
-            present = slots >= 0
-            present[gaps] = self.lower.contains(info.layout_id, keys.select(gaps))
-            gaps = np.flatnonzero(~present)
-        return slots, int(gaps[0]) if gaps.size else len(keys)
+        for start in range(0, gaps.size, _PROBE_CHUNK):
+            chunk = gaps[start:start + _PROBE_CHUNK]
+            held = self.lower.contains(info.layout_id, keys.select(chunk))
+            if not held.all():
+                return int(chunk[int(np.argmin(held))])
+        return len(keys)
 
     def exists(self, layout_id: bytes, keys: Packed | Sequence[bytes]) -> np.ndarray:
         """One bool per key: stored in this layout, in DRAM or on the tier below."""
@@ -259,10 +278,11 @@ class Store:
         with self._lock:
             info = self.info(layout_id)
             present = self._find(info, keys) >= 0
-            missing = np.flatnonzero(~present)
-            if missing.size and not isinstance(self.lower, NoDisk):
-                present[missing] = self.lower.contains(layout_id, keys.select(missing))
-            return present
+        missing = np.flatnonzero(~present)
+        if missing.size and not isinstance(self.lower, NoDisk):
+            # Outside the store's lock, as in lookup.
+            present[missing] = self.lower.contains(info.layout_id, keys.select(missing))
+        return present
 
     # -- puts -----------------------------------------------------------------------
     def reserve(self, layout_id: bytes, keys: Packed | Sequence[bytes],
@@ -275,9 +295,12 @@ class Store:
             slots = np.full(len(keys), -1, dtype=np.int64)
             wanted = []
             seen = set()
+            in_flight = 0
             for i in np.flatnonzero(self._find(info, keys) < 0).tolist():
                 key = keys.key(i)
-                if key not in info.writing and key not in seen:
+                if key in info.writing:
+                    in_flight += 1
+                elif key not in seen:
                     wanted.append(i)
                     seen.add(key)
             self._make_room(info, len(wanted), quota)
@@ -305,7 +328,7 @@ class Store:
             if self.pool.used_bytes > self.high_watermark * self.pool.capacity_bytes:
                 self.pressure.set()
             offsets = np.where(slots >= 0, self.pool.offset[np.maximum(slots, 0)], -1)
-            return Reservation(lease.lease_id, info, slots, offsets)
+            return Reservation(lease.lease_id, info, slots, offsets, in_flight)
 
     def _make_room(self, info: LayoutInfo, n: int, quota: int) -> None:
         """Keep info's tenant within quota (bytes, 0 = unlimited) when n more of its pages
@@ -406,9 +429,11 @@ class Store:
 
     # -- gets -----------------------------------------------------------------------
     def acquire(self, layout_id: bytes, keys: Packed | Sequence[bytes],
-                ttl: float | None = None) -> Pinned:
+                ttl: float | None = None, quota: int = 0) -> Pinned:
         """Pin every key's page for reading, reading pages on the tier below back into
-        DRAM first; NOT_FOUND names the first key stored nowhere."""
+        DRAM first; NOT_FOUND names the first key stored nowhere. quota: bytes the
+        layout's tenant may hold (0 = unlimited): a page read back is the tenant's like a
+        page it puts, so the read-back is held to its quota as a put is (reserve)."""
         keys = Packed.of(keys)
         for attempt in (0, 1):
             with self._lock:
@@ -423,30 +448,44 @@ class Store:
                                                self.lease_ttl if ttl is None else ttl,
                                                owner=info.tenant)
                     return Pinned(lease.lease_id, info, slots, self.pool.offset[slots])
-            if attempt or not self._promote(info, keys, missing):
+                # The pages already here become the most recent, so that making room
+                # for the read-back (a quota, a full pool) takes other pages first.
+                self._touch(slots[slots >= 0])
+            if attempt or not self._promote(info, keys, missing, quota):
                 first = int(missing[0])
                 raise StoreError(Outcome.NOT_FOUND,
                                  f"key {first} of {len(keys)} ({keys.key(first).hex()}) is "
                                  f"not stored in layout {info.layout.layout_id.hex()}")
         raise AssertionError("unreachable")
 
-    def _promote(self, info: LayoutInfo, keys: Packed, missing: np.ndarray) -> bool:
+    def _promote(self, info: LayoutInfo, keys: Packed, missing: np.ndarray,
+                 quota: int = 0) -> bool:
         """Read the missing pages back from the tier below into DRAM (one batched read,
-        outside the lock, into slots a reservation owns); False if one is not there."""
+        outside the lock, into slots a reservation owns, within the tenant's quota);
+        False if one is not there or cannot be read intact. The reservation is aborted
+        whatever goes wrong: one left behind never expired, and its keys could not be
+        stored again until a restart."""
         if isinstance(self.lower, NoDisk):
             return False
         wanted = keys.select(missing)
         if not self.lower.contains(info.layout_id, wanted).all():
             return False
-        res = self.reserve(info.layout_id, wanted, ttl=FOREVER)
-        todo = np.flatnonzero(res.slots >= 0)
-        pb = info.page_bytes
-        views = [self.mem[off:off + pb] for off in res.offsets[todo].tolist()]
-        ok = self.lower.read_into(info.layout_id, [wanted[i] for i in todo], views)
-        if not all(ok):                 # a corrupt or unreadable page: never served
-            self.abort(res.lease_id)
-            return False
-        self.promotions += self.commit(res.lease_id)
+        res = self.reserve(info.layout_id, wanted, ttl=FOREVER, quota=quota)
+        committed = False
+        try:
+            todo = np.flatnonzero(res.slots >= 0)
+            pb = info.page_bytes
+            views = [self.mem[off:off + pb] for off in res.offsets[todo].tolist()]
+            ok = self.lower.read_into(info.layout_id, [wanted[i] for i in todo], views)
+            if not all(ok):             # a corrupt or unreadable page: never served
+                return False
+            promoted = self.commit(res.lease_id)
+            committed = True
+        finally:
+            if not committed:
+                self.abort(res.lease_id)
+        with self._lock:
+            self.promotions += promoted
         return True
 
     def release(self, lease_id: int, tenant: str | None = None) -> bool:
@@ -481,15 +520,31 @@ class Store:
         """Undo every lease past its expiry (a client that died holding it)."""
         with self._lock:
             gone = self._leases.expired()
-            for lease in gone:
-                if lease.kind is LeaseKind.RESERVE:
-                    self._undo_reservation(lease)
-                else:
-                    self._unpin(lease.slots)
+            self._undo_leases(gone)
             if gone:
                 log.info("expired %d leases (%d pages) not released in time", len(gone),
                          sum(len(lease.slots) for lease in gone))
             return len(gone)
+
+    def break_leases(self) -> int:
+        """Admin --force: undo every lease and reservation a client holds now, as if it
+        had expired (a client that died holding them, before --lease-ttl ends them). A
+        client still copying from a page so released may read a reused slot: for an
+        operator who knows its clients are gone. Put and Get streams are never broken."""
+        with self._lock:
+            gone = self._leases.take_breakable()
+            self._undo_leases(gone)
+        if gone:
+            log.warning("admin broke %d leases (%d pages)", len(gone),
+                        sum(len(lease.slots) for lease in gone))
+        return len(gone)
+
+    def _undo_leases(self, leases: list[Lease]) -> None:
+        for lease in leases:
+            if lease.kind is LeaseKind.RESERVE:
+                self._undo_reservation(lease)
+            else:
+                self._unpin(lease.slots)
 
     # -- deletes --------------------------------------------------------------------
     def delete(self, layout_id: bytes, keys: Packed | Sequence[bytes]) -> int:
@@ -508,7 +563,13 @@ class Store:
             self._drop(np.array([s for s in writing if s >= 0], dtype=np.int64))
             deleted = len(gone)
         if not isinstance(self.lower, NoDisk) and len(keys):
-            self.lower.delete(layout_id, keys.select(range(len(keys))))
+            # A page on both tiers counts once; one only on the tier below counts too
+            # (it used to answer 0 for them). The tier returns once the delete is durable.
+            in_dram = set(keys.select(np.flatnonzero(ready >= 0)))
+            self.lower.delete(layout_id, list(in_dram))
+            others = [k for k in dict.fromkeys(keys.select(np.flatnonzero(ready < 0)))
+                      if k not in in_dram]
+            deleted += self.lower.delete(layout_id, others)
         return deleted
 
     def _drop(self, slots: np.ndarray) -> None:
@@ -725,6 +786,9 @@ class Store:
             if slot < 0:
                 slot = info.writing.get(key)
             if slot is None:
+                below = self.lower.describe(layout_id, key)
+                if below is not None:
+                    return below
                 raise StoreError(Outcome.NOT_FOUND, f"key {key.hex()} is not stored in layout "
                                                     f"{layout_id.hex()}")
             now = self.clock() - self.started_at
