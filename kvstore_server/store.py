@@ -838,4 +838,5 @@ class Store:
                 "layouts": layouts,
                 "tenants": list(tenants.values()),
                 "lower": None if isinstance(self.lower, NoDisk) else self.lower.stats(),
+                "lock": self._lock.holds(),
             }
