@@ -82,7 +82,7 @@ class Server:
         self.lookups = add_kvstore_service(
             self.grpc, KVStoreService(self.store, self.metrics, self.auth,
                                       RequestLimits(config.max_keys_per_request)), self.streams,
-            config.lookup_streams)
+            config.lookup_streams, config.workers)
         add_admin_service(self.grpc, AdminService(self.store, self.metrics, self.auth))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)

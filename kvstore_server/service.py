@@ -39,6 +39,7 @@ from .metrics import Metrics
 from .parsing import checked, parser
 from .region import TOKEN_OFFSET
 from .store import FOREVER, Store
+from .stream_gate import StreamGate, gated_requests, gated_stream
 from .tenants import scoped_layout_id
 from .watchdog import StreamWatchdog, watched_requests, watched_stream
 
@@ -359,12 +360,18 @@ def _describe_get(request) -> str:
 
 def add_kvstore_service(server: grpc.Server, service: KVStoreService,
                         streams: StreamWatchdog | None = None,
-                        lookup_streams: int = 0) -> LookupStreams:
+                        lookup_streams: int = 0, workers: int = 16) -> LookupStreams:
     """streams: cancels Get and Put streams that stall (kvstore_server.watchdog).
     lookup_streams: LookupStream calls open at once (the server's pool needs as many
-    threads on top of its workers). Returns them, to start and stop with the server."""
+    threads on top of its workers). workers: the pool's other threads, of which Get and
+    Put streams may take only a share (stream_gate.py). Returns the lookup streams, to
+    start and stop with the server."""
     m = service.metrics
     streams = streams or StreamWatchdog(0)
+    gate = StreamGate(workers, per_tenant=service.auth is not None)
+
+    def tenant(context) -> str:
+        return service._caller(context).name
     lookups = LookupStreams(lookup_streams, functools.partial(
         guarded("Lookup", m)(KVStoreService.Lookup), service))
     unary = grpc.unary_unary_rpc_method_handler
@@ -386,13 +393,13 @@ def add_kvstore_service(server: grpc.Server, service: KVStoreService,
         "Abort": u("Abort", pb.AbortRequest, pb.AbortResponse),
         "Acquire": u("Acquire", pb.AcquireRequest, pb.AcquireResponse),
         "Put": grpc.stream_unary_rpc_method_handler(
-            watched_requests(streams, functools.partial(
-                guarded("Put", m)(KVStoreService.Put), service), "Put"),
+            gated_requests(gate, tenant, watched_requests(streams, functools.partial(
+                guarded("Put", m)(KVStoreService.Put), service), "Put"), "Put"),
             request_deserializer=_put_deserializer,
             response_serializer=pb.PutResponse.SerializeToString),
         "Get": grpc.unary_stream_rpc_method_handler(
-            watched_stream(streams, functools.partial(
-                guarded("Get", m)(KVStoreService.Get), service), _describe_get),
+            gated_stream(gate, tenant, watched_stream(streams, functools.partial(
+                guarded("Get", m)(KVStoreService.Get), service), _describe_get), "Get"),
             request_deserializer=parser(pb.GetRequest),
             response_serializer=lambda chunk: chunk),   # already framed
         "LookupStream": grpc.stream_stream_rpc_method_handler(
