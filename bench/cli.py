@@ -16,6 +16,7 @@ BENCHES = {
     "sglang": "sglang_bench",
     "load-test": "load_test",
     "kill-test": "kill_test",
+    "limits": "limits_bench",
 }
 
 

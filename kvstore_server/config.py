@@ -48,7 +48,7 @@ class ServerConfig:
     # Past the limit a client falls back to unary Lookup; 0 = no streams.
     lookup_streams: int = 32
     # Keys one request may name; past it INVALID_ARGUMENT (kvstore_server.limits)
-    max_keys_per_request: int = 65_536
+    max_keys_per_request: int = 16_384
     log_level: str = "INFO"
     # Security (SECURITY.md). Without auth_file every caller is one tenant with Admin
     # open, so the server refuses a non-loopback listen address unless insecure_listen.
@@ -134,7 +134,7 @@ def argument_parser() -> argparse.ArgumentParser:
                    help="open LookupStream calls allowed, each on a thread of its own; "
                         "0 = none, clients use Lookup (default 32)")
     p.add_argument("--max-keys-per-request", metavar="N",
-                   help="keys one request may name (default 65536)")
+                   help="keys one request may name (default 16384)")
     p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING (default INFO)")
     s = p.add_argument_group("security (see SECURITY.md)")
     s.add_argument("--auth-file", metavar="FILE",

@@ -168,6 +168,17 @@ def _as_u8(page: Page) -> np.ndarray:
     return arr.reshape(-1).view(np.uint8)
 
 
+def _runs_of(slots: list[tuple[SlotFile, int]]) -> list[tuple[SlotFile, int, int]]:
+    """(file, first slot, count) for each run of adjacent slots of one file."""
+    runs: list[tuple[SlotFile, int, int]] = []
+    for file, idx in sorted(slots, key=lambda b: (b[0].slot_bytes, b[1])):
+        if runs and runs[-1][0] is file and runs[-1][1] + runs[-1][2] == idx:
+            runs[-1] = (file, runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((file, idx, 1))
+    return runs
+
+
 def _lock_folder(directory: str) -> int:
     """An exclusive lock on the folder for the tier's life: two tiers writing one set of
     slot files would overwrite each other's pages."""
@@ -645,8 +656,8 @@ class DiskTier:
                 batch = [] if self._closing or self._failed else self._take_batch()
             try:
                 # Only this thread allocates slots, so none of these is reused meanwhile.
-                for file, idx in sorted(blank, key=lambda b: (b[0].slot_bytes, b[1])):
-                    file.blank(idx, self._pwritev)
+                for file, idx, n in _runs_of(blank):
+                    file.blank(idx, self._pwritev, n)
                 if batch:
                     self._write(batch)
             except Exception as exc:

@@ -9,10 +9,13 @@ buffers before a handler can look.
 
 The limits (SECURITY.md and README's settings table state them too):
 - keys per request (Lookup, Exists, Get, Put, Delete, Reserve, Acquire, and each message
-  of a LookupStream): `max_keys_per_request`, 65,536 by default, a 1M-token prompt at
-  16 tokens a page. Past it: INVALID_ARGUMENT, before the keys are even copied.
-- bytes of one request message: request_message_bytes(max_keys), 8 MiB by default: the
-  keys at their longest (64 bytes) and room to spare; Put's data messages are 1 MiB.
+  of a LookupStream): `max_keys_per_request`, 16,384 by default, a 256k-token prompt at
+  16 tokens a page. Past it: INVALID_ARGUMENT, before the keys are even copied. Why not
+  more: the work under the store's lock that a request's keys cost (a dict entry a key
+  for a put's reserve and commit) is what bounds the lock's longest hold. At 65,536 keys
+  a commit held it 160-430 ms on the loaded 2-core dev VM; at 16,384, 16-50 ms.
+- bytes of one request message: request_message_bytes(max_keys), 8 MiB by default (the
+  keys at their longest, 64 bytes, fill 1 MiB); Put's data messages are 1 MiB.
   Past it gRPC answers RESOURCE_EXHAUSTED before a handler runs.
 - bytes of one Get's response: at most the pool's capacity. A Get may name a key more
   than once and each is sent, but the distinct pages of one Get always fit the pool, so
@@ -20,7 +23,7 @@ The limits (SECURITY.md and README's settings table state them too):
 - layouts per Lookup: 256 (store.MAX_LOOKUP_LAYOUTS).
 
 With these, one request's memory on the server is its message (up to 8 MiB, held twice
-while parsed) plus about 100 bytes a key (6.5 MiB at 65,536 keys): under 24 MiB, whatever
+while parsed) plus about 100 bytes a key (1.6 MiB at 16,384 keys): under 20 MiB, whatever
 it names; bench/limits_bench.py measures it.
 """
 
@@ -34,7 +37,7 @@ from .errors import Outcome, StoreError
 
 __all__ = ["DEFAULT_MAX_KEYS", "RequestLimits", "request_message_bytes"]
 
-DEFAULT_MAX_KEYS = 65_536
+DEFAULT_MAX_KEYS = 16_384
 
 
 def request_message_bytes(max_keys: int) -> int:

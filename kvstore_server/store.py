@@ -63,6 +63,9 @@ MAX_LOOKUP_LAYOUTS = 256
 QUOTA_BATCH = 1 / 32
 # Keys of a lookup asked of the tier below at once: it stops at the first one missing.
 _PROBE_CHUNK = 1024
+# Pages an admin eviction or clear handles a lock hold: 256 evicted to the disk tier held
+# it about 11 ms on the dev VM (each page is offered, a copy into the write queue).
+ADMIN_BATCH = 256
 
 
 def _owns(tenant: str | None, lease: Lease) -> bool:
@@ -384,12 +387,14 @@ class Store:
             slots = lease.slots
             self._pins[slots] -= 1
             live, live_keys = [], []
-            for key, slot in zip(lease.keys, slots.tolist()):
-                if self._state[slot] == WRITING and info.writing.get(key) == slot:
+            # States read once as a list: a numpy scalar read a key cost half the hold.
+            for key, slot, state in zip(lease.keys, slots.tolist(),
+                                        self._state[slots].tolist()):
+                if state == WRITING and info.writing.get(key) == slot:
                     del info.writing[key]
                     live.append(slot)
                     live_keys.append(key)
-                elif self._state[slot] == DOOMED and self._pins[slot] == 0:
+                elif state == DOOMED and self._pins[slot] == 0:
                     self._free([slot])          # deleted while being written
             live_arr = np.array(live, dtype=np.int64)
             if live:
@@ -709,8 +714,9 @@ class Store:
         with self._lock:
             n = self.pool.id_capacity
             live = self._state[:n] == READY
-            if layout_id is not None:
-                live &= self._layout_of[:n] == self.info(layout_id).idx
+            idx = None if layout_id is None else self.info(layout_id).idx
+            if idx is not None:
+                live &= self._layout_of[:n] == idx
             leased = int(np.count_nonzero(live & (self._pins[:n] > 0)))
             eligible = live & (self._pins[:n] == 0)
             if nbytes is not None:
@@ -718,27 +724,44 @@ class Store:
                 victims = victims[: self._enough(victims, nbytes)]
             else:
                 victims = np.flatnonzero(eligible)
-            freed = self._evict(victims)
-            return len(victims), freed, leased
+        # A batch a lock hold, as the evictor does: evicting 65,536 pages in one hold (each
+        # offered to the disk tier) held the lock 2.9 s. A victim leased or freed since it
+        # was chosen is passed over; one whose slot went to another page meanwhile is
+        # evicted in its place (of its layout, if one was named): the same to a cache.
+        pages = freed = 0
+        for start in range(0, len(victims), ADMIN_BATCH):
+            with self._lock:
+                chunk = victims[start:start + ADMIN_BATCH]
+                ok = (self._state[chunk] == READY) & (self._pins[chunk] == 0)
+                if idx is not None:
+                    ok &= self._layout_of[chunk] == idx
+                chunk = chunk[ok]
+                freed += self._evict(chunk)
+                pages += len(chunk)
+        return pages, freed, leased
 
     def clear(self) -> tuple[int, int]:
-        """Delete every page of every layout, in every tier (leased ones when released)."""
-        with self._lock:
-            pages = touched = 0
-            n = self.pool.id_capacity
-            for info in self._by_idx:
-                mine = (self._layout_of[:n] == info.idx) & (self._state[:n] == READY)
-                slots = np.flatnonzero(mine)
+        """Delete every page of every layout, in every tier (leased ones when released);
+        a batch of pages a lock hold, as admin eviction."""
+        pages = touched = 0
+        for info in self.layouts():
+            with self._lock:
+                n = self.pool.id_capacity
+                mine = np.flatnonzero((self._layout_of[:n] == info.idx)
+                                      & (self._state[:n] == READY))
                 writing = np.array(list(info.writing.values()), dtype=np.int64)
                 info.writing.clear()
-                if not slots.size and not writing.size:
-                    continue
-                touched += 1
-                pages += len(slots)
-                for size, index in info.ready.items():
-                    index.remove_slots(slots[self._key_size[slots] == size])
-                self._drop(slots)
                 self._drop(writing)
+            touched += bool(mine.size or writing.size)
+            for start in range(0, len(mine), ADMIN_BATCH):
+                with self._lock:
+                    chunk = mine[start:start + ADMIN_BATCH]
+                    chunk = chunk[(self._state[chunk] == READY)
+                                  & (self._layout_of[chunk] == info.idx)]
+                    for size, index in info.ready.items():
+                        index.remove_slots(chunk[self._key_size[chunk] == size])
+                    self._drop(chunk)
+                    pages += len(chunk)
         if not isinstance(self.lower, NoDisk):
             pages += self.lower.evict(everything=True)[0]
         return pages, touched

@@ -103,16 +103,16 @@ def test_requests_of_any_size_leave_the_memory_bounded(server):
             layout_id=ns.layout_id, keys=pb.PackedKeys(data=key * 3_000_000, key_size=16)))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED           # 48 MiB: over 8 MiB
         code, _ = code_of(stub.Get, pb.GetRequest(
-            layout_id=ns.layout_id, keys=pb.PackedKeys(data=key * 65_537, key_size=16)))
+            layout_id=ns.layout_id, keys=pb.PackedKeys(data=key * 16_385, key_size=16)))
         assert code == grpc.StatusCode.INVALID_ARGUMENT
         for _ in range(3):    # the largest Get allowed: 65,536 repeats of a 4-byte page
             got = sum(len(m.data) for m in stub.Get(pb.GetRequest(
                 layout_id=ns.layout_id,
-                keys=pb.PackedKeys(data=key * 65_536, key_size=16)), timeout=60))
-            assert got == 65_536 * ns.page_bytes
+                keys=pb.PackedKeys(data=key * 16_384, key_size=16)), timeout=60))
+            assert got == 16_384 * ns.page_bytes
             assert stub.Lookup(pb.LookupRequest(
-                layout_ids=[ns.layout_id], keys=pb.PackedKeys(data=key * 65_536, key_size=16)),
-                timeout=60).count == 65_536
+                layout_ids=[ns.layout_id], keys=pb.PackedKeys(data=key * 16_384, key_size=16)),
+                timeout=60).count == 16_384
         grew = rss_bytes(server.proc.pid) - before
         assert grew < 64 * MiB, f"RSS grew {grew / MiB:.1f} MiB"
     finally:
