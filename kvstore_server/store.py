@@ -38,6 +38,7 @@ from kvstore_client.units import format_size
 
 from .disk import NoDisk, Tier
 from .errors import Outcome, StoreError
+from .footprint import Footprints
 from .index import KeyIndex
 from .leases import Lease, LeaseKind, LeaseTable
 from .lru import LRUPolicy
@@ -155,6 +156,8 @@ class Store:
         # Page bytes of each tenant's slots (WRITING, READY, or DOOMED until released),
         # charged when reserved and refunded in _free: what a quota limits.
         self._tenant_bytes: dict[str, int] = {}
+        # Each tenant's slots per size class: its share of the slabs (footprint.py).
+        self._footprints = Footprints()
         self._layouts: dict[bytes, LayoutInfo] = {}
         self._by_idx: list[LayoutInfo] = []
         self._policy = LRUPolicy()
@@ -307,6 +310,8 @@ class Store:
                     wanted.append(i)
                     seen.add(key)
             self._make_room(info, len(wanted), quota)
+            if quota:
+                self._keep_footprint(info, len(wanted), quota)
             got = self._alloc(info.cls, len(wanted))
             if len(got) < len(wanted):
                 self.pool.free(got)
@@ -323,6 +328,7 @@ class Store:
             self._key_size[got] = keys.size
             for key, slot in zip(new_keys, got.tolist()):
                 info.writing[key] = slot
+            self._footprints.add(info.tenant, info.cls, len(got))
             self._tenant_bytes[info.tenant] = (self._tenant_bytes.get(info.tenant, 0)
                                                + len(got) * info.page_bytes)
             lease = self._leases.grant(LeaseKind.RESERVE, got,
@@ -377,6 +383,32 @@ class Store:
         count = max(int(np.searchsorted(freed, over)) + 1,
                     int(np.searchsorted(freed, target, side="right")))
         self._evict(victims[:count])
+
+    def _keep_footprint(self, info: LayoutInfo, n: int, quota: int) -> None:
+        """Keep the tenant's share of the pool's slabs within its quota when n more of
+        its pages need a new extent (footprint.py says why and how); EXHAUSTED when its
+        own pages of the class cannot make room in the extents already open."""
+        free = self.pool.free_slots(info.cls)
+        if n <= free:
+            return                          # no new slabs: the byte quota is enough
+        per = self.pool.extent_bytes(info.cls)
+        new_bytes = -(-(n - free) * self.pool.slot_bytes(info.cls) // per) * per
+        after = self._footprints.bytes_of(info.tenant, self.pool.class_extent_bytes,
+                                          (info.cls, n, new_bytes))
+        if after <= max(quota, new_bytes):
+            return
+        n_ids = self.pool.id_capacity
+        mine = [i.idx for i in self._by_idx if i.tenant == info.tenant and i.cls == info.cls]
+        eligible = self._evictable() & np.isin(self._layout_of[:n_ids], mine)
+        victims = self._policy.victims(n - free, eligible)
+        if len(victims) < n - free:
+            raise StoreError(Outcome.EXHAUSTED, (
+                f"tenant {info.tenant!r}: {n} pages of {format_size(info.page_bytes)} need "
+                f"a new {format_size(per)} slab extent, and its pages would then take "
+                f"{format_size(int(after))} of the pool's slabs, past its quota of "
+                f"{format_size(quota)} (pages of many sizes each take whole slabs); its "
+                "other pages of this size are leased or being written"))
+        self._evict(victims)
 
     def commit(self, lease_id: int, tenant: str | None = None) -> int:
         """Make a reservation's pages visible; returns how many became READY.
@@ -608,6 +640,7 @@ class Store:
         for idx in np.flatnonzero(per_layout).tolist():
             info = self._by_idx[idx]
             self._tenant_bytes[info.tenant] -= int(per_layout[idx]) * info.page_bytes
+            self._footprints.remove(info.tenant, info.cls, int(per_layout[idx]))
         self._state[slots] = FREE
         self._layout_of[slots] = -1
         self._policy.remove(slots)

@@ -163,3 +163,29 @@ def test_an_admin_can_break_abandoned_leases(stores):
     assert store.stats()["leases"] == 0 and store.stats()["leased_pages"] == 0
     assert store.pool.used_bytes == 2 * store.pool.slot_bytes(info.cls)
     assert store.clear()[0] == 2 and store.pool.used_bytes == 0
+
+
+def test_pages_of_many_sizes_cannot_take_another_tenants_slabs(stores):
+    """Each page size takes whole 8 MiB slab extents: one tenant's leased pages of many
+    sizes may not take more of the pool's slabs than its quota, so the other tenant can
+    still fill its own quota."""
+    store = stores(dram=72 * MiB)
+    quota_a, quota_b = 8 * MiB, 40 * MiB
+    held, refused = [], 0
+    for i in range(8):                  # 4 KiB .. 32 KiB pages: 8 size classes
+        small = PageLayout(model="a", num_layers=i + 1, page_tokens=16, num_kv_heads=1,
+                           head_size=64)
+        info = store.register_layout(small, "a")
+        try:
+            put(store, info, keys(f"a{i}", 1), quota_a)
+        except StoreError as err:
+            assert err.outcome is Outcome.EXHAUSTED and "slab" in err.message
+            refused += 1
+            continue
+        held.append(store.acquire(info.layout_id, keys(f"a{i}", 1), ttl=1e9))
+    assert refused >= 6                 # one extent within a's quota, the rest refused
+    b = store.register_layout(LAYOUT, "b")
+    theirs = keys("b", quota_b // b.page_bytes)
+    for start in range(0, len(theirs), 16):
+        put(store, b, theirs[start:start + 16], quota_b)
+    assert dram_pages(store, b, theirs) == len(theirs)     # b holds its whole quota
