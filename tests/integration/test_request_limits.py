@@ -139,3 +139,44 @@ def test_leases_are_capped_at_the_servers_ttl(small):
     assert s.leases == 0 and s.leased_pages == 0, s
     assert s.tiers[0].used_bytes == 4 * ns.page_bytes     # the reservation's slots freed
     del res, acq
+
+
+def test_admin_force_breaks_a_dead_clients_reservations(fresh_server):
+    """A client that reserved the pool and died: `clear` leaves its reservation in place
+    until --lease-ttl, `clear --force` and `evict --force` end it now."""
+    from .test_admin_cli import admin, admin_json
+
+    srv = fresh_server(lease_ttl="60s")
+    with KVStoreClient(srv.address) as client:
+        ns = client.register_layout(LAYOUT)
+        client.reserve(ns, [b"dead-%011d" % i for i in range(64)])     # never committed
+        stored = [b"live-%011d" % i for i in range(4)]
+        client.put(ns, stored, np.zeros((4, ns.page_bytes), np.uint8))
+        client.acquire(ns, stored)                                     # never released
+        admin_json(srv.address, "clear", "--yes")          # leased: freed at release
+        s = client.stats()
+        assert s.leases == 2 and s.tiers[0].used_bytes == 68 * ns.page_bytes
+        assert admin_json(srv.address, "clear", "--yes", "--force")["leases_broken"] == 2
+        s = client.stats()
+        assert s.leases == 0 and s.tiers[0].used_bytes == 0
+        client.reserve(ns, [b"dead-%011d" % i for i in range(8)])
+        assert admin_json(srv.address, "evict", "--all", "--force")["leases_broken"] == 1
+        assert client.stats().tiers[0].used_bytes == 0
+
+
+def test_a_put_of_keys_another_client_is_writing_says_in_flight(server):
+    with KVStoreClient(server.address) as writer, \
+            KVStoreClient(server.address, shared_memory=False) as other:
+        ns = writer.register_layout(LAYOUT)
+        ks = [b"inflight-%07d" % i for i in range(3)]
+        res = writer.reserve(ns, ks[:2])
+        try:
+            stub = kvstore_pb2_grpc.KVStoreStub(other._channel)
+            other.register_layout(LAYOUT)
+            reply = stub.Put(iter([
+                pb.PutRequest(header=pb.PutHeader(layout_id=ns.layout_id, keys=pb.PackedKeys(
+                    data=b"".join(ks), key_size=len(ks[0])))),
+                pb.PutRequest(data=bytes(3 * ns.page_bytes))]), timeout=10)
+            assert (reply.stored, reply.skipped, reply.in_flight) == (1, 0, 2)
+        finally:
+            res.abort()
