@@ -144,7 +144,7 @@ def test_leases_are_capped_at_the_servers_ttl(small):
 def test_admin_force_breaks_a_dead_clients_reservations(fresh_server):
     """A client that reserved the pool and died: `clear` leaves its reservation in place
     until --lease-ttl, `clear --force` and `evict --force` end it now."""
-    from .test_admin_cli import admin, admin_json
+    from .test_admin_cli import admin_json
 
     srv = fresh_server(lease_ttl="60s")
     with KVStoreClient(srv.address) as client:

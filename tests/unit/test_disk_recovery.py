@@ -16,7 +16,6 @@ from kvstore_server.slotfile import slot_bytes_for
 
 from .test_disk import LAYOUT, KiB, fill, key, page, read, tiers  # noqa: F401 - fixture
 
-__all__: list[str] = []
 
 
 def test_a_restart_over_capacity_evicts_the_oldest_down_to_it(tiers, tmp_path):
