@@ -20,7 +20,9 @@ The limits (SECURITY.md and README's settings table state them too):
 - bytes of one Get's response: at most the pool's capacity. A Get may name a key more
   than once and each is sent, but the distinct pages of one Get always fit the pool, so
   only repeats can go past it: RESOURCE_EXHAUSTED, before anything is pinned.
-- layouts per Lookup: 256 (store.MAX_LOOKUP_LAYOUTS).
+- layouts per Lookup: 256 (store.MAX_LOOKUP_LAYOUTS), and layouts x keys at most
+  4 x max_keys_per_request (65,536 by default: 8 tensor-parallel ranks of 8,192 keys),
+  since each layout is one more pass over the keys, under the lock: INVALID_ARGUMENT.
 
 With these, one request's memory on the server is its message (up to 8 MiB, held twice
 while parsed) plus about 100 bytes a key (1.6 MiB at 16,384 keys): under 20 MiB, whatever
@@ -38,6 +40,7 @@ from .errors import Outcome, StoreError
 __all__ = ["DEFAULT_MAX_KEYS", "RequestLimits", "request_message_bytes"]
 
 DEFAULT_MAX_KEYS = 16_384
+LOOKUP_FACTOR = 4           # layouts x keys of one Lookup, in units of max_keys
 
 
 def request_message_bytes(max_keys: int) -> int:
@@ -64,6 +67,13 @@ class RequestLimits:
                 f"{method} names {n} keys; at most {self.max_keys} per request "
                 "(--max-keys-per-request): split it"))
         return Packed(data, key_size)
+
+    def lookup(self, n_layouts: int, n_keys: int) -> None:
+        """Refuse (INVALID) a Lookup whose layouts x keys pass 4 x max_keys."""
+        if n_layouts * n_keys > LOOKUP_FACTOR * self.max_keys:
+            raise StoreError(Outcome.INVALID, (
+                f"Lookup of {n_keys} keys in {n_layouts} layouts: layouts x keys may be at "
+                f"most {LOOKUP_FACTOR * self.max_keys} (4 x --max-keys-per-request)"))
 
     @staticmethod
     def get_bytes(n_keys: int, page_bytes: int, pool_bytes: int) -> None:

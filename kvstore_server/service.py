@@ -250,6 +250,7 @@ class KVStoreService:
 
     def Lookup(self, request, context):
         keys = self._keys(request.keys, "Lookup")
+        self.limits.lookup(len(request.layout_ids), len(keys))
         caller = self._caller(context)
         # 0 = no lease here (a lookup without a lease is the common case); else capped.
         ttl = self._ttl(request.lease_ms) if request.lease_ms else 0.0

@@ -67,8 +67,12 @@ def test_too_many_keys_are_refused_by_every_call(small):
     put = iter([pb.PutRequest(header=pb.PutHeader(layout_id=lid, keys=keys))])
     code, details = code_of(stub.Put, put)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "at most 1000" in details
-    # 1000 keys is fine.
-    assert client.lookup(ns, [b"k%015d" % i for i in range(1000)]) == 0
+    # 1000 keys is fine, in up to 4 layouts: each is one more pass over the keys.
+    ks = [b"k%015d" % i for i in range(1000)]
+    assert client.lookup([ns] * 4, ks) == 0
+    code, details = code_of(stub.Lookup, pb.LookupRequest(
+        layout_ids=[lid] * 5, keys=pb.PackedKeys(data=b"".join(ks), key_size=16)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "layouts x keys" in details
 
 
 def test_a_get_of_one_key_repeated_past_the_pool_is_refused(server):
