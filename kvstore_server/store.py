@@ -13,7 +13,10 @@ The page lifecycle, owned here:
 Tenants: a layout belongs to one tenant (tenants.py). A slot's page bytes are charged to
 that tenant from reserve until the slot is freed, whichever way it goes; a reserve that
 would take the tenant past its quota first evicts the tenant's own coldest pages
-(_make_room). A lease remembers its tenant, and only that tenant may end it.
+(_make_room). Pages read back from the tier below are reserved the same way, so held to
+the same quota; and a reserve that needs a new slab extent is held to the tenant's share
+of the pool's slabs (_keep_footprint, footprint.py). A lease remembers its tenant, and
+only that tenant may end it; an admin may break every client's lease (break_leases).
 
 Concurrency: one lock guards the index, the slot arrays, the policy and the leases.
 Critical sections are short and vectorised; the bytes are copied outside the lock, into
