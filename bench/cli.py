@@ -15,6 +15,8 @@ BENCHES = {
     "disk": "disk_bench",
     "sglang": "sglang_bench",
     "load-test": "load_test",
+    "kill-test": "kill_test",
+    "limits": "limits_bench",
 }
 
 

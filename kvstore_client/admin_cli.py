@@ -4,8 +4,8 @@
                   [--tls-cert PEM --tls-key PEM]] COMMAND
         stats [--json] [--watch SECONDS]      tiers, layouts, leases, uptime
         layouts [--json]                      registered layouts
-        evict (--layout ID | --bytes SIZE | --all) [--tier dram|disk|all]
-        clear [--yes]                         delete every page (asks first on a terminal)
+        evict (--layout ID | --bytes SIZE | --all) [--tier dram|disk|all] [--force]
+        clear [--yes] [--force]               delete every page (asks first on a terminal)
         inspect --layout ID KEYHEX            where one page is and how it is used
         health                                grpc.health.v1 Check; exit 0 only when SERVING
 
@@ -178,13 +178,15 @@ def _resolve_layout(client: KVStoreClient, prefix: str) -> bytes:
 
 def cmd_evict(client: KVStoreClient, args: argparse.Namespace) -> int:
     if args.layout is not None:
-        resp = client.evict(layout_id=_resolve_layout(client, args.layout), tier=args.tier)
+        resp = client.evict(layout_id=_resolve_layout(client, args.layout), tier=args.tier,
+                            force=args.force)
     elif args.bytes is not None:
-        resp = client.evict(nbytes=args.bytes, tier=args.tier)
+        resp = client.evict(nbytes=args.bytes, tier=args.tier, force=args.force)
     else:
-        resp = client.evict(everything=True, tier=args.tier)
+        resp = client.evict(everything=True, tier=args.tier, force=args.force)
     _emit(args, _plain(resp), f"evicted {resp.pages} pages ({_human(resp.bytes)}); "
-                              f"{resp.skipped_leased} leased pages left in place")
+                              f"{resp.skipped_leased} leased pages left in place"
+                              + (f"; {resp.leases_broken} leases broken" if args.force else ""))
     return 0
 
 
@@ -200,8 +202,9 @@ def cmd_clear(client: KVStoreClient, args: argparse.Namespace) -> int:
         if answer.strip().lower() not in ("y", "yes"):
             print("not cleared")
             return 1
-    resp = client.clear()
-    _emit(args, _plain(resp), f"cleared {resp.pages} pages of {resp.layouts} layouts")
+    resp = client.clear(force=args.force)
+    _emit(args, _plain(resp), f"cleared {resp.pages} pages of {resp.layouts} layouts"
+                              + (f"; {resp.leases_broken} leases broken" if args.force else ""))
     return 0
 
 
@@ -269,8 +272,12 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--bytes", type=_positive(parse_size, "SIZE"), metavar="SIZE",
                       help="at least SIZE (e.g. 512MiB), least recently used first")
     what.add_argument("--all", action="store_true", help="every page")
+    force = ("first end every lease and reservation that clients hold (clients that died "
+             "holding them); a client still copying may then read a reused slot")
+    s.add_argument("--force", action="store_true", help=force)
     s = command("clear", cmd_clear, "delete every page of every layout")
     s.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    s.add_argument("--force", action="store_true", help=force)
     s = command("inspect", cmd_inspect, "where one key's page is and how it is used")
     s.add_argument("--layout", type=_layout_prefix, metavar="ID", required=True)
     s.add_argument("key", type=_key, metavar="KEYHEX")

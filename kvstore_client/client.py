@@ -469,21 +469,24 @@ class KVStoreClient:
             apb.ListLayoutsRequest(), timeout=self.timeout)).layouts)
 
     def evict(self, *, layout_id: bytes | None = None, nbytes: int | None = None,
-              everything: bool = False, tier: str = "dram") -> apb.EvictResponse:
-        """Evict from tier "dram" (pages move to disk, if any), "disk" or "all"."""
+              everything: bool = False, tier: str = "dram",
+              force: bool = False) -> apb.EvictResponse:
+        """Evict from tier "dram" (pages move to disk, if any), "disk" or "all". force:
+        first end every lease and reservation clients hold (clients that died)."""
         if sum(x is not None and x is not False for x in (layout_id, nbytes, everything)) != 1:
             raise ValueError("evict needs exactly one of layout_id, nbytes, everything")
         if layout_id is not None:
-            req = apb.EvictRequest(layout_id=layout_id, tier=tier)
+            req = apb.EvictRequest(layout_id=layout_id, tier=tier, force=force)
         elif nbytes is not None:
-            req = apb.EvictRequest(bytes=nbytes, tier=tier)
+            req = apb.EvictRequest(bytes=nbytes, tier=tier, force=force)
         else:
-            req = apb.EvictRequest(all=True, tier=tier)
+            req = apb.EvictRequest(all=True, tier=tier, force=force)
         return self._call("Evict", lambda: self._evict(req, timeout=self.timeout), retry=False)
 
-    def clear(self) -> apb.ClearResponse:
-        return self._call("Clear", lambda: self._clear(apb.ClearRequest(), timeout=self.timeout),
-                          retry=False)
+    def clear(self, force: bool = False) -> apb.ClearResponse:
+        """Delete every page; force: end clients' leases and reservations first."""
+        return self._call("Clear", lambda: self._clear(apb.ClearRequest(force=force),
+                                                       timeout=self.timeout), retry=False)
 
     def inspect(self, layout_id: bytes, key: bytes) -> apb.InspectResponse:
         return self._call("Inspect", lambda: self._inspect(

@@ -63,6 +63,9 @@ class AdminService:
     def Evict(self, request, context):
         target = request.WhichOneof("target")
         tier = request.tier or "dram"
+        if target is None or (target == "all" and not request.all):
+            raise _Invalid("Evict needs a target: layout_id, bytes or all=true")
+        broken = self.store.break_leases() if request.force else 0
         if target == "layout_id":
             pages, nbytes, leased = self.store.evict(layout_id=request.layout_id, tier=tier)
         elif target == "bytes":
@@ -71,11 +74,13 @@ class AdminService:
             pages, nbytes, leased = self.store.evict(everything=True, tier=tier)
         else:
             raise _Invalid("Evict needs a target: layout_id, bytes or all=true")
-        return apb.EvictResponse(pages=pages, bytes=nbytes, skipped_leased=leased)
+        return apb.EvictResponse(pages=pages, bytes=nbytes, skipped_leased=leased,
+                                 leases_broken=broken)
 
     def Clear(self, request, context):
+        broken = self.store.break_leases() if request.force else 0
         pages, layouts = self.store.clear()
-        return apb.ClearResponse(pages=pages, layouts=layouts)
+        return apb.ClearResponse(pages=pages, layouts=layouts, leases_broken=broken)
 
     def ListLayouts(self, request, context):
         return apb.ListLayoutsResponse(

@@ -47,6 +47,8 @@ class ServerConfig:
     # top of `workers`) for as long as it is open. One per engine scheduler is typical.
     # Past the limit a client falls back to unary Lookup; 0 = no streams.
     lookup_streams: int = 32
+    # Keys one request may name; past it INVALID_ARGUMENT (kvstore_server.limits)
+    max_keys_per_request: int = 16_384
     log_level: str = "INFO"
     # Security (SECURITY.md). Without auth_file every caller is one tenant with Admin
     # open, so the server refuses a non-loopback listen address unless insecure_listen.
@@ -85,6 +87,7 @@ _PARSERS = {
     "workers": int,
     "stream_timeout": parse_duration,
     "lookup_streams": int,
+    "max_keys_per_request": int,
     "log_level": str,
     "auth_file": str,
     "insecure_listen": _bool,
@@ -130,6 +133,8 @@ def argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--lookup-streams", metavar="N",
                    help="open LookupStream calls allowed, each on a thread of its own; "
                         "0 = none, clients use Lookup (default 32)")
+    p.add_argument("--max-keys-per-request", metavar="N",
+                   help="keys one request may name (default 16384)")
     p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING (default INFO)")
     s = p.add_argument_group("security (see SECURITY.md)")
     s.add_argument("--auth-file", metavar="FILE",
@@ -187,6 +192,8 @@ def _check(c: ServerConfig) -> None:
         raise ConfigError("workers must be >= 1")
     if c.stream_timeout < 0:
         raise ConfigError("stream_timeout must be >= 0 (0 = never)")
+    if c.max_keys_per_request < 1:
+        raise ConfigError("max_keys_per_request must be >= 1")
     if c.lookup_streams < 0:
         raise ConfigError("lookup_streams must be >= 0 (0 = none)")
     host, sep, port = c.listen.rpartition(":")

@@ -79,6 +79,9 @@ PwriteV = Callable[[int, Sequence[memoryview], int], int]
 LAYOUT_ID_BYTES = 16
 _BATCH_BYTES = 16 << 20     # a write batch: one round of bookkeeping (written 8 MiB a call)
 _BATCH_PAGES = 256
+# Longest a delete waits for its slots to be blanked (_durable): reads in flight on them,
+# the writer's round in progress, the blanking. Past it the delete returns, not durable.
+DURABLE_WAIT = 10.0
 
 # Slot states (uint8 per slot id). WRITING: taken by the writer, invisible. DOOMED:
 # deleted or evicted while a read pins it; freed when the last read ends.
@@ -100,7 +103,10 @@ class Tier(Protocol):
         """Copy each held, intact page into outs[i] (exactly its size); False where not,
         and outs[i] then holds unspecified bytes. Blocks on I/O: hold no lock around it."""
     def delete(self, layout_id: bytes, keys: Sequence[bytes]) -> int:
-        """Forget these pages; returns how many were held."""
+        """Forget these pages; returns how many were held. Durable when it returns: no
+        restart brings them back."""
+    def describe(self, layout_id: bytes, key: bytes) -> dict | None:
+        """Admin Inspect's fields for a page held here, None if it is not."""
     def evict(self, *, nbytes: int | None = None, layout_id: bytes | None = None,
               everything: bool = False) -> tuple[int, int]:
         """Forget least recently used pages worth nbytes (of one layout if given), or a
@@ -125,6 +131,9 @@ class NoDisk:
 
     def delete(self, layout_id, keys) -> int:
         return 0
+
+    def describe(self, layout_id, key) -> dict | None:
+        return None
 
     def evict(self, *, nbytes=None, layout_id=None, everything=False) -> tuple[int, int]:
         return 0, 0
@@ -157,6 +166,17 @@ def _as_u8(page: Page) -> np.ndarray:
     if not arr.flags.c_contiguous:
         raise ValueError("a page must be one contiguous buffer")
     return arr.reshape(-1).view(np.uint8)
+
+
+def _runs_of(slots: list[tuple[SlotFile, int]]) -> list[tuple[SlotFile, int, int]]:
+    """(file, first slot, count) for each run of adjacent slots of one file."""
+    runs: list[tuple[SlotFile, int, int]] = []
+    for file, idx in sorted(slots, key=lambda b: (b[0].slot_bytes, b[1])):
+        if runs and runs[-1][0] is file and runs[-1][1] + runs[-1][2] == idx:
+            runs[-1] = (file, runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((file, idx, 1))
+    return runs
 
 
 def _lock_folder(directory: str) -> int:
@@ -217,6 +237,8 @@ class DiskTier:
         self._file_of: list[SlotFile] = []
         self._name_of: list[tuple[bytes, bytes] | None] = []     # (layout, key) if READY
         self._discard: set[int] = set()     # freed ids whose slots are still to be blanked
+        # Writer rounds (see _durable): started, finished, and the one a delete waits for.
+        self._rounds = self._rounds_done = self._rounds_wanted = 0
         self._next_gen = 1
         self._used = 0                      # bytes of slots not FREE
         self._pages = 0
@@ -279,12 +301,27 @@ class DiskTier:
             index = self._index.get(layout_id, {})
             queued = self._queued.get(layout_id, {})
             found = [index.get(k) for k in keys]
-            for key, sid, arr in zip(keys, found, arrs):
-                size = self._plen[sid] if sid is not None else \
-                    queued[key].nbytes if key in queued else arr.nbytes
+            for i, (key, sid, arr) in enumerate(zip(keys, found, arrs)):
+                # A page of this layout is always the caller's page size: a slot whose
+                # header checks out with another length was not written for this page (a
+                # forged or stray file). Corrupt, like a checksum that fails: dropped,
+                # counted, never served (it used to raise, and a promotion leaked the
+                # reservation it was reading into).
+                entry = queued.get(key)
+                size = int(self._plen[sid]) if sid is not None else \
+                    entry.nbytes if entry is not None else arr.nbytes
                 if arr.nbytes != size:
-                    raise ValueError(f"key {key.hex()}: the page is {size} bytes, its buffer "
-                                     f"{arr.nbytes}")
+                    log.warning("disk tier: key %s holds %d bytes, %d expected: dropped as "
+                                "corrupt", key.hex(), size, arr.nbytes)
+                    self.counters["corrupt_pages"] += sid is None or \
+                        self._name_of[sid] == (layout_id, key)
+                    if sid is not None:
+                        if self._name_of[sid] == (layout_id, key):   # once if repeated
+                            self._drop(sid)
+                    else:
+                        entry.cancelled = True
+                        del queued[key]
+                    found[i] = None
             for i, (key, sid) in enumerate(zip(keys, found)):
                 if sid is None:
                     entry = queued.get(key)
@@ -325,7 +362,7 @@ class DiskTier:
         with self._lock:
             index = self._index.get(layout_id, {})
             queued = self._queued.get(layout_id, {})
-            held = 0
+            held, dropped = 0, []
             for key in keys:
                 entry = queued.pop(key, None)
                 if entry is not None:
@@ -333,8 +370,26 @@ class DiskTier:
                 sid = index.get(key)
                 if sid is not None:
                     self._drop(sid)
+                    dropped.append(sid)
                 held += entry is not None or sid is not None
+            if held:
+                self._durable(dropped)
             return held
+
+    def describe(self, layout_id: bytes, key: bytes) -> dict | None:
+        # Ages are not kept for disk pages (their generation orders them): 0.
+        with self._lock:
+            sid = self._index.get(layout_id, {}).get(key)
+            if sid is not None:
+                return {"tier": "disk", "state": "READY", "size_bytes": int(self._plen[sid]),
+                        "age_seconds": 0.0, "idle_seconds": 0.0, "leases": int(self._pins[sid]),
+                        "slot_offset": self._file_of[sid].offset(int(self._idx[sid]))}
+            entry = self._queued.get(layout_id, {}).get(key)
+            if entry is not None:
+                return {"tier": "disk", "state": "QUEUED", "size_bytes": entry.nbytes,
+                        "age_seconds": 0.0, "idle_seconds": 0.0, "leases": 0,
+                        "slot_offset": 0}
+        return None
 
     def evict(self, *, nbytes: int | None = None, layout_id: bytes | None = None,
               everything: bool = False) -> tuple[int, int]:
@@ -360,6 +415,8 @@ class DiskTier:
             for sid in victims.tolist():
                 self._drop(sid)
             self.counters["evictions"] += len(victims)
+            if nbytes is None and victims.size:     # a layout or everything: as a delete
+                self._durable(victims.tolist())
             return len(victims), freed
 
     def flush(self, timeout: float) -> int:
@@ -387,7 +444,8 @@ class DiskTier:
                 "queue_capacity_bytes": len(self._arena),
                 **{name: self.counters[name] for name in (
                     "reads", "bytes_read", "writes", "bytes_written", "drops", "refused",
-                    "corrupt_pages", "read_errors", "evictions", "rebuilt_pages")},
+                    "corrupt_pages", "read_errors", "evictions", "rebuilt_pages",
+                    "undurable_deletes")},
                 "failed": self._failed, "error": self._error,
                 "direct_io": self.direct, "rebuild_seconds": self.rebuild_seconds,
             }
@@ -479,7 +537,39 @@ class DiskTier:
         self._used -= int(self._sbytes[sid])
         heapq.heappush(self._free[int(self._sbytes[sid])], sid)
         self._discard.add(sid)
-        self._wake.notify()
+        self._wake.notify_all()         # the writer, and a delete waiting in _durable
+
+    def _durable(self, dropped: list[int]) -> None:
+        """Wait (under the lock, which the wait gives up) until no slot freed so far can
+        bring its page back at a restart: a delete acknowledged and then lost to a SIGKILL
+        came back once in 20 tries, from a slot the writer had not blanked yet.
+
+        A freed slot stops holding its page when the writer blanks it, or overwrites it
+        with a page it reused the slot for. Both happen in a writer round: the round
+        takes every freed slot not yet reused, blanks them, and writes its batch into the
+        slots it takes. So once a round that started after now has finished, every slot
+        freed before now is blank or rewritten, including one the round in progress frees
+        (a queued page deleted while being written). Slots pinned by a read are freed
+        when the read ends, so they are waited for first. This costs the caller the rest
+        of the writer's round (one batch, at most _BATCH_BYTES) and the blanking.
+
+        Durable against a killed process (the blank is in the kernel when pwrite or
+        fallocate returns), not against a power cut: there is no fsync."""
+        deadline = time.monotonic() + DURABLE_WAIT
+        doomed = [sid for sid in dropped if self._state[sid] == DOOMED]
+        while any(self._state[sid] == DOOMED for sid in doomed) and not self._closing:
+            if not self._wake.wait(max(0.0, deadline - time.monotonic())):
+                break
+        want = self._rounds + 1
+        self._rounds_wanted = max(self._rounds_wanted, want)
+        self._wake.notify_all()
+        while self._rounds_done < want and not self._closing:
+            if not self._wake.wait(max(0.0, deadline - time.monotonic())):
+                self.counters["undurable_deletes"] += 1
+                log.warning("disk tier: a delete returns before its slots were blanked "
+                            "(the writer took over %.0fs); a kill now could bring the "
+                            "pages back", DURABLE_WAIT)
+                return
 
     def _enough(self, victims: np.ndarray, nbytes: int) -> int:
         """How many of the victims (in order) free at least nbytes."""
@@ -539,7 +629,11 @@ class DiskTier:
             self._free[slot_bytes] = np.flatnonzero(free).tolist()   # ascending: a heap
         self._next_gen = int(gens.max()) + 1 if gens.size else 1
         self.counters["rebuilt_pages"] = self._pages
-        self._make_room(0)                  # the capacity may have shrunk since the last run
+        # More than the capacity is on disk after a restart with a smaller one, or after a
+        # kill that left freed slots not yet blanked: evict the oldest down to it. Under
+        # the lock, like every eviction (it notifies the writer, which blanks the slots).
+        with self._lock:
+            self._make_room(0)
         if self._pages or self.counters["corrupt_pages"]:
             log.info("disk tier: %d pages (%d MiB) found in %s; %d corrupt or torn slots "
                      "skipped", self._pages, self._used >> 20, self.directory,
@@ -550,23 +644,29 @@ class DiskTier:
         while True:
             with self._lock:
                 while not (self._closing or self._discard
+                           or self._rounds_done < self._rounds_wanted
                            or (self._ring and self._ring[0].ready and not self._failed)):
                     self._wake.wait()
                 if self._closing and not self._discard:
                     return
+                self._rounds += 1
+                round_ = self._rounds
                 blank = [(self._file_of[sid], int(self._idx[sid])) for sid in self._discard]
                 self._discard.clear()
                 batch = [] if self._closing or self._failed else self._take_batch()
             try:
                 # Only this thread allocates slots, so none of these is reused meanwhile.
-                for file, idx in sorted(blank, key=lambda b: (b[0].slot_bytes, b[1])):
-                    file.blank(idx, self._pwritev)
+                for file, idx, n in _runs_of(blank):
+                    file.blank(idx, self._pwritev, n)
                 if batch:
                     self._write(batch)
             except Exception as exc:
                 log.exception("disk writer failed")
                 with self._lock:
                     self._fail(exc)
+            with self._lock:                # a delete may wait for this round (_durable)
+                self._rounds_done = round_
+                self._wake.notify_all()
 
     def _take_batch(self) -> list[_Pending]:
         batch, nbytes = [], 0

@@ -93,5 +93,14 @@ class LeaseTable:
                 out.append(self._leases.pop(lease_id))
         return out
 
+    def take_breakable(self) -> list[Lease]:
+        """Remove and return every lease a client holds: all but those that never expire,
+        which a Put or Get in this process holds and ends itself (ending one early would
+        let its slots be reused under the copy still running)."""
+        out = [lease for lease in self._leases.values() if lease.expires_at != math.inf]
+        for lease in out:
+            del self._leases[lease.lease_id]
+        return out
+
     def pinned_slots(self) -> int:
         return sum(len(lease.slots) for lease in self._leases.values())

@@ -20,6 +20,7 @@ from .admin_service import AdminService, add_admin_service
 from .auth import Authenticator, tls_server_credentials
 from .config import ConfigError, ServerConfig, is_loopback, load_config
 from .disk import DiskTier
+from .limits import RequestLimits, request_message_bytes
 from kvstore_client.malloc import keep_freed_buffers, limit_arenas
 from .metrics import Metrics
 from .region import HEADER_BYTES, Region, remove_stale
@@ -71,12 +72,17 @@ class Server:
             # Each open LookupStream holds a thread (lookup_streams.py): they get their own.
             futures.ThreadPoolExecutor(max_workers=config.workers + config.lookup_streams,
                                        thread_name_prefix="rpc"),
-            options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
+            # Requests are bounded (limits.py): a smaller receive limit than clients'.
+            options=[*[o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"],
+                     ("grpc.max_receive_message_length",
+                      request_message_bytes(config.max_keys_per_request)),
+                     ("grpc.so_reuseport", 0)],
             interceptors=[self.auth.interceptor(self.metrics.refused)] if self.auth else None)
         self.streams = StreamWatchdog(config.stream_timeout)
         self.lookups = add_kvstore_service(
-            self.grpc, KVStoreService(self.store, self.metrics, self.auth), self.streams,
-            config.lookup_streams)
+            self.grpc, KVStoreService(self.store, self.metrics, self.auth,
+                                      RequestLimits(config.max_keys_per_request)), self.streams,
+            config.lookup_streams, config.workers)
         add_admin_service(self.grpc, AdminService(self.store, self.metrics, self.auth))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)

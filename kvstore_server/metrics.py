@@ -8,11 +8,14 @@ global state), served on 127.0.0.1:`--metrics-port`.
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from .timed_lock import BUCKETS
 
 __all__ = ["Metrics"]
 
@@ -53,6 +56,16 @@ class _StoreCollector:
                            "(dropped, never served)", None, lower["corrupt_pages"])
             yield _gauge("kvstore_disk_failed", "1 when disk writes stopped (full or failing)",
                          None, int(lower["failed"]))
+        holds = s.get("lock")
+        if holds is not None:
+            h = HistogramMetricFamily("kvstore_store_lock_hold_seconds",
+                                      "How long each hold of the store's lock lasted")
+            cumulative = list(itertools.accumulate(holds.counts))
+            h.add_metric([], [(str(b), c) for b, c in zip(BUCKETS, cumulative)]
+                         + [("+Inf", cumulative[-1])], holds.total_seconds)
+            yield h
+            yield _gauge("kvstore_store_lock_hold_max_seconds",
+                         "Longest hold of the store's lock since start", None, holds.max_seconds)
         for name, (kind, doc, value) in self._extra().items():
             yield (_gauge if kind == "gauge" else _counter)(name, doc, None, value)
 

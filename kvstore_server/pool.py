@@ -64,6 +64,7 @@ class Pool:
         self.capacity_bytes = self.n_slabs * slab_bytes
         self._slab_free = np.ones(self.n_slabs, dtype=bool)
         self._classes: list[_SizeClass] = []
+        self._class_extents: list[int] = []           # size class -> extents it holds
         self.class_bytes = np.zeros(0, dtype=np.int64)   # size class -> slot bytes
         self._class_by_size: dict[int, int] = {}
         self._extents: dict[int, _Extent] = {}       # extent id -> extent
@@ -94,11 +95,24 @@ class Pool:
             k = best[1]
             self._class_by_size[slot] = len(self._classes)
             self._classes.append(_SizeClass(slot, k, k * self.slab_bytes // slot))
+            self._class_extents.append(0)
             self.class_bytes = np.array([c.slot_bytes for c in self._classes], dtype=np.int64)
         return self._class_by_size[slot]
 
     def slot_bytes(self, cls: int) -> int:
         return self._classes[cls].slot_bytes
+
+    def extent_bytes(self, cls: int) -> int:
+        """Bytes of one extent of class cls: what its next new extent takes from the region."""
+        return self._classes[cls].extent_slabs * self.slab_bytes
+
+    def free_slots(self, cls: int) -> int:
+        """Slots of class cls free in its extents: how many it can hand out with no new one."""
+        return sum(len(self._extents[e].free) for e in self._classes[cls].partial)
+
+    def class_extent_bytes(self, cls: int) -> int:
+        """Bytes of the extents class cls holds now."""
+        return self._class_extents[cls] * self.extent_bytes(cls)
 
     @property
     def num_classes(self) -> int:
@@ -200,11 +214,13 @@ class Pool:
         ext = _Extent(cls, first, c.extent_slabs, ids, ids[::-1].tolist())
         self._extents[ext_id] = ext
         c.partial[ext_id] = None
+        self._class_extents[cls] += 1
         return ext
 
     def _release_extent(self, ext_id: int) -> None:
         ext = self._extents.pop(ext_id)
         self._classes[ext.cls].partial.pop(ext_id, None)
+        self._class_extents[ext.cls] -= 1
         self._slab_free[ext.first_slab:ext.first_slab + ext.n_slabs] = True
         self.cls[ext.ids] = -1
         self._spare_ids.extend(ext.ids.tolist())

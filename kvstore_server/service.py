@@ -33,11 +33,13 @@ from kvstore_client.wire import GET_DATA_TAG, PUT_DATA_TAG, frame, unframe
 
 from .auth import ANONYMOUS, Authenticator, Principal
 from .errors import Outcome, StoreError
+from .limits import RequestLimits
 from .lookup_streams import LookupStreams
 from .metrics import Metrics
 from .parsing import checked, parser
 from .region import TOKEN_OFFSET
 from .store import FOREVER, Store
+from .stream_gate import StreamGate, gated_requests, gated_stream
 from .tenants import scoped_layout_id
 from .watchdog import StreamWatchdog, watched_requests, watched_stream
 
@@ -126,10 +128,6 @@ def _code_of(exc: BaseException, context) -> grpc.StatusCode:
     return context.code() or grpc.StatusCode.INTERNAL
 
 
-def _keys(packed: pb.PackedKeys) -> Packed:
-    return Packed(packed.data, packed.key_size)
-
-
 _parse_put_request = parser(pb.PutRequest)
 
 
@@ -148,12 +146,18 @@ class KVStoreService:
     """The KVStore RPCs over one Store."""
 
     def __init__(self, store: Store, metrics: Metrics,
-                 auth: Authenticator | None = None) -> None:
-        """auth: who may call, from --auth-file; None = everyone is ANONYMOUS."""
+                 auth: Authenticator | None = None,
+                 limits: RequestLimits | None = None) -> None:
+        """auth: who may call, from --auth-file; None = everyone is ANONYMOUS.
+        limits: what one request may ask for (limits.py)."""
         self.store = store
         self.metrics = metrics
         self.auth = auth
+        self.limits = limits or RequestLimits()
         self._mem = memoryview(store.mem)
+
+    def _keys(self, packed: pb.PackedKeys, method: str) -> Packed:
+        return self.limits.keys(packed.data, packed.key_size, method)
 
     # -- who is calling ------------------------------------------------------------------
     def _caller(self, context) -> Principal:
@@ -196,8 +200,12 @@ class KVStoreService:
                              "server restarted, or the client is not on this host): Attach "
                              "again")
 
-    def _ttl(self, lease_ms: int) -> float | None:
-        return lease_ms / 1000.0 if lease_ms else None
+    def _ttl(self, lease_ms: int) -> float:
+        """A client's lease_ms (0 = the server's ttl), capped at the server's ttl: a lease
+        is how long a client that died holding pages keeps them from everyone, and a
+        client asking 2^32-1 ms held the whole pool for 49.7 days."""
+        ttl = self.store.lease_ttl
+        return min(lease_ms / 1000.0, ttl) if lease_ms else ttl
 
     def Attach(self, request, context):
         self._may_map(self._caller(context))
@@ -209,10 +217,10 @@ class KVStoreService:
         caller = self._caller(context)
         self._may_map(caller)
         self._check_token(request.token)
-        res = self.store.reserve(self._layout(caller, request.layout_id), _keys(request.keys),
+        res = self.store.reserve(self._layout(caller, request.layout_id), self._keys(request.keys, "Reserve"),
                                  ttl=self._ttl(request.lease_ms), quota=caller.quota_bytes)
         return pb.ReserveResponse(lease_id=res.lease_id, offsets=_offsets(res.offsets),
-                                  skipped=res.skipped)
+                                  skipped=res.skipped, in_flight=res.in_flight)
 
     def Commit(self, request, context):
         return pb.CommitResponse(stored=self.store.commit(request.lease_id,
@@ -226,8 +234,8 @@ class KVStoreService:
         caller = self._caller(context)
         self._may_map(caller)
         self._check_token(request.token)
-        pinned = self.store.acquire(self._layout(caller, request.layout_id), _keys(request.keys),
-                                    ttl=self._ttl(request.lease_ms))
+        pinned = self.store.acquire(self._layout(caller, request.layout_id), self._keys(request.keys, "Acquire"),
+                                    ttl=self._ttl(request.lease_ms), quota=caller.quota_bytes)
         return pb.AcquireResponse(lease_id=pinned.lease_id, offsets=_offsets(pinned.offsets))
 
     def RegisterLayout(self, request, context):
@@ -241,11 +249,13 @@ class KVStoreService:
                                          layer_bytes=info.layer_bytes)
 
     def Lookup(self, request, context):
-        keys = _keys(request.keys)
+        keys = self._keys(request.keys, "Lookup")
+        self.limits.lookup(len(request.layout_ids), len(keys))
         caller = self._caller(context)
+        # 0 = no lease here (a lookup without a lease is the common case); else capped.
+        ttl = self._ttl(request.lease_ms) if request.lease_ms else 0.0
         count, lease_id = self.store.lookup([self._layout(caller, layout_id)
-                                             for layout_id in request.layout_ids], keys,
-                                            request.lease_ms / 1000.0)
+                                             for layout_id in request.layout_ids], keys, ttl)
         return pb.LookupResponse(count=count, lease_id=lease_id)
 
     def ReleaseLease(self, request, context):
@@ -254,20 +264,20 @@ class KVStoreService:
 
     def Exists(self, request, context):
         present = self.store.exists(self._layout(self._caller(context), request.layout_id),
-                                    _keys(request.keys))
+                                    self._keys(request.keys, "Exists"))
         return pb.ExistsResponse(bitmap=np.packbits(present, bitorder="little").tobytes(),
                                  count=len(present))
 
     def Delete(self, request, context):
         layout_id = self._layout(self._caller(context), request.layout_id)
-        return pb.DeleteResponse(deleted=self.store.delete(layout_id, _keys(request.keys)))
+        return pb.DeleteResponse(deleted=self.store.delete(layout_id, self._keys(request.keys, "Delete")))
 
     def Put(self, request_iterator, context):
         first = next(request_iterator, None)
         if first is None or isinstance(first, memoryview) or not first.HasField("header"):
             raise _Invalid("Put must start with a header message (layout_id and keys)")
         header = first.header
-        keys = _keys(header.keys)
+        keys = self._keys(header.keys, "Put")
         caller = self._caller(context)
         layout_id = self._layout(caller, header.layout_id)
         info = self.store.info(layout_id)
@@ -304,15 +314,19 @@ class KVStoreService:
                                f"({len(keys)} pages of {page_bytes} bytes)")
             stored = self.store.commit(reservation.lease_id)
             committed = True
-            return pb.PutResponse(stored=stored, skipped=reservation.skipped)
+            return pb.PutResponse(stored=stored, skipped=reservation.skipped,
+                                  in_flight=reservation.in_flight)
         finally:
             if not committed:
                 self.store.abort(reservation.lease_id)
 
     def Get(self, request, context):
-        keys = _keys(request.keys)
-        pinned = self.store.acquire(self._layout(self._caller(context), request.layout_id),
-                                    keys, ttl=FOREVER)
+        keys = self._keys(request.keys, "Get")
+        layout_id = self._layout(self._caller(context), request.layout_id)
+        self.limits.get_bytes(len(keys), self.store.info(layout_id).page_bytes,
+                              self.store.pool.capacity_bytes)
+        pinned = self.store.acquire(layout_id, keys, ttl=FOREVER,
+                                    quota=self._caller(context).quota_bytes)
         try:
             info = pinned.info
             layer_bytes = info.layer_bytes
@@ -347,12 +361,18 @@ def _describe_get(request) -> str:
 
 def add_kvstore_service(server: grpc.Server, service: KVStoreService,
                         streams: StreamWatchdog | None = None,
-                        lookup_streams: int = 0) -> LookupStreams:
+                        lookup_streams: int = 0, workers: int = 16) -> LookupStreams:
     """streams: cancels Get and Put streams that stall (kvstore_server.watchdog).
     lookup_streams: LookupStream calls open at once (the server's pool needs as many
-    threads on top of its workers). Returns them, to start and stop with the server."""
+    threads on top of its workers). workers: the pool's other threads, of which Get and
+    Put streams may take only a share (stream_gate.py). Returns the lookup streams, to
+    start and stop with the server."""
     m = service.metrics
     streams = streams or StreamWatchdog(0)
+    gate = StreamGate(workers, per_tenant=service.auth is not None)
+
+    def tenant(context) -> str:
+        return service._caller(context).name
     lookups = LookupStreams(lookup_streams, functools.partial(
         guarded("Lookup", m)(KVStoreService.Lookup), service))
     unary = grpc.unary_unary_rpc_method_handler
@@ -374,13 +394,13 @@ def add_kvstore_service(server: grpc.Server, service: KVStoreService,
         "Abort": u("Abort", pb.AbortRequest, pb.AbortResponse),
         "Acquire": u("Acquire", pb.AcquireRequest, pb.AcquireResponse),
         "Put": grpc.stream_unary_rpc_method_handler(
-            watched_requests(streams, functools.partial(
-                guarded("Put", m)(KVStoreService.Put), service), "Put"),
+            gated_requests(gate, tenant, watched_requests(streams, functools.partial(
+                guarded("Put", m)(KVStoreService.Put), service), "Put"), "Put"),
             request_deserializer=_put_deserializer,
             response_serializer=pb.PutResponse.SerializeToString),
         "Get": grpc.unary_stream_rpc_method_handler(
-            watched_stream(streams, functools.partial(
-                guarded("Get", m)(KVStoreService.Get), service), _describe_get),
+            gated_stream(gate, tenant, watched_stream(streams, functools.partial(
+                guarded("Get", m)(KVStoreService.Get), service), _describe_get), "Get"),
             request_deserializer=parser(pb.GetRequest),
             response_serializer=lambda chunk: chunk),   # already framed
         "LookupStream": grpc.stream_stream_rpc_method_handler(

@@ -214,19 +214,21 @@ class SlotFile:
     def offset(self, idx: int) -> int:
         return idx * self.slot_bytes
 
-    def blank(self, idx: int, pwritev: Callable = os.pwritev) -> None:
-        """Make slot idx blank so its page cannot come back at restart: punch a hole (the
-        blocks go back to the file system and read as zeros), or where the file system
-        cannot, zero the last block, which holds the header."""
+    def blank(self, idx: int, pwritev: Callable = os.pwritev, n: int = 1) -> None:
+        """Make slots idx..idx+n-1 blank so their pages cannot come back at restart: punch
+        a hole (the blocks go back to the file system and read as zeros), or where the
+        file system cannot, zero the last block of each, which holds the header. One
+        call a run: a delete of 65,536 pages took 10.8 s punching them one by one."""
         if self.can_punch:
             if _libc.fallocate(self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
-                               self.offset(idx), self.slot_bytes) == 0:
+                               self.offset(idx), n * self.slot_bytes) == 0:
                 return
             err = ctypes.get_errno()
             if err not in (errno.EOPNOTSUPP, errno.ENOSYS):
                 raise OSError(err, os.strerror(err), self.path)
             self.can_punch = False
-        pwritev(self.dfd if self.dfd >= 0 else self.fd, [_ZEROS], self.offset(idx + 1) - ALIGN)
+        for i in range(idx, idx + n):
+            pwritev(self.dfd if self.dfd >= 0 else self.fd, [_ZEROS], self.offset(i + 1) - ALIGN)
 
     def scan(self) -> ScanResult:
         """Read and check the header of every whole slot."""

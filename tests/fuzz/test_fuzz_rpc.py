@@ -211,8 +211,10 @@ class Harness:
 def harness(tmp_path_factory):
     # A small disk tier too, so Evict's tiers and reads back from disk are fuzzed as well.
     disk_dir = tmp_path_factory.mktemp("fuzz-disk")
+    # The sentinel's lease (lease_ms 2^32-1) is capped at the server's ttl: an hour keeps
+    # it pinned for the whole run, through every fuzzed eviction.
     with ServerProcess(dram="64MiB", disk="32MiB", disk_dir=str(disk_dir),
-                       workers=WORKERS, lookup_streams=LOOKUP_STREAMS) as srv:
+                       workers=WORKERS, lookup_streams=LOOKUP_STREAMS, lease_ttl="1h") as srv:
         h = Harness(srv)
         h.start()
         yield h

@@ -100,38 +100,46 @@ class StatsResponse(_message.Message):
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., layouts: _Optional[_Iterable[_Union[LayoutStats, _Mapping]]] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
-    __slots__ = ("layout_id", "bytes", "all", "tier")
+    __slots__ = ("layout_id", "bytes", "all", "tier", "force")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     ALL_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     layout_id: bytes
     bytes: int
     all: bool
     tier: str
-    def __init__(self, layout_id: _Optional[bytes] = ..., bytes: _Optional[int] = ..., all: _Optional[bool] = ..., tier: _Optional[str] = ...) -> None: ...
+    force: bool
+    def __init__(self, layout_id: _Optional[bytes] = ..., bytes: _Optional[int] = ..., all: _Optional[bool] = ..., tier: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class EvictResponse(_message.Message):
-    __slots__ = ("pages", "bytes", "skipped_leased")
+    __slots__ = ("pages", "bytes", "skipped_leased", "leases_broken")
     PAGES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_LEASED_FIELD_NUMBER: _ClassVar[int]
+    LEASES_BROKEN_FIELD_NUMBER: _ClassVar[int]
     pages: int
     bytes: int
     skipped_leased: int
-    def __init__(self, pages: _Optional[int] = ..., bytes: _Optional[int] = ..., skipped_leased: _Optional[int] = ...) -> None: ...
+    leases_broken: int
+    def __init__(self, pages: _Optional[int] = ..., bytes: _Optional[int] = ..., skipped_leased: _Optional[int] = ..., leases_broken: _Optional[int] = ...) -> None: ...
 
 class ClearRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("force",)
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    force: bool
+    def __init__(self, force: _Optional[bool] = ...) -> None: ...
 
 class ClearResponse(_message.Message):
-    __slots__ = ("pages", "layouts")
+    __slots__ = ("pages", "layouts", "leases_broken")
     PAGES_FIELD_NUMBER: _ClassVar[int]
     LAYOUTS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_BROKEN_FIELD_NUMBER: _ClassVar[int]
     pages: int
     layouts: int
-    def __init__(self, pages: _Optional[int] = ..., layouts: _Optional[int] = ...) -> None: ...
+    leases_broken: int
+    def __init__(self, pages: _Optional[int] = ..., layouts: _Optional[int] = ..., leases_broken: _Optional[int] = ...) -> None: ...
 
 class ListLayoutsRequest(_message.Message):
     __slots__ = ()

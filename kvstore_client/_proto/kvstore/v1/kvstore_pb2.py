@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1\"\xcc\x01\n\x06Layout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x13\n\x0bpage_tokens\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x11\n\thead_size\x18\x06 \x01(\r\x12\x11\n\tkv_factor\x18\x07 \x01(\r\x12\x0f\n\x07tp_rank\x18\x08 \x01(\r\x12\x0f\n\x07tp_size\x18\t \x01(\r\x12\x0f\n\x07pp_rank\x18\n \x01(\r\x12\x0c\n\x04salt\x18\x0b \x01(\t\",\n\nPackedKeys\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x10\n\x08key_size\x18\x02 \x01(\r\";\n\x15RegisterLayoutRequest\x12\"\n\x06layout\x18\x01 \x01(\x0b\x32\x12.kvstore.v1.Layout\"T\n\x16RegisterLayoutResponse\x12\x11\n\tlayout_id\x18\x01 \x01(\x0c\x12\x12\n\npage_bytes\x18\x02 \x01(\x04\x12\x13\n\x0blayer_bytes\x18\x03 \x01(\x04\"[\n\rLookupRequest\x12\x12\n\nlayout_ids\x18\x01 \x03(\x0c\x12$\n\x04keys\x18\x02 \x01(\x0b\x32\x16.kvstore.v1.PackedKeys\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\"1\n\x0eLookupResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\r\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\"(\n\x14ReleaseLeaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"H\n\rExistsRequest\x12\x11\n\tlayout_id\x18\x01 \x01(\x0c\x12$\n\x04keys\x18\x02 \x01(\x0b\x32\x16.kvstore.v1.PackedKeys\"/\n\x0e\x45xistsResponse\x12\x0e\n\x06\x62itmap\x18\x01 \x01(\x0c\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"M\n\nPutRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.PutHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"D\n\tPutHeader\x12\x11\n\tlayout_id\x18\x01 \x01(\x0c\x12$\n\x04keys\x18\x02 \x01(\x0b\x32\x16.kvstore.v1.PackedKeys\".\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x0f\n\x07skipped\x18\x02 \x01(\r\"E\n\nGetRequest\x12\x11\n\tlayout_id\x18\x01 \x01(\x0c\x12$\n\x04keys\x18\x02 \x01(\x0b\x32\x16.kvstore.v1.PackedKeys\"\x1b\n\x0bGetResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"H\n\rDeleteRequest\x12\x11\n\tlayout_id\x18\x01 \x01(\x0c\x12$\n\x04keys\x18\x02 \x01(\x0b\x32\x16.kvstore.v1.PackedKeys\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x0f\n\rAttachRequest\"B\n\x0e\x41ttachResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x14\n\x0ctoken_offset\x18\x03 \x01(\x04\"j\n\x0eReserveRequest\x12\x11\n\tlayout_id\x18\x01 \x01(\x0c\x12$\n\x04keys\x18\x02 \x01(\x0b\x32\x16.kvstore.v1.PackedKeys\x12\r\n\x05token\x18\x03 \x01(\x0c\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\"E\n\x0fReserveResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x0f\n\x07offsets\x18\x02 \x01(\x0c\x12\x0f\n\x07skipped\x18\x03 \x01(\r\"!\n\rCommitRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\" \n\x0e\x43ommitResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\" \n\x0c\x41\x62ortRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"j\n\x0e\x41\x63quireRequest\x12\x11\n\tlayout_id\x18\x01 \x01(\x0c\x12$\n\x04keys\x18\x02 \x01(\x0b\x32\x16.kvstore.v1.PackedKeys\x12\r\n\x05token\x18\x03 \x01(\x0c\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\"4\n\x0f\x41\x63quireResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x0f\n\x07offsets\x18\x02 \x01(\x0c\x32\xff\x06\n\x07KVStore\x12W\n\x0eRegisterLayout\x12!.kvstore.v1.RegisterLayoutRequest\x1a\".kvstore.v1.RegisterLayoutResponse\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12I\n\x0cLookupStream\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse(\x01\x30\x01\x12Q\n\x0cReleaseLease\x12\x1f.kvstore.v1.ReleaseLeaseRequest\x1a .kvstore.v1.ReleaseLeaseResponse\x12?\n\x06\x45xists\x12\x19.kvstore.v1.ExistsRequest\x1a\x1a.kvstore.v1.ExistsResponse\x12\x38\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse(\x01\x12\x38\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x17.kvstore.v1.GetResponse0\x01\x12?\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12?\n\x06\x41ttach\x12\x19.kvstore.v1.AttachRequest\x1a\x1a.kvstore.v1.AttachResponse\x12\x42\n\x07Reserve\x12\x1a.kvstore.v1.ReserveRequest\x1a\x1b.kvstore.v1.ReserveResponse\x12?\n\x06\x43ommit\x12\x19.kvstore.v1.CommitRequest\x1a\x1a.kvstore.v1.CommitResponse\x12<\n\x05\x41\x62ort\x12\x18.kvstore.v1.AbortRequest\x1a\x19.kvstore.v1.AbortResponse\x12\x42\n\x07\x41\x63quire\x12\x1a.kvstore.v1.AcquireRequest\x1a\x1b.kvstore.v1.AcquireResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1\"\xcc\x01\n\x06Layout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x13\n\x0bpage_tokens\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x11\n\thead_size\x18\x06 \x01(\r\x12\x11\n\tkv_factor\x18\x07 \x01(\r\x12\x0f\n\x07tp_rank\x18\x08 \x01(\r\x12\x0f\n\x07tp_size\x18\t \x01(\r\x12\x0f\n\x07pp_rank\x18\n \x01(\r\x12\x0c\n\x04salt\x18\x0b \x01(\t\",\n\nPackedKeys\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x10\n\x08key_size\x18\x02 \x01(\r\";\n\x15RegisterLayoutRequest\x12\"\n\x06layout\x18\x01 \x01(\x0b\x32\x12.kvstore.v1.Layout\"T\n\x16RegisterLayoutResponse\x12\x11\n\tlayout_id\x18\x01 \x01(\x0c\x12\x12\n\npage_bytes\x18\x02 \x01(\x04\x12\x13\n\x0blayer_bytes\x18\x03 \x01(\x04\"[\n\rLookupRequest\x12\x12\n\nlayout_ids\x18\x01 \x03(\x0c\x12$\n\x04keys\x18\x02 \x01(\x0b\x32\x16.kvstore.v1.PackedKeys\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\"1\n\x0eLookupResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\r\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\"(\n\x14ReleaseLeaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"H\n\rExistsRequest\x12\x11\n\tlayout_id\x18\x01 \x01(\x0c\x12$\n\x04keys\x18\x02 \x01(\x0b\x32\x16.kvstore.v1.PackedKeys\"/\n\x0e\x45xistsResponse\x12\x0e\n\x06\x62itmap\x18\x01 \x01(\x0c\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"M\n\nPutRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.PutHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"D\n\tPutHeader\x12\x11\n\tlayout_id\x18\x01 \x01(\x0c\x12$\n\x04keys\x18\x02 \x01(\x0b\x32\x16.kvstore.v1.PackedKeys\"A\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x0f\n\x07skipped\x18\x02 \x01(\r\x12\x11\n\tin_flight\x18\x03 \x01(\r\"E\n\nGetRequest\x12\x11\n\tlayout_id\x18\x01 \x01(\x0c\x12$\n\x04keys\x18\x02 \x01(\x0b\x32\x16.kvstore.v1.PackedKeys\"\x1b\n\x0bGetResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"H\n\rDeleteRequest\x12\x11\n\tlayout_id\x18\x01 \x01(\x0c\x12$\n\x04keys\x18\x02 \x01(\x0b\x32\x16.kvstore.v1.PackedKeys\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x0f\n\rAttachRequest\"B\n\x0e\x41ttachResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x14\n\x0ctoken_offset\x18\x03 \x01(\x04\"j\n\x0eReserveRequest\x12\x11\n\tlayout_id\x18\x01 \x01(\x0c\x12$\n\x04keys\x18\x02 \x01(\x0b\x32\x16.kvstore.v1.PackedKeys\x12\r\n\x05token\x18\x03 \x01(\x0c\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\"X\n\x0fReserveResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x0f\n\x07offsets\x18\x02 \x01(\x0c\x12\x0f\n\x07skipped\x18\x03 \x01(\r\x12\x11\n\tin_flight\x18\x04 \x01(\r\"!\n\rCommitRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\" \n\x0e\x43ommitResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\" \n\x0c\x41\x62ortRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"j\n\x0e\x41\x63quireRequest\x12\x11\n\tlayout_id\x18\x01 \x01(\x0c\x12$\n\x04keys\x18\x02 \x01(\x0b\x32\x16.kvstore.v1.PackedKeys\x12\r\n\x05token\x18\x03 \x01(\x0c\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\"4\n\x0f\x41\x63quireResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x0f\n\x07offsets\x18\x02 \x01(\x0c\x32\xff\x06\n\x07KVStore\x12W\n\x0eRegisterLayout\x12!.kvstore.v1.RegisterLayoutRequest\x1a\".kvstore.v1.RegisterLayoutResponse\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12I\n\x0cLookupStream\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse(\x01\x30\x01\x12Q\n\x0cReleaseLease\x12\x1f.kvstore.v1.ReleaseLeaseRequest\x1a .kvstore.v1.ReleaseLeaseResponse\x12?\n\x06\x45xists\x12\x19.kvstore.v1.ExistsRequest\x1a\x1a.kvstore.v1.ExistsResponse\x12\x38\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse(\x01\x12\x38\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x17.kvstore.v1.GetResponse0\x01\x12?\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12?\n\x06\x41ttach\x12\x19.kvstore.v1.AttachRequest\x1a\x1a.kvstore.v1.AttachResponse\x12\x42\n\x07Reserve\x12\x1a.kvstore.v1.ReserveRequest\x1a\x1b.kvstore.v1.ReserveResponse\x12?\n\x06\x43ommit\x12\x19.kvstore.v1.CommitRequest\x1a\x1a.kvstore.v1.CommitResponse\x12<\n\x05\x41\x62ort\x12\x18.kvstore.v1.AbortRequest\x1a\x19.kvstore.v1.AbortResponse\x12\x42\n\x07\x41\x63quire\x12\x1a.kvstore.v1.AcquireRequest\x1a\x1b.kvstore.v1.AcquireResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -56,35 +56,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTHEADER']._serialized_start=869
   _globals['_PUTHEADER']._serialized_end=937
   _globals['_PUTRESPONSE']._serialized_start=939
-  _globals['_PUTRESPONSE']._serialized_end=985
-  _globals['_GETREQUEST']._serialized_start=987
-  _globals['_GETREQUEST']._serialized_end=1056
-  _globals['_GETRESPONSE']._serialized_start=1058
-  _globals['_GETRESPONSE']._serialized_end=1085
-  _globals['_DELETEREQUEST']._serialized_start=1087
-  _globals['_DELETEREQUEST']._serialized_end=1159
-  _globals['_DELETERESPONSE']._serialized_start=1161
-  _globals['_DELETERESPONSE']._serialized_end=1194
-  _globals['_ATTACHREQUEST']._serialized_start=1196
-  _globals['_ATTACHREQUEST']._serialized_end=1211
-  _globals['_ATTACHRESPONSE']._serialized_start=1213
-  _globals['_ATTACHRESPONSE']._serialized_end=1279
-  _globals['_RESERVEREQUEST']._serialized_start=1281
-  _globals['_RESERVEREQUEST']._serialized_end=1387
-  _globals['_RESERVERESPONSE']._serialized_start=1389
-  _globals['_RESERVERESPONSE']._serialized_end=1458
-  _globals['_COMMITREQUEST']._serialized_start=1460
-  _globals['_COMMITREQUEST']._serialized_end=1493
-  _globals['_COMMITRESPONSE']._serialized_start=1495
-  _globals['_COMMITRESPONSE']._serialized_end=1527
-  _globals['_ABORTREQUEST']._serialized_start=1529
-  _globals['_ABORTREQUEST']._serialized_end=1561
-  _globals['_ABORTRESPONSE']._serialized_start=1563
-  _globals['_ABORTRESPONSE']._serialized_end=1595
-  _globals['_ACQUIREREQUEST']._serialized_start=1597
-  _globals['_ACQUIREREQUEST']._serialized_end=1703
-  _globals['_ACQUIRERESPONSE']._serialized_start=1705
-  _globals['_ACQUIRERESPONSE']._serialized_end=1757
-  _globals['_KVSTORE']._serialized_start=1760
-  _globals['_KVSTORE']._serialized_end=2655
+  _globals['_PUTRESPONSE']._serialized_end=1004
+  _globals['_GETREQUEST']._serialized_start=1006
+  _globals['_GETREQUEST']._serialized_end=1075
+  _globals['_GETRESPONSE']._serialized_start=1077
+  _globals['_GETRESPONSE']._serialized_end=1104
+  _globals['_DELETEREQUEST']._serialized_start=1106
+  _globals['_DELETEREQUEST']._serialized_end=1178
+  _globals['_DELETERESPONSE']._serialized_start=1180
+  _globals['_DELETERESPONSE']._serialized_end=1213
+  _globals['_ATTACHREQUEST']._serialized_start=1215
+  _globals['_ATTACHREQUEST']._serialized_end=1230
+  _globals['_ATTACHRESPONSE']._serialized_start=1232
+  _globals['_ATTACHRESPONSE']._serialized_end=1298
+  _globals['_RESERVEREQUEST']._serialized_start=1300
+  _globals['_RESERVEREQUEST']._serialized_end=1406
+  _globals['_RESERVERESPONSE']._serialized_start=1408
+  _globals['_RESERVERESPONSE']._serialized_end=1496
+  _globals['_COMMITREQUEST']._serialized_start=1498
+  _globals['_COMMITREQUEST']._serialized_end=1531
+  _globals['_COMMITRESPONSE']._serialized_start=1533
+  _globals['_COMMITRESPONSE']._serialized_end=1565
+  _globals['_ABORTREQUEST']._serialized_start=1567
+  _globals['_ABORTREQUEST']._serialized_end=1599
+  _globals['_ABORTRESPONSE']._serialized_start=1601
+  _globals['_ABORTRESPONSE']._serialized_end=1633
+  _globals['_ACQUIREREQUEST']._serialized_start=1635
+  _globals['_ACQUIREREQUEST']._serialized_end=1741
+  _globals['_ACQUIRERESPONSE']._serialized_start=1743
+  _globals['_ACQUIRERESPONSE']._serialized_end=1795
+  _globals['_KVSTORE']._serialized_start=1798
+  _globals['_KVSTORE']._serialized_end=2693
 # @@protoc_insertion_point(module_scope)

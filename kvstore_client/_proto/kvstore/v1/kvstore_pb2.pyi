@@ -119,12 +119,14 @@ class PutHeader(_message.Message):
     def __init__(self, layout_id: _Optional[bytes] = ..., keys: _Optional[_Union[PackedKeys, _Mapping]] = ...) -> None: ...
 
 class PutResponse(_message.Message):
-    __slots__ = ("stored", "skipped")
+    __slots__ = ("stored", "skipped", "in_flight")
     STORED_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     stored: int
     skipped: int
-    def __init__(self, stored: _Optional[int] = ..., skipped: _Optional[int] = ...) -> None: ...
+    in_flight: int
+    def __init__(self, stored: _Optional[int] = ..., skipped: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("layout_id", "keys")
@@ -181,14 +183,16 @@ class ReserveRequest(_message.Message):
     def __init__(self, layout_id: _Optional[bytes] = ..., keys: _Optional[_Union[PackedKeys, _Mapping]] = ..., token: _Optional[bytes] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("lease_id", "offsets", "skipped")
+    __slots__ = ("lease_id", "offsets", "skipped", "in_flight")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     offsets: bytes
     skipped: int
-    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[bytes] = ..., skipped: _Optional[int] = ...) -> None: ...
+    in_flight: int
+    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[bytes] = ..., skipped: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("lease_id",)

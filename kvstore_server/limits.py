@@ -1,0 +1,86 @@
+"""Bounds on one request, checked before any work or memory proportional to it.
+
+Why. Nothing but the 64 MiB message limit bounded a request: a Get naming one stored key
+60 million times (a 57 MiB request) took the server from 125 MiB to 3.9 GB of RSS in the
+per-key arrays and lists built for it, and a Lookup of 60 M keys held the store's lock for
+11.5 s. Every per-key structure the server builds is proportional to the keys named, so
+one cap on keys bounds them all, and a smaller message limit bounds what gRPC itself
+buffers before a handler can look.
+
+The limits (SECURITY.md and README's settings table state them too):
+- keys per request (Lookup, Exists, Get, Put, Delete, Reserve, Acquire, and each message
+  of a LookupStream): `max_keys_per_request`, 16,384 by default, a 256k-token prompt at
+  16 tokens a page. Past it: INVALID_ARGUMENT, before the keys are even copied. Why not
+  more: the work under the store's lock that a request's keys cost (a dict entry a key
+  for a put's reserve and commit) is what bounds the lock's longest hold. At 65,536 keys
+  a commit held it 160-430 ms on the loaded 2-core dev VM; at 16,384, 16-60 ms (143 and
+  178 ms at worst in two runs of kvstore-bench limits on that loaded machine).
+- bytes of one request message: request_message_bytes(max_keys), 8 MiB by default (the
+  keys at their longest, 64 bytes, fill 1 MiB); Put's data messages are 1 MiB.
+  Past it gRPC answers RESOURCE_EXHAUSTED before a handler runs.
+- bytes of one Get's response: at most the pool's capacity. A Get may name a key more
+  than once and each is sent, but the distinct pages of one Get always fit the pool, so
+  only repeats can go past it: RESOURCE_EXHAUSTED, before anything is pinned.
+- layouts per Lookup: 256 (store.MAX_LOOKUP_LAYOUTS), and layouts x keys at most
+  4 x max_keys_per_request (65,536 by default: 8 tensor-parallel ranks of 8,192 keys),
+  since each layout is one more pass over the keys, under the lock: INVALID_ARGUMENT.
+
+With these, one request's memory on the server is its message (up to 8 MiB, held twice
+while parsed) plus about 100 bytes a key (1.6 MiB at 16,384 keys): under 20 MiB, whatever
+it names; bench/limits_bench.py measures it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvstore_client.keys import MAX_KEY_BYTES, Packed
+
+from .errors import Outcome, StoreError
+
+__all__ = ["DEFAULT_MAX_KEYS", "RequestLimits", "request_message_bytes"]
+
+DEFAULT_MAX_KEYS = 16_384
+LOOKUP_FACTOR = 4           # layouts x keys of one Lookup, in units of max_keys
+
+
+def request_message_bytes(max_keys: int) -> int:
+    """The largest request message the server takes: max_keys keys of the longest size,
+    plus 1 MiB for the rest of the message; never under 8 MiB (Put's 1 MiB chunks)."""
+    return max(8 << 20, max_keys * MAX_KEY_BYTES + (1 << 20))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What one request may ask for (see the module docstring)."""
+
+    max_keys: int = DEFAULT_MAX_KEYS
+
+    def __post_init__(self) -> None:
+        if self.max_keys < 1:
+            raise ValueError(f"max_keys must be >= 1, got {self.max_keys}")
+
+    def keys(self, data: bytes, key_size: int, method: str) -> Packed:
+        """The request's packed keys, refused (INVALID) past max_keys before any copy."""
+        n = len(data) // key_size if key_size > 0 else 0
+        if n > self.max_keys:
+            raise StoreError(Outcome.INVALID, (
+                f"{method} names {n} keys; at most {self.max_keys} per request "
+                "(--max-keys-per-request): split it"))
+        return Packed(data, key_size)
+
+    def lookup(self, n_layouts: int, n_keys: int) -> None:
+        """Refuse (INVALID) a Lookup whose layouts x keys pass 4 x max_keys."""
+        if n_layouts * n_keys > LOOKUP_FACTOR * self.max_keys:
+            raise StoreError(Outcome.INVALID, (
+                f"Lookup of {n_keys} keys in {n_layouts} layouts: layouts x keys may be at "
+                f"most {LOOKUP_FACTOR * self.max_keys} (4 x --max-keys-per-request)"))
+
+    @staticmethod
+    def get_bytes(n_keys: int, page_bytes: int, pool_bytes: int) -> None:
+        """Refuse (EXHAUSTED) a Get whose response would be more than the pool holds."""
+        if n_keys * page_bytes > pool_bytes:
+            raise StoreError(Outcome.EXHAUSTED, (
+                f"Get of {n_keys} pages of {page_bytes} bytes would send "
+                f"{n_keys * page_bytes} bytes, more than the pool holds ({pool_bytes}); "
+                "a key named more than once is sent each time: ask for fewer"))

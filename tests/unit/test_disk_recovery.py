@@ -1,0 +1,95 @@
+"""The disk tier across crashes: a restart over capacity, deletes that stay deleted after a
+SIGKILL, and a slot whose header is intact but whose length is not what the reader expects."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+
+from kvstore_server.disk import DiskTier
+from kvstore_server.slotfile import slot_bytes_for
+
+from .test_disk import LAYOUT, KiB, fill, key, page, read, tiers  # noqa: F401 - fixture
+
+
+
+def test_a_restart_over_capacity_evicts_the_oldest_down_to_it(tiers, tmp_path):
+    """A smaller --disk, or freed slots not yet blanked when the server was killed, leave
+    more on disk than the capacity: the rebuild evicts the oldest pages and starts (it
+    used to raise "cannot notify on un-acquired lock", at every restart)."""
+    size = 12 * KiB
+    sb = slot_bytes_for(size)
+    tier = tiers(capacity=16 * sb)
+    ks = [key(i) for i in range(16)]
+    fill(tier, ks, size)
+    tier.close()
+    tier = tiers(capacity=6 * sb, directory=tmp_path / "disk")
+    s = tier.stats()
+    assert s["pages"] == 6 and s["used_bytes"] == 6 * sb and s["evictions"] == 10
+    assert tier.contains(LAYOUT, ks).tolist() == [False] * 10 + [True] * 6   # newest kept
+    ok, outs = read(tier, ks[10:], size)
+    assert all(ok) and all(np.array_equal(o, page(k, size)) for k, o in zip(ks[10:], outs))
+    tier.close()
+    # The evicted slots were blanked: the next start finds only what the last one kept.
+    tier = tiers(capacity=16 * sb, directory=tmp_path / "disk")
+    assert tier.stats()["pages"] == 6 and tier.stats()["corrupt_pages"] == 0
+
+
+_CHILD = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from kvstore_server import slotfile
+    from kvstore_server.disk import DiskTier
+    from tests.unit.test_disk import LAYOUT, KiB, fill, key
+
+    # Blanking a slot takes a while here, so a delete that returned before its slot was
+    # blanked would be caught by the kill below.
+    blank = slotfile.SlotFile.blank
+    def slow_blank(self, idx, *args):
+        time.sleep(0.5)
+        return blank(self, idx, *args)
+    slotfile.SlotFile.blank = slow_blank
+
+    tier = DiskTier(sys.argv[1], 64 << 20)
+    fill(tier, [key(i) for i in range(8)], 8 * KiB)
+    print(tier.delete(LAYOUT, [key(i) for i in range(4)]), flush=True)
+    time.sleep(60)
+""")
+
+
+def test_a_delete_is_durable_once_it_returns(tmp_path):
+    """A page deleted from the disk tier does not come back after a SIGKILL that follows
+    the delete's return, however soon."""
+    folder = tmp_path / "disk"
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(folder)],
+                             stdout=subprocess.PIPE, text=True,
+                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    try:
+        assert child.stdout.readline().strip() == "4"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    tier = DiskTier(str(folder), 64 << 20)
+    try:
+        assert tier.contains(LAYOUT, [key(i) for i in range(8)]).tolist() == \
+            [False] * 4 + [True] * 4
+    finally:
+        tier.close()
+
+
+def test_a_slot_of_the_wrong_length_is_corrupt(tiers, tmp_path):
+    """A header that checks out but whose payload length is not the reader's page size
+    (a page of another size class written under this key, or a forged file) is dropped
+    and counted as corrupt, never raised to the caller."""
+    tier = tiers()
+    fill(tier, [key(0)], 8 * KiB)
+    out = np.empty(6 * KiB, np.uint8)       # same 8 KiB slot class, another length
+    assert tier.read_into(LAYOUT, [key(0)], [out]) == [False]
+    s = tier.stats()
+    assert s["corrupt_pages"] == 1 and s["pages"] == 0
+    assert not tier.contains(LAYOUT, [key(0)])[0]
