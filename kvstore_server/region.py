@@ -11,10 +11,11 @@ import os
 import re
 import secrets
 import time
+from typing import Callable
 
 import numpy as np
 
-__all__ = ["Region", "HEADER_BYTES", "TOKEN_OFFSET", "TOKEN_BYTES", "MAGIC", "remove_stale"]
+__all__ = ["Region", "region_bytes", "HEADER_BYTES", "TOKEN_OFFSET", "TOKEN_BYTES", "MAGIC", "remove_stale"]
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +38,31 @@ HEADER_BYTES = _PAGE
 MAGIC = b"kvstore-region\x00\x01"
 TOKEN_OFFSET = 16
 TOKEN_BYTES = 16
+_STEP = 256 << 20           # allocation and pre-fault step: ~0.1-0.5 s of work
+_HUGE = 2 << 20
+
+# progress(done, total): bytes of start-up work done so far (allocation, then pre-fault).
+Progress = Callable[[int, int], None]
+
+
+def region_bytes(dram: int) -> int:
+    """The region's file size for a pool of `dram` bytes: the header, then whole 4 KiB
+    pages, rounded up to 2 MiB so the region can live on hugetlbfs, whose files must be a
+    whole number of huge pages."""
+    return -(-(dram // _PAGE * _PAGE + HEADER_BYTES) // _HUGE) * _HUGE
 
 
 class Region:
     """A MAP_SHARED byte region backed by a file in `directory`; `mem` is a uint8 view."""
 
-    def __init__(self, size: int, directory: str = "/dev/shm", group: str = "") -> None:
+    def __init__(self, size: int, directory: str = "/dev/shm", group: str = "",
+                 progress: Progress | None = None) -> None:
         """size: bytes including the 4 KiB header. group: a group whose members' clients may
-        map the region too (mode 0660); empty = the server's user only (mode 0600)."""
+        map the region too (mode 0660); empty = the server's user only (mode 0600).
+        progress(done, total) is called between steps of the allocation and the pre-fault.
+
+        Raises OSError when the folder cannot hold `size` bytes (ENOSPC): the file is
+        removed first. Any exception, a signal handler's included, leaves no file."""
         if size <= HEADER_BYTES or size % _PAGE:
             raise ValueError(f"region size must be a multiple of {_PAGE} above {HEADER_BYTES}, "
                              f"got {size}")
@@ -52,6 +70,8 @@ class Region:
         self.name = f"kvstore-{os.getpid()}-{secrets.token_hex(4)}"
         self.path = os.path.join(directory, self.name)
         self.token = secrets.token_bytes(TOKEN_BYTES)
+        self._progress = progress or (lambda done, total: None)
+        self._mmap = None
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)      # held while we live: see remove_stale
@@ -59,7 +79,7 @@ class Region:
                 import grp
                 os.fchown(fd, -1, grp.getgrnam(group).gr_gid)
                 os.fchmod(fd, 0o660)
-            os.ftruncate(fd, size)
+            self._allocate(fd)
             self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
                                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
@@ -72,10 +92,30 @@ class Region:
         self.mem[TOKEN_OFFSET:TOKEN_OFFSET + TOKEN_BYTES] = np.frombuffer(self.token, np.uint8)
         self.locked = False
 
+    def _allocate(self, fd: int) -> None:
+        """Give the file all its blocks now. With ftruncate alone the file was sparse: a
+        tmpfs too small for it let the server start and killed it with SIGBUS at the first
+        touch of a page it had no room for (a 1 GiB pool in a 256 MiB tmpfs died in the
+        pre-fault, leaving its file). posix_fallocate fails with ENOSPC instead, and tmpfs
+        and hugetlbfs hand back what it took. In steps, so progress is reported and a
+        signal (SIGTERM during start-up) is handled between them."""
+        for start in range(0, self.size, _STEP):
+            length = min(_STEP, self.size - start)
+            try:
+                os.posix_fallocate(fd, start, length)
+            except OSError as exc:
+                raise OSError(exc.errno, f"{os.strerror(exc.errno)}: {self.path} could "
+                              f"take only {start >> 20} of the {self.size >> 20} MiB "
+                              "asked for") from None
+            self._progress(start + length, 2 * self.size)
+
     def prefault(self) -> None:
-        """Touch every page now, so no request ever waits on a page fault or on tmpfs
-        allocation; a region larger than free memory fails here, at start, not later."""
-        self.mem[HEADER_BYTES::_PAGE] = 0      # past the header: it holds the magic
+        """Touch every page now, so no request ever waits on a page fault; in steps, so a
+        signal is handled between them and progress is reported."""
+        for start in range(HEADER_BYTES, self.size, _STEP):
+            # past the header: it holds the magic
+            self.mem[start:start + _STEP:_PAGE] = 0
+            self._progress(self.size + min(start + _STEP, self.size), 2 * self.size)
 
     def lock(self) -> bool:
         """mlock the region so the kernel never swaps pages out; False (and a log line)
