@@ -215,7 +215,7 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(prog="kvstore-bench load", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=_ints, default=[1024, 4096, 16384, 32768],
                    help="prompt lengths, comma-separated (multiples of 16)")

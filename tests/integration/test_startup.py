@@ -73,7 +73,10 @@ def test_pool_larger_than_memory_in_dev_shm():
     proc = subprocess.Popen([*SERVER, "--listen", f"127.0.0.1:{free_port()}", "--dram",
                              "500GiB"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-    out, _ = proc.communicate(timeout=30)
+    try:
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
     assert proc.returncode == 1 and "dram: 500.0 GiB" in out and "Traceback" not in out, out
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"kvstore-{proc.pid}-")]
 
