@@ -39,6 +39,10 @@ __all__ = ["Server", "main"]
 log = logging.getLogger("kvstore_server")
 
 SERVICES = ("kvstore.v1.KVStore", "kvstore.v1.Admin")
+# The health service name of the disk tier (with --disk): NOT_SERVING once its writes
+# failed. The server as a whole ("") stays SERVING then, degraded: DRAM serves as before
+# and pages already on disk are still read; only spilling stopped.
+DISK_HEALTH = "disk"
 
 
 class Server:
@@ -136,7 +140,11 @@ class Server:
         self.grpc.start()
         for name in ("", *SERVICES):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        for target, name in ((self._evictor, "evictor"), (self._reaper, "lease-reaper")):
+        workers = [(self._evictor, "evictor"), (self._reaper, "lease-reaper")]
+        if self.disk is not None:
+            self.health.set(DISK_HEALTH, health_pb2.HealthCheckResponse.SERVING)
+            workers.append((self._watch_disk, "disk-health"))
+        for target, name in workers:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -199,12 +207,19 @@ class Server:
             except Exception:  # noqa: BLE001
                 log.exception("lease expiry failed")
 
+    def _watch_disk(self) -> None:
+        # The tier only ever fails one way (writes stop, for good): report it once.
+        while not self._stopping.wait(0.5):
+            if self.disk.stats()["failed"]:
+                self.health.set(DISK_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
+                return
+
     def stop(self, grace: float = 5.0) -> None:
         """Refuse new calls, let running ones finish for `grace` seconds, free the pool."""
         if self._stopping.is_set():
             return
         log.info("stopping: draining calls for up to %.0fs", grace)
-        for name in ("", *SERVICES):
+        for name in ("", *SERVICES, *((DISK_HEALTH,) if self.disk is not None else ())):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._stopping.set()
         self.store.pressure.set()
