@@ -43,6 +43,10 @@ SERVICES = ("kvstore.v1.KVStore", "kvstore.v1.Admin")
 # failed. The server as a whole ("") stays SERVING then, degraded: DRAM serves as before
 # and pages already on disk are still read; only spilling stopped.
 DISK_HEALTH = "disk"
+# Exit status of a start-up refused for a setting (sysexits' EX_CONFIG; 2 = bad usage):
+# distinct from 1, a crash, so a systemd unit can restart after a crash but not loop on a
+# mistake that will fail the same way every time (RestartPreventExitStatus=2 78).
+EXIT_CANNOT_START = 78
 
 
 class Server:
@@ -293,7 +297,7 @@ def _check_config(config: ServerConfig) -> int:
         check_host(config, region_bytes(config.dram))
     except ConfigError as exc:
         print(f"kvstore-server: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_CANNOT_START
     disk = (f"disk tier {format_size(config.disk)} in {config.disk_dir}" if config.disk
             else "no disk tier")
     metrics = f"metrics on 127.0.0.1:{config.metrics_port}" if config.metrics_port else ""
@@ -353,7 +357,7 @@ def _run(argv: list[str] | None) -> int:
     except (ConfigError, OSError, ValueError, RuntimeError) as exc:
         log.error("cannot start: %s", exc)
         notifier.notify(STATUS=f"cannot start: {exc}")
-        return 1
+        return EXIT_CANNOT_START
 
     def on_signal(signum, _frame):
         log.info("received %s", signal.Signals(signum).name)

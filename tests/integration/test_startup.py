@@ -30,7 +30,7 @@ def shm_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def start_fails(shm_dir: str, *flags: str, setting: str, code: int | None = None,
+def start_fails(shm_dir: str, *flags: str, setting: str, code: int = 78,
                 preexec=None) -> str:
     """Run the server with flags; assert the failure contract; return its output."""
     started = time.monotonic()
@@ -40,7 +40,7 @@ def start_fails(shm_dir: str, *flags: str, setting: str, code: int | None = None
     elapsed = time.monotonic() - started
     out = proc.stdout + proc.stderr
     print(f"{' '.join(flags)}: rc {proc.returncode} in {elapsed:.2f}s: {out.strip()}")
-    assert proc.returncode != 0 and (code is None or proc.returncode == code), out
+    assert proc.returncode == code, out
     assert elapsed < 5, f"took {elapsed:.1f}s"
     assert "Traceback" not in out, out
     failures = [line for line in out.splitlines()
@@ -77,7 +77,7 @@ def test_pool_larger_than_memory_in_dev_shm():
         out, _ = proc.communicate(timeout=30)
     finally:
         proc.kill()
-    assert proc.returncode == 1 and "dram: 500.0 GiB" in out and "Traceback" not in out, out
+    assert proc.returncode == 78 and "dram: 500.0 GiB" in out and "Traceback" not in out, out
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"kvstore-{proc.pid}-")]
 
 
@@ -200,7 +200,7 @@ def test_check_config(shm_dir):
     assert ok.returncode == 0 and "config OK" in ok.stdout, ok.stdout + ok.stderr
     bad = subprocess.run([*SERVER, "--check-config", "--shm-dir", shm_dir, "--dram", "500GiB"],
                          capture_output=True, text=True, timeout=30)
-    assert bad.returncode == 1 and bad.stderr.startswith("kvstore-server: dram:"), bad.stderr
+    assert bad.returncode == 78 and bad.stderr.startswith("kvstore-server: dram:"), bad.stderr
     assert os.listdir(shm_dir) == []
 
 
