@@ -83,7 +83,7 @@ class _Bench:
         from kvstore_bench.engine.model import LlamaModel, ModelConfig
         from kvstore_bench.engine.paged_cache import allocate_kv_caches
 
-        from connector.config import ConnectorConfig, LoadMode
+        from kvstore_connector.config import ConnectorConfig, LoadMode
 
         self.torch, self.args, self.preset = torch, args, preset
         self.cuda = args.device == "cuda"
@@ -185,7 +185,7 @@ class _Bench:
     def load_alone(self, tokens: np.ndarray, reps: int) -> dict:
         """The prefix's pages through the worker half with no compute: host seconds from
         bind to the last layer landed (Acquire RPC included), and device ms of the copies."""
-        from connector.meta import StepMeta
+        from kvstore_connector.meta import StepMeta
         sched, worker = self.store.scheduler_half, self.store.worker_half
         names = list(self.caches)
         blocks = list(range(-(-len(tokens) // self.args.block_size)))
@@ -375,7 +375,7 @@ class _Bench:
 
     def forget(self, tokens: np.ndarray, keep: int) -> None:
         """Delete the stored pages of tokens past the first keep tokens."""
-        from connector.hashing import page_keys
+        from kvstore_connector.hashing import page_keys
         pt = self.page_tokens
         keys = page_keys(tokens[:len(tokens) // pt * pt], pt, self.layout.chain_seed)
         self.client.delete(self.ns, keys[keep // pt:])

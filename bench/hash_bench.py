@@ -19,10 +19,10 @@ import numpy as np
 import xxhash
 
 try:
-    from connector.hashing import page_keys
+    from kvstore_connector.hashing import page_keys
 except ModuleNotFoundError:  # run as a script from a checkout, not installed
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    from connector.hashing import page_keys
+    from kvstore_connector.hashing import page_keys
 
 SEED = bytes(range(16))
 LENGTHS = (1024, 4096, 16384, 32768)

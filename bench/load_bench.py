@@ -83,8 +83,8 @@ def _check(mem, views, offsets, block_ids, what: str) -> None:
 def run(tokens: list[int], reps: int, sweep_ctas: list[int], copies: bool) -> dict:
     import torch
 
-    from connector.kvviews import KVKind, kv5
-    from connector.transfer import CopyMethod, HostRegistration, KVTransfer
+    from kvstore_connector.kvviews import KVKind, kv5
+    from kvstore_connector.transfer import CopyMethod, HostRegistration, KVTransfer
 
     pb, lb, L = LAYOUT.page_bytes, LAYOUT.layer_bytes, LAYOUT.num_layers
     max_pages = max(tokens) // LAYOUT.page_tokens

@@ -59,7 +59,7 @@ def gpu_gbps(client: KVStoreClient, total: int, reps: int) -> dict:
     """Acquired pool pages -> one GPU buffer, against a pinned buffer -> GPU, same size."""
     import torch
 
-    from connector.transfer import HostRegistration
+    from kvstore_connector.transfer import HostRegistration
 
     ns = client.register_layout(LAYOUT)
     n = total // ns.page_bytes

@@ -131,7 +131,7 @@ def test_unreadable_certificate_stops_the_start(pki, tmp_path):
 def test_connector_settings_reach_a_tls_server_with_mutual_tls(pki):
     """The connector's tls_* settings (vLLM's kv_connector_extra_config, SGLang's
     extra_config) make every client it opens speak (mutual) TLS."""
-    from connector.config import ConnectorConfig, open_client
+    from kvstore_connector.config import ConnectorConfig, open_client
     with ServerProcess(credentials=creds(pki, client_cert=True), tls_cert=pki / "server.pem",
                        tls_key=pki / "server.key", tls_client_ca=pki / "ca.pem") as srv:
         config = ConnectorConfig.from_mapping({
