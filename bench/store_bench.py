@@ -182,7 +182,8 @@ def index_bytes_per_page(n: int = 200_000) -> float:
     from kvstore_server.region import Region
     from kvstore_server.store import Store
 
-    region = Region(n * 4096 + (64 << 20))          # never touched: tmpfs allocates nothing
+    # Never touched, and sparse: tmpfs allocates nothing for it.
+    region = Region(n * 4096 + (64 << 20), allocate=False)
     try:
         tracemalloc.start()
         store = Store(region)

@@ -56,10 +56,12 @@ class Region:
     """A MAP_SHARED byte region backed by a file in `directory`; `mem` is a uint8 view."""
 
     def __init__(self, size: int, directory: str = "/dev/shm", group: str = "",
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, allocate: bool = True) -> None:
         """size: bytes including the 4 KiB header. group: a group whose members' clients may
         map the region too (mode 0660); empty = the server's user only (mode 0600).
         progress(done, total) is called between steps of the allocation and the pre-fault.
+        allocate=False leaves the file sparse, for tests and benchmarks that touch little of
+        a large region (a server always allocates: see _allocate).
 
         Raises OSError when the folder cannot hold `size` bytes (ENOSPC): the file is
         removed first. Any exception, a signal handler's included, leaves no file."""
@@ -79,7 +81,10 @@ class Region:
                 import grp
                 os.fchown(fd, -1, grp.getgrnam(group).gr_gid)
                 os.fchmod(fd, 0o660)
-            self._allocate(fd)
+            if allocate:
+                self._allocate(fd)
+            else:
+                os.ftruncate(fd, size)
             self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
                                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
