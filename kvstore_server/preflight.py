@@ -54,7 +54,8 @@ def check_host(config: ServerConfig, pool_bytes: int, memory: HostMemory | None 
         Authenticator(c.auth_file)      # ConfigError names the file and the entry
     if c.disk:
         _check_disk_dir(c.disk_dir, c.disk)
-    _check_shm_dir(c.shm_dir, c.dram, pool_bytes)
+    # With a group the pool is a memfd (region.py): shm_dir holds only its socket.
+    _check_shm_dir(c.shm_dir, c.dram, 0 if c.shm_group else pool_bytes)
     _check_memory(c.dram, pool_bytes, c.shm_dir, memory or host_memory())
 
 

@@ -10,10 +10,14 @@ import mmap
 import os
 import re
 import secrets
+import socket
+import stat
 import time
 from typing import Callable
 
 import numpy as np
+
+from .handout import Handout
 
 __all__ = ["Region", "region_bytes", "HEADER_BYTES", "TOKEN_OFFSET", "TOKEN_BYTES", "MAGIC", "remove_stale"]
 
@@ -23,7 +27,9 @@ log = logging.getLogger(__name__)
 # (/dev/shm) or hugetlbfs folder rather than anonymous memory so that a client on the
 # same host can map the very same pages (the zero-copy data plane): the server owns it,
 # clients only map it. The file name carries the pid and a random part so a restarted
-# server never hands out a stale region.
+# server never hands out a stale region. With --shm-group the name is instead a Unix
+# socket that hands out a memfd sealed against shrinking, so the group's members, who are
+# other users, cannot stop the server by truncating its pool (see _sealed_memfd).
 #
 # The first 4 KiB are a header; pages start after it:
 #
@@ -58,7 +64,9 @@ class Region:
     def __init__(self, size: int, directory: str = "/dev/shm", group: str = "",
                  progress: Progress | None = None, allocate: bool = True) -> None:
         """size: bytes including the 4 KiB header. group: a group whose members' clients may
-        map the region too (mode 0660); empty = the server's user only (mode 0600).
+        map the region too: then `path` is a Unix socket (mode 0660) that hands out a sealed
+        memfd (_sealed_memfd says why); empty = a file only the server's user may open
+        (mode 0600). Clients map what `path` gives either way (kvstore_client.shm).
         progress(done, total) is called between steps of the allocation and the pre-fault.
         allocate=False leaves the file sparse, for tests and benchmarks that touch little of
         a large region (a server always allocates: see _allocate).
@@ -74,28 +82,56 @@ class Region:
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self._progress = progress or (lambda done, total: None)
         self._mmap = None
+        self._handout: Handout | None = None
+        if group:
+            import grp
+            fd = self._sealed_memfd(self.path, grp.getgrnam(group).gr_gid)
+        else:
+            fd = self._file(allocate)
+        self._fd = fd               # kept open: the lock, or the memfd itself
+        self.mem = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.mem[:len(MAGIC)] = np.frombuffer(MAGIC, dtype=np.uint8)
+        self.mem[TOKEN_OFFSET:TOKEN_OFFSET + TOKEN_BYTES] = np.frombuffer(self.token, np.uint8)
+        self.locked = False
+
+    def _file(self, allocate: bool) -> int:
+        """The pool as a file at self.path, which clients open (mode 0600)."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)      # held while we live: see remove_stale
-            if group:
-                import grp
-                os.fchown(fd, -1, grp.getgrnam(group).gr_gid)
-                os.fchmod(fd, 0o660)
             if allocate:
                 self._allocate(fd)
             else:
-                os.ftruncate(fd, size)
-            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
+                os.ftruncate(fd, self.size)
+            self._mmap = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED,
                                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             os.unlink(self.path)
             raise
-        self._fd = fd               # kept open for the lock; closed with the region
-        self.mem = np.frombuffer(self._mmap, dtype=np.uint8)
-        self.mem[:len(MAGIC)] = np.frombuffer(MAGIC, dtype=np.uint8)
-        self.mem[TOKEN_OFFSET:TOKEN_OFFSET + TOKEN_BYTES] = np.frombuffer(self.token, np.uint8)
-        self.locked = False
+        return fd
+
+    def _sealed_memfd(self, path: str, gid: int) -> int:
+        """The pool as a memfd sealed against shrinking and growing, handed out by a Unix
+        socket at path (mode 0660, group gid). Why, for a group and not by default: a
+        member of the group is another user, who could otherwise truncate the file and so
+        stop the server (SIGBUS); the server's own user can stop it anyway, and a plain
+        file keeps --shm-dir's meaning (hugetlbfs, a tmpfs of its own size) for the rest.
+        The memfd lives in the kernel's internal tmpfs: --shm-dir holds only the socket."""
+        fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            self._allocate(fd)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            self._mmap = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED,
+                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self._handout = Handout(path, fd, gid)
+        except BaseException:
+            if self._mmap is not None:
+                self._mmap.close()
+            os.close(fd)
+            raise
+        return fd
 
     def _allocate(self, fd: int) -> None:
         """Give the file all its blocks now. With ftruncate alone the file was sparse: a
@@ -141,10 +177,13 @@ class Region:
     def close(self) -> None:
         """Unmap and remove the backing file (idempotent). Clients that still map it keep
         their mapping until they drop it; the memory is freed when the last one does."""
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if self._handout is not None:
+            self._handout.close()           # removes the socket
+        else:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
         if self._mmap is not None:
             self.mem = np.zeros(0, dtype=np.uint8)
             try:
@@ -186,6 +225,13 @@ def remove_stale(directory: str, min_age: float = 60.0) -> list[tuple[str, int]]
         if match is None or _running(int(match.group(1))):
             continue
         path = os.path.join(directory, name)
+        if _dead_socket(path):          # the hand-out socket of a --shm-group pool
+            try:
+                os.unlink(path)
+                removed.append((path, 0))
+            except OSError:
+                pass
+            continue
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
@@ -206,6 +252,20 @@ def remove_stale(directory: str, min_age: float = 60.0) -> list[tuple[str, int]]
         log.warning("removed %s (%d MiB): the pool of a server that did not stop cleanly",
                     path, nbytes >> 20)
     return removed
+
+
+def _dead_socket(path: str) -> bool:
+    """Whether path is a Unix socket nobody listens on (its memfd died with its server)."""
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return False
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(path)
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _running(pid: int) -> bool:
