@@ -113,7 +113,8 @@ def _table(rows: list, headers: list[str], text_columns: int) -> str:
 
 
 def _render_stats(resp) -> str:
-    tiers = [[t.name, "FAILED" if t.failed else "ok", _human(t.capacity_bytes), _human(t.used_bytes),
+    tiers = [[t.name, "FAILED" if t.failed else "ok",
+              _human(t.capacity_bytes), _human(t.used_bytes),
               _ratio(t.used_bytes, t.capacity_bytes), t.pages, t.hits, t.misses,
               _ratio(t.hits, t.hits + t.misses), t.evictions, _human(t.bytes_in),
               _human(t.bytes_out)] for t in resp.tiers]

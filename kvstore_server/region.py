@@ -19,7 +19,8 @@ import numpy as np
 
 from .handout import Handout
 
-__all__ = ["Region", "region_bytes", "HEADER_BYTES", "TOKEN_OFFSET", "TOKEN_BYTES", "MAGIC", "remove_stale"]
+__all__ = ["Region", "region_bytes", "HEADER_BYTES", "TOKEN_OFFSET", "TOKEN_BYTES", "MAGIC",
+           "remove_stale"]
 
 log = logging.getLogger(__name__)
 

@@ -193,7 +193,7 @@ def test_signal_during_pool_preparation(shm_dir, sig):
     assert os.listdir(shm_dir) == []
 
 
-# -- what a good start-up says ----------------------------------------------------------------------
+# -- what a good start-up says ---------------------------------------------------------------------
 def test_check_config(shm_dir):
     ok = subprocess.run([*SERVER, "--check-config", "--shm-dir", shm_dir, "--dram", "64MiB"],
                         capture_output=True, text=True, timeout=30)

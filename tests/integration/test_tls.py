@@ -122,8 +122,8 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(pki):
 
 def test_unreadable_certificate_stops_the_start(pki, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "kvstore_server.main", "--listen", f"127.0.0.1:{free_port()}", "--dram",
-         "64MiB", "--tls-cert", str(tmp_path / "missing.pem"), "--tls-key",
+        [sys.executable, "-m", "kvstore_server.main", "--listen", f"127.0.0.1:{free_port()}",
+         "--dram", "64MiB", "--tls-cert", str(tmp_path / "missing.pem"), "--tls-key",
          str(pki / "server.key")], capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode != 0 and "missing.pem" in proc.stderr
 
