@@ -1,4 +1,5 @@
-# Conveniences over scripts/; CI runs .ci/run.
+# Conveniences over scripts/; CI runs .ci/run. Each target uses .venv (made on first use),
+# not the system Python, which lacks grpcio-tools.
 .PHONY: test test-vllm test-sglang proto proto-check
 test:
 	scripts/test -q
@@ -7,6 +8,6 @@ test-vllm:
 test-sglang:
 	scripts/test-sglang -q
 proto:
-	python3 scripts/gen_protos.py
+	scripts/venv-run python scripts/gen_protos.py
 proto-check:
-	python3 scripts/gen_protos.py --check
+	scripts/venv-run python scripts/gen_protos.py --check

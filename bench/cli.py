@@ -5,10 +5,14 @@ from __future__ import annotations
 import importlib
 import sys
 
-# name -> module under kvstore_bench with a main(argv) -> int
+__all__ = ["BENCHES", "main"]
+
+# name -> module under kvstore_bench with a main(argv) -> int whose parser is named
+# "kvstore-bench NAME", so its --help and its errors show the command a user typed.
 BENCHES = {
     "store": "store_bench",
     "hash": "hash_bench",
+    "index": "index_bench",
     "shm": "shm_bench",
     "load": "load_bench",
     "e2e": "e2e_bench",
@@ -19,13 +23,22 @@ BENCHES = {
     "limits": "limits_bench",
 }
 
+USAGE = ("usage: kvstore-bench {" + ",".join(BENCHES) + "} [options]\n\n"
+         "Runs one benchmark; `kvstore-bench NAME --help` lists its options.")
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHES:
-        print("usage: kvstore-bench {" + ",".join(BENCHES) + "} [options]\n"
-              "each benchmark takes --help", file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)                    # asked for: stdout, exit 0, as argparse does
+        return 0
+    if not argv:
+        print(USAGE, file=sys.stderr)
+        return 2
+    if argv[0] not in BENCHES:
+        print(f"kvstore-bench: unknown benchmark {argv[0]!r} (one of: "
+              f"{', '.join(BENCHES)})", file=sys.stderr)
+        return 2
     module = importlib.import_module(f"kvstore_bench.{BENCHES[argv[0]]}")
     return module.main(argv[1:])
 

@@ -179,7 +179,7 @@ def report(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(prog="kvstore-bench disk", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", default=".", help="folder on the disk to measure (default: .)")
     p.add_argument("--total-mib", type=int, default=1024, help="bytes per run (MiB)")

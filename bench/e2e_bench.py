@@ -83,7 +83,7 @@ class _Bench:
         from kvstore_bench.engine.model import LlamaModel, ModelConfig
         from kvstore_bench.engine.paged_cache import allocate_kv_caches
 
-        from connector.config import ConnectorConfig, LoadMode
+        from kvstore_connector.config import ConnectorConfig, LoadMode
 
         self.torch, self.args, self.preset = torch, args, preset
         self.cuda = args.device == "cuda"
@@ -186,7 +186,7 @@ class _Bench:
     def load_alone(self, tokens: np.ndarray, reps: int) -> dict:
         """The prefix's pages through the worker half with no compute: host seconds from
         bind to the last layer landed (Acquire RPC included), and device ms of the copies."""
-        from connector.meta import StepMeta
+        from kvstore_connector.meta import StepMeta
         sched, worker = self.store.scheduler_half, self.store.worker_half
         names = list(self.caches)
         blocks = list(range(-(-len(tokens) // self.args.block_size)))
@@ -403,7 +403,7 @@ class _Bench:
 
     def forget(self, tokens: np.ndarray, keep: int) -> None:
         """Delete the stored pages of tokens past the first keep tokens."""
-        from connector.hashing import page_keys
+        from kvstore_connector.hashing import page_keys
         pt = self.page_tokens
         keys = page_keys(tokens[:len(tokens) // pt * pt], pt, self.layout.chain_seed)
         self.client.delete(self.ns, keys[keep // pt:])
@@ -698,7 +698,7 @@ def _run_preset(bench: _Bench, r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(prog="kvstore-bench e2e", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="default: cuda when available")

@@ -19,10 +19,10 @@ import numpy as np
 import xxhash
 
 try:
-    from connector.hashing import page_keys
+    from kvstore_connector.hashing import page_keys
 except ModuleNotFoundError:  # run as a script from a checkout, not installed
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    from connector.hashing import page_keys
+    from kvstore_connector.hashing import page_keys
 
 SEED = bytes(range(16))
 LENGTHS = (1024, 4096, 16384, 32768)
@@ -51,11 +51,12 @@ def medians(calls: dict[str, Callable[[], object]], runs: int) -> dict[str, floa
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvstore-bench hash",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--page-tokens", type=int, default=16)
     parser.add_argument("--runs", type=int, default=1000, help="calls timed per contender")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     p = args.page_tokens
     rng = np.random.default_rng(0)
 
@@ -85,7 +86,8 @@ def main() -> None:
     print(f"{n} tokens: plain {m['plain'] * 1e6:.1f} us, shared extra "
           f"{m['shared'] * 1e6:.1f} us, per-page extras {m['per_page'] * 1e6:.1f} us, "
           f"from a Python list {m['list'] * 1e6:.1f} us (mostly np.asarray)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

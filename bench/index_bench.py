@@ -100,16 +100,18 @@ def bench(kind: str, entries: int, runs: int, lookup: int) -> None:
           f"{index._pos.nbytes / len(index):.1f}); dict {dict_bytes:.1f} B")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvstore-bench index",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--entries", type=int, default=1_000_000)
     parser.add_argument("--runs", type=int, default=500)
     parser.add_argument("--lookup", type=int, default=4096)
     parser.add_argument("--keys", choices=("random", "structured", "both"), default="both")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for kind in ("random", "structured") if args.keys == "both" else (args.keys,):
         bench(kind, args.entries, args.runs, args.lookup)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

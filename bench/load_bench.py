@@ -83,8 +83,8 @@ def _check(mem, views, offsets, block_ids, what: str) -> None:
 def run(tokens: list[int], reps: int, sweep_ctas: list[int], copies: bool) -> dict:
     import torch
 
-    from connector.kvviews import KVKind, kv5
-    from connector.transfer import CopyMethod, HostRegistration, KVTransfer
+    from kvstore_connector.kvviews import KVKind, kv5
+    from kvstore_connector.transfer import CopyMethod, HostRegistration, KVTransfer
 
     pb, lb, L = LAYOUT.page_bytes, LAYOUT.layer_bytes, LAYOUT.num_layers
     max_pages = max(tokens) // LAYOUT.page_tokens
@@ -215,7 +215,7 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(prog="kvstore-bench load", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=_ints, default=[1024, 4096, 16384, 32768],
                    help="prompt lengths, comma-separated (multiples of 16)")

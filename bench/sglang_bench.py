@@ -134,7 +134,7 @@ def storage_config(server: str, *, tp_rank: int = 0, tp_size: int = 1, mla: bool
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
         attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=True,
         is_page_first_layout=False, model_name=model,
-        extra_config={"backend_name": "kvstore", "module_path": "connector.sglang",
+        extra_config={"backend_name": "kvstore", "module_path": "kvstore_connector.sglang",
                       "class_name": "KVStoreHiCacheStorage", "server": server,
                       "interface_v1": True, **extra})
 

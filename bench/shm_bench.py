@@ -59,7 +59,7 @@ def gpu_gbps(client: KVStoreClient, total: int, reps: int) -> dict:
     """Acquired pool pages -> one GPU buffer, against a pinned buffer -> GPU, same size."""
     import torch
 
-    from connector.transfer import HostRegistration
+    from kvstore_connector.transfer import HostRegistration
 
     ns = client.register_layout(LAYOUT)
     n = total // ns.page_bytes
@@ -162,7 +162,7 @@ def report(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(prog="kvstore-bench shm", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--gpu", action="store_true", help="also pool -> GPU (needs CUDA)")

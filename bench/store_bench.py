@@ -182,7 +182,8 @@ def index_bytes_per_page(n: int = 200_000) -> float:
     from kvstore_server.region import Region
     from kvstore_server.store import Store
 
-    region = Region(n * 4096 + (64 << 20))          # never touched: tmpfs allocates nothing
+    # Never touched, and sparse: tmpfs allocates nothing for it.
+    region = Region(n * 4096 + (64 << 20), allocate=False)
     try:
         tracemalloc.start()
         store = Store(region)
@@ -247,7 +248,8 @@ def report(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="kvstore-bench store", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)

@@ -2,7 +2,7 @@
 
     python -m sglang.launch_server ... --enable-hierarchical-cache \\
         --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
-        '{"backend_name":"kvstore","module_path":"connector.sglang",
+        '{"backend_name":"kvstore","module_path":"kvstore_connector.sglang",
           "class_name":"KVStoreHiCacheStorage","server":"127.0.0.1:50051","interface_v1":true}'
 
 Besides SGLang's own keys, the extra config takes these fields of

@@ -1,7 +1,7 @@
 """vLLM adapter: `KVStoreConnector`, a KVConnectorBase_V1 for vLLM 0.33.
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector":"KVStoreConnector",
-        "kv_connector_module_path":"connector.vllm","kv_role":"kv_both",
+        "kv_connector_module_path":"kvstore_connector.vllm","kv_role":"kv_both",
         "kv_connector_extra_config":{"server":"127.0.0.1:50051"}}'
 
 `kv_connector_extra_config` takes the fields of connector.config.ConnectorConfig

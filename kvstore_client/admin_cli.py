@@ -7,7 +7,7 @@
         evict (--layout ID | --bytes SIZE | --all) [--tier dram|disk|all] [--force]
         clear [--yes] [--force]               delete every page (asks first on a terminal)
         inspect --layout ID KEYHEX            where one page is and how it is used
-        health                                grpc.health.v1 Check; exit 0 only when SERVING
+        health [--service disk]               grpc.health.v1 Check; exit 0 only when SERVING
 
 A layout ID may be any unique prefix of its hex id, as git accepts short hashes. Human
 output uses binary units (KiB, MiB); `--json` prints integers for bytes and hex for ids.
@@ -21,6 +21,7 @@ Every failure is one line on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import re
@@ -112,7 +113,8 @@ def _table(rows: list, headers: list[str], text_columns: int) -> str:
 
 
 def _render_stats(resp) -> str:
-    tiers = [[t.name, _human(t.capacity_bytes), _human(t.used_bytes),
+    tiers = [[t.name, "FAILED" if t.failed else "ok",
+              _human(t.capacity_bytes), _human(t.used_bytes),
               _ratio(t.used_bytes, t.capacity_bytes), t.pages, t.hits, t.misses,
               _ratio(t.hits, t.hits + t.misses), t.evictions, _human(t.bytes_in),
               _human(t.bytes_out)] for t in resp.tiers]
@@ -128,8 +130,11 @@ def _render_stats(resp) -> str:
     return "\n\n".join(part for part in (
         (f"kvstore-server {resp.version}   uptime {_duration(resp.uptime_seconds)}   "
          f"leases {resp.leases}   leased pages {resp.leased_pages}"),
-        _table(tiers, ["tier", "capacity", "used", "use %", "pages", "hits", "misses",
-                       "hit rate", "evictions", "bytes in", "bytes out"], 1),
+        _table(tiers, ["tier", "state", "capacity", "used", "use %", "pages", "hits",
+                       "misses", "hit rate", "evictions", "bytes in", "bytes out"], 2),
+        "\n".join(f"{t.name} tier FAILED: it takes no more pages (a write failed: disk full "
+                  "or failing; the server log says which); pages on it are still read"
+                  for t in resp.tiers if t.failed),
         _table(layouts, ["layout id", "model", "dtype", "layers", "page tokens", "tp",
                          "page bytes", "pages", "used", "hits", "misses", "evictions"], 3)
         if layouts else "(no layouts registered)",
@@ -238,8 +243,16 @@ def _tls(args: argparse.Namespace) -> dict:
     return {"tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key}
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("kvstore")
+    except importlib.metadata.PackageNotFoundError:     # run from a checkout, not installed
+        return "unknown"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Look at and operate a kvstore-server.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     p.add_argument("--server", default=os.environ.get("KVSTORE_SERVER", DEFAULT_SERVER),
                    metavar="ADDR",
                    help="host:port (default: $KVSTORE_SERVER or %(default)s)")
@@ -282,7 +295,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--layout", type=_layout_prefix, metavar="ID", required=True)
     s.add_argument("key", type=_key, metavar="KEYHEX")
     s = command("health", None, "grpc.health.v1 Check; exit 0 only when SERVING", False)
-    s.add_argument("--service", default="", help="service name (default: the server)")
+    s.add_argument("--service", default="",
+                   help="service name (default: the server); `disk`: the disk tier, "
+                        "NOT_SERVING once its writes failed")
     return p
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import functools
 import mmap
 import os
+import socket
+import stat
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
@@ -31,6 +33,9 @@ __all__ = ["SharedRegion", "Reservation", "Acquired", "copy_layer", "copy_pages"
 
 TOKEN_BYTES = 16
 PAGE = 4096
+# A server whose pool is a sealed memfd (--shm-group) gives out its path as a Unix socket
+# that sends this, with the descriptor (kvstore_server/handout.py says why).
+HANDOUT_MAGIC = b"kvstore-handout1"
 
 
 def copy_pages(pages: np.ndarray, mem: np.ndarray, offsets: np.ndarray, *,
@@ -95,7 +100,8 @@ class SharedRegion:
     """The server's region mapped read-write; `mem` is a flat uint8 view of it."""
 
     def __init__(self, path: str, size: int, token_offset: int) -> None:
-        fd = os.open(path, os.O_RDWR)
+        fd = _receive_fd(path) if stat.S_ISSOCK(os.stat(path).st_mode) else \
+            os.open(path, os.O_RDWR)
         try:
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self._mmap = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -199,3 +205,17 @@ class Acquired:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _receive_fd(path: str, timeout: float = 10.0) -> int:
+    """The pool's descriptor from the server's hand-out socket at path (the caller closes
+    it); OSError if the socket cannot be reached or sends something else."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        msg, fds, _, _ = socket.recv_fds(s, len(HANDOUT_MAGIC), 1)
+    if msg != HANDOUT_MAGIC or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise OSError(f"{path} did not hand out a kvstore pool")
+    return fds[0]

@@ -10,12 +10,16 @@ import sys
 
 from kvstore_client.units import parse_duration, parse_size
 
+from . import __version__
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
 
-__all__ = ["ConfigError", "ServerConfig", "is_loopback", "load_config"]
+__all__ = ["ConfigError", "LOG_LEVELS", "ServerConfig", "is_loopback", "load_config"]
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 class ConfigError(ValueError):
@@ -110,6 +114,11 @@ def argument_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvstore-server",
         description="KV-cache page store: DRAM pool with disk spill, served over gRPC.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    p.add_argument("--check-config", action="store_true",
+                   help="check the settings against this host (ports, files, folders, free "
+                        "memory and space), print what would start, and exit: 0 if it "
+                        "would start")
     p.add_argument("--config", metavar="FILE", help="TOML file with any of the settings below")
     p.add_argument("--listen", metavar="HOST:PORT", help="gRPC address (default 127.0.0.1:50051)")
     p.add_argument("--dram", metavar="SIZE", help="page pool size, e.g. 4GiB (default 1GiB)")
@@ -135,7 +144,8 @@ def argument_parser() -> argparse.ArgumentParser:
                         "0 = none, clients use Lookup (default 32)")
     p.add_argument("--max-keys-per-request", metavar="N",
                    help="keys one request may name (default 16384)")
-    p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING (default INFO)")
+    p.add_argument("--log-level", metavar="LEVEL",
+                   help="DEBUG, INFO, WARNING, ERROR (default INFO)")
     s = p.add_argument_group("security (see SECURITY.md)")
     s.add_argument("--auth-file", metavar="FILE",
                    help="TOML with the SHA-256 of each tenant's and admin's bearer token; "
@@ -199,6 +209,15 @@ def _check(c: ServerConfig) -> None:
     host, sep, port = c.listen.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ConfigError(f"listen must be HOST:PORT, got {c.listen!r}")
+    # grpcio takes port 65536 as "any port" and 99999 modulo 2**16: a typo must not
+    # quietly listen somewhere else.
+    if not 1 <= int(port) <= 65535:
+        raise ConfigError(f"listen: port must be 1 to 65535, got {c.listen!r}")
+    if not 0 <= c.metrics_port <= 65535:
+        raise ConfigError(f"metrics_port must be 1 to 65535, or 0 = off, got {c.metrics_port}")
+    if c.log_level.upper() not in LOG_LEVELS:
+        raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, "
+                          f"got {c.log_level!r}")
     if bool(c.tls_cert) != bool(c.tls_key):
         raise ConfigError("TLS needs both tls_cert and tls_key (--tls-cert, --tls-key)")
     if c.tls_client_ca and not c.tls_cert:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
+import socket
 import sys
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -18,12 +22,14 @@ from kvstore_client.wire import CHANNEL_OPTIONS
 from . import __version__
 from .admin_service import AdminService, add_admin_service
 from .auth import Authenticator, tls_server_credentials
-from .config import ConfigError, ServerConfig, is_loopback, load_config
+from .config import ConfigError, ServerConfig, argument_parser, is_loopback, load_config
 from .disk import DiskTier
 from .limits import RequestLimits, request_message_bytes
 from kvstore_client.malloc import keep_freed_buffers, limit_arenas
 from .metrics import Metrics
-from .region import HEADER_BYTES, Region, remove_stale
+from .preflight import check_host
+from .region import Progress, Region, region_bytes, remove_stale
+from .sdnotify import Notifier
 from .service import KVStoreService, add_kvstore_service
 from .store import Store
 from .watchdog import StreamWatchdog
@@ -34,40 +40,51 @@ __all__ = ["Server", "main"]
 log = logging.getLogger("kvstore_server")
 
 SERVICES = ("kvstore.v1.KVStore", "kvstore.v1.Admin")
+# The health service name of the disk tier (with --disk): NOT_SERVING once its writes
+# failed. The server as a whole ("") stays SERVING then, degraded: DRAM serves as before
+# and pages already on disk are still read; only spilling stopped.
+DISK_HEALTH = "disk"
+# Exit status of a start-up refused for a setting (sysexits' EX_CONFIG; 2 = bad usage):
+# distinct from 1, a crash, so a systemd unit can restart after a crash but not loop on a
+# mistake that will fail the same way every time (RestartPreventExitStatus=2 78).
+EXIT_CANNOT_START = 78
 
 
 class Server:
-    """The daemon's parts wired together; `start()`, then `stop()`."""
+    """The daemon's parts wired together, in start-up order; `start()`, then `stop()`.
 
-    def __init__(self, config: ServerConfig) -> None:
+    Start-up runs from the cheapest step to the most expensive, so a mistake costs as
+    little as possible and nothing is left behind:
+
+        settings parsed and checked (config.py)  ->  the host checked against them
+        (preflight.py)  ->  the gRPC and metrics ports bound  ->  the disk tier opened
+        ->  the pool file allocated (posix_fallocate), pre-faulted, locked  ->  serving,
+        READY=1 to systemd
+
+    Every step that holds something registers its undoing on an ExitStack; a step that
+    fails (or a SIGTERM/SIGINT, which main() turns into an exception while starting)
+    unwinds them all, so the pool file is removed and the ports closed before the one
+    line that says why. Failures are ConfigErrors whose message starts with the setting.
+    """
+
+    def __init__(self, config: ServerConfig, progress: Progress | None = None) -> None:
         self.config = config
-        # Who may call (auth.py); None = no auth file, everyone is the default tenant.
-        # Read first, with the TLS files, so a bad file fails before the pool exists.
-        self.auth = Authenticator(config.auth_file) if config.auth_file else None
-        tls = (tls_server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-               if config.tls_cert else None)
-        # Rounded up to 2 MiB so the region can live on hugetlbfs, whose files must be a
-        # whole number of huge pages.
-        size = -(-(config.dram // 4096 * 4096 + HEADER_BYTES) // (2 << 20)) * (2 << 20)
-        remove_stale(config.shm_dir)      # pools of servers killed before they could stop
-        self.region = Region(size, config.shm_dir, config.shm_group)
-        self.region.prefault()
-        self.region.lock()
-        self.disk = None
-        if config.disk:
-            self.disk = DiskTier(config.disk_dir, config.disk)
-            stats = self.disk.stats()
-            log.info("disk tier: %s in %s, %d pages found on disk (%.2fs), %s I/O",
-                     format_size(config.disk), config.disk_dir, stats["pages"],
-                     stats["rebuild_seconds"], "direct" if stats["direct_io"] else "buffered")
-        self.store = Store(self.region, lease_ttl=config.lease_ttl,
-                           high_watermark=config.high_watermark,
-                           low_watermark=config.low_watermark, lower=self.disk)
-        self.metrics = Metrics()
-        self.metrics.watch_store(self.store.stats, lambda: {"kvstore_lookup_streams": (
-            "gauge", "Open LookupStream calls", self.lookups.open_streams())})
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
+        with contextlib.ExitStack() as undo:
+            self._build(config, undo, progress)
+            undo.pop_all()          # built: stop() undoes it from now on
+
+    def _build(self, config: ServerConfig, undo: contextlib.ExitStack,
+               progress: Progress | None) -> None:
+        # Who may call (auth.py); None = no auth file, everyone is the default tenant.
+        self.auth = Authenticator(config.auth_file) if config.auth_file else None
+        try:
+            tls = (tls_server_credentials(config.tls_cert, config.tls_key,
+                                          config.tls_client_ca) if config.tls_cert else None)
+        except OSError as exc:
+            raise ConfigError(f"tls_cert/tls_key: {exc}") from None
+        self.metrics = Metrics()
         self.grpc = grpc.server(
             # Each open LookupStream holds a thread (lookup_streams.py): they get their own.
             futures.ThreadPoolExecutor(max_workers=config.workers + config.lookup_streams,
@@ -78,6 +95,44 @@ class Server:
                       request_message_bytes(config.max_keys_per_request)),
                      ("grpc.so_reuseport", 0)],
             interceptors=[self.auth.interceptor(self.metrics.refused)] if self.auth else None)
+        undo.callback(self.grpc.stop, None)
+        self.port = _bind(self.grpc, config.listen, tls)
+        if config.metrics_port:
+            try:
+                self.metrics.serve(config.metrics_port)
+            except OSError as exc:
+                raise ConfigError(f"metrics_port: cannot listen on 127.0.0.1:"
+                                  f"{config.metrics_port}: {exc.strerror}") from None
+            undo.callback(self.metrics.stop)
+        self.disk = None
+        if config.disk:
+            try:
+                self.disk = DiskTier(config.disk_dir, config.disk)
+            except (OSError, RuntimeError) as exc:
+                raise ConfigError(f"disk_dir: {exc}") from None
+            undo.callback(self.disk.close)
+            stats = self.disk.stats()
+            log.info("disk tier: %s in %s, %d pages found on disk (%.2fs), %s I/O",
+                     format_size(config.disk), config.disk_dir, stats["pages"],
+                     stats["rebuild_seconds"], "direct" if stats["direct_io"] else "buffered")
+        size = region_bytes(config.dram)
+        log.info("allocating and pre-faulting the pool: %s in %s", format_size(size),
+                 config.shm_dir)
+        started = time.monotonic()
+        try:
+            self.region = Region(size, config.shm_dir, config.shm_group, progress)
+        except OSError as exc:
+            raise ConfigError(f"dram: cannot allocate {format_size(size)} in shm_dir "
+                              f"{config.shm_dir}: {exc.strerror}") from None
+        undo.callback(self.region.close)
+        self.region.prefault()
+        self.region.lock()
+        log.info("pool ready in %.1fs", time.monotonic() - started)
+        self.store = Store(self.region, lease_ttl=config.lease_ttl,
+                           high_watermark=config.high_watermark,
+                           low_watermark=config.low_watermark, lower=self.disk)
+        self.metrics.watch_store(self.store.stats, lambda: {"kvstore_lookup_streams": (
+            "gauge", "Open LookupStream calls", self.lookups.open_streams())})
         self.streams = StreamWatchdog(config.stream_timeout)
         self.lookups = add_kvstore_service(
             self.grpc, KVStoreService(self.store, self.metrics, self.auth,
@@ -90,25 +145,21 @@ class Server:
             (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME,
              kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name,
              admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name), self.grpc)
-        if tls is not None:
-            self.port = self.grpc.add_secure_port(config.listen, tls)
-        else:
-            self.port = self.grpc.add_insecure_port(config.listen)
-        if self.port == 0:
-            raise ConfigError(f"cannot listen on {config.listen} (in use or not allowed)")
 
     def start(self) -> None:
         self.grpc.start()
         for name in ("", *SERVICES):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        for target, name in ((self._evictor, "evictor"), (self._reaper, "lease-reaper")):
+        workers = [(self._evictor, "evictor"), (self._reaper, "lease-reaper")]
+        if self.disk is not None:
+            self.health.set(DISK_HEALTH, health_pb2.HealthCheckResponse.SERVING)
+            workers.append((self._watch_disk, "disk-health"))
+        for target, name in workers:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
         self.streams.start()
         self.lookups.start()
-        if self.config.metrics_port:
-            self.metrics.serve(self.config.metrics_port)
         host = self.config.listen.rpartition(":")[0]
         log.info("kvstore-server %s listening on %s:%d; pool %s in %s%s; lease ttl %.3gs",
                  __version__, host, self.port, format_size(self.store.pool.capacity_bytes),
@@ -166,12 +217,19 @@ class Server:
             except Exception:  # noqa: BLE001
                 log.exception("lease expiry failed")
 
+    def _watch_disk(self) -> None:
+        # The tier only ever fails one way (writes stop, for good): report it once.
+        while not self._stopping.wait(0.5):
+            if self.disk.stats()["failed"]:
+                self.health.set(DISK_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
+                return
+
     def stop(self, grace: float = 5.0) -> None:
         """Refuse new calls, let running ones finish for `grace` seconds, free the pool."""
         if self._stopping.is_set():
             return
         log.info("stopping: draining calls for up to %.0fs", grace)
-        for name in ("", *SERVICES):
+        for name in ("", *SERVICES, *((DISK_HEALTH,) if self.disk is not None else ())):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._stopping.set()
         self.store.pressure.set()
@@ -194,32 +252,135 @@ class Server:
         self.grpc.wait_for_termination()
 
 
+def _bind(server: grpc.Server, listen: str, tls) -> int:
+    """Bind the gRPC port now, before the pool exists: grpcio binds in add_*_port and
+    raises RuntimeError (or returns 0) when it cannot, without saying why; a plain
+    socket's bind to the same address gives the reason."""
+    try:
+        port = (server.add_secure_port(listen, tls) if tls is not None
+                else server.add_insecure_port(listen))
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise ConfigError(f"listen: cannot listen on {listen}: {_bind_error(listen)}")
+    return port
+
+
+def _bind_error(listen: str) -> str:
+    host, _, port = listen.rpartition(":")
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"cannot resolve {host}: {exc.strerror}"
+    for family, kind, proto, _, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind(address)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return "refused by gRPC"
+
+
+class _StopDuringStartUp(BaseException):
+    """SIGTERM or SIGINT arrived while the server was starting (BaseException, like
+    KeyboardInterrupt, so no `except Exception` on the way swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop_starting(signum: int, _frame) -> None:
+    # Once: a second signal must not interrupt the clean-up the first one started.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise _StopDuringStartUp(signum)
+
+
+def _check_config(config: ServerConfig) -> int:
+    """--check-config: the checks of a start-up that need no port and no pool."""
+    try:
+        check_host(config, region_bytes(config.dram))
+    except ConfigError as exc:
+        print(f"kvstore-server: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_START
+    disk = (f"disk tier {format_size(config.disk)} in {config.disk_dir}" if config.disk
+            else "no disk tier")
+    metrics = f"metrics on 127.0.0.1:{config.metrics_port}" if config.metrics_port else ""
+    print(f"kvstore-server: config OK: listen {config.listen}, pool "
+          f"{format_size(config.dram)} in {config.shm_dir}, {disk}"
+          + (f", {metrics}" if metrics else "")
+          + " (ports are checked at start: they may be held by a running server)")
+    return 0
+
+
+def _progress_reporter(notifier: Notifier) -> Progress:
+    """Pool start-up progress to systemd (STATUS, and more start time while it moves)."""
+    last = [0.0]
+
+    def report(done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= 1.0 or done == total:
+            last[0] = now
+            notifier.notify(STATUS=f"preparing the pool: {100 * done // total}%",
+                            EXTEND_TIMEOUT_USEC=60_000_000)
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
+    # The handlers go in first: a SIGTERM or Ctrl-C at any point of start-up unwinds it
+    # (pool file removed) with one line, not a traceback or a leaked pool.
+    signal.signal(signal.SIGTERM, _stop_starting)
+    signal.signal(signal.SIGINT, _stop_starting)
+    try:
+        return _run(argv)
+    except _StopDuringStartUp as exc:
+        print(f"kvstore-server: stopped by {exc} during start-up; nothing left behind",
+              file=sys.stderr)
+        return 128 + exc.signum
+
+
+def _run(argv: list[str] | None) -> int:
+    check_only = argument_parser().parse_args(argv).check_config
     try:
         config = load_config(argv)
     except ConfigError as exc:
         print(f"kvstore-server: {exc}", file=sys.stderr)
         return 2
+    if check_only:
+        return _check_config(config)
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keep_freed_buffers()
     limit_arenas()
+    notifier = Notifier()
     try:
-        server = Server(config)
-    except (ConfigError, OSError, ValueError) as exc:
+        # Pools of servers killed before they could stop: first, so their space counts
+        # as free in the checks.
+        remove_stale(config.shm_dir)
+        check_host(config, region_bytes(config.dram))
+        server = Server(config, _progress_reporter(notifier))
+    except (ConfigError, OSError, ValueError, RuntimeError) as exc:
         log.error("cannot start: %s", exc)
-        return 1
-    server.start()
+        notifier.notify(STATUS=f"cannot start: {exc}")
+        return EXIT_CANNOT_START
 
     def on_signal(signum, _frame):
         log.info("received %s", signal.Signals(signum).name)
+        notifier.notify(STOPPING=1, STATUS="stopping")
         threading.Thread(target=server.stop, name="stopper").start()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    try:
+        server.start()
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+    except _StopDuringStartUp:
+        server.stop(grace=0)
+        raise
     # Reload in a thread: the handler runs on the main thread between its waits.
     signal.signal(signal.SIGHUP, lambda _s, _f: threading.Thread(
         target=server.reload, name="reloader").start())
+    notifier.notify(READY=1, STATUS=f"serving on {config.listen}", MAINPID=os.getpid())
     server.wait()
     server.stop()
     return 0

@@ -10,11 +10,17 @@ import mmap
 import os
 import re
 import secrets
+import socket
+import stat
 import time
+from typing import Callable
 
 import numpy as np
 
-__all__ = ["Region", "HEADER_BYTES", "TOKEN_OFFSET", "TOKEN_BYTES", "MAGIC", "remove_stale"]
+from .handout import Handout
+
+__all__ = ["Region", "region_bytes", "HEADER_BYTES", "TOKEN_OFFSET", "TOKEN_BYTES", "MAGIC",
+           "remove_stale"]
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +28,9 @@ log = logging.getLogger(__name__)
 # (/dev/shm) or hugetlbfs folder rather than anonymous memory so that a client on the
 # same host can map the very same pages (the zero-copy data plane): the server owns it,
 # clients only map it. The file name carries the pid and a random part so a restarted
-# server never hands out a stale region.
+# server never hands out a stale region. With --shm-group the name is instead a Unix
+# socket that hands out a memfd sealed against shrinking, so the group's members, who are
+# other users, cannot stop the server by truncating its pool (see _sealed_memfd).
 #
 # The first 4 KiB are a header; pages start after it:
 #
@@ -37,14 +45,35 @@ HEADER_BYTES = _PAGE
 MAGIC = b"kvstore-region\x00\x01"
 TOKEN_OFFSET = 16
 TOKEN_BYTES = 16
+_STEP = 256 << 20           # allocation and pre-fault step: ~0.1-0.5 s of work
+_HUGE = 2 << 20
+
+# progress(done, total): bytes of start-up work done so far (allocation, then pre-fault).
+Progress = Callable[[int, int], None]
+
+
+def region_bytes(dram: int) -> int:
+    """The region's file size for a pool of `dram` bytes: the header, then whole 4 KiB
+    pages, rounded up to 2 MiB so the region can live on hugetlbfs, whose files must be a
+    whole number of huge pages."""
+    return -(-(dram // _PAGE * _PAGE + HEADER_BYTES) // _HUGE) * _HUGE
 
 
 class Region:
     """A MAP_SHARED byte region backed by a file in `directory`; `mem` is a uint8 view."""
 
-    def __init__(self, size: int, directory: str = "/dev/shm", group: str = "") -> None:
+    def __init__(self, size: int, directory: str = "/dev/shm", group: str = "",
+                 progress: Progress | None = None, allocate: bool = True) -> None:
         """size: bytes including the 4 KiB header. group: a group whose members' clients may
-        map the region too (mode 0660); empty = the server's user only (mode 0600)."""
+        map the region too: then `path` is a Unix socket (mode 0660) that hands out a sealed
+        memfd (_sealed_memfd says why); empty = a file only the server's user may open
+        (mode 0600). Clients map what `path` gives either way (kvstore_client.shm).
+        progress(done, total) is called between steps of the allocation and the pre-fault.
+        allocate=False leaves the file sparse, for tests and benchmarks that touch little of
+        a large region (a server always allocates: see _allocate).
+
+        Raises OSError when the folder cannot hold `size` bytes (ENOSPC): the file is
+        removed first. Any exception, a signal handler's included, leaves no file."""
         if size <= HEADER_BYTES or size % _PAGE:
             raise ValueError(f"region size must be a multiple of {_PAGE} above {HEADER_BYTES}, "
                              f"got {size}")
@@ -52,30 +81,83 @@ class Region:
         self.name = f"kvstore-{os.getpid()}-{secrets.token_hex(4)}"
         self.path = os.path.join(directory, self.name)
         self.token = secrets.token_bytes(TOKEN_BYTES)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)      # held while we live: see remove_stale
-            if group:
-                import grp
-                os.fchown(fd, -1, grp.getgrnam(group).gr_gid)
-                os.fchmod(fd, 0o660)
-            os.ftruncate(fd, size)
-            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
-                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            os.unlink(self.path)
-            raise
-        self._fd = fd               # kept open for the lock; closed with the region
+        self._progress = progress or (lambda done, total: None)
+        self._mmap = None
+        self._handout: Handout | None = None
+        if group:
+            import grp
+            fd = self._sealed_memfd(self.path, grp.getgrnam(group).gr_gid)
+        else:
+            fd = self._file(allocate)
+        self._fd = fd               # kept open: the lock, or the memfd itself
         self.mem = np.frombuffer(self._mmap, dtype=np.uint8)
         self.mem[:len(MAGIC)] = np.frombuffer(MAGIC, dtype=np.uint8)
         self.mem[TOKEN_OFFSET:TOKEN_OFFSET + TOKEN_BYTES] = np.frombuffer(self.token, np.uint8)
         self.locked = False
 
+    def _file(self, allocate: bool) -> int:
+        """The pool as a file at self.path, which clients open (mode 0600)."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)      # held while we live: see remove_stale
+            if allocate:
+                self._allocate(fd)
+            else:
+                os.ftruncate(fd, self.size)
+            self._mmap = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED,
+                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        return fd
+
+    def _sealed_memfd(self, path: str, gid: int) -> int:
+        """The pool as a memfd sealed against shrinking and growing, handed out by a Unix
+        socket at path (mode 0660, group gid). Why, for a group and not by default: a
+        member of the group is another user, who could otherwise truncate the file and so
+        stop the server (SIGBUS); the server's own user can stop it anyway, and a plain
+        file keeps --shm-dir's meaning (hugetlbfs, a tmpfs of its own size) for the rest.
+        The memfd lives in the kernel's internal tmpfs: --shm-dir holds only the socket."""
+        fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            self._allocate(fd)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            self._mmap = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED,
+                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self._handout = Handout(path, fd, gid)
+        except BaseException:
+            if self._mmap is not None:
+                self._mmap.close()
+            os.close(fd)
+            raise
+        return fd
+
+    def _allocate(self, fd: int) -> None:
+        """Give the file all its blocks now. With ftruncate alone the file was sparse: a
+        tmpfs too small for it let the server start and killed it with SIGBUS at the first
+        touch of a page it had no room for (a 1 GiB pool in a 256 MiB tmpfs died in the
+        pre-fault, leaving its file). posix_fallocate fails with ENOSPC instead, and tmpfs
+        and hugetlbfs hand back what it took. In steps, so progress is reported and a
+        signal (SIGTERM during start-up) is handled between them."""
+        for start in range(0, self.size, _STEP):
+            length = min(_STEP, self.size - start)
+            try:
+                os.posix_fallocate(fd, start, length)
+            except OSError as exc:
+                raise OSError(exc.errno, f"{os.strerror(exc.errno)}: {self.path} could "
+                              f"take only {start >> 20} of the {self.size >> 20} MiB "
+                              "asked for") from None
+            self._progress(start + length, 2 * self.size)
+
     def prefault(self) -> None:
-        """Touch every page now, so no request ever waits on a page fault or on tmpfs
-        allocation; a region larger than free memory fails here, at start, not later."""
-        self.mem[HEADER_BYTES::_PAGE] = 0      # past the header: it holds the magic
+        """Touch every page now, so no request ever waits on a page fault; in steps, so a
+        signal is handled between them and progress is reported."""
+        for start in range(HEADER_BYTES, self.size, _STEP):
+            # past the header: it holds the magic
+            self.mem[start:start + _STEP:_PAGE] = 0
+            self._progress(self.size + min(start + _STEP, self.size), 2 * self.size)
 
     def lock(self) -> bool:
         """mlock the region so the kernel never swaps pages out; False (and a log line)
@@ -96,10 +178,13 @@ class Region:
     def close(self) -> None:
         """Unmap and remove the backing file (idempotent). Clients that still map it keep
         their mapping until they drop it; the memory is freed when the last one does."""
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if self._handout is not None:
+            self._handout.close()           # removes the socket
+        else:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
         if self._mmap is not None:
             self.mem = np.zeros(0, dtype=np.uint8)
             try:
@@ -141,6 +226,13 @@ def remove_stale(directory: str, min_age: float = 60.0) -> list[tuple[str, int]]
         if match is None or _running(int(match.group(1))):
             continue
         path = os.path.join(directory, name)
+        if _dead_socket(path):          # the hand-out socket of a --shm-group pool
+            try:
+                os.unlink(path)
+                removed.append((path, 0))
+            except OSError:
+                pass
+            continue
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
@@ -161,6 +253,20 @@ def remove_stale(directory: str, min_age: float = 60.0) -> list[tuple[str, int]]
         log.warning("removed %s (%d MiB): the pool of a server that did not stop cleanly",
                     path, nbytes >> 20)
     return removed
+
+
+def _dead_socket(path: str) -> bool:
+    """Whether path is a Unix socket nobody listens on (its memfd died with its server)."""
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return False
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(path)
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _running(pid: int) -> bool:

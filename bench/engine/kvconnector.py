@@ -23,11 +23,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from connector.config import ConnectorConfig, LoadMode
-from connector.kvviews import KVKind, kv5
-from connector.meta import StepMeta
-from connector.scheduler import SchedulerHalf
-from connector.worker import WorkerHalf
+from kvstore_connector.config import ConnectorConfig, LoadMode
+from kvstore_connector.kvviews import KVKind, kv5
+from kvstore_connector.meta import StepMeta
+from kvstore_connector.scheduler import SchedulerHalf
+from kvstore_connector.worker import WorkerHalf
 from kvstore_client import PageLayout
 
 from .model import ModelConfig

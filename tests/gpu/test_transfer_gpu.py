@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from connector.kvviews import KVKind, kv5
-from connector.transfer import CopyMethod, HostRegistration, KVTransfer
+from kvstore_connector.kvviews import KVKind, kv5
+from kvstore_connector.transfer import CopyMethod, HostRegistration, KVTransfer
 from kvstore_client import KVStoreClient, PageLayout
 
 # The cases and their hand-written reference indexing live with the CPU tests; load that

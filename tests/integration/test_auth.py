@@ -17,8 +17,8 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvstore_bench.serverproc import ServerProcess, free_port
 
-from connector.config import ConnectorConfig
-from connector.scheduler import SchedulerHalf
+from kvstore_connector.config import ConnectorConfig
+from kvstore_connector.scheduler import SchedulerHalf
 from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
 from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client.channel import open_channel

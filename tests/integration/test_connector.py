@@ -11,9 +11,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from connector.config import ConnectorConfig, LoadMode, Role   # noqa: E402
-from connector.scheduler import SchedulerHalf                   # noqa: E402
-from connector.worker import WorkerHalf                         # noqa: E402
+from kvstore_connector.config import ConnectorConfig, LoadMode, Role   # noqa: E402
+from kvstore_connector.scheduler import SchedulerHalf                   # noqa: E402
+from kvstore_connector.worker import WorkerHalf                         # noqa: E402
 from kvstore_bench.serverproc import ServerProcess              # noqa: E402
 from kvstore_client import KVStoreClient, PageLayout            # noqa: E402
 

@@ -133,12 +133,20 @@ def test_flipped_bytes_are_never_served(tmp_path):
 def test_disk_full_stops_the_tier_and_dram_goes_on(tmp_path):
     small = tmp_path / "small"
     small.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "kvtest", str(small)],
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "kvtest", str(small)],
                           capture_output=True)
     if done.returncode:
         pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
     try:
-        with server(tmp_path, disk_dir=str(small)) as srv, KVStoreClient(srv.address) as c:
+        # The tier fits at start (a disk larger than its folder's free space is refused
+        # then); another file takes the space once it runs.
+        with server(tmp_path, disk="40MiB", disk_dir=str(small)) as srv, \
+                KVStoreClient(srv.address) as c:
+            with open(small / "filler", "wb") as f:
+                try:
+                    f.write(bytes(40 << 20))
+                except OSError:
+                    pass                                       # full: as intended
             ns = c.register_layout(LAYOUT)
             ks = fill(c, ns, 80)
             deadline = time.monotonic() + 20

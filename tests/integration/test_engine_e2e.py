@@ -28,7 +28,7 @@ from kvstore_bench.engine.scheduler import (  # noqa: E402
 )
 from kvstore_bench.serverproc import ServerProcess  # noqa: E402
 
-from connector.config import ConnectorConfig, LoadMode  # noqa: E402
+from kvstore_connector.config import ConnectorConfig, LoadMode  # noqa: E402
 
 BLOCK = 16
 TOL = 1e-5

@@ -298,10 +298,10 @@ def test_disk_write_limit_stops_the_tier(tmp_path):
 # -- the server dies while a connector loads -----------------------------------------------------
 def test_server_killed_mid_connector_load(fresh_server):
     torch = pytest.importorskip("torch")
-    from connector.config import ConnectorConfig
-    from connector.hashing import page_keys
-    from connector.scheduler import SchedulerHalf
-    from connector.worker import WorkerHalf
+    from kvstore_connector.config import ConnectorConfig
+    from kvstore_connector.hashing import page_keys
+    from kvstore_connector.scheduler import SchedulerHalf
+    from kvstore_connector.worker import WorkerHalf
 
     layout = PageLayout(model="faults-load", num_layers=32, page_tokens=16, num_kv_heads=8,
                         head_size=128, dtype="float16")                 # 2 MiB pages

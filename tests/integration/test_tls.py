@@ -12,7 +12,7 @@ import sys
 import grpc
 import numpy as np
 import pytest
-from kvstore_bench.serverproc import ServerProcess
+from kvstore_bench.serverproc import ServerProcess, free_port
 
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
 
@@ -122,8 +122,8 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(pki):
 
 def test_unreadable_certificate_stops_the_start(pki, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "kvstore_server.main", "--listen", "127.0.0.1:0", "--dram",
-         "64MiB", "--tls-cert", str(tmp_path / "missing.pem"), "--tls-key",
+        [sys.executable, "-m", "kvstore_server.main", "--listen", f"127.0.0.1:{free_port()}",
+         "--dram", "64MiB", "--tls-cert", str(tmp_path / "missing.pem"), "--tls-key",
          str(pki / "server.key")], capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode != 0 and "missing.pem" in proc.stderr
 
@@ -131,7 +131,7 @@ def test_unreadable_certificate_stops_the_start(pki, tmp_path):
 def test_connector_settings_reach_a_tls_server_with_mutual_tls(pki):
     """The connector's tls_* settings (vLLM's kv_connector_extra_config, SGLang's
     extra_config) make every client it opens speak (mutual) TLS."""
-    from connector.config import ConnectorConfig, open_client
+    from kvstore_connector.config import ConnectorConfig, open_client
     with ServerProcess(credentials=creds(pki, client_cert=True), tls_cert=pki / "server.pem",
                        tls_key=pki / "server.key", tls_client_ca=pki / "ca.pem") as srv:
         config = ConnectorConfig.from_mapping({

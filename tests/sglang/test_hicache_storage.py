@@ -15,7 +15,7 @@ from kvstore_bench.sglang_bench import host_pool, make_backend, storage_config
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
-from connector.sglang import KVStoreHiCacheStorage, store_key
+from kvstore_connector.sglang import KVStoreHiCacheStorage, store_key
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 PAGES = 6

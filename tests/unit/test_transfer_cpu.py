@@ -11,8 +11,8 @@ import pytest
 import torch
 import xxhash
 
-from connector.kvviews import KVKind, detect_kind, kv5
-from connector.transfer import HostRegistration, KVTransfer
+from kvstore_connector.kvviews import KVKind, detect_kind, kv5
+from kvstore_connector.transfer import HostRegistration, KVTransfer
 from kvstore_client import KVStoreClient, PageLayout
 
 BLOCKS = 24

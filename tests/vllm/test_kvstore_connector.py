@@ -31,7 +31,7 @@ PROMPT = list(range(1000, 1064))           # 64 tokens: 3 pages can be claimed (
 
 def engine(model_dir, address, *, mode="layerwise", role="kv_both", async_scheduling=False,
            policy="recompute"):
-    spec = ConnectorSpec(name="KVStoreConnector", module_path="connector.vllm", role=role,
+    spec = ConnectorSpec(name="KVStoreConnector", module_path="kvstore_connector.vllm", role=role,
                          extra_config={"server": address, "load_mode": mode,
                                        "lookup_timeout": 5.0},
                          load_failure_policy=policy)

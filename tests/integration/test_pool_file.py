@@ -1,0 +1,121 @@
+"""Who can map the pool, and whether they can stop the server by shrinking it (SECURITY.md,
+"The shared-memory pool"). Truncating a tmpfs pool file takes the pages from under the
+server's mapping and kills it with SIGBUS. By default only the server's user (who could
+kill it anyway) and root can open the file; with --shm-group, other users map a memfd
+sealed against shrinking, handed out over a Unix socket."""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import signal
+import stat
+
+import numpy as np
+import pytest
+
+from kvstore_bench.serverproc import ServerProcess
+from kvstore_client import KVStoreClient, PageLayout
+from kvstore_client.shm import SharedRegion, _receive_fd
+
+LAYOUT = PageLayout(model="pool-file", num_layers=2, page_tokens=16, num_kv_heads=2,
+                    head_size=64)
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+
+
+def as_user(user: str, group: str, action) -> str:
+    """Run action() in a child process as user:group; what it raised (class name) or 'ok'."""
+    uid, gid = pwd.getpwnam(user).pw_uid, grp.getgrnam(group).gr_gid
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                    # the child: never returns
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            try:
+                action()
+                result = "ok"
+            except OSError as exc:
+                result = type(exc).__name__
+            os.write(w, result.encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        result = f.read()
+    os.waitpid(pid, 0)
+    return result
+
+
+def put_one(srv: ServerProcess) -> str:
+    """Put a page; return the pool file's path."""
+    with KVStoreClient(srv.address, shared_memory=True) as c:
+        ns = c.register_layout(LAYOUT)
+        c.put(ns, [b"k" * 16], np.ones((1, LAYOUT.page_bytes), np.uint8))
+        return c.region().path
+
+
+def serves(srv: ServerProcess) -> bool:
+    with KVStoreClient(srv.address, shared_memory=False) as c:
+        ns = c.register_layout(LAYOUT)
+        return bool(c.get(ns, [b"k" * 16]).all())
+
+
+def test_another_user_cannot_open_the_pool_by_default():
+    with ServerProcess(dram="64MiB") as srv:
+        path = put_one(srv)
+        assert as_user("nobody", "nogroup", lambda: os.open(path, os.O_RDWR)) == \
+            "PermissionError"
+        assert as_user("nobody", "nogroup", lambda: os.truncate(path, 0)) == \
+            "PermissionError"
+        assert serves(srv) and srv.proc.poll() is None
+
+
+def test_shm_group_member_maps_the_pool_but_cannot_shrink_it():
+    """With --shm-group the path is a socket that hands out a sealed memfd: a member of
+    the group (another user) maps and writes pages as before, but truncating the pool is
+    refused and the server goes on. Before, the group could open the file itself and a
+    truncation killed the server with SIGBUS."""
+    with ServerProcess(dram="64MiB", shm_group="nogroup") as srv:
+        path = put_one(srv)
+        assert stat.S_ISSOCK(os.stat(path).st_mode)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
+        assert os.stat(path).st_gid == grp.getgrnam("nogroup").gr_gid
+
+        def shrink():
+            region = SharedRegion(path, 64 << 20, 16)   # as a client maps it
+            assert region.mem[:14].tobytes() == b"kvstore-region"
+            fd = _receive_fd(path)
+            try:
+                os.ftruncate(fd, 0)
+            finally:
+                os.close(fd)
+        assert as_user("nobody", "nogroup", shrink) == "PermissionError"   # EPERM: sealed
+        assert as_user("nobody", "nogroup", lambda: os.truncate(path, 0)) == "OSError"
+        assert serves(srv) and srv.proc.poll() is None
+    assert not os.path.exists(path)
+
+
+def test_another_user_outside_the_group_cannot_connect():
+    with ServerProcess(dram="64MiB", shm_group="nogroup") as srv:
+        path = put_one(srv)
+        assert as_user("nobody", "nogroup", lambda: _receive_fd(path)) == "ok"
+        other = pwd.getpwnam("nobody")
+        assert as_user(other.pw_name, "daemon", lambda: _receive_fd(path)) == \
+            "PermissionError"
+        assert serves(srv)
+
+
+def test_socket_of_a_killed_server_is_removed_at_the_next_start(tmp_path):
+    shm = str(tmp_path)
+    srv = ServerProcess(dram="64MiB", shm_group="nogroup", shm_dir=shm).start()
+    path = put_one(srv)
+    srv.stop(signal.SIGKILL)
+    assert os.path.exists(path)                 # nobody left to remove it...
+    with ServerProcess(dram="64MiB", shm_dir=shm) as again:
+        assert not os.path.exists(path)         # ...until the next server starts there
+        assert "removed " + path in again.log()

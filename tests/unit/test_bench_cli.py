@@ -1,0 +1,71 @@
+"""`kvstore-bench`, the installed command: every benchmark answers --help on stdout under its
+own name, a name it does not know is refused by name, and the quick runs run."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from kvstore_bench.cli import BENCHES
+
+# The console script pip installed next to this interpreter: what a user runs.
+BENCH = shutil.which("kvstore-bench", path=os.path.dirname(sys.executable)) or "kvstore-bench"
+
+
+def bench(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([BENCH, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("name", list(BENCHES))
+def test_help_of_each_benchmark(name):
+    out = bench(name, "--help")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"usage: kvstore-bench {name} "), out.stdout
+    assert out.stderr == ""
+
+
+def test_help_lists_the_benchmarks():
+    out = bench("--help")
+    assert out.returncode == 0 and out.stderr == ""
+    assert all(name in out.stdout for name in BENCHES)
+
+
+def test_unknown_benchmark_is_named():
+    out = bench("bogus")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("kvstore-bench: unknown benchmark 'bogus'"), out.stderr
+
+
+def test_no_benchmark_is_usage():
+    out = bench()
+    assert out.returncode == 2 and out.stderr.startswith("usage: kvstore-bench")
+
+
+def test_bad_option_names_the_benchmark():
+    out = bench("hash", "--bogus")
+    assert out.returncode == 2 and "usage: kvstore-bench hash" in out.stderr
+
+
+# The benchmarks with a --quick smoke run; sglang's needs SGLang (make test-sglang's venv).
+QUICK = ["store", "shm", "disk", "sglang"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", QUICK)
+def test_quick_run(name, tmp_path):
+    if name == "sglang" and importlib.util.find_spec("sglang") is None:
+        pytest.skip("needs SGLang (scripts/venv-sglang.sh)")
+    args = ["--dir", str(tmp_path)] if name == "disk" else []
+    out = bench(name, "--quick", *args, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip(), "printed no figures"
+
+
+def test_every_benchmark_with_quick_is_tested():
+    quick = {name for name in BENCHES if "--quick" in bench(name, "--help").stdout}
+    assert quick == set(QUICK)
