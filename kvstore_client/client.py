@@ -153,7 +153,8 @@ class KVStoreClient:
             address, enabled=data_plane, data_address=data_address, token=token,
             tls=tls_context(tls_ca, tls_cert, tls_key), timeout=timeout,
             connections=data_connections, region=self.region,
-            reregister=self.register_layout, reattach=lambda: self._attach_region(force=True))
+            reregister=lambda handle: self.register_layout(handle.layout),
+            reattach=lambda: self._attach_region(force=True))
 
     # -- plumbing -------------------------------------------------------------------
     def close(self) -> None:
