@@ -8,6 +8,7 @@ import sys
 # name -> module under kvstore_bench with a main(argv) -> int
 BENCHES = {
     "store": "store_bench",
+    "fastpath": "fastpath_bench",
     "hash": "hash_bench",
     "shm": "shm_bench",
     "load": "load_bench",
