@@ -494,8 +494,9 @@ class KVStoreClient:
     def _release_later(self, lease_id: int) -> None:
         """End a lease without waiting for the answer: the caller has finished reading,
         and a lost release only costs the pages their pin until the lease expires."""
-        if self._data.call("ReleaseLease", None, lambda f: f.release(lease_id)) is not USE_GRPC:
-            return      # a few microseconds: no need to leave it in flight
+        if self._data.call("ReleaseLease", None,
+                           lambda f: f.release_later(lease_id)) is not USE_GRPC:
+            return
         future = self._release.future(pb.ReleaseLeaseRequest(lease_id=lease_id),
                                       timeout=self.timeout)
         self._releases.add(future)

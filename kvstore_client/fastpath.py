@@ -28,6 +28,8 @@ import ssl
 import threading
 from typing import Callable, TypeVar
 
+import logging
+
 import grpc
 import numpy as np
 
@@ -37,6 +39,8 @@ from .errors import KVStoreError
 __all__ = ["FastPath", "FastPathUnavailable", "FastLease"]
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 CODES = {
     fw.Status.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
@@ -49,6 +53,7 @@ CODES = {
     fw.Status.PROTOCOL: grpc.StatusCode.INTERNAL,
     fw.Status.BUSY: grpc.StatusCode.UNAVAILABLE,
 }
+ANSWER_BUFFER = 64 << 10     # per connection
 # A Get is striped over several connections only when each gets at least this much:
 # below it, the extra round trips and thread hand-offs cost more than they bring.
 STRIPE_MIN_BYTES = 16 << 20
@@ -79,6 +84,10 @@ class _Conn:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self._head = bytearray(fw.HEADER.size)
+        # Where an answer is received: header and body in one recv when it fits (a
+        # lookup's or an acquire's does), so a small call costs one system call.
+        self._rbuf = memoryview(bytearray(ANSWER_BUFFER))
+        self.owed = 0        # answers of requests sent without waiting (release_later)
 
     def close(self) -> None:
         try:
@@ -113,24 +122,109 @@ class _Conn:
                 raise
             raise _Broken(f"receiving failed: {exc}") from None
 
-    def answer(self, op: int, method: str) -> tuple[fw.Header, memoryview]:
-        """The header and body of the answer; KVStoreError if it is an error frame."""
+    def answer_into(self, op: int, method: str, out: memoryview) -> None:
+        """A GET's answer: the header, then the pages straight into out. On a plain
+        socket one recvmsg_into fills both, so a one-page get costs one system call."""
+        head = memoryview(self._head)
+        have = 0
+        if isinstance(self.sock, ssl.SSLSocket):      # no recvmsg on TLS
+            self.recv_exact(head)
+        else:
+            try:
+                got = self.sock.recvmsg_into([head, out])[0]
+            except OSError as exc:
+                raise _Broken(f"receiving failed: {exc}") from None
+            if not got:
+                raise _Broken("the server closed the connection")
+            if got < len(head):
+                self.recv_exact(head[got:])
+            have = max(0, got - len(head))
+        try:
+            h = fw.decode_header(self._head, request=False)
+        except fw.WireError as exc:
+            raise _Broken(str(exc)) from None
+        if h.status:
+            if h.body_len > fw.MAX_BODY:
+                raise _Broken(f"error body of {h.body_len} bytes is past any bound")
+            body = bytearray(out[:min(have, h.body_len)])
+            rest = memoryview(bytearray(h.body_len - len(body)))
+            self.recv_exact(rest)
+            self._raise(h, memoryview(body + rest), method)
+        if h.op != op or h.body_len or h.data_len != out.nbytes:
+            raise _Broken(f"answer to op {h.op} with {h.body_len} + {h.data_len} bytes, "
+                          f"expected op {op} with {out.nbytes} bytes of pages")
+        self.recv_exact(out[have:])
+
+    @staticmethod
+    def _raise(h: fw.Header, body: memoryview, method: str) -> None:
+        status = (fw.Status(h.status) if h.status in fw.Status._value2member_map_
+                  else fw.Status.INTERNAL)
+        message = bytes(body).decode(errors="replace")
+        if status is fw.Status.PROTOCOL:
+            raise _Broken(f"the server refused a frame: {message}")
+        raise KVStoreError(CODES[status], message, method)
+
+    def answer_head(self, op: int, method: str) -> fw.Header:
+        """The header of an answer whose data follows (GET): read exactly, no further."""
         self.recv_exact(memoryview(self._head))
         try:
             h = fw.decode_header(self._head, request=False)
         except fw.WireError as exc:
             raise _Broken(str(exc)) from None
-        if h.body_len > fw.MAX_BODY + fw.MAX_KEYS * 8:
-            raise _Broken(f"answer body of {h.body_len} bytes is past any bound")
-        body = memoryview(bytearray(h.body_len))
-        self.recv_exact(body)
         if h.status:
-            status = fw.Status(h.status) if h.status in fw.Status._value2member_map_ else \
-                fw.Status.INTERNAL
-            message = bytes(body).decode(errors="replace")
-            if status is fw.Status.PROTOCOL:
-                raise _Broken(f"the server refused a frame: {message}")
-            raise KVStoreError(CODES[status], message, method)
+            if h.body_len > fw.MAX_BODY:
+                raise _Broken(f"error body of {h.body_len} bytes is past any bound")
+            body = memoryview(bytearray(h.body_len))
+            self.recv_exact(body)
+            self._raise(h, body, method)
+        if h.op != op or h.body_len:
+            raise _Broken(f"answer to op {h.op} with a body of {h.body_len}, expected {op}")
+        return h
+
+    def settle(self) -> None:
+        """Read the answers owed to requests sent without waiting, before a new call."""
+        while self.owed:
+            self.owed -= 1
+            self.recv_exact(memoryview(self._head))
+            h = fw.decode_header(self._head, request=False)
+            body = memoryview(bytearray(h.body_len))
+            self.recv_exact(body)
+            if h.status:
+                log.warning("a release sent without waiting failed (%s); the lease "
+                            "expires by itself", bytes(body).decode(errors="replace"))
+
+    def answer(self, op: int, method: str) -> tuple[fw.Header, memoryview]:
+        """The header and body of the answer; KVStoreError if it is an error frame.
+        The body is a view of this connection's buffer, valid until its next call.
+
+        Nothing can follow the answer on the wire (the server answers only what was
+        asked, and owed answers were read first), so one recv never reads past it."""
+        buf = self._rbuf
+        try:
+            got = self.sock.recv_into(buf)
+        except OSError as exc:
+            raise _Broken(f"receiving failed: {exc}") from None
+        if not got:
+            raise _Broken("the server closed the connection")
+        if got < fw.HEADER.size:
+            self.recv_exact(buf[got:fw.HEADER.size])
+            got = fw.HEADER.size
+        try:
+            h = fw.decode_header(buf[:fw.HEADER.size], request=False)
+        except fw.WireError as exc:
+            raise _Broken(str(exc)) from None
+        if h.body_len > fw.MAX_BODY + fw.MAX_KEYS * 8 or got > fw.HEADER.size + h.body_len:
+            raise _Broken(f"answer of {got} bytes, body of {h.body_len}: out of step")
+        end = fw.HEADER.size + h.body_len
+        if end <= len(buf):
+            self.recv_exact(buf[got:end])
+            body = buf[fw.HEADER.size:end]
+        else:
+            body = memoryview(bytearray(h.body_len))
+            body[:got - fw.HEADER.size] = buf[fw.HEADER.size:got]
+            self.recv_exact(body[got - fw.HEADER.size:])
+        if h.status:
+            self._raise(h, body, method)
         if h.op != op:
             raise _Broken(f"answer to op {h.op}, expected {op}")
         return h, body
@@ -253,6 +347,7 @@ class FastPath:
                 if self._lease_conn is None:
                     self._lease_conn = self._connect()
                 try:
+                    self._lease_conn.settle()
                     return fn(self._lease_conn)
                 except _Broken as exc:
                     self._lease_conn.close()
@@ -323,6 +418,21 @@ class FastPath:
     def release(self, lease_id: int) -> bool:
         return bool(self._end(fw.Op.RELEASE, "ReleaseLease", lease_id))
 
+    def release_later(self, lease_id: int) -> None:
+        """Release without waiting for the answer: it is read before the lease
+        connection's next call. Nothing is lost if the connection breaks first: the
+        server releases a closed connection's leases itself."""
+        with self._lease_lock:
+            conn = self._lease_conn
+            if conn is None:         # the connection that took it is gone, and its leases
+                return
+            try:
+                conn.send(fw.Op.RELEASE, fw.LEASE.pack(lease_id))
+                conn.owed += 1
+            except _Broken:
+                conn.close()
+                self._lease_conn = None
+
     # -- page bytes ---------------------------------------------------------------------
     def put(self, layout_id: bytes, key_size: int, packed: bytes, data: memoryview
             ) -> tuple[int, int]:
@@ -360,10 +470,7 @@ class FastPath:
 
         def call(c: _Conn) -> None:
             c.send(fw.Op.GET, body, flags=flags)
-            h, _ = c.answer(fw.Op.GET, "Get")
-            if h.data_len != out.nbytes:
-                raise _Broken(f"Get answered {h.data_len} bytes, expected {out.nbytes}")
-            c.recv_exact(out)
+            c.answer_into(fw.Op.GET, "Get", out)
 
         self._run("Get", call)
 
@@ -376,7 +483,7 @@ class FastPath:
         conn = self._take()
         try:
             conn.send(fw.Op.GET, body, flags=fw.LAYER_MAJOR)
-            h, _ = conn.answer(fw.Op.GET, "Get")
+            h = conn.answer_head(fw.Op.GET, "Get")
             if h.data_len != n * layers * layer_bytes:
                 raise _Broken(f"Get answered {h.data_len} bytes, expected "
                               f"{n * layers * layer_bytes}")

@@ -28,7 +28,7 @@ from ..auth import Authenticator
 from ..metrics import Metrics
 from ..store import Store
 from .connection import Connection
-from .ops import SEND_SENDFILE, Ops
+from .ops import SEND_SENDMSG, Ops
 
 __all__ = ["FastPathServer", "socket_path"]
 
@@ -46,7 +46,7 @@ class FastPathServer:
     def __init__(self, store: Store, metrics: Metrics, auth: Authenticator | None, *,
                  tcp: tuple[str, int] | None, unix: bool, tls: ssl.SSLContext | None = None,
                  max_connections: int = 256, idle_timeout: float = 300.0,
-                 stream_timeout: float = 30.0, send_mode: str = SEND_SENDFILE) -> None:
+                 stream_timeout: float = 30.0, send_mode: str = SEND_SENDMSG) -> None:
         """tcp: (host, port) to listen on, port 0 = any; None = no TCP. unix: listen on
         socket_path(pool) too. tls: wraps TCP connections (never the Unix socket)."""
         self.store = store
