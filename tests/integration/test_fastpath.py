@@ -527,3 +527,46 @@ def test_the_unix_socket_is_as_private_as_the_pool(srv):
     path = unix_path(srv)
     pool = path.removesuffix(".sock")
     assert os.stat(path).st_mode & 0o777 == os.stat(pool).st_mode & 0o777 & 0o660
+
+
+# -- TLS ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    import shutil
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make certificates")
+    from tests.integration import test_tls
+    return test_tls.pki.__wrapped__(tmp_path_factory)
+
+
+def test_tls_and_mutual_tls_on_the_tcp_port(pki):
+    import ssl
+
+    from tests.integration.test_tls import creds
+    ca = str(pki / "ca.pem")
+    mine = {"tls_cert": str(pki / "client.pem"), "tls_key": str(pki / "client.key")}
+    with ServerProcess(credentials=creds(pki, client_cert=True), tls_cert=pki / "server.pem",
+                       tls_key=pki / "server.key", tls_client_ca=pki / "ca.pem") as srv:
+        assert "(TLS)" in srv.log()
+        with KVStoreClient(srv.address, tls_ca=ca, shared_memory=False, data_plane=True,
+                           **mine) as c:
+            assert not c._data.fast().address.endswith(".sock")
+            ns = c.register_layout(LAYOUTS["odd"])
+            ks = keys("tls", 50)
+            data = pages(50, ns.page_bytes, seed=11)
+            c.put(ns, ks, data)
+            assert np.array_equal(c.get(ns, ks), data)
+            for layer, slab in c.get_layers(ns, ks[:3]):
+                lb = ns.layer_bytes
+                assert np.array_equal(slab, data[:3, layer * lb:(layer + 1) * lb])
+            assert c.lookup(ns, ks) == 50
+        # Plain text on the TLS port, and TLS without a client certificate: refused.
+        raw = Raw(fast_address(srv), hello=False)
+        raw.send(fw.Op.HELLO)
+        assert raw.closed()
+        raw.close()
+        with pytest.raises(FastPathUnavailable):
+            FastPath(fast_address(srv), tls=ssl.create_default_context(cafile=ca)).check()
+        # The Unix socket beside the pool stays plain: it is local and owner-only.
+        raw = Raw(unix_path(srv))
+        raw.close()
