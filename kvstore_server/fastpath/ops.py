@@ -95,7 +95,8 @@ class Ops:
         ids = [bytes(body[i:i + 16]) for i in range(pos, end, 16)]
         keys, _ = fw.decode_keys(body, end)
         layouts = [self._layout(s, layout_id) for layout_id in ids]
-        count, lease_id = self.store.lookup(layouts, _keys(keys), lease_ms / 1000.0)
+        count, lease_id = self.store.lookup(layouts, _keys(keys),
+                                            self._ttl(lease_ms) if lease_ms else 0.0)
         s.took(lease_id)
         return fw.COUNT_LEASE.pack(count, lease_id)
 
@@ -135,18 +136,24 @@ class Ops:
         s.leases.pop(lease_id, None)
         return fw.LEASE.pack(int(self.store.release(lease_id, s.caller().name)))
 
+    def _ttl(self, lease_ms: int) -> float:
+        """A client's lease_ms (0 = the server's ttl), never past the server's ttl: a
+        lease is how long a client that died holding pages keeps them from everyone."""
+        ttl = self.store.lease_ttl
+        return min(lease_ms / 1000.0, ttl) if lease_ms else ttl
+
     def _layout_keys(self, s: Session, body: memoryview) -> tuple[bytes, fw.KeysBlock]:
         (layout_id,) = _unpack(fw.LAYOUT_HEAD, body, 0)
         keys, _ = fw.decode_keys(body, fw.LAYOUT_HEAD.size)
         return self._layout(s, layout_id), keys
 
     def _same_host(self, s: Session, body: memoryview
-                   ) -> tuple[bytes, fw.KeysBlock, float | None]:
+                   ) -> tuple[bytes, fw.KeysBlock, float]:
         layout_id, token, lease_ms = _unpack(fw.LEASED_HEAD, body, 0)
         may_map(s.caller())
         check_region_token(self.store, token)
         keys, _ = fw.decode_keys(body, fw.LEASED_HEAD.size)
-        return self._layout(s, layout_id), keys, (lease_ms / 1000.0 if lease_ms else None)
+        return self._layout(s, layout_id), keys, self._ttl(lease_ms)
 
     # -- page bytes ---------------------------------------------------------------------
     def get(self, s: Session, h: fw.Header, body: memoryview) -> None:
@@ -154,6 +161,12 @@ class Ops:
         layout, keys = self._layout_keys(s, body)
         if h.flags not in (fw.PAGE_MAJOR, fw.LAYER_MAJOR):
             raise fw.WireError(f"unknown GET order {h.flags}", fw.Status.INVALID)
+        total = keys.n * self.store.info(layout).page_bytes
+        if total > self.store.pool.capacity_bytes:
+            # One key named 65,536 times would pin its page while 65,536 copies are sent.
+            raise StoreError(Outcome.INVALID, (
+                f"a GET of {keys.n} pages is {total} bytes, more than the whole pool "
+                f"({self.store.pool.capacity_bytes}): ask for fewer at once"))
         pinned = self.store.acquire(layout, _keys(keys), ttl=FOREVER)
         try:
             info = pinned.info
