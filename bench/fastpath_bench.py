@@ -145,6 +145,104 @@ def send_mode_gbps(total: int, reps: int) -> dict[str, float]:
     return out
 
 
+# -- connections: the fast path striped against as many raw sockets ----------------------------
+def _raw_striped_sender(port_q, nbytes: int, conns: int, reps: int) -> None:
+    import threading
+    data = np.ones(nbytes, dtype=np.uint8)
+    mv = memoryview(data)
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(conns)
+        port_q.put(srv.getsockname()[1])
+        socks = [srv.accept()[0] for _ in range(conns)]
+        bounds = np.linspace(0, nbytes, conns + 1).astype(int).tolist()
+
+        def send(i: int) -> None:
+            part = mv[bounds[i]:bounds[i + 1]]
+            for _ in range(reps):
+                socks[i].recv(1)
+                socks[i].sendall(part)
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(conns)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
+def raw_striped_gbps(nbytes: int, conns: int, reps: int, out: np.ndarray) -> float:
+    """GB/s of nbytes received over `conns` sockets at once, each into its slice of out
+    (threads, recv_into), the sender another process: the ceiling for a striped get."""
+    import threading
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    peer = ctx.Process(target=_raw_striped_sender, args=(q, nbytes, conns, reps), daemon=True)
+    peer.start()
+    try:
+        port = q.get(timeout=60)
+        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(conns)]
+        bounds = np.linspace(0, nbytes, conns + 1).astype(int).tolist()
+        mv = memoryview(out.reshape(-1))
+        times = []
+        for _ in range(reps):
+            def recv(i: int) -> None:
+                view = mv[bounds[i]:bounds[i + 1]]
+                socks[i].sendall(b"g")
+                pos = 0
+                while pos < len(view):
+                    pos += socks[i].recv_into(view[pos:])
+
+            threads = [threading.Thread(target=recv, args=(i,)) for i in range(conns)]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            times.append(time.perf_counter() - t0)
+        for sock in socks:
+            sock.close()
+        return nbytes / statistics.median(times) / 1e9
+    finally:
+        peer.kill()
+        peer.join(10)
+
+
+def _out_buffer(nbytes: int, pinned: bool) -> np.ndarray:
+    if pinned:
+        import torch
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+    return page_aligned_empty((nbytes,))
+
+
+def scaling(total: int, reps: int, conns: list[int], pinned: bool) -> list[dict]:
+    """Striped fast-path get against raw sockets, per number of connections, one bare
+    fast-path server (sendmsg), the receiving buffer pinned when asked (and CUDA is here)."""
+    pages = total // PAGE_1M.page_bytes
+    keys = b"".join(i.to_bytes(16, "little") for i in range(pages))
+    out = _out_buffer(total, pinned)
+    rows = []
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_bare_server, args=(q, "sendmsg", pages), daemon=True)
+    proc.start()
+    try:
+        port = q.get(timeout=300)
+        for k in conns:
+            raw = raw_striped_gbps(total, k, reps, out)
+            fast = FastPath(f"127.0.0.1:{port}", connections=k)
+            get = lambda: fast.get_into(PAGE_1M.layout_id, 16, keys, memoryview(out),  # noqa: E731
+                                        PAGE_1M.page_bytes)
+            get()
+            gbps = total / statistics.median(_timed(get, reps)) / 1e9
+            fast.close()
+            rows.append({"connections": k, "fast_gbps": gbps, "raw_gbps": raw,
+                         "fast_vs_raw": gbps / raw})
+    finally:
+        proc.kill()
+        proc.join(10)
+    return rows
+
+
 # -- one run ------------------------------------------------------------------------------
 def one_run(srv: ServerProcess, total: int, reps: int, iters: int, connections: int,
             run: int) -> dict:
@@ -275,8 +373,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--connections", type=int, default=4, help="connections of a striped get")
     p.add_argument("--mib", type=int, default=0, help="MiB a get or put (default 128)")
     p.add_argument("--send", action="store_true", help="also compare sendfile and sendmsg")
+    p.add_argument("--scaling", metavar="N,N,...",
+                   help="only: a striped get over these connection counts against as many "
+                        "raw sockets, on a bare fast-path server")
+    p.add_argument("--pinned", action="store_true", help="--scaling into pinned memory")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.scaling:
+        total = (args.mib or 1024) * MiB
+        for _ in range(args.runs):
+            rows = scaling(total, 3, [int(k) for k in args.scaling.split(",")], args.pinned)
+            print(json.dumps(rows) if args.json else "\n".join(
+                f"{r['connections']} connections: fast {r['fast_gbps']:.2f} GB/s, raw "
+                f"{r['raw_gbps']:.2f} GB/s, fast/raw {r['fast_vs_raw']:.2f}" for r in rows),
+                flush=True)
+        return 0
     r = run(args.runs, args.quick, args.connections, args.send, args.mib)
     print(json.dumps(r, indent=2) if args.json else report(r))
     return 0
