@@ -151,7 +151,7 @@ class KVStoreClient:
         self._inspect = unary(a + "Inspect", apb.InspectRequest, apb.InspectResponse)
         self._data = DataPlane(
             address, enabled=data_plane, data_address=data_address, token=token,
-            tls=tls_context(tls_ca, tls_cert, tls_key), timeout=timeout,
+            tls=tls_context(tls_ca, tls_cert, tls_key), timeout=lambda: self.timeout,
             connections=data_connections, region=self.region,
             reregister=lambda handle: self.register_layout(handle.layout),
             reattach=lambda: self._attach_region(force=True))

@@ -76,7 +76,8 @@ class DataPlane:
     """The fast path of one KVStoreClient, opened on first use."""
 
     def __init__(self, address: str, *, enabled: bool | None, data_address: str | None,
-                 token: str | None, tls: ssl.SSLContext | None, timeout: float,
+                 token: str | None, tls: ssl.SSLContext | None,
+                 timeout: Callable[[], float],
                  connections: int, region: Callable[[], "SharedRegion | None"],
                  reregister: Callable[["LayoutHandle"], object],
                  reattach: Callable[[], None]) -> None:

@@ -68,6 +68,23 @@ class _Broken(ConnectionError):
     """A connection broke mid-call: retried once on a fresh one."""
 
 
+class _Timeout(ConnectionError):
+    """No byte moved for the call's timeout: the server is stalled, not gone. Not
+    retried (as gRPC's DEADLINE_EXCEEDED is not); the connection is dropped."""
+
+
+def _failed(exc: OSError, what: str) -> ConnectionError:
+    """The error a socket failure becomes: SO_RCVTIMEO/SO_SNDTIMEO expiring shows as
+    EAGAIN (BlockingIOError) on a blocking socket."""
+    if isinstance(exc, (BlockingIOError, TimeoutError, socket.timeout)):
+        return _Timeout(f"{what}: nothing moved within the timeout")
+    return _Broken(f"{what} failed: {exc}")
+
+
+def _deadline(method: str, exc: Exception) -> KVStoreError:
+    return KVStoreError(grpc.StatusCode.DEADLINE_EXCEEDED, f"fast path: {exc}", method)
+
+
 class FastLease:
     """What acquire and reserve answer: a lease id, the pages' pool offsets, skipped."""
 
@@ -89,6 +106,17 @@ class _Conn:
         # lookup's or an acquire's does), so a small call costs one system call.
         self._rbuf = memoryview(bytearray(ANSWER_BUFFER))
         self.owed = 0        # answers of requests sent without waiting (release_later)
+        self.timeout = -1.0  # the socket's SO_RCVTIMEO/SO_SNDTIMEO now
+
+    def use_timeout(self, seconds: float) -> None:
+        """Give up on any send or recv that moves nothing for this long (set only when
+        it changes: two system calls). A call's timeout bounds each wait for progress,
+        so a large get is not cut off while its bytes keep arriving."""
+        if seconds != self.timeout:
+            tv = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+            self.timeout = seconds
 
     def close(self) -> None:
         try:
@@ -107,7 +135,7 @@ class _Conn:
             if data is not None:
                 self.sock.sendall(data)
         except OSError as exc:
-            raise _Broken(f"sending failed: {exc}") from None
+            raise _failed(exc, "sending") from None
 
     def recv_exact(self, view: memoryview) -> None:
         pos, n = 0, len(view)
@@ -119,9 +147,9 @@ class _Conn:
                                   "bytes")
                 pos += got
         except OSError as exc:
-            if isinstance(exc, _Broken):
+            if isinstance(exc, ConnectionError) and isinstance(exc, (_Broken, _Timeout)):
                 raise
-            raise _Broken(f"receiving failed: {exc}") from None
+            raise _failed(exc, "receiving") from None
 
     def answer_into(self, op: int, method: str, out: memoryview) -> None:
         """A GET's answer: the header, then the pages straight into out. On a plain
@@ -134,7 +162,7 @@ class _Conn:
             try:
                 got = self.sock.recvmsg_into([head, out])[0]
             except OSError as exc:
-                raise _Broken(f"receiving failed: {exc}") from None
+                raise _failed(exc, "receiving") from None
             if not got:
                 raise _Broken("the server closed the connection")
             if got < len(head):
@@ -204,7 +232,7 @@ class _Conn:
         try:
             got = self.sock.recv_into(buf)
         except OSError as exc:
-            raise _Broken(f"receiving failed: {exc}") from None
+            raise _failed(exc, "receiving") from None
         if not got:
             raise _Broken("the server closed the connection")
         if got < fw.HEADER.size:
@@ -239,7 +267,8 @@ class FastPath:
     """A pool of fast-path connections to one server address."""
 
     def __init__(self, address: str, *, token: str | None = None,
-                 tls: ssl.SSLContext | None = None, timeout: float = 10.0,
+                 tls: ssl.SSLContext | None = None,
+                 timeout: float | Callable[[], float] = 10.0,
                  connections: int = 4) -> None:
         """address: HOST:PORT, or a path (with a '/') of a Unix socket. tls: wrap TCP
         connections (the server name is the host of address). connections: most
@@ -247,7 +276,9 @@ class FastPath:
         self.address = address
         self.token = token or ""
         self.tls = tls
-        self.timeout = timeout
+        # Seconds a call may wait for progress; a callable is asked at every call, so a
+        # client whose timeout changes (KVStoreClient.timeout) is obeyed at once.
+        self._timeout = timeout if callable(timeout) else (lambda: timeout)
         self.connections = max(1, connections)
         # Idle connections, most recent last; deque's append and pop are atomic, so
         # taking one costs 24 ns where a queue.LifoQueue took 2 us (dev VM).
@@ -263,12 +294,12 @@ class FastPath:
         try:
             if "/" in self.address:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(self.timeout)
+                sock.settimeout(self._timeout())
                 sock.connect(self.address)
             else:
                 host, _, port = self.address.rpartition(":")
                 host = host.strip("[]")
-                sock = socket.create_connection((host, int(port)), timeout=self.timeout)
+                sock = socket.create_connection((host, int(port)), timeout=self._timeout())
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 if self.tls is not None:
                     sock = self.tls.wrap_socket(sock, server_hostname=host)
@@ -278,14 +309,12 @@ class FastPath:
         # Blocking from here, with the timeout in the kernel (SO_RCVTIMEO/SO_SNDTIMEO):
         # a Python timeout would poll() before every recv.
         sock.settimeout(None)
-        tv = struct.pack("ll", int(self.timeout), int(self.timeout % 1 * 1e6))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
         conn = _Conn(sock)
         try:
+            conn.use_timeout(self._timeout())
             conn.send(fw.Op.HELLO, self.token.encode())
             _, body = conn.answer(fw.Op.HELLO, "Hello")
-        except _Broken as exc:
+        except (_Broken, _Timeout) as exc:
             conn.close()
             raise FastPathUnavailable(f"fast path at {self.address}: {exc}") from None
         except KVStoreError as exc:
@@ -331,7 +360,11 @@ class FastPath:
         for attempt in (0, 1):
             conn = self._take() if attempt == 0 else self._connect()
             try:
+                conn.use_timeout(self._timeout())
                 result = fn(conn)
+            except _Timeout as exc:
+                conn.close()
+                raise _deadline(method, exc) from None
             except _Broken as exc:
                 conn.close()
                 if attempt:
@@ -356,8 +389,13 @@ class FastPath:
                 if self._lease_conn is None:
                     self._lease_conn = self._connect()
                 try:
+                    self._lease_conn.use_timeout(self._timeout())
                     self._lease_conn.settle()
                     return fn(self._lease_conn)
+                except _Timeout as exc:
+                    self._lease_conn.close()
+                    self._lease_conn = None
+                    raise _deadline(method, exc) from None
                 except _Broken as exc:
                     self._lease_conn.close()
                     self._lease_conn = None
@@ -438,7 +476,7 @@ class FastPath:
             try:
                 conn.send(fw.Op.RELEASE, fw.LEASE.pack(lease_id))
                 conn.owed += 1
-            except _Broken:
+            except (_Broken, _Timeout):
                 conn.close()
                 self._lease_conn = None
 
@@ -491,6 +529,7 @@ class FastPath:
         n = len(packed) // key_size if key_size else 0
         conn = self._take()
         try:
+            conn.use_timeout(self._timeout())
             conn.send(fw.Op.GET, body, flags=fw.LAYER_MAJOR)
             h = conn.answer_head(fw.Op.GET, "Get")
             if h.data_len != n * layers * layer_bytes:
@@ -500,6 +539,9 @@ class FastPath:
                 buf = slab(layer)
                 conn.recv_exact(memoryview(buf).cast("B"))
                 yield layer, buf
+        except _Timeout as exc:
+            conn.close()
+            raise _deadline("Get", exc) from None
         except _Broken as exc:
             conn.close()
             raise KVStoreError(grpc.StatusCode.UNAVAILABLE,

@@ -570,3 +570,27 @@ def test_tls_and_mutual_tls_on_the_tcp_port(pki):
         # The Unix socket beside the pool stays plain: it is local and owner-only.
         raw = Raw(unix_path(srv))
         raw.close()
+
+
+def test_a_stalled_server_is_a_deadline_not_a_hang(fresh_server):
+    srv = fresh_server()
+    with KVStoreClient(srv.address, shared_memory=False, data_plane=True, retries=0) as c:
+        ns = c.register_layout(LAYOUTS["tiny"])
+        ks = keys("stall", 2)
+        c.put(ns, ks, pages(2, ns.page_bytes))
+        c.timeout = 0.3                      # obeyed at once, as gRPC calls obey it
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        # kill() only queues the signal: wait until the server is stopped indeed.
+        wait_for(lambda: open(f"/proc/{srv.proc.pid}/stat").read().split(")")[1].split()[0]
+                 == "T", "the server to stop")
+        try:
+            start = time.monotonic()
+            with pytest.raises(KVStoreError) as info:
+                c.lookup(ns, ks)
+            assert info.value.code.name == "DEADLINE_EXCEEDED"
+            assert time.monotonic() - start < 2.0
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        c.timeout = 10.0
+        assert c.lookup(ns, ks) == 2          # a fresh connection
+        assert np.array_equal(c.get(ns, ks), pages(2, ns.page_bytes))
