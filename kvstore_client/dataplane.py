@@ -20,7 +20,8 @@ import ssl
 import tempfile
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
@@ -78,8 +79,8 @@ class DataPlane:
     def __init__(self, address: str, *, enabled: bool | None, data_address: str | None,
                  token: str | None, tls: ssl.SSLContext | None,
                  timeout: Callable[[], float],
-                 connections: int, region: Callable[[], "SharedRegion | None"],
-                 reregister: Callable[["LayoutHandle"], object],
+                 connections: int, region: Callable[[], SharedRegion | None],
+                 reregister: Callable[[LayoutHandle], object],
                  reattach: Callable[[], None]) -> None:
         """enabled: None = use it when reachable, True = require it, False = never."""
         self.enabled = enabled
@@ -149,7 +150,7 @@ class DataPlane:
                 self._retry_at = time.monotonic() + 1.0
         fast.close()
 
-    def call(self, method: str, handle: "LayoutHandle | None",
+    def call(self, method: str, handle: LayoutHandle | None,
              fn: Callable[[FastPath], T]) -> T | object:
         """fn on the fast path, or USE_GRPC when there is none (or it just went away)."""
         fast = self.fast()

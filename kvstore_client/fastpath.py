@@ -25,36 +25,21 @@ import collections
 import concurrent.futures
 import socket
 import ssl
-import struct
 import threading
-from typing import Callable, TypeVar
-
-import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 import numpy as np
 
 from . import fastwire as fw
 from .errors import KVStoreError
+from .fastconn import Broken, Conn, Timeout, deadline
 
 __all__ = ["FastPath", "FastPathUnavailable", "FastLease"]
 
 T = TypeVar("T")
 
-log = logging.getLogger(__name__)
-
-CODES = {
-    fw.Status.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
-    fw.Status.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    fw.Status.EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    fw.Status.EXPIRED: grpc.StatusCode.FAILED_PRECONDITION,
-    fw.Status.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
-    fw.Status.DENIED: grpc.StatusCode.PERMISSION_DENIED,
-    fw.Status.INTERNAL: grpc.StatusCode.INTERNAL,
-    fw.Status.PROTOCOL: grpc.StatusCode.INTERNAL,
-    fw.Status.BUSY: grpc.StatusCode.UNAVAILABLE,
-}
-ANSWER_BUFFER = 64 << 10     # per connection
 # A Get is striped over several connections only when each gets at least this much:
 # below it, the extra round trips and thread hand-offs cost more than they bring.
 STRIPE_MIN_BYTES = 16 << 20
@@ -62,27 +47,6 @@ STRIPE_MIN_BYTES = 16 << 20
 
 class FastPathUnavailable(ConnectionError):
     """No fast-path connection could be opened (port closed, refused, busy)."""
-
-
-class _Broken(ConnectionError):
-    """A connection broke mid-call: retried once on a fresh one."""
-
-
-class _Timeout(ConnectionError):
-    """No byte moved for the call's timeout: the server is stalled, not gone. Not
-    retried (as gRPC's DEADLINE_EXCEEDED is not); the connection is dropped."""
-
-
-def _failed(exc: OSError, what: str) -> ConnectionError:
-    """The error a socket failure becomes: SO_RCVTIMEO/SO_SNDTIMEO expiring shows as
-    EAGAIN (BlockingIOError) on a blocking socket."""
-    if isinstance(exc, (BlockingIOError, TimeoutError, socket.timeout)):
-        return _Timeout(f"{what}: nothing moved within the timeout")
-    return _Broken(f"{what} failed: {exc}")
-
-
-def _deadline(method: str, exc: Exception) -> KVStoreError:
-    return KVStoreError(grpc.StatusCode.DEADLINE_EXCEEDED, f"fast path: {exc}", method)
 
 
 class FastLease:
@@ -94,169 +58,6 @@ class FastLease:
         self.lease_id = lease_id
         self.offsets = offsets
         self.skipped = skipped
-
-
-class _Conn:
-    """One authenticated connection; not thread-safe (a caller holds it for a call)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._head = bytearray(fw.HEADER.size)
-        # Where an answer is received: header and body in one recv when it fits (a
-        # lookup's or an acquire's does), so a small call costs one system call.
-        self._rbuf = memoryview(bytearray(ANSWER_BUFFER))
-        self.owed = 0        # answers of requests sent without waiting (release_later)
-        self.timeout = -1.0  # the socket's SO_RCVTIMEO/SO_SNDTIMEO now
-
-    def use_timeout(self, seconds: float) -> None:
-        """Give up on any send or recv that moves nothing for this long (set only when
-        it changes: two system calls). A call's timeout bounds each wait for progress,
-        so a large get is not cut off while its bytes keep arriving."""
-        if seconds != self.timeout:
-            tv = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-            self.timeout = seconds
-
-    def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-
-    def send(self, op: int, body: bytes, data: memoryview | None = None, flags: int = 0
-             ) -> None:
-        head = fw.encode_header(op, len(body), 0 if data is None else data.nbytes,
-                                flags=flags)
-        try:
-            self.sock.sendall(head + body if len(body) < 65536 else head)
-            if len(body) >= 65536:
-                self.sock.sendall(body)
-            if data is not None:
-                self.sock.sendall(data)
-        except OSError as exc:
-            raise _failed(exc, "sending") from None
-
-    def recv_exact(self, view: memoryview) -> None:
-        pos, n = 0, len(view)
-        try:
-            while pos < n:
-                got = self.sock.recv_into(view[pos:], n - pos)
-                if not got:
-                    raise _Broken(f"the server closed the connection after {pos} of {n} "
-                                  "bytes")
-                pos += got
-        except OSError as exc:
-            if isinstance(exc, ConnectionError) and isinstance(exc, (_Broken, _Timeout)):
-                raise
-            raise _failed(exc, "receiving") from None
-
-    def answer_into(self, op: int, method: str, out: memoryview) -> None:
-        """A GET's answer: the header, then the pages straight into out. On a plain
-        socket one recvmsg_into fills both, so a one-page get costs one system call."""
-        head = memoryview(self._head)
-        have = 0
-        if isinstance(self.sock, ssl.SSLSocket):      # no recvmsg on TLS
-            self.recv_exact(head)
-        else:
-            try:
-                got = self.sock.recvmsg_into([head, out])[0]
-            except OSError as exc:
-                raise _failed(exc, "receiving") from None
-            if not got:
-                raise _Broken("the server closed the connection")
-            if got < len(head):
-                self.recv_exact(head[got:])
-            have = max(0, got - len(head))
-        try:
-            h = fw.decode_header(self._head, request=False)
-        except fw.WireError as exc:
-            raise _Broken(str(exc)) from None
-        if h.status:
-            if h.body_len > fw.MAX_BODY:
-                raise _Broken(f"error body of {h.body_len} bytes is past any bound")
-            body = bytearray(out[:min(have, h.body_len)])
-            rest = memoryview(bytearray(h.body_len - len(body)))
-            self.recv_exact(rest)
-            self._raise(h, memoryview(body + rest), method)
-        if h.op != op or h.body_len or h.data_len != out.nbytes:
-            raise _Broken(f"answer to op {h.op} with {h.body_len} + {h.data_len} bytes, "
-                          f"expected op {op} with {out.nbytes} bytes of pages")
-        self.recv_exact(out[have:])
-
-    @staticmethod
-    def _raise(h: fw.Header, body: memoryview, method: str) -> None:
-        status = (fw.Status(h.status) if h.status in fw.Status._value2member_map_
-                  else fw.Status.INTERNAL)
-        message = bytes(body).decode(errors="replace")
-        if status is fw.Status.PROTOCOL:
-            raise _Broken(f"the server refused a frame: {message}")
-        raise KVStoreError(CODES[status], message, method)
-
-    def answer_head(self, op: int, method: str) -> fw.Header:
-        """The header of an answer whose data follows (GET): read exactly, no further."""
-        self.recv_exact(memoryview(self._head))
-        try:
-            h = fw.decode_header(self._head, request=False)
-        except fw.WireError as exc:
-            raise _Broken(str(exc)) from None
-        if h.status:
-            if h.body_len > fw.MAX_BODY:
-                raise _Broken(f"error body of {h.body_len} bytes is past any bound")
-            body = memoryview(bytearray(h.body_len))
-            self.recv_exact(body)
-            self._raise(h, body, method)
-        if h.op != op or h.body_len:
-            raise _Broken(f"answer to op {h.op} with a body of {h.body_len}, expected {op}")
-        return h
-
-    def settle(self) -> None:
-        """Read the answers owed to requests sent without waiting, before a new call."""
-        while self.owed:
-            self.owed -= 1
-            self.recv_exact(memoryview(self._head))
-            h = fw.decode_header(self._head, request=False)
-            body = memoryview(bytearray(h.body_len))
-            self.recv_exact(body)
-            if h.status:
-                log.warning("a release sent without waiting failed (%s); the lease "
-                            "expires by itself", bytes(body).decode(errors="replace"))
-
-    def answer(self, op: int, method: str) -> tuple[fw.Header, memoryview]:
-        """The header and body of the answer; KVStoreError if it is an error frame.
-        The body is a view of this connection's buffer, valid until its next call.
-
-        Nothing can follow the answer on the wire (the server answers only what was
-        asked, and owed answers were read first), so one recv never reads past it."""
-        buf = self._rbuf
-        try:
-            got = self.sock.recv_into(buf)
-        except OSError as exc:
-            raise _failed(exc, "receiving") from None
-        if not got:
-            raise _Broken("the server closed the connection")
-        if got < fw.HEADER.size:
-            self.recv_exact(buf[got:fw.HEADER.size])
-            got = fw.HEADER.size
-        try:
-            h = fw.decode_header(buf[:fw.HEADER.size], request=False)
-        except fw.WireError as exc:
-            raise _Broken(str(exc)) from None
-        if h.body_len > fw.MAX_BODY + fw.MAX_KEYS * 8 or got > fw.HEADER.size + h.body_len:
-            raise _Broken(f"answer of {got} bytes, body of {h.body_len}: out of step")
-        end = fw.HEADER.size + h.body_len
-        if end <= len(buf):
-            self.recv_exact(buf[got:end])
-            body = buf[fw.HEADER.size:end]
-        else:
-            body = memoryview(bytearray(h.body_len))
-            body[:got - fw.HEADER.size] = buf[fw.HEADER.size:got]
-            self.recv_exact(body[got - fw.HEADER.size:])
-        if h.status:
-            self._raise(h, body, method)
-        if h.op != op:
-            raise _Broken(f"answer to op {h.op}, expected {op}")
-        return h, body
 
 
 def _keys_body(layout_id: bytes, key_size: int, packed: bytes) -> bytes:
@@ -282,15 +83,15 @@ class FastPath:
         self.connections = max(1, connections)
         # Idle connections, most recent last; deque's append and pop are atomic, so
         # taking one costs 24 ns where a queue.LifoQueue took 2 us (dev VM).
-        self._idle: collections.deque[_Conn] = collections.deque()
+        self._idle: collections.deque[Conn] = collections.deque()
         self._lease_lock = threading.Lock()        # guards _lease_conn and its use
-        self._lease_conn: _Conn | None = None
+        self._lease_conn: Conn | None = None
         self._stripes: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
         self.tenant = ""
 
     # -- connections ------------------------------------------------------------------
-    def _connect(self) -> _Conn:
+    def _connect(self) -> Conn:
         try:
             if "/" in self.address:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -309,12 +110,12 @@ class FastPath:
         # Blocking from here, with the timeout in the kernel (SO_RCVTIMEO/SO_SNDTIMEO):
         # a Python timeout would poll() before every recv.
         sock.settimeout(None)
-        conn = _Conn(sock)
+        conn = Conn(sock)
         try:
             conn.use_timeout(self._timeout())
             conn.send(fw.Op.HELLO, self.token.encode())
             _, body = conn.answer(fw.Op.HELLO, "Hello")
-        except (_Broken, _Timeout) as exc:
+        except (Broken, Timeout) as exc:
             conn.close()
             raise FastPathUnavailable(f"fast path at {self.address}: {exc}") from None
         except KVStoreError as exc:
@@ -325,13 +126,13 @@ class FastPath:
         self.tenant = bytes(body).decode()
         return conn
 
-    def _take(self) -> _Conn:
+    def _take(self) -> Conn:
         try:
             return self._idle.pop()
         except IndexError:
             return self._connect()
 
-    def _give(self, conn: _Conn) -> None:
+    def _give(self, conn: Conn) -> None:
         if self._closed or len(self._idle) >= 2 * self.connections:
             conn.close()
         else:
@@ -355,17 +156,17 @@ class FastPath:
         if self._stripes is not None:
             self._stripes.shutdown(wait=False)
 
-    def _run(self, method: str, fn: Callable[[_Conn], T]) -> T:
+    def _run(self, method: str, fn: Callable[[Conn], T]) -> T:
         """fn on a pooled connection; once more on a fresh one if it broke."""
         for attempt in (0, 1):
             conn = self._take() if attempt == 0 else self._connect()
             try:
                 conn.use_timeout(self._timeout())
                 result = fn(conn)
-            except _Timeout as exc:
+            except Timeout as exc:
                 conn.close()
-                raise _deadline(method, exc) from None
-            except _Broken as exc:
+                raise deadline(method, exc) from None
+            except Broken as exc:
                 conn.close()
                 if attempt:
                     raise KVStoreError(grpc.StatusCode.UNAVAILABLE,
@@ -382,7 +183,7 @@ class FastPath:
             return result
         raise AssertionError("unreachable")
 
-    def _leased(self, method: str, fn: Callable[[_Conn], T]) -> T:
+    def _leased(self, method: str, fn: Callable[[Conn], T]) -> T:
         """fn on the lease connection, under its lock."""
         with self._lease_lock:
             for attempt in (0, 1):
@@ -392,11 +193,11 @@ class FastPath:
                     self._lease_conn.use_timeout(self._timeout())
                     self._lease_conn.settle()
                     return fn(self._lease_conn)
-                except _Timeout as exc:
+                except Timeout as exc:
                     self._lease_conn.close()
                     self._lease_conn = None
-                    raise _deadline(method, exc) from None
-                except _Broken as exc:
+                    raise deadline(method, exc) from None
+                except Broken as exc:
                     self._lease_conn.close()
                     self._lease_conn = None
                     if attempt:
@@ -406,7 +207,7 @@ class FastPath:
             raise AssertionError("unreachable")
 
     @staticmethod
-    def _simple(conn: _Conn, op: fw.Op, body: bytes, method: str) -> memoryview:
+    def _simple(conn: Conn, op: fw.Op, body: bytes, method: str) -> memoryview:
         conn.send(op, body)
         return conn.answer(op, method)[1]
 
@@ -476,7 +277,7 @@ class FastPath:
             try:
                 conn.send(fw.Op.RELEASE, fw.LEASE.pack(lease_id))
                 conn.owed += 1
-            except (_Broken, _Timeout):
+            except (Broken, Timeout):
                 conn.close()
                 self._lease_conn = None
 
@@ -486,7 +287,7 @@ class FastPath:
         """(stored, skipped); data: the pages, back to back, as one flat byte view."""
         body = _keys_body(layout_id, key_size, packed)
 
-        def call(c: _Conn) -> tuple[int, int]:
+        def call(c: Conn) -> tuple[int, int]:
             c.send(fw.Op.PUT, body, data)
             return fw.PUT_DONE.unpack_from(c.answer(fw.Op.PUT, "Put")[1])
 
@@ -507,7 +308,7 @@ class FastPath:
         bounds = np.linspace(0, n, stripes + 1).astype(int).tolist()
         parts = [self._stripes.submit(
             self._get_part, layout_id, key_size, packed[a * key_size:b * key_size],
-            out[a * page_bytes:b * page_bytes]) for a, b in zip(bounds, bounds[1:])]
+            out[a * page_bytes:b * page_bytes]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         for part in parts:
             part.result()
 
@@ -515,7 +316,7 @@ class FastPath:
                   flags: int = fw.PAGE_MAJOR) -> None:
         body = _keys_body(layout_id, key_size, packed)
 
-        def call(c: _Conn) -> None:
+        def call(c: Conn) -> None:
             c.send(fw.Op.GET, body, flags=flags)
             c.answer_into(fw.Op.GET, "Get", out)
 
@@ -533,16 +334,16 @@ class FastPath:
             conn.send(fw.Op.GET, body, flags=fw.LAYER_MAJOR)
             h = conn.answer_head(fw.Op.GET, "Get")
             if h.data_len != n * layers * layer_bytes:
-                raise _Broken(f"Get answered {h.data_len} bytes, expected "
+                raise Broken(f"Get answered {h.data_len} bytes, expected "
                               f"{n * layers * layer_bytes}")
             for layer in range(layers):
                 buf = slab(layer)
                 conn.recv_exact(memoryview(buf).cast("B"))
                 yield layer, buf
-        except _Timeout as exc:
+        except Timeout as exc:
             conn.close()
-            raise _deadline("Get", exc) from None
-        except _Broken as exc:
+            raise deadline("Get", exc) from None
+        except Broken as exc:
             conn.close()
             raise KVStoreError(grpc.StatusCode.UNAVAILABLE,
                                f"fast-path connection broke: {exc}", "Get") from None

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 

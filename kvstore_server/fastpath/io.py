@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -67,7 +67,7 @@ def runs(offsets: np.ndarray, size: int) -> Iterator[tuple[int, int, int]]:
     starts = [0, *breaks.tolist()]
     ends = [*breaks.tolist(), n]
     first = offs[starts].tolist()
-    yield from zip(starts, ends, first)
+    yield from zip(starts, ends, first, strict=True)
 
 
 def send_views(sock: socket.socket, views: list[memoryview]) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

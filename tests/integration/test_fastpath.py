@@ -205,10 +205,10 @@ def test_same_host_control_goes_over_the_unix_socket(srv):
         ks = keys("shm", 5)
         data = pages(5, ns.page_bytes, seed=9)
         with c.reserve(ns, ks) as res:
-            for view, page in zip(res.views, data):
+            for view, page in zip(res.views, data, strict=True):
                 view[:] = page
         with c.acquire(ns, ks) as acq:
-            assert all(np.array_equal(v, p) for v, p in zip(acq.views, data))
+            assert all(np.array_equal(v, p) for v, p in zip(acq.views, data, strict=True))
         lease = c.lookup_lease(ns, ks, 5000)
         assert lease.count == 5 and c.release_lease(lease)
         assert np.array_equal(c.get(ns, ks), data)
