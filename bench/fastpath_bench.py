@@ -243,6 +243,69 @@ def scaling(total: int, reps: int, conns: list[int], pinned: bool) -> list[dict]
     return rows
 
 
+# -- client processes: one server's aggregate --------------------------------------------------
+def _client_proc(address: str, data_plane: bool, nbytes: int, reps: int, tag: str,
+                 ready_q, start, done_q) -> None:
+    keep_freed_buffers()
+    with KVStoreClient(address, timeout=120, shared_memory=False, data_plane=data_plane,
+                       data_connections=1) as c:
+        ns = c.register_layout(PAGE_1M)
+        n = nbytes // ns.page_bytes
+        keys = [f"{tag}-{i}".encode().ljust(24, b".") for i in range(n)]
+        pages = np.random.default_rng(len(tag)).integers(0, 256, (n, ns.page_bytes),
+                                                          dtype=np.uint8)
+        c.put(ns, keys, pages)
+        out = page_aligned_empty((n, ns.page_bytes))
+        c.get_into(ns, keys, out)
+        ok = bool(np.array_equal(out, pages))
+        ready_q.put(tag)
+        start.wait()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            c.get_into(ns, keys, out)
+        done_q.put((time.perf_counter() - t0, ok))
+        c.delete(ns, keys)
+
+
+def aggregate_gbps(address: str, data_plane: bool, clients: int, nbytes: int,
+                   reps: int) -> float:
+    """GB/s of `clients` processes at once, each getting its own nbytes `reps` times."""
+    ctx = mp.get_context("spawn")
+    start = ctx.Event()
+    ready = ctx.Queue()
+    done = ctx.Queue()
+    procs = [ctx.Process(target=_client_proc, args=(
+        address, data_plane, nbytes, reps, f"agg-{data_plane}-{clients}-{i}", ready, start,
+        done)) for i in range(clients)]
+    for proc in procs:
+        proc.start()
+    # Each process puts and checks its pages first; the gets start together.
+    for _ in procs:
+        ready.get(timeout=600)
+    t0 = time.perf_counter()
+    start.set()
+    results = [done.get(timeout=600) for _ in procs]
+    wall = time.perf_counter() - t0
+    for proc in procs:
+        proc.join(60)
+    if not all(ok for _, ok in results):
+        raise SystemExit("a client process read other bytes")
+    return clients * nbytes * reps / wall / 1e9
+
+
+def clients_report(counts: list[int], mib: int, reps: int) -> str:
+    lines = ["| client processes | fast path GB/s (aggregate) | gRPC GB/s (aggregate) |",
+             "|---|---|---|"]
+    with ServerProcess(dram=f"{max(1, (max(counts) * mib * 2) // 1024 + 1)}GiB"
+                       ).start(wait=300) as srv:
+        for k in counts:
+            fast = aggregate_gbps(srv.address, True, k, mib * MiB, reps)
+            grpc_ = aggregate_gbps(srv.address, False, k, mib * MiB, reps)
+            lines.append(f"| {k} | {fast:.2f} | {grpc_:.2f} |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 # -- one run ------------------------------------------------------------------------------
 def one_run(srv: ServerProcess, total: int, reps: int, iters: int, connections: int,
             run: int) -> dict:
@@ -377,8 +440,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="only: a striped get over these connection counts against as many "
                         "raw sockets, on a bare fast-path server")
     p.add_argument("--pinned", action="store_true", help="--scaling into pinned memory")
+    p.add_argument("--clients", metavar="N,N,...",
+                   help="only: the aggregate get of this many client processes at once, "
+                        "each over one connection, fast path and gRPC, one server")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.clients:
+        print(clients_report([int(k) for k in args.clients.split(",")], args.mib or 64, 3))
+        return 0
     if args.scaling:
         total = (args.mib or 1024) * MiB
         for _ in range(args.runs):
