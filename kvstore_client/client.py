@@ -28,6 +28,7 @@ from .buffers import LayerMajorWriter, as_uint8, page_aligned_empty
 from .channel import PEM, open_channel, with_token
 from .convert import layout_from_proto, layout_to_proto
 from .dataplane import USE_GRPC, DataPlane, packed_keys, tls_context
+from .fastpath import FastPathUnavailable
 from .errors import KVStoreError, from_rpc_error
 from .keys import Packed, pack_keys
 from .layout import PageLayout
@@ -372,11 +373,13 @@ class KVStoreClient:
                 yield from fast.get_layers(ns.layout_id, *packed_keys(keys),
                                            ns.layout.num_layers, lb,
                                            lambda layer: np.empty((n, lb), dtype=np.uint8))
+                return
             except KVStoreError as exc:
                 if exc.code == grpc.StatusCode.NOT_FOUND:
                     raise KeyError(exc.message) from None
                 raise
-            return
+            except FastPathUnavailable:     # raised before any layer: gRPC instead
+                self._data.drop(fast)
         req = pb.GetRequest(layout_id=ns.layout_id, keys=self._packed(keys))
         writer = LayerMajorWriter(n, ns.layout.num_layers, lb, dest, ready.append)
         try:

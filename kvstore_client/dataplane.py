@@ -143,7 +143,7 @@ class DataPlane:
                             "; ".join(problems) or "no address")
             return None
 
-    def _drop(self, fast: FastPath) -> None:
+    def drop(self, fast: FastPath) -> None:
         with self._lock:
             if self._fast is fast:
                 self._fast = None
@@ -161,7 +161,7 @@ class DataPlane:
             try:
                 return fn(fast)
             except FastPathUnavailable:
-                self._drop(fast)             # the server went away: gRPC retries
+                self.drop(fast)             # the server went away: gRPC retries
                 return USE_GRPC
             except KVStoreError as exc:
                 if (handle is not None and not reregistered

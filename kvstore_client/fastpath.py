@@ -272,14 +272,18 @@ class FastPath:
         server releases a closed connection's leases itself."""
         with self._lease_lock:
             conn = self._lease_conn
-            if conn is None:         # the connection that took it is gone, and its leases
-                return
-            try:
-                conn.send(fw.Op.RELEASE, fw.LEASE.pack(lease_id))
-                conn.owed += 1
-            except (Broken, Timeout):
-                conn.close()
-                self._lease_conn = None
+            if conn is not None:
+                try:
+                    conn.send(fw.Op.RELEASE, fw.LEASE.pack(lease_id))
+                    conn.owed += 1
+                    return
+                except (Broken, Timeout):
+                    conn.close()
+                    self._lease_conn = None
+                    return       # its leases go with it; any other at its ttl
+        # No lease connection: the lease was taken elsewhere (over gRPC while the fast
+        # path was down, or by a connection that has since closed): end it by waiting.
+        self.release(lease_id)
 
     # -- page bytes ---------------------------------------------------------------------
     def put(self, layout_id: bytes, key_size: int, packed: bytes, data: memoryview
