@@ -11,6 +11,7 @@ __all__ = ["BENCHES", "main"]
 # "kvstore-bench NAME", so its --help and its errors show the command a user typed.
 BENCHES = {
     "store": "store_bench",
+    "fastpath": "fastpath_bench",
     "hash": "hash_bench",
     "index": "index_bench",
     "shm": "shm_bench",

@@ -13,13 +13,29 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-__all__ = ["ServerProcess", "free_port"]
+__all__ = ["ServerProcess", "free_port", "free_port_pair"]
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_pair() -> int:
+    """A free port whose next port is free too: the server's fast path listens on the
+    gRPC port + 1 by default, and skips TCP when that port is taken."""
+    for _ in range(100):
+        port = free_port()
+        if port >= 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    return free_port()
 
 
 class ServerProcess:
@@ -33,7 +49,7 @@ class ServerProcess:
     def __init__(self, *args: str, port: int | None = None, env: dict | None = None,
                  credentials: grpc.ChannelCredentials | None = None, **flags) -> None:
         self.credentials = credentials
-        self.port = port or free_port()
+        self.port = port or free_port_pair()
         self.address = f"127.0.0.1:{self.port}"
         self.args = list(args)
         flags.setdefault("dram", "64MiB")

@@ -27,6 +27,8 @@ from ._proto.kvstore.v1 import kvstore_pb2 as pb
 from .buffers import LayerMajorWriter, as_uint8, page_aligned_empty
 from .channel import PEM, open_channel, with_token
 from .convert import layout_from_proto, layout_to_proto
+from .dataplane import USE_GRPC, DataPlane, packed_keys, tls_context
+from .fastpath import FastPathUnavailable
 from .errors import KVStoreError, from_rpc_error
 from .keys import Packed, pack_keys
 from .layout import PageLayout
@@ -88,13 +90,18 @@ class KVStoreClient:
     tls_ca: CA certificate (path or PEM bytes) that signed the server's: use TLS;
     tls_cert, tls_key: this client's certificate and key, for a server that requires
     mutual TLS (kvstore_client.channel).
+    data_plane: the fast path beside gRPC (kvstore_client.dataplane): None = use it when
+    it can be reached, True = require it, False = gRPC only. data_address: its HOST:PORT
+    or Unix socket path (None = the server's: the socket beside the pool on this host,
+    else the gRPC port + 1); data_connections: most connections one Get is striped over.
     """
 
     def __init__(self, address: str, *, timeout: float = 10.0, retries: int = 3,
                  shared_memory: bool | None = None, token: str | None = None,
                  tls_ca: PEM | None = None, tls_cert: PEM | None = None,
                  tls_key: PEM | None = None, lookup_stream: bool = True,
-                 channel: grpc.Channel | None = None) -> None:
+                 channel: grpc.Channel | None = None, data_plane: bool | None = None,
+                 data_address: str | None = None, data_connections: int = 4) -> None:
         self.address = address
         self.timeout = timeout
         self.retries = retries
@@ -143,6 +150,12 @@ class KVStoreClient:
         self._clear = unary(a + "Clear", apb.ClearRequest, apb.ClearResponse)
         self._list = unary(a + "ListLayouts", apb.ListLayoutsRequest, apb.ListLayoutsResponse)
         self._inspect = unary(a + "Inspect", apb.InspectRequest, apb.InspectResponse)
+        self._data = DataPlane(
+            address, enabled=data_plane, data_address=data_address, token=token,
+            tls=tls_context(tls_ca, tls_cert, tls_key), timeout=lambda: self.timeout,
+            connections=data_connections, region=self.region,
+            reregister=lambda handle: self.register_layout(handle.layout),
+            reattach=lambda: self._attach_region(force=True))
 
     # -- plumbing -------------------------------------------------------------------
     def close(self) -> None:
@@ -153,6 +166,7 @@ class KVStoreClient:
                 pass
         if self._lookups is not None:
             self._lookups.close()
+        self._data.close()
         self._channel.close()
         if self._region is not None:
             self._region.close()
@@ -228,6 +242,9 @@ class KVStoreClient:
                 stored = res.commit()
             return PutResult(stored, res.skipped)
         mv = memoryview(flat)
+        got = self._data.call("Put", ns, lambda f: f.put(ns.layout_id, *packed_keys(keys), mv))
+        if got is not USE_GRPC:
+            return PutResult(*got)
         header = pb.PutRequest(header=pb.PutHeader(layout_id=ns.layout_id,
                                                    keys=self._packed(keys)))
 
@@ -256,6 +273,10 @@ class KVStoreClient:
 
     def _lookup_call(self, ns, keys, lease_ms: int) -> pb.LookupResponse:
         handles = [ns] if isinstance(ns, LayoutHandle) else list(ns)
+        got = self._data.call("Lookup", handles[0], lambda f: f.lookup(
+            [h.layout_id for h in handles], *packed_keys(keys), lease_ms))
+        if got is not USE_GRPC:
+            return pb.LookupResponse(count=got[0], lease_id=got[1])
         req = pb.LookupRequest(layout_ids=[h.layout_id for h in handles],
                                keys=self._packed(keys), lease_ms=lease_ms)
 
@@ -270,17 +291,26 @@ class KVStoreClient:
         lease_id = lease.lease_id if isinstance(lease, Lease) else lease
         if not lease_id:
             return False
+        got = self._data.call("ReleaseLease", None, lambda f: f.release(lease_id))
+        if got is not USE_GRPC:
+            return got
         resp = self._call("ReleaseLease", lambda: self._release(
             pb.ReleaseLeaseRequest(lease_id=lease_id), timeout=self.timeout))
         return resp.released
 
     def exists(self, ns: LayoutHandle, keys: Sequence[bytes]) -> list[bool]:
+        got = self._data.call("Exists", ns, lambda f: f.exists(ns.layout_id, *packed_keys(keys)))
+        if got is not USE_GRPC:
+            return got
         req = pb.ExistsRequest(layout_id=ns.layout_id, keys=self._packed(keys))
         resp = self._call("Exists", lambda: self._exists(req, timeout=self.timeout), ns)
         bits = np.unpackbits(np.frombuffer(resp.bitmap, dtype=np.uint8), bitorder="little")
         return bits[: resp.count].astype(bool).tolist()
 
     def delete(self, ns: LayoutHandle, keys: Sequence[bytes]) -> int:
+        got = self._data.call("Delete", ns, lambda f: f.delete(ns.layout_id, *packed_keys(keys)))
+        if got is not USE_GRPC:
+            return got
         req = pb.DeleteRequest(layout_id=ns.layout_id, keys=self._packed(keys))
         return self._call("Delete", lambda: self._delete(req, timeout=self.timeout), ns).deleted
 
@@ -302,6 +332,16 @@ class KVStoreClient:
                 copy_pages(flat.reshape(n, ns.page_bytes), acq.region.mem, acq.offsets,
                            to_pool=False)
             return
+        if keys:
+            try:
+                got = self._data.call("Get", ns, lambda f: f.get_into(
+                    ns.layout_id, *packed_keys(keys), memoryview(flat), ns.page_bytes))
+            except KVStoreError as exc:
+                if exc.code == grpc.StatusCode.NOT_FOUND:
+                    raise KeyError(exc.message) from None
+                raise
+            if got is not USE_GRPC:
+                return
         by_layer = flat.reshape(n, layers, lb)
         self._stream(ns, keys, lambda layer: by_layer[:, layer, :])
 
@@ -327,6 +367,19 @@ class KVStoreClient:
                     copy_layer(slab, acq.region.mem, acq.offsets, layer, ns.page_bytes)
                     yield layer, slab
             return
+        fast = self._data.fast()
+        if fast is not None:
+            try:
+                yield from fast.get_layers(ns.layout_id, *packed_keys(keys),
+                                           ns.layout.num_layers, lb,
+                                           lambda layer: np.empty((n, lb), dtype=np.uint8))
+                return
+            except KVStoreError as exc:
+                if exc.code == grpc.StatusCode.NOT_FOUND:
+                    raise KeyError(exc.message) from None
+                raise
+            except FastPathUnavailable:     # raised before any layer: gRPC instead
+                self._data.drop(fast)
         req = pb.GetRequest(layout_id=ns.layout_id, keys=self._packed(keys))
         writer = LayerMajorWriter(n, ns.layout.num_layers, lb, dest, ready.append)
         try:
@@ -413,6 +466,11 @@ class KVStoreClient:
         """WRITING slots in the shared pool for the keys not yet stored (two-phase put).
         Write `views[i]`, then `commit()`; or `abort()`. lease_ms 0 = the server's ttl."""
         self._need_region()
+        got = self._data.call("Reserve", ns, lambda f: f.reserve(
+            ns.layout_id, *packed_keys(keys), self._region.token, lease_ms))
+        if got is not USE_GRPC:
+            return Reservation(ns, got.lease_id, got.offsets, got.skipped, self._region,
+                               self._commit_lease, self._abort_lease)
         packed = self._packed(keys)
         resp = self._call("Reserve", lambda: self._reserve(pb.ReserveRequest(
             layout_id=ns.layout_id, keys=packed, token=self._region.token, lease_ms=lease_ms),
@@ -425,6 +483,10 @@ class KVStoreClient:
         """Pin the pages of keys in the shared pool and return read-only views of them;
         `release()` when done. NOT_FOUND (KVStoreError) if a key is missing."""
         self._need_region()
+        got = self._data.call("Acquire", ns, lambda f: f.acquire(
+            ns.layout_id, *packed_keys(keys), self._region.token, lease_ms))
+        if got is not USE_GRPC:
+            return Acquired(ns, got.lease_id, got.offsets, self._region, self._release_later)
         packed = self._packed(keys)
         resp = self._call("Acquire", lambda: self._acquire(pb.AcquireRequest(
             layout_id=ns.layout_id, keys=packed, token=self._region.token, lease_ms=lease_ms),
@@ -435,6 +497,9 @@ class KVStoreClient:
     def _release_later(self, lease_id: int) -> None:
         """End a lease without waiting for the answer: the caller has finished reading,
         and a lost release only costs the pages their pin until the lease expires."""
+        if self._data.call("ReleaseLease", None,
+                           lambda f: f.release_later(lease_id)) is not USE_GRPC:
+            return
         future = self._release.future(pb.ReleaseLeaseRequest(lease_id=lease_id),
                                       timeout=self.timeout)
         self._releases.add(future)
@@ -453,10 +518,16 @@ class KVStoreClient:
             raise
 
     def _commit_lease(self, lease_id: int) -> int:
+        got = self._data.call("Commit", None, lambda f: f.commit(lease_id))
+        if got is not USE_GRPC:
+            return got
         return self._call("Commit", lambda: self._commit(pb.CommitRequest(lease_id=lease_id),
                                                          timeout=self.timeout)).stored
 
     def _abort_lease(self, lease_id: int) -> bool:
+        got = self._data.call("Abort", None, lambda f: f.abort(lease_id))
+        if got is not USE_GRPC:
+            return got
         return self._call("Abort", lambda: self._abort(pb.AbortRequest(lease_id=lease_id),
                                                        timeout=self.timeout)).aborted
 

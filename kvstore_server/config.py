@@ -17,7 +17,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
 
-__all__ = ["ConfigError", "LOG_LEVELS", "ServerConfig", "is_loopback", "load_config"]
+__all__ = ["ConfigError", "LOG_LEVELS", "ServerConfig", "data_address", "is_loopback",
+           "load_config"]
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -61,6 +62,11 @@ class ServerConfig:
     tls_cert: str = ""              # PEM certificate chain; with tls_key, serve TLS only
     tls_key: str = ""               # PEM private key of tls_cert
     tls_client_ca: str = ""         # PEM CA: clients must present a certificate it signed
+    # The fast path beside gRPC (kvstore_server.fastpath): "auto" = the listen host, port
+    # + 1 (skipped with a warning if that port is taken); "off"; or HOST:PORT
+    data_listen: str = "auto"
+    data_socket: bool = True        # also a Unix socket beside the pool, for local clients
+    data_connections: int = 256     # fast-path connections open at once, one thread each
 
 
 def _bool(value: object) -> bool:
@@ -98,6 +104,9 @@ _PARSERS = {
     "tls_cert": str,
     "tls_key": str,
     "tls_client_ca": str,
+    "data_listen": str,
+    "data_socket": _bool,
+    "data_connections": int,
 }
 
 
@@ -158,6 +167,15 @@ def argument_parser() -> argparse.ArgumentParser:
     s.add_argument("--tls-client-ca", metavar="FILE",
                    help="PEM CA certificate(s): require clients to present a certificate "
                         "they signed (mutual TLS)")
+    f = p.add_argument_group("fast path (docs/fastpath.md)")
+    f.add_argument("--data-listen", metavar="HOST:PORT",
+                   help="TCP address of the fast path; 'auto' = the --listen host, port + 1 "
+                        "(default); 'off' = none")
+    f.add_argument("--data-socket", metavar="BOOL",
+                   help="also serve the fast path on a Unix socket beside the pool "
+                        "(default true)")
+    f.add_argument("--data-connections", metavar="N",
+                   help="fast-path connections open at once (default 256)")
     return p
 
 
@@ -218,6 +236,15 @@ def _check(c: ServerConfig) -> None:
     if c.log_level.upper() not in LOG_LEVELS:
         raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, "
                           f"got {c.log_level!r}")
+    if c.data_connections < 1:
+        raise ConfigError("data_connections must be >= 1")
+    data = data_address(c)
+    if data is not None and not (c.auth_file or c.tls_client_ca or c.insecure_listen
+                                 or is_loopback(data[0])):
+        raise ConfigError(
+            f"data_listen {c.data_listen} is not loopback and no --auth-file is set: anyone "
+            "who can reach it could read or overwrite every page. Add --auth-file or "
+            "--tls-client-ca, or --insecure-listen to accept that on a trusted network")
     if bool(c.tls_cert) != bool(c.tls_key):
         raise ConfigError("TLS needs both tls_cert and tls_key (--tls-cert, --tls-key)")
     if c.tls_client_ca and not c.tls_cert:
@@ -232,6 +259,20 @@ def _check(c: ServerConfig) -> None:
             "who can reach it could read, overwrite or clear every page. Add --auth-file "
             "FILE (bearer tokens, see SECURITY.md) or --tls-client-ca FILE (mutual TLS), or "
             "--insecure-listen to accept that on a trusted network")
+
+
+def data_address(c: ServerConfig) -> tuple[str, int] | None:
+    """(host, port) of the fast path's TCP listener; None when off."""
+    value = c.data_listen.strip().lower()
+    if value == "off":
+        return None
+    if value == "auto":
+        host, _, port = c.listen.rpartition(":")
+        return host, (int(port) + 1 if 0 < int(port) < 65535 else 0)
+    host, sep, port = c.data_listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"data_listen must be HOST:PORT, auto or off, got {c.data_listen!r}")
+    return host, int(port)
 
 
 def is_loopback(host: str) -> bool:

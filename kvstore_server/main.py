@@ -22,7 +22,10 @@ from kvstore_client.wire import CHANNEL_OPTIONS
 from . import __version__
 from .admin_service import AdminService, add_admin_service
 from .auth import Authenticator, tls_server_credentials
-from .config import ConfigError, ServerConfig, argument_parser, is_loopback, load_config
+from .config import (ConfigError, ServerConfig, argument_parser, data_address, is_loopback,
+                     load_config)
+from .fastpath import FastPathServer
+from .fastpath.tls import fast_tls_context
 from .disk import DiskTier
 from .limits import RequestLimits, request_message_bytes
 from kvstore_client.malloc import keep_freed_buffers, limit_arenas
@@ -145,6 +148,28 @@ class Server:
             (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME,
              kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name,
              admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name), self.grpc)
+        self.fast = self._fast_path(config)
+        if self.fast is not None:
+            undo.callback(self.fast.stop)
+
+    def _fast_path(self, config: ServerConfig) -> FastPathServer | None:
+        """The fast path beside gRPC (kvstore_server.fastpath), or None when off."""
+        tcp = data_address(config)
+        if tcp is None and not config.data_socket:
+            return None
+        tls = fast_tls_context(config.tls_cert, config.tls_key, config.tls_client_ca)
+        make = lambda tcp: FastPathServer(  # noqa: E731
+            self.store, self.metrics, self.auth, tcp=tcp, unix=config.data_socket, tls=tls,
+            max_connections=config.data_connections, stream_timeout=config.stream_timeout)
+        try:
+            return make(tcp)
+        except OSError as exc:
+            if config.data_listen.strip().lower() != "auto":
+                raise ConfigError(f"cannot listen on data_listen {config.data_listen}: "
+                                  f"{exc}") from None
+            log.warning("fast path: port %s:%d is taken (%s); serving it on the Unix "
+                        "socket only, remote clients use gRPC", tcp[0], tcp[1], exc)
+            return make(None) if config.data_socket else None
 
     def start(self) -> None:
         self.grpc.start()
@@ -160,6 +185,11 @@ class Server:
             self._threads.append(thread)
         self.streams.start()
         self.lookups.start()
+        if self.fast is not None:
+            self.fast.start()
+            log.info("fast path on %s%s%s", f"tcp port {self.fast.port}" if self.fast.port
+                     else "no tcp port", " (TLS)" if self.fast.port and self.fast.tls else "",
+                     f", unix socket {self.fast.unix_path}" if self.fast.unix_path else "")
         host = self.config.listen.rpartition(":")[0]
         log.info("kvstore-server %s listening on %s:%d; pool %s in %s%s; lease ttl %.3gs",
                  __version__, host, self.port, format_size(self.store.pool.capacity_bytes),
@@ -234,6 +264,8 @@ class Server:
         self._stopping.set()
         self.store.pressure.set()
         self.lookups.stop()
+        if self.fast is not None:
+            self.fast.stop()
         self.grpc.stop(grace).wait()
         self.metrics.stop()
         self.streams.stop()

@@ -31,6 +31,7 @@ from kvstore_client.convert import layout_from_proto
 from kvstore_client.keys import KeyError_, Packed
 from kvstore_client.wire import GET_DATA_TAG, PUT_DATA_TAG, frame, unframe
 
+from .access import caller_layout, check_region_token, may_map
 from .auth import ANONYMOUS, Authenticator, Principal
 from .errors import Outcome, StoreError
 from .limits import RequestLimits
@@ -167,38 +168,15 @@ class KVStoreService:
         return self.auth.principal(context.invocation_metadata())
 
     def _layout(self, caller: Principal, layout_id: bytes) -> bytes:
-        """The store's id of the caller's layout. A layout the caller did not register is
-        "unknown layout", under the id it sent, whoever else has one."""
-        scoped = scoped_layout_id(caller.name, layout_id)
-        if self.auth is not None:
-            # Checked by owner, not by id: the built-in tenant's ids are the clients' own,
-            # so a tenant named "default" could otherwise send another tenant's scoped id
-            # (a hash of a name and a layout, both guessable) and reach its pages.
-            try:
-                owner = self.store.info(scoped).tenant
-            except StoreError:
-                owner = None
-            if owner != caller.name:
-                raise StoreError(Outcome.INVALID, f"unknown layout {layout_id.hex() or '(empty)'}"
-                                                  ": call RegisterLayout first")
-        return scoped
+        return caller_layout(self.store, self.auth is not None, caller, layout_id)
 
     @staticmethod
     def _may_map(caller: Principal) -> None:
-        # The pool holds every tenant's pages: whoever maps it can read them all.
-        if not caller.shared_memory:
-            raise StoreError(Outcome.DENIED, (
-                f"tenant {caller.name!r} may not use the shared-memory pool, which holds "
-                "every tenant's pages: it uses gRPC Put/Get (an operator can trust it with "
-                "shared_memory = true in the auth file)"))
+        may_map(caller)
 
     # -- same-host data plane ---------------------------------------------------------
     def _check_token(self, token: bytes) -> None:
-        if token != self.store.region.token:
-            raise StoreError(Outcome.EXPIRED,
-                             "shared-memory token does not match this server's region (the "
-                             "server restarted, or the client is not on this host): Attach "
-                             "again")
+        check_region_token(self.store, token)
 
     def _ttl(self, lease_ms: int) -> float:
         """A client's lease_ms (0 = the server's ttl), capped at the server's ttl: a lease

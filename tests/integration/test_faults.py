@@ -166,7 +166,7 @@ HOLDER = textwrap.dedent("""
     sys.path[:0] = [sys.argv[2]]
     from test_faults import BIG, keys, stalled_get, stalled_put
     from kvstore_client import KVStoreClient
-    c = KVStoreClient(sys.argv[1], shared_memory=False)
+    c = KVStoreClient(sys.argv[1], shared_memory=False, data_plane=False)
     ns = c.register_layout(BIG)
     stored = keys("held", 64)
     lease = c.lookup_lease(ns, stored, lease_ms=5000)

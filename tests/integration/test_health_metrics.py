@@ -29,7 +29,7 @@ def test_health_and_reflection(server):
 def test_metrics_scrape_parses(fresh_server):
     port = free_port()
     srv = fresh_server(metrics_port=port)
-    with KVStoreClient(srv.address) as c:
+    with KVStoreClient(srv.address, data_plane=False) as c:  # counts gRPC calls
         ns = c.register_layout(PageLayout(model="m", num_layers=2, page_tokens=4,
                                           num_kv_heads=2, head_size=16))
         keys = [b"metric-key-%05d" % i for i in range(5)]

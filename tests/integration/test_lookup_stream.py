@@ -36,8 +36,8 @@ def _stored(client, ns, keys):
 def test_lookups_share_one_stream_and_answer_as_lookup(fresh_server):
     port = free_port()
     srv = fresh_server(metrics_port=port)
-    with KVStoreClient(srv.address, shared_memory=False) as c, \
-            KVStoreClient(srv.address, shared_memory=False, lookup_stream=False) as unary:
+    with KVStoreClient(srv.address, data_plane=False, shared_memory=False) as c, \
+            KVStoreClient(srv.address, data_plane=False, shared_memory=False, lookup_stream=False) as unary:
         a = c.register_layout(PageLayout(**LAYOUT))
         b = c.register_layout(PageLayout(**LAYOUT, dtype="float16"))
         keys = _keys("share", 40)
@@ -61,7 +61,7 @@ def test_lookups_share_one_stream_and_answer_as_lookup(fresh_server):
 
 def test_a_bad_request_gets_lookups_error_and_the_next_lookup_works(fresh_server):
     srv = fresh_server()
-    with KVStoreClient(srv.address, shared_memory=False, retries=0) as c:
+    with KVStoreClient(srv.address, data_plane=False, shared_memory=False, retries=0) as c:
         ns = c.register_layout(PageLayout(**LAYOUT))
         keys = _keys("bad", 8)
         _stored(c, ns, keys)
@@ -87,8 +87,8 @@ def test_a_bad_request_gets_lookups_error_and_the_next_lookup_works(fresh_server
 def test_past_the_limit_clients_fall_back_to_lookup(fresh_server):
     port = free_port()
     srv = fresh_server(metrics_port=port, lookup_streams=1)
-    with KVStoreClient(srv.address, shared_memory=False) as first, \
-            KVStoreClient(srv.address, shared_memory=False) as second:
+    with KVStoreClient(srv.address, data_plane=False, shared_memory=False) as first, \
+            KVStoreClient(srv.address, data_plane=False, shared_memory=False) as second:
         ns = first.register_layout(PageLayout(**LAYOUT))
         keys = _keys("limit", 12)
         _stored(first, ns, keys)
@@ -98,7 +98,7 @@ def test_past_the_limit_clients_fall_back_to_lookup(fresh_server):
         assert second._lookups.opened == 1             # tried once, then unary calls
         assert first._lookups.opened == 1 and _open_streams(port) == 1
     srv_off = fresh_server(lookup_streams=0)           # streams off: every lookup unary
-    with KVStoreClient(srv_off.address, shared_memory=False) as c:
+    with KVStoreClient(srv_off.address, data_plane=False, shared_memory=False) as c:
         ns = c.register_layout(PageLayout(**LAYOUT))
         _stored(c, ns, keys)
         assert c.lookup(ns, keys) == 12 and c.lookup(ns, keys) == 12
@@ -107,7 +107,7 @@ def test_past_the_limit_clients_fall_back_to_lookup(fresh_server):
 
 def test_a_lookup_on_the_stream_keeps_its_deadline(fresh_server):
     srv = fresh_server()
-    with KVStoreClient(srv.address, shared_memory=False, retries=0, timeout=5.0) as c:
+    with KVStoreClient(srv.address, data_plane=False, shared_memory=False, retries=0, timeout=5.0) as c:
         ns = c.register_layout(PageLayout(**LAYOUT))
         keys = _keys("deadline", 4)
         _stored(c, ns, keys)
@@ -130,7 +130,7 @@ def test_a_lookup_on_the_stream_keeps_its_deadline(fresh_server):
 
 def test_stop_does_not_wait_for_idle_streams(fresh_server):
     srv = fresh_server()
-    with KVStoreClient(srv.address, shared_memory=False) as c:
+    with KVStoreClient(srv.address, data_plane=False, shared_memory=False) as c:
         ns = c.register_layout(PageLayout(**LAYOUT))
         assert c.lookup(ns, _keys("stop", 3)) == 0     # an open, idle stream
         start = time.monotonic()
@@ -142,7 +142,7 @@ def test_a_client_dropped_without_close_closes_its_stream(fresh_server):
     import gc
     port = free_port()
     srv = fresh_server(metrics_port=port)
-    c = KVStoreClient(srv.address, shared_memory=False)
+    c = KVStoreClient(srv.address, data_plane=False, shared_memory=False)
     ns = c.register_layout(PageLayout(**LAYOUT))
     assert c.lookup(ns, _keys("drop", 2)) == 0 and _open_streams(port) == 1
     del c, ns

@@ -1,0 +1,184 @@
+"""Which path a KVStoreClient call takes: the fast path when it can be reached, else gRPC.
+
+    bytes, same host (the pool is mapped)   shared memory (kvstore_client.shm)
+    control, same host                      fast path on the Unix socket beside the pool
+    bytes and control, another host         fast path over TCP (the gRPC port + 1, or
+                                            data_address)
+    fast path unreachable                   gRPC: one warning, another try in RETRY_S
+
+`DataPlane.call` runs a fast-path call and answers USE_GRPC when the caller should make
+the gRPC call instead. It also mends what a server restart breaks, as the gRPC path does
+(client._call): "unknown layout" registers the layout again, and a stale region token
+maps the new region, each once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import ssl
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
+
+import grpc
+
+from .errors import KVStoreError
+from .fastpath import FastPath, FastPathUnavailable
+from .keys import Packed, pack_keys
+
+if TYPE_CHECKING:
+    from .client import LayoutHandle
+    from .shm import SharedRegion
+
+__all__ = ["DataPlane", "USE_GRPC", "packed_keys", "tls_context"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+USE_GRPC = object()      # what call() answers when the caller should use gRPC
+RETRY_S = 30.0           # after the fast path could not be reached, gRPC for this long
+
+
+def packed_keys(keys) -> tuple[int, bytes]:
+    """(key size, packed bytes) of a Packed or a list of equal-length keys."""
+    if isinstance(keys, Packed):
+        return keys.size, keys.data
+    data, size = pack_keys(list(keys))
+    return size, data
+
+
+def tls_context(tls_ca, tls_cert, tls_key) -> ssl.SSLContext | None:
+    """The client side of the fast path's TLS, from the arguments gRPC's channel takes
+    (paths or PEM bytes); None when they ask for no TLS."""
+    if tls_ca is None and tls_cert is None:
+        return None
+    if isinstance(tls_ca, bytes):
+        ctx = ssl.create_default_context(cadata=tls_ca.decode())
+    else:
+        ctx = ssl.create_default_context(cafile=tls_ca)
+    if tls_cert is not None:
+        with tempfile.TemporaryDirectory() as folder:
+            paths = []
+            for name, value in (("cert.pem", tls_cert), ("key.pem", tls_key)):
+                if isinstance(value, bytes):
+                    path = os.path.join(folder, name)
+                    with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+                        f.write(value)
+                    value = path
+                paths.append(value)
+            ctx.load_cert_chain(paths[0], paths[1])
+    return ctx
+
+
+class DataPlane:
+    """The fast path of one KVStoreClient, opened on first use."""
+
+    def __init__(self, address: str, *, enabled: bool | None, data_address: str | None,
+                 token: str | None, tls: ssl.SSLContext | None,
+                 timeout: Callable[[], float],
+                 connections: int, region: Callable[[], SharedRegion | None],
+                 reregister: Callable[[LayoutHandle], object],
+                 reattach: Callable[[], None]) -> None:
+        """enabled: None = use it when reachable, True = require it, False = never."""
+        self.enabled = enabled
+        self._grpc_address = address
+        self._data_address = data_address
+        self._token = token
+        self._tls = tls
+        self._timeout = timeout
+        self._connections = connections
+        self._region = region
+        self._reregister = reregister
+        self._reattach = reattach
+        self._lock = threading.Lock()      # guards opening and dropping _fast
+        self._fast: FastPath | None = None
+        self._retry_at = 0.0
+        self._warned = False
+
+    def _addresses(self) -> list[str]:
+        if self._data_address:
+            return [self._data_address]
+        out = []
+        region = self._region() if self.enabled is not False else None
+        if region is not None:
+            out.append(region.path + ".sock")       # kvstore_server.fastpath.socket_path
+        host, _, port = self._grpc_address.rpartition(":")
+        if port.isdigit():
+            out.append(f"{host}:{int(port) + 1}")
+        return out
+
+    def fast(self) -> FastPath | None:
+        """The open fast path, or None: gRPC for now."""
+        if self.enabled is False:
+            return None
+        fast = self._fast
+        if fast is not None or time.monotonic() < self._retry_at:
+            return fast
+        with self._lock:
+            if self._fast is not None:
+                return self._fast
+            problems = []
+            for address in self._addresses():
+                candidate = FastPath(address, token=self._token,
+                                     tls=None if "/" in address else self._tls,
+                                     timeout=self._timeout, connections=self._connections)
+                try:
+                    candidate.check()
+                except FastPathUnavailable as exc:
+                    problems.append(str(exc))
+                    continue
+                self._fast = candidate
+                log.debug("fast path: %s", address)
+                return candidate
+            self._retry_at = time.monotonic() + RETRY_S
+            if self.enabled:
+                raise KVStoreError(grpc.StatusCode.UNAVAILABLE, "the fast path was required "
+                                   "but cannot be reached: " + "; ".join(problems))
+            if not self._warned:
+                self._warned = True
+                log.warning("fast path not reachable (%s); using gRPC",
+                            "; ".join(problems) or "no address")
+            return None
+
+    def drop(self, fast: FastPath) -> None:
+        with self._lock:
+            if self._fast is fast:
+                self._fast = None
+                self._retry_at = time.monotonic() + 1.0
+        fast.close()
+
+    def call(self, method: str, handle: LayoutHandle | None,
+             fn: Callable[[FastPath], T]) -> T | object:
+        """fn on the fast path, or USE_GRPC when there is none (or it just went away)."""
+        fast = self.fast()
+        if fast is None:
+            return USE_GRPC
+        reregistered = reattached = False
+        while True:
+            try:
+                return fn(fast)
+            except FastPathUnavailable:
+                self.drop(fast)             # the server went away: gRPC retries
+                return USE_GRPC
+            except KVStoreError as exc:
+                if (handle is not None and not reregistered
+                        and exc.code == grpc.StatusCode.INVALID_ARGUMENT
+                        and "unknown layout" in exc.message):
+                    reregistered = True
+                    self._reregister(handle)
+                    continue
+                if (not reattached and exc.code == grpc.StatusCode.FAILED_PRECONDITION
+                        and "shared-memory token" in exc.message):
+                    reattached = True
+                    self._reattach()
+                    continue
+                raise
+
+    def close(self) -> None:
+        with self._lock:
+            fast, self._fast = self._fast, None
+        if fast is not None:
+            fast.close()

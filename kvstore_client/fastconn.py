@@ -1,0 +1,220 @@
+"""One fast-path connection: frames out, answers in (kvstore_client.fastwire).
+
+Not thread-safe: FastPath (kvstore_client.fastpath) lends a connection to one call at a
+time. A socket failure becomes Broken (the call is tried once more on a fresh
+connection) or Timeout (nothing moved for the call's timeout: DEADLINE_EXCEEDED, not
+retried); an error frame becomes KVStoreError with the status gRPC would give.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+import struct
+
+import grpc
+
+from . import fastwire as fw
+from .errors import KVStoreError
+
+__all__ = ["Conn", "Broken", "Timeout", "deadline", "CODES"]
+
+log = logging.getLogger(__name__)
+
+CODES = {
+    fw.Status.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    fw.Status.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    fw.Status.EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    fw.Status.EXPIRED: grpc.StatusCode.FAILED_PRECONDITION,
+    fw.Status.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    fw.Status.DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    fw.Status.INTERNAL: grpc.StatusCode.INTERNAL,
+    fw.Status.PROTOCOL: grpc.StatusCode.INTERNAL,
+    fw.Status.BUSY: grpc.StatusCode.UNAVAILABLE,
+}
+ANSWER_BUFFER = 64 << 10     # per connection
+
+
+class Broken(ConnectionError):
+    """A connection broke mid-call: retried once on a fresh one."""
+
+
+class Timeout(ConnectionError):
+    """No byte moved for the call's timeout: the server is stalled, not gone. Not
+    retried (as gRPC's DEADLINE_EXCEEDED is not); the connection is dropped."""
+
+
+def _failed(exc: OSError, what: str) -> ConnectionError:
+    """The error a socket failure becomes: SO_RCVTIMEO/SO_SNDTIMEO expiring shows as
+    EAGAIN (BlockingIOError) on a blocking socket."""
+    if isinstance(exc, (BlockingIOError, TimeoutError, socket.timeout)):
+        return Timeout(f"{what}: nothing moved within the timeout")
+    return Broken(f"{what} failed: {exc}")
+
+
+def deadline(method: str, exc: Exception) -> KVStoreError:
+    return KVStoreError(grpc.StatusCode.DEADLINE_EXCEEDED, f"fast path: {exc}", method)
+
+
+class Conn:
+    """One authenticated connection; not thread-safe (a caller holds it for a call)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._head = bytearray(fw.HEADER.size)
+        # Where an answer is received: header and body in one recv when it fits (a
+        # lookup's or an acquire's does), so a small call costs one system call.
+        self._rbuf = memoryview(bytearray(ANSWER_BUFFER))
+        self.owed = 0        # answers of requests sent without waiting (release_later)
+        self.timeout = -1.0  # the socket's SO_RCVTIMEO/SO_SNDTIMEO now
+
+    def use_timeout(self, seconds: float) -> None:
+        """Give up on any send or recv that moves nothing for this long (set only when
+        it changes: two system calls). A call's timeout bounds each wait for progress,
+        so a large get is not cut off while its bytes keep arriving."""
+        if seconds != self.timeout:
+            tv = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+            self.timeout = seconds
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def send(self, op: int, body: bytes, data: memoryview | None = None, flags: int = 0
+             ) -> None:
+        head = fw.encode_header(op, len(body), 0 if data is None else data.nbytes,
+                                flags=flags)
+        try:
+            self.sock.sendall(head + body if len(body) < 65536 else head)
+            if len(body) >= 65536:
+                self.sock.sendall(body)
+            if data is not None:
+                self.sock.sendall(data)
+        except OSError as exc:
+            raise _failed(exc, "sending") from None
+
+    def recv_exact(self, view: memoryview) -> None:
+        pos, n = 0, len(view)
+        try:
+            while pos < n:
+                got = self.sock.recv_into(view[pos:], n - pos)
+                if not got:
+                    raise Broken(f"the server closed the connection after {pos} of {n} "
+                                  "bytes")
+                pos += got
+        except OSError as exc:
+            if isinstance(exc, ConnectionError) and isinstance(exc, (Broken, Timeout)):
+                raise
+            raise _failed(exc, "receiving") from None
+
+    def answer_into(self, op: int, method: str, out: memoryview) -> None:
+        """A GET's answer: the header, then the pages straight into out. On a plain
+        socket one recvmsg_into fills both, so a one-page get costs one system call."""
+        head = memoryview(self._head)
+        have = 0
+        if isinstance(self.sock, ssl.SSLSocket):      # no recvmsg on TLS
+            self.recv_exact(head)
+        else:
+            try:
+                got = self.sock.recvmsg_into([head, out])[0]
+            except OSError as exc:
+                raise _failed(exc, "receiving") from None
+            if not got:
+                raise Broken("the server closed the connection")
+            if got < len(head):
+                self.recv_exact(head[got:])
+            have = max(0, got - len(head))
+        try:
+            h = fw.decode_header(self._head, request=False)
+        except fw.WireError as exc:
+            raise Broken(str(exc)) from None
+        if h.status:
+            if h.body_len > fw.MAX_BODY:
+                raise Broken(f"error body of {h.body_len} bytes is past any bound")
+            body = bytearray(out[:min(have, h.body_len)])
+            rest = memoryview(bytearray(h.body_len - len(body)))
+            self.recv_exact(rest)
+            self._raise(h, memoryview(body + rest), method)
+        if h.op != op or h.body_len or h.data_len != out.nbytes:
+            raise Broken(f"answer to op {h.op} with {h.body_len} + {h.data_len} bytes, "
+                          f"expected op {op} with {out.nbytes} bytes of pages")
+        self.recv_exact(out[have:])
+
+    @staticmethod
+    def _raise(h: fw.Header, body: memoryview, method: str) -> None:
+        status = (fw.Status(h.status) if h.status in fw.Status._value2member_map_
+                  else fw.Status.INTERNAL)
+        message = bytes(body).decode(errors="replace")
+        if status is fw.Status.PROTOCOL:
+            raise Broken(f"the server refused a frame: {message}")
+        raise KVStoreError(CODES[status], message, method)
+
+    def answer_head(self, op: int, method: str) -> fw.Header:
+        """The header of an answer whose data follows (GET): read exactly, no further."""
+        self.recv_exact(memoryview(self._head))
+        try:
+            h = fw.decode_header(self._head, request=False)
+        except fw.WireError as exc:
+            raise Broken(str(exc)) from None
+        if h.status:
+            if h.body_len > fw.MAX_BODY:
+                raise Broken(f"error body of {h.body_len} bytes is past any bound")
+            body = memoryview(bytearray(h.body_len))
+            self.recv_exact(body)
+            self._raise(h, body, method)
+        if h.op != op or h.body_len:
+            raise Broken(f"answer to op {h.op} with a body of {h.body_len}, expected {op}")
+        return h
+
+    def settle(self) -> None:
+        """Read the answers owed to requests sent without waiting, before a new call."""
+        while self.owed:
+            self.owed -= 1
+            self.recv_exact(memoryview(self._head))
+            h = fw.decode_header(self._head, request=False)
+            body = memoryview(bytearray(h.body_len))
+            self.recv_exact(body)
+            if h.status:
+                log.warning("a release sent without waiting failed (%s); the lease "
+                            "expires by itself", bytes(body).decode(errors="replace"))
+
+    def answer(self, op: int, method: str) -> tuple[fw.Header, memoryview]:
+        """The header and body of the answer; KVStoreError if it is an error frame.
+        The body is a view of this connection's buffer, valid until its next call.
+
+        Nothing can follow the answer on the wire (the server answers only what was
+        asked, and owed answers were read first), so one recv never reads past it."""
+        buf = self._rbuf
+        try:
+            got = self.sock.recv_into(buf)
+        except OSError as exc:
+            raise _failed(exc, "receiving") from None
+        if not got:
+            raise Broken("the server closed the connection")
+        if got < fw.HEADER.size:
+            self.recv_exact(buf[got:fw.HEADER.size])
+            got = fw.HEADER.size
+        try:
+            h = fw.decode_header(buf[:fw.HEADER.size], request=False)
+        except fw.WireError as exc:
+            raise Broken(str(exc)) from None
+        if h.body_len > fw.MAX_BODY + fw.MAX_KEYS * 8 or got > fw.HEADER.size + h.body_len:
+            raise Broken(f"answer of {got} bytes, body of {h.body_len}: out of step")
+        end = fw.HEADER.size + h.body_len
+        if end <= len(buf):
+            self.recv_exact(buf[got:end])
+            body = buf[fw.HEADER.size:end]
+        else:
+            body = memoryview(bytearray(h.body_len))
+            body[:got - fw.HEADER.size] = buf[fw.HEADER.size:got]
+            self.recv_exact(body[got - fw.HEADER.size:])
+        if h.status:
+            self._raise(h, body, method)
+        if h.op != op:
+            raise Broken(f"answer to op {h.op}, expected {op}")
+        return h, body

@@ -1,0 +1,190 @@
+"""The fast path's wire format: frames of the lean binary protocol beside gRPC.
+
+Both ends import this module, and it imports neither grpc nor protobuf. The layout is
+drawn in docs/fastpath.md; in short, every request and every response is one frame:
+
+     0      2     3     4        6        8                16               24
+     +------+-----+-----+--------+--------+----------------+----------------+
+     | "KF" | ver | op  | status | flags  |   body_len     |   data_len     |
+     |      | u8  | u8  |  u16   |  u16   |     u64        |     u64        |
+     +------+-----+-----+--------+--------+----------------+----------------+
+     | body: body_len bytes, the op's fields (little-endian, packed keys last)   |
+     | data: data_len bytes of page bytes (Put requests, Get responses only)     |
+
+One frame answers one frame, in order, on one connection (no request ids: a client
+that wants calls in parallel opens more connections). A response's `status` is 0 for
+success; anything else is an error whose body is a UTF-8 message. Page bytes travel
+after the body and are never copied into a Python object on either end: the server
+sends them from the pool and receives them into reserved pool slots, the client
+receives into the caller's buffer.
+
+Every length is checked against the bounds below before a byte is allocated; a frame
+that breaks them gets a PROTOCOL error frame and the connection is closed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import struct
+
+import numpy as np
+
+__all__ = [
+    "MAGIC", "VERSION", "HEADER", "Op", "Status", "Header", "WireError", "MAX_BODY",
+    "MAX_DATA", "MAX_KEYS", "MAX_LAYOUTS", "LAYOUT_ID_BYTES", "REGION_TOKEN_BYTES",
+    "PAGE_MAJOR", "LAYER_MAJOR", "KeysBlock", "encode_header", "decode_header",
+    "encode_keys", "decode_keys", "u64", "unpack_u64", "LOOKUP_HEAD", "LAYOUT_HEAD",
+    "LEASED_HEAD", "LEASE", "COUNT_LEASE", "PUT_DONE", "RESERVED", "COUNT",
+]
+
+MAGIC = b"KF"
+VERSION = 1
+HEADER = struct.Struct("<2sBBHHQQ")          # 24 bytes, see the diagram above
+assert HEADER.size == 24
+
+# Bounds of one request. A lookup of 65,536 keys of 64 bytes is 4 MiB of keys, 32x the
+# 2,000 keys of a 32k-token prompt at 16 tokens a page; anything larger is refused
+# before it is read, so a connection never holds more than MAX_BODY of request bytes.
+MAX_KEYS = 65536
+MAX_LAYOUTS = 256                            # one per rank, as store.MAX_LOOKUP_LAYOUTS
+MAX_KEY_BYTES = 64
+MAX_BODY = MAX_KEYS * MAX_KEY_BYTES + MAX_LAYOUTS * 16 + 64
+# Page bytes of one Put or Get: they land in pool slots or the caller's buffer, never
+# in a buffer of the connection, so the bound only stops nonsense lengths.
+MAX_DATA = 1 << 40
+LAYOUT_ID_BYTES = 16
+REGION_TOKEN_BYTES = 16
+
+# GET flags: the order of the page bytes in the response's data.
+PAGE_MAJOR = 0          # page 0 whole, then page 1, ...: what get_into wants
+LAYER_MAJOR = 1         # every page's layer 0, then layer 1, ...: what get_layers wants
+
+
+class Op(enum.IntEnum):
+    HELLO = 1        # token -> tenant name and the server's bounds; must come first
+    LOOKUP = 2       # layouts, keys, lease_ms -> leading keys present, lease id
+    EXISTS = 3       # layout, keys -> one bit per key
+    GET = 4          # layout, keys -> page bytes (pinned while sent)
+    PUT = 5          # layout, keys + page bytes -> stored, skipped
+    DELETE = 6       # layout, keys -> deleted
+    ACQUIRE = 7      # same host: layout, keys, lease_ms, region token -> lease, offsets
+    RESERVE = 8      # same host: as ACQUIRE -> lease, skipped, offsets
+    COMMIT = 9       # lease -> stored
+    ABORT = 10       # lease -> aborted
+    RELEASE = 11     # lease -> released
+
+
+class Status(enum.IntEnum):
+    """A response's outcome. 1-6 are the store's outcomes (kvstore_server.errors), each
+    mapped to the same gRPC status the gRPC path answers with."""
+
+    OK = 0
+    INVALID = 1          # INVALID_ARGUMENT
+    NOT_FOUND = 2
+    EXHAUSTED = 3        # RESOURCE_EXHAUSTED
+    EXPIRED = 4          # FAILED_PRECONDITION
+    UNAUTHENTICATED = 5
+    DENIED = 6           # PERMISSION_DENIED
+    INTERNAL = 7         # a server defect; the server log says more
+    PROTOCOL = 8         # a malformed frame: the server closes the connection after it
+    BUSY = 9             # too many connections (UNAVAILABLE): try again, or use gRPC
+
+
+class WireError(ValueError):
+    """A frame that breaks the format or its bounds; `status` says how to answer it."""
+
+    def __init__(self, message: str, status: Status = Status.PROTOCOL) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Header:
+    op: int
+    status: int
+    flags: int
+    body_len: int
+    data_len: int
+
+
+def encode_header(op: int, body_len: int, data_len: int = 0, status: int = 0,
+                  flags: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, op, status, flags, body_len, data_len)
+
+
+def decode_header(raw: bytes | bytearray | memoryview, *, request: bool) -> Header:
+    """The header of a frame; WireError if it is not one this version can read, or if a
+    request's lengths break the bounds (checked here, before anything is allocated)."""
+    magic, version, op, status, flags, body_len, data_len = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise WireError(f"not a kvstore fast-path frame (magic {bytes(magic)!r}, "
+                        f"expected {MAGIC!r}): is this the gRPC port?")
+    if version != VERSION:
+        raise WireError(f"fast-path version {version} is not supported (this end speaks "
+                        f"{VERSION})")
+    if request:
+        if op not in Op._value2member_map_:
+            raise WireError(f"unknown op {op}")
+        if body_len > MAX_BODY:
+            raise WireError(f"body of {body_len} bytes is over the limit of {MAX_BODY}")
+        if data_len > MAX_DATA or (data_len and op != Op.PUT):
+            raise WireError(f"data of {data_len} bytes is not allowed on op {Op(op).name} "
+                            f"(only PUT carries data, at most {MAX_DATA} bytes)")
+    return Header(op, status, flags, body_len, data_len)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KeysBlock:
+    """Keys of one request: `n` keys of `key_size` bytes, packed back to back."""
+
+    key_size: int
+    data: bytes
+
+    @property
+    def n(self) -> int:
+        return len(self.data) // self.key_size if self.key_size else 0
+
+
+def encode_keys(key_size: int, packed: bytes) -> bytes:
+    """| key_size u8 | n u32 | n * key_size bytes |"""
+    n = len(packed) // key_size if key_size else 0
+    return struct.pack("<BI", key_size, n) + packed
+
+
+def decode_keys(body: memoryview, pos: int) -> tuple[KeysBlock, int]:
+    """(keys, position after them); WireError(INVALID) on a bad count or size."""
+    if len(body) < pos + 5:
+        raise WireError("body ends before its keys", Status.INVALID)
+    key_size, n = struct.unpack_from("<BI", body, pos)
+    pos += 5
+    if n > MAX_KEYS:
+        raise WireError(f"{n} keys in one request; at most {MAX_KEYS}", Status.INVALID)
+    if n and not 1 <= key_size <= MAX_KEY_BYTES:
+        raise WireError(f"key_size must be 1..{MAX_KEY_BYTES} bytes, got {key_size}",
+                        Status.INVALID)
+    end = pos + n * key_size
+    if end > len(body):
+        raise WireError(f"body holds {len(body) - pos} bytes of keys, {n} keys of "
+                        f"{key_size} need {n * key_size}", Status.INVALID)
+    return KeysBlock(key_size, bytes(body[pos:end])), end
+
+
+def u64(values: np.ndarray) -> bytes:
+    """An int64 array as little-endian bytes (offsets in responses)."""
+    return np.ascontiguousarray(values, dtype="<i8").tobytes()
+
+
+def unpack_u64(raw: bytes | memoryview) -> np.ndarray:
+    return np.frombuffer(raw, dtype="<i8")
+
+
+# Fixed parts of the bodies, before any packed keys (docs/fastpath.md lists each op).
+LOOKUP_HEAD = struct.Struct("<IH")        # lease_ms, number of layout ids (16 B each)
+LAYOUT_HEAD = struct.Struct("<16s")       # EXISTS, GET, PUT, DELETE: layout id
+LEASED_HEAD = struct.Struct("<16s16sI")   # ACQUIRE, RESERVE: layout, region token, lease_ms
+LEASE = struct.Struct("<Q")               # COMMIT, ABORT, RELEASE: lease id; their answers
+COUNT_LEASE = struct.Struct("<QQ")        # LOOKUP answer: count, lease id
+PUT_DONE = struct.Struct("<II")           # PUT answer: stored, skipped
+RESERVED = struct.Struct("<QI")           # RESERVE answer: lease id, skipped; offsets follow
+COUNT = struct.Struct("<I")               # EXISTS answer (then the bitmap), DELETE answer

@@ -1,0 +1,50 @@
+"""Who may touch what: the tenant rules every request path applies, gRPC and fast path.
+
+Kept apart from the RPC layers so both call the very same checks: a layout id names the
+caller's own layout or nothing; only a trusted tenant may use the shared-memory pool;
+a same-host call must prove it mapped this server's current region.
+"""
+
+from __future__ import annotations
+
+from .auth import Principal
+from .errors import Outcome, StoreError
+from .store import Store
+from .tenants import scoped_layout_id
+
+__all__ = ["caller_layout", "may_map", "check_region_token"]
+
+
+def caller_layout(store: Store, auth_on: bool, caller: Principal, layout_id: bytes) -> bytes:
+    """The store's id of the caller's layout. A layout the caller did not register is
+    "unknown layout", under the id it sent, whoever else has one."""
+    scoped = scoped_layout_id(caller.name, layout_id)
+    if auth_on:
+        # Checked by owner, not by id: the built-in tenant's ids are the clients' own,
+        # so a tenant named "default" could otherwise send another tenant's scoped id
+        # (a hash of a name and a layout, both guessable) and reach its pages.
+        try:
+            owner = store.info(scoped).tenant
+        except StoreError:
+            owner = None
+        if owner != caller.name:
+            raise StoreError(Outcome.INVALID, f"unknown layout {layout_id.hex() or '(empty)'}"
+                                              ": call RegisterLayout first")
+    return scoped
+
+
+def may_map(caller: Principal) -> None:
+    # The pool holds every tenant's pages: whoever maps it can read them all.
+    if not caller.shared_memory:
+        raise StoreError(Outcome.DENIED, (
+            f"tenant {caller.name!r} may not use the shared-memory pool, which holds "
+            "every tenant's pages: it uses gRPC Put/Get (an operator can trust it with "
+            "shared_memory = true in the auth file)"))
+
+
+def check_region_token(store: Store, token: bytes) -> None:
+    if token != store.region.token:
+        raise StoreError(Outcome.EXPIRED,
+                         "shared-memory token does not match this server's region (the "
+                         "server restarted, or the client is not on this host): Attach "
+                         "again")

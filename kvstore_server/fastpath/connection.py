@@ -1,0 +1,213 @@
+"""One fast-path connection: authenticate once, then answer frames in order until it ends.
+
+    accept -> [TLS handshake] -> HELLO (token) -> refused: error frame, close
+                                              -> frames: LOOKUP, GET, PUT, ... one answer each
+    end (peer closed, timeout, malformed frame, server stopping) -> leases released, closed
+
+A request the store refuses (unknown layout, missing key, quota) gets an error frame and
+the connection goes on. A frame that breaks the format gets a PROTOCOL error frame and
+the connection is closed: after a bad length nothing that follows can be trusted.
+Nothing a client sends can end the thread other than by ending its own connection.
+
+The connection acts for its tenant under exactly the gRPC path's rules: the token is
+checked by the same Authenticator, and looked up again for every request (a dict get of
+its SHA-256, ~1 us), so a token revoked by SIGHUP stops working on open connections too
+and a changed quota applies at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable
+
+import grpc
+
+from kvstore_client import fastwire as fw
+from kvstore_client.keys import KeyError_
+
+from ..auth import ANONYMOUS, Authenticator, Principal, Role
+from ..errors import Outcome, StoreError
+from .io import ClientGone, recv_exact, set_timeouts
+from .ops import Ops, Session, status_of, table
+
+__all__ = ["Connection", "GRPC_CODES"]
+
+log = logging.getLogger(__name__)
+
+# The gRPC status each answer counts as in the metrics, as the gRPC path would answer.
+GRPC_CODES = {
+    fw.Status.OK: grpc.StatusCode.OK,
+    fw.Status.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    fw.Status.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    fw.Status.EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    fw.Status.EXPIRED: grpc.StatusCode.FAILED_PRECONDITION,
+    fw.Status.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    fw.Status.DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    fw.Status.INTERNAL: grpc.StatusCode.INTERNAL,
+    fw.Status.PROTOCOL: grpc.StatusCode.INVALID_ARGUMENT,
+    fw.Status.BUSY: grpc.StatusCode.UNAVAILABLE,
+}
+_NAMES = {op: "Fast" + op.name.title() for op in fw.Op}
+SCRATCH_BYTES = 256 << 10      # per connection: where a refused Put's data is dropped
+
+
+class Refused(Exception):
+    """The HELLO was refused; the connection ends after its error frame."""
+
+    def __init__(self, status: fw.Status, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Connection:
+    """Serves one accepted socket on the calling thread (`run`)."""
+
+    def __init__(self, sock: socket.socket, ops: Ops, auth: Authenticator | None, *,
+                 idle_timeout: float, stream_timeout: float, plain: bool,
+                 observe: Callable[[str, float, grpc.StatusCode], None],
+                 refused: Callable[[str], None]) -> None:
+        self.sock = sock
+        self.ops = ops
+        self.auth = auth
+        self.idle_timeout = idle_timeout
+        self.stream_timeout = stream_timeout
+        self.plain = plain
+        self._observe = observe
+        self._refused = refused
+        self._table = table(ops)
+        self._head = bytearray(fw.HEADER.size)
+        self._token = ""
+
+    # -- who --------------------------------------------------------------------------
+    def _principal(self) -> Principal:
+        if self.auth is None:
+            return ANONYMOUS
+        principal = self.auth.principal([("authorization", f"Bearer {self._token}")])
+        if principal.role is not Role.TENANT:
+            raise StoreError(Outcome.DENIED, f"{principal.role.value} {principal.name!r} may "
+                                             "not use the fast path: it needs a tenant token")
+        return principal
+
+    def _hello(self) -> None:
+        set_timeouts(self.sock, self.stream_timeout)        # HELLO comes at once
+        h = self._read_header()
+        if h is None:
+            raise ClientGone("closed before HELLO")
+        body = self._read_body(h)
+        if h.op != fw.Op.HELLO:
+            raise fw.WireError(f"the first frame must be HELLO, got op {h.op}")
+        try:
+            self._token = bytes(body).decode()
+        except UnicodeDecodeError:
+            raise Refused(fw.Status.UNAUTHENTICATED, "token is not UTF-8") from None
+        try:
+            principal = self._principal()
+        except StoreError as exc:
+            raise Refused(status_of(exc), exc.message) from None
+        self._reply(fw.Op.HELLO, principal.name.encode())
+
+    # -- frames -------------------------------------------------------------------------
+    def _read_header(self) -> fw.Header | None:
+        """The next frame's header; None when the peer closed between frames."""
+        head = memoryview(self._head)
+        first = self.sock.recv_into(head)
+        if not first:
+            return None
+        if first < len(head):
+            recv_exact(self.sock, head[first:])
+        return fw.decode_header(head, request=True)
+
+    def _read_body(self, h: fw.Header) -> memoryview:
+        body = memoryview(bytearray(h.body_len))      # bounded: decode_header checked it
+        recv_exact(self.sock, body)
+        return body
+
+    def _reply(self, op: int, body: bytes, status: fw.Status = fw.Status.OK) -> None:
+        self.sock.sendall(fw.encode_header(op, len(body), 0, status) + body)
+
+    def run(self) -> None:
+        """Serve until the connection ends; never raises."""
+        session = None
+        try:
+            self._hello()
+            session = Session(self.sock, self._principal, self.plain,
+                              memoryview(bytearray(SCRATCH_BYTES)))
+            # One timeout for the connection's life, set once (a setsockopt pair per
+            # request cost ~3 us of a ~100 us call): a connection silent that long, between
+            # frames or inside one, is closed. Slow senders that trickle bytes are bounded
+            # by the connection limit, not by a timeout.
+            set_timeouts(self.sock, self.idle_timeout)
+            while True:
+                h = self._read_header()
+                if h is None:
+                    return
+                if h.op == fw.Op.HELLO:
+                    raise fw.WireError("HELLO comes once, first")
+                body = self._read_body(h)
+                self._call(session, h, body)
+        except Refused as exc:
+            self._refused(exc.status.name.lower())
+            log.debug("fast path: refused a connection: %s", exc)
+            self._try_reply(fw.Op.HELLO, str(exc), exc.status)
+        except fw.WireError as exc:
+            self._refused("protocol")
+            log.info("fast path: closing a connection after a malformed frame: %s", exc)
+            self._try_reply(0, str(exc), exc.status)
+        except (ClientGone, OSError) as exc:
+            log.debug("fast path: connection ended: %s", exc)
+        except Exception:  # noqa: BLE001 - the server must survive any connection
+            log.exception("fast path: connection failed")
+            self._try_reply(0, "internal error; see the server log", fw.Status.INTERNAL)
+        finally:
+            if session is not None:
+                self._end_leases(session)
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+
+    def _call(self, s: Session, h: fw.Header, body: memoryview) -> None:
+        start = time.perf_counter()
+        status = fw.Status.OK
+        gone = False
+        op = fw.Op(h.op)
+        try:
+            answer = self._table[op](s, h, body)
+            if answer is not None:
+                self._reply(op, answer)
+        except StoreError as exc:
+            status = status_of(exc)
+            self._reply(op, exc.message.encode(), status)
+        except fw.WireError as exc:
+            if exc.status is fw.Status.PROTOCOL:
+                raise
+            status = exc.status
+            self._reply(op, str(exc).encode(), status)
+        except (KeyError_, ValueError) as exc:
+            status = fw.Status.INVALID
+            self._reply(op, str(exc).encode(), status)
+        except (ClientGone, OSError):
+            gone = True
+            raise
+        finally:
+            self._observe(_NAMES[op], time.perf_counter() - start,
+                          grpc.StatusCode.CANCELLED if gone else GRPC_CODES[status])
+
+    def _try_reply(self, op: int, message: str, status: fw.Status) -> None:
+        try:
+            set_timeouts(self.sock, 1.0)
+            self._reply(op, message.encode(), status)
+        except OSError:
+            pass
+
+    def _end_leases(self, s: Session) -> None:
+        """Undo what the connection still holds: a client gone mid-call leaves no pin."""
+        store = self.ops.store
+        for lease_id in list(s.leases):
+            try:
+                store.release(lease_id)
+            except Exception:  # noqa: BLE001
+                log.exception("fast path: releasing lease %d failed", lease_id)
+        s.leases.clear()

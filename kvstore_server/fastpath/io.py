@@ -1,0 +1,98 @@
+"""Socket I/O of the fast path: exact reads into caller memory, and page sends.
+
+Two ways to send pages out of the pool were measured (bench/fastpath_bench.py,
+`--send`): `socket.sendmsg` of memoryviews of the mapping (the kernel copies from the
+mapping into the socket), and `os.sendfile` from the pool's file (tmpfs pages go to the
+socket without a user-space copy). Both release the GIL for the whole call. See
+`SEND_MODES` for the figures and the choice.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from collections.abc import Iterator
+
+import numpy as np
+
+__all__ = ["ClientGone", "recv_exact", "drain", "runs", "send_views", "send_file",
+           "set_timeouts", "IOV_BATCH"]
+
+# A sendmsg takes at most IOV_MAX (1024 on Linux) buffers.
+IOV_BATCH = 1024
+
+
+class ClientGone(ConnectionError):
+    """The peer closed the connection (or it broke) in the middle of a frame."""
+
+
+def set_timeouts(sock: socket.socket, seconds: float) -> None:
+    """Blocking socket whose every recv/send gives up after `seconds` (0 = never).
+
+    SO_RCVTIMEO/SO_SNDTIMEO rather than settimeout(): a Python timeout makes the socket
+    non-blocking underneath, and os.sendfile on it then fails with EAGAIN at once."""
+    sec = int(seconds)
+    tv = struct.pack("ll", sec, int((seconds - sec) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` from the socket; ClientGone if it ends first."""
+    pos, n = 0, len(view)
+    while pos < n:
+        got = sock.recv_into(view[pos:], n - pos)
+        if not got:
+            raise ClientGone(f"connection closed after {pos} of {n} bytes")
+        pos += got
+
+
+def drain(sock: socket.socket, nbytes: int, scratch: memoryview) -> None:
+    """Read and drop nbytes (a refused Put's data), through one bounded buffer."""
+    while nbytes:
+        take = min(nbytes, len(scratch))
+        recv_exact(sock, scratch[:take])
+        nbytes -= take
+
+
+def runs(offsets: np.ndarray, size: int) -> Iterator[tuple[int, int, int]]:
+    """(first index, end index, pool offset) of each run of entries whose offsets lie
+    back to back, `size` bytes apart; entries with offset -1 form runs of their own."""
+    n = len(offsets)
+    if not n:
+        return
+    offs = np.asarray(offsets, dtype=np.int64)
+    breaks = np.flatnonzero((np.diff(offs) != size) | (offs[1:] < 0) | (offs[:-1] < 0)) + 1
+    starts = [0, *breaks.tolist()]
+    ends = [*breaks.tolist(), n]
+    first = offs[starts].tolist()
+    yield from zip(starts, ends, first, strict=True)
+
+
+def send_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Send the views in order with as few sendmsg calls as the kernel allows."""
+    i = 0
+    while i < len(views):
+        batch = views[i:i + IOV_BATCH]
+        sent = sock.sendmsg(batch)
+        # Skip the views sent whole; resend the rest of a partly sent one.
+        for view in batch:
+            if sent >= len(view):
+                sent -= len(view)
+                i += 1
+            else:
+                if sent:
+                    views[i] = view[sent:]
+                break
+
+
+def send_file(sock: socket.socket, fd: int, offset: int, count: int) -> None:
+    """Send count bytes of file fd from offset with sendfile (no user-space copy)."""
+    out = sock.fileno()
+    while count:
+        sent = os.sendfile(out, fd, offset, count)
+        if not sent:
+            raise ClientGone("sendfile sent nothing: the connection is gone")
+        offset += sent
+        count -= sent

@@ -1,0 +1,259 @@
+"""The fast path's calls: each decodes its body, applies the gRPC path's rules through
+the same functions (access.py) and calls the same store methods, and answers.
+
+A call returns its answer's body, or raises: StoreError, a malformed key (KeyError_,
+ValueError) or WireError(INVALID) become an error frame and the connection goes on.
+GET and PUT move page bytes themselves, between the socket and the pool:
+
+    GET: acquire (READ lease, never expires) -> header -> page bytes -> release (finally)
+    PUT: reserve (RESERVE lease, never expires) -> page bytes into the slots -> commit;
+         any failure before commit aborts, so no slot outlives the call
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from collections.abc import Callable
+
+import numpy as np
+
+from kvstore_client import fastwire as fw
+from kvstore_client.keys import Packed
+
+from ..access import caller_layout, check_region_token, may_map
+from ..auth import Principal
+from ..errors import Outcome, StoreError
+from ..store import FOREVER, Store
+from .io import drain, recv_exact, runs, send_file, send_views
+
+__all__ = ["Ops", "Session", "SEND_SENDFILE", "SEND_SENDMSG"]
+
+SEND_SENDFILE = "sendfile"
+SEND_SENDMSG = "sendmsg"
+
+
+@dataclasses.dataclass(slots=True)
+class Session:
+    """One connection's state: its socket, who it acts for, the leases it holds."""
+
+    sock: socket.socket
+    caller: Callable[[], Principal]   # who the connection acts for, now (auth reloads)
+    plain: bool                       # not TLS: sendmsg and sendfile may be used
+    scratch: memoryview               # for the data of a refused Put; bounded
+    # Lease ids taken on this connection and not yet ended through it: released when it
+    # closes, so a client that dies holding leases leaves no pin behind. Insertion-ordered
+    # and capped (MAX_TRACKED): a client that lets its leases expire instead of ending
+    # them would otherwise grow it without bound.
+    leases: dict[int, None] = dataclasses.field(default_factory=dict)
+
+    def took(self, lease_id: int) -> None:
+        if lease_id:
+            self.leases[lease_id] = None
+            if len(self.leases) > MAX_TRACKED:
+                del self.leases[next(iter(self.leases))]
+
+
+# Leases a connection remembers; the oldest beyond this have long expired by their ttl.
+MAX_TRACKED = 65536
+
+
+def _keys(block: fw.KeysBlock) -> Packed:
+    return Packed(block.data, block.key_size if block.n else 0)
+
+
+class Ops:
+    """The calls over one store; shared by every connection."""
+
+    def __init__(self, store: Store, auth_on: bool, send_mode: str = SEND_SENDMSG) -> None:
+        self.store = store
+        self.auth_on = auth_on
+        self.send_mode = send_mode
+        self.mem = memoryview(store.mem)
+        # Our own descriptor of the pool's file, for sendfile (read-only is enough).
+        self.pool_fd = os.open(store.region.path, os.O_RDONLY)
+
+    def close(self) -> None:
+        if self.pool_fd >= 0:
+            os.close(self.pool_fd)
+            self.pool_fd = -1
+
+    def _layout(self, s: Session, layout_id: bytes) -> bytes:
+        return caller_layout(self.store, self.auth_on, s.caller(), layout_id)
+
+    # -- control ------------------------------------------------------------------------
+    def lookup(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
+        lease_ms, n_layouts = _unpack(fw.LOOKUP_HEAD, body, 0)
+        if n_layouts > fw.MAX_LAYOUTS:
+            raise fw.WireError(f"lookup names {n_layouts} layouts; at most "
+                               f"{fw.MAX_LAYOUTS}", fw.Status.INVALID)
+        pos = fw.LOOKUP_HEAD.size
+        end = pos + 16 * n_layouts
+        if end > len(body):
+            raise fw.WireError("body ends inside its layout ids", fw.Status.INVALID)
+        ids = [bytes(body[i:i + 16]) for i in range(pos, end, 16)]
+        keys, _ = fw.decode_keys(body, end)
+        layouts = [self._layout(s, layout_id) for layout_id in ids]
+        count, lease_id = self.store.lookup(layouts, _keys(keys),
+                                            self._ttl(lease_ms) if lease_ms else 0.0)
+        s.took(lease_id)
+        return fw.COUNT_LEASE.pack(count, lease_id)
+
+    def exists(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
+        layout, keys = self._layout_keys(s, body)
+        present = self.store.exists(layout, _keys(keys))
+        return fw.COUNT.pack(len(present)) + np.packbits(present, bitorder="little").tobytes()
+
+    def delete(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
+        layout, keys = self._layout_keys(s, body)
+        return fw.COUNT.pack(self.store.delete(layout, _keys(keys)))
+
+    def acquire(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
+        layout, keys, ttl = self._same_host(s, body)
+        pinned = self.store.acquire(layout, _keys(keys), ttl=ttl)
+        s.took(pinned.lease_id)
+        return fw.LEASE.pack(pinned.lease_id) + fw.u64(pinned.offsets)
+
+    def reserve(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
+        layout, keys, ttl = self._same_host(s, body)
+        res = self.store.reserve(layout, _keys(keys), ttl=ttl, quota=s.caller().quota_bytes)
+        s.took(res.lease_id)
+        return fw.RESERVED.pack(res.lease_id, res.skipped) + fw.u64(res.offsets)
+
+    def commit(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
+        (lease_id,) = _unpack(fw.LEASE, body, 0)
+        s.leases.pop(lease_id, None)
+        return fw.LEASE.pack(self.store.commit(lease_id, s.caller().name))
+
+    def abort(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
+        (lease_id,) = _unpack(fw.LEASE, body, 0)
+        s.leases.pop(lease_id, None)
+        return fw.LEASE.pack(int(self.store.abort(lease_id, s.caller().name)))
+
+    def release(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
+        (lease_id,) = _unpack(fw.LEASE, body, 0)
+        s.leases.pop(lease_id, None)
+        return fw.LEASE.pack(int(self.store.release(lease_id, s.caller().name)))
+
+    def _ttl(self, lease_ms: int) -> float:
+        """A client's lease_ms (0 = the server's ttl), never past the server's ttl: a
+        lease is how long a client that died holding pages keeps them from everyone."""
+        ttl = self.store.lease_ttl
+        return min(lease_ms / 1000.0, ttl) if lease_ms else ttl
+
+    def _layout_keys(self, s: Session, body: memoryview) -> tuple[bytes, fw.KeysBlock]:
+        (layout_id,) = _unpack(fw.LAYOUT_HEAD, body, 0)
+        keys, _ = fw.decode_keys(body, fw.LAYOUT_HEAD.size)
+        return self._layout(s, layout_id), keys
+
+    def _same_host(self, s: Session, body: memoryview
+                   ) -> tuple[bytes, fw.KeysBlock, float]:
+        layout_id, token, lease_ms = _unpack(fw.LEASED_HEAD, body, 0)
+        may_map(s.caller())
+        check_region_token(self.store, token)
+        keys, _ = fw.decode_keys(body, fw.LEASED_HEAD.size)
+        return self._layout(s, layout_id), keys, self._ttl(lease_ms)
+
+    # -- page bytes ---------------------------------------------------------------------
+    def get(self, s: Session, h: fw.Header, body: memoryview) -> None:
+        """Answers itself: the header, then the pages straight out of the pool."""
+        layout, keys = self._layout_keys(s, body)
+        if h.flags not in (fw.PAGE_MAJOR, fw.LAYER_MAJOR):
+            raise fw.WireError(f"unknown GET order {h.flags}", fw.Status.INVALID)
+        total = keys.n * self.store.info(layout).page_bytes
+        if total > self.store.pool.capacity_bytes:
+            # One key named 65,536 times would pin its page while 65,536 copies are sent.
+            raise StoreError(Outcome.INVALID, (
+                f"a GET of {keys.n} pages is {total} bytes, more than the whole pool "
+                f"({self.store.pool.capacity_bytes}): ask for fewer at once"))
+        pinned = self.store.acquire(layout, _keys(keys), ttl=FOREVER)
+        try:
+            info = pinned.info
+            pb = info.page_bytes
+            offsets = pinned.offsets
+            head = memoryview(fw.encode_header(fw.Op.GET, 0, len(offsets) * pb))
+            if h.flags == fw.LAYER_MAJOR and info.layout.num_layers > 1:
+                s.sock.sendall(head)
+                self._send_layers(s, offsets, pb, info.layer_bytes, info.layout.num_layers)
+            elif s.plain and self.send_mode == SEND_SENDFILE:
+                s.sock.sendall(head)
+                for i, j, off in runs(offsets, pb):
+                    send_file(s.sock, self.pool_fd, off, (j - i) * pb)
+            else:
+                # The header and every run of pages in one sendmsg where the kernel takes
+                # them all: a one-page get is one system call.
+                self._send_views(s, [head, *(self.mem[off:off + (j - i) * pb]
+                                             for i, j, off in runs(offsets, pb))])
+        finally:
+            self.store.release(pinned.lease_id)
+
+    def _send_layers(self, s: Session, offsets: np.ndarray, pb: int, lb: int,
+                     layers: int) -> None:
+        offs = offsets.tolist()
+        mem = self.mem
+        for layer in range(layers):
+            base = layer * lb
+            self._send_views(s, [mem[off + base:off + base + lb] for off in offs])
+
+    def _send_views(self, s: Session, views: list[memoryview]) -> None:
+        if s.plain:
+            send_views(s.sock, views)
+        else:                    # TLS: an SSLSocket has no sendmsg
+            for view in views:
+                s.sock.sendall(view)
+
+    def put(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
+        """Receives the data into reserved slots, or drains it when the put is refused,
+        so the connection stays in step either way."""
+        try:
+            layout, keys = self._layout_keys(s, body)
+            pb = self.store.info(layout).page_bytes
+            if keys.n * pb != h.data_len:
+                raise fw.WireError(f"PUT of {keys.n} pages of {pb} bytes needs "
+                                   f"{keys.n * pb} bytes of data, the frame says "
+                                   f"{h.data_len}", fw.Status.INVALID)
+            res = self.store.reserve(layout, _keys(keys), ttl=FOREVER,
+                                     quota=s.caller().quota_bytes)
+        except Exception:
+            drain(s.sock, h.data_len, s.scratch)
+            raise
+        committed = False
+        try:
+            mem = self.mem
+            for i, j, off in runs(res.offsets, pb):
+                if off < 0:              # already stored: skip its bytes
+                    drain(s.sock, (j - i) * pb, s.scratch)
+                else:
+                    recv_exact(s.sock, mem[off:off + (j - i) * pb])
+            stored = self.store.commit(res.lease_id)
+            committed = True
+            return fw.PUT_DONE.pack(stored, res.skipped)
+        finally:
+            if not committed:
+                self.store.abort(res.lease_id)
+
+
+def _unpack(st, body: memoryview, pos: int) -> tuple:
+    if len(body) < pos + st.size:
+        raise fw.WireError(f"body of {len(body)} bytes is too short for this op "
+                           f"(needs {pos + st.size})", fw.Status.INVALID)
+    return st.unpack_from(body, pos)
+
+
+# The calls that answer with a body; GET answers by itself.
+def table(ops: Ops) -> dict[int, Callable]:
+    return {fw.Op.LOOKUP: ops.lookup, fw.Op.EXISTS: ops.exists, fw.Op.DELETE: ops.delete,
+            fw.Op.ACQUIRE: ops.acquire, fw.Op.RESERVE: ops.reserve, fw.Op.COMMIT: ops.commit,
+            fw.Op.ABORT: ops.abort, fw.Op.RELEASE: ops.release, fw.Op.PUT: ops.put,
+            fw.Op.GET: ops.get}
+
+
+STATUS_OF = {Outcome.INVALID: fw.Status.INVALID, Outcome.NOT_FOUND: fw.Status.NOT_FOUND,
+             Outcome.EXHAUSTED: fw.Status.EXHAUSTED, Outcome.EXPIRED: fw.Status.EXPIRED,
+             Outcome.UNAUTHENTICATED: fw.Status.UNAUTHENTICATED,
+             Outcome.DENIED: fw.Status.DENIED}
+
+
+def status_of(exc: StoreError) -> fw.Status:
+    return STATUS_OF[exc.outcome]

@@ -1,0 +1,229 @@
+"""The fast path's listeners: TCP for remote clients, a Unix socket beside the pool.
+
+One thread per connection, each blocked in recv_into, sendfile or sendmsg with the GIL
+released, up to `max_connections` at once (a connection past the limit gets a BUSY
+frame and is closed; its client uses gRPC). Threads rather than an event loop because
+every step of a call is one blocking system call that releases the GIL, and because a
+Get of 192 MiB is then one sendfile, not a loop of partial non-blocking sends; the
+measurements behind it are in docs/fastpath.md.
+
+The Unix socket lies next to the pool's file, named after it (`<pool>.sock`), with the
+pool's mode and group, so exactly the users who may map the pool may connect; a client
+finds it from Attach's path. It is removed at stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import ssl
+import threading
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvstore_client import fastwire as fw
+
+from ..auth import Authenticator
+from ..metrics import Metrics
+from ..store import Store
+from .connection import Connection
+from .ops import SEND_SENDMSG, Ops
+
+__all__ = ["FastPathServer", "socket_path"]
+
+log = logging.getLogger(__name__)
+
+
+def socket_path(pool_path: str) -> str:
+    """Where the Unix socket of the pool at pool_path lives."""
+    return pool_path + ".sock"
+
+
+class FastPathServer:
+    """Accepts fast-path connections on TCP and a Unix socket; `start()`, `stop()`."""
+
+    def __init__(self, store: Store, metrics: Metrics, auth: Authenticator | None, *,
+                 tcp: tuple[str, int] | None, unix: bool, tls: ssl.SSLContext | None = None,
+                 max_connections: int = 256, idle_timeout: float = 300.0,
+                 stream_timeout: float = 30.0, send_mode: str = SEND_SENDMSG) -> None:
+        """tcp: (host, port) to listen on, port 0 = any; None = no TCP. unix: listen on
+        socket_path(pool) too. tls: wraps TCP connections (never the Unix socket)."""
+        self.store = store
+        self.metrics = metrics
+        self.auth = auth
+        self.tls = tls
+        self.max_connections = max_connections
+        self.idle_timeout = idle_timeout
+        self.stream_timeout = stream_timeout
+        self.ops = Ops(store, auth is not None, send_mode)
+        self._lock = threading.Lock()          # guards the fields below
+        self._open: set[socket.socket] = set()
+        self.accepted = 0
+        self.refused: dict[str, int] = {}      # reason -> connections refused
+        self._listeners: list[tuple[socket.socket, bool]] = []   # (socket, is TLS-able)
+        self._threads: list[threading.Thread] = []
+        self._stopping = threading.Event()
+        self.port = 0
+        self.unix_path = ""
+        if tcp is not None:
+            family = socket.AF_INET6 if ":" in tcp[0] else socket.AF_INET
+            lsock = socket.socket(family, socket.SOCK_STREAM)
+            lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                lsock.bind((tcp[0].strip("[]"), tcp[1]))
+            except OSError:
+                lsock.close()
+                self.ops.close()
+                raise
+            lsock.listen(128)
+            self.port = lsock.getsockname()[1]
+            self._listeners.append((lsock, True))
+        if unix:
+            self.unix_path = socket_path(store.region.path)
+            self._listeners.append((self._unix_listener(self.unix_path), False))
+        metrics.registry.register(_Collector(self))
+
+    def _unix_listener(self, path: str) -> socket.socket:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Mode and group of the pool: whoever may map it may connect, nobody else.
+        old = os.umask(0o177)
+        try:
+            lsock.bind(path)
+        finally:
+            os.umask(old)
+        st = os.stat(self.store.region.path)
+        os.chown(path, -1, st.st_gid)
+        os.chmod(path, st.st_mode & 0o660)
+        lsock.listen(128)
+        return lsock
+
+    # -- life -------------------------------------------------------------------------
+    def start(self) -> None:
+        for lsock, tcp in self._listeners:
+            thread = threading.Thread(target=self._accept, args=(lsock, tcp), daemon=True,
+                                      name="fast-accept-tcp" if tcp else "fast-accept-unix")
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        """Stop accepting, end every open connection (their leases are released)."""
+        self._stopping.set()
+        for lsock, _ in self._listeners:
+            try:
+                lsock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            lsock.close()
+        with self._lock:
+            open_now = list(self._open)
+        for sock in open_now:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for thread in self._threads:
+            thread.join(timeout=2)
+        if self.unix_path:
+            try:
+                os.unlink(self.unix_path)
+            except FileNotFoundError:
+                pass
+        self.ops.close()
+
+    def open_connections(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+    # -- connections ------------------------------------------------------------------
+    def _accept(self, lsock: socket.socket, tcp: bool) -> None:
+        while not self._stopping.is_set():
+            try:
+                sock, _ = lsock.accept()
+            except OSError:
+                if self._stopping.is_set():
+                    return
+                log.exception("fast path: accept failed")
+                continue
+            with self._lock:
+                busy = len(self._open) >= self.max_connections
+                if not busy:
+                    self._open.add(sock)
+                    self.accepted += 1
+            if busy:
+                self._count_refused("busy")
+                _refuse_busy(sock, self.max_connections)
+                continue
+            thread = threading.Thread(target=self._serve, args=(sock, tcp), daemon=True,
+                                      name="fast-conn")
+            thread.start()
+
+    def _serve(self, sock: socket.socket, tcp: bool) -> None:
+        raw = sock
+        try:
+            if tcp:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if tcp and self.tls is not None:
+                sock.settimeout(self.stream_timeout or None)
+                try:
+                    sock = self.tls.wrap_socket(sock, server_side=True)
+                except (ssl.SSLError, OSError) as exc:
+                    self._count_refused("tls")
+                    log.debug("fast path: TLS handshake failed: %s", exc)
+                    return
+                sock.settimeout(None)
+            Connection(sock, self.ops, self.auth, idle_timeout=self.idle_timeout,
+                       stream_timeout=self.stream_timeout, plain=sock is raw,
+                       observe=self.metrics.observe, refused=self._count_refused).run()
+        finally:
+            with self._lock:
+                self._open.discard(raw)
+            try:
+                raw.close()
+            except OSError:
+                pass
+
+    def _count_refused(self, reason: str) -> None:
+        with self._lock:
+            self.refused[reason] = self.refused.get(reason, 0) + 1
+
+
+def _refuse_busy(sock: socket.socket, limit: int) -> None:
+    message = (f"the server has {limit} fast-path connections open, its limit "
+               "(--data-connections): use gRPC or try again").encode()
+    try:
+        sock.settimeout(1.0)
+        sock.sendall(fw.encode_header(fw.Op.HELLO, len(message), 0, fw.Status.BUSY) + message)
+    except OSError:
+        pass
+    finally:
+        sock.close()
+
+
+class _Collector:
+    """Fast-path connection gauges and counters, read at scrape time. Per-call latency
+    and outcomes go to kvstore_rpc_duration_seconds as methods FastGet, FastPut, ..."""
+
+    def __init__(self, server: FastPathServer) -> None:
+        self._server = server
+
+    def collect(self):
+        s = self._server
+        g = GaugeMetricFamily("kvstore_fast_connections", "Open fast-path connections")
+        g.add_metric([], s.open_connections())
+        yield g
+        c = CounterMetricFamily("kvstore_fast_accepted", "Fast-path connections accepted")
+        c.add_metric([], s.accepted)
+        yield c
+        r = CounterMetricFamily("kvstore_fast_refused",
+                                "Fast-path connections refused, by reason", labels=["reason"])
+        with s._lock:
+            refused = dict(s.refused)
+        for reason, n in sorted(refused.items()):
+            r.add_metric([reason], n)
+        yield r
+

@@ -1,0 +1,596 @@
+"""The fast path beside gRPC against a real kvstore-server: bytes, auth, bounds, faults.
+
+Every page that comes back is compared byte for byte with what went in. The raw frames
+here are built with kvstore_client.fastwire, so a test can send what no client would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import signal
+import socket
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+from kvstore_bench.serverproc import ServerProcess, free_port
+
+from kvstore_client import KVStoreClient, KVStoreError, PageLayout
+from kvstore_client import fastwire as fw
+from kvstore_client.fastpath import FastPath, FastPathUnavailable
+
+LAYOUTS = {
+    "tiny": PageLayout(model="fp-tiny", num_layers=1, page_tokens=1, num_kv_heads=1,
+                       head_size=8, dtype="int8"),                       # 16-byte pages
+    "odd": PageLayout(model="fp-odd", num_layers=3, page_tokens=5, num_kv_heads=3,
+                      head_size=24, dtype="float16"),                    # not 4 KiB-aligned
+    "mla": PageLayout(model="fp-mla", num_layers=4, page_tokens=16, num_kv_heads=1,
+                      head_size=576, kv_factor=1),
+    "1MiB": PageLayout(model="fp-1m", num_layers=32, page_tokens=16, num_kv_heads=8,
+                       head_size=64),
+}
+
+
+def keys(prefix: str, n: int) -> list[bytes]:
+    return [f"{prefix}-{i}".encode().ljust(20, b".") for i in range(n)]
+
+
+def pages(n: int, page_bytes: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, page_bytes), dtype=np.uint8)
+
+
+def fast_address(srv: ServerProcess) -> str:
+    return f"127.0.0.1:{srv.port + 1}"
+
+
+def unix_path(srv: ServerProcess) -> str:
+    line = re.search(r"unix socket (\S+)", srv.log())
+    assert line, srv.log()
+    return line.group(1)
+
+
+def metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def wait_for(predicate, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+class Raw:
+    """A fast-path connection with no client logic: frames as the test builds them."""
+
+    def __init__(self, address: str, token: str = "", hello: bool = True) -> None:
+        if "/" in address:
+            self.sock = socket.socket(socket.AF_UNIX)
+            self.sock.connect(address)
+        else:
+            host, _, port = address.rpartition(":")
+            self.sock = socket.create_connection((host, int(port)))
+        self.sock.settimeout(10)
+        if hello:
+            status, body = self.call(fw.Op.HELLO, token.encode())
+            assert status == 0, body
+
+    def send(self, op: int, body: bytes = b"", data_len: int = 0, flags: int = 0) -> None:
+        self.sock.sendall(fw.encode_header(op, len(body), data_len, flags=flags) + body)
+
+    def recv_exact(self, n: int) -> bytes:
+        out = bytearray()
+        while len(out) < n:
+            got = self.sock.recv(n - len(out))
+            if not got:
+                raise ConnectionError(f"closed after {len(out)} of {n} bytes")
+            out += got
+        return bytes(out)
+
+    def answer(self) -> tuple[int, bytes, int]:
+        h = fw.decode_header(self.recv_exact(24), request=False)
+        return h.status, self.recv_exact(h.body_len), h.data_len
+
+    def call(self, op: int, body: bytes = b"", flags: int = 0) -> tuple[int, bytes]:
+        self.send(op, body, flags=flags)
+        status, body, _ = self.answer()
+        return status, body
+
+    def closed(self) -> bool:
+        try:
+            return self.sock.recv(1) == b""
+        except OSError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def keys_body(layout_id: bytes, ks: list[bytes]) -> bytes:
+    return fw.LAYOUT_HEAD.pack(layout_id) + fw.encode_keys(len(ks[0]), b"".join(ks))
+
+
+@pytest.fixture(scope="module")
+def srv():
+    port = free_port()
+    with ServerProcess(dram="256MiB", metrics_port=port) as server:
+        server.metrics_port = port
+        yield server
+
+
+# -- bytes ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_round_trip_is_byte_exact(srv, name, transport):
+    address = fast_address(srv) if transport == "tcp" else unix_path(srv)
+    n = 40 if name == "1MiB" else 300
+    with KVStoreClient(srv.address, shared_memory=False, data_plane=True,
+                       data_address=address) as c, \
+            KVStoreClient(srv.address, shared_memory=False, data_plane=False) as grpc_only:
+        ns = c.register_layout(LAYOUTS[name])
+        ks = keys(f"{name}-{transport}", n)
+        data = pages(n, ns.page_bytes, seed=n)
+        assert c.put(ns, ks[:1], data[:1]).stored == 1              # one page
+        result = c.put(ns, ks, data)
+        assert (result.stored, result.skipped) == (n - 1, 1)
+        assert c.lookup(ns, ks) == n
+        assert c.exists(ns, [ks[0], b"missing".ljust(20), ks[-1]]) == [True, False, True]
+        assert np.array_equal(c.get(ns, ks), data)
+        assert np.array_equal(c.get(ns, ks[7:8]), data[7:8])
+        assert np.array_equal(grpc_only.get(ns, ks), data)           # the same pages
+        lb = ns.layer_bytes
+        seen = []
+        for layer, slab in c.get_layers(ns, ks):
+            assert np.array_equal(slab, data[:, layer * lb:(layer + 1) * lb])
+            seen.append(layer)
+        assert seen == list(range(ns.layout.num_layers))
+        assert c.delete(ns, ks) == n
+        assert c.lookup(ns, ks) == 0
+
+
+def test_a_large_get_is_striped_and_exact(srv):
+    with KVStoreClient(srv.address, shared_memory=False, data_plane=True,
+                       data_connections=4) as c:
+        ns = c.register_layout(LAYOUTS["1MiB"])
+        n = 96
+        ks = keys("striped", n)
+        data = pages(n, ns.page_bytes, seed=3)
+        c.put(ns, ks, data)
+        fast = c._data.fast()
+        out = c.get(ns, ks)
+        assert np.array_equal(out, data)
+        assert len(fast._idle) >= 2, "a 96 MiB get should have used several connections"
+        c.delete(ns, ks)
+
+
+def test_missing_key_is_a_key_error_and_the_connection_goes_on(srv):
+    with KVStoreClient(srv.address, shared_memory=False, data_plane=True) as c:
+        ns = c.register_layout(LAYOUTS["odd"])
+        ks = keys("missing", 3)
+        c.put(ns, ks[:2], pages(2, ns.page_bytes))
+        with pytest.raises(KeyError, match="not stored"):
+            c.get(ns, ks)
+        assert np.array_equal(c.get(ns, ks[:2]), pages(2, ns.page_bytes))
+
+
+def test_a_restarted_server_is_reached_again_and_the_layout_registered_again(fresh_server):
+    srv = fresh_server()
+    with KVStoreClient(srv.address, shared_memory=False, data_plane=True) as c:
+        ns = c.register_layout(LAYOUTS["odd"])
+        ks = keys("restart", 3)
+        data = pages(3, ns.page_bytes)
+        c.put(ns, ks, data)
+        srv.stop()
+        fresh_server(port=srv.port)
+        # The pooled connection is dead: a fresh one, then "unknown layout" -> again.
+        assert c.lookup(ns, ks) == 0
+        assert c.put(ns, ks, data).stored == 3
+        assert np.array_equal(c.get(ns, ks), data)
+        assert c._data.fast() is not None
+
+
+# -- same-host control --------------------------------------------------------------------
+def test_same_host_control_goes_over_the_unix_socket(srv):
+    with KVStoreClient(srv.address, data_plane=True) as c:
+        ns = c.register_layout(LAYOUTS["odd"])
+        assert c._data.fast().address.endswith(".sock")
+        ks = keys("shm", 5)
+        data = pages(5, ns.page_bytes, seed=9)
+        with c.reserve(ns, ks) as res:
+            for view, page in zip(res.views, data, strict=True):
+                view[:] = page
+        with c.acquire(ns, ks) as acq:
+            assert all(np.array_equal(v, p) for v, p in zip(acq.views, data, strict=True))
+        lease = c.lookup_lease(ns, ks, 5000)
+        assert lease.count == 5 and c.release_lease(lease)
+        assert np.array_equal(c.get(ns, ks), data)
+
+
+def test_acquire_and_release_on_a_raw_connection(srv):
+    with KVStoreClient(srv.address, data_plane=False) as c:
+        ns = c.register_layout(LAYOUTS["tiny"])
+        ks = keys("acq", 4)
+        c.put(ns, ks, pages(4, ns.page_bytes))
+        token = c.region().token
+        leases = c.stats().leases
+    raw = Raw(unix_path(srv))
+    body = fw.LEASED_HEAD.pack(ns.layout_id, token, 0) + fw.encode_keys(20, b"".join(ks))
+    status, answer = raw.call(fw.Op.ACQUIRE, body)
+    assert status == 0
+    (lease_id,) = fw.LEASE.unpack_from(answer)
+    assert len(fw.unpack_u64(answer[8:])) == 4
+    bad = fw.LEASED_HEAD.pack(ns.layout_id, b"\0" * 16, 0) + fw.encode_keys(20, b"".join(ks))
+    status, answer = raw.call(fw.Op.ACQUIRE, bad)
+    assert status == fw.Status.EXPIRED and b"shared-memory token" in answer
+    status, answer = raw.call(fw.Op.RELEASE, fw.LEASE.pack(lease_id))
+    assert status == 0 and fw.LEASE.unpack(answer) == (1,)
+    raw.close()
+    with KVStoreClient(srv.address, data_plane=False) as c:
+        assert c.stats().leases == leases
+
+
+# -- faults: no pin, reservation or thread outlives a connection ------------------------------
+def _leases(srv) -> int:
+    with KVStoreClient(srv.address, data_plane=False) as c:
+        return c.stats().leases
+
+
+def test_connection_cut_mid_put_leaves_nothing(srv):
+    with KVStoreClient(srv.address, shared_memory=False, data_plane=False) as c:
+        ns = c.register_layout(LAYOUTS["1MiB"])
+    before = _leases(srv)
+    ks = keys("cut-put", 8)
+    raw = Raw(fast_address(srv))
+    raw.send(fw.Op.PUT, keys_body(ns.layout_id, ks), data_len=8 * ns.page_bytes)
+    raw.sock.sendall(bytes(3 * ns.page_bytes + 1000))      # then the connection is cut
+    raw.close()
+    wait_for(lambda: _leases(srv) == before, "the reservation to be aborted")
+    with KVStoreClient(srv.address, shared_memory=False, data_plane=True) as c:
+        assert c.lookup(ns, ks) == 0
+        assert c.put(ns, ks, pages(8, ns.page_bytes)).stored == 8   # the keys are free
+        c.delete(ns, ks)
+
+
+def test_connection_cut_mid_get_and_held_leases_are_released(srv):
+    with KVStoreClient(srv.address, data_plane=False) as c:
+        ns = c.register_layout(LAYOUTS["1MiB"])
+        ks = keys("cut-get", 64)
+        c.put(ns, ks, pages(64, ns.page_bytes))
+        token = c.region().token
+    before = _leases(srv)
+    raw = Raw(fast_address(srv))
+    body = fw.LEASED_HEAD.pack(ns.layout_id, token, 60000) + fw.encode_keys(20, b"".join(ks))
+    assert raw.call(fw.Op.ACQUIRE, body)[0] == 0               # held for a minute...
+    raw.send(fw.Op.GET, keys_body(ns.layout_id, ks))
+    raw.recv_exact(24 + 1000)                                  # ...and a get half read
+    assert _leases(srv) >= before + 1
+    raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
+    raw.close()                                                # RST: the client died
+    wait_for(lambda: _leases(srv) == before, "the leases of the cut connection to go")
+
+
+def test_a_killed_client_process_leaves_nothing(srv, tmp_path):
+    import subprocess
+    import sys
+    with KVStoreClient(srv.address, shared_memory=False, data_plane=False) as c:
+        ns = c.register_layout(LAYOUTS["1MiB"])
+    before = _leases(srv)
+    script = tmp_path / "writer.py"
+    script.write_text(f"""
+import numpy as np
+from kvstore_client.fastpath import FastPath
+f = FastPath("{fast_address(srv)}")
+ks = b"".join(str(i).encode().ljust(20, b"k") for i in range(2000))
+data = memoryview(np.ones(2000 * {ns.page_bytes}, dtype=np.uint8))
+print("go", flush=True)
+f.put({ns.layout_id!r}, 20, ks, data)
+""")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"go"
+    time.sleep(0.3)                                            # mid-put
+    proc.kill()
+    proc.wait(10)
+    wait_for(lambda: _leases(srv) == before, "the killed writer's reservation to go")
+
+
+# -- bounds and malformed frames ----------------------------------------------------------------
+@pytest.mark.parametrize("frame, words", [
+    (b"\x16\x03\x01\x02\x00" + bytes(200), b"not a kvstore fast-path frame"),
+    (fw.HEADER.pack(b"KF", 1, fw.Op.LOOKUP, 0, 0, 1 << 60, 0), b"over the limit"),
+    (fw.HEADER.pack(b"KF", 1, fw.Op.GET, 0, 0, 0, 1 << 20), b"only PUT carries data"),
+    (fw.HEADER.pack(b"KF", 1, 77, 0, 0, 0, 0), b"unknown op"),
+    (fw.encode_header(fw.Op.HELLO, 0), b"HELLO comes once"),
+])
+def test_malformed_frames_get_an_error_and_close(srv, frame, words):
+    raw = Raw(fast_address(srv))
+    raw.sock.sendall(frame)
+    status, body, _ = raw.answer()
+    assert status == fw.Status.PROTOCOL and words in body, body
+    assert raw.closed()
+    raw.close()
+
+
+def test_bad_requests_get_an_error_and_the_connection_goes_on(srv):
+    with KVStoreClient(srv.address, shared_memory=False, data_plane=False) as c:
+        ns = c.register_layout(LAYOUTS["tiny"])
+    raw = Raw(fast_address(srv))
+    too_many = fw.LAYOUT_HEAD.pack(ns.layout_id) + struct_keys(16, fw.MAX_KEYS + 1)
+    for body, words in ((too_many, b"at most"), (b"short", b"too short"),
+                        (fw.LAYOUT_HEAD.pack(ns.layout_id) + struct_keys(0, 3),
+                         b"key_size must be")):
+        status, answer = raw.call(fw.Op.EXISTS, body)
+        assert status == fw.Status.INVALID and words in answer, answer
+    # A PUT whose data does not match its keys is drained and refused.
+    ks = keys("mismatch", 2)
+    raw.send(fw.Op.PUT, keys_body(ns.layout_id, ks), data_len=3 * ns.page_bytes)
+    raw.sock.sendall(bytes(3 * ns.page_bytes))
+    status, answer, _ = raw.answer()
+    assert status == fw.Status.INVALID and b"needs 32 bytes" in answer, answer
+    status, answer = raw.call(fw.Op.EXISTS, keys_body(ns.layout_id, ks))
+    assert status == 0 and fw.COUNT.unpack_from(answer) == (2,)
+    raw.close()
+
+
+def struct_keys(key_size: int, n: int) -> bytes:
+    import struct
+    return struct.pack("<BI", key_size, n)
+
+
+def test_garbage_truncation_and_slow_senders_leave_the_server_serving(srv):
+    with KVStoreClient(srv.address, shared_memory=False, data_plane=True) as good:
+        ns = good.register_layout(LAYOUTS["odd"])
+        ks = keys("survivor", 10)
+        data = pages(10, ns.page_bytes, seed=5)
+        good.put(ns, ks, data)
+        rng = np.random.default_rng(7)
+        bad = []
+        for i in range(30):
+            raw = Raw(fast_address(srv), hello=i % 3 == 0)
+            junk = rng.integers(0, 256, int(rng.integers(1, 300)), dtype=np.uint8).tobytes()
+            if i % 2:
+                junk = fw.encode_header(int(rng.integers(1, 12)), 1000)[:int(rng.integers(1, 30))] + junk[:50]
+            raw.sock.sendall(junk)
+            bad.append(raw)                       # left open: truncated, a slow sender
+            assert np.array_equal(good.get(ns, ks), data)
+        for raw in bad:
+            raw.close()
+        assert np.array_equal(good.get(ns, ks), data)
+        assert good.lookup(ns, ks) == 10
+
+
+def test_64_concurrent_clients_every_byte_checked(srv):
+    with KVStoreClient(srv.address, shared_memory=False, data_plane=False) as c:
+        ns = c.register_layout(LAYOUTS["odd"])
+    errors = []
+
+    def one(i: int) -> None:
+        try:
+            f = FastPath(fast_address(srv))
+            ks = keys(f"conc-{i}", 20)
+            packed = b"".join(ks)
+            data = pages(20, ns.page_bytes, seed=i)
+            for _ in range(3):
+                f.put(ns.layout_id, 20, packed, memoryview(data.reshape(-1)))
+                out = np.zeros_like(data)
+                f.get_into(ns.layout_id, 20, packed, memoryview(out.reshape(-1)),
+                           ns.page_bytes)
+                assert np.array_equal(out, data), f"client {i} read other bytes"
+                assert f.lookup([ns.layout_id], 20, packed) == (20, 0)
+            f.close()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:3]
+    wait_for(lambda: metric(srv.metrics_port, "kvstore_fast_connections") <= 2,
+             "the 64 connections' threads to end")
+
+
+def test_metrics_count_calls_and_connections(srv):
+    with KVStoreClient(srv.address, shared_memory=False, data_plane=True) as c:
+        ns = c.register_layout(LAYOUTS["tiny"])
+        c.lookup(ns, keys("m", 2))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics",
+                                      timeout=5).read().decode()
+    assert 'kvstore_rpc_total{code="OK",method="FastLookup"}' in text
+    assert metric(srv.metrics_port, "kvstore_fast_accepted_total") >= 1
+
+
+# -- auth -----------------------------------------------------------------------------------
+TOKENS = {"a": "fast-tok-a", "b": "fast-tok-b", "ops": "fast-tok-ops"}
+
+
+def _auth_file(path, names) -> None:
+    out = []
+    for name in names:
+        table = "admins" if name == "ops" else "tenants"
+        out.append(f'[{table}.{name}]\ntoken_sha256 = '
+                   f'"{hashlib.sha256(TOKENS[name].encode()).hexdigest()}"\n')
+    path.write_text("\n".join(out))
+
+
+def test_auth_refuses_and_counts_and_isolates_tenants(fresh_server, tmp_path):
+    path = tmp_path / "auth.toml"
+    _auth_file(path, ["a", "b", "ops"])
+    port = free_port()
+    srv = fresh_server(auth_file=str(path), metrics_port=port)
+    for token, status in (("", fw.Status.UNAUTHENTICATED), ("nope", fw.Status.UNAUTHENTICATED),
+                          (TOKENS["ops"], fw.Status.DENIED)):
+        raw = Raw(fast_address(srv), hello=False)
+        raw.send(fw.Op.HELLO, token.encode())
+        got, body, _ = raw.answer()
+        assert got == status, body
+        assert raw.closed()
+        raw.close()
+    for frame in (fw.encode_header(fw.Op.LOOKUP, 0),):      # no HELLO first
+        raw = Raw(fast_address(srv), hello=False)
+        raw.sock.sendall(frame)
+        assert raw.answer()[0] == fw.Status.PROTOCOL
+        raw.close()
+    assert metric(port, 'kvstore_fast_refused_total{reason="unauthenticated"}') == 2
+    assert metric(port, 'kvstore_fast_refused_total{reason="denied"}') == 1
+    with pytest.raises(KVStoreError, match="invalid token"):
+        KVStoreClient(srv.address, token="nope", shared_memory=False, data_plane=True,
+                      retries=0).lookup(_handle(srv), [b"k" * 16])
+
+    with KVStoreClient(srv.address, token=TOKENS["a"], shared_memory=False,
+                       data_plane=True) as a, \
+            KVStoreClient(srv.address, token=TOKENS["b"], shared_memory=False,
+                          data_plane=True) as b:
+        ns = a.register_layout(LAYOUTS["odd"])
+        ks = keys("tenant-a", 4)
+        data = pages(4, ns.page_bytes)
+        a.put(ns, ks, data)
+        assert a._data.fast().tenant == "a"
+        # b names a's layout id: unknown to b, whoever else has it.
+        raw = Raw(fast_address(srv), TOKENS["b"])
+        status, body = raw.call(fw.Op.GET, keys_body(ns.layout_id, ks))
+        assert status == fw.Status.INVALID and b"unknown layout" in body
+        status, body = raw.call(fw.Op.EXISTS, keys_body(ns.layout_id, ks))
+        assert status == fw.Status.INVALID
+        # A tenant without shared_memory may not acquire.
+        status, body = raw.call(fw.Op.ACQUIRE, fw.LEASED_HEAD.pack(ns.layout_id, bytes(16), 0)
+                                + fw.encode_keys(20, b"".join(ks)))
+        assert status == fw.Status.DENIED, body
+        nb = b.register_layout(LAYOUTS["odd"])
+        assert b.lookup(nb, ks) == 0
+        assert np.array_equal(a.get(ns, ks), data)
+        # Revoked: the open connection's next request and new connections are refused.
+        _auth_file(path, ["b", "ops"])
+        srv.send_signal(signal.SIGHUP)
+        wait_for(lambda: "auth reloaded" in srv.log(), "the reload")
+        status, body = raw.call(fw.Op.EXISTS, keys_body(ns.layout_id, ks))
+        assert status == 0 and body[4:] == b"\0"   # b's own layout now: none of a's pages
+        raw.close()
+        with pytest.raises(KVStoreError, match="invalid token"):
+            a.lookup(ns, ks)
+        raw = Raw(fast_address(srv), hello=False)
+        raw.send(fw.Op.HELLO, TOKENS["a"].encode())
+        assert raw.answer()[0] == fw.Status.UNAUTHENTICATED
+        raw.close()
+
+
+def _handle(srv):
+    from kvstore_client.client import LayoutHandle
+    layout = LAYOUTS["tiny"]
+    return LayoutHandle(layout, layout.layout_id, layout.page_bytes, layout.layer_bytes)
+
+
+# -- fallback and limits --------------------------------------------------------------------
+def test_falls_back_to_grpc_when_the_fast_path_is_off(fresh_server, caplog):
+    srv = fresh_server(data_listen="off", data_socket="false")
+    with caplog.at_level(logging.WARNING, logger="kvstore_client.dataplane"):
+        with KVStoreClient(srv.address, shared_memory=False) as c:
+            ns = c.register_layout(LAYOUTS["odd"])
+            ks = keys("fallback", 6)
+            data = pages(6, ns.page_bytes)
+            c.put(ns, ks, data)
+            assert np.array_equal(c.get(ns, ks), data)
+            assert c.lookup(ns, ks) == 6
+    warnings = [r for r in caplog.records if "fast path not reachable" in r.getMessage()]
+    assert len(warnings) == 1
+    with pytest.raises(KVStoreError, match="fast path was required"):
+        with KVStoreClient(srv.address, shared_memory=False, data_plane=True) as c:
+            c.lookup(c.register_layout(LAYOUTS["odd"]), ks)
+    with pytest.raises(FastPathUnavailable):
+        FastPath(fast_address(srv)).check()
+
+
+def test_a_server_at_its_connection_limit_says_busy(fresh_server):
+    srv = fresh_server(data_connections=2)
+    held = [Raw(fast_address(srv)), Raw(fast_address(srv))]
+    raw = Raw(fast_address(srv), hello=False)
+    status, body, _ = raw.answer()
+    assert status == fw.Status.BUSY and b"--data-connections" in body
+    raw.close()
+    with KVStoreClient(srv.address, shared_memory=False) as c:       # gRPC instead
+        ns = c.register_layout(LAYOUTS["tiny"])
+        c.put(ns, keys("busy", 2), pages(2, ns.page_bytes))
+        assert c._data.fast() is None
+    for h in held:
+        h.close()
+
+
+def test_the_unix_socket_is_as_private_as_the_pool(srv):
+    path = unix_path(srv)
+    pool = path.removesuffix(".sock")
+    assert os.stat(path).st_mode & 0o777 == os.stat(pool).st_mode & 0o777 & 0o660
+
+
+# -- TLS ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    import shutil
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make certificates")
+    from tests.integration import test_tls
+    return test_tls.pki.__wrapped__(tmp_path_factory)
+
+
+def test_tls_and_mutual_tls_on_the_tcp_port(pki):
+    import ssl
+
+    from tests.integration.test_tls import creds
+    ca = str(pki / "ca.pem")
+    mine = {"tls_cert": str(pki / "client.pem"), "tls_key": str(pki / "client.key")}
+    with ServerProcess(credentials=creds(pki, client_cert=True), tls_cert=pki / "server.pem",
+                       tls_key=pki / "server.key", tls_client_ca=pki / "ca.pem") as srv:
+        assert "(TLS)" in srv.log()
+        with KVStoreClient(srv.address, tls_ca=ca, shared_memory=False, data_plane=True,
+                           **mine) as c:
+            assert not c._data.fast().address.endswith(".sock")
+            ns = c.register_layout(LAYOUTS["odd"])
+            ks = keys("tls", 50)
+            data = pages(50, ns.page_bytes, seed=11)
+            c.put(ns, ks, data)
+            assert np.array_equal(c.get(ns, ks), data)
+            for layer, slab in c.get_layers(ns, ks[:3]):
+                lb = ns.layer_bytes
+                assert np.array_equal(slab, data[:3, layer * lb:(layer + 1) * lb])
+            assert c.lookup(ns, ks) == 50
+        # Plain text on the TLS port, and TLS without a client certificate: refused.
+        raw = Raw(fast_address(srv), hello=False)
+        raw.send(fw.Op.HELLO)
+        assert raw.closed()
+        raw.close()
+        with pytest.raises(FastPathUnavailable):
+            FastPath(fast_address(srv), tls=ssl.create_default_context(cafile=ca)).check()
+        # The Unix socket beside the pool stays plain: it is local and owner-only.
+        raw = Raw(unix_path(srv))
+        raw.close()
+
+
+def test_a_stalled_server_is_a_deadline_not_a_hang(fresh_server):
+    srv = fresh_server()
+    with KVStoreClient(srv.address, shared_memory=False, data_plane=True, retries=0) as c:
+        ns = c.register_layout(LAYOUTS["tiny"])
+        ks = keys("stall", 2)
+        c.put(ns, ks, pages(2, ns.page_bytes))
+        c.timeout = 0.3                      # obeyed at once, as gRPC calls obey it
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        # kill() only queues the signal: wait until the server is stopped indeed.
+        wait_for(lambda: open(f"/proc/{srv.proc.pid}/stat").read().split(")")[1].split()[0]
+                 == "T", "the server to stop")
+        try:
+            start = time.monotonic()
+            with pytest.raises(KVStoreError) as info:
+                c.lookup(ns, ks)
+            assert info.value.code.name == "DEADLINE_EXCEEDED"
+            assert time.monotonic() - start < 2.0
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        c.timeout = 10.0
+        assert c.lookup(ns, ks) == 2          # a fresh connection
+        assert np.array_equal(c.get(ns, ks), pages(2, ns.page_bytes))

@@ -1,0 +1,78 @@
+"""The fast path's wire format (kvstore_client.fastwire): headers, bounds, keys."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from kvstore_client import fastwire as fw
+from kvstore_server.config import ConfigError, data_address, load_config
+from kvstore_server.fastpath.io import runs
+
+
+def test_header_round_trip():
+    raw = fw.encode_header(fw.Op.PUT, 100, 1 << 33, status=0, flags=1)
+    assert len(raw) == fw.HEADER.size == 24
+    h = fw.decode_header(raw, request=True)
+    assert (h.op, h.body_len, h.data_len, h.flags) == (fw.Op.PUT, 100, 1 << 33, 1)
+
+
+@pytest.mark.parametrize("raw, words", [
+    (b"GET / HTTP/1.1\r\nHost: x\r\n", "not a kvstore fast-path frame"),
+    (fw.HEADER.pack(b"KF", 9, 2, 0, 0, 0, 0), "version 9"),
+    (fw.HEADER.pack(b"KF", 1, 200, 0, 0, 0, 0), "unknown op 200"),
+    (fw.HEADER.pack(b"KF", 1, fw.Op.LOOKUP, 0, 0, fw.MAX_BODY + 1, 0), "over the limit"),
+    (fw.HEADER.pack(b"KF", 1, fw.Op.LOOKUP, 0, 0, 0, 1), "only PUT carries data"),
+    (fw.HEADER.pack(b"KF", 1, fw.Op.PUT, 0, 0, 0, fw.MAX_DATA + 1), "only PUT carries data"),
+])
+def test_bad_headers_are_refused_before_any_allocation(raw, words):
+    with pytest.raises(fw.WireError, match=words) as info:
+        fw.decode_header(raw[:24].ljust(24, b"\0"), request=True)
+    assert info.value.status is fw.Status.PROTOCOL
+
+
+def test_answers_are_not_held_to_request_bounds():
+    raw = fw.encode_header(fw.Op.GET, 0, fw.MAX_DATA * 2)
+    assert fw.decode_header(raw, request=False).data_len == fw.MAX_DATA * 2
+
+
+def test_keys_round_trip():
+    packed = b"".join(i.to_bytes(16, "little") for i in range(5))
+    body = memoryview(b"xx" + fw.encode_keys(16, packed))
+    keys, end = fw.decode_keys(body, 2)
+    assert (keys.key_size, keys.n, keys.data, end) == (16, 5, packed, len(body))
+
+
+@pytest.mark.parametrize("block, words", [
+    (struct.pack("<BI", 16, fw.MAX_KEYS + 1), "at most"),
+    (struct.pack("<BI", 0, 3), "key_size must be"),
+    (struct.pack("<BI", 65, 1) + bytes(65), "key_size must be"),
+    (struct.pack("<BI", 16, 3) + bytes(47), "need 48"),
+    (b"\x10\x00", "ends before its keys"),
+])
+def test_bad_keys_are_invalid_not_fatal(block, words):
+    with pytest.raises(fw.WireError, match=words) as info:
+        fw.decode_keys(memoryview(block), 0)
+    assert info.value.status is fw.Status.INVALID
+
+
+def test_runs_join_adjacent_offsets_and_isolate_skipped():
+    offsets = np.array([0, 10, 20, 50, -1, -1, 60, 70], dtype=np.int64)
+    assert list(runs(offsets, 10)) == [(0, 3, 0), (3, 4, 50), (4, 5, -1), (5, 6, -1),
+                                       (6, 8, 60)]
+    assert list(runs(np.array([], dtype=np.int64), 10)) == []
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("auto", ("127.0.0.1", 50052)), ("off", None), ("127.0.0.1:7000", ("127.0.0.1", 7000))])
+def test_data_listen(value, expected):
+    assert data_address(load_config(["--data-listen", value], environ={})) == expected
+
+
+def test_data_listen_off_loopback_needs_auth():
+    with pytest.raises(ConfigError, match="data_listen 0.0.0.0:7000 is not loopback"):
+        load_config(["--data-listen", "0.0.0.0:7000"], environ={})
+    with pytest.raises(ConfigError, match="HOST:PORT, auto or off"):
+        load_config(["--data-listen", "nonsense"], environ={})
