@@ -29,8 +29,9 @@ import numpy as np
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
 
 from .config import ConnectorConfig, open_client
+from .hostmem import Mappings
 from .meta import LoadSpec, SaveSpec, StepMeta
-from .transfer import HostRegistration, KVTransfer
+from .transfer import KVTransfer
 
 __all__ = ["WorkerHalf", "layer_order"]
 
@@ -52,6 +53,7 @@ class _Load:
     spec: LoadSpec
     handle: object            # transfer.LoadHandle
     release: object           # callable ending the pin on the source pages
+    region: object = None     # the pool mapping the offsets belong to (None: a buffer)
 
 
 @dataclasses.dataclass(slots=True)
@@ -61,6 +63,7 @@ class _Save:
     offsets: np.ndarray       # page offsets in host (-1: already stored, skipped)
     commit: object            # callable: Commit the reservation, or Put the buffer (gRPC)
     abort: object             # callable: give the reserved slots back
+    region: object = None     # the pool mapping the offsets belong to (None: a buffer)
 
 
 class WorkerHalf:
@@ -83,8 +86,8 @@ class WorkerHalf:
         self.client = client or open_client(config, config.timeout,
                                             shared_memory=config.shared_memory)
         self._ns = None                            # registered on first use
-        self._registration = None
-        self._region_mem = None
+        self._mappings = Mappings()                # pool mappings registered with CUDA
+        self._last_region = None                   # the newest mapping used
         self._loads: list[_Load] = []              # this step's layer-wise loads
         self._async: dict[str, _Load] = {}         # loads reported when done
         self._saves: list[_Save] = []
@@ -101,17 +104,16 @@ class WorkerHalf:
         return self._ns
 
     # -- host memory ------------------------------------------------------------------
-    def _pool(self) -> np.ndarray | None:
-        """The shared pool, registered with CUDA once (None: use gRPC and pinned buffers)."""
-        region = self.client.region()
-        if region is None:
-            return None
-        if region.mem is not self._region_mem:         # first use, or the server restarted
-            if self._registration is not None:
-                self._registration.close()
-            self._registration = HostRegistration(region.mem)
-            self._region_mem = region.mem
-        return region.mem
+    def _shared(self) -> bool:
+        """Whether pages move through the store's shared pool (else gRPC and buffers)."""
+        return self.client.region() is not None
+
+    def _mem(self, region) -> np.ndarray:
+        """The bytes of the mapping that issued a reservation's or acquisition's offsets:
+        never another one, which after a restart holds other pages at those offsets."""
+        mem = self._mappings.mem(region)
+        self._last_region = region
+        return mem
 
     def _buffer(self, n_pages: int) -> np.ndarray:
         """A pinned host buffer for n pages (gRPC path)."""
@@ -146,15 +148,15 @@ class WorkerHalf:
 
     def _start_one(self, spec: LoadSpec) -> _Load:
         lb = self.ns.layer_bytes
-        pool = self._pool()
-        if pool is not None:
+        if self._shared():
             acquired = self.client.acquire(self.ns, spec.keys)
             try:
+                pool = self._mem(acquired.region)
                 handle = self.transfer.load(pool, acquired.offsets, lb, spec.block_ids)
             except BaseException:
                 acquired.release()
                 raise
-            return _Load(spec, handle, acquired.release)
+            return _Load(spec, handle, acquired.release, acquired.region)
         host = self._buffer(len(spec.keys))
         self.client.get_into(self.ns, spec.keys, host)
         offsets = np.arange(len(spec.keys), dtype=np.int64) * self.ns.page_bytes
@@ -176,14 +178,18 @@ class WorkerHalf:
         for spec in meta.saves:
             try:
                 self._saves.append(self._reserve(spec))
-            except (KVStoreError, OSError) as exc:
+            except (KVStoreError, OSError, RuntimeError) as exc:
                 log.warning("not saving %d pages of %s: %s", len(spec.keys), spec.req_id, exc)
 
     def _reserve(self, spec: SaveSpec) -> _Save:
-        pool = self._pool()
-        if pool is not None:
+        if self._shared():
             res = self.client.reserve(self.ns, spec.keys)
-            return _Save(spec, pool, res.offsets, res.commit, res.abort)
+            try:
+                pool = self._mem(res.region)
+            except BaseException:
+                res.abort()
+                raise
+            return _Save(spec, pool, res.offsets, res.commit, res.abort, res.region)
         host = self._buffer(len(spec.keys))
         offsets = np.arange(len(spec.keys), dtype=np.int64) * self.ns.page_bytes
         keys = spec.keys
@@ -244,6 +250,9 @@ class WorkerHalf:
                 load.release()
                 del self._async[req_id]
                 done.add(req_id)
+        # A step boundary: mappings of a server that restarted can go once no copy uses them.
+        self._mappings.keep_only([self._last_region, *(x.region for x in self._async.values()),
+                                  *(x.region for x in self._saves)])
         return done
 
     @staticmethod
@@ -266,6 +275,5 @@ class WorkerHalf:
             load.release()
         self._loads.clear()
         self._async.clear()
-        if self._registration is not None:
-            self._registration.close()
+        self._mappings.close()
         self.client.close()

@@ -276,3 +276,57 @@ def test_keys_match_across_processes_and_ranks(srv):
     w1.wait_for_save()
     assert sched.hit("y", tokens, 0) == 48
     dataclasses.replace(cfg)                 # the config is a frozen value
+
+
+def stored_pages(address, lay, keys):
+    """The store's bytes of each key, read by a client that attached after any restart."""
+    with KVStoreClient(address) as c:
+        return c.get(c.register_layout(lay), keys)
+
+
+def expected_pages(tokens, pages, page_tokens=BLOCK):
+    """What kv_value puts in each of the first `pages` pages, as the store lays them out."""
+    out = []
+    for p in range(pages):
+        pos = torch.arange(p * page_tokens, (p + 1) * page_tokens)
+        slabs = [kv_value(layer, pos, torch.as_tensor(tokens[pos])).contiguous()
+                 for layer in range(LAYERS)]
+        out.append(torch.cat([s.reshape(-1) for s in slabs]).numpy().view(np.uint8))
+    return np.stack(out)
+
+
+def restart(srv, how, tmp_path):
+    if how == "sigkill":
+        srv.stop(signal.SIGKILL)
+    else:
+        assert srv.stop(signal.SIGTERM) == 0        # the disk tier keeps every page
+    srv.start()
+
+
+@pytest.mark.parametrize("how", ["sigkill", "sigterm-disk"])
+def test_after_a_restart_saves_and_loads_use_the_new_pool(fresh_server, tmp_path, how):
+    """Every offset is used with the mapping of the server that issued it: an engine that
+    mapped the pool before a restart saves into and loads from the new one."""
+    srv = fresh_server(dram="64MiB", disk="64MiB", disk_dir=str(tmp_path / "disk"))
+    a, b = Engine(srv.address), Engine(srv.address)
+    old = prompt(64, 20)
+    a.run_prompt("old", old)                            # both map the first pool
+    hit, blocks, _, errors = b.run_prompt("warm", old)
+    assert hit == 48 and not errors
+    restart(srv, how, tmp_path)
+    # A's first save after the restart: the store must hold exactly what A computed.
+    new = prompt(64, 21)
+    a.run_prompt("new", new)
+    keys = a.sched._keys_upto(a.sched._requests["new"], 4)
+    same = stored_pages(srv.address, a.layout, keys) == expected_pages(new, 4)
+    assert same.all(axis=1).tolist() == [True] * 4, "the store holds other bytes than A computed"
+    # B's first load after the restart reads the pages the new server holds.
+    for tokens, req in ((new, "b-new"), (old, "b-old")):
+        hit, blocks, _, errors = b.run_prompt(req, tokens)
+        if how == "sigkill" and req == "b-old":
+            assert hit == 0                             # gone with the DRAM pool
+            continue
+        assert hit == 48 and not errors, (req, hit, errors)
+        b.expect_kv(blocks, tokens, 64)
+    for e in (a, b):
+        e.close()
