@@ -21,6 +21,7 @@ class LoadSpec:
     keys: tuple[bytes, ...]
     block_ids: np.ndarray          # (pages, blocks_per_page) int64
     is_async: bool                 # True: report in finished_recving when done
+    load_id: int = 0               # unique per scheduler: what a SaveSpec's `after` names
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -30,6 +31,10 @@ class SaveSpec:
     req_id: str
     keys: tuple[bytes, ...]
     block_ids: np.ndarray          # (pages, blocks_per_page) int64
+    # Loads not yet known to have succeeded whose blocks the request's prefix reads: if
+    # one of them failed (this step, or a step the worker saw earlier), these pages were
+    # computed over KV that never arrived and must not be stored.
+    after: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

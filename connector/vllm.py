@@ -4,11 +4,10 @@
         "kv_connector_module_path":"connector.vllm","kv_role":"kv_both",
         "kv_connector_extra_config":{"server":"127.0.0.1:50051"}}'
 
-`kv_connector_extra_config` takes the fields of connector.config.ConnectorConfig
-(server, page_tokens, lookup_timeout, lease_ms, load_mode, save, salt, model, token,
-shared_memory, timeout); `kv_role` is honoured (a producer only saves, a consumer only
-loads). This module only translates vLLM's objects into the engine-agnostic halves
-(connector.scheduler, connector.worker); it imports only when vLLM is installed.
+`kv_connector_extra_config` takes every field of connector.config.ConnectorConfig;
+`kv_role` is honoured (a producer only saves, a consumer only loads). This module only
+translates vLLM's objects into the engine-agnostic halves (connector.scheduler,
+connector.worker); it imports only when vLLM is installed.
 """
 
 from __future__ import annotations
@@ -125,9 +124,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         self._requests: dict[str, "Request"] = {}     # live scheduler objects
-        self._last_sync_loads: list[str] = []         # layer-wise loads of the last step
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerHalf(self.config, self.layouts, self.block_size)
+            # A step's outcome comes back max_concurrent_batches builds later (2 under
+            # AsyncScheduler): until then its loads count as unconfirmed.
+            self._scheduler = SchedulerHalf(self.config, self.layouts, self.block_size,
+                                            lag=vllm_config.max_concurrent_batches)
         log.info("kvstore connector (%s) for %s: server %s, %d-token pages, %s loads",
                  role.name.lower(), self.layouts[0].model, self.config.server, page_tokens,
                  self.config.load_mode.value)
@@ -149,9 +150,6 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         sched = self._scheduler
-        # Layer-wise loads ran within the previous step: their leases can go.
-        for req_id in self._last_sync_loads:
-            sched.load_finished(req_id)
         counts = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             request = self._requests.get(new.req_id)
@@ -171,9 +169,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                             counts.get(req_id, 0), block_ids=blocks if resumed else None,
                             new_block_ids=() if resumed else blocks,
                             prompt_len=request.num_prompt_tokens)
-        step = sched.build()
-        self._last_sync_loads = [load.req_id for load in step.loads if not load.is_async]
-        return KVStoreConnectorMetadata(step)
+        return KVStoreConnectorMetadata(sched.build())
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         for req_id in connector_output.finished_recving or ():

@@ -12,6 +12,13 @@ Per step, in the order engines call it (docs/dev/vllm-0.33-connector-api.md, sec
                            reported as received
     load_errors()          block ids whose load failed (the engine recomputes them)
 
+No page computed over a failed load is stored: a load that fails (at Acquire, or in its
+copies, found at the latest in wait_for_save, before any commit) is remembered by id, and
+every save that names it in SaveSpec.after -- this step's or a later step's, planned
+before the scheduler heard of the failure -- is dropped. A store that does not answer
+is not asked again until a probe is due (connector.breaker): saves are skipped and loads
+fail at once (the engine recomputes), so a hung store costs one call's timeout per probe.
+
 On the store's host the pages move straight between the shared pool (registered with
 CUDA once) and the GPU; elsewhere they go through a pinned buffer and gRPC. All CUDA
 work is in connector.transfer; this module only plans it.
@@ -19,23 +26,31 @@ work is in connector.transfer; this module only plans it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import re
 from typing import Sequence
 
+import grpc
+
 import numpy as np
 
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
 
+from .breaker import Breaker
 from .config import ConnectorConfig, open_client
 from .hostmem import Mappings
 from .meta import LoadSpec, SaveSpec, StepMeta
-from .transfer import KVTransfer
+from .transfer import KVTransfer, TransferError
 
 __all__ = ["WorkerHalf", "layer_order"]
 
 log = logging.getLogger(__name__)
+
+_FAILED_KEPT = 4096
+# Errors that mean the store is not answering (as opposed to a missing page).
+_NOT_ANSWERING = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
 
 
 def layer_order(names: Sequence[str]) -> list[str]:
@@ -93,6 +108,11 @@ class WorkerHalf:
         self._saves: list[_Save] = []
         self._errors: set[int] = set()
         self._failed_async: set[str] = set()
+        # Ids of loads that failed, for SaveSpec.after; the newest _FAILED_KEPT are enough
+        # since a save names only loads of the last few steps.
+        self._failed: set[int] = set()
+        self._failed_order: collections.deque[int] = collections.deque()
+        self.breaker = Breaker(config.probe_interval)
         self._stats = self._zero_stats()
 
     @property
@@ -126,18 +146,14 @@ class WorkerHalf:
     def start_load(self, meta: StepMeta) -> None:
         for spec in meta.loads:
             try:
+                if not self.breaker.allow():
+                    raise KVStoreError(grpc.StatusCode.UNAVAILABLE,
+                                       "the store is not answering (waiting for a probe)")
                 load = self._start_one(spec)
+                self.breaker.succeeded()
             except (KVStoreError, KeyError, OSError, RuntimeError, ValueError) as exc:
-                log.warning("load of %d pages for %s failed, the engine recomputes them: %s",
-                            len(spec.keys), spec.req_id, exc)
-                self._stats["load_failures"] += 1
-                self._errors.update(int(b) for b in spec.block_ids.reshape(-1))
-                if spec.is_async:
-                    self._failed_async.add(spec.req_id)
-                else:
-                    # This step computes the request over blocks that were never filled:
-                    # none of its pages may be stored.
-                    self._cancel_saves(spec.req_id)
+                self._trip(exc)
+                self._load_failed(spec, exc)
                 continue
             self._stats["pages_loaded"] += len(spec.keys)
             self._stats["bytes_loaded"] += len(spec.keys) * self.ns.page_bytes
@@ -163,6 +179,26 @@ class WorkerHalf:
         handle = self.transfer.load(host, offsets, lb, spec.block_ids)
         return _Load(spec, handle, lambda: None)
 
+    def _load_failed(self, spec: LoadSpec, exc: Exception) -> None:
+        log.warning("load of %d pages for %s failed, the engine recomputes them: %s",
+                    len(spec.keys), spec.req_id, exc)
+        self._stats["load_failures"] += 1
+        self._errors.update(int(b) for b in spec.block_ids.reshape(-1))
+        if spec.is_async:
+            self._failed_async.add(spec.req_id)
+        self._failed.add(spec.load_id)
+        self._failed_order.append(spec.load_id)
+        while len(self._failed_order) > _FAILED_KEPT:
+            self._failed.discard(self._failed_order.popleft())
+        # Pages computed over blocks that were never filled may not be stored, whichever
+        # request computed them (its own, or one sharing its blocks).
+        self._cancel_saves(spec)
+
+    def _trip(self, exc: Exception) -> None:
+        """A call that timed out or found the store unreachable opens the breaker."""
+        if isinstance(exc, KVStoreError) and exc.code in _NOT_ANSWERING:
+            self.breaker.failed()
+
     def wait_for_layer(self, name: str) -> None:
         layer = self._index[name]
         for load in self._loads:
@@ -176,9 +212,17 @@ class WorkerHalf:
         if not self.saves_enabled:
             return
         for spec in meta.saves:
+            if self._failed.intersection(spec.after):
+                log.info("not saving %d pages of %s: computed over a failed load",
+                         len(spec.keys), spec.req_id)
+                continue
+            if not self.breaker.allow():
+                continue                  # the store is not answering: a miss later
             try:
                 self._saves.append(self._reserve(spec))
+                self.breaker.succeeded()
             except (KVStoreError, OSError, RuntimeError) as exc:
+                self._trip(exc)
                 log.warning("not saving %d pages of %s: %s", len(spec.keys), spec.req_id, exc)
 
     def _reserve(self, spec: SaveSpec) -> _Save:
@@ -198,14 +242,15 @@ class WorkerHalf:
                                              host.reshape(len(keys), self.ns.page_bytes)),
                      lambda: None)
 
-    def _cancel_saves(self, req_id: str) -> None:
+    def _cancel_saves(self, failed: LoadSpec) -> None:
+        """Abort the step's saves computed over the failed load's blocks."""
         keep = []
         for save in self._saves:
-            if save.spec.req_id == req_id:
+            if save.spec.req_id == failed.req_id or failed.load_id in save.spec.after:
                 try:
                     save.abort()
                 except KVStoreError as exc:     # the reservation expires by itself
-                    log.debug("aborting the save of %s failed: %s", req_id, exc)
+                    log.debug("aborting the save of %s failed: %s", save.spec.req_id, exc)
             else:
                 keep.append(save)
         self._saves = keep
@@ -216,6 +261,7 @@ class WorkerHalf:
             self.transfer.save_layer(layer, save.host, save.offsets, save.spec.block_ids)
 
     def wait_for_save(self) -> None:
+        self._check_loads()
         if not self._saves:
             return
         try:
@@ -237,16 +283,30 @@ class WorkerHalf:
         self._saves.clear()
 
     # -- completion ---------------------------------------------------------------------
-    def finished(self) -> set[str]:
-        """Release finished loads' pins; return ids of async loads now complete."""
+    def _check_loads(self) -> None:
+        """Finish this step's layer-wise loads (the forward waited on every layer), so a
+        copy that failed on the device is known before any save of the step commits."""
         for load in self._loads:
-            load.handle.synchronize()       # the forward waited on every layer already
+            try:
+                load.handle.synchronize()
+            except (TransferError, RuntimeError) as exc:
+                self._load_failed(load.spec, exc)
             load.release()
         self._loads.clear()
+
+    def finished(self) -> set[str]:
+        """Release finished loads' pins; return ids of async loads now complete."""
+        self._check_loads()
         done = set(self._failed_async)
         self._failed_async.clear()
         for req_id, load in list(self._async.items()):
-            if load.handle.done():
+            try:
+                landed = load.handle.done()
+            except (TransferError, RuntimeError) as exc:
+                self._load_failed(load.spec, exc)
+                self._failed_async.discard(req_id)
+                landed = True
+            if landed:
                 load.release()
                 del self._async[req_id]
                 done.add(req_id)
