@@ -37,13 +37,13 @@ class Engine:
     """Paged caches in the FlashAttention layout and a block allocator."""
 
     def __init__(self, server, role=Role.BOTH, page_tokens=BLOCK, mode=LoadMode.LAYERWISE,
-                 **config):
+                 lag=1, **config):
         # A generous lookup timeout: a loaded CI machine must not turn hits into "ask again".
         config.setdefault("lookup_timeout", 5.0)
         self.config = ConnectorConfig(server=server, role=role, load_mode=mode, **config)
         self.layout = layout(page_tokens)
         self.caches = {n: torch.full((2, BLOCKS, BLOCK, HEADS, HEAD), -1.0) for n in NAMES}
-        self.sched = SchedulerHalf(self.config, [self.layout], BLOCK)
+        self.sched = SchedulerHalf(self.config, [self.layout], BLOCK, lag=lag)
         self.worker = WorkerHalf(self.config, self.layout, self.caches)
         self.free = list(range(BLOCKS))[::-1]
 
@@ -52,7 +52,10 @@ class Engine:
 
     def step(self, writes):
         """One engine step: writes = [(block_ids, tokens, start, stop)] of computed tokens."""
-        meta = self.sched.build()
+        return self.run(self.sched.build(), writes)
+
+    def run(self, meta, writes):
+        """The worker's part of a step planned earlier (async scheduling plans ahead)."""
         self.worker.bind(meta)
         self.worker.start_load(meta)
         for layer, name in enumerate(NAMES):
@@ -330,3 +333,111 @@ def test_after_a_restart_saves_and_loads_use_the_new_pool(fresh_server, tmp_path
         b.expect_kv(blocks, tokens, 64)
     for e in (a, b):
         e.close()
+
+
+def in_store(address, lay, keys):
+    with KVStoreClient(address) as c:
+        return c.exists(c.register_layout(lay), keys)
+
+
+def test_a_request_sharing_blocks_of_a_failed_load_stores_nothing_of_that_step(srv):
+    """R2 reads R1's blocks through the engine's prefix cache in the step R1 loads them;
+    R1's load fails: R2's pages of that step were computed over KV that never arrived."""
+    a = Engine(srv.address)
+    tokens = prompt(64, 30)
+    a.run_prompt("a", tokens)
+    b = Engine(srv.address)
+    assert b.sched.hit("r1", tokens, 0) == 48
+    b1 = b.alloc(64)
+    b.sched.allocated("r1", b1, 48)
+    b.sched.scheduled("r1", tokens, 48, 16, block_ids=b1)
+    t2 = np.concatenate([tokens[:48], prompt(40, 31)])     # shares R1's three pages
+    assert b.sched.hit("r2", t2, 48) == 0                  # the engine's own hit covers them
+    b2 = b1[:3] + b.alloc(40)
+    b.sched.allocated("r2", b2, 0)
+    b.sched.scheduled("r2", t2, 48, 40, block_ids=b2)
+    srv.stop(signal.SIGKILL)                               # the pages are gone
+    srv.start()
+    _, _, errors = b.step([(b1, tokens, 48, 64), (b2, t2, 48, 88)])
+    assert errors == set(b1[:3])
+    r2_keys = b.sched._keys_upto(b.sched._requests["r2"], 5)[3:]
+    assert in_store(srv.address, b.layout, r2_keys) == [False, False]
+    assert b.sched.load_failed_blocks(errors) == ["r1"]
+    # R2 saves nothing more, whatever restart point the engine picks for it.
+    b.sched.scheduled("r2", t2, 0, 88, block_ids=b2)
+    assert not b.sched.build().saves
+    b.close()
+
+
+def test_async_scheduling_next_chunk_of_a_failed_load_is_not_stored(srv):
+    """Under AsyncScheduler step N+1 is planned before step N's load is known to have
+    failed: the failed request's next chunk must not reach the store, and what it then
+    recomputes must."""
+    a = Engine(srv.address)
+    tokens = prompt(96, 32)
+    a.run_prompt("a", tokens[:64])                         # the store holds pages 0-3
+    b = Engine(srv.address, lag=2)
+    assert b.sched.hit("r", tokens, 0) == 64
+    blocks = b.alloc(96)
+    b.sched.allocated("r", blocks, 64)
+    b.sched.scheduled("r", tokens, 64, 16, block_ids=blocks)     # chunk 1: 64-79
+    step_n = b.sched.build()
+    b.sched.scheduled("r", tokens, 80, 16, block_ids=blocks)     # chunk 2: 80-95
+    step_n1 = b.sched.build()
+    assert step_n1.saves[0].after == (step_n.loads[0].load_id,)
+    srv.stop(signal.SIGKILL)
+    srv.start()
+    _, _, errors = b.run(step_n, [(blocks, tokens, 64, 80)])
+    assert errors == set(blocks[:4])
+    b.run(step_n1, [(blocks, tokens, 80, 96)])
+    keys = b.sched._keys_upto(b.sched._requests["r"], 6)
+    assert in_store(srv.address, b.layout, keys) == [False] * 6
+    # The engine hears of the failure and recomputes the request from page 0: now every
+    # page it computes is stored, byte-exact.
+    assert b.sched.load_failed_blocks(errors) == ["r"]
+    b.sched.scheduled("r", tokens, 0, 96, block_ids=blocks)
+    b.step([(blocks, tokens, 0, 96)])
+    same = stored_pages(srv.address, b.layout, keys) == expected_pages(tokens, 6)
+    assert same.all(axis=1).tolist() == [True] * 6
+    b.close()
+
+
+def test_a_lease_not_acted_on_is_dropped_on_every_early_exit(srv):
+    a = Engine(srv.address)
+    tokens = prompt(64, 33)
+    a.run_prompt("a", tokens)
+    b = Engine(srv.address)
+    assert b.sched.hit("r", tokens, 0) == 48               # leased; the engine cannot
+    assert b.sched.hit("r", tokens, 48) == 0               # allocate, then asks again with
+    b.sched.build()                                        # a local hit covering it all
+    with KVStoreClient(srv.address) as c:
+        assert c.stats().leases == 0
+    assert b.sched.hit("r2", tokens, 0) == 48
+    b.sched.allocated("r2", b.alloc(64), 0)                # allocated, loading nothing
+    b.sched.build()
+    with KVStoreClient(srv.address) as c:
+        assert c.stats().leases == 0
+    b.close()
+
+
+def test_a_hung_store_costs_one_timeout_then_no_hits_until_a_probe_answers(srv):
+    a = Engine(srv.address, lookup_timeout=0.3, probe_interval=1.0)
+    tokens = prompt(64, 34)
+    a.run_prompt("a", tokens)
+    os.kill(srv.proc.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        answers = [a.sched.hit(f"r{i}", tokens, 0) for i in range(5)]
+        first = time.monotonic() - start
+        assert answers == [None, 0, 0, 0, 0]
+        assert first < 0.3 * 2 + 0.5, first                # one timed-out lookup, no more
+        # The request that heard "ask again" is not held back: no hit, at once.
+        start = time.monotonic()
+        assert [a.sched.hit("r0", tokens, 0) for _ in range(5)] == [0] * 5
+        a.sched.build()
+        assert time.monotonic() - start < 0.1
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+    time.sleep(1.0)                                        # a probe is due: it answers
+    assert a.sched.hit("late", tokens, 0) == 48
+    a.close()
