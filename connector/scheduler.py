@@ -55,6 +55,7 @@ __all__ = ["SchedulerHalf"]
 
 log = logging.getLogger(__name__)
 
+_RELEASES_KEPT = 100_000      # lease releases waiting for a store that does not answer
 # Errors after which the store counts as unreachable: no hit, one warning, no failure.
 _DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
          grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
@@ -292,18 +293,20 @@ class SchedulerHalf:
 
     def _release_dropped(self) -> None:
         # Releases go only to a store that answers: one that hangs would cost every
-        # release its timeout, and an unreleased lease expires by itself (lease_ms).
+        # release its timeout. They wait for it (a release may be the breaker's probe);
+        # one never sent only costs its pages their pin until lease_ms runs out.
+        del self._leases_to_release[:-_RELEASES_KEPT]
         while self._leases_to_release and self.breaker.allow():
-            lease_id = self._leases_to_release.pop()
+            lease_id = self._leases_to_release[-1]
             try:
                 self.client.release_lease(lease_id)
                 self.breaker.succeeded()
-            except KVStoreError as exc:   # it expires by itself
-                log.debug("releasing lease %d failed: %s", lease_id, exc)
+            except KVStoreError as exc:
                 if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED or exc.code in _DOWN:
                     self._store_down(exc)
-        if self.breaker.open:
-            self._leases_to_release.clear()
+                    return                # kept, for when the store answers again
+                log.debug("releasing lease %d failed: %s", lease_id, exc)
+            self._leases_to_release.pop()
 
     def load_finished(self, req_id: str) -> None:
         """The workers report the request's async load done: its lease can go."""

@@ -278,6 +278,7 @@ class WorkerHalf:
                     self._stats["pages_saved"] += stored
                     self._stats["bytes_saved"] += stored * self.ns.page_bytes
             except KVStoreError as exc:
+                self._trip(exc)
                 log.warning("finishing the save of %d pages of %s failed: %s",
                             len(save.spec.keys), save.spec.req_id, exc)
         self._saves.clear()
