@@ -12,6 +12,7 @@ connector.worker); it imports only when vLLM is installed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -118,6 +119,18 @@ class KVStoreConnector(KVConnectorBase_V1):
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_mapping(
             dict(transfer.kv_connector_extra_config or {}), role=transfer.kv_role)
+        if (vllm_config.max_concurrent_batches > 1
+                and self.config.load_mode is LoadMode.LAYERWISE):
+            # With batches in flight (AsyncScheduler, pipeline parallelism) the next step
+            # is planned over a layer-wise load before anyone knows it failed, and vLLM
+            # 0.33 then accepts that step's token and restarts a request sharing the
+            # failed blocks at the wrong point (docs/vllm-load-failure-sharing.md): wrong
+            # KV in accepted steps. An async load is never computed over before it has
+            # landed, and its blocks are not shared until then, so it is safe.
+            log.warning("kvstore connector: %d batches in flight, so loads run async "
+                        "(WAITING_FOR_REMOTE_KVS) instead of layer-wise",
+                        vllm_config.max_concurrent_batches)
+            self.config = dataclasses.replace(self.config, load_mode=LoadMode.ASYNC)
         self.block_size = vllm_config.cache_config.block_size
         page_tokens = self.config.page_tokens or self.block_size
         self.layouts, self.mla = _layouts(vllm_config, self.config, page_tokens)
