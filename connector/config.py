@@ -70,7 +70,10 @@ class ConnectorConfig:
     tls_cert: str = ""              # this engine's certificate and key (PEM files), for a
     tls_key: str = ""               # ... server that requires mutual TLS
     shared_memory: bool | None = None   # None = use the shared pool when mappable
-    timeout: float = 10.0           # seconds for store calls other than the lookup
+    # Seconds for store calls other than the lookup (Reserve, Acquire, Commit; a bulk
+    # gRPC Put or Get gets more by its size: kvstore_client). It is what a store that
+    # hangs costs an engine step when the worker meets it first, and per probe after.
+    timeout: float = 2.0
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], role: str | None = None) -> "ConnectorConfig":

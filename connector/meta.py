@@ -41,6 +41,9 @@ class SaveSpec:
 class StepMeta:
     loads: tuple[LoadSpec, ...] = ()
     saves: tuple[SaveSpec, ...] = ()
+    # The scheduler half found the store not answering (its breaker is open): the
+    # workers skip this step's saves and loads instead of each waiting out a timeout.
+    store_down: bool = False
 
     @property
     def empty(self) -> bool:

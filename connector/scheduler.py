@@ -275,7 +275,7 @@ class SchedulerHalf:
 
     def build(self) -> StepMeta:
         """This step's plan for the workers; the scheduler half forgets it."""
-        meta = StepMeta(tuple(self._loads), tuple(self._saves))
+        meta = StepMeta(tuple(self._loads), tuple(self._saves), self.breaker.open)
         self._loads.clear()
         self._saves.clear()
         self._builds += 1

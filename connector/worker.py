@@ -112,7 +112,11 @@ class WorkerHalf:
         # since a save names only loads of the last few steps.
         self._failed: set[int] = set()
         self._failed_order: collections.deque[int] = collections.deque()
-        self.breaker = Breaker(config.probe_interval)
+        # A probe from here costs the engine's step up to `timeout` (the scheduler half's
+        # costs lookup_timeout), so it probes less often: at most a sixth of the time
+        # waiting. Usually the scheduler half finds a hung store first (store_down).
+        self.breaker = Breaker(max(config.probe_interval, 5 * config.timeout))
+        self._store_down = False                   # this step's StepMeta.store_down
         self._stats = self._zero_stats()
 
     @property
@@ -146,7 +150,7 @@ class WorkerHalf:
     def start_load(self, meta: StepMeta) -> None:
         for spec in meta.loads:
             try:
-                if not self.breaker.allow():
+                if not self._may_call():
                     raise KVStoreError(grpc.StatusCode.UNAVAILABLE,
                                        "the store is not answering (waiting for a probe)")
                 load = self._start_one(spec)
@@ -194,6 +198,11 @@ class WorkerHalf:
         # request computed them (its own, or one sharing its blocks).
         self._cancel_saves(spec)
 
+    def _may_call(self) -> bool:
+        """Whether to call the store now: not while the scheduler half reports it hung,
+        nor while our own breaker is open (but for its probes)."""
+        return not self._store_down and self.breaker.allow()
+
     def _trip(self, exc: Exception) -> None:
         """A call that timed out or found the store unreachable opens the breaker."""
         if isinstance(exc, KVStoreError) and exc.code in _NOT_ANSWERING:
@@ -209,6 +218,7 @@ class WorkerHalf:
         """Reserve the store's slots for this step's saves before the forward starts, so
         no RPC waits inside the layers."""
         self._saves.clear()
+        self._store_down = meta.store_down
         if not self.saves_enabled:
             return
         for spec in meta.saves:
@@ -216,7 +226,7 @@ class WorkerHalf:
                 log.info("not saving %d pages of %s: computed over a failed load",
                          len(spec.keys), spec.req_id)
                 continue
-            if not self.breaker.allow():
+            if not self._may_call():
                 continue                  # the store is not answering: a miss later
             try:
                 self._saves.append(self._reserve(spec))

@@ -89,7 +89,7 @@ class Engine:
         spec = ConnectorSpec(
             name="KVStoreConnector", module_path="connector.vllm", role="kv_both",
             extra_config={"server": address, "load_mode": mode, "lookup_timeout": 0.5,
-                          "timeout": 1.0, "probe_interval": 0.5},
+                          "timeout": 1.0, "probe_interval": 0.5, "lease_ms": 3000},
             load_failure_policy="recompute")
         self.async_scheduling = scheduler == "async"
         config = make_vllm_config(model_dir, spec, async_scheduling=self.async_scheduling,
@@ -341,5 +341,7 @@ def check_run(engine: Engine, server: ServerProcess, ids: list[str]) -> None:
     engine.worker.connector.shutdown()
     engine.connector.shutdown()
     with KVStoreClient(server.address) as client:
-        # A release lost to a hung store expires by itself (the server's lease_ttl, 5 s).
+        # A call that timed out while the store hung can still take a lease when the store
+        # resumes, which no one then releases: it expires by itself (lease_ms 3 s for a
+        # lookup, the server's lease_ttl 5 s for Acquire and Reserve).
         assert wait_for(lambda: client.stats().leases == 0, 8.0), "leases left in the store"
