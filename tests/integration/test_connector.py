@@ -441,3 +441,37 @@ def test_a_hung_store_costs_one_timeout_then_no_hits_until_a_probe_answers(srv):
     time.sleep(1.0)                                        # a probe is due: it answers
     assert a.sched.hit("late", tokens, 0) == 48
     a.close()
+
+
+def test_lease_is_held_until_the_step_that_loads_has_come_back(srv):
+    """Under async scheduling the next step is planned before the worker has pinned the
+    pages of this one: an evict in that window must not take them."""
+    a = Engine(srv.address)
+    tokens = prompt(64, 35)
+    a.run_prompt("a", tokens)
+    b = Engine(srv.address, lag=2)
+    assert b.sched.hit("r", tokens, 0) == 48
+    blocks = b.alloc(64)
+    b.sched.allocated("r", blocks, 48)
+    b.sched.scheduled("r", tokens, 48, 16, block_ids=blocks)
+    step_n = b.sched.build()
+    b.sched.build()                                        # step N+1 planned
+    with KVStoreClient(srv.address) as c:
+        c.evict(everything=True, tier="all")
+        assert c.stats().leases == 1                       # the lookup lease still holds
+    _, _, errors = b.run(step_n, [(blocks, tokens, 48, 64)])
+    assert not errors
+    b.expect_kv(blocks, tokens, 64)
+    b.sched.build()                                        # step N's outcome is back
+    with KVStoreClient(srv.address) as c:
+        assert wait_leases_gone(c)
+    b.close()
+
+
+def wait_leases_gone(client, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while client.stats().leases:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
