@@ -33,7 +33,6 @@ import re
 from typing import Sequence
 
 import grpc
-
 import numpy as np
 
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout

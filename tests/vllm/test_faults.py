@@ -35,7 +35,6 @@ pytest.importorskip("vllm", reason="needs vLLM 0.33 (scripts/venv-vllm.sh)")
 
 from checking_model import GOOD_TOKEN, WRONG_TOKEN, CheckingModel  # noqa: E402
 from harness import (  # noqa: E402
-    BLOCK_SIZE,
     ConnectorSpec,
     ModelShape,
     WorkerDriver,
