@@ -344,3 +344,41 @@ def check_run(engine: Engine, server: ServerProcess, ids: list[str]) -> None:
         # resumes, which no one then releases: it expires by itself (lease_ms 3 s for a
         # lookup, the server's lease_ttl 5 s for Acquire and Reserve).
         assert wait_for(lambda: client.stats().leases == 0, 8.0), "leases left in the store"
+
+
+@pytest.mark.parametrize("scheduler", ["plain", "async"])
+def test_a_hung_store_holds_no_request_back(model_dir, tmp_path, scheduler):
+    """With the server stopped (SIGSTOP), new requests -- with pages in the store or with
+    none -- are all scheduled within two steps; only the step that meets the hang waits,
+    and for at most one lookup timeout (0.5 s here)."""
+    server = ServerProcess(dram="32MiB", lease_ttl="5s").start()
+    try:
+        work = workload(8)
+        run_warm(model_dir, server.address, work.warm)
+        engine = Engine(model_dir, server.address, scheduler=scheduler, mode="async",
+                        prompts={**work.warm, **work.run})
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        ids = list(work.run)                 # r0, r1: stored prefixes; r3, r7: fresh
+        for req_id in ids:
+            engine.add(req_id)
+        times, scheduled = [], set()
+        queue: collections.deque = collections.deque()
+        for _ in range(2):
+            start = time.monotonic()
+            launched = engine._launch()
+            times.append(time.monotonic() - start)
+            scheduled |= set(launched[1].num_scheduled_tokens)
+            queue.appendleft(launched)
+            if len(queue) == (2 if engine.async_scheduling else 1):
+                engine._finish(queue.pop())
+        assert scheduled == set(ids), f"held back: {set(ids) - scheduled}"
+        assert max(times) < 0.5 + 0.4 and sorted(times)[0] < 0.2, times
+        os.kill(server.proc.pid, signal.SIGCONT)
+        while queue:
+            engine._finish(queue.pop())
+        engine.run([])
+        assert all(engine.outputs[r] == [GOOD_TOKEN] * 3 for r in ids)
+        assert not engine.model.wrong
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+        server.stop()
