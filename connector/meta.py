@@ -44,6 +44,12 @@ class StepMeta:
     # The scheduler half found the store not answering (its breaker is open): the
     # workers skip this step's saves and loads instead of each waiting out a timeout.
     store_down: bool = False
+    # Outcomes the scheduler half has learnt since the last plan, of loads that saves
+    # may name in `after`: a worker holds such a save's commit until every load it names
+    # is known good, and drops it if one failed -- on any rank, which is why the word
+    # comes from the scheduler (it hears every rank's failures) and not from the worker.
+    loads_ok: tuple[int, ...] = ()
+    loads_failed: tuple[int, ...] = ()
 
     @property
     def empty(self) -> bool:

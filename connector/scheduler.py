@@ -120,6 +120,8 @@ class SchedulerHalf:
         self._builds = 0              # builds so far: the clock of _Load.confirm_at
         self._next_load_id = 1
         self._unconfirmed: dict[int, _Load] = {}    # load id -> load not yet confirmed
+        self._ok: list[int] = []          # loads settled since the last build: good,
+        self._failed: list[int] = []      # ... and failed (StepMeta.loads_ok/_failed)
 
     # -- the store ----------------------------------------------------------------------
     def _ns(self) -> list[LayoutHandle]:
@@ -275,21 +277,26 @@ class SchedulerHalf:
 
     def build(self) -> StepMeta:
         """This step's plan for the workers; the scheduler half forgets it."""
-        meta = StepMeta(tuple(self._loads), tuple(self._saves), self.breaker.open)
-        self._loads.clear()
-        self._saves.clear()
         self._builds += 1
         # Layer-wise loads whose step's outcome has come back without a failure.
         for load_id, load in list(self._unconfirmed.items()):
             if load.confirm_at is not None and load.confirm_at <= self._builds:
-                self._confirm(load_id)
+                self._settle(load_id, ok=True)
+        meta = StepMeta(tuple(self._loads), tuple(self._saves), self.breaker.open,
+                        tuple(self._ok), tuple(self._failed))
+        self._loads.clear()
+        self._saves.clear()
+        self._ok.clear()
+        self._failed.clear()
         self._release_dropped()
         return meta
 
-    def _confirm(self, load_id: int) -> None:
+    def _settle(self, load_id: int, ok: bool) -> None:
+        """The load's outcome is known: its lease can go, and the workers hear of it."""
         load = self._unconfirmed.pop(load_id)
         if load.lease_id:
             self._leases_to_release.append(load.lease_id)
+        (self._ok if ok else self._failed).append(load_id)
 
     def _release_dropped(self) -> None:
         # Releases go only to a store that answers: one that hangs would cost every
@@ -312,7 +319,7 @@ class SchedulerHalf:
         """The workers report the request's async load done: its lease can go."""
         for load_id, load in list(self._unconfirmed.items()):
             if load.req_id == req_id and load.confirm_at is None:
-                self._confirm(load_id)
+                self._settle(load_id, ok=True)
 
     def load_failed_blocks(self, block_ids: set[int]) -> list[str]:
         """The workers could not fill these blocks. The requests whose loads they were
@@ -323,7 +330,7 @@ class SchedulerHalf:
         for load_id, load in list(self._unconfirmed.items()):
             if load.blocks.isdisjoint(block_ids):
                 continue
-            self._confirm(load_id)
+            self._settle(load_id, ok=False)
             state = self._requests.get(load.req_id)
             if state is None:
                 continue
@@ -350,6 +357,6 @@ class SchedulerHalf:
         for state in self._requests.values():
             self._drop_lease(state)
         for load_id in list(self._unconfirmed):
-            self._confirm(load_id)
+            self._settle(load_id, ok=False)
         self._release_dropped()
         self.client.close()

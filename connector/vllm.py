@@ -185,12 +185,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         return KVStoreConnectorMetadata(sched.build())
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        for req_id in connector_output.finished_recving or ():
-            self._scheduler.load_finished(req_id)
+        # Failures first: a failed async load is reported as received too.
         if connector_output.invalid_block_ids:
             failed = self._scheduler.load_failed_blocks(set(connector_output.invalid_block_ids))
             if failed:
                 log.warning("kvstore loads failed for %s: recomputing", failed)
+        for req_id in connector_output.finished_recving or ():
+            self._scheduler.load_finished(req_id)
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -12,10 +12,13 @@ Per step, in the order engines call it (docs/dev/vllm-0.33-connector-api.md, sec
                            reported as received
     load_errors()          block ids whose load failed (the engine recomputes them)
 
-No page computed over a failed load is stored: a load that fails (at Acquire, or in its
-copies, found at the latest in wait_for_save, before any commit) is remembered by id, and
-every save that names it in SaveSpec.after -- this step's or a later step's, planned
-before the scheduler heard of the failure -- is dropped. A store that does not answer
+No page computed over a failed load is stored. A save that names loads in
+SaveSpec.after (its request's prefix reads their blocks) is committed only when every
+one of them is known good, from this worker (its own loads) or from the scheduler half
+(StepMeta.loads_ok, the word of every rank); until then it is held, written but not
+committed, and it is dropped if one of them failed (connector.outcomes). A load's own
+failure (at Acquire, or in its copies, found at the latest in wait_for_save) is known
+here at once; another rank's, one or two steps later through the scheduler half. A store that does not answer
 is not asked again until a probe is due (connector.breaker): saves are skipped and loads
 fail at once (the engine recomputes), so a hung store costs one call's timeout per probe.
 
@@ -26,7 +29,6 @@ work is in connector.transfer; this module only plans it.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import re
@@ -41,13 +43,13 @@ from .breaker import Breaker
 from .config import ConnectorConfig, open_client
 from .hostmem import Mappings
 from .meta import LoadSpec, SaveSpec, StepMeta
+from .outcomes import LoadOutcomes, Verdict
 from .transfer import KVTransfer, TransferError
 
 __all__ = ["WorkerHalf", "layer_order"]
 
 log = logging.getLogger(__name__)
 
-_FAILED_KEPT = 4096
 # Errors that mean the store is not answering (as opposed to a missing page).
 _NOT_ANSWERING = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
 
@@ -78,6 +80,12 @@ class _Save:
     commit: object            # callable: Commit the reservation, or Put the buffer (gRPC)
     abort: object             # callable: give the reserved slots back
     region: object = None     # the pool mapping the offsets belong to (None: a buffer)
+    held: int = 0             # steps its commit has waited on loads' outcomes
+
+
+# Steps a save may wait for the outcomes of the loads it names; the scheduler half
+# reports them within max_concurrent_batches steps, so a save still waiting is given up.
+_HOLD_STEPS = 8
 
 
 class WorkerHalf:
@@ -107,10 +115,8 @@ class WorkerHalf:
         self._saves: list[_Save] = []
         self._errors: set[int] = set()
         self._failed_async: set[str] = set()
-        # Ids of loads that failed, for SaveSpec.after; the newest _FAILED_KEPT are enough
-        # since a save names only loads of the last few steps.
-        self._failed: set[int] = set()
-        self._failed_order: collections.deque[int] = collections.deque()
+        self._outcomes = LoadOutcomes()            # of the loads saves name (after)
+        self._held: list[_Save] = []               # written, waiting on loads' outcomes
         # A probe from here costs the engine's step up to `timeout` (the scheduler half's
         # costs lookup_timeout), so it probes less often: at most a sixth of the time
         # waiting. Usually the scheduler half finds a hung store first (store_down).
@@ -189,13 +195,11 @@ class WorkerHalf:
         self._errors.update(int(b) for b in spec.block_ids.reshape(-1))
         if spec.is_async:
             self._failed_async.add(spec.req_id)
-        self._failed.add(spec.load_id)
-        self._failed_order.append(spec.load_id)
-        while len(self._failed_order) > _FAILED_KEPT:
-            self._failed.discard(self._failed_order.popleft())
+        self._outcomes.failed([spec.load_id])
         # Pages computed over blocks that were never filled may not be stored, whichever
         # request computed them (its own, or one sharing its blocks).
         self._cancel_saves(spec)
+        self._settle_held()
 
     def _may_call(self) -> bool:
         """Whether to call the store now: not while the scheduler half reports it hung,
@@ -218,10 +222,13 @@ class WorkerHalf:
         no RPC waits inside the layers."""
         self._saves.clear()
         self._store_down = meta.store_down
+        self._outcomes.succeeded(meta.loads_ok)
+        self._outcomes.failed(meta.loads_failed)
+        self._settle_held(step=True)
         if not self.saves_enabled:
             return
         for spec in meta.saves:
-            if self._failed.intersection(spec.after):
+            if self._outcomes.verdict(spec.after) is Verdict.DROP:
                 log.info("not saving %d pages of %s: computed over a failed load",
                          len(spec.keys), spec.req_id)
                 continue
@@ -264,6 +271,33 @@ class WorkerHalf:
                 keep.append(save)
         self._saves = keep
 
+    def _settle_held(self, step: bool = False) -> None:
+        """Commit held saves whose loads all succeeded, abort those over a failed one (or
+        waiting too long); step: a step has passed."""
+        waiting = []
+        for save in self._held:
+            save.held += step
+            verdict = self._outcomes.verdict(save.spec.after)
+            if verdict is Verdict.HOLD and save.held <= _HOLD_STEPS:
+                waiting.append(save)
+            else:
+                self._finish_save(save, verdict is Verdict.COMMIT)
+        self._held = waiting
+
+    def _finish_save(self, save: _Save, commit: bool) -> None:
+        try:
+            if not commit:
+                save.abort()
+                return
+            save.commit()
+            stored = int((save.offsets >= 0).sum())
+            self._stats["pages_saved"] += stored
+            self._stats["bytes_saved"] += stored * self.ns.page_bytes
+        except KVStoreError as exc:
+            self._trip(exc)
+            log.warning("finishing the save of %d pages of %s failed: %s",
+                        len(save.spec.keys), save.spec.req_id, exc)
+
     def save_layer(self, name: str) -> None:
         layer = self._index[name]
         for save in self._saves:
@@ -280,16 +314,11 @@ class WorkerHalf:
             log.warning("saving pages failed, they are not stored: %s", exc)
             ok = False
         for save in self._saves:
-            try:
-                save.commit() if ok else save.abort()
-                if ok:
-                    stored = int((save.offsets >= 0).sum())
-                    self._stats["pages_saved"] += stored
-                    self._stats["bytes_saved"] += stored * self.ns.page_bytes
-            except KVStoreError as exc:
-                self._trip(exc)
-                log.warning("finishing the save of %d pages of %s failed: %s",
-                            len(save.spec.keys), save.spec.req_id, exc)
+            verdict = self._outcomes.verdict(save.spec.after) if ok else Verdict.DROP
+            if verdict is Verdict.HOLD:
+                self._held.append(save)       # committed once its loads are known good
+            else:
+                self._finish_save(save, verdict is Verdict.COMMIT)
         self._saves.clear()
 
     # -- completion ---------------------------------------------------------------------
@@ -322,7 +351,7 @@ class WorkerHalf:
                 done.add(req_id)
         # A step boundary: mappings of a server that restarted can go once no copy uses them.
         self._mappings.keep_only([self._last_region, *(x.region for x in self._async.values()),
-                                  *(x.region for x in self._saves)])
+                                  *(x.region for x in (*self._saves, *self._held))])
         return done
 
     @staticmethod
@@ -345,5 +374,8 @@ class WorkerHalf:
             load.release()
         self._loads.clear()
         self._async.clear()
+        for save in self._held:               # their loads' outcomes will never come
+            self._finish_save(save, commit=False)
+        self._held.clear()
         self._mappings.close()
         self.client.close()

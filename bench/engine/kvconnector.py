@@ -91,12 +91,13 @@ class StoreConnector:
 
     def update_connector_output(self, finished_recving: frozenset[str],
                                 invalid_block_ids: frozenset[int]) -> None:
-        for req_id in finished_recving:
-            self.scheduler_half.load_finished(req_id)
+        # Failures first: a failed async load is reported as received too.
         if invalid_block_ids:
             failed = self.scheduler_half.load_failed_blocks(set(invalid_block_ids))
             if failed:
                 log.warning("kvstore loads failed for %s: recomputing", failed)
+        for req_id in finished_recving:
+            self.scheduler_half.load_finished(req_id)
 
     def request_finished(self, request: Request) -> None:
         # Saves finish within the step that computed them (wait_for_save): no block has

@@ -475,3 +475,67 @@ def wait_leases_gone(client, timeout=5.0):
             return False
         time.sleep(0.05)
     return True
+
+
+class _FailedCopy:
+    """A load whose copies fail on the device."""
+
+    def wait_layer(self, layer):
+        pass
+
+    def synchronize(self):
+        from connector.transfer import TransferError
+        raise TransferError("injected: the copy failed on the device")
+
+
+def test_a_load_failing_on_one_rank_keeps_every_rank_from_storing_over_it(srv):
+    """With tensor parallelism every rank's KV after the first layer depends on every
+    rank's attention: when rank 0's load fails, rank 1's pages of that step are wrong too,
+    though rank 1's own load succeeded. Rank 1 hears of it from the scheduler half."""
+    r0, r1 = layout(tp_rank=0, tp_size=2), layout(tp_rank=1, tp_size=2)
+    cfg = ConnectorConfig(server=srv.address, lookup_timeout=5.0)
+    sched = SchedulerHalf(cfg, [r0, r1], BLOCK)
+    tokens = prompt(64, 36)
+    fill = {n: torch.zeros((2, BLOCKS, BLOCK, HEADS, HEAD)) for n in NAMES}
+    for layer, name in enumerate(NAMES):
+        pos = torch.arange(64)
+        fill[name][:, pos // BLOCK, pos % BLOCK] = kv_value(layer, pos, torch.as_tensor(tokens))
+    with KVStoreClient(srv.address) as c:                  # both ranks hold pages 0-2
+        for lay in (r0, r1):
+            ns = c.register_layout(lay)
+            keys = sched._keys_upto(sched._state("seed", tokens), 3)
+            c.put(ns, keys, expected_pages(tokens, 3))
+    ranks = [WorkerHalf(cfg, lay, {n: torch.full_like(t, -1.0) for n, t in fill.items()})
+             for lay in (r0, r1)]
+    ranks[0].transfer.load = lambda *args: _FailedCopy()
+    assert sched.hit("r", tokens, 0) == 48
+    blocks = list(range(4))
+    sched.allocated("r", blocks, 48)
+    sched.scheduled("r", tokens, 48, 16, block_ids=blocks)
+    meta = sched.build()
+    errors = set()
+    for w in ranks:
+        w.bind(meta)
+        w.start_load(meta)
+        for layer, name in enumerate(NAMES):
+            w.wait_for_layer(name)
+            pos = torch.arange(48, 64)
+            w.transfer.layers[layer][:, pos // BLOCK, pos % BLOCK] = \
+                kv_value(layer, pos, torch.as_tensor(tokens[48:]))
+            w.save_layer(name)
+        w.wait_for_save()
+        w.finished()
+        errors |= w.load_errors()
+    assert errors == {0, 1, 2}                              # only rank 0 failed
+    page3 = sched._keys_upto(sched._requests["r"], 4)[3:]
+    assert in_store(srv.address, r1, page3) == [False]     # rank 1 holds its commit
+    assert sched.load_failed_blocks(errors) == ["r"]
+    meta = sched.build()
+    assert meta.loads_failed == (1,)
+    ranks[1].bind(meta)
+    assert in_store(srv.address, r1, page3) == [False]     # ... and drops it
+    with KVStoreClient(srv.address) as c:
+        assert wait_leases_gone(c)
+    for w in ranks:
+        w.close()
+    sched.close()
