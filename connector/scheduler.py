@@ -19,7 +19,9 @@ started, so the scheduler learns whether the load succeeded only `lag` builds la
     pinned them itself (Acquire);
   - every page saved by a request whose prefix reads the load's blocks (the request
     itself, or another one that shares them through the engine's prefix cache) names the
-    load in SaveSpec.after, and the worker drops the save if that load failed.
+    load in SaveSpec.after; the workers commit it only once a later plan reports the
+    load good (StepMeta.loads_ok) and drop it if the load failed on any rank
+    (StepMeta.loads_failed).
 A failed load marks its request so that the pages it recomputes are saved, and marks
 every other request that read the failed blocks as tainted: it saves nothing more,
 whatever restart point the engine picks for it (docs/vllm-load-failure-sharing.md).

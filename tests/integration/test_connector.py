@@ -247,7 +247,7 @@ def test_lookup_timeout_answers_ask_again(srv):
     # A server that cannot answer in time (stopped, not gone: the connection stays up).
     # A tiny deadline instead is a race: a fast loopback answer can beat its timer.
     a.sched.client.timeout = 0.3
-    os.kill(srv.proc.pid, signal.SIGSTOP)
+    sigstop(srv.proc.pid)
     try:
         assert a.sched.hit("t", prompt(64, 14), 0) is None
     finally:
@@ -424,7 +424,7 @@ def test_a_hung_store_costs_one_timeout_then_no_hits_until_a_probe_answers(srv):
     a = Engine(srv.address, lookup_timeout=0.3, probe_interval=1.0)
     tokens = prompt(64, 34)
     a.run_prompt("a", tokens)
-    os.kill(srv.proc.pid, signal.SIGSTOP)
+    sigstop(srv.proc.pid)
     try:
         start = time.monotonic()
         answers = [a.sched.hit(f"r{i}", tokens, 0) for i in range(5)]
@@ -539,3 +539,14 @@ def test_a_load_failing_on_one_rank_keeps_every_rank_from_storing_over_it(srv):
     for w in ranks:
         w.close()
     sched.close()
+
+
+def sigstop(pid: int) -> None:
+    """Stop the process and wait until it is stopped (delivery is asynchronous)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.01)

@@ -284,7 +284,7 @@ def test_a_hung_store_costs_one_timeout_then_misses_until_a_probe_answers(fresh_
     backend = _backend(srv, pool, timeout=0.5, probe_interval=1.0)
     keys = _keys(2)
     assert backend.batch_set_v1(keys, _indices(pool, [0, 1])) == [True, True]
-    os.kill(srv.proc.pid, signal.SIGSTOP)
+    sigstop(srv.proc.pid)
     try:
         start = time.monotonic()
         assert backend.batch_exists(keys) == 0                  # times out once
@@ -299,3 +299,14 @@ def test_a_hung_store_costs_one_timeout_then_misses_until_a_probe_answers(fresh_
         os.kill(srv.proc.pid, signal.SIGCONT)
     time.sleep(1.0)                                             # a probe is due
     assert backend.batch_exists(keys) == 2
+
+
+def sigstop(pid: int) -> None:
+    """Stop the process and wait until it is stopped (delivery is asynchronous)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.01)

@@ -232,7 +232,7 @@ class Fault:
         if self.kind != "sigstop":
             return
         if step == self.at:
-            os.kill(self.server.proc.pid, signal.SIGSTOP)
+            sigstop(self.server.proc.pid)
             self.fired_at = step
         elif step == self.at + 3:
             os.kill(self.server.proc.pid, signal.SIGCONT)
@@ -357,7 +357,7 @@ def test_a_hung_store_holds_no_request_back(model_dir, tmp_path, scheduler):
         run_warm(model_dir, server.address, work.warm)
         engine = Engine(model_dir, server.address, scheduler=scheduler, mode="async",
                         prompts={**work.warm, **work.run})
-        os.kill(server.proc.pid, signal.SIGSTOP)
+        sigstop(server.proc.pid)
         ids = list(work.run)                 # r0, r1: stored prefixes; r3, r7: fresh
         for req_id in ids:
             engine.add(req_id)
@@ -382,3 +382,14 @@ def test_a_hung_store_holds_no_request_back(model_dir, tmp_path, scheduler):
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
         server.stop()
+
+
+def sigstop(pid: int) -> None:
+    """Stop the process and wait until it is stopped (delivery is asynchronous)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.01)
