@@ -17,7 +17,9 @@ After the run: no request sampled a token over a wrong read, every page in the s
 the run's keys holds the bytes the model computes, every request finished, vLLM's blocks
 are all free, and no lease or reservation is left in the store or in the connector.
 AsyncScheduler is driven as EngineCore.step_with_batch_queue drives it: the next step is
-scheduled (and its worker part run) before the previous step's output is processed.
+scheduled before the previous step's output is processed, and the worker runs each step
+as late as it can (after the next one was planned), which opens the window between a
+step's plan and its loads as wide as a real engine can.
 """
 
 from __future__ import annotations
