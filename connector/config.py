@@ -53,6 +53,11 @@ class ConnectorConfig:
     server: str = "127.0.0.1:50051"
     page_tokens: int = 0            # tokens per stored page; 0 = the engine's block size
     lookup_timeout: float = 0.5     # seconds; a slower lookup answers "ask again later"
+    # A store that timed out or was unreachable is not asked again (no hits) except by one
+    # probe every probe_interval seconds (connector.breaker); a request hears "ask again"
+    # at most ask_again times, then "no hit".
+    probe_interval: float = 2.0
+    ask_again: int = 2
     lease_ms: int = 30_000          # pages a lookup counted stay pinned until loaded
     role: Role = Role.BOTH
     load_mode: LoadMode = LoadMode.LAYERWISE
@@ -65,7 +70,10 @@ class ConnectorConfig:
     tls_cert: str = ""              # this engine's certificate and key (PEM files), for a
     tls_key: str = ""               # ... server that requires mutual TLS
     shared_memory: bool | None = None   # None = use the shared pool when mappable
-    timeout: float = 10.0           # seconds for store calls other than the lookup
+    # Seconds for store calls other than the lookup (Reserve, Acquire, Commit; a bulk
+    # gRPC Put or Get gets more by its size: kvstore_client). It is what a store that
+    # hangs costs an engine step when the worker meets it first, and per probe after.
+    timeout: float = 2.0
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], role: str | None = None) -> "ConnectorConfig":
@@ -85,9 +93,11 @@ class ConnectorConfig:
         except ValueError as exc:
             raise ValueError(f"kvstore connector config: {exc}") from None
         config = cls(**kwargs)
-        if config.page_tokens < 0 or config.lookup_timeout <= 0 or config.lease_ms < 0:
+        if (config.page_tokens < 0 or config.lookup_timeout <= 0 or config.lease_ms < 0
+                or config.probe_interval <= 0 or config.ask_again < 0):
             raise ValueError("kvstore connector config: page_tokens must be >= 0, "
-                             "lookup_timeout > 0 and lease_ms >= 0")
+                             "lookup_timeout > 0, lease_ms >= 0, probe_interval > 0 and "
+                             "ask_again >= 0")
         if bool(config.tls_cert) != bool(config.tls_key):
             raise ValueError("kvstore connector config: a client certificate needs both "
                              "tls_cert and tls_key")

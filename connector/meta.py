@@ -21,6 +21,7 @@ class LoadSpec:
     keys: tuple[bytes, ...]
     block_ids: np.ndarray          # (pages, blocks_per_page) int64
     is_async: bool                 # True: report in finished_recving when done
+    load_id: int = 0               # unique per scheduler: what a SaveSpec's `after` names
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -30,12 +31,25 @@ class SaveSpec:
     req_id: str
     keys: tuple[bytes, ...]
     block_ids: np.ndarray          # (pages, blocks_per_page) int64
+    # Loads not yet known to have succeeded whose blocks the request's prefix reads: if
+    # one of them failed (this step, or a step the worker saw earlier), these pages were
+    # computed over KV that never arrived and must not be stored.
+    after: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepMeta:
     loads: tuple[LoadSpec, ...] = ()
     saves: tuple[SaveSpec, ...] = ()
+    # The scheduler half found the store not answering (its breaker is open): the
+    # workers skip this step's saves and loads instead of each waiting out a timeout.
+    store_down: bool = False
+    # Outcomes the scheduler half has learnt since the last plan, of loads that saves
+    # may name in `after`: a worker holds such a save's commit until every load it names
+    # is known good, and drops it if one failed -- on any rank, which is why the word
+    # comes from the scheduler (it hears every rank's failures) and not from the worker.
+    loads_ok: tuple[int, ...] = ()
+    loads_failed: tuple[int, ...] = ()
 
     @property
     def empty(self) -> bool:

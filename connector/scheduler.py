@@ -8,7 +8,26 @@ It runs beside the engine's scheduler and never touches tensors. Per request:
     allocated(req, blocks, n) -> a LoadSpec for the next step's metadata
     scheduled(req, ...)       -> SaveSpecs for pages this step completes
     build()                   -> the StepMeta for the workers (and forget it)
-    load_finished / load_failed / finished(req) -> leases released, state dropped
+    load_finished / load_failed_blocks / finished(req) -> leases released, state dropped
+
+Why a load stays "unconfirmed" for a while, and what that guards. A layer-wise load planned
+in one build runs in that step's forward; under vLLM's AsyncScheduler the next step is
+planned (and, in the same process, sent to the workers) before that forward has even
+started, so the scheduler learns whether the load succeeded only `lag` builds later
+(vLLM's max_concurrent_batches: 1 for Scheduler, 2 for AsyncScheduler). Until then:
+  - the lookup lease stays held, so the pages cannot be evicted before the worker has
+    pinned them itself (Acquire);
+  - every page saved by a request whose prefix reads the load's blocks (the request
+    itself, or another one that shares them through the engine's prefix cache) names the
+    load in SaveSpec.after; the workers commit it only once a later plan reports the
+    load good (StepMeta.loads_ok) and drop it if the load failed on any rank
+    (StepMeta.loads_failed).
+A failed load marks its request so that the pages it recomputes are saved, and marks
+every other request that read the failed blocks as tainted: it saves nothing more,
+whatever restart point the engine picks for it (docs/vllm-load-failure-sharing.md).
+
+A store that does not answer costs at most one lookup_timeout, then nothing until a
+probe is due (connector.breaker); a request hears "ask again" at most `ask_again` times.
 
 Keys are the connector's chained page hashes (connector.hashing), computed once per page
 and extended as a request grows. With tensor parallelism every rank has its own layout;
@@ -29,6 +48,7 @@ import numpy as np
 from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
 from kvstore_client.keys import Packed
 
+from .breaker import Breaker
 from .config import ConnectorConfig, SavePolicy, open_client
 from .hashing import KEY_BYTES, page_keys
 from .meta import LoadSpec, SaveSpec, StepMeta
@@ -37,6 +57,7 @@ __all__ = ["SchedulerHalf"]
 
 log = logging.getLogger(__name__)
 
+_RELEASES_KEPT = 100_000      # lease releases waiting for a store that does not answer
 # Errors after which the store counts as unreachable: no hit, one warning, no failure.
 _DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
          grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
@@ -50,17 +71,31 @@ class _Request:
     packed: bytes = b""                    # the same keys back to back, for lookups
     block_ids: list[int] = dataclasses.field(default_factory=list)
     local_tokens: int = 0                  # the engine's own prefix-cache hit
-    lease_id: int = 0                      # pins the counted pages until loaded
+    lease_id: int = 0                      # pins the counted pages until allocated
     saved_pages: int = 0                   # leading pages known stored (hit or saved)
-    loading: bool = False
-    load_failed: bool = False
+    load_failed: bool = False              # its own load failed: recompute, no new hit
+    tainted: bool = False                  # read blocks of another's failed load
+    asked_again: int = 0                   # "ask again" answers given so far
+
+
+@dataclasses.dataclass(slots=True)
+class _Load:
+    """A load handed to the workers whose outcome is not known yet."""
+
+    req_id: str
+    first_page: int                        # the request's page the load starts at
+    blocks: frozenset[int]
+    lease_id: int                          # the lookup lease, held until confirmed
+    confirm_at: int | None                 # build number that confirms it; None: async
 
 
 class SchedulerHalf:
     """Engine-agnostic scheduler logic; adapters translate engine objects into calls."""
 
     def __init__(self, config: ConnectorConfig, layouts: Sequence[PageLayout], block_size: int,
-                 client: KVStoreClient | None = None) -> None:
+                 client: KVStoreClient | None = None, *, lag: int = 1) -> None:
+        """lag: how many builds later a step's outcome is known (the engine's number of
+        batches in flight: vLLM's max_concurrent_batches)."""
         if not layouts:
             raise ValueError("the scheduler half needs at least one layout (one per rank)")
         self.config = config
@@ -82,6 +117,13 @@ class SchedulerHalf:
         self._saves: list[SaveSpec] = []
         self._leases_to_release: list[int] = []
         self._down_since = 0.0        # when the store was last found unreachable
+        self.breaker = Breaker(config.probe_interval)
+        self.lag = max(1, lag)
+        self._builds = 0              # builds so far: the clock of _Load.confirm_at
+        self._next_load_id = 1
+        self._unconfirmed: dict[int, _Load] = {}    # load id -> load not yet confirmed
+        self._ok: list[int] = []          # loads settled since the last build: good,
+        self._failed: list[int] = []      # ... and failed (StepMeta.loads_ok/_failed)
 
     # -- the store ----------------------------------------------------------------------
     def _ns(self) -> list[LayoutHandle]:
@@ -91,9 +133,9 @@ class SchedulerHalf:
 
     def _store_down(self, exc: Exception) -> None:
         now = time.monotonic()
-        if now - self._down_since > 60:
-            log.warning("kvstore at %s unreachable (%s): serving without it",
-                        self.config.server, exc)
+        if self.breaker.failed() and now - self._down_since > 60:
+            log.warning("kvstore at %s not answering (%s): serving without it, probing "
+                        "every %.1f s", self.config.server, exc, self.config.probe_interval)
         self._down_since = now
 
     # -- requests -----------------------------------------------------------------------
@@ -125,10 +167,12 @@ class SchedulerHalf:
             return 0
         state = self._state(req_id, tokens)
         state.local_tokens = num_local_tokens
-        if state.load_failed:
+        # A lease from an earlier answer that was not acted on (the engine could not
+        # allocate blocks, or asks again after a preemption) pins pages for nothing:
+        # every answer starts by dropping it, whichever way it returns.
+        self._drop_lease(state)
+        if state.load_failed or state.tainted:
             return 0          # a failed load is recomputed, not retried in a loop
-        if time.monotonic() - self._down_since < 5:
-            return 0          # recently unreachable: do not stall every request on it
         t = self.page_tokens
         # Never claim the whole prompt: the engine must compute at least its last token.
         usable = (len(state.tokens) - 1) // t
@@ -142,18 +186,22 @@ class SchedulerHalf:
         # 2,048 keys are not checked and joined again on every lookup.
         keys = Packed(state.packed[:usable * KEY_BYTES], KEY_BYTES)
         first = num_local_tokens // t
-        self._drop_lease(state)
+        if not self.breaker.allow():
+            return 0          # the store is not answering: no hit, no wait
         try:
             lease = self.client.lookup_lease(self._ns(), keys, self.config.lease_ms) \
                 if self.config.lease_ms else None
             count = lease.count if lease else self.client.lookup(self._ns(), keys)
         except KVStoreError as exc:
-            if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                return None
-            if exc.code in _DOWN:
-                self._store_down(exc)
-                return 0
-            raise
+            if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED and exc.code not in _DOWN:
+                raise
+            self._store_down(exc)
+            if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED \
+                    and state.asked_again < self.config.ask_again:
+                state.asked_again += 1
+                return None   # maybe a moment's stall: the engine asks again next step
+            return 0
+        self.breaker.succeeded()
         if lease is not None:
             state.lease_id = lease.lease_id
         state.saved_pages = max(state.saved_pages, count)
@@ -174,6 +222,7 @@ class SchedulerHalf:
             return
         state.block_ids = list(block_ids)
         if num_external_tokens <= 0:
+            self._drop_lease(state)       # the engine loads nothing: nothing to pin
             return
         t = self.page_tokens
         first = state.local_tokens // t
@@ -181,10 +230,16 @@ class SchedulerHalf:
         keys = state.keys[first:last]
         blocks = np.asarray(state.block_ids[first * self.blocks_per_page:
                                             last * self.blocks_per_page], dtype=np.int64)
-        state.loading = True
+        is_async = self.config.load_mode.value == "async"
+        load_id, self._next_load_id = self._next_load_id, self._next_load_id + 1
+        # The lease moves to the load: it is held until the load's outcome is known.
+        self._unconfirmed[load_id] = _Load(
+            req_id, first, frozenset(blocks.tolist()), state.lease_id,
+            None if is_async else self._builds + 1 + self.lag)
+        state.lease_id = 0
         self._loads.append(LoadSpec(req_id, tuple(keys),
                                     blocks.reshape(len(keys), self.blocks_per_page),
-                                    self.config.load_mode.value == "async"))
+                                    is_async, load_id))
 
     def scheduled(self, req_id: str, tokens, num_computed_tokens: int, num_new_tokens: int,
                   block_ids: Sequence[int] | None = None, new_block_ids: Sequence[int] = (),
@@ -196,7 +251,8 @@ class SchedulerHalf:
             state.block_ids = list(block_ids)
         elif new_block_ids:
             state.block_ids.extend(new_block_ids)
-        if not self.config.role.saves or self.config.save is SavePolicy.NONE:
+        if (not self.config.role.saves or self.config.save is SavePolicy.NONE
+                or state.tainted):
             return
         t = self.page_tokens
         full = min(num_computed_tokens + num_new_tokens, len(state.tokens)) // t
@@ -209,43 +265,83 @@ class SchedulerHalf:
         keys = self._keys_upto(state, full)[start:full]
         k = self.blocks_per_page
         blocks = np.asarray(state.block_ids[start * k:full * k], dtype=np.int64)
-        self._saves.append(SaveSpec(req_id, tuple(keys), blocks.reshape(len(keys), k)))
+        self._saves.append(SaveSpec(req_id, tuple(keys), blocks.reshape(len(keys), k),
+                                    self._reads(state.block_ids[:full * k])))
         state.saved_pages = full
+
+    def _reads(self, prefix_blocks: Sequence[int]) -> tuple[int, ...]:
+        """The unconfirmed loads whose blocks lie in a request's prefix."""
+        if not self._unconfirmed:
+            return ()
+        prefix = set(prefix_blocks)
+        return tuple(load_id for load_id, load in self._unconfirmed.items()
+                     if not load.blocks.isdisjoint(prefix))
 
     def build(self) -> StepMeta:
         """This step's plan for the workers; the scheduler half forgets it."""
-        meta = StepMeta(tuple(self._loads), tuple(self._saves))
+        self._builds += 1
+        # Layer-wise loads whose step's outcome has come back without a failure.
+        for load_id, load in list(self._unconfirmed.items()):
+            if load.confirm_at is not None and load.confirm_at <= self._builds:
+                self._settle(load_id, ok=True)
+        meta = StepMeta(tuple(self._loads), tuple(self._saves), self.breaker.open,
+                        tuple(self._ok), tuple(self._failed))
         self._loads.clear()
         self._saves.clear()
+        self._ok.clear()
+        self._failed.clear()
         self._release_dropped()
         return meta
 
+    def _settle(self, load_id: int, ok: bool) -> None:
+        """The load's outcome is known: its lease can go, and the workers hear of it."""
+        load = self._unconfirmed.pop(load_id)
+        if load.lease_id:
+            self._leases_to_release.append(load.lease_id)
+        (self._ok if ok else self._failed).append(load_id)
+
     def _release_dropped(self) -> None:
-        while self._leases_to_release:
-            lease_id = self._leases_to_release.pop()
+        # Releases go only to a store that answers: one that hangs would cost every
+        # release its timeout. They wait for it (a release may be the breaker's probe);
+        # one never sent only costs its pages their pin until lease_ms runs out.
+        del self._leases_to_release[:-_RELEASES_KEPT]
+        while self._leases_to_release and self.breaker.allow():
+            lease_id = self._leases_to_release[-1]
             try:
                 self.client.release_lease(lease_id)
-            except KVStoreError as exc:   # it expires by itself
+                self.breaker.succeeded()
+            except KVStoreError as exc:
+                if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED or exc.code in _DOWN:
+                    self._store_down(exc)
+                    return                # kept, for when the store answers again
                 log.debug("releasing lease %d failed: %s", lease_id, exc)
+            self._leases_to_release.pop()
 
     def load_finished(self, req_id: str) -> None:
-        """The workers have the request's pages: its lease is no longer needed."""
-        state = self._requests.get(req_id)
-        if state is not None:
-            state.loading = False
-            self._drop_lease(state)
+        """The workers report the request's async load done: its lease can go."""
+        for load_id, load in list(self._unconfirmed.items()):
+            if load.req_id == req_id and load.confirm_at is None:
+                self._settle(load_id, ok=True)
 
     def load_failed_blocks(self, block_ids: set[int]) -> list[str]:
-        """Mark requests whose load wrote to these blocks as failed (they recompute and
-        are not offered the same hit again); returns their ids."""
+        """The workers could not fill these blocks. The requests whose loads they were
+        recompute from the failed page, save what they recompute, and are not offered the
+        same hit again; every other request that read them saves nothing more. Returns
+        the ids of the requests whose loads failed."""
         failed = []
+        for load_id, load in list(self._unconfirmed.items()):
+            if load.blocks.isdisjoint(block_ids):
+                continue
+            self._settle(load_id, ok=False)
+            state = self._requests.get(load.req_id)
+            if state is None:
+                continue
+            state.load_failed = True
+            state.saved_pages = min(state.saved_pages, load.first_page)
+            failed.append(load.req_id)
         for req_id, state in self._requests.items():
-            if state.loading and block_ids.intersection(state.block_ids):
-                state.load_failed = True
-                state.loading = False
-                state.saved_pages = state.local_tokens // self.page_tokens
-                self._drop_lease(state)
-                failed.append(req_id)
+            if req_id not in failed and not block_ids.isdisjoint(state.block_ids):
+                state.tainted = True
         return failed
 
     def finished(self, req_id: str) -> None:
@@ -253,9 +349,16 @@ class SchedulerHalf:
         state = self._requests.pop(req_id, None)
         if state is not None:
             self._drop_lease(state)
+        # Its async load may still be running in a worker: confirm it like a layer-wise
+        # one, once the steps in flight have come back.
+        for load in self._unconfirmed.values():
+            if load.req_id == req_id and load.confirm_at is None:
+                load.confirm_at = self._builds + 1 + self.lag
 
     def close(self) -> None:
         for state in self._requests.values():
             self._drop_lease(state)
+        for load_id in list(self._unconfirmed):
+            self._settle(load_id, ok=False)
         self._release_dropped()
         self.client.close()

@@ -6,7 +6,8 @@
           "class_name":"KVStoreHiCacheStorage","server":"127.0.0.1:50051","interface_v1":true}'
 
 Besides SGLang's own keys, the extra config takes these fields of
-connector.config.ConnectorConfig: server, timeout, salt, model, shared_memory.
+connector.config.ConnectorConfig: server, timeout, probe_interval, salt, model,
+shared_memory, token and the TLS files.
 
 How SGLang drives a backend (managers/cache_controller.py):
 
@@ -61,6 +62,7 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
 
+from .breaker import Breaker
 from .config import ConnectorConfig, open_client
 
 if TYPE_CHECKING:
@@ -72,8 +74,10 @@ log = logging.getLogger(__name__)
 
 # ConnectorConfig fields that mean something to this backend; SGLang's own keys
 # (backend_name, module_path, class_name, interface_v1, ...) are left to SGLang.
-_SETTINGS = ("server", "timeout", "salt", "model", "shared_memory", "token", "tls_ca",
-             "tls_cert", "tls_key")
+_SETTINGS = ("server", "timeout", "probe_interval", "salt", "model", "shared_memory",
+             "token", "tls_ca", "tls_cert", "tls_key")
+# Errors that mean the store is not answering, which open the breaker.
+_NOT_ANSWERING = ("DEADLINE_EXCEEDED", "UNAVAILABLE")
 _LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
 
@@ -188,9 +192,13 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self.handle: Optional[LayoutHandle] = None   # set by register_mem_pool_host
         self.codec: Optional[PageCodec] = None
         self.failures = {"get": 0, "set": 0, "exists": 0}   # pages (calls for exists)
-        self._lock = threading.Lock()   # guards failures, _metrics and _region_view
+        self._lock = threading.Lock()   # guards failures, _metrics, _region_view, _breaker
         self._metrics = _Metrics()
         self._region_view: tuple[Any, torch.Tensor] | None = None   # (region, its tensor)
+        # A store that does not answer would hold every prefetch and backup for the
+        # whole timeout: after one such call, calls fail at once (misses) until a probe
+        # every probe_interval seconds answers (connector.breaker).
+        self._breaker = Breaker(self.settings.probe_interval)
 
     # -- setup ----------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: HostKVCache):
@@ -205,9 +213,10 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             self.handle = LayoutHandle(layout, layout.layout_id, layout.page_bytes,
                                        layout.layer_bytes)
 
-    def _store_page(self, offset: int) -> torch.Tensor:
-        """The store's page at a byte offset of its shared pool, as (L, kv, T, row)."""
-        region = self.client.region()
+    def _store_page(self, region, offset: int) -> torch.Tensor:
+        """The page at a byte offset of `region`, the pool mapping whose server issued the
+        offset (a reservation's or acquisition's own: after a restart, another mapping
+        holds other pages there), as (L, kv, T, row)."""
         with self._lock:
             if self._region_view is None or self._region_view[0] is not region:
                 self._region_view = (region, torch.from_numpy(region.mem))
@@ -226,7 +235,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         with self.client.reserve(self.handle, skeys) as res:
             for i, offset in enumerate(res.offsets.tolist()):
                 if offset >= 0:
-                    self._store_page(offset).copy_(sources(i))
+                    self._store_page(res.region, offset).copy_(sources(i))
             return res.commit()
 
     def _read(self, keys: Sequence[str], dests: Callable[[int], torch.Tensor]) -> List[bool]:
@@ -263,7 +272,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             raise
         with acq:
             for i, offset in zip(idx, acq.offsets.tolist()):
-                dests(i).copy_(self._store_page(offset))
+                dests(i).copy_(self._store_page(acq.region, offset))
 
     def _guard(self, what: str, pages: int, fallback, fn: Callable[[], Any]):
         """fn(), or fallback when the store (or anything below it) fails."""
@@ -271,12 +280,23 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             log.warning("kvstore: %s before register_mem_pool_host; treated as a miss", what)
             self._count(what, pages)
             return fallback
+        with self._lock:
+            allowed = self._breaker.allow()
+        if not allowed:
+            self._count(what, pages)
+            return fallback               # the store is not answering: a miss, at once
         try:
-            return fn()
+            result = fn()
         except Exception as exc:  # noqa: BLE001 - never into SGLang's threads (#38428)
             log.warning("kvstore: %s of %d page(s) failed: %s", what, pages, exc)
+            if isinstance(exc, KVStoreError) and exc.code.name in _NOT_ANSWERING:
+                with self._lock:
+                    self._breaker.failed()
             self._count(what, pages)
             return fallback
+        with self._lock:
+            self._breaker.succeeded()
+        return result
 
     def _count(self, what: str, pages: int) -> None:
         with self._lock:

@@ -4,15 +4,15 @@
         "kv_connector_module_path":"kvstore_connector.vllm","kv_role":"kv_both",
         "kv_connector_extra_config":{"server":"127.0.0.1:50051"}}'
 
-`kv_connector_extra_config` takes the fields of connector.config.ConnectorConfig
-(server, page_tokens, lookup_timeout, lease_ms, load_mode, save, salt, model, token,
-shared_memory, timeout); `kv_role` is honoured (a producer only saves, a consumer only
-loads). This module only translates vLLM's objects into the engine-agnostic halves
-(connector.scheduler, connector.worker); it imports only when vLLM is installed.
+`kv_connector_extra_config` takes every field of connector.config.ConnectorConfig;
+`kv_role` is honoured (a producer only saves, a consumer only loads). This module only
+translates vLLM's objects into the engine-agnostic halves (connector.scheduler,
+connector.worker); it imports only when vLLM is installed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -119,15 +119,29 @@ class KVStoreConnector(KVConnectorBase_V1):
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_mapping(
             dict(transfer.kv_connector_extra_config or {}), role=transfer.kv_role)
+        if (vllm_config.max_concurrent_batches > 1
+                and self.config.load_mode is LoadMode.LAYERWISE):
+            # With batches in flight (AsyncScheduler, pipeline parallelism) the next step
+            # is planned over a layer-wise load before anyone knows it failed, and vLLM
+            # 0.33 then accepts that step's token and restarts a request sharing the
+            # failed blocks at the wrong point (docs/vllm-load-failure-sharing.md): wrong
+            # KV in accepted steps. An async load is never computed over before it has
+            # landed, and its blocks are not shared until then, so it is safe.
+            log.warning("kvstore connector: %d batches in flight, so loads run async "
+                        "(WAITING_FOR_REMOTE_KVS) instead of layer-wise",
+                        vllm_config.max_concurrent_batches)
+            self.config = dataclasses.replace(self.config, load_mode=LoadMode.ASYNC)
         self.block_size = vllm_config.cache_config.block_size
         page_tokens = self.config.page_tokens or self.block_size
         self.layouts, self.mla = _layouts(vllm_config, self.config, page_tokens)
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         self._requests: dict[str, "Request"] = {}     # live scheduler objects
-        self._last_sync_loads: list[str] = []         # layer-wise loads of the last step
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerHalf(self.config, self.layouts, self.block_size)
+            # A step's outcome comes back max_concurrent_batches builds later (2 under
+            # AsyncScheduler): until then its loads count as unconfirmed.
+            self._scheduler = SchedulerHalf(self.config, self.layouts, self.block_size,
+                                            lag=vllm_config.max_concurrent_batches)
         log.info("kvstore connector (%s) for %s: server %s, %d-token pages, %s loads",
                  role.name.lower(), self.layouts[0].model, self.config.server, page_tokens,
                  self.config.load_mode.value)
@@ -149,9 +163,6 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         sched = self._scheduler
-        # Layer-wise loads ran within the previous step: their leases can go.
-        for req_id in self._last_sync_loads:
-            sched.load_finished(req_id)
         counts = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             request = self._requests.get(new.req_id)
@@ -171,17 +182,16 @@ class KVStoreConnector(KVConnectorBase_V1):
                             counts.get(req_id, 0), block_ids=blocks if resumed else None,
                             new_block_ids=() if resumed else blocks,
                             prompt_len=request.num_prompt_tokens)
-        step = sched.build()
-        self._last_sync_loads = [load.req_id for load in step.loads if not load.is_async]
-        return KVStoreConnectorMetadata(step)
+        return KVStoreConnectorMetadata(sched.build())
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        for req_id in connector_output.finished_recving or ():
-            self._scheduler.load_finished(req_id)
+        # Failures first: a failed async load is reported as received too.
         if connector_output.invalid_block_ids:
             failed = self._scheduler.load_failed_blocks(set(connector_output.invalid_block_ids))
             if failed:
                 log.warning("kvstore loads failed for %s: recomputing", failed)
+        for req_id in connector_output.finished_recving or ():
+            self._scheduler.load_finished(req_id)
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

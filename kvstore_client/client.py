@@ -465,34 +465,54 @@ class KVStoreClient:
     def reserve(self, ns: LayoutHandle, keys: Sequence[bytes], lease_ms: int = 0) -> Reservation:
         """WRITING slots in the shared pool for the keys not yet stored (two-phase put).
         Write `views[i]`, then `commit()`; or `abort()`. lease_ms 0 = the server's ttl."""
-        self._need_region()
-        got = self._data.call("Reserve", ns, lambda f: f.reserve(
-            ns.layout_id, *packed_keys(keys), self._region.token, lease_ms))
+        def fast(f):
+            region = self._need_region()      # read per attempt: see the gRPC call below
+            return region, f.reserve(ns.layout_id, *packed_keys(keys), region.token, lease_ms)
+
+        got = self._data.call("Reserve", ns, fast)
         if got is not USE_GRPC:
-            return Reservation(ns, got.lease_id, got.offsets, got.skipped, self._region,
+            region, r = got
+            return Reservation(ns, r.lease_id, r.offsets, r.skipped, region,
                                self._commit_lease, self._abort_lease)
         packed = self._packed(keys)
-        resp = self._call("Reserve", lambda: self._reserve(pb.ReserveRequest(
-            layout_id=ns.layout_id, keys=packed, token=self._region.token, lease_ms=lease_ms),
-            timeout=self.timeout), ns)
+
+        def call():
+            # Offsets are valid only in the region whose token the server accepted, so
+            # the token sent and the region returned come from one read of the mapping,
+            # made again on each attempt: a retry after _call re-attached (the server
+            # restarted) sends the new token and pairs the answer with the new mapping.
+            region = self._need_region()
+            return region, self._reserve(pb.ReserveRequest(
+                layout_id=ns.layout_id, keys=packed, token=region.token, lease_ms=lease_ms),
+                timeout=self.timeout)
+
+        region, resp = self._call("Reserve", call, ns)
         offsets = np.frombuffer(resp.offsets, dtype="<i8")
-        return Reservation(ns, resp.lease_id, offsets, resp.skipped, self._region,
+        return Reservation(ns, resp.lease_id, offsets, resp.skipped, region,
                            self._commit_lease, self._abort_lease)
 
     def acquire(self, ns: LayoutHandle, keys: Sequence[bytes], lease_ms: int = 0) -> Acquired:
         """Pin the pages of keys in the shared pool and return read-only views of them;
         `release()` when done. NOT_FOUND (KVStoreError) if a key is missing."""
-        self._need_region()
-        got = self._data.call("Acquire", ns, lambda f: f.acquire(
-            ns.layout_id, *packed_keys(keys), self._region.token, lease_ms))
+        def fast(f):
+            region = self._need_region()      # read per attempt: see reserve
+            return region, f.acquire(ns.layout_id, *packed_keys(keys), region.token, lease_ms)
+
+        got = self._data.call("Acquire", ns, fast)
         if got is not USE_GRPC:
-            return Acquired(ns, got.lease_id, got.offsets, self._region, self._release_later)
+            region, r = got
+            return Acquired(ns, r.lease_id, r.offsets, region, self._release_later)
         packed = self._packed(keys)
-        resp = self._call("Acquire", lambda: self._acquire(pb.AcquireRequest(
-            layout_id=ns.layout_id, keys=packed, token=self._region.token, lease_ms=lease_ms),
-            timeout=self.timeout), ns)
+
+        def call():
+            region = self._need_region()      # read per attempt: see reserve
+            return region, self._acquire(pb.AcquireRequest(
+                layout_id=ns.layout_id, keys=packed, token=region.token, lease_ms=lease_ms),
+                timeout=self.timeout)
+
+        region, resp = self._call("Acquire", call, ns)
         offsets = np.frombuffer(resp.offsets, dtype="<i8")
-        return Acquired(ns, resp.lease_id, offsets, self._region, self._release_later)
+        return Acquired(ns, resp.lease_id, offsets, region, self._release_later)
 
     def _release_later(self, lease_id: int) -> None:
         """End a lease without waiting for the answer: the caller has finished reading,

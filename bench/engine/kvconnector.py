@@ -64,7 +64,6 @@ class StoreConnector:
         self.scheduler_half = SchedulerHalf(config, [layout], block_size)
         views = {name: kv5(t, KVKind.FLASH_NHD) for name, t in kv_caches.items()}
         self.worker_half = WorkerHalf(config, layout, views)
-        self._last_sync_loads: list[str] = []    # layer-wise loads of the previous step
 
     # -- scheduler side -------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request,
@@ -81,8 +80,6 @@ class StoreConnector:
 
     def build_connector_meta(self, output: SchedulerOutput) -> StepMeta:
         sched = self.scheduler_half
-        for req_id in self._last_sync_loads:     # they ran within the previous step
-            sched.load_finished(req_id)
         for s in output.scheduled:
             r = s.request
             # In one process the whole block table is at hand: pass it every time rather
@@ -90,18 +87,17 @@ class StoreConnector:
             sched.scheduled(r.req_id, r.all_token_ids, s.num_computed_tokens,
                             s.num_new_tokens, block_ids=r.block_ids,
                             prompt_len=r.num_prompt_tokens)
-        meta = sched.build()
-        self._last_sync_loads = [load.req_id for load in meta.loads if not load.is_async]
-        return meta
+        return sched.build()
 
     def update_connector_output(self, finished_recving: frozenset[str],
                                 invalid_block_ids: frozenset[int]) -> None:
-        for req_id in finished_recving:
-            self.scheduler_half.load_finished(req_id)
+        # Failures first: a failed async load is reported as received too.
         if invalid_block_ids:
             failed = self.scheduler_half.load_failed_blocks(set(invalid_block_ids))
             if failed:
                 log.warning("kvstore loads failed for %s: recomputing", failed)
+        for req_id in finished_recving:
+            self.scheduler_half.load_finished(req_id)
 
     def request_finished(self, request: Request) -> None:
         # Saves finish within the step that computed them (wait_for_save): no block has

@@ -37,13 +37,13 @@ class Engine:
     """Paged caches in the FlashAttention layout and a block allocator."""
 
     def __init__(self, server, role=Role.BOTH, page_tokens=BLOCK, mode=LoadMode.LAYERWISE,
-                 **config):
+                 lag=1, **config):
         # A generous lookup timeout: a loaded CI machine must not turn hits into "ask again".
         config.setdefault("lookup_timeout", 5.0)
         self.config = ConnectorConfig(server=server, role=role, load_mode=mode, **config)
         self.layout = layout(page_tokens)
         self.caches = {n: torch.full((2, BLOCKS, BLOCK, HEADS, HEAD), -1.0) for n in NAMES}
-        self.sched = SchedulerHalf(self.config, [self.layout], BLOCK)
+        self.sched = SchedulerHalf(self.config, [self.layout], BLOCK, lag=lag)
         self.worker = WorkerHalf(self.config, self.layout, self.caches)
         self.free = list(range(BLOCKS))[::-1]
 
@@ -52,7 +52,10 @@ class Engine:
 
     def step(self, writes):
         """One engine step: writes = [(block_ids, tokens, start, stop)] of computed tokens."""
-        meta = self.sched.build()
+        return self.run(self.sched.build(), writes)
+
+    def run(self, meta, writes):
+        """The worker's part of a step planned earlier (async scheduling plans ahead)."""
         self.worker.bind(meta)
         self.worker.start_load(meta)
         for layer, name in enumerate(NAMES):
@@ -244,7 +247,7 @@ def test_lookup_timeout_answers_ask_again(srv):
     # A server that cannot answer in time (stopped, not gone: the connection stays up).
     # A tiny deadline instead is a race: a fast loopback answer can beat its timer.
     a.sched.client.timeout = 0.3
-    os.kill(srv.proc.pid, signal.SIGSTOP)
+    sigstop(srv.proc.pid)
     try:
         assert a.sched.hit("t", prompt(64, 14), 0) is None
     finally:
@@ -276,3 +279,274 @@ def test_keys_match_across_processes_and_ranks(srv):
     w1.wait_for_save()
     assert sched.hit("y", tokens, 0) == 48
     dataclasses.replace(cfg)                 # the config is a frozen value
+
+
+def stored_pages(address, lay, keys):
+    """The store's bytes of each key, read by a client that attached after any restart."""
+    with KVStoreClient(address) as c:
+        return c.get(c.register_layout(lay), keys)
+
+
+def expected_pages(tokens, pages, page_tokens=BLOCK):
+    """What kv_value puts in each of the first `pages` pages, as the store lays them out."""
+    out = []
+    for p in range(pages):
+        pos = torch.arange(p * page_tokens, (p + 1) * page_tokens)
+        slabs = [kv_value(layer, pos, torch.as_tensor(tokens[pos])).contiguous()
+                 for layer in range(LAYERS)]
+        out.append(torch.cat([s.reshape(-1) for s in slabs]).numpy().view(np.uint8))
+    return np.stack(out)
+
+
+def restart(srv, how, tmp_path):
+    if how == "sigkill":
+        srv.stop(signal.SIGKILL)
+    else:
+        assert srv.stop(signal.SIGTERM) == 0        # the disk tier keeps every page
+    srv.start()
+
+
+@pytest.mark.parametrize("how", ["sigkill", "sigterm-disk"])
+def test_after_a_restart_saves_and_loads_use_the_new_pool(fresh_server, tmp_path, how):
+    """Every offset is used with the mapping of the server that issued it: an engine that
+    mapped the pool before a restart saves into and loads from the new one."""
+    srv = fresh_server(dram="64MiB", disk="64MiB", disk_dir=str(tmp_path / "disk"))
+    a, b = Engine(srv.address), Engine(srv.address)
+    old = prompt(64, 20)
+    a.run_prompt("old", old)                            # both map the first pool
+    hit, blocks, _, errors = b.run_prompt("warm", old)
+    assert hit == 48 and not errors
+    restart(srv, how, tmp_path)
+    # A's first save after the restart: the store must hold exactly what A computed.
+    new = prompt(64, 21)
+    a.run_prompt("new", new)
+    keys = a.sched._keys_upto(a.sched._requests["new"], 4)
+    same = stored_pages(srv.address, a.layout, keys) == expected_pages(new, 4)
+    assert same.all(axis=1).tolist() == [True] * 4, "the store holds other bytes than A computed"
+    # B's first load after the restart reads the pages the new server holds.
+    for tokens, req in ((new, "b-new"), (old, "b-old")):
+        hit, blocks, _, errors = b.run_prompt(req, tokens)
+        if how == "sigkill" and req == "b-old":
+            assert hit == 0                             # gone with the DRAM pool
+            continue
+        assert hit == 48 and not errors, (req, hit, errors)
+        b.expect_kv(blocks, tokens, 64)
+    for e in (a, b):
+        e.close()
+
+
+def in_store(address, lay, keys):
+    with KVStoreClient(address) as c:
+        return c.exists(c.register_layout(lay), keys)
+
+
+def test_a_request_sharing_blocks_of_a_failed_load_stores_nothing_of_that_step(srv):
+    """R2 reads R1's blocks through the engine's prefix cache in the step R1 loads them;
+    R1's load fails: R2's pages of that step were computed over KV that never arrived."""
+    a = Engine(srv.address)
+    tokens = prompt(64, 30)
+    a.run_prompt("a", tokens)
+    b = Engine(srv.address)
+    assert b.sched.hit("r1", tokens, 0) == 48
+    b1 = b.alloc(64)
+    b.sched.allocated("r1", b1, 48)
+    b.sched.scheduled("r1", tokens, 48, 16, block_ids=b1)
+    t2 = np.concatenate([tokens[:48], prompt(40, 31)])     # shares R1's three pages
+    assert b.sched.hit("r2", t2, 48) == 0                  # the engine's own hit covers them
+    b2 = b1[:3] + b.alloc(40)
+    b.sched.allocated("r2", b2, 0)
+    b.sched.scheduled("r2", t2, 48, 40, block_ids=b2)
+    srv.stop(signal.SIGKILL)                               # the pages are gone
+    srv.start()
+    _, _, errors = b.step([(b1, tokens, 48, 64), (b2, t2, 48, 88)])
+    assert errors == set(b1[:3])
+    r2_keys = b.sched._keys_upto(b.sched._requests["r2"], 5)[3:]
+    assert in_store(srv.address, b.layout, r2_keys) == [False, False]
+    assert b.sched.load_failed_blocks(errors) == ["r1"]
+    # R2 saves nothing more, whatever restart point the engine picks for it.
+    b.sched.scheduled("r2", t2, 0, 88, block_ids=b2)
+    assert not b.sched.build().saves
+    b.close()
+
+
+def test_async_scheduling_next_chunk_of_a_failed_load_is_not_stored(srv):
+    """Under AsyncScheduler step N+1 is planned before step N's load is known to have
+    failed: the failed request's next chunk must not reach the store, and what it then
+    recomputes must."""
+    a = Engine(srv.address)
+    tokens = prompt(96, 32)
+    a.run_prompt("a", tokens[:64])                         # the store holds pages 0-3
+    b = Engine(srv.address, lag=2)
+    assert b.sched.hit("r", tokens, 0) == 64
+    blocks = b.alloc(96)
+    b.sched.allocated("r", blocks, 64)
+    b.sched.scheduled("r", tokens, 64, 16, block_ids=blocks)     # chunk 1: 64-79
+    step_n = b.sched.build()
+    b.sched.scheduled("r", tokens, 80, 16, block_ids=blocks)     # chunk 2: 80-95
+    step_n1 = b.sched.build()
+    assert step_n1.saves[0].after == (step_n.loads[0].load_id,)
+    srv.stop(signal.SIGKILL)
+    srv.start()
+    _, _, errors = b.run(step_n, [(blocks, tokens, 64, 80)])
+    assert errors == set(blocks[:4])
+    b.run(step_n1, [(blocks, tokens, 80, 96)])
+    keys = b.sched._keys_upto(b.sched._requests["r"], 6)
+    assert in_store(srv.address, b.layout, keys) == [False] * 6
+    # The engine hears of the failure and recomputes the request from page 0: now every
+    # page it computes is stored, byte-exact.
+    assert b.sched.load_failed_blocks(errors) == ["r"]
+    b.sched.scheduled("r", tokens, 0, 96, block_ids=blocks)
+    b.step([(blocks, tokens, 0, 96)])
+    same = stored_pages(srv.address, b.layout, keys) == expected_pages(tokens, 6)
+    assert same.all(axis=1).tolist() == [True] * 6
+    b.close()
+
+
+def test_a_lease_not_acted_on_is_dropped_on_every_early_exit(srv):
+    a = Engine(srv.address)
+    tokens = prompt(64, 33)
+    a.run_prompt("a", tokens)
+    b = Engine(srv.address)
+    assert b.sched.hit("r", tokens, 0) == 48               # leased; the engine cannot
+    assert b.sched.hit("r", tokens, 48) == 0               # allocate, then asks again with
+    b.sched.build()                                        # a local hit covering it all
+    with KVStoreClient(srv.address) as c:
+        assert c.stats().leases == 0
+    assert b.sched.hit("r2", tokens, 0) == 48
+    b.sched.allocated("r2", b.alloc(64), 0)                # allocated, loading nothing
+    b.sched.build()
+    with KVStoreClient(srv.address) as c:
+        assert c.stats().leases == 0
+    b.close()
+
+
+def test_a_hung_store_costs_one_timeout_then_no_hits_until_a_probe_answers(srv):
+    a = Engine(srv.address, lookup_timeout=0.3, probe_interval=1.0)
+    tokens = prompt(64, 34)
+    a.run_prompt("a", tokens)
+    sigstop(srv.proc.pid)
+    try:
+        start = time.monotonic()
+        answers = [a.sched.hit(f"r{i}", tokens, 0) for i in range(5)]
+        first = time.monotonic() - start
+        assert answers == [None, 0, 0, 0, 0]
+        assert first < 0.3 * 2 + 0.5, first                # one timed-out lookup, no more
+        # The request that heard "ask again" is not held back: no hit, at once.
+        start = time.monotonic()
+        assert [a.sched.hit("r0", tokens, 0) for _ in range(5)] == [0] * 5
+        a.sched.build()
+        assert time.monotonic() - start < 0.1
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+    time.sleep(1.0)                                        # a probe is due: it answers
+    assert a.sched.hit("late", tokens, 0) == 48
+    a.close()
+
+
+def test_lease_is_held_until_the_step_that_loads_has_come_back(srv):
+    """Under async scheduling the next step is planned before the worker has pinned the
+    pages of this one: an evict in that window must not take them."""
+    a = Engine(srv.address)
+    tokens = prompt(64, 35)
+    a.run_prompt("a", tokens)
+    b = Engine(srv.address, lag=2)
+    assert b.sched.hit("r", tokens, 0) == 48
+    blocks = b.alloc(64)
+    b.sched.allocated("r", blocks, 48)
+    b.sched.scheduled("r", tokens, 48, 16, block_ids=blocks)
+    step_n = b.sched.build()
+    b.sched.build()                                        # step N+1 planned
+    with KVStoreClient(srv.address) as c:
+        c.evict(everything=True, tier="all")
+        assert c.stats().leases == 1                       # the lookup lease still holds
+    _, _, errors = b.run(step_n, [(blocks, tokens, 48, 64)])
+    assert not errors
+    b.expect_kv(blocks, tokens, 64)
+    b.sched.build()                                        # step N's outcome is back
+    with KVStoreClient(srv.address) as c:
+        assert wait_leases_gone(c)
+    b.close()
+
+
+def wait_leases_gone(client, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while client.stats().leases:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+class _FailedCopy:
+    """A load whose copies fail on the device."""
+
+    def wait_layer(self, layer):
+        pass
+
+    def synchronize(self):
+        from connector.transfer import TransferError
+        raise TransferError("injected: the copy failed on the device")
+
+
+def test_a_load_failing_on_one_rank_keeps_every_rank_from_storing_over_it(srv):
+    """With tensor parallelism every rank's KV after the first layer depends on every
+    rank's attention: when rank 0's load fails, rank 1's pages of that step are wrong too,
+    though rank 1's own load succeeded. Rank 1 hears of it from the scheduler half."""
+    r0, r1 = layout(tp_rank=0, tp_size=2), layout(tp_rank=1, tp_size=2)
+    cfg = ConnectorConfig(server=srv.address, lookup_timeout=5.0)
+    sched = SchedulerHalf(cfg, [r0, r1], BLOCK)
+    tokens = prompt(64, 36)
+    fill = {n: torch.zeros((2, BLOCKS, BLOCK, HEADS, HEAD)) for n in NAMES}
+    for layer, name in enumerate(NAMES):
+        pos = torch.arange(64)
+        fill[name][:, pos // BLOCK, pos % BLOCK] = kv_value(layer, pos, torch.as_tensor(tokens))
+    with KVStoreClient(srv.address) as c:                  # both ranks hold pages 0-2
+        for lay in (r0, r1):
+            ns = c.register_layout(lay)
+            keys = sched._keys_upto(sched._state("seed", tokens), 3)
+            c.put(ns, keys, expected_pages(tokens, 3))
+    ranks = [WorkerHalf(cfg, lay, {n: torch.full_like(t, -1.0) for n, t in fill.items()})
+             for lay in (r0, r1)]
+    ranks[0].transfer.load = lambda *args: _FailedCopy()
+    assert sched.hit("r", tokens, 0) == 48
+    blocks = list(range(4))
+    sched.allocated("r", blocks, 48)
+    sched.scheduled("r", tokens, 48, 16, block_ids=blocks)
+    meta = sched.build()
+    errors = set()
+    for w in ranks:
+        w.bind(meta)
+        w.start_load(meta)
+        for layer, name in enumerate(NAMES):
+            w.wait_for_layer(name)
+            pos = torch.arange(48, 64)
+            w.transfer.layers[layer][:, pos // BLOCK, pos % BLOCK] = \
+                kv_value(layer, pos, torch.as_tensor(tokens[48:]))
+            w.save_layer(name)
+        w.wait_for_save()
+        w.finished()
+        errors |= w.load_errors()
+    assert errors == {0, 1, 2}                              # only rank 0 failed
+    page3 = sched._keys_upto(sched._requests["r"], 4)[3:]
+    assert in_store(srv.address, r1, page3) == [False]     # rank 1 holds its commit
+    assert sched.load_failed_blocks(errors) == ["r"]
+    meta = sched.build()
+    assert meta.loads_failed == (1,)
+    ranks[1].bind(meta)
+    assert in_store(srv.address, r1, page3) == [False]     # ... and drops it
+    with KVStoreClient(srv.address) as c:
+        assert wait_leases_gone(c)
+    for w in ranks:
+        w.close()
+    sched.close()
+
+
+def sigstop(pid: int) -> None:
+    """Stop the process and wait until it is stopped (delivery is asynchronous)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.01)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import os
+import signal
+import time
 
 import pytest
 
@@ -249,3 +252,61 @@ def test_get_stats_reports_sglangs_storage_metrics(store):
     assert len(stats.backup_bandwidth) == 1 and stats.backup_bandwidth[0] > 0
     assert len(stats.prefetch_bandwidth) == 1 and stats.prefetch_bandwidth[0] > 0
     assert backend.get_stats() == StorageMetrics()   # reset by reading
+
+
+@pytest.mark.parametrize("how", ["sigkill", "sigterm-disk"])
+def test_after_a_restart_pages_move_through_the_new_pool(fresh_server, tmp_path, how):
+    """A backend that mapped the pool before a restart writes into and reads from the
+    restarted server's pool: every offset with the mapping that issued it."""
+    srv = fresh_server(dram="256MiB", disk="256MiB", disk_dir=str(tmp_path / "disk"))
+    pool = _filled("mha", "page_first")
+    writer, reader = _backend(srv, pool), _backend(srv, pool)
+    old = _keys(2)
+    assert writer.batch_set_v1(old, _indices(pool, [0, 1])) == [True, True]
+    assert reader.batch_get_v1(old, _indices(pool, [6, 7])) == [True, True]   # both mapped
+    if how == "sigkill":
+        srv.stop(signal.SIGKILL)
+    else:
+        assert srv.stop(signal.SIGTERM) == 0
+    srv.start()
+    new = _keys(2)
+    assert writer.batch_set_v1(new, _indices(pool, [2, 3])) == [True, True]
+    assert reader.batch_get_v1(new, _indices(pool, [4, 5])) == [True, True]
+    assert [_tokens(pool, p) for p in (4, 5)] == [_tokens(pool, p) for p in (2, 3)]
+    if how == "sigterm-disk":                  # pages written before the restart, too
+        assert reader.batch_get_v1(old, _indices(pool, [8, 9])) == [True, True]
+        assert [_tokens(pool, p) for p in (8, 9)] == [_tokens(pool, p) for p in (0, 1)]
+
+
+def test_a_hung_store_costs_one_timeout_then_misses_until_a_probe_answers(fresh_server):
+    srv = fresh_server(dram="256MiB")
+    pool = _filled("mha", "layer_first")
+    backend = _backend(srv, pool, timeout=0.5, probe_interval=1.0)
+    keys = _keys(2)
+    assert backend.batch_set_v1(keys, _indices(pool, [0, 1])) == [True, True]
+    sigstop(srv.proc.pid)
+    try:
+        start = time.monotonic()
+        assert backend.batch_exists(keys) == 0                  # times out once
+        assert time.monotonic() - start < 1.5
+        start = time.monotonic()
+        for _ in range(5):                                      # then answers at once
+            assert backend.batch_exists(keys) == 0
+            assert backend.batch_get_v1(keys, _indices(pool, [2, 3])) == [False, False]
+            assert backend.batch_set_v1(_keys(1), _indices(pool, [4])) == [False]
+        assert time.monotonic() - start < 0.2
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+    time.sleep(1.0)                                             # a probe is due
+    assert backend.batch_exists(keys) == 2
+
+
+def sigstop(pid: int) -> None:
+    """Stop the process and wait until it is stopped (delivery is asynchronous)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.01)
