@@ -19,19 +19,26 @@ import pytest
 
 from kvstore_bench.serverproc import ServerProcess
 
-yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (pip install pyyaml)")
-
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
+# The commands in the files (kvstore-server, kvstore-admin) are the package's scripts:
+# look for them beside this Python first, as in the image, where the venv is on PATH.
+PATH = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 
 
+def yaml_module():
+    """PyYAML, or a skip of the calling test that says it is missing."""
+    return pytest.importorskip("yaml", reason="PyYAML is not installed (pip install pyyaml)")
+
+
 def load_yaml_docs(path: Path) -> list[dict]:
+    yaml = yaml_module()
     with open(path) as f:
         return [d for d in yaml.safe_load_all(f) if d is not None]
 
@@ -107,15 +114,16 @@ def with_port(argv: list[str], old: str, new: str) -> list[str]:
 
 def run(argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
     """Run a command line from a file; its program must be on PATH (ours: the venv's bin)."""
-    assert shutil.which(argv[0]), f"{argv[0]} is not on PATH"
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    assert shutil.which(argv[0], path=PATH), f"{argv[0]} is not on {PATH}"
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PATH": PATH})
 
 
 class CommandServer(ServerProcess):
     """A server started by a command line from a file rather than by ServerProcess's own."""
 
     def __init__(self, argv: list[str], address: str, env: dict[str, str]) -> None:
-        super().__init__(port=int(address.rpartition(":")[2]), env=env)
+        super().__init__(port=int(address.rpartition(":")[2]), env={**env, "PATH": PATH})
         self.argv = argv
 
     def start(self, wait: float = 30.0) -> "CommandServer":

