@@ -11,7 +11,7 @@ import re
 import pytest
 
 from connector.config import ConnectorConfig
-from kvstore_client.units import parse_size
+from kvstore_client.units import parse_duration, parse_size
 from kvstore_server.auth import parse_auth_file
 from kvstore_server.config import load_config
 
@@ -96,7 +96,7 @@ def test_k8s_memory_is_sized_from_the_pool():
 def test_k8s_grace_covers_drain_and_flush():
     config = tomllib.loads(_configmap_toml())
     spec = k8s_object("DaemonSet", "kvstore")["spec"]["template"]["spec"]
-    flush = float(config["flush_timeout"].rstrip("s"))
+    flush = parse_duration(config["flush_timeout"])
     assert spec["terminationGracePeriodSeconds"] >= 5 + flush + 10
 
 
