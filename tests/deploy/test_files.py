@@ -191,3 +191,13 @@ def test_image_sets_no_kvstore_settings():
     # silently override the TOML an operator mounts.
     env = " ".join(rest for word, rest in final_stage(dockerfile()) if word == "ENV")
     assert "KVSTORE_" not in env
+
+
+def test_image_copies_every_package_folder():
+    """The build stage copies folders one by one (so a change to tests or docs does not
+    rebuild it): a package added to pyproject.toml must be copied too."""
+    project = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {project.get("package-dir", {}).get(p.split(".")[0], p.split(".")[0])
+               for p in project["packages"]}
+    copied = {rest.split()[0] for word, rest in dockerfile() if word == "COPY"}
+    assert folders <= copied, f"deploy/Dockerfile does not copy {sorted(folders - copied)}"
