@@ -241,3 +241,24 @@ def test_k8s_engine_reaches_the_node_store(k8s_server, engine):
         with pytest.raises(KVStoreError) as info:
             client.register_layout(LAYOUT)
         assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_k8s_init_container_hands_the_folders_to_the_store(tmp_path):
+    """prepare-dirs' command on temporary folders: owner 10001, the pool folder 0750 (group
+    may enter, to open the 0660 pool file), the disk folder 0700."""
+    if os.geteuid() != 0:
+        pytest.skip("chown to uid 10001 needs root")
+    spec = k8s_object("DaemonSet", "kvstore")["spec"]["template"]["spec"]
+    init = container(spec, "prepare-dirs")
+    argv = init["command"]
+    modes = {}
+    for m in init["volumeMounts"]:
+        folder = tmp_path / m["name"]
+        folder.mkdir()
+        argv = [a.replace(m["mountPath"], str(folder)) for a in argv]
+        modes[m["name"]] = folder
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    for name, mode in (("pool", 0o750), ("disk", 0o700)):
+        st = os.stat(modes[name])
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (10001, 10001, mode), name
