@@ -124,4 +124,6 @@ def test_image_builds_starts_and_answers_health(tmp_path):
         server.terminate()
         server.wait(timeout=30)
         subprocess.run(BUILDAH + ["rm", ctr], capture_output=True)
+        # vfs keeps a full copy per image (~0.5 GB): keep the base, drop the build.
+        subprocess.run(BUILDAH + ["rmi", IMAGE], capture_output=True)
     assert f"listening on 127.0.0.1:{port}" in log, log
