@@ -95,6 +95,10 @@ class Region:
         self.mem[TOKEN_OFFSET:TOKEN_OFFSET + TOKEN_BYTES] = np.frombuffer(self.token, np.uint8)
         self.locked = False
 
+    def dup_fd(self) -> int:
+        """A descriptor of the pool of the caller's own (close it when done)."""
+        return os.dup(self._fd)
+
     def _file(self, allocate: bool) -> int:
         """The pool as a file at self.path, which clients open (mode 0600)."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

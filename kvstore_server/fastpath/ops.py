@@ -71,8 +71,9 @@ class Ops:
         self.auth_on = auth_on
         self.send_mode = send_mode
         self.mem = memoryview(store.mem)
-        # Our own descriptor of the pool's file, for sendfile (read-only is enough).
-        self.pool_fd = os.open(store.region.path, os.O_RDONLY)
+        # Our own descriptor of the pool, for sendfile: a duplicate of the region's, since
+        # with --shm-group the pool is a memfd and its path is the hand-out socket.
+        self.pool_fd = store.region.dup_fd()
 
     def close(self) -> None:
         if self.pool_fd >= 0:

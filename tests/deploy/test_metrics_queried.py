@@ -52,9 +52,10 @@ def scrape(tmp_path_factory):
                        metrics_port=port) as srv:
         layout = PageLayout(model="deploy-metrics", num_layers=2, page_tokens=4,
                             num_kv_heads=2, head_size=16)
-        keys = [b"deploy-key-%06d" % i for i in range(8)]
-        for shm in (False, True):
-            with KVStoreClient(srv.address, shared_memory=shm) as c:
+        # gRPC and the fast path each name their calls in kvstore_rpc_*: drive both.
+        for run, (shm, fast) in enumerate(((False, False), (True, False), (True, True))):
+            keys = [b"deploy-key-%d-%06d" % (run, i) for i in range(8)]
+            with KVStoreClient(srv.address, shared_memory=shm, data_plane=fast) as c:
                 ns = c.register_layout(layout)
                 c.put(ns, keys[:4], np.ones((4, ns.page_bytes), dtype=np.uint8))
                 assert c.lookup(ns, keys) == 4
