@@ -429,7 +429,7 @@ def report(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(prog="kvstore-bench fastpath", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=5, help="runs, each measuring everything")
     p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")

@@ -112,7 +112,7 @@ class Ops:
 
     def acquire(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
         layout, keys, ttl = self._same_host(s, body)
-        pinned = self.store.acquire(layout, _keys(keys), ttl=ttl)
+        pinned = self.store.acquire(layout, _keys(keys), ttl=ttl, quota=s.caller().quota_bytes)
         s.took(pinned.lease_id)
         return fw.LEASE.pack(pinned.lease_id) + fw.u64(pinned.offsets)
 
@@ -168,7 +168,9 @@ class Ops:
             raise StoreError(Outcome.INVALID, (
                 f"a GET of {keys.n} pages is {total} bytes, more than the whole pool "
                 f"({self.store.pool.capacity_bytes}): ask for fewer at once"))
-        pinned = self.store.acquire(layout, _keys(keys), ttl=FOREVER)
+        # Pages read back from disk are charged like a put: the tenant's quota holds.
+        pinned = self.store.acquire(layout, _keys(keys), ttl=FOREVER,
+                                    quota=s.caller().quota_bytes)
         try:
             info = pinned.info
             pb = info.page_bytes

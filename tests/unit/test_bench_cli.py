@@ -52,7 +52,7 @@ def test_bad_option_names_the_benchmark():
 
 
 # The benchmarks with a --quick smoke run; sglang's needs SGLang (make test-sglang's venv).
-QUICK = ["store", "shm", "disk", "sglang"]
+QUICK = ["store", "fastpath", "shm", "disk", "sglang"]
 
 
 @pytest.mark.slow
