@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from kvstore_connector.config import ConnectorConfig, LoadMode, Role   # noqa: E402
 from kvstore_connector.scheduler import SchedulerHalf                   # noqa: E402
 from kvstore_connector.worker import WorkerHalf                         # noqa: E402
-from kvstore_bench.serverproc import ServerProcess              # noqa: E402
+from kvstore_bench.serverproc import ServerProcess, sigstop     # noqa: E402
 from kvstore_client import KVStoreClient, PageLayout            # noqa: E402
 
 LAYERS, BLOCKS, BLOCK, HEADS, HEAD = 3, 64, 16, 2, 8
@@ -540,13 +540,3 @@ def test_a_load_failing_on_one_rank_keeps_every_rank_from_storing_over_it(srv):
         w.close()
     sched.close()
 
-
-def sigstop(pid: int) -> None:
-    """Stop the process and wait until it is stopped (delivery is asynchronous)."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
-                return
-        time.sleep(0.01)

@@ -19,6 +19,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvstore_connector.sglang import KVStoreHiCacheStorage, store_key
+from kvstore_bench.serverproc import sigstop
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 PAGES = 6
@@ -300,13 +301,3 @@ def test_a_hung_store_costs_one_timeout_then_misses_until_a_probe_answers(fresh_
     time.sleep(1.0)                                             # a probe is due
     assert backend.batch_exists(keys) == 2
 
-
-def sigstop(pid: int) -> None:
-    """Stop the process and wait until it is stopped (delivery is asynchronous)."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
-                return
-        time.sleep(0.01)

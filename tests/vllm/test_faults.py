@@ -48,7 +48,7 @@ from harness import (  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 
 from connector.hashing import page_keys  # noqa: E402
-from kvstore_bench.serverproc import ServerProcess  # noqa: E402
+from kvstore_bench.serverproc import ServerProcess, sigstop  # noqa: E402
 from kvstore_client import KVStoreClient  # noqa: E402
 
 SHAPE = ModelShape()
@@ -400,13 +400,3 @@ def test_a_hung_store_holds_no_request_back(model_dir, tmp_path, scheduler):
         os.kill(server.proc.pid, signal.SIGCONT)
         server.stop()
 
-
-def sigstop(pid: int) -> None:
-    """Stop the process and wait until it is stopped (delivery is asynchronous)."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
-                return
-        time.sleep(0.01)
