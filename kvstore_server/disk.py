@@ -8,8 +8,12 @@ A page's life here (the DRAM side is in store.py; the bytes on disk in slotfile.
        ▼  the least recently used page's) and writes payload + header in one pwritev
     READY ◄──touch── read_into, and an offer of a page already here (no second write)
        ├─ evicted when a write needs room, or by evict(): its slot is rewritten, or blanked
-       │   (a punched hole) so the page cannot come back at restart
-       └─ delete: the same; a slot being read is freed only when the read ends
+       │   (a punched hole) in the writer's next round. A kill before that round ends
+       │   can bring an evicted page back at restart, with its right bytes (a key names
+       │   its contents); the rebuild then evicts down to the capacity
+       └─ delete: the same, and it returns only once the slot is blank or rewritten, even
+           for a page evicted just before it (_durable): a deleted key never comes back.
+           A slot being read is freed only when the read ends
 
 Inclusive: a page read back stays here until this tier evicts it, so when DRAM evicts it
 again the offer costs nothing. A key names its page's contents (keys are unique within a
@@ -237,6 +241,11 @@ class DiskTier:
         self._file_of: list[SlotFile] = []
         self._name_of: list[tuple[bytes, bytes] | None] = []     # (layout, key) if READY
         self._discard: set[int] = set()     # freed ids whose slots are still to be blanked
+        # (layout, key) of pages forgotten here -> the writer round current when they were:
+        # their slots may still hold them until the next round ends. A delete of one must
+        # wait for that round though it no longer holds the page (_durable). Pruned as
+        # rounds end, so it holds at most the pages freed in about one round.
+        self._unblanked: dict[tuple[bytes, bytes], int] = {}
         # Writer rounds (see _durable): started, finished, and the one a delete waits for.
         self._rounds = self._rounds_done = self._rounds_wanted = 0
         self._next_gen = 1
@@ -372,7 +381,7 @@ class DiskTier:
                     self._drop(sid)
                     dropped.append(sid)
                 held += entry is not None or sid is not None
-            if held:
+            if held or self._freed_since_round(layout_id, keys):
                 self._durable(dropped)
             return held
 
@@ -415,7 +424,7 @@ class DiskTier:
             for sid in victims.tolist():
                 self._drop(sid)
             self.counters["evictions"] += len(victims)
-            if nbytes is None and victims.size:     # a layout or everything: as a delete
+            if nbytes is None and (victims.size or self._unblanked):   # as a delete
                 self._durable(victims.tolist())
             return len(victims), freed
 
@@ -524,6 +533,7 @@ class DiskTier:
         layout_id, key = self._name_of[sid]
         del self._index[layout_id][key]
         self._name_of[sid] = None
+        self._unblanked[layout_id, key] = self._rounds
         self._pages -= 1
         self._policy.remove(np.array([sid]))
         if self._pins[sid]:
@@ -570,6 +580,15 @@ class DiskTier:
                             "(the writer took over %.0fs); a kill now could bring the "
                             "pages back", DURABLE_WAIT)
                 return
+
+    def _freed_since_round(self, layout_id: bytes, keys: Sequence[bytes]) -> bool:
+        """Whether any of these pages was forgotten here (evicted, most often) so recently
+        that its slot may not be blank yet: a slot freed while round r was the latest
+        started is blank or rewritten once round r + 1 has ended."""
+        if not self._unblanked:
+            return False
+        done = self._rounds_done
+        return any(self._unblanked.get((layout_id, key), -1) >= done for key in keys)
 
     def _enough(self, victims: np.ndarray, nbytes: int) -> int:
         """How many of the victims (in order) free at least nbytes."""
@@ -666,6 +685,9 @@ class DiskTier:
                     self._fail(exc)
             with self._lock:                # a delete may wait for this round (_durable)
                 self._rounds_done = round_
+                if self._unblanked:
+                    self._unblanked = {name: r for name, r in self._unblanked.items()
+                                       if r >= round_}
                 self._wake.notify_all()
 
     def _take_batch(self) -> list[_Pending]:

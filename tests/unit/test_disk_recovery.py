@@ -82,6 +82,51 @@ def test_a_delete_is_durable_once_it_returns(tmp_path):
         tier.close()
 
 
+_CHILD_EVICTED = textwrap.dedent("""
+    import sys, time
+    from kvstore_server import slotfile
+    from kvstore_server.disk import DiskTier
+    from kvstore_server.slotfile import slot_bytes_for
+    from tests.unit.test_disk import LAYOUT, KiB, fill, key
+
+    blank = slotfile.SlotFile.blank
+    def slow_blank(self, idx, *args):
+        time.sleep(0.5)
+        return blank(self, idx, *args)
+    slotfile.SlotFile.blank = slow_blank
+
+    # Eight 8 KiB pages fill the tier; one 16 KiB page evicts the two oldest, whose slots
+    # (another size class) are freed, not reused: they wait for the writer to blank them.
+    tier = DiskTier(sys.argv[1], 8 * slot_bytes_for(8 * KiB))
+    fill(tier, [key(i) for i in range(8)], 8 * KiB)
+    fill(tier, [key(100)], 16 * KiB)
+    print(tier.delete(LAYOUT, [key(0), key(1)]), flush=True)
+    time.sleep(60)
+""")
+
+
+def test_a_delete_of_an_evicted_page_is_durable_too(tmp_path):
+    """A page the tier evicted is gone from its index before its slot is blanked. A delete
+    of it then holds nothing here, but the client was told the key is deleted: a SIGKILL
+    right after must not bring the page back from its not-yet-blanked slot."""
+    folder = tmp_path / "disk"
+    child = subprocess.Popen([sys.executable, "-c", _CHILD_EVICTED, str(folder)],
+                             stdout=subprocess.PIPE, text=True,
+                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    try:
+        assert child.stdout.readline().strip() == "0"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    tier = DiskTier(str(folder), 64 << 20)
+    try:
+        assert tier.contains(LAYOUT, [key(i) for i in range(8)]).tolist() == \
+            [False] * 2 + [True] * 6
+        assert tier.contains(LAYOUT, [key(100)]).tolist() == [True]
+    finally:
+        tier.close()
+
+
 def test_a_slot_of_the_wrong_length_is_corrupt(tiers, tmp_path):
     """A header that checks out but whose payload length is not the reader's page size
     (a page of another size class written under this key, or a forged file) is dropped
