@@ -60,6 +60,9 @@ class LayoutHandle:
 class PutResult:
     stored: int     # pages newly stored
     skipped: int    # keys that were already present
+    # Keys another put was still writing: not stored by this call, and stored at all only
+    # if that writer commits (look them up again later to know).
+    in_flight: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -240,7 +243,7 @@ class KVStoreClient:
             with self.reserve(ns, keys) as res:
                 copy_pages(by_page, res.region.mem, res.offsets, to_pool=True)
                 stored = res.commit()
-            return PutResult(stored, res.skipped)
+            return PutResult(stored, res.skipped, res.in_flight)
         mv = memoryview(flat)
         got = self._data.call("Put", ns, lambda f: f.put(ns.layout_id, *packed_keys(keys), mv))
         if got is not USE_GRPC:
@@ -257,7 +260,7 @@ class KVStoreClient:
             return self._put(messages(), timeout=self._timeout_for(total))
 
         resp = self._call("Put", call, ns)
-        return PutResult(resp.stored, resp.skipped)
+        return PutResult(resp.stored, resp.skipped, resp.in_flight)
 
     def lookup(self, ns: LayoutHandle | Sequence[LayoutHandle], keys: Sequence[bytes]) -> int:
         """How many leading keys are stored (in every layout, when several are given)."""
@@ -473,7 +476,7 @@ class KVStoreClient:
         if got is not USE_GRPC:
             region, r = got
             return Reservation(ns, r.lease_id, r.offsets, r.skipped, region,
-                               self._commit_lease, self._abort_lease)
+                               self._commit_lease, self._abort_lease, r.in_flight)
         packed = self._packed(keys)
 
         def call():
@@ -489,7 +492,7 @@ class KVStoreClient:
         region, resp = self._call("Reserve", call, ns)
         offsets = np.frombuffer(resp.offsets, dtype="<i8")
         return Reservation(ns, resp.lease_id, offsets, resp.skipped, region,
-                           self._commit_lease, self._abort_lease)
+                           self._commit_lease, self._abort_lease, resp.in_flight)
 
     def acquire(self, ns: LayoutHandle, keys: Sequence[bytes], lease_ms: int = 0) -> Acquired:
         """Pin the pages of keys in the shared pool and return read-only views of them;

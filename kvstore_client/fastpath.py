@@ -50,14 +50,17 @@ class FastPathUnavailable(ConnectionError):
 
 
 class FastLease:
-    """What acquire and reserve answer: a lease id, the pages' pool offsets, skipped."""
+    """What acquire and reserve answer: a lease id, the pages' pool offsets, and for a
+    reserve the keys already stored (skipped) and those another put is writing."""
 
-    __slots__ = ("lease_id", "offsets", "skipped")
+    __slots__ = ("lease_id", "offsets", "skipped", "in_flight")
 
-    def __init__(self, lease_id: int, offsets: np.ndarray, skipped: int = 0) -> None:
+    def __init__(self, lease_id: int, offsets: np.ndarray, skipped: int = 0,
+                 in_flight: int = 0) -> None:
         self.lease_id = lease_id
         self.offsets = offsets
         self.skipped = skipped
+        self.in_flight = in_flight
 
 
 def _keys_body(layout_id: bytes, key_size: int, packed: bytes) -> bytes:
@@ -249,8 +252,9 @@ class FastPath:
             key_size, packed)
         answer = self._leased("Reserve", lambda c: self._simple(c, fw.Op.RESERVE, body,
                                                                 "Reserve"))
-        lease_id, skipped = fw.RESERVED.unpack_from(answer)
-        return FastLease(lease_id, fw.unpack_u64(answer[fw.RESERVED.size:]).copy(), skipped)
+        lease_id, skipped, in_flight = fw.RESERVED.unpack_from(answer)
+        return FastLease(lease_id, fw.unpack_u64(answer[fw.RESERVED.size:]).copy(), skipped,
+                         in_flight)
 
     def _end(self, op: fw.Op, method: str, lease_id: int) -> int:
         answer = self._leased(method, lambda c: self._simple(c, op, fw.LEASE.pack(lease_id),
@@ -287,11 +291,12 @@ class FastPath:
 
     # -- page bytes ---------------------------------------------------------------------
     def put(self, layout_id: bytes, key_size: int, packed: bytes, data: memoryview
-            ) -> tuple[int, int]:
-        """(stored, skipped); data: the pages, back to back, as one flat byte view."""
+            ) -> tuple[int, int, int]:
+        """(stored, skipped, in flight); data: the pages, back to back, as one flat byte
+        view."""
         body = _keys_body(layout_id, key_size, packed)
 
-        def call(c: Conn) -> tuple[int, int]:
+        def call(c: Conn) -> tuple[int, int, int]:
             c.send(fw.Op.PUT, body, data)
             return fw.PUT_DONE.unpack_from(c.answer(fw.Op.PUT, "Put")[1])
 

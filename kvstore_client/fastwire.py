@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 MAGIC = b"KF"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("<2sBBHHQQ")          # 24 bytes, see the diagram above
 assert HEADER.size == 24
 
@@ -66,10 +66,10 @@ class Op(enum.IntEnum):
     LOOKUP = 2       # layouts, keys, lease_ms -> leading keys present, lease id
     EXISTS = 3       # layout, keys -> one bit per key
     GET = 4          # layout, keys -> page bytes (pinned while sent)
-    PUT = 5          # layout, keys + page bytes -> stored, skipped
+    PUT = 5          # layout, keys + page bytes -> stored, skipped, in flight
     DELETE = 6       # layout, keys -> deleted
     ACQUIRE = 7      # same host: layout, keys, lease_ms, region token -> lease, offsets
-    RESERVE = 8      # same host: as ACQUIRE -> lease, skipped, offsets
+    RESERVE = 8      # same host: as ACQUIRE -> lease, skipped, in flight, offsets
     COMMIT = 9       # lease -> stored
     ABORT = 10       # lease -> aborted
     RELEASE = 11     # lease -> released
@@ -185,6 +185,7 @@ LAYOUT_HEAD = struct.Struct("<16s")       # EXISTS, GET, PUT, DELETE: layout id
 LEASED_HEAD = struct.Struct("<16s16sI")   # ACQUIRE, RESERVE: layout, region token, lease_ms
 LEASE = struct.Struct("<Q")               # COMMIT, ABORT, RELEASE: lease id; their answers
 COUNT_LEASE = struct.Struct("<QQ")        # LOOKUP answer: count, lease id
-PUT_DONE = struct.Struct("<II")           # PUT answer: stored, skipped
-RESERVED = struct.Struct("<QI")           # RESERVE answer: lease id, skipped; offsets follow
+PUT_DONE = struct.Struct("<III")          # PUT answer: stored, skipped, in flight
+RESERVED = struct.Struct("<QII")          # RESERVE answer: lease id, skipped, in flight;
+#                                          offsets follow
 COUNT = struct.Struct("<I")               # EXISTS answer (then the bitmap), DELETE answer

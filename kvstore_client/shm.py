@@ -131,11 +131,12 @@ class Reservation:
 
     def __init__(self, ns: "LayoutHandle", lease_id: int, offsets: np.ndarray, skipped: int,
                  region: SharedRegion, commit: Callable[[int], int],
-                 abort: Callable[[int], bool]) -> None:
+                 abort: Callable[[int], bool], in_flight: int = 0) -> None:
         self.ns = ns
         self.lease_id = lease_id
         self.offsets = offsets          # int64 byte offsets in the region, -1 = skipped
         self.skipped = skipped
+        self.in_flight = in_flight      # keys another put is writing: -1, not stored here
         self.region = region
         self._commit = commit
         self._abort = abort

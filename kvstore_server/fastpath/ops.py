@@ -120,7 +120,7 @@ class Ops:
         layout, keys, ttl = self._same_host(s, body)
         res = self.store.reserve(layout, _keys(keys), ttl=ttl, quota=s.caller().quota_bytes)
         s.took(res.lease_id)
-        return fw.RESERVED.pack(res.lease_id, res.skipped) + fw.u64(res.offsets)
+        return fw.RESERVED.pack(res.lease_id, res.skipped, res.in_flight) + fw.u64(res.offsets)
 
     def commit(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
         (lease_id,) = _unpack(fw.LEASE, body, 0)
@@ -231,7 +231,7 @@ class Ops:
                     recv_exact(s.sock, mem[off:off + (j - i) * pb])
             stored = self.store.commit(res.lease_id)
             committed = True
-            return fw.PUT_DONE.pack(stored, res.skipped)
+            return fw.PUT_DONE.pack(stored, res.skipped, res.in_flight)
         finally:
             if not committed:
                 self.store.abort(res.lease_id)

@@ -304,9 +304,9 @@ f.put({ns.layout_id!r}, 20, ks, data)
 # -- bounds and malformed frames ----------------------------------------------------------------
 @pytest.mark.parametrize("frame, words", [
     (b"\x16\x03\x01\x02\x00" + bytes(200), b"not a kvstore fast-path frame"),
-    (fw.HEADER.pack(b"KF", 1, fw.Op.LOOKUP, 0, 0, 1 << 60, 0), b"over the limit"),
-    (fw.HEADER.pack(b"KF", 1, fw.Op.GET, 0, 0, 0, 1 << 20), b"only PUT carries data"),
-    (fw.HEADER.pack(b"KF", 1, 77, 0, 0, 0, 0), b"unknown op"),
+    (fw.HEADER.pack(fw.MAGIC, fw.VERSION, fw.Op.LOOKUP, 0, 0, 1 << 60, 0), b"over the limit"),
+    (fw.HEADER.pack(fw.MAGIC, fw.VERSION, fw.Op.GET, 0, 0, 0, 1 << 20), b"only PUT carries data"),
+    (fw.HEADER.pack(fw.MAGIC, fw.VERSION, 77, 0, 0, 0, 0), b"unknown op"),
     (fw.encode_header(fw.Op.HELLO, 0), b"HELLO comes once"),
 ])
 def test_malformed_frames_get_an_error_and_close(srv, frame, words):

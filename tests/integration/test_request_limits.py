@@ -10,7 +10,8 @@ import grpc
 import numpy as np
 import pytest
 
-from kvstore_client import KVStoreClient, PageLayout
+from kvstore_client import KVStoreClient, PageLayout, PutResult
+
 from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client._proto.kvstore.v1 import kvstore_pb2_grpc
 
@@ -182,5 +183,11 @@ def test_a_put_of_keys_another_client_is_writing_says_in_flight(server):
                     data=b"".join(ks), key_size=len(ks[0])))),
                 pb.PutRequest(data=bytes(3 * ns.page_bytes))]), timeout=10)
             assert (reply.stored, reply.skipped, reply.in_flight) == (1, 0, 2)
+            # The client says it too, on each of its put paths.
+            assert other.put(ns, ks, bytes(3 * ns.page_bytes)) == PutResult(0, 1, 2)
+            with KVStoreClient(server.address) as third:
+                again = third.reserve(third.register_layout(LAYOUT), ks)
+                assert (again.skipped, again.in_flight) == (1, 2)
+                again.abort()
         finally:
             res.abort()

@@ -22,10 +22,13 @@ def test_header_round_trip():
 @pytest.mark.parametrize("raw, words", [
     (b"GET / HTTP/1.1\r\nHost: x\r\n", "not a kvstore fast-path frame"),
     (fw.HEADER.pack(b"KF", 9, 2, 0, 0, 0, 0), "version 9"),
-    (fw.HEADER.pack(b"KF", 1, 200, 0, 0, 0, 0), "unknown op 200"),
-    (fw.HEADER.pack(b"KF", 1, fw.Op.LOOKUP, 0, 0, fw.MAX_BODY + 1, 0), "over the limit"),
-    (fw.HEADER.pack(b"KF", 1, fw.Op.LOOKUP, 0, 0, 0, 1), "only PUT carries data"),
-    (fw.HEADER.pack(b"KF", 1, fw.Op.PUT, 0, 0, 0, fw.MAX_DATA + 1), "only PUT carries data"),
+    # Version 1 answered PUT and RESERVE without the in-flight count: a version 1 peer
+    # would read a version 2 RESERVE's offsets four bytes off, so it is refused.
+    (fw.HEADER.pack(b"KF", 1, 2, 0, 0, 0, 0), "version 1"),
+    (fw.HEADER.pack(fw.MAGIC, fw.VERSION, 200, 0, 0, 0, 0), "unknown op 200"),
+    (fw.HEADER.pack(fw.MAGIC, fw.VERSION, fw.Op.LOOKUP, 0, 0, fw.MAX_BODY + 1, 0), "over the limit"),
+    (fw.HEADER.pack(fw.MAGIC, fw.VERSION, fw.Op.LOOKUP, 0, 0, 0, 1), "only PUT carries data"),
+    (fw.HEADER.pack(fw.MAGIC, fw.VERSION, fw.Op.PUT, 0, 0, 0, fw.MAX_DATA + 1), "only PUT carries data"),
 ])
 def test_bad_headers_are_refused_before_any_allocation(raw, words):
     with pytest.raises(fw.WireError, match=words) as info:
