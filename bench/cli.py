@@ -22,10 +22,14 @@ BENCHES = {
     "load-test": "load_test",
     "kill-test": "kill_test",
     "limits": "limits_bench",
+    "report": "record",         # not a bench: renders the records (see record.py)
 }
 
-USAGE = ("usage: kvstore-bench {" + ",".join(BENCHES) + "} [options]\n\n"
-         "Runs one benchmark; `kvstore-bench NAME --help` lists its options.")
+USAGE = ("usage: kvstore-bench [--record DIR] {" + ",".join(BENCHES) + "} [options]\n\n"
+         "Runs one benchmark; `kvstore-bench NAME --help` lists its options.\n"
+         "--record DIR keeps what it printed, with the machine, date and command, as a\n"
+         "record in DIR (docs/perf); `kvstore-bench report` renders the records into\n"
+         "docs/performance.md.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,11 +40,20 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         print(USAGE, file=sys.stderr)
         return 2
+    record = None
+    if argv[0] == "--record":
+        if len(argv) < 3:
+            print("kvstore-bench: --record needs a folder and a benchmark", file=sys.stderr)
+            return 2
+        record, argv = argv[1], argv[2:]
     if argv[0] not in BENCHES:
         print(f"kvstore-bench: unknown benchmark {argv[0]!r} (one of: "
               f"{', '.join(BENCHES)})", file=sys.stderr)
         return 2
     module = importlib.import_module(f"kvstore_bench.{BENCHES[argv[0]]}")
+    if record is not None and argv[0] != "report":
+        from .record import run_recorded
+        return run_recorded(record, argv[0], argv[1:], module.main)
     return module.main(argv[1:])
 
 

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from kvstore_bench.cli import BENCHES
 
 # The console script pip installed next to this interpreter: what a user runs.
@@ -18,7 +17,8 @@ BENCH = shutil.which("kvstore-bench", path=os.path.dirname(sys.executable)) or "
 
 
 def bench(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([BENCH, *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([BENCH, *args], capture_output=True, text=True, timeout=timeout,
+                          check=False)
 
 
 @pytest.mark.parametrize("name", list(BENCHES))
@@ -69,3 +69,39 @@ def test_quick_run(name, tmp_path):
 def test_every_benchmark_with_quick_is_tested():
     quick = {name for name in BENCHES if "--quick" in bench(name, "--help").stdout}
     assert quick == set(QUICK)
+
+
+def test_record_keeps_what_a_bench_printed_and_report_renders_it(tmp_path):
+    records = tmp_path / "perf"
+    out = bench("--record", str(records), "hash", "--runs", "3")
+    assert out.returncode == 0, out.stderr
+    files = list(records.glob("hash-*.json"))
+    assert len(files) == 1
+    doc = tmp_path / "performance.md"
+    assert bench("report", "--records", str(records), "--out", str(doc)).returncode == 0
+    text = doc.read_text()
+    assert "`kvstore-bench hash --runs 3`" in text and "cores" in text
+    assert out.stdout.strip().splitlines()[-1] in text      # the figures, verbatim
+    # The same command again replaces its record; --check sees the document is stale.
+    assert bench("--record", str(records), "hash", "--runs", "3").returncode == 0
+    assert list(records.glob("hash-*.json")) == files
+    check = bench("report", "--records", str(records), "--out", str(doc), "--check")
+    assert check.returncode in (0, 1)       # the date may or may not have changed
+    (doc).write_text("edited by hand\n")
+    check = bench("report", "--records", str(records), "--out", str(doc), "--check")
+    assert check.returncode == 1 and "kvstore-bench report" in check.stderr
+
+
+def test_a_failed_run_records_nothing(tmp_path):
+    out = bench("--record", str(tmp_path), "hash", "--bogus")
+    assert out.returncode == 2 and not list(tmp_path.iterdir())
+
+
+def test_the_performance_doc_is_current_with_its_records():
+    """docs/performance.md is what `kvstore-bench report` renders from docs/perf/."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([BENCH, "report", "--check", "--records",
+                          os.path.join(root, "docs", "perf"), "--out",
+                          os.path.join(root, "docs", "performance.md")],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
