@@ -22,6 +22,7 @@ BENCHES = {
     "load-test": "load_test",
     "kill-test": "kill_test",
     "limits": "limits_bench",
+    "admit": "admit_bench",
     "report": "record",         # not a bench: renders the records (see record.py)
 }
 
