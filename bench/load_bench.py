@@ -159,6 +159,13 @@ def run(tokens: list[int], reps: int, sweep_ctas: list[int], copies: bool) -> di
                                                         max_ctas=ctas), sweep_pages, False)
                     out["sweep"].append({"max_ctas": ctas, "load_gbps": gb / load_s,
                                          "save_gbps": gb / save_s})
+            if sweep_pages <= max_pages:
+                # The default takes the copy engine for these adjacent pages; the kernel
+                # alone, for comparison (transfer.py: _DMA_MIN_RUN).
+                gb = sweep_pages * pb / 1e9
+                load_s, _ = measure(KVTransfer(views, LAYOUT.page_tokens, "cuda",
+                                               method=CopyMethod.KERNEL), sweep_pages, True)
+                out["kernel"] = {"tokens": ACCEPT_TOKENS, "load_gbps": gb / load_s}
             if copies and sweep_pages <= max_pages:
                 gb = sweep_pages * pb / 1e9
                 x = KVTransfer(views, LAYOUT.page_tokens, "cuda", method=CopyMethod.COPIES)
@@ -189,6 +196,10 @@ def report(r: dict) -> str:
                   "| max_ctas | load GB/s | save GB/s |", "|---|---|---|"]
         lines += [f"| {s['max_ctas']} | {s['load_gbps']:.1f} | {s['save_gbps']:.1f} |"
                   for s in r["sweep"]]
+    if r.get("kernel"):
+        c = r["kernel"]
+        lines += ["", (f"CopyMethod.KERNEL alone (SM reads over PCIe, no copy engine) at "
+                       f"{c['tokens']} tokens: load {c['load_gbps']:.1f} GB/s")]
     if r.get("copies"):
         c = r["copies"]
         lines += ["", (f"CopyMethod.COPIES (one cudaMemcpy per 64 KiB slab) at {c['tokens']} "

@@ -169,3 +169,23 @@ def test_unregistered_host_memory_is_refused():
         assert "HostRegistration" in str(exc)
     else:
         assert bool((cache[:, 0].view(torch.uint8) == 3).all())
+
+
+# -- loads by the copy engine (CopyMethod.DMA) ---------------------------------------------------
+# staging_bytes=1 leaves one page per staging buffer: every layer goes through both buffers
+# several times, so a copy overwriting a buffer its scatter still reads would show.
+@pytest.mark.parametrize("kind_or_name,k", cases.CASES)
+def test_load_by_dma_one_run(server, kind_or_name, k):
+    cases.run_load(server.address, kind_or_name, k, device="cuda", n_pages=12,
+                   method=CopyMethod.DMA, staging_bytes=1, loads=2)
+
+
+@pytest.mark.parametrize("kind_or_name,k", [(KVKind.VLLM_4D, 1), ("VLLM_4D_HNC", 2)])
+def test_load_by_dma_runs_out_of_order(server, kind_or_name, k):
+    order = np.array([3, 4, 5, 0, 1, 2, 9, 10, 11, 6, 8, 7])     # runs of 3, 3, 3, 2, 1, 1
+    cases.run_load(server.address, kind_or_name, k, device="cuda", n_pages=12,
+                   method=CopyMethod.DMA, staging_bytes=5 << 10, order=order, loads=3)
+
+
+def test_default_load_of_a_long_run_takes_the_dma_path(server):
+    cases.run_load(server.address, KVKind.VLLM_4D, 1, device="cuda", n_pages=16)

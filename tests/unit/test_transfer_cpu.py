@@ -104,7 +104,9 @@ def case(kind_or_name):
 
 
 def run_load(server_address, kind_or_name, k, device="cpu", dtype=torch.bfloat16,
-             block_size=4, n_pages=5, seed=0):
+             block_size=4, n_pages=5, seed=0, order=None, loads=1, **transfer):
+    """order: the pages' order in the load (default: as stored, so adjacent in the pool);
+    loads: how many times the same KVTransfer loads them; transfer: KVTransfer options."""
     kind, physical = case(kind_or_name)
     layout = layout_for(kind, k * block_size)
     rng = np.random.default_rng(seed)
@@ -119,11 +121,18 @@ def run_load(server_address, kind_or_name, k, device="cpu", dtype=torch.bfloat16
         mem = c.region().mem
         reg = HostRegistration(mem)
         try:
-            xfer = KVTransfer([kv5(t, kind) for t in caches], layout.page_tokens, device)
+            xfer = KVTransfer([kv5(t, kind) for t in caches], layout.page_tokens, device,
+                              **transfer)
             with c.acquire(ns, ks) as acq:
-                handle = xfer.load(mem, acq.offsets, ns.layer_bytes, block_ids)
-                for layer in range(layout.num_layers):
-                    handle.wait_layer(layer)
+                offsets = acq.offsets if order is None else acq.offsets[order]
+                if order is not None:
+                    pages, block_ids = pages[order], block_ids
+                for _ in range(loads):
+                    for t in caches:        # as made: every block POISON
+                        t.view(torch.int16).fill_(POISON)
+                    handle = xfer.load(mem, offsets, ns.layer_bytes, block_ids)
+                    for layer in range(layout.num_layers):
+                        handle.wait_layer(layer)
                 handle.synchronize()
                 assert handle.done()
         finally:
