@@ -47,7 +47,9 @@ Commands = list[list[bytes | str]]
 
 
 def _cluster_enabled(settings: FarSettings, base: dict) -> bool:
-    probe = glide.GlideClient.create(glide.GlideClientConfiguration(**base))
+    # one address: a standalone client given several masters refuses them all
+    probe = glide.GlideClient.create(glide.GlideClientConfiguration(
+        **{**base, "addresses": base["addresses"][:1]}))
     try:
         info = probe.custom_command(["INFO", "cluster"])
     finally:
@@ -55,11 +57,12 @@ def _cluster_enabled(settings: FarSettings, base: dict) -> bool:
     return b"cluster_enabled:1" in (info if isinstance(info, bytes) else str(info).encode())
 
 
-def connect(settings: FarSettings):
+def connect(settings: FarSettings, **options):
     """A glide client for the settings: cluster or standalone (auto: ask the first node).
+    `options` go to glide's configuration as they are (tests pass address_resolver).
     Raises glide's errors when nothing answers."""
     ms = max(1, int(settings.timeout * 1000))
-    base = dict(addresses=[glide.NodeAddress(h, p) for h, p in settings.nodes],
+    base = dict(options, addresses=[glide.NodeAddress(h, p) for h, p in settings.nodes],
                 use_tls=settings.tls, request_timeout=ms,
                 credentials=(glide.ServerCredentials(settings.password, settings.username)
                              if settings.password or settings.username else None),
