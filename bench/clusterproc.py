@@ -120,7 +120,10 @@ class ClusterProcess:
              "--protected-mode", "no", "--logfile", "",
              # replicas sync at once (not after the 5 s diskless delay), and a replica
              # may take over whatever its lag: a test kills masters on purpose
-             "--repl-diskless-sync-delay", "0", "--cluster-replica-validity-factor", "0"],
+             "--repl-diskless-sync-delay", "0", "--cluster-replica-validity-factor", "0",
+             # as docs/far.md advises for a cache: the shards still up keep serving
+             # while one is failing over, instead of the whole cluster refusing
+             "--cluster-require-full-coverage", "no"],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
 
@@ -165,6 +168,19 @@ class ClusterProcess:
         """The live nodes that are masters now (roles change on failover)."""
         return [n for n in self.nodes
                 if n.alive and self.cli_call(n, "role").startswith("master")]
+
+    def slots_of(self, node: ClusterNode) -> set[int]:
+        """The hash slots the node serves now (none for a replica)."""
+        for line in self.cli_call(node, "cluster", "nodes").splitlines():
+            fields = line.split()
+            if len(fields) > 8 and "myself" in fields[2]:
+                slots: set[int] = set()
+                for part in fields[8:]:
+                    if not part.startswith("["):        # [slot->-node]: migrating
+                        lo, _, hi = part.partition("-")
+                        slots.update(range(int(lo), int(hi or lo) + 1))
+                return slots
+        return set()
 
     def kill(self, node: ClusterNode, sig: int = signal.SIGKILL) -> None:
         if node.alive:
