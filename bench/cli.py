@@ -22,6 +22,7 @@ BENCHES = {
     "load-test": "load_test",
     "kill-test": "kill_test",
     "limits": "limits_bench",
+    "far": "far_bench",
 }
 
 USAGE = ("usage: kvstore-bench {" + ",".join(BENCHES) + "} [options]\n\n"

@@ -43,3 +43,11 @@ def test_scan_pattern_matches_only_its_namespace():
     assert name.startswith(namespace_pattern("fleet").rstrip(b"*"))
     assert not name.startswith(namespace_pattern("fleet2").rstrip(b"*"))
     assert name.startswith(namespace_pattern("fleet", LAYOUT).rstrip(b"*"))
+
+
+def test_grouped_names_are_the_names_pages_are_stored_under():
+    keys = [os.urandom(n) for n in (1, 7, 16, 64) for _ in range(50)]
+    groups = group_by_bucket("kvstore", LAYOUT, keys)
+    for members in groups.values():
+        for i, name in members:
+            assert name == page_key("kvstore", LAYOUT, keys[i])
