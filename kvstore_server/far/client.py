@@ -23,13 +23,14 @@ EXISTS with many keys answers only a count, and one EXISTS per key costs the cli
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Sequence
 
 import glide_sync as glide
 
 from . import codec
 from .breaker import FarBreaker
-from .keys import group_by_bucket, page_key
+from .keys import group_by_bucket, namespace_pattern, page_key
 from .metrics import FarCounters
 from .settings import ClusterMode, FarSettings
 
@@ -198,6 +199,31 @@ class FarClient:
         groups = group_by_bucket(self.settings.namespace, layout_id, list(keys)).values()
         out = self._run([["UNLINK", *(k for _, k in g)] for g in groups], timeout)
         return sum(r for r in out or () if isinstance(r, int))
+
+    def clear(self, layout_id: bytes | None = None, deadline: float = 60.0) -> int:
+        """Remove every page of this namespace (of one layout if given): SCAN for the
+        prefix, UNLINK what it finds, for at most `deadline` seconds. Returns pages
+        removed. Other namespaces' keys are never named, so never touched."""
+        if not self.breaker.allow():
+            self.counters.add(skipped=1)
+            return 0
+        pattern = namespace_pattern(self.settings.namespace, layout_id)
+        stop = time.monotonic() + deadline
+        removed = 0
+        try:
+            client = self._glide()
+            cluster = isinstance(client, glide.GlideClusterClient)
+            cursor = glide.ClusterScanCursor() if cluster else b"0"
+            while time.monotonic() < stop:
+                cursor, names = client.scan(cursor, match=pattern, count=1000)
+                out = self._run([["UNLINK", name] for name in names], WRITE_TIMEOUT)
+                removed += sum(r for r in out or () if isinstance(r, int))
+                if (cursor.is_finished() if cluster else cursor in (b"0", "0")):
+                    break
+        except glide.GlideError as exc:
+            self.counters.add(errors=1)
+            self.breaker.record(False, type(exc).__name__)
+        return removed
 
     def close(self) -> None:
         with self._lock:
