@@ -22,7 +22,7 @@ process listings and config files; the file wins over the URL.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
 __all__ = ["ClusterMode", "FarSettings", "WritePolicy", "from_config", "parse_far"]
@@ -49,19 +49,13 @@ class FarSettings:
     nodes: tuple[tuple[str, int], ...]      # (host, port) of each URL: startup nodes
     tls: bool
     username: str | None                    # None: the default user
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)  # never printed into a log
     cluster: ClusterMode = ClusterMode.AUTO
     ttl: float = 0.0                        # seconds; 0 = no expiry
     timeout: float = 0.05                   # seconds per far call
     write: WritePolicy = WritePolicy.EVICT
     namespace: str = "kvstore"
     queue_bytes: int = 256 << 20
-
-    def __repr__(self) -> str:             # never print the password into a log
-        return (f"FarSettings(nodes={self.nodes}, tls={self.tls}, username={self.username!r}, "
-                f"password={'***' if self.password else None}, cluster={self.cluster.value}, "
-                f"ttl={self.ttl}, timeout={self.timeout}, write={self.write.value}, "
-                f"namespace={self.namespace!r}, queue_bytes={self.queue_bytes})")
 
 
 def _node(url: str) -> tuple[str, int, bool, str | None, str | None]:
