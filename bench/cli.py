@@ -23,6 +23,7 @@ BENCHES = {
     "kill-test": "kill_test",
     "limits": "limits_bench",
     "admit": "admit_bench",
+    "far": "far_bench",
     "report": "record",         # not a bench: renders the records (see record.py)
 }
 

@@ -11,6 +11,7 @@ import sys
 from kvstore_client.units import parse_duration, parse_size
 
 from . import __version__
+from .far.settings import from_config
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -67,6 +68,16 @@ class ServerConfig:
     data_listen: str = "auto"
     data_socket: bool = True        # also a Unix socket beside the pool, for local clients
     data_connections: int = 256     # fast-path connections open at once, one thread each
+    # The shared far tier on a Valkey/Redis Cluster (kvstore_server.far.settings says
+    # what each means); far = "" means none
+    far: str = ""                   # redis:// rediss:// valkey:// URLs, comma-separated
+    far_cluster: str = "auto"       # auto / on / off
+    far_password_file: str = ""     # first line: the password (wins over the URL's)
+    far_ttl: float = 0.0            # seconds a page lives there; 0 = no expiry
+    far_timeout: float = 0.05       # deadline of one far call
+    far_write: str = "evict"        # evict / through / off
+    far_namespace: str = "kvstore"  # key prefix shared by one fleet's servers
+    far_queue: int = 256 << 20      # bytes the write-behind queue may hold
 
 
 def _bool(value: object) -> bool:
@@ -107,6 +118,14 @@ _PARSERS = {
     "data_listen": str,
     "data_socket": _bool,
     "data_connections": int,
+    "far": str,
+    "far_cluster": str,
+    "far_password_file": str,
+    "far_ttl": parse_duration,
+    "far_timeout": parse_duration,
+    "far_write": str,
+    "far_namespace": str,
+    "far_queue": parse_size,
 }
 
 
@@ -176,6 +195,26 @@ def argument_parser() -> argparse.ArgumentParser:
                         "(default true)")
     f.add_argument("--data-connections", metavar="N",
                    help="fast-path connections open at once (default 256)")
+    r = p.add_argument_group("far tier on a Valkey/Redis Cluster (docs/far.md)")
+    r.add_argument("--far", metavar="URL[,URL...]",
+                   help="nodes of the cluster: redis://, rediss:// (TLS), valkey://, "
+                        "with optional user:password@ (default: no far tier)")
+    r.add_argument("--far-cluster", metavar="MODE",
+                   help="auto (ask the node), on or off (one server) (default auto)")
+    r.add_argument("--far-password-file", metavar="FILE",
+                   help="file whose first line is the password (wins over the URL's)")
+    r.add_argument("--far-ttl", metavar="DURATION",
+                   help="how long a page lives in the cluster; 0 = no expiry (default 0)")
+    r.add_argument("--far-timeout", metavar="DURATION",
+                   help="deadline of one far call; past it, misses (default 50ms)")
+    r.add_argument("--far-write", metavar="POLICY",
+                   help="evict: pages leaving this host; through: on commit as well; "
+                        "off: read only (default evict)")
+    r.add_argument("--far-namespace", metavar="NAME",
+                   help="key prefix shared by one fleet's servers (default kvstore)")
+    r.add_argument("--far-queue", metavar="SIZE",
+                   help="bytes the write-behind queue may hold; past it pages are "
+                        "dropped (default 256MiB)")
     return p
 
 
@@ -245,6 +284,10 @@ def _check(c: ServerConfig) -> None:
             f"data_listen {c.data_listen} is not loopback and no --auth-file is set: anyone "
             "who can reach it could read or overwrite every page. Add --auth-file or "
             "--tls-client-ca, or --insecure-listen to accept that on a trusted network")
+    try:
+        from_config(c)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if bool(c.tls_cert) != bool(c.tls_key):
         raise ConfigError("TLS needs both tls_cert and tls_key (--tls-cert, --tls-key)")
     if c.tls_client_ca and not c.tls_cert:

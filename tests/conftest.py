@@ -1,9 +1,13 @@
-"""Shared fixtures: a real kvstore-server process per test module, and CUDA detection."""
+"""Shared fixtures: a real kvstore-server process per test module, a real Valkey/Redis
+Cluster for the far tier, and CUDA detection."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from kvstore_bench.clusterproc import ClusterProcess, server_binaries
 from kvstore_bench.serverproc import ServerProcess
 
 
@@ -44,3 +48,38 @@ def fresh_server():
     yield start
     for srv in servers:
         srv.stop()
+
+
+def _cluster_binaries():
+    """Skip where no valkey-server/redis-server can be had; under CI (which installs
+    Debian's redis-server in .ci/run) a missing binary is a failure, not a skip."""
+    found = server_binaries()
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must install redis-server (see .ci/run): far-tier tests need it")
+        pytest.skip("needs valkey-server or redis-server with its cli on PATH "
+                    "(apt-get install redis-server)")
+    return found
+
+
+@pytest.fixture(scope="module")
+def far_cluster():
+    """A 3-master cluster on loopback ports, shared by the tests of one module."""
+    with ClusterProcess(masters=3, binaries=_cluster_binaries()) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def fresh_cluster():
+    """A cluster of the test's own (start(masters, replicas)), for tests that kill nodes;
+    always torn down."""
+    clusters = []
+
+    def start(masters: int = 3, replicas: int = 0) -> ClusterProcess:
+        cluster = ClusterProcess(masters, replicas, binaries=_cluster_binaries()).start()
+        clusters.append(cluster)
+        return cluster
+
+    yield start
+    for cluster in clusters:
+        cluster.stop()

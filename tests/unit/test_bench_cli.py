@@ -11,6 +11,7 @@ import sys
 
 import pytest
 from kvstore_bench.cli import BENCHES
+from kvstore_bench.clusterproc import server_binaries
 
 # The console script pip installed next to this interpreter: what a user runs.
 BENCH = shutil.which("kvstore-bench", path=os.path.dirname(sys.executable)) or "kvstore-bench"
@@ -52,7 +53,7 @@ def test_bad_option_names_the_benchmark():
 
 
 # The benchmarks with a --quick smoke run; sglang's needs SGLang (make test-sglang's venv).
-QUICK = ["store", "fastpath", "shm", "disk", "sglang"]
+QUICK = ["store", "fastpath", "shm", "disk", "sglang", "far"]
 
 
 @pytest.mark.slow
@@ -60,6 +61,8 @@ QUICK = ["store", "fastpath", "shm", "disk", "sglang"]
 def test_quick_run(name, tmp_path):
     if name == "sglang" and importlib.util.find_spec("sglang") is None:
         pytest.skip("needs SGLang (scripts/venv-sglang.sh)")
+    if name == "far" and server_binaries() is None and not os.environ.get("CI"):
+        pytest.skip("needs valkey-server or redis-server (CI installs redis-server)")
     args = ["--dir", str(tmp_path)] if name == "disk" else []
     out = bench(name, "--quick", *args, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -1,0 +1,88 @@
+"""When to stop asking the far tier: the connector's breaker, shared by threads, logged.
+
+A dead or partitioned cluster costs every call its full `--far-timeout`; a lookup that
+waits 50 ms for nothing on every step is worse than no far tier. So after `threshold`
+calls in a row fail (a timeout, no connection, every command refused) the breaker opens:
+calls answer "miss" at once without touching the network. Every `probe_interval`
+seconds one call goes through as a probe (half-open); its success closes the breaker,
+its failure keeps it open. One log line per change of state, nothing per call.
+
+    CLOSED --threshold failures--> OPEN --probe_interval--> HALF_OPEN --ok--> CLOSED
+                                     ^                          |
+                                     +---------failure----------+
+
+The state machine is kvstore_connector.breaker.Breaker (pure, over a clock); this adds
+the failure threshold, a lock and the log lines.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from typing import Callable
+
+from kvstore_connector.breaker import Breaker
+
+__all__ = ["BreakerState", "FarBreaker"]
+
+log = logging.getLogger("kvstore.far")
+
+
+class BreakerState(enum.IntEnum):
+    """Exported as the kvstore_far_breaker_state gauge."""
+
+    CLOSED = 0
+    OPEN = 1
+    HALF_OPEN = 2
+
+
+class FarBreaker:
+    """allow() before a call; record(ok) after it. Thread-safe."""
+
+    def __init__(self, threshold: int = 3, probe_interval: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.threshold = threshold
+        self._lock = threading.Lock()           # guards the fields below
+        self._breaker = Breaker(probe_interval, clock)
+        self._failures = 0                      # calls failed in a row while closed
+        self._probing = False                   # a probe is out (half-open)
+
+    @property
+    def state(self) -> BreakerState:
+        with self._lock:
+            if not self._breaker.open:
+                return BreakerState.CLOSED
+            return BreakerState.HALF_OPEN if self._probing else BreakerState.OPEN
+
+    def allow(self) -> bool:
+        with self._lock:
+            if not self._breaker.open:
+                return True
+            if self._probing or not self._breaker.allow():
+                return False
+            self._probing = True
+        log.debug("far tier: breaker half-open, probing the cluster")
+        return True
+
+    def record(self, ok: bool, why: str = "") -> None:
+        with self._lock:
+            was_open, probing = self._breaker.open, self._probing
+            self._probing = False
+            if ok:
+                self._failures = 0
+                self._breaker.succeeded()
+            else:
+                self._failures += 1
+                opened = self._failures >= self.threshold and self._breaker.failed()
+        # Closed -> open and open -> closed are what an operator needs to see; a failed
+        # probe (half-open -> open again, once per probe interval) only at DEBUG.
+        if ok and was_open:
+            log.warning("far tier: breaker closed, the cluster answers again")
+        elif not ok and opened:
+            log.warning("far tier: breaker open after %d failed calls (last: %s); misses "
+                        "until a probe succeeds (every %.1fs)", self._failures,
+                        why or "unknown", self._breaker.probe_interval)
+        elif not ok and probing:
+            log.debug("far tier: probe failed (%s), breaker stays open", why or "unknown")

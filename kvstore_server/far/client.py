@@ -1,0 +1,232 @@
+"""Pipelined calls to the cluster with a deadline; every failure is a miss, never an error.
+
+One call (exists, get, put, delete of many pages) is one valkey-glide batch: glide splits
+it by slot owner, writes each master's commands in one go and reads the replies, so a
+call costs one round trip per shard (a second after a failover, when a MOVED reply sends
+a command to the slot's new owner, glide following it and refreshing its map). The
+batch's `timeout` is enforced inside glide's Rust core, so a hung shard costs a call at
+most `--far-timeout` and no thread is left waiting behind it. Why glide and not
+redis-py's cluster client: docs/far.md, "Choosing the client", has the figures.
+
+Failure, as DESIGN.md wants it ("a far tier that is slow or down means misses, never
+errors"): a call that fails whole (timeout, no connection, cluster down) answers every
+key as a miss and counts one error; a command that fails inside a batch (its shard is
+down, CLUSTERDOWN, MOVED mid-failover) answers its keys as misses and counts one error
+each. The breaker (breaker.py) hears about whole calls; a call with any command answered
+is a success, so one dead shard among three does not stop the other two being asked.
+
+Lookups ask with one EVAL_RO per bucket (keys.py) that returns one EXISTS bit per key:
+EXISTS with many keys answers only a count, and one EXISTS per key costs the client
+~2.6x more time for 4,096 keys (docs/far.md). Gets use MGET per bucket.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Sequence
+
+import glide_sync as glide
+
+from . import codec
+from .breaker import FarBreaker
+from .keys import group_by_bucket, namespace_pattern, page_key
+from .metrics import FarCounters
+from .settings import ClusterMode, FarSettings
+
+__all__ = ["EXISTS_SCRIPT", "FarClient", "connect"]
+
+# One bit per key of one slot; read-only, so EVAL_RO (Redis >= 7.0, Valkey).
+EXISTS_SCRIPT = ("local r = {} for i, k in ipairs(KEYS) do "
+                 "r[i] = redis.call('EXISTS', k) end return r")
+
+# Writes run behind (writer.py), off every request's path: they get a longer deadline
+# than reads, enough for a batch of large pages on a busy network.
+WRITE_TIMEOUT = 2.0
+
+Commands = list[list[bytes | str]]
+
+
+def _cluster_enabled(settings: FarSettings, base: dict) -> bool:
+    # one address: a standalone client given several masters refuses them all
+    probe = glide.GlideClient.create(glide.GlideClientConfiguration(
+        **{**base, "addresses": base["addresses"][:1]}))
+    try:
+        info = probe.custom_command(["INFO", "cluster"])
+    finally:
+        probe.close()
+    return b"cluster_enabled:1" in (info if isinstance(info, bytes) else str(info).encode())
+
+
+def connect(settings: FarSettings, **options):
+    """A glide client for the settings: cluster or standalone (auto: ask the first node).
+    `options` go to glide's configuration as they are (tests pass address_resolver).
+    Raises glide's errors when nothing answers."""
+    ms = max(1, int(settings.timeout * 1000))
+    base = dict(options, addresses=[glide.NodeAddress(h, p) for h, p in settings.nodes],
+                use_tls=settings.tls, request_timeout=ms,
+                credentials=(glide.ServerCredentials(settings.password, settings.username)
+                             if settings.password or settings.username else None),
+                client_name="kvstore-far")
+    cluster = settings.cluster is ClusterMode.ON or (
+        settings.cluster is ClusterMode.AUTO and _cluster_enabled(settings, base))
+    if cluster:
+        return glide.GlideClusterClient.create(glide.GlideClusterClientConfiguration(
+            **base, advanced_config=glide.AdvancedGlideClusterClientConfiguration(
+                connection_timeout=ms)))
+    return glide.GlideClient.create(glide.GlideClientConfiguration(
+        **base, advanced_config=glide.AdvancedGlideClientConfiguration(connection_timeout=ms)))
+
+
+class FarClient:
+    """exists / get / put / delete of one layout's pages; answers, never raises."""
+
+    def __init__(self, settings: FarSettings, counters: FarCounters | None = None,
+                 breaker: FarBreaker | None = None,
+                 connect: Callable[[FarSettings], object] = connect) -> None:
+        self.settings = settings
+        self.counters = counters or FarCounters()
+        self.breaker = breaker or FarBreaker()
+        self._connect = connect
+        self._lock = threading.Lock()       # guards _client: made once, by one thread
+        self._client = None                 # glide client; None until the first call
+
+    def _glide(self):
+        with self._lock:
+            if self._client is None:
+                self._client = self._connect(self.settings)
+            return self._client
+
+    def _drop(self, client) -> None:
+        """Forget a client that glide closed; the next allowed call makes a new one."""
+        with self._lock:
+            if self._client is client:
+                self._client = None
+        try:
+            client.close()
+        except glide.GlideError:
+            pass
+
+    def _run(self, commands: Commands, timeout: float) -> list | None:
+        """Run one batch; per-command results (an exception for a failed command), or
+        None when the call failed whole or was not made (breaker open)."""
+        if not commands:
+            return []
+        if not self.breaker.allow():
+            self.counters.add(skipped=1)
+            return None
+        client = None
+        try:
+            client = self._glide()
+            cluster = isinstance(client, glide.GlideClusterClient)
+            batch = glide.ClusterBatch(False) if cluster else glide.Batch(False)
+            for args in commands:
+                batch.custom_command(args)
+            ms = max(1, int(timeout * 1000))
+            options = (glide.ClusterBatchOptions(timeout=ms) if cluster
+                       else glide.BatchOptions(timeout=ms))
+            out = client.exec(batch, raise_on_error=False, options=options)
+        except glide.GlideError as exc:
+            self.counters.add(errors=1)
+            self.breaker.record(False, type(exc).__name__)
+            if client is not None and isinstance(exc, glide.ClosingError):
+                self._drop(client)
+            return None
+        out = list(out or [])
+        failed = sum(isinstance(r, Exception) for r in out)
+        if failed:
+            self.counters.add(errors=failed)
+        self.breaker.record(failed < len(out), f"{failed} of {len(out)} commands failed")
+        return out
+
+    def exists(self, layout_id: bytes, keys: Sequence[bytes],
+               timeout: float | None = None) -> list[bool]:
+        """One bit per key: True when the far tier holds a value under the key's name.
+        (A value still has to pass the codec when it is read.)"""
+        groups = list(group_by_bucket(self.settings.namespace, layout_id, list(keys)).values())
+        out = self._run([["EVAL_RO", EXISTS_SCRIPT, str(len(g)), *(k for _, k in g)]
+                         for g in groups], timeout or self.settings.timeout)
+        bits = [False] * len(keys)
+        for group, reply in zip(groups, out or ()):
+            if isinstance(reply, list):
+                for (i, _), bit in zip(group, reply):
+                    bits[i] = bit == 1
+        hits = sum(bits)
+        self.counters.add(hits=hits, misses=len(keys) - hits)
+        return bits
+
+    def get(self, layout_id: bytes, keys: Sequence[bytes],
+            timeout: float | None = None) -> list[memoryview | None]:
+        """Each key's page, or None: missing, unreachable, or refused by the codec."""
+        keys = list(keys)
+        groups = list(group_by_bucket(self.settings.namespace, layout_id, keys).values())
+        out = self._run([["MGET", *(k for _, k in g)] for g in groups],
+                        timeout or self.settings.timeout)
+        pages: list[memoryview | None] = [None] * len(keys)
+        nbytes = 0
+        for group, reply in zip(groups, out or ()):
+            if not isinstance(reply, list):
+                continue
+            for (i, _), value in zip(group, reply):
+                if value is None:
+                    continue
+                decoded = codec.decode(value, layout_id, keys[i])
+                if decoded.payload is None:
+                    self.counters.reject(decoded.reason)
+                    continue
+                pages[i] = decoded.payload
+                nbytes += decoded.payload.nbytes
+        hits = sum(p is not None for p in pages)
+        self.counters.add(hits=hits, misses=len(keys) - hits, bytes_read=nbytes)
+        return pages
+
+    def put(self, layout_id: bytes, items: Sequence[tuple[bytes, object]],
+            timeout: float = WRITE_TIMEOUT) -> int:
+        """Store (key, payload) pages; returns how many the cluster took."""
+        ttl_ms = int(self.settings.ttl * 1000)
+        expiry = ["PX", str(ttl_ms)] if ttl_ms else []
+        values = [codec.encode(layout_id, key, payload) for key, payload in items]
+        out = self._run([["SET", page_key(self.settings.namespace, layout_id, key), value,
+                          *expiry] for (key, _), value in zip(items, values)], timeout)
+        stored = [len(v) - codec.HEADER_BYTES - len(key)
+                  for (key, _), v, r in zip(items, values, out or ()) if r in ("OK", b"OK")]
+        self.counters.add(pages_written=len(stored), bytes_written=sum(stored))
+        return len(stored)
+
+    def delete(self, layout_id: bytes, keys: Sequence[bytes],
+               timeout: float = WRITE_TIMEOUT) -> int:
+        """Remove pages; returns how many the cluster held."""
+        groups = group_by_bucket(self.settings.namespace, layout_id, list(keys)).values()
+        out = self._run([["UNLINK", *(k for _, k in g)] for g in groups], timeout)
+        return sum(r for r in out or () if isinstance(r, int))
+
+    def clear(self, layout_id: bytes | None = None, deadline: float = 60.0) -> int:
+        """Remove every page of this namespace (of one layout if given): SCAN for the
+        prefix, UNLINK what it finds, for at most `deadline` seconds. Returns pages
+        removed. Other namespaces' keys are never named, so never touched."""
+        if not self.breaker.allow():
+            self.counters.add(skipped=1)
+            return 0
+        pattern = namespace_pattern(self.settings.namespace, layout_id)
+        stop = time.monotonic() + deadline
+        removed = 0
+        try:
+            client = self._glide()
+            cluster = isinstance(client, glide.GlideClusterClient)
+            cursor = glide.ClusterScanCursor() if cluster else b"0"
+            while time.monotonic() < stop:
+                cursor, names = client.scan(cursor, match=pattern, count=1000)
+                out = self._run([["UNLINK", name] for name in names], WRITE_TIMEOUT)
+                removed += sum(r for r in out or () if isinstance(r, int))
+                if (cursor.is_finished() if cluster else cursor in (b"0", "0")):
+                    break
+        except glide.GlideError as exc:
+            self.counters.add(errors=1)
+            self.breaker.record(False, type(exc).__name__)
+        return removed
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()

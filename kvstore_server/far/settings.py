@@ -1,0 +1,122 @@
+"""The far tier's settings, parsed from the server's `--far*` flags into one value.
+
+`--far URL[,URL...]` names the cluster: any of its nodes (a cluster client learns the
+rest from CLUSTER SLOTS), as `redis://`, `rediss://` (TLS), `valkey://` or `valkeys://`,
+with optional `user:password@`. All URLs must agree on scheme and credentials: they are
+one cluster. A password may come from `--far-password-file` instead, so it stays out of
+process listings and config files; the file wins over the URL.
+
+    --far-cluster    auto | on | off   auto: ask the first node (INFO cluster)
+    --far-ttl        seconds a page lives in the cluster; 0 = no expiry (maxmemory
+                     eviction, e.g. allkeys-lru, decides)
+    --far-timeout    deadline of one far call (default 50ms): a lookup pays at most this
+                     much on top of its local work, then counts the rest as misses
+    --far-write      evict: pages go to the far tier when they leave this host;
+                     through: on commit as well, so other hosts see them at once
+                     (prefill/decode hand-over across hosts); off: read only
+    --far-namespace  prefix of every key this server writes: servers of one fleet share
+                     it, and admin clear/evict reach only it
+    --far-queue      bytes the write-behind queue may hold; past it pages are dropped
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from urllib.parse import unquote, urlsplit
+
+__all__ = ["ClusterMode", "FarSettings", "WritePolicy", "from_config", "parse_far"]
+
+_SCHEMES = {"redis": False, "valkey": False, "rediss": True, "valkeys": True}  # -> TLS
+
+
+class ClusterMode(enum.Enum):
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
+class WritePolicy(enum.Enum):
+    EVICT = "evict"
+    THROUGH = "through"
+    OFF = "off"
+
+
+@dataclass(frozen=True, slots=True)
+class FarSettings:
+    """Where the far tier is and how this server uses it."""
+
+    nodes: tuple[tuple[str, int], ...]      # (host, port) of each URL: startup nodes
+    tls: bool
+    username: str | None                    # None: the default user
+    password: str | None = field(default=None, repr=False)  # never printed into a log
+    cluster: ClusterMode = ClusterMode.AUTO
+    ttl: float = 0.0                        # seconds; 0 = no expiry
+    timeout: float = 0.05                   # seconds per far call
+    write: WritePolicy = WritePolicy.EVICT
+    namespace: str = "kvstore"
+    queue_bytes: int = 256 << 20
+
+
+def _node(url: str) -> tuple[str, int, bool, str | None, str | None]:
+    parts = urlsplit(url.strip())
+    if parts.scheme not in _SCHEMES:
+        raise ValueError(f"far URL {url!r}: scheme must be one of "
+                         f"{', '.join(s + '://' for s in _SCHEMES)}")
+    if not parts.hostname:
+        raise ValueError(f"far URL {url!r} names no host")
+    try:
+        port = parts.port or 6379
+    except ValueError:
+        raise ValueError(f"far URL {url!r}: bad port") from None
+    if parts.path not in ("", "/", "/0"):
+        raise ValueError(f"far URL {url!r}: a cluster has only database 0")
+    user = unquote(parts.username) if parts.username else None
+    password = unquote(parts.password) if parts.password else None
+    return parts.hostname, port, _SCHEMES[parts.scheme], user, password
+
+
+def parse_far(urls: str, *, cluster: str = "auto", password_file: str = "", ttl: float = 0.0,
+              timeout: float = 0.05, write: str = "evict", namespace: str = "kvstore",
+              queue_bytes: int = 256 << 20) -> FarSettings | None:
+    """FarSettings from the flags' values; None when `urls` is empty (no far tier).
+    ValueError says what is wrong."""
+    if not urls.strip():
+        return None
+    nodes = [_node(u) for u in urls.split(",") if u.strip()]
+    if len({(tls, user, pw) for _, _, tls, user, pw in nodes}) != 1:
+        raise ValueError("far URLs disagree on scheme or credentials: they must name one "
+                         "cluster")
+    _, _, tls, username, password = nodes[0]
+    if password_file:
+        try:
+            with open(password_file) as f:
+                password = f.readline().rstrip("\r\n")
+        except OSError as exc:
+            raise ValueError(f"far password file: {exc}") from None
+        if not password:
+            raise ValueError(f"far password file {password_file} is empty")
+    try:
+        mode, policy = ClusterMode(cluster.lower()), WritePolicy(write.lower())
+    except ValueError as exc:
+        raise ValueError(f"{exc} (far_cluster: auto/on/off; far_write: evict/through/off)"
+                         ) from None
+    if not 0 < timeout <= 10:
+        raise ValueError(f"far_timeout must be above 0 and at most 10s, got {timeout}")
+    if ttl < 0:
+        raise ValueError("far_ttl must be >= 0 (0 = no expiry)")
+    if not namespace or any(c in namespace for c in "{}:*?[] "):
+        raise ValueError(f"far_namespace must be non-empty without {{}}:*?[] or spaces, "
+                         f"got {namespace!r}")
+    if queue_bytes < (1 << 20):
+        raise ValueError("far_queue must be at least 1MiB")
+    return FarSettings(tuple((h, p) for h, p, *_ in nodes), tls, username, password, mode,
+                       ttl, timeout, policy, namespace, queue_bytes)
+
+
+def from_config(config) -> FarSettings | None:
+    """The far tier's settings of a ServerConfig (kvstore_server.config); None: no far tier."""
+    return parse_far(config.far, cluster=config.far_cluster,
+                     password_file=config.far_password_file, ttl=config.far_ttl,
+                     timeout=config.far_timeout, write=config.far_write,
+                     namespace=config.far_namespace, queue_bytes=config.far_queue)

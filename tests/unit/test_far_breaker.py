@@ -1,0 +1,51 @@
+"""The far tier's breaker: opens after `threshold` failed calls in a row, lets one probe
+through per interval, closes on its success; one log line per change."""
+
+from __future__ import annotations
+
+import logging
+
+from kvstore_server.far.breaker import BreakerState, FarBreaker
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_open_probe_close(caplog):
+    clock = Clock()
+    b = FarBreaker(threshold=3, probe_interval=1.0, clock=clock)
+    with caplog.at_level(logging.INFO, logger="kvstore.far"):
+        for _ in range(2):
+            assert b.allow()
+            b.record(False, "TimeoutError")
+        assert b.state is BreakerState.CLOSED
+        b.record(False, "TimeoutError")
+        assert b.state is BreakerState.OPEN and not b.allow()
+        for _ in range(5):                         # more failures: no more log lines
+            b.record(False, "TimeoutError")
+        clock.now += 1.0
+        assert b.allow() and b.state is BreakerState.HALF_OPEN
+        assert not b.allow()                       # one probe at a time
+        b.record(False, "TimeoutError")            # failed probe: open again, quietly
+        assert b.state is BreakerState.OPEN and not b.allow()
+        clock.now += 1.0
+        assert b.allow()
+        b.record(True)
+        assert b.state is BreakerState.CLOSED and b.allow()
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert len(lines) == 2, lines
+    assert "breaker open" in lines[0] and "TimeoutError" in lines[0]
+    assert "breaker closed" in lines[1]
+
+
+def test_a_success_resets_the_count():
+    b = FarBreaker(threshold=2, clock=Clock())
+    b.record(False)
+    b.record(True)
+    b.record(False)
+    assert b.state is BreakerState.CLOSED

@@ -1,0 +1,65 @@
+"""The --far* settings: flags, environment and TOML as for every setting, and a clear
+message for each bad value."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore_server.config import ConfigError, load_config
+from kvstore_server.far.settings import ClusterMode, WritePolicy, from_config, parse_far
+
+
+def test_no_far_by_default():
+    assert from_config(load_config([], environ={})) is None
+
+
+def test_flags():
+    c = load_config(["--far", "redis://a:7000,redis://b:7001", "--far-cluster", "on",
+                     "--far-ttl", "10m", "--far-timeout", "20ms", "--far-write", "through",
+                     "--far-namespace", "fleet1", "--far-queue", "64MiB"], environ={})
+    s = from_config(c)
+    assert s.nodes == (("a", 7000), ("b", 7001)) and not s.tls
+    assert s.cluster is ClusterMode.ON and s.write is WritePolicy.THROUGH
+    assert (s.ttl, s.timeout, s.namespace, s.queue_bytes) == (600, 0.02, "fleet1", 64 << 20)
+
+
+def test_defaults_are_tens_of_ms_and_evict():
+    s = parse_far("valkey://h")
+    assert s.nodes == (("h", 6379),) and s.timeout == 0.05 and s.write is WritePolicy.EVICT
+    assert s.cluster is ClusterMode.AUTO and s.ttl == 0
+
+
+def test_environment_and_toml(tmp_path):
+    toml = tmp_path / "kv.toml"
+    toml.write_text('far = "rediss://h:7000"\nfar-write = "off"\n')
+    s = from_config(load_config(["--config", str(toml)],
+                                environ={"KVSTORE_FAR_TIMEOUT": "30ms"}))
+    assert s.tls and s.write is WritePolicy.OFF and s.timeout == 0.03
+
+
+def test_credentials_from_url_and_file(tmp_path):
+    s = parse_far("redis://alice:s%40cret@h:7000")
+    assert (s.username, s.password) == ("alice", "s@cret")
+    secret = tmp_path / "pw"
+    secret.write_text("from-file\n")
+    s = parse_far("redis://alice@h:7000", password_file=str(secret))
+    assert (s.username, s.password) == ("alice", "from-file")
+    assert "from-file" not in repr(s) and "s@cret" not in repr(parse_far("redis://a:s%40cret@h"))
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--far", "http://h:1"], "scheme must be one of"),
+    (["--far", "redis://"], "names no host"),
+    (["--far", "redis://h:99999"], "bad port"),
+    (["--far", "redis://h/3"], "only database 0"),
+    (["--far", "redis://h:1,rediss://h:2"], "disagree"),
+    (["--far", "redis://h", "--far-cluster", "maybe"], "auto/on/off"),
+    (["--far", "redis://h", "--far-write", "sometimes"], "evict/through/off"),
+    (["--far", "redis://h", "--far-timeout", "0"], "far_timeout"),
+    (["--far", "redis://h", "--far-namespace", "a{b}"], "far_namespace"),
+    (["--far", "redis://h", "--far-queue", "1KiB"], "far_queue"),
+    (["--far", "redis://h", "--far-password-file", "/nonexistent/pw"], "password file"),
+])
+def test_bad_values_say_what_is_wrong(argv, words):
+    with pytest.raises(ConfigError, match=words):
+        load_config(argv, environ={})
