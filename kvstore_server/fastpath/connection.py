@@ -32,23 +32,10 @@ from ..errors import Outcome, StoreError
 from .io import ClientGone, recv_exact, set_timeouts
 from .ops import Ops, Session, status_of, table
 
-__all__ = ["Connection", "GRPC_CODES"]
+__all__ = ["Connection"]
 
 log = logging.getLogger(__name__)
 
-# The gRPC status each answer counts as in the metrics, as the gRPC path would answer.
-GRPC_CODES = {
-    fw.Status.OK: grpc.StatusCode.OK,
-    fw.Status.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
-    fw.Status.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    fw.Status.EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    fw.Status.EXPIRED: grpc.StatusCode.FAILED_PRECONDITION,
-    fw.Status.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
-    fw.Status.DENIED: grpc.StatusCode.PERMISSION_DENIED,
-    fw.Status.INTERNAL: grpc.StatusCode.INTERNAL,
-    fw.Status.PROTOCOL: grpc.StatusCode.INVALID_ARGUMENT,
-    fw.Status.BUSY: grpc.StatusCode.UNAVAILABLE,
-}
 _NAMES = {op: "Fast" + op.name.title() for op in fw.Op}
 SCRATCH_BYTES = 256 << 10      # per connection: where a refused Put's data is dropped
 
@@ -117,7 +104,7 @@ class Connection:
             return None
         if first < len(head):
             recv_exact(self.sock, head[first:])
-        return fw.decode_header(head, request=True)
+        return fw.decode_header(head, request=True, max_body=self.ops.max_body)
 
     def _read_body(self, h: fw.Header) -> memoryview:
         body = memoryview(bytearray(h.body_len))      # bounded: decode_header checked it
@@ -193,7 +180,7 @@ class Connection:
             raise
         finally:
             self._observe(_NAMES[op], time.perf_counter() - start,
-                          grpc.StatusCode.CANCELLED if gone else GRPC_CODES[status])
+                          grpc.StatusCode.CANCELLED if gone else fw.GRPC_CODES[status])
 
     def _try_reply(self, op: int, message: str, status: fw.Status) -> None:
         try:

@@ -322,8 +322,8 @@ def test_bad_requests_get_an_error_and_the_connection_goes_on(srv):
     with KVStoreClient(srv.address, shared_memory=False, data_plane=False) as c:
         ns = c.register_layout(LAYOUTS["tiny"])
     raw = Raw(fast_address(srv))
-    too_many = fw.LAYOUT_HEAD.pack(ns.layout_id) + struct_keys(16, fw.MAX_KEYS + 1)
-    for body, words in ((too_many, b"at most"), (b"short", b"too short"),
+    too_many = fw.LAYOUT_HEAD.pack(ns.layout_id) + fw.encode_keys(16, bytes(16 * 16_385))
+    for body, words in ((too_many, b"16385 keys; at most 16384"), (b"short", b"too short"),
                         (fw.LAYOUT_HEAD.pack(ns.layout_id) + struct_keys(0, 3),
                          b"key_size must be")):
         status, answer = raw.call(fw.Op.EXISTS, body)
@@ -337,6 +337,77 @@ def test_bad_requests_get_an_error_and_the_connection_goes_on(srv):
     status, answer = raw.call(fw.Op.EXISTS, keys_body(ns.layout_id, ks))
     assert status == 0 and fw.COUNT.unpack_from(answer) == (2,)
     raw.close()
+
+
+def test_the_same_request_limits_as_grpc(fresh_server):
+    """--max-keys-per-request bounds the fast path as it bounds gRPC: the same requests
+    are refused, with the same status and message (kvstore_server/limits.py)."""
+    import grpc
+
+    from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
+    from kvstore_client._proto.kvstore.v1 import kvstore_pb2_grpc
+    srv = fresh_server(max_keys_per_request=1000, dram="64MiB")
+    with KVStoreClient(srv.address, data_plane=False) as c:
+        ns = c.register_layout(LAYOUTS["1MiB"])
+        c.put(ns, keys("limit", 1), pages(1, ns.page_bytes))
+        token = c.region().token
+        stub = kvstore_pb2_grpc.KVStoreStub(c._channel)
+        lid = ns.layout_id
+        over = b"".join(keys("over", 1001))
+        packed = pb.PackedKeys(data=over, key_size=20)
+
+        def grpc_refusal(call, request) -> tuple[grpc.StatusCode, str]:
+            with pytest.raises(grpc.RpcError) as err:
+                answer = call(request, timeout=30)
+                for _ in (answer if hasattr(answer, "__next__") else ()):   # Get streams
+                    pass
+            return err.value.code(), err.value.details()
+
+        raw = Raw(unix_path(srv))
+        cases = [
+            (fw.Op.EXISTS, fw.LAYOUT_HEAD.pack(lid) + fw.encode_keys(20, over),
+             stub.Exists, pb.ExistsRequest(layout_id=lid, keys=packed)),
+            (fw.Op.DELETE, fw.LAYOUT_HEAD.pack(lid) + fw.encode_keys(20, over),
+             stub.Delete, pb.DeleteRequest(layout_id=lid, keys=packed)),
+            (fw.Op.GET, fw.LAYOUT_HEAD.pack(lid) + fw.encode_keys(20, over),
+             stub.Get, pb.GetRequest(layout_id=lid, keys=packed)),
+            (fw.Op.LOOKUP, fw.LOOKUP_HEAD.pack(0, 1) + lid + fw.encode_keys(20, over),
+             stub.Lookup, pb.LookupRequest(layout_ids=[lid], keys=packed)),
+            (fw.Op.ACQUIRE, fw.LEASED_HEAD.pack(lid, token, 0) + fw.encode_keys(20, over),
+             stub.Acquire, pb.AcquireRequest(layout_id=lid, keys=packed, token=token)),
+            (fw.Op.RESERVE, fw.LEASED_HEAD.pack(lid, token, 0) + fw.encode_keys(20, over),
+             stub.Reserve, pb.ReserveRequest(layout_id=lid, keys=packed, token=token)),
+            # 1000 keys in 5 layouts: past 4 x the limit.
+            (fw.Op.LOOKUP, fw.LOOKUP_HEAD.pack(0, 5) + lid * 5
+             + fw.encode_keys(20, over[:20_000]), stub.Lookup,
+             pb.LookupRequest(layout_ids=[lid] * 5,
+                              keys=pb.PackedKeys(data=over[:20_000], key_size=20))),
+            # One stored 1 MiB page named 65 times: more than the 64 MiB pool.
+            (fw.Op.GET, fw.LAYOUT_HEAD.pack(lid) + fw.encode_keys(20, keys("limit", 1)[0] * 65),
+             stub.Get, pb.GetRequest(layout_id=lid, keys=pb.PackedKeys(
+                 data=keys("limit", 1)[0] * 65, key_size=20))),
+        ]
+        for op, body, call, request in cases:
+            status, message = raw.call(op, body)
+            code, details = grpc_refusal(call, request)
+            assert status != 0, (op, message)
+            assert fw.GRPC_CODES[fw.Status(status)] == code, (op, message, details)
+            assert message.decode() == details, (op, message, details)
+        # A PUT past the limit: its data is drained, the connection goes on.
+        raw.send(fw.Op.PUT, fw.LAYOUT_HEAD.pack(lid) + fw.encode_keys(20, over),
+                 data_len=1001 * ns.page_bytes)
+        raw.sock.sendall(bytes(1001 * ns.page_bytes))
+        status, message, _ = raw.answer()
+        assert status == fw.Status.INVALID and b"1001 keys; at most 1000" in message
+        # The limit itself is fine, and a body past what 1000 keys can fill is a frame
+        # this server does not read at all.
+        status, _ = raw.call(fw.Op.EXISTS, fw.LAYOUT_HEAD.pack(lid)
+                             + fw.encode_keys(20, over[:20_000]))
+        assert status == 0
+        raw.sock.sendall(fw.encode_header(fw.Op.EXISTS, fw.request_body_bytes(1000) + 1))
+        status, message, _ = raw.answer()
+        assert status == fw.Status.PROTOCOL and b"over the limit" in message
+        raw.close()
 
 
 def struct_keys(key_size: int, n: int) -> bytes:
