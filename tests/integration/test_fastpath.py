@@ -600,6 +600,29 @@ def test_the_unix_socket_is_as_private_as_the_pool(srv):
     assert os.stat(path).st_mode & 0o777 == os.stat(pool).st_mode & 0o777 & 0o660
 
 
+def test_a_stale_socket_after_sigkill_does_not_stop_a_restart(tmp_path):
+    """SIGKILL leaves the pool and its <pool>.sock behind; the next start removes both
+    and serves the fast path on its own socket."""
+    with ServerProcess(shm_dir=tmp_path) as first:
+        first_sock = unix_path(first)
+        assert os.path.exists(first_sock)
+        first.proc.kill()                                     # SIGKILL: no clean-up
+        first.proc.wait(10)
+        assert os.path.exists(first_sock)
+        with ServerProcess(shm_dir=tmp_path) as second:
+            assert not os.path.exists(first_sock)
+            assert sorted(os.listdir(tmp_path)) == sorted(
+                os.path.basename(p) for p in (unix_path(second),
+                                              unix_path(second).removesuffix(".sock")))
+            with KVStoreClient(second.address, data_plane=True) as c:
+                assert c._data.fast().address == unix_path(second)
+                ns = c.register_layout(LAYOUTS["tiny"])
+                with c.reserve(ns, keys("stale", 2)) as res:
+                    for view in res.views:
+                        view[:] = 7
+                assert c.lookup(ns, keys("stale", 2)) == 2
+
+
 # -- TLS ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
