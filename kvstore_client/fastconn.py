@@ -56,6 +56,7 @@ class Conn:
         # lookup's or an acquire's does), so a small call costs one system call.
         self._rbuf = memoryview(bytearray(ANSWER_BUFFER))
         self.owed = 0        # answers of requests sent without waiting (release_later)
+        self.quiet = False   # the server sends no answer to a RELEASE flagged QUIET
         self.timeout = -1.0  # the socket's SO_RCVTIMEO/SO_SNDTIMEO now
 
     def use_timeout(self, seconds: float) -> None:

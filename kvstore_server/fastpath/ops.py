@@ -27,7 +27,7 @@ from ..auth import Principal
 from ..errors import Outcome, StoreError
 from ..limits import RequestLimits
 from ..store import FOREVER, Store
-from .io import drain, recv_exact, runs, send_file, send_views
+from .io import Reader, runs, send_file, send_views
 
 __all__ = ["Ops", "Session", "SEND_SENDFILE", "SEND_SENDMSG"]
 
@@ -40,6 +40,7 @@ class Session:
     """One connection's state: its socket, who it acts for, the leases it holds."""
 
     sock: socket.socket
+    reader: Reader                    # the socket's incoming bytes (a Put's pages)
     caller: Callable[[], Principal]   # who the connection acts for, now (auth reloads)
     plain: bool                       # not TLS: sendmsg and sendfile may be used
     scratch: memoryview               # for the data of a refused Put; bounded
@@ -228,16 +229,16 @@ class Ops:
             res = self.store.reserve(layout, keys, ttl=FOREVER,
                                      quota=s.caller().quota_bytes)
         except Exception:
-            drain(s.sock, h.data_len, s.scratch)
+            s.reader.skip(h.data_len, s.scratch)
             raise
         committed = False
         try:
             mem = self.mem
             for i, j, off in runs(res.offsets, pb):
                 if off < 0:              # already stored: skip its bytes
-                    drain(s.sock, (j - i) * pb, s.scratch)
+                    s.reader.skip((j - i) * pb, s.scratch)
                 else:
-                    recv_exact(s.sock, mem[off:off + (j - i) * pb])
+                    s.reader.read_into(mem[off:off + (j - i) * pb])
             stored = self.store.commit(res.lease_id)
             committed = True
             return fw.PUT_DONE.pack(stored, res.skipped)

@@ -258,6 +258,40 @@ def test_acquire_and_release_on_a_raw_connection(srv):
         assert c.stats().leases == leases
 
 
+def test_quiet_releases_get_no_answer_and_keep_the_connection_in_step(srv):
+    with KVStoreClient(srv.address, data_plane=False) as c:
+        ns = c.register_layout(LAYOUTS["tiny"])
+        ks = keys("quiet", 2)
+        c.put(ns, ks, pages(2, ns.page_bytes))
+        token = c.region().token
+    before = _leases(srv)
+    released = 'kvstore_rpc_total{code="OK",method="FastRelease"}'
+    counted = metric(srv.metrics_port, released)
+    old = Raw(unix_path(srv))                    # offered nothing: granted nothing
+    raw = Raw(unix_path(srv), hello=False)
+    raw.send(fw.Op.HELLO, flags=fw.QUIET)
+    h = fw.decode_header(raw.recv_exact(24), request=False)
+    raw.recv_exact(h.body_len)
+    assert h.status == 0 and h.flags == fw.QUIET
+    acquire = fw.LEASED_HEAD.pack(ns.layout_id, token, 0) + fw.encode_keys(20, b"".join(ks))
+    for conn in (old, raw):
+        status, answer = conn.call(fw.Op.ACQUIRE, acquire)
+        assert status == 0
+        (lease_id,) = fw.LEASE.unpack_from(answer)
+        flags = fw.QUIET if conn is raw else 0   # what each client may send
+        conn.send(fw.Op.RELEASE, fw.LEASE.pack(lease_id), flags=flags)
+        conn.send(fw.Op.RELEASE, fw.LEASE.pack(lease_id + 10**6), flags=flags)  # unknown
+        conn.send(fw.Op.EXISTS, keys_body(ns.layout_id, ks))
+        if conn is old:      # a client that did not offer QUIET gets every answer
+            assert [conn.answer()[1] for _ in range(2)] == [fw.LEASE.pack(1), fw.LEASE.pack(0)]
+        status, answer, _ = conn.answer()     # quiet: the first answer is EXISTS'
+        assert status == 0 and fw.COUNT.unpack_from(answer) == (2,)
+    raw.close()
+    old.close()
+    wait_for(lambda: _leases(srv) == before, "the released leases to go")
+    assert metric(srv.metrics_port, released) == counted + 4     # quiet ones counted too
+
+
 # -- faults: no pin, reservation or thread outlives a connection ------------------------------
 def _leases(srv) -> int:
     with KVStoreClient(srv.address, data_plane=False) as c:
