@@ -26,7 +26,7 @@ def test_one_status_table_agrees_with_the_grpc_path():
 def test_the_body_bound_follows_the_keys_limit():
     assert fw.request_body_bytes(16_384) == fw.MAX_BODY
     big = fw.request_body_bytes(100_000)
-    raw = fw.HEADER.pack(b"KF", 1, fw.Op.LOOKUP, 0, 0, fw.MAX_BODY + 1, 0)
+    raw = fw.HEADER.pack(fw.MAGIC, fw.VERSION, fw.Op.LOOKUP, 0, 0, fw.MAX_BODY + 1, 0)
     assert fw.decode_header(raw, request=True, max_body=big).body_len == fw.MAX_BODY + 1
     with pytest.raises(fw.WireError, match="over the limit of 1000"):
         fw.decode_header(raw, request=True, max_body=1000)
