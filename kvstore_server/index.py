@@ -235,7 +235,8 @@ class KeyIndex:
     def _find_one(self, words: list[int]) -> int:
         """One key's slot, -1 if absent: the same hash and probe as _find, in Python
         ints. Why: a same-host acquire or a one-page get names one key, and _find's ~20
-        numpy calls on arrays of one cost 25 us there (dev VM, warm) where this costs 3."""
+        numpy calls on arrays of one cost 17.7 us there where this costs 2.5 (dev VM,
+        warm, 50k keys stored; Store.acquire + release of one key: 56 -> 19 us)."""
         h = (words[0] ^ self._seed_int) & _MASK
         h = ((h ^ (h >> 32)) * _K1_INT) & _MASK
         for word in words[1:]:
