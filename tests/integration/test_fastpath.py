@@ -171,6 +171,27 @@ def test_a_large_get_is_striped_and_exact(srv):
         c.delete(ns, ks)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_one_gib_round_trip_is_byte_exact(transport):
+    """The largest size the acceptance names: 1,024 pages of 1 MiB in one put and one
+    get, every byte compared (3.2 GiB of memory: the pool, the pages and the copy)."""
+    with ServerProcess(dram="1100MiB") as big:
+        address = fast_address(big) if transport == "tcp" else unix_path(big)
+        with KVStoreClient(big.address, shared_memory=False, data_plane=True,
+                           data_address=address, timeout=120) as c:
+            ns = c.register_layout(LAYOUTS["1MiB"])
+            n = 1024
+            assert n * ns.page_bytes == 1 << 30
+            ks = keys(f"gib-{transport}", n)
+            data = pages(n, ns.page_bytes, seed=17)
+            assert c.put(ns, ks, data).stored == n
+            out = c.get(ns, ks)
+            assert out.shape == data.shape and np.array_equal(out, data)
+            del out
+            assert np.array_equal(c.get(ns, ks[511:512]), data[511:512])
+
+
 def test_missing_key_is_a_key_error_and_the_connection_goes_on(srv):
     with KVStoreClient(srv.address, shared_memory=False, data_plane=True) as c:
         ns = c.register_layout(LAYOUTS["odd"])
@@ -237,22 +258,70 @@ def test_acquire_and_release_on_a_raw_connection(srv):
         assert c.stats().leases == leases
 
 
+def test_quiet_releases_get_no_answer_and_keep_the_connection_in_step(srv):
+    with KVStoreClient(srv.address, data_plane=False) as c:
+        ns = c.register_layout(LAYOUTS["tiny"])
+        ks = keys("quiet", 2)
+        c.put(ns, ks, pages(2, ns.page_bytes))
+        token = c.region().token
+    before = _leases(srv)
+    released = 'kvstore_rpc_total{code="OK",method="FastRelease"}'
+    counted = metric(srv.metrics_port, released)
+    old = Raw(unix_path(srv))                    # offered nothing: granted nothing
+    raw = Raw(unix_path(srv), hello=False)
+    raw.send(fw.Op.HELLO, flags=fw.QUIET)
+    h = fw.decode_header(raw.recv_exact(24), request=False)
+    raw.recv_exact(h.body_len)
+    assert h.status == 0 and h.flags == fw.QUIET
+    acquire = fw.LEASED_HEAD.pack(ns.layout_id, token, 0) + fw.encode_keys(20, b"".join(ks))
+    for conn in (old, raw):
+        status, answer = conn.call(fw.Op.ACQUIRE, acquire)
+        assert status == 0
+        (lease_id,) = fw.LEASE.unpack_from(answer)
+        flags = fw.QUIET if conn is raw else 0   # what each client may send
+        conn.send(fw.Op.RELEASE, fw.LEASE.pack(lease_id), flags=flags)
+        conn.send(fw.Op.RELEASE, fw.LEASE.pack(lease_id + 10**6), flags=flags)  # unknown
+        conn.send(fw.Op.EXISTS, keys_body(ns.layout_id, ks))
+        if conn is old:      # a client that did not offer QUIET gets every answer
+            assert [conn.answer()[1] for _ in range(2)] == [fw.LEASE.pack(1), fw.LEASE.pack(0)]
+        status, answer, _ = conn.answer()     # quiet: the first answer is EXISTS'
+        assert status == 0 and fw.COUNT.unpack_from(answer) == (2,)
+    raw.close()
+    old.close()
+    wait_for(lambda: _leases(srv) == before, "the released leases to go")
+    assert metric(srv.metrics_port, released) == counted + 4     # quiet ones counted too
+
+
 # -- faults: no pin, reservation or thread outlives a connection ------------------------------
 def _leases(srv) -> int:
     with KVStoreClient(srv.address, data_plane=False) as c:
         return c.stats().leases
 
 
+def _connections(srv) -> float:
+    """Open fast-path connections: one serving thread each (server.py)."""
+    return metric(srv.metrics_port, "kvstore_fast_connections")
+
+
+def _nothing_left(srv, leases: int, connections: float, what: str) -> None:
+    """No pin or reservation (the admin stats' leases) and no connection thread (the
+    fast-connections gauge) is left of a connection that ended mid-transfer."""
+    wait_for(lambda: _leases(srv) == leases, f"the leases of {what} to go")
+    wait_for(lambda: _connections(srv) <= connections, f"the thread of {what} to end")
+
+
 def test_connection_cut_mid_put_leaves_nothing(srv):
     with KVStoreClient(srv.address, shared_memory=False, data_plane=False) as c:
         ns = c.register_layout(LAYOUTS["1MiB"])
-    before = _leases(srv)
+    before, threads = _leases(srv), _connections(srv)
     ks = keys("cut-put", 8)
     raw = Raw(fast_address(srv))
     raw.send(fw.Op.PUT, keys_body(ns.layout_id, ks), data_len=8 * ns.page_bytes)
     raw.sock.sendall(bytes(3 * ns.page_bytes + 1000))      # then the connection is cut
+    wait_for(lambda: _leases(srv) == before + 1, "the put's reservation")
+    assert _connections(srv) == threads + 1
     raw.close()
-    wait_for(lambda: _leases(srv) == before, "the reservation to be aborted")
+    _nothing_left(srv, before, threads, "the cut put")
     with KVStoreClient(srv.address, shared_memory=False, data_plane=True) as c:
         assert c.lookup(ns, ks) == 0
         assert c.put(ns, ks, pages(8, ns.page_bytes)).stored == 8   # the keys are free
@@ -265,7 +334,7 @@ def test_connection_cut_mid_get_and_held_leases_are_released(srv):
         ks = keys("cut-get", 64)
         c.put(ns, ks, pages(64, ns.page_bytes))
         token = c.region().token
-    before = _leases(srv)
+    before, threads = _leases(srv), _connections(srv)
     raw = Raw(fast_address(srv))
     body = fw.LEASED_HEAD.pack(ns.layout_id, token, 60000) + fw.encode_keys(20, b"".join(ks))
     assert raw.call(fw.Op.ACQUIRE, body)[0] == 0               # held for a minute...
@@ -274,31 +343,45 @@ def test_connection_cut_mid_get_and_held_leases_are_released(srv):
     assert _leases(srv) >= before + 1
     raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
     raw.close()                                                # RST: the client died
-    wait_for(lambda: _leases(srv) == before, "the leases of the cut connection to go")
+    _nothing_left(srv, before, threads, "the cut connection")
 
 
-def test_a_killed_client_process_leaves_nothing(srv, tmp_path):
+@pytest.mark.parametrize("call", ["put", "get"])
+def test_a_killed_client_process_leaves_nothing(srv, tmp_path, call):
     import subprocess
     import sys
+    n = 200
     with KVStoreClient(srv.address, shared_memory=False, data_plane=False) as c:
         ns = c.register_layout(LAYOUTS["1MiB"])
-    before = _leases(srv)
-    script = tmp_path / "writer.py"
+        ks = [str(i).encode().ljust(20, b"g") for i in range(n)]
+        if call == "get":
+            c.put(ns, ks, pages(n, ns.page_bytes, seed=2))
+    before, threads = _leases(srv), _connections(srv)
+    script = tmp_path / "client.py"
+    # The get's reader is slow on purpose: its pages sit pinned while the server sends.
     script.write_text(f"""
+import socket, time
 import numpy as np
 from kvstore_client.fastpath import FastPath
 f = FastPath("{fast_address(srv)}")
-ks = b"".join(str(i).encode().ljust(20, b"k") for i in range(2000))
-data = memoryview(np.ones(2000 * {ns.page_bytes}, dtype=np.uint8))
+key = b"g" if "{call}" == "get" else b"k"
+ks = b"".join(str(i).encode().ljust(20, key) for i in range({n}))
+data = memoryview(np.ones({n} * {ns.page_bytes}, dtype=np.uint8))
 print("go", flush=True)
-f.put({ns.layout_id!r}, 20, ks, data)
+if "{call}" == "put":
+    f.put({ns.layout_id!r}, 20, ks, data)
+else:
+    f.get_into({ns.layout_id!r}, 20, ks, data, {ns.page_bytes})
 """)
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE)
     assert proc.stdout.readline().strip() == b"go"
-    time.sleep(0.3)                                            # mid-put
+    wait_for(lambda: _leases(srv) > before, f"the {call} to be under way", 20)
     proc.kill()
     proc.wait(10)
-    wait_for(lambda: _leases(srv) == before, "the killed writer's reservation to go")
+    _nothing_left(srv, before, threads, f"the killed client's {call}")
+    if call == "get":
+        with KVStoreClient(srv.address, shared_memory=False, data_plane=False) as c:
+            assert c.delete(ns, ks) == n
 
 
 # -- bounds and malformed frames ----------------------------------------------------------------
@@ -322,8 +405,8 @@ def test_bad_requests_get_an_error_and_the_connection_goes_on(srv):
     with KVStoreClient(srv.address, shared_memory=False, data_plane=False) as c:
         ns = c.register_layout(LAYOUTS["tiny"])
     raw = Raw(fast_address(srv))
-    too_many = fw.LAYOUT_HEAD.pack(ns.layout_id) + struct_keys(16, fw.MAX_KEYS + 1)
-    for body, words in ((too_many, b"at most"), (b"short", b"too short"),
+    too_many = fw.LAYOUT_HEAD.pack(ns.layout_id) + fw.encode_keys(16, bytes(16 * 16_385))
+    for body, words in ((too_many, b"16385 keys; at most 16384"), (b"short", b"too short"),
                         (fw.LAYOUT_HEAD.pack(ns.layout_id) + struct_keys(0, 3),
                          b"key_size must be")):
         status, answer = raw.call(fw.Op.EXISTS, body)
@@ -337,6 +420,77 @@ def test_bad_requests_get_an_error_and_the_connection_goes_on(srv):
     status, answer = raw.call(fw.Op.EXISTS, keys_body(ns.layout_id, ks))
     assert status == 0 and fw.COUNT.unpack_from(answer) == (2,)
     raw.close()
+
+
+def test_the_same_request_limits_as_grpc(fresh_server):
+    """--max-keys-per-request bounds the fast path as it bounds gRPC: the same requests
+    are refused, with the same status and message (kvstore_server/limits.py)."""
+    import grpc
+
+    from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
+    from kvstore_client._proto.kvstore.v1 import kvstore_pb2_grpc
+    srv = fresh_server(max_keys_per_request=1000, dram="64MiB")
+    with KVStoreClient(srv.address, data_plane=False) as c:
+        ns = c.register_layout(LAYOUTS["1MiB"])
+        c.put(ns, keys("limit", 1), pages(1, ns.page_bytes))
+        token = c.region().token
+        stub = kvstore_pb2_grpc.KVStoreStub(c._channel)
+        lid = ns.layout_id
+        over = b"".join(keys("over", 1001))
+        packed = pb.PackedKeys(data=over, key_size=20)
+
+        def grpc_refusal(call, request) -> tuple[grpc.StatusCode, str]:
+            with pytest.raises(grpc.RpcError) as err:
+                answer = call(request, timeout=30)
+                for _ in (answer if hasattr(answer, "__next__") else ()):   # Get streams
+                    pass
+            return err.value.code(), err.value.details()
+
+        raw = Raw(unix_path(srv))
+        cases = [
+            (fw.Op.EXISTS, fw.LAYOUT_HEAD.pack(lid) + fw.encode_keys(20, over),
+             stub.Exists, pb.ExistsRequest(layout_id=lid, keys=packed)),
+            (fw.Op.DELETE, fw.LAYOUT_HEAD.pack(lid) + fw.encode_keys(20, over),
+             stub.Delete, pb.DeleteRequest(layout_id=lid, keys=packed)),
+            (fw.Op.GET, fw.LAYOUT_HEAD.pack(lid) + fw.encode_keys(20, over),
+             stub.Get, pb.GetRequest(layout_id=lid, keys=packed)),
+            (fw.Op.LOOKUP, fw.LOOKUP_HEAD.pack(0, 1) + lid + fw.encode_keys(20, over),
+             stub.Lookup, pb.LookupRequest(layout_ids=[lid], keys=packed)),
+            (fw.Op.ACQUIRE, fw.LEASED_HEAD.pack(lid, token, 0) + fw.encode_keys(20, over),
+             stub.Acquire, pb.AcquireRequest(layout_id=lid, keys=packed, token=token)),
+            (fw.Op.RESERVE, fw.LEASED_HEAD.pack(lid, token, 0) + fw.encode_keys(20, over),
+             stub.Reserve, pb.ReserveRequest(layout_id=lid, keys=packed, token=token)),
+            # 1000 keys in 5 layouts: past 4 x the limit.
+            (fw.Op.LOOKUP, fw.LOOKUP_HEAD.pack(0, 5) + lid * 5
+             + fw.encode_keys(20, over[:20_000]), stub.Lookup,
+             pb.LookupRequest(layout_ids=[lid] * 5,
+                              keys=pb.PackedKeys(data=over[:20_000], key_size=20))),
+            # One stored 1 MiB page named 65 times: more than the 64 MiB pool.
+            (fw.Op.GET, fw.LAYOUT_HEAD.pack(lid) + fw.encode_keys(20, keys("limit", 1)[0] * 65),
+             stub.Get, pb.GetRequest(layout_id=lid, keys=pb.PackedKeys(
+                 data=keys("limit", 1)[0] * 65, key_size=20))),
+        ]
+        for op, body, call, request in cases:
+            status, message = raw.call(op, body)
+            code, details = grpc_refusal(call, request)
+            assert status != 0, (op, message)
+            assert fw.GRPC_CODES[fw.Status(status)] == code, (op, message, details)
+            assert message.decode() == details, (op, message, details)
+        # A PUT past the limit: its data is drained, the connection goes on.
+        raw.send(fw.Op.PUT, fw.LAYOUT_HEAD.pack(lid) + fw.encode_keys(20, over),
+                 data_len=1001 * ns.page_bytes)
+        raw.sock.sendall(bytes(1001 * ns.page_bytes))
+        status, message, _ = raw.answer()
+        assert status == fw.Status.INVALID and b"1001 keys; at most 1000" in message
+        # The limit itself is fine, and a body past what 1000 keys can fill is a frame
+        # this server does not read at all.
+        status, _ = raw.call(fw.Op.EXISTS, fw.LAYOUT_HEAD.pack(lid)
+                             + fw.encode_keys(20, over[:20_000]))
+        assert status == 0
+        raw.sock.sendall(fw.encode_header(fw.Op.EXISTS, fw.request_body_bytes(1000) + 1))
+        status, message, _ = raw.answer()
+        assert status == fw.Status.PROTOCOL and b"over the limit" in message
+        raw.close()
 
 
 def struct_keys(key_size: int, n: int) -> bytes:
@@ -456,8 +610,12 @@ def test_auth_refuses_and_counts_and_isolates_tenants(fresh_server, tmp_path):
         assert a._data.fast().tenant == "a"
         # b names a's layout id: unknown to b, whoever else has it.
         raw = Raw(fast_address(srv), TOKENS["b"])
+        refused_gets = metric(port, 'kvstore_rpc_total{code="INVALID_ARGUMENT",'
+                                    'method="FastGet"}')
         status, body = raw.call(fw.Op.GET, keys_body(ns.layout_id, ks))
         assert status == fw.Status.INVALID and b"unknown layout" in body
+        assert metric(port, 'kvstore_rpc_total{code="INVALID_ARGUMENT",method="FastGet"}'
+                      ) == refused_gets + 1
         status, body = raw.call(fw.Op.EXISTS, keys_body(ns.layout_id, ks))
         assert status == fw.Status.INVALID
         # A tenant without shared_memory may not acquire.
@@ -476,10 +634,16 @@ def test_auth_refuses_and_counts_and_isolates_tenants(fresh_server, tmp_path):
         raw.close()
         with pytest.raises(KVStoreError, match="invalid token"):
             a.lookup(ns, ks)
+        # ...counted as the call's outcome on the open connection, as a refusal on a new one.
+        assert metric(port, 'kvstore_rpc_total{code="UNAUTHENTICATED",method="FastLookup"}'
+                      ) >= 1
+        refused = metric(port, 'kvstore_fast_refused_total{reason="unauthenticated"}')
         raw = Raw(fast_address(srv), hello=False)
         raw.send(fw.Op.HELLO, TOKENS["a"].encode())
         assert raw.answer()[0] == fw.Status.UNAUTHENTICATED
         raw.close()
+        assert metric(port, 'kvstore_fast_refused_total{reason="unauthenticated"}'
+                      ) == refused + 1
 
 
 def _handle(srv):
@@ -508,6 +672,22 @@ def test_falls_back_to_grpc_when_the_fast_path_is_off(fresh_server, caplog):
         FastPath(fast_address(srv)).check()
 
 
+def test_falls_back_to_grpc_when_the_data_port_is_closed(srv, caplog):
+    closed = f"127.0.0.1:{free_port()}"                 # nothing listens there
+    with caplog.at_level(logging.WARNING, logger="kvstore_client.dataplane"):
+        with KVStoreClient(srv.address, shared_memory=False, data_address=closed) as c:
+            ns = c.register_layout(LAYOUTS["odd"])
+            ks = keys("closed-port", 4)
+            data = pages(4, ns.page_bytes, seed=4)
+            assert c.put(ns, ks, data).stored == 4
+            assert np.array_equal(c.get(ns, ks), data)
+            assert c.lookup(ns, ks) == 4
+            assert c._data.fast() is None
+            c.delete(ns, ks)
+    warnings = [r for r in caplog.records if "fast path not reachable" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+
+
 def test_a_server_at_its_connection_limit_says_busy(fresh_server):
     srv = fresh_server(data_connections=2)
     held = [Raw(fast_address(srv)), Raw(fast_address(srv))]
@@ -529,6 +709,29 @@ def test_the_unix_socket_is_as_private_as_the_pool(srv):
     assert os.stat(path).st_mode & 0o777 == os.stat(pool).st_mode & 0o777 & 0o660
 
 
+def test_a_stale_socket_after_sigkill_does_not_stop_a_restart(tmp_path):
+    """SIGKILL leaves the pool and its <pool>.sock behind; the next start removes both
+    and serves the fast path on its own socket."""
+    with ServerProcess(shm_dir=tmp_path) as first:
+        first_sock = unix_path(first)
+        assert os.path.exists(first_sock)
+        first.proc.kill()                                     # SIGKILL: no clean-up
+        first.proc.wait(10)
+        assert os.path.exists(first_sock)
+        with ServerProcess(shm_dir=tmp_path) as second:
+            assert not os.path.exists(first_sock)
+            assert sorted(os.listdir(tmp_path)) == sorted(
+                os.path.basename(p) for p in (unix_path(second),
+                                              unix_path(second).removesuffix(".sock")))
+            with KVStoreClient(second.address, data_plane=True) as c:
+                assert c._data.fast().address == unix_path(second)
+                ns = c.register_layout(LAYOUTS["tiny"])
+                with c.reserve(ns, keys("stale", 2)) as res:
+                    for view in res.views:
+                        view[:] = 7
+                assert c.lookup(ns, keys("stale", 2)) == 2
+
+
 # -- TLS ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
@@ -539,17 +742,19 @@ def pki(tmp_path_factory):
     return test_tls.pki.__wrapped__(tmp_path_factory)
 
 
-def test_tls_and_mutual_tls_on_the_tcp_port(pki):
+@pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mtls"])
+def test_tls_and_mutual_tls_on_the_tcp_port(pki, mutual):
     import ssl
 
     from tests.integration.test_tls import creds
     ca = str(pki / "ca.pem")
     mine = {"tls_cert": str(pki / "client.pem"), "tls_key": str(pki / "client.key")}
-    with ServerProcess(credentials=creds(pki, client_cert=True), tls_cert=pki / "server.pem",
-                       tls_key=pki / "server.key", tls_client_ca=pki / "ca.pem") as srv:
+    flags = {"tls_client_ca": pki / "ca.pem"} if mutual else {}
+    with ServerProcess(credentials=creds(pki, client_cert=mutual), tls_cert=pki / "server.pem",
+                       tls_key=pki / "server.key", **flags) as srv:
         assert "(TLS)" in srv.log()
         with KVStoreClient(srv.address, tls_ca=ca, shared_memory=False, data_plane=True,
-                           **mine) as c:
+                           **(mine if mutual else {})) as c:
             assert not c._data.fast().address.endswith(".sock")
             ns = c.register_layout(LAYOUTS["odd"])
             ks = keys("tls", 50)
@@ -560,13 +765,21 @@ def test_tls_and_mutual_tls_on_the_tcp_port(pki):
                 lb = ns.layer_bytes
                 assert np.array_equal(slab, data[:3, layer * lb:(layer + 1) * lb])
             assert c.lookup(ns, ks) == 50
-        # Plain text on the TLS port, and TLS without a client certificate: refused.
+        # Plain text on the TLS port: refused.
         raw = Raw(fast_address(srv), hello=False)
         raw.send(fw.Op.HELLO)
         assert raw.closed()
         raw.close()
+        # A client that does not trust the server's certificate: refused.
         with pytest.raises(FastPathUnavailable):
-            FastPath(fast_address(srv), tls=ssl.create_default_context(cafile=ca)).check()
+            FastPath(fast_address(srv), tls=ssl.create_default_context()).check()
+        server_only = FastPath(fast_address(srv), tls=ssl.create_default_context(cafile=ca))
+        if mutual:          # TLS without a client certificate: refused
+            with pytest.raises(FastPathUnavailable):
+                server_only.check()
+        else:
+            server_only.check()
+            server_only.close()
         # The Unix socket beside the pool stays plain: it is local and owner-only.
         raw = Raw(unix_path(srv))
         raw.close()

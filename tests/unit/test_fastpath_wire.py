@@ -12,6 +12,26 @@ from kvstore_server.config import ConfigError, data_address, load_config
 from kvstore_server.fastpath.io import runs
 
 
+def test_one_status_table_agrees_with_the_grpc_path():
+    """The fast path answers each store outcome with the gRPC code the gRPC path gives it
+    (service.CODES), through the one table both ends import."""
+    from kvstore_server.errors import Outcome
+    from kvstore_server.fastpath.ops import status_of
+    from kvstore_server.errors import StoreError
+    from kvstore_server.service import CODES
+    for outcome in Outcome:
+        assert fw.GRPC_CODES[status_of(StoreError(outcome, ""))] is CODES[outcome], outcome
+
+
+def test_the_body_bound_follows_the_keys_limit():
+    assert fw.request_body_bytes(16_384) == fw.MAX_BODY
+    big = fw.request_body_bytes(100_000)
+    raw = fw.HEADER.pack(fw.MAGIC, fw.VERSION, fw.Op.LOOKUP, 0, 0, fw.MAX_BODY + 1, 0)
+    assert fw.decode_header(raw, request=True, max_body=big).body_len == fw.MAX_BODY + 1
+    with pytest.raises(fw.WireError, match="over the limit of 1000"):
+        fw.decode_header(raw, request=True, max_body=1000)
+
+
 def test_header_round_trip():
     raw = fw.encode_header(fw.Op.PUT, 100, 1 << 33, status=0, flags=1)
     assert len(raw) == fw.HEADER.size == 24
@@ -49,7 +69,7 @@ def test_keys_round_trip():
 
 
 @pytest.mark.parametrize("block, words", [
-    (struct.pack("<BI", 16, fw.MAX_KEYS + 1), "at most"),
+    (struct.pack("<BI", 16, 1 << 30) + bytes(64), "need 17179869184"),
     (struct.pack("<BI", 0, 3), "key_size must be"),
     (struct.pack("<BI", 65, 1) + bytes(65), "key_size must be"),
     (struct.pack("<BI", 16, 3) + bytes(47), "need 48"),

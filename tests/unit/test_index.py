@@ -226,3 +226,22 @@ def test_a_lookup_whose_probe_spans_more_buckets_than_the_step_table():
     assert (ix.find(keys) == np.arange(300_000)).all()
     absent = np.random.default_rng(3).integers(0, 256, (1000, 16), dtype=np.uint8)
     assert (ix.find(absent) == -1).all()
+
+
+@pytest.mark.parametrize("key_size", [3, 16, 20, 64])
+def test_one_key_finds_what_a_batch_finds(key_size):
+    """find() of one key takes a path of its own (Python ints, no numpy batch): it must
+    answer what the batch path answers, for keys at home, past it, and absent."""
+    rng = np.random.default_rng(key_size)
+    index = KeyIndex(key_size, capacity=64, seed=key_size)
+    stored = rng.integers(0, 256, (3000, key_size), dtype=np.uint8)
+    stored = np.unique(stored, axis=0)
+    index.insert(stored, np.arange(len(stored)))
+    index.remove_slots(np.arange(0, len(stored), 7))        # tombstones on the way
+    absent = rng.integers(0, 256, (500, key_size), dtype=np.uint8)
+    everything = np.concatenate([stored, absent])
+    batch = index.find(everything)
+    assert (batch >= 0).sum() > 1000 and (batch < 0).sum() > 400
+    one = [int(index.find(everything[i:i + 1])[0]) for i in range(len(everything))]
+    assert one == batch.tolist()
+    assert index.find(stored[1].tobytes()).tolist() == [1]
