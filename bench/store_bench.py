@@ -1,8 +1,8 @@
 """Store benchmark: gRPC put/get throughput against a raw socket, and lookup latency.
 
 Throughput: pages of 64 KiB, 1 MiB and 4 MiB, 192 MiB per call, through a real
-kvstore-server process on loopback over gRPC (the shared-memory path is off here; see
-shm_bench); the baseline moves the same bytes over a plain TCP
+kvstore-server process on loopback over gRPC (the shared-memory path and the fast path
+are off here; see shm_bench and fastpath_bench); the baseline moves the same bytes over a plain TCP
 socket between two processes in the same run (send from one pre-touched buffer,
 recv_into another), which is the ceiling for any socket transport on this machine. A
 second baseline, Python gRPC streaming prebuilt 1 MiB messages with no store behind it
@@ -213,8 +213,9 @@ def run(quick: bool = False) -> dict:
     results["grpc_stream_gbps"] = grpc_stream
     big_pool = "6GiB" if not quick else "1GiB"
     with ServerProcess(dram=big_pool).start(wait=300) as srv, \
-            KVStoreClient(srv.address, timeout=60, shared_memory=False) as client, \
             KVStoreClient(srv.address, timeout=60, shared_memory=False,
+                          data_plane=False) as client, \
+            KVStoreClient(srv.address, timeout=60, shared_memory=False, data_plane=False,
                           lookup_stream=False) as unary:
         for label in PAGE_SHAPES:
             put, get = grpc_gbps(client, label, total, reps)
