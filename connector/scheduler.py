@@ -313,7 +313,7 @@ class SchedulerHalf:
 
     def _release_dropped(self) -> None:
         # Releases go only to a store that answers: one that hangs would cost every
-        # release its timeout. They wait for it (a release may be the breaker's probe);
+        # release its timeout. They wait while the breaker is open (its probe closes it);
         # one never sent only costs its pages their pin until lease_ms runs out.
         del self._leases_to_release[:-_RELEASES_KEPT]
         while self._leases_to_release and self.breaker.allow():
