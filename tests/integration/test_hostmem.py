@@ -10,8 +10,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kvstore_client import KVStoreClient, PageLayout          # noqa: E402
-from kvstore_connector.hostmem import Mappings                # noqa: E402
+from kvstore_connector.hostmem import Mappings
+
+from kvstore_client import KVStoreClient, PageLayout
 
 LAYOUT = PageLayout(model="hostmem", num_layers=2, page_tokens=16, num_kv_heads=2,
                     head_size=8, dtype="float32")

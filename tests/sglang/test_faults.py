@@ -15,10 +15,10 @@ import pytest
 
 pytest.importorskip("sglang", reason="needs SGLang 0.5.23 (scripts/venv-sglang.sh)")
 
-from test_hicache_storage import _backend, _filled, _indices, _keys, _tokens  # noqa: E402
+from kvstore_bench.serverproc import sigstop
+from test_hicache_storage import _backend, _filled, _indices, _keys, _tokens
 
-from kvstore_bench.serverproc import sigstop  # noqa: E402
-from kvstore_client import KVStoreClient  # noqa: E402
+from kvstore_client import KVStoreClient
 
 
 def _fault(srv, how: str) -> None:

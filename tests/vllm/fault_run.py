@@ -44,10 +44,10 @@ from harness import (
     make_scheduler,
     make_vllm_config,
 )
+from kvstore_bench.serverproc import ServerProcess, sigstop
 from vllm.v1.outputs import ModelRunnerOutput
 
 from connector.hashing import page_keys
-from kvstore_bench.serverproc import ServerProcess, sigstop
 from kvstore_client import KVStoreClient
 
 __all__ = ["ENGINES", "FAULTS", "SHAPE", "Engine", "Fault", "RunResult", "Workload", "check_run",

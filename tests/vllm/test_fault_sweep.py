@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM 0.33 (scripts/venv-vllm.sh)")
 
-from fault_run import ENGINES, FAULTS, new_server, run_with_fault  # noqa: E402
+from fault_run import ENGINES, FAULTS, new_server, run_with_fault
 
 REQUESTS = 100
 SAMPLE = 2                                            # steps per case outside a full sweep

@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM 0.33 (scripts/venv-vllm.sh)")
 
-from checking_model import GOOD_TOKEN  # noqa: E402
-from fault_run import (  # noqa: E402
+from checking_model import GOOD_TOKEN
+from fault_run import (
     ENGINES,
     FAULTS,
     Engine,
@@ -29,8 +29,7 @@ from fault_run import (  # noqa: E402
     run_with_fault,
     workload,
 )
-
-from kvstore_bench.serverproc import ServerProcess, sigstop  # noqa: E402
+from kvstore_bench.serverproc import ServerProcess, sigstop
 
 # "async-layerwise" checks that AsyncScheduler gets async loads whatever the config says,
 # with the faults that showed why.
