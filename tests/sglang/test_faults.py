@@ -131,7 +131,7 @@ def test_a_hung_store_costs_each_thread_one_timeout_then_nothing(fresh_server):
         assert len(times) > 20, (name, len(times))
         assert times[-1] < TIMEOUT * 2 + SLACK, (name, times[-3:])   # get: exists + get
         assert times[-2] < SLACK, (name, times[-3:])
-    assert backend._breaker.probes >= 3           # probed meanwhile, off SGLang's threads
+    assert backend._breaker.probes >= 2           # probed meanwhile, off SGLang's threads
     deadline = time.monotonic() + 5
     while backend._breaker.open and time.monotonic() < deadline:
         time.sleep(0.05)
