@@ -1,59 +1,100 @@
-"""A circuit breaker for a store that does not answer: stop asking it, probe it back.
+"""A circuit breaker for a store that does not answer: stop asking it, probe it back off the step.
 
 A lookup that times out costs the scheduler's step its whole timeout (0.5 s by default),
-and a hung store (stopped, swapping, partitioned) times out every lookup: with ten waiting
+and a hung store (stopped, swapping, partitioned) times out every call: with ten waiting
 requests every step would cost five seconds, and requests with nothing stored would wait
-behind requests whose pages cannot be read. So the first failure opens the breaker: while
-open, the store is not asked at all (the connector answers "no hit" at once); every
-`probe_interval` seconds one call is let through as a probe, which closes the breaker
-when it succeeds. The cost of a hung store is therefore at most one timeout when it hangs,
-then at most one timeout per probe interval until it answers again.
+behind requests whose pages cannot be read. So the first call that finds the store not
+answering opens the breaker; while it is open the store is not asked at all (the
+connector answers "no hit", skips saves, fails loads at once so the engine recomputes).
 
-    CLOSED --failure--> OPEN --probe_interval--> (one probe) --success--> CLOSED
-                          ^                            |
-                          +--------failure-------------+
+The probe that closes it again never runs on the caller's thread: an engine's scheduler
+step or forward must not wait for it. A background thread calls `probe()` every
+`probe_interval` seconds while the breaker is open (a call like any other, with the
+client's own timeout) and closes the breaker when one answers. So a hung store costs the
+step that meets it at most one call's timeout, and every later step nothing (no call is
+made) until a probe finds the store answering again.
 
-A pure state machine over a clock (a seam for tests); not thread-safe.
+    CLOSED --failed()--> OPEN --every probe_interval, on the probe thread: probe()
+                           ^                                  |
+                           +--------- no answer --------------+--- answered --> CLOSED
+
+Thread-safe: the probe thread and the callers share the state under one lock.
 """
 
 from __future__ import annotations
 
-import time
+import logging
+import threading
 from typing import Callable
 
 __all__ = ["Breaker"]
 
+log = logging.getLogger(__name__)
+
 
 class Breaker:
-    """Whether to call the store now; `failed()`/`succeeded()` report each call's outcome."""
+    """Whether to call the store now; `failed()`/`succeeded()` report each call's outcome.
 
-    def __init__(self, probe_interval: float, clock: Callable[[], float] = time.monotonic
-                 ) -> None:
+    probe: a call to the store that returns True when the store answered (any answer,
+    even an error status, means it is up); it runs only on the breaker's own thread.
+    """
+
+    def __init__(self, probe_interval: float, probe: Callable[[], bool]) -> None:
         self.probe_interval = probe_interval
-        self._clock = clock
-        self._opened_at: float | None = None    # None: closed
-        self._last_probe = 0.0                  # when the last probe was let through
+        self._probe = probe
+        self._lock = threading.Lock()      # guards _open and _thread
+        self._open = False
+        self._thread: threading.Thread | None = None   # the probe thread while open
+        self._closed = threading.Event()   # close(): the probe thread ends
+        self.probes = 0                    # probes made so far (for tests and stats)
 
     @property
     def open(self) -> bool:
-        return self._opened_at is not None
+        return self._open
 
     def allow(self) -> bool:
-        """True: make the call (closed, or open and a probe is due)."""
-        if self._opened_at is None:
-            return True
-        now = self._clock()
-        if now - self._last_probe >= self.probe_interval:
-            self._last_probe = now
-            return True
-        return False
+        """True: make the call (the breaker is closed). Never probes on this thread."""
+        return not self._open
 
     def failed(self) -> bool:
         """The call failed (timed out, unreachable); returns True when this opened it."""
-        if self._opened_at is not None:
-            return False
-        self._opened_at = self._last_probe = self._clock()
-        return True
+        with self._lock:
+            if self._open or self._closed.is_set():
+                return False
+            self._open = True
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._probe_until_answered,
+                                                name="kvstore-probe", daemon=True)
+                self._thread.start()
+            return True
 
     def succeeded(self) -> None:
-        self._opened_at = None
+        self._open = False
+
+    def _probe_until_answered(self) -> None:
+        while not self._closed.wait(self.probe_interval):
+            with self._lock:
+                if not self._open:         # a caller's own call succeeded meanwhile
+                    self._thread = None
+                    return
+            self.probes += 1
+            try:
+                answered = self._probe()
+            except Exception as exc:  # noqa: BLE001 - a probe that fails is "not yet"
+                log.debug("kvstore probe failed: %s", exc)
+                answered = False
+            if answered:
+                with self._lock:
+                    self._open = False
+                    self._thread = None    # under the lock: failed() starts a new one
+                return
+        with self._lock:
+            self._thread = None
+
+    def close(self) -> None:
+        """Stop probing (the connector shuts down); the probe thread ends within one
+        probe's timeout."""
+        self._closed.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=0.1)

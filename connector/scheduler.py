@@ -26,8 +26,10 @@ A failed load marks its request so that the pages it recomputes are saved, and m
 every other request that read the failed blocks as tainted: it saves nothing more,
 whatever restart point the engine picks for it (docs/vllm-load-failure-sharing.md).
 
-A store that does not answer costs at most one lookup_timeout, then nothing until a
-probe is due (connector.breaker); a request hears "ask again" at most `ask_again` times.
+A store that does not answer costs the step that meets it at most one lookup_timeout;
+then the breaker is open (connector.breaker) and no step asks the store anything (no hit,
+no wait, lease releases kept) until its background probe finds the store answering. A
+request hears "ask again" at most `ask_again` times.
 
 Keys are the connector's chained page hashes (connector.hashing), computed once per page
 and extended as a request grows. With tensor parallelism every rank has its own layout;
@@ -117,7 +119,7 @@ class SchedulerHalf:
         self._saves: list[SaveSpec] = []
         self._leases_to_release: list[int] = []
         self._down_since = 0.0        # when the store was last found unreachable
-        self.breaker = Breaker(config.probe_interval)
+        self.breaker = Breaker(config.probe_interval, self._probe)
         self.lag = max(1, lag)
         self._builds = 0              # builds so far: the clock of _Load.confirm_at
         self._next_load_id = 1
@@ -130,6 +132,15 @@ class SchedulerHalf:
         if self._handles is None:
             self._handles = [self.client.register_layout(layout) for layout in self.layouts]
         return self._handles
+
+    def _probe(self) -> bool:
+        """The breaker's probe (on its own thread): does the store answer? Registering
+        the layouts is idempotent, and after a restart it is what the store needs first."""
+        try:
+            self._handles = [self.client.register_layout(layout) for layout in self.layouts]
+        except KVStoreError as exc:
+            return exc.code != grpc.StatusCode.DEADLINE_EXCEEDED and exc.code not in _DOWN
+        return True
 
     def _store_down(self, exc: Exception) -> None:
         now = time.monotonic()
@@ -302,7 +313,7 @@ class SchedulerHalf:
 
     def _release_dropped(self) -> None:
         # Releases go only to a store that answers: one that hangs would cost every
-        # release its timeout. They wait for it (a release may be the breaker's probe);
+        # release its timeout. They wait while the breaker is open (its probe closes it);
         # one never sent only costs its pages their pin until lease_ms runs out.
         del self._leases_to_release[:-_RELEASES_KEPT]
         while self._leases_to_release and self.breaker.allow():
@@ -361,4 +372,5 @@ class SchedulerHalf:
         for load_id in list(self._unconfirmed):
             self._settle(load_id, ok=False)
         self._release_dropped()
+        self.breaker.close()
         self.client.close()

@@ -192,13 +192,14 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self.handle: Optional[LayoutHandle] = None   # set by register_mem_pool_host
         self.codec: Optional[PageCodec] = None
         self.failures = {"get": 0, "set": 0, "exists": 0}   # pages (calls for exists)
-        self._lock = threading.Lock()   # guards failures, _metrics, _region_view, _breaker
+        self._lock = threading.Lock()   # guards failures, _metrics, _region_view
         self._metrics = _Metrics()
         self._region_view: tuple[Any, torch.Tensor] | None = None   # (region, its tensor)
         # A store that does not answer would hold every prefetch and backup for the
-        # whole timeout: after one such call, calls fail at once (misses) until a probe
-        # every probe_interval seconds answers (connector.breaker).
-        self._breaker = Breaker(self.settings.probe_interval)
+        # whole timeout: after one such call, calls fail at once (misses) until the
+        # breaker's probe, every probe_interval seconds on its own thread (never on
+        # SGLang's), finds it answering (connector.breaker).
+        self._breaker = Breaker(self.settings.probe_interval, self._probe)
 
     # -- setup ----------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: HostKVCache):
@@ -224,6 +225,16 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         lay = self.handle.layout
         return mem[offset:offset + self.handle.page_bytes].view(
             lay.num_layers, lay.kv_factor, lay.page_tokens, -1)
+
+    def _probe(self) -> bool:
+        """The breaker's probe (on its own thread): does the store answer?"""
+        if self.handle is None:
+            return True
+        try:
+            self.client.register_layout(self.handle.layout)
+        except KVStoreError as exc:
+            return exc.code.name not in _NOT_ANSWERING
+        return True
 
     # -- moving pages -----------------------------------------------------------------
     def _write(self, keys: Sequence[str], sources: Callable[[int], torch.Tensor]) -> int:
@@ -280,9 +291,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             log.warning("kvstore: %s before register_mem_pool_host; treated as a miss", what)
             self._count(what, pages)
             return fallback
-        with self._lock:
-            allowed = self._breaker.allow()
-        if not allowed:
+        if not self._breaker.allow():
             self._count(what, pages)
             return fallback               # the store is not answering: a miss, at once
         try:
@@ -290,12 +299,10 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         except Exception as exc:  # noqa: BLE001 - never into SGLang's threads (#38428)
             log.warning("kvstore: %s of %d page(s) failed: %s", what, pages, exc)
             if isinstance(exc, KVStoreError) and exc.code.name in _NOT_ANSWERING:
-                with self._lock:
-                    self._breaker.failed()
+                self._breaker.failed()
             self._count(what, pages)
             return fallback
-        with self._lock:
-            self._breaker.succeeded()
+        self._breaker.succeeded()
         return result
 
     def _count(self, what: str, pages: int) -> None:
@@ -396,4 +403,5 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                               backup_bandwidth=m.backup_bandwidth)
 
     def close(self) -> None:
+        self._breaker.close()
         self.client.close()

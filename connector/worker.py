@@ -18,9 +18,13 @@ one of them is known good, from this worker (its own loads) or from the schedule
 (StepMeta.loads_ok, the word of every rank); until then it is held, written but not
 committed, and it is dropped if one of them failed (connector.outcomes). A load's own
 failure (at Acquire, or in its copies, found at the latest in wait_for_save) is known
-here at once; another rank's, one or two steps later through the scheduler half. A store that does not answer
-is not asked again until a probe is due (connector.breaker): saves are skipped and loads
-fail at once (the engine recomputes), so a hung store costs one call's timeout per probe.
+here at once; another rank's, one or two steps later through the scheduler half.
+
+A store that does not answer costs the step that meets it at most one call's `timeout`:
+that call opens the breaker (connector.breaker), and while it is open, or while the
+scheduler half reports the store down (StepMeta.store_down), the worker makes no call to
+the store: saves are skipped (their reservations expire in the store), loads fail at once
+(the engine recomputes). The breaker's probe runs on its own thread, never in a step.
 
 On the store's host the pages move straight between the shared pool (registered with
 CUDA once) and the GPU; elsewhere they go through a pinned buffer and gRPC. All CUDA
@@ -117,10 +121,9 @@ class WorkerHalf:
         self._failed_async: set[str] = set()
         self._outcomes = LoadOutcomes()            # of the loads saves name (after)
         self._held: list[_Save] = []               # written, waiting on loads' outcomes
-        # A probe from here costs the engine's step up to `timeout` (the scheduler half's
-        # costs lookup_timeout), so it probes less often: at most a sixth of the time
-        # waiting. Usually the scheduler half finds a hung store first (store_down).
-        self.breaker = Breaker(max(config.probe_interval, 5 * config.timeout))
+        # Usually the scheduler half finds a hung store first (StepMeta.store_down); a
+        # call of ours that meets it opens this one, probed back on its own thread.
+        self.breaker = Breaker(config.probe_interval, self._probe)
         self._store_down = False                   # this step's StepMeta.store_down
         self._stats = self._zero_stats()
 
@@ -201,6 +204,14 @@ class WorkerHalf:
         self._cancel_saves(spec)
         self._settle_held()
 
+    def _probe(self) -> bool:
+        """The breaker's probe (on its own thread): does the store answer?"""
+        try:
+            self.client.register_layout(self.layout)
+        except KVStoreError as exc:
+            return exc.code not in _NOT_ANSWERING
+        return True
+
     def _may_call(self) -> bool:
         """Whether to call the store now: not while the scheduler half reports it hung,
         nor while our own breaker is open (but for its probes)."""
@@ -263,6 +274,8 @@ class WorkerHalf:
         keep = []
         for save in self._saves:
             if save.spec.req_id == failed.req_id or failed.load_id in save.spec.after:
+                if not self._may_call():
+                    continue                    # not answering: the reservation expires
                 try:
                     save.abort()
                 except KVStoreError as exc:     # the reservation expires by itself
@@ -285,6 +298,12 @@ class WorkerHalf:
         self._held = waiting
 
     def _finish_save(self, save: _Save, commit: bool) -> None:
+        if not self._may_call():
+            # The store is not answering: neither commit nor abort (each would wait its
+            # timeout); the reservation expires in the store, the pages are a miss later.
+            log.info("not saving %d pages of %s: the store is not answering",
+                     len(save.spec.keys), save.spec.req_id)
+            return
         try:
             if not commit:
                 save.abort()
@@ -378,4 +397,5 @@ class WorkerHalf:
             self._finish_save(save, commit=False)
         self._held.clear()
         self._mappings.close()
+        self.breaker.close()
         self.client.close()

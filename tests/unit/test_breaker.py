@@ -1,29 +1,85 @@
-"""connector.breaker: stop asking a store that does not answer, probe it back."""
+"""connector.breaker: stop asking a store that does not answer, probe it back off the
+caller's thread."""
+
+import threading
+import time
 
 from connector.breaker import Breaker
 
 
-class Clock:
+class Store:
+    """A probe target: answers when `up`; records which threads probed it."""
+
     def __init__(self):
-        self.now = 100.0
+        self.up = False
+        self.threads = set()
 
-    def __call__(self):
-        return self.now
+    def probe(self):
+        self.threads.add(threading.current_thread())
+        return self.up
 
 
-def test_closed_until_a_failure_then_one_probe_per_interval():
-    clock = Clock()
-    b = Breaker(2.0, clock)
-    assert b.allow() and b.allow() and not b.open
-    assert b.failed() is True and b.open
-    assert not b.allow()                       # open: no calls
-    clock.now += 1.9
-    assert not b.allow()
-    clock.now += 0.1
-    assert b.allow()                           # the probe
-    assert not b.allow()                       # one per interval
-    assert b.failed() is False                 # already open: not "opened" again
-    clock.now += 2.0
-    assert b.allow()
+def wait_until(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_open_until_a_background_probe_answers():
+    store = Store()
+    b = Breaker(0.02, store.probe)
+    try:
+        assert b.allow() and not b.open
+        assert b.failed() is True and b.open
+        assert b.failed() is False                # already open: not "opened" again
+        wait_until(lambda: b.probes >= 3)
+        assert b.open and not b.allow()           # the caller never probes
+        assert threading.current_thread() not in store.threads
+        store.up = True
+        wait_until(lambda: not b.open)
+        assert b.allow()
+        probes = b.probes
+        time.sleep(0.1)
+        assert b.probes == probes                 # closed: no more probing
+        assert b.failed() is True                 # opens again, with a new probe thread
+        wait_until(lambda: not b.open)
+    finally:
+        b.close()
+
+
+def test_a_probe_that_raises_is_no_answer():
+    calls = []
+
+    def probe():
+        calls.append(1)
+        raise TimeoutError("hung")
+
+    b = Breaker(0.01, probe)
+    try:
+        b.failed()
+        wait_until(lambda: len(calls) >= 3)
+        assert b.open
+    finally:
+        b.close()
+
+
+def test_a_call_that_succeeds_closes_it_and_the_probe_thread_ends():
+    store = Store()
+    b = Breaker(0.02, store.probe)
+    b.failed()
     b.succeeded()
-    assert not b.open and b.allow() and b.allow()
+    assert b.allow()
+    wait_until(lambda: b._thread is None)
+    b.close()
+
+
+def test_close_stops_probing():
+    store = Store()
+    b = Breaker(0.02, store.probe)
+    b.failed()
+    b.close()
+    probes = b.probes
+    time.sleep(0.1)
+    assert b.probes <= probes + 1
+    assert b.failed() is False                   # a closed breaker starts no thread
