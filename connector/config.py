@@ -72,8 +72,10 @@ class ConnectorConfig:
     shared_memory: bool | None = None   # None = use the shared pool when mappable
     # Seconds for store calls other than the lookup (Reserve, Acquire, Commit; a bulk
     # gRPC Put or Get gets more by its size: kvstore_client). It is what a store that
-    # hangs costs an engine step when the worker meets it first, and per probe after.
-    timeout: float = 2.0
+    # hangs costs an engine step when the worker meets it first: as lookup_timeout by
+    # default, so a hang costs one step at most that on either side. A healthy control
+    # call takes well under a millisecond on the store's host.
+    timeout: float = 0.5
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], role: str | None = None) -> "ConnectorConfig":
