@@ -41,7 +41,9 @@ def start_fails(shm_dir: str, *flags: str, setting: str, code: int = 78,
     out = proc.stdout + proc.stderr
     print(f"{' '.join(flags)}: rc {proc.returncode} in {elapsed:.2f}s: {out.strip()}")
     assert proc.returncode == code, out
-    assert elapsed < 5, f"took {elapsed:.1f}s"
+    # About 1 s alone on the 2-core machine; up to 7.5 s seen while other suites ran
+    # beside it. The bound is against waiting or retrying, not a benchmark.
+    assert elapsed < 15, f"took {elapsed:.1f}s"
     assert "Traceback" not in out, out
     failures = [line for line in out.splitlines()
                 if "ERROR" in line or line.startswith("kvstore-server:")]
