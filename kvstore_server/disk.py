@@ -50,11 +50,10 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from .lru import LRUPolicy
+from .eviction import PolicyFactory, make_policy
 from .slotfile import (
     ALIGN,
     CORRUPT,
@@ -71,12 +70,13 @@ from .slotfile import (
     slot_bytes_for,
     write_slots,
 )
+from .slots import SlotState
+from .tier import Page, PageInfo, TierStats
 
-__all__ = ["DiskTier", "NoDisk", "Page", "Tier"]
+__all__ = ["DiskStats", "DiskTier"]
 
 log = logging.getLogger(__name__)
 
-Page = memoryview | np.ndarray          # one page: contiguous bytes (any dtype, viewed as uint8)
 # os.pwritev's signature: the seam through which tests inject ENOSPC and EIO.
 PwriteV = Callable[[int, Sequence[memoryview], int], int]
 
@@ -87,69 +87,40 @@ _BATCH_PAGES = 256
 # the writer's round in progress, the blanking. Past it the delete returns, not durable.
 DURABLE_WAIT = 10.0
 
-# Slot states (uint8 per slot id). WRITING: taken by the writer, invisible. DOOMED:
-# deleted or evicted while a read pins it; freed when the last read ends.
-FREE, WRITING, READY, DOOMED = 0, 1, 2, 3
+# Slot states (slots.py): WRITING here is taken by the writer, invisible; DOOMED is
+# deleted or evicted while a read pins it, freed when the last read ends.
+FREE, WRITING, READY, DOOMED = SlotState
 
 
-@runtime_checkable
-class Tier(Protocol):
-    """A tier below DRAM: disk now, a far Redis/Valkey tier later. Pages are named by
-    (16-byte layout id, key of 1..64 bytes). A tier never blocks a put and may forget any
-    page at any time: it is a cache, and nothing assumes it is a page's only holder."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class DiskStats(TierStats):
+    """The disk tier's counters: TierStats and its queue, restart and I/O mode."""
 
-    def offer(self, layout_id: bytes, key: bytes, page: Page) -> bool:
-        """Take a copy of the page to store; False if not taken. Never waits on I/O."""
-    def contains(self, layout_id: bytes, keys: Sequence[bytes]) -> np.ndarray:
-        """One bool per key: held now (a read_into after it may still miss)."""
-    def read_into(self, layout_id: bytes, keys: Sequence[bytes],
-                  outs: Sequence[Page]) -> list[bool]:
-        """Copy each held, intact page into outs[i] (exactly its size); False where not,
-        and outs[i] then holds unspecified bytes. Blocks on I/O: hold no lock around it."""
-    def delete(self, layout_id: bytes, keys: Sequence[bytes]) -> int:
-        """Forget these pages; returns how many were held. Durable when it returns: no
-        restart brings them back."""
-    def describe(self, layout_id: bytes, key: bytes) -> dict | None:
-        """Admin Inspect's fields for a page held here, None if it is not."""
-    def evict(self, *, nbytes: int | None = None, layout_id: bytes | None = None,
-              everything: bool = False) -> tuple[int, int]:
-        """Forget least recently used pages worth nbytes (of one layout if given), or a
-        whole layout's, or all: returns (pages, bytes)."""
-    def flush(self, timeout: float) -> int:
-        """Store what was offered, waiting at most timeout s; returns pages left pending."""
-    def stats(self) -> dict: ...
-    def close(self) -> None: ...
+    pages_by_layout: dict[bytes, int] = dataclasses.field(default_factory=dict)
+    queued_pages: int = 0
+    queued_bytes: int = 0
+    queue_capacity_bytes: int = 0
+    rebuilt_pages: int = 0          # found on disk at start
+    undurable_deletes: int = 0      # deletes that returned before their slots were blank
+    direct_io: bool = False
+    rebuild_seconds: float = 0.0
 
 
-class NoDisk:
-    """The null tier: holds nothing, takes nothing (a server run without --disk)."""
+@dataclasses.dataclass(slots=True)
+class _Counters:
+    """Events since start, named fields so that a typo is an error, not a new counter."""
 
-    def offer(self, layout_id, key, page) -> bool:
-        return False
-
-    def contains(self, layout_id, keys) -> np.ndarray:
-        return np.zeros(len(keys), dtype=bool)
-
-    def read_into(self, layout_id, keys, outs) -> list[bool]:
-        return [False] * len(keys)
-
-    def delete(self, layout_id, keys) -> int:
-        return 0
-
-    def describe(self, layout_id, key) -> dict | None:
-        return None
-
-    def evict(self, *, nbytes=None, layout_id=None, everything=False) -> tuple[int, int]:
-        return 0, 0
-
-    def flush(self, timeout) -> int:
-        return 0
-
-    def stats(self) -> dict:
-        return {"capacity_bytes": 0, "used_bytes": 0, "pages": 0, "failed": False}
-
-    def close(self) -> None:
-        pass
+    reads: int = 0
+    bytes_read: int = 0
+    writes: int = 0
+    bytes_written: int = 0
+    drops: int = 0
+    refused: int = 0
+    corrupt_pages: int = 0
+    read_errors: int = 0
+    evictions: int = 0
+    rebuilt_pages: int = 0
+    undurable_deletes: int = 0
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -197,18 +168,21 @@ def _lock_folder(directory: str) -> int:
 
 
 class DiskTier:
-    """Pages in slot files under `directory`, at most capacity_bytes of slots, LRU."""
+    """Pages in slot files under `directory`, at most capacity_bytes of slots, evicted in
+    the order of an eviction policy (LRU by default)."""
 
     def __init__(self, directory: str, capacity_bytes: int, *, queue_bytes: int = 256 << 20,
                  direct: bool | None = None, clock: Callable[[], float] = time.monotonic,
-                 pwritev: PwriteV = os.pwritev) -> None:
+                 pwritev: PwriteV = os.pwritev,
+                 policy: PolicyFactory | str | None = None) -> None:
         """queue_bytes: staging memory for pages not yet written, in slot-sized pieces
         (256 MiB holds 255 pages of 1 MiB: one eviction batch of the store); offers beyond
         it are dropped. Counted in bytes, not pages, because layouts' pages differ in size
         a thousandfold; an untouched mapping, so memory is used only as pages queue.
         direct: O_DIRECT I/O, so spilled pages do not fill the page cache too (DRAM is
         the cache); None = where the file system allows it. clock: times the rebuild.
-        pwritev: a seam for tests (disk full, I/O errors)."""
+        pwritev: a seam for tests (disk full, I/O errors). policy: the eviction policy, or
+        the name of one (eviction.make_policy)."""
         if capacity_bytes <= 0 or queue_bytes < ALIGN:
             raise ValueError("capacity_bytes must be > 0 and queue_bytes at least 4 KiB")
         os.makedirs(directory, exist_ok=True)
@@ -230,7 +204,7 @@ class DiskTier:
         # ^ lowest id first keeps files dense and new slots adjacent, so pages evicted
         #   together are written, and later read, with one call a run
         self._index: dict[bytes, dict[bytes, int]] = {}          # layout -> key -> READY id
-        self._policy = LRUPolicy()
+        self._policy = make_policy(policy)
         self._state = np.zeros(0, dtype=np.uint8)
         self._pins = np.zeros(0, dtype=np.int32)        # reads in flight on each slot
         self._sbytes = np.zeros(0, dtype=np.int64)      # slot size (0 = no slot yet)
@@ -254,7 +228,7 @@ class DiskTier:
         self._failed = False
         self._error = ""                    # why writes stopped
         self._closing = False
-        self.counters: collections.Counter[str] = collections.Counter()
+        self.counters = _Counters()
         started = clock()
         self._rebuild()
         self.rebuild_seconds = clock() - started
@@ -270,7 +244,7 @@ class DiskTier:
         sb = slot_bytes_for(src.nbytes)
         with self._lock:
             if self._failed or self._closing or sb > min(len(self._arena), self.capacity_bytes):
-                self.counters["refused"] += 1
+                self.counters.refused += 1
                 return False
             sid = self._index.get(layout_id, {}).get(key)
             if sid is not None:
@@ -280,7 +254,7 @@ class DiskTier:
                 return True
             off = self._ring_alloc(sb)
             if off < 0:
-                self.counters["drops"] += 1
+                self.counters.drops += 1
                 return False
             entry = _Pending(layout_id, key, off, src.nbytes, sb)
             self._ring.append(entry)
@@ -322,7 +296,7 @@ class DiskTier:
                 if arr.nbytes != size:
                     log.warning("disk tier: key %s holds %d bytes, %d expected: dropped as "
                                 "corrupt", key.hex(), size, arr.nbytes)
-                    self.counters["corrupt_pages"] += sid is None or \
+                    self.counters.corrupt_pages += sid is None or \
                         self._name_of[sid] == (layout_id, key)
                     if sid is not None:
                         if self._name_of[sid] == (layout_id, key):   # once if repeated
@@ -351,12 +325,12 @@ class DiskTier:
                 self._pins[sid] -= 1
                 if ok:
                     result[i] = True
-                    self.counters["reads"] += 1
-                    self.counters["bytes_read"] += read.out.nbytes
+                    self.counters.reads += 1
+                    self.counters.bytes_read += read.out.nbytes
                 elif ok is None:
-                    self.counters["read_errors"] += 1
+                    self.counters.read_errors += 1
                 else:                       # checksum failed: drop it, never return it
-                    self.counters["corrupt_pages"] += 1
+                    self.counters.corrupt_pages += 1
                     if self._name_of[sid] == (layout_id, keys[i]):
                         self._drop(sid)
                 if self._state[sid] == DOOMED and self._pins[sid] == 0:
@@ -385,19 +359,17 @@ class DiskTier:
                 self._durable(dropped)
             return held
 
-    def describe(self, layout_id: bytes, key: bytes) -> dict | None:
+    def describe(self, layout_id: bytes, key: bytes) -> PageInfo | None:
         # Ages are not kept for disk pages (their generation orders them): 0.
         with self._lock:
             sid = self._index.get(layout_id, {}).get(key)
             if sid is not None:
-                return {"tier": "disk", "state": "READY", "size_bytes": int(self._plen[sid]),
-                        "age_seconds": 0.0, "idle_seconds": 0.0, "leases": int(self._pins[sid]),
-                        "slot_offset": self._file_of[sid].offset(int(self._idx[sid]))}
+                return PageInfo("disk", "READY", int(self._plen[sid]),
+                                leases=int(self._pins[sid]),
+                                slot_offset=self._file_of[sid].offset(int(self._idx[sid])))
             entry = self._queued.get(layout_id, {}).get(key)
             if entry is not None:
-                return {"tier": "disk", "state": "QUEUED", "size_bytes": entry.nbytes,
-                        "age_seconds": 0.0, "idle_seconds": 0.0, "leases": 0,
-                        "slot_offset": 0}
+                return PageInfo("disk", "QUEUED", entry.nbytes)
         return None
 
     def evict(self, *, nbytes: int | None = None, layout_id: bytes | None = None,
@@ -423,7 +395,7 @@ class DiskTier:
             freed = int(self._sbytes[victims].sum())
             for sid in victims.tolist():
                 self._drop(sid)
-            self.counters["evictions"] += len(victims)
+            self.counters.evictions += len(victims)
             if nbytes is None and (victims.size or self._unblanked):   # as a delete
                 self._durable(victims.tolist())
             return len(victims), freed
@@ -438,26 +410,22 @@ class DiskTier:
                 self._wake.wait(left)
             return self._pending()
 
-    def stats(self) -> dict:
-        """Counters since start. `failed` stays True once a write failed (disk full or
-        broken): no page is taken again until a restart. drops: offers refused because the
-        queue was full; refused: because the tier failed, the page cannot fit, or its write
-        failed."""
+    holds_pages = True
+
+    def stats(self) -> DiskStats:
+        """Counters since start (TierStats says what each means)."""
         with self._lock:
             queued = [e for e in self._ring if not e.cancelled]
-            return {
-                "capacity_bytes": self.capacity_bytes, "used_bytes": self._used,
-                "pages": self._pages,
-                "pages_by_layout": {lid: len(keys) for lid, keys in self._index.items() if keys},
-                "queued_pages": len(queued), "queued_bytes": sum(e.slot_bytes for e in queued),
-                "queue_capacity_bytes": len(self._arena),
-                **{name: self.counters[name] for name in (
-                    "reads", "bytes_read", "writes", "bytes_written", "drops", "refused",
-                    "corrupt_pages", "read_errors", "evictions", "rebuilt_pages",
-                    "undurable_deletes")},
-                "failed": self._failed, "error": self._error,
-                "direct_io": self.direct, "rebuild_seconds": self.rebuild_seconds,
-            }
+            return DiskStats(
+                "disk", self.capacity_bytes, self._used, self._pages,
+                **dataclasses.asdict(self.counters), failed=self._failed, error=self._error,
+                pages_by_layout={lid: len(keys) for lid, keys in self._index.items() if keys},
+                queued_pages=len(queued), queued_bytes=sum(e.slot_bytes for e in queued),
+                queue_capacity_bytes=len(self._arena), direct_io=self.direct,
+                rebuild_seconds=self.rebuild_seconds)
+
+    def levels(self) -> tuple[TierStats, ...]:
+        return (self.stats(),)
 
     def close(self) -> None:
         """Stop the writer after the batch it is writing (call flush first to keep the
@@ -575,7 +543,7 @@ class DiskTier:
         self._wake.notify_all()
         while self._rounds_done < want and not self._closing:
             if not self._wake.wait(max(0.0, deadline - time.monotonic())):
-                self.counters["undurable_deletes"] += 1
+                self.counters.undurable_deletes += 1
                 log.warning("disk tier: a delete returns before its slots were blanked "
                             "(the writer took over %.0fs); a kill now could bring the "
                             "pages back", DURABLE_WAIT)
@@ -607,7 +575,7 @@ class DiskTier:
         victims = victims[: self._enough(victims, deficit)]
         for sid in victims.tolist():
             self._drop(sid)
-        self.counters["evictions"] += len(victims)
+        self.counters.evictions += len(victims)
 
     # -- restart --------------------------------------------------------------------------
     def _rebuild(self) -> None:
@@ -627,7 +595,7 @@ class DiskTier:
             found_names += [(scan.layout_ids[i], scan.keys[i]) for i in valid.tolist()]
             corrupt = ids[scan.state == CORRUPT]
             self._discard.update(corrupt.tolist())
-            self.counters["corrupt_pages"] += len(corrupt) + int(scan.torn_tail)
+            self.counters.corrupt_pages += len(corrupt) + int(scan.torn_tail)
         ids = np.concatenate([np.zeros(0, np.int64), *found_ids])
         gens = np.concatenate([np.zeros(0, np.uint64), *found_gens])
         # Oldest first, so of two slots with one key the later write wins.
@@ -647,16 +615,16 @@ class DiskTier:
             free = (self._state[:n] == FREE) & (self._sbytes[:n] == slot_bytes)
             self._free[slot_bytes] = np.flatnonzero(free).tolist()   # ascending: a heap
         self._next_gen = int(gens.max()) + 1 if gens.size else 1
-        self.counters["rebuilt_pages"] = self._pages
+        self.counters.rebuilt_pages = self._pages
         # More than the capacity is on disk after a restart with a smaller one, or after a
         # kill that left freed slots not yet blanked: evict the oldest down to it. Under
         # the lock, like every eviction (it notifies the writer, which blanks the slots).
         with self._lock:
             self._make_room(0)
-        if self._pages or self.counters["corrupt_pages"]:
+        if self._pages or self.counters.corrupt_pages:
             log.info("disk tier: %d pages (%d MiB) found in %s; %d corrupt or torn slots "
                      "skipped", self._pages, self._used >> 20, self.directory,
-                     self.counters["corrupt_pages"])
+                     self.counters.corrupt_pages)
 
     # -- the writer thread ----------------------------------------------------------------
     def _run(self) -> None:
@@ -710,7 +678,7 @@ class DiskTier:
             plan = []                               # (entry, slot id, generation)
             for entry in live:
                 if self._used + entry.slot_bytes > self.capacity_bytes:
-                    self.counters["refused"] += 1   # what is left is being read
+                    self.counters.refused += 1   # what is left is being read
                     continue
                 plan.append((entry, self._alloc(entry.slot_bytes), self._next_gen))
                 self._next_gen += 1
@@ -723,7 +691,7 @@ class DiskTier:
             done = []                               # (slot id, generation, xxh, bytes)
             for (entry, sid, gen), pxxh, ok in zip(plan, sums, written):
                 if not ok or entry.cancelled:
-                    self.counters["refused"] += not entry.cancelled   # lost to the error
+                    self.counters.refused += not entry.cancelled   # lost to the error
                     self._release(sid)      # blanked, so an old page there cannot return
                     continue
                 done.append((sid, gen, pxxh, entry.nbytes))
@@ -736,8 +704,8 @@ class DiskTier:
                 self._state[sids] = READY
                 self._policy.touch(sids)
                 self._pages += len(done)
-                self.counters["writes"] += len(done)
-                self.counters["bytes_written"] += int(sizes.sum())
+                self.counters.writes += len(done)
+                self.counters.bytes_written += int(sizes.sum())
             for entry in batch:
                 queued = self._queued.get(entry.layout_id, {})
                 if queued.get(entry.key) is entry:
@@ -757,7 +725,7 @@ class DiskTier:
             log.error("disk tier in %s stops taking pages: a write failed (%s); pages "
                       "already on disk are still served", self.directory, exc)
         for entry in self._ring:
-            self.counters["refused"] += not entry.cancelled
+            self.counters.refused += not entry.cancelled
             entry.cancelled = True
         self._ring.clear()
         self._queued.clear()

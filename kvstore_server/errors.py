@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["Outcome", "StoreError"]
+__all__ = ["Outcome", "Reason", "StoreError"]
 
 
 class Outcome(enum.Enum):
@@ -16,10 +16,22 @@ class Outcome(enum.Enum):
     DENIED = "denied"            # known caller, not allowed this (a tenant on Admin, ...)
 
 
-class StoreError(Exception):
-    """A request the store cannot serve, with a message that says what was wrong."""
+class Reason(enum.Enum):
+    """Why a request failed, where a client must react to it and not only report it. The
+    server sends it beside the status (status.py); clients branch on it, never on the
+    message, which is for people and may be reworded."""
 
-    def __init__(self, outcome: Outcome, message: str) -> None:
+    LAYOUT_UNKNOWN = "layout-unknown"      # not registered (the server restarted): register again
+    SHM_TOKEN_STALE = "shm-token-stale"    # the region changed (restart): attach again
+    PAGES_MISSING = "pages-missing"        # a key asked for is stored nowhere
+
+
+class StoreError(Exception):
+    """A request the store cannot serve, with a message that says what was wrong and,
+    where a client must react, a reason it can branch on."""
+
+    def __init__(self, outcome: Outcome, message: str, reason: Reason | None = None) -> None:
         super().__init__(message)
         self.outcome = outcome
         self.message = message
+        self.reason = reason
