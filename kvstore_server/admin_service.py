@@ -13,7 +13,8 @@ from kvstore_client.convert import layout_to_proto
 from . import __version__
 from .auth import Authenticator
 from .parsing import parser
-from .service import _Invalid, guarded
+from .service import guarded
+from .status import Invalid
 from .stats import LayoutStats
 from .store import Store
 from .metrics import Metrics
@@ -64,7 +65,7 @@ class AdminService:
         target = request.WhichOneof("target")
         tier = request.tier or "dram"
         if target is None or (target == "all" and not request.all):
-            raise _Invalid("Evict needs a target: layout_id, bytes or all=true")
+            raise Invalid("Evict needs a target: layout_id, bytes or all=true")
         broken = self.store.break_leases() if request.force else 0
         if target == "layout_id":
             pages, nbytes, leased = self.store.evict(layout_id=request.layout_id, tier=tier)
@@ -73,7 +74,7 @@ class AdminService:
         elif target == "all" and request.all:
             pages, nbytes, leased = self.store.evict(everything=True, tier=tier)
         else:
-            raise _Invalid("Evict needs a target: layout_id, bytes or all=true")
+            raise Invalid("Evict needs a target: layout_id, bytes or all=true")
         return apb.EvictResponse(pages=pages, bytes=nbytes, skipped_leased=leased,
                                  leases_broken=broken)
 
@@ -88,7 +89,7 @@ class AdminService:
 
     def Inspect(self, request, context):
         if not request.key:
-            raise _Invalid("Inspect needs a key")
+            raise Invalid("Inspect needs a key")
         return apb.InspectResponse(**dataclasses.asdict(
             self.store.inspect(request.layout_id, request.key)))
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 
+from kvstore_client.errors import Reason   # one definition, shared with the client
+
 __all__ = ["Outcome", "Reason", "StoreError"]
 
 
@@ -14,16 +16,6 @@ class Outcome(enum.Enum):
     EXPIRED = "expired"          # the lease or reservation named is gone
     UNAUTHENTICATED = "unauthenticated"  # no credentials, or ones the server does not know
     DENIED = "denied"            # known caller, not allowed this (a tenant on Admin, ...)
-
-
-class Reason(enum.Enum):
-    """Why a request failed, where a client must react to it and not only report it. The
-    server sends it beside the status (status.py); clients branch on it, never on the
-    message, which is for people and may be reworded."""
-
-    LAYOUT_UNKNOWN = "layout-unknown"      # not registered (the server restarted): register again
-    SHM_TOKEN_STALE = "shm-token-stale"    # the region changed (restart): attach again
-    PAGES_MISSING = "pages-missing"        # a key asked for is stored nowhere
 
 
 class StoreError(Exception):
