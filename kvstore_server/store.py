@@ -406,8 +406,9 @@ class Store(StoreAdmin):
         return True
 
     def release(self, lease_id: int, tenant: str | None = None) -> bool:
-        """End a READ lease; False if it was unknown, had already expired, or is another
-        tenant's (tenant None: the server itself)."""
+        """End a lease: a READ lease unpins its pages; a RESERVE lease is undone, as abort
+        does. False if it was unknown, had already expired, or is another tenant's
+        (tenant None: the server itself)."""
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None or not _owns(tenant, lease):
