@@ -29,7 +29,7 @@ from .channel import PEM, open_channel, with_token
 from .convert import layout_from_proto, layout_to_proto
 from .dataplane import USE_GRPC, DataPlane, packed_keys, tls_context
 from .fastpath import FastPathUnavailable
-from .errors import KVStoreError, Reason, from_rpc_error, reason_of
+from .errors import KVStoreError, PagesMissing, Reason, from_rpc_error, reason_of
 from .keys import Packed, pack_keys
 from .layout import PageLayout
 from .lookup_stream import LookupStream
@@ -340,7 +340,7 @@ class KVStoreClient:
                     ns.layout_id, *packed_keys(keys), memoryview(flat), ns.page_bytes))
             except KVStoreError as exc:
                 if exc.code == grpc.StatusCode.NOT_FOUND:
-                    raise KeyError(exc.message) from None
+                    raise PagesMissing.of(exc) from None
                 raise
             if got is not USE_GRPC:
                 return
@@ -378,7 +378,7 @@ class KVStoreClient:
                 return
             except KVStoreError as exc:
                 if exc.code == grpc.StatusCode.NOT_FOUND:
-                    raise KeyError(exc.message) from None
+                    raise PagesMissing.of(exc) from None
                 raise
             except FastPathUnavailable:     # raised before any layer: gRPC instead
                 self._data.drop(fast)
@@ -415,14 +415,14 @@ class KVStoreClient:
             self._call("Get", call, ns)
         except KVStoreError as exc:
             if exc.code == grpc.StatusCode.NOT_FOUND:
-                raise KeyError(exc.message) from None
+                raise PagesMissing.of(exc) from None
             raise
 
     @staticmethod
     def _raise_get(exc: grpc.RpcError):
         err = from_rpc_error(exc, "Get")
         if err.code == grpc.StatusCode.NOT_FOUND:
-            raise KeyError(err.message) from None
+            raise PagesMissing.of(err) from None
         raise err from None
 
     # -- same-host data plane ---------------------------------------------------------
@@ -536,7 +536,7 @@ class KVStoreClient:
             return self.acquire(ns, keys)
         except KVStoreError as exc:
             if exc.code == grpc.StatusCode.NOT_FOUND:
-                raise KeyError(exc.message) from None
+                raise PagesMissing.of(exc) from None
             raise
 
     def _commit_lease(self, lease_id: int) -> int:

@@ -6,7 +6,8 @@ import enum
 
 import grpc
 
-__all__ = ["REASON_KEY", "KVStoreError", "Reason", "from_rpc_error", "reason_of"]
+__all__ = ["REASON_KEY", "KVStoreError", "PagesMissing", "Reason", "from_rpc_error",
+           "reason_of"]
 
 # The trailing metadata key under which the server names a Reason.
 REASON_KEY = "kvstore-reason"
@@ -32,6 +33,23 @@ class KVStoreError(Exception):
         self.code = code
         self.message = message
         self.reason = reason        # set where the caller must react (see Reason)
+
+
+class PagesMissing(KVStoreError, KeyError):
+    """A page asked for is stored nowhere (NOT_FOUND). Also a KeyError, as a mapping's
+    missing key is, so `except KeyError` catches it; its code and message are a
+    KVStoreError's."""
+
+    __str__ = Exception.__str__         # not KeyError's, which quotes the message
+
+    @classmethod
+    def of(cls, exc: KVStoreError) -> KVStoreError:
+        """exc as a PagesMissing if its code is NOT_FOUND, else exc itself."""
+        if exc.code != grpc.StatusCode.NOT_FOUND:
+            return exc
+        missing = cls(exc.code, exc.message, reason=exc.reason or Reason.PAGES_MISSING)
+        missing.args = exc.args
+        return missing
 
 
 def from_rpc_error(exc: grpc.RpcError, method: str) -> KVStoreError:

@@ -19,6 +19,7 @@ import pytest
 from kvstore_bench.serverproc import ServerProcess
 from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client._proto.kvstore.v1 import kvstore_pb2_grpc as pbg
+from kvstore_client import KVStoreClient, KVStoreError, PageLayout, PagesMissing
 from kvstore_client.errors import Reason, reason_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -73,3 +74,16 @@ def test_restart_recovery_survives_reworded_messages(rewriting_env):
     tail = proc.stdout[-3000:]
     assert proc.returncode == 0, tail
     assert "failed" not in tail and " passed" in tail
+
+
+@pytest.mark.parametrize("data_plane", [False, True], ids=["grpc", "fast-path"])
+def test_a_missing_page_is_one_error_that_is_also_a_key_error(server, data_plane):
+    layout = PageLayout(model="missing", num_layers=1, page_tokens=16, num_kv_heads=8,
+                        head_size=128)
+    with KVStoreClient(server.address, data_plane=data_plane, shared_memory=False) as c:
+        ns = c.register_layout(layout)
+        with pytest.raises(PagesMissing) as caught:
+            c.get(ns, [b"not-stored".ljust(16, b"\0")])
+    assert isinstance(caught.value, KeyError) and isinstance(caught.value, KVStoreError)
+    assert caught.value.code == grpc.StatusCode.NOT_FOUND
+    assert caught.value.reason is Reason.PAGES_MISSING
