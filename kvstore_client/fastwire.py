@@ -90,8 +90,9 @@ LAYER_MAJOR = 1         # every page's layer 0, then layer 1, ...: what get_laye
 # logged; the lease is gone either way.
 QUIET = 1
 
-# Error answer flags (any status but OK): the Reason (kvstore_client.errors) the client must react to, as
-# gRPC's trailing metadata carries it; 0 = none. The body is only a message for people.
+# Error answer flags (any status but OK): the Reason (kvstore_client.errors) the client
+# must react to, as gRPC's trailing metadata carries it; 0 = none. The body is only a
+# message for people.
 REASON_FLAGS = {Reason.LAYOUT_UNKNOWN: 1, Reason.SHM_TOKEN_STALE: 2, Reason.PAGES_MISSING: 3}
 REASON_OF_FLAGS = {v: k for k, v in REASON_FLAGS.items()}
 
