@@ -8,7 +8,7 @@
 
 `DataPlane.call` runs a fast-path call and answers USE_GRPC when the caller should make
 the gRPC call instead. It also mends what a server restart breaks, as the gRPC path does
-(client._call): Reason.LAYOUT_UNKNOWN registers the layout again, and a stale region token
+(client._call): "unknown layout" registers the layout again, and a stale region token
 maps the new region, each once.
 """
 
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
-from .errors import KVStoreError, Reason
+from .errors import KVStoreError
 from .fastpath import FastPath, FastPathUnavailable
 from .keys import Packed, pack_keys
 
@@ -165,11 +165,13 @@ class DataPlane:
                 return USE_GRPC
             except KVStoreError as exc:
                 if (handle is not None and not reregistered
-                        and exc.reason is Reason.LAYOUT_UNKNOWN):
+                        and exc.code == grpc.StatusCode.INVALID_ARGUMENT
+                        and "unknown layout" in exc.message):
                     reregistered = True
                     self._reregister(handle)
                     continue
-                if not reattached and exc.reason is Reason.SHM_TOKEN_STALE:
+                if (not reattached and exc.code == grpc.StatusCode.FAILED_PRECONDITION
+                        and "shared-memory token" in exc.message):
                     reattached = True
                     self._reattach()
                     continue

@@ -142,7 +142,7 @@ class Conn:
         message = bytes(body).decode(errors="replace")
         if status is fw.Status.PROTOCOL:
             raise Broken(f"the server refused a frame: {message}")
-        raise KVStoreError(fw.GRPC_CODES[status], message, method, fw.REASON_OF_FLAGS.get(h.flags))
+        raise KVStoreError(fw.GRPC_CODES[status], message, method)
 
     def answer_head(self, op: int, method: str) -> fw.Header:
         """The header of an answer whose data follows (GET): read exactly, no further."""

@@ -34,15 +34,13 @@ import struct
 import grpc
 import numpy as np
 
-from .errors import Reason
 from .keys import MAX_KEY_BYTES
 
 __all__ = [
     "MAGIC", "VERSION", "HEADER", "Op", "Status", "GRPC_CODES", "Header", "WireError",
     "MAX_BODY", "MAX_ANSWER_BODY", "request_body_bytes", "MAX_DATA", "MAX_LAYOUTS",
     "LAYOUT_ID_BYTES", "REGION_TOKEN_BYTES",
-    "PAGE_MAJOR", "LAYER_MAJOR", "QUIET", "REASON_FLAGS", "REASON_OF_FLAGS",
-    "KeysBlock", "encode_header", "decode_header",
+    "PAGE_MAJOR", "LAYER_MAJOR", "QUIET", "KeysBlock", "encode_header", "decode_header",
     "encode_keys", "decode_keys", "u64", "unpack_u64", "LOOKUP_HEAD", "LAYOUT_HEAD",
     "LEASED_HEAD", "LEASE", "COUNT_LEASE", "PUT_DONE", "RESERVED", "COUNT",
 ]
@@ -89,12 +87,6 @@ LAYER_MAJOR = 1         # every page's layer 0, then layer 1, ...: what get_laye
 # RELEASE that fails (the lease had expired) is counted in the server's metrics and
 # logged; the lease is gone either way.
 QUIET = 1
-
-# Error answer flags (any status but OK): the Reason (kvstore_client.errors) the client
-# must react to, as gRPC's trailing metadata carries it; 0 = none. The body is only a
-# message for people.
-REASON_FLAGS = {Reason.LAYOUT_UNKNOWN: 1, Reason.SHM_TOKEN_STALE: 2, Reason.PAGES_MISSING: 3}
-REASON_OF_FLAGS = {v: k for k, v in REASON_FLAGS.items()}
 
 
 class Op(enum.IntEnum):
