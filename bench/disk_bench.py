@@ -157,7 +157,7 @@ def run(folder: str, total: int, page_bytes: int, runs: int, chunk: int) -> dict
         "spill_vs_write": gbps["spill"] / gbps["write"],
         "readback_vs_read": gbps["readback"] / gbps["read"],
         "target_readback_vs_read": TARGET_READ_RATIO,
-        "tier_drops": stats["drops"], "tier_corrupt": stats["corrupt_pages"],
+        "tier_drops": stats.drops, "tier_corrupt": stats.corrupt_pages,
         "all_gbps": {k: [round(nbytes / t / 1e9, 3) for t in v] for k, v in times.items()},
     }
 

@@ -6,7 +6,7 @@ gRPC. `put`, `get`, `get_into` and `get_layers` pick the path by themselves.
 
 Every call has a timeout. Idempotent calls are retried with backoff when the server is
 UNAVAILABLE (restarting, briefly overloaded); a server that restarted has forgotten the
-layouts, so a call that meets "unknown layout" registers its layout again and retries
+layouts, so a call refused with Reason.LAYOUT_UNKNOWN registers its layout again and retries
 once. Puts are idempotent too: keys already stored are skipped by the server.
 """
 
@@ -29,7 +29,7 @@ from .channel import PEM, open_channel, with_token
 from .convert import layout_from_proto, layout_to_proto
 from .dataplane import USE_GRPC, DataPlane, packed_keys, tls_context
 from .fastpath import FastPathUnavailable
-from .errors import KVStoreError, from_rpc_error
+from .errors import KVStoreError, PagesMissing, Reason, from_rpc_error, reason_of
 from .keys import Packed, pack_keys
 from .layout import PageLayout
 from .lookup_stream import LookupStream
@@ -192,14 +192,13 @@ class KVStoreClient:
                 return fn()
             except grpc.RpcError as exc:
                 code = exc.code()
-                if (not reattached and code == grpc.StatusCode.FAILED_PRECONDITION
-                        and "shared-memory token" in (exc.details() or "")):
+                reason = reason_of(exc)
+                if not reattached and reason is Reason.SHM_TOKEN_STALE:
                     reattached = True             # the server restarted: map its new region
                     self._attach_region(force=True)
                     continue
                 if (handle is not None and not reregistered
-                        and code == grpc.StatusCode.INVALID_ARGUMENT
-                        and "unknown layout" in (exc.details() or "")):
+                        and reason is Reason.LAYOUT_UNKNOWN):
                     reregistered = True           # the server restarted: register again
                     self.register_layout(handle.layout)
                     continue
@@ -341,7 +340,7 @@ class KVStoreClient:
                     ns.layout_id, *packed_keys(keys), memoryview(flat), ns.page_bytes))
             except KVStoreError as exc:
                 if exc.code == grpc.StatusCode.NOT_FOUND:
-                    raise KeyError(exc.message) from None
+                    raise PagesMissing.of(exc) from None
                 raise
             if got is not USE_GRPC:
                 return
@@ -379,7 +378,7 @@ class KVStoreClient:
                 return
             except KVStoreError as exc:
                 if exc.code == grpc.StatusCode.NOT_FOUND:
-                    raise KeyError(exc.message) from None
+                    raise PagesMissing.of(exc) from None
                 raise
             except FastPathUnavailable:     # raised before any layer: gRPC instead
                 self._data.drop(fast)
@@ -416,14 +415,14 @@ class KVStoreClient:
             self._call("Get", call, ns)
         except KVStoreError as exc:
             if exc.code == grpc.StatusCode.NOT_FOUND:
-                raise KeyError(exc.message) from None
+                raise PagesMissing.of(exc) from None
             raise
 
     @staticmethod
     def _raise_get(exc: grpc.RpcError):
         err = from_rpc_error(exc, "Get")
         if err.code == grpc.StatusCode.NOT_FOUND:
-            raise KeyError(err.message) from None
+            raise PagesMissing.of(err) from None
         raise err from None
 
     # -- same-host data plane ---------------------------------------------------------
@@ -537,7 +536,7 @@ class KVStoreClient:
             return self.acquire(ns, keys)
         except KVStoreError as exc:
             if exc.code == grpc.StatusCode.NOT_FOUND:
-                raise KeyError(exc.message) from None
+                raise PagesMissing.of(exc) from None
             raise
 
     def _commit_lease(self, lease_id: int) -> int:

@@ -2,22 +2,69 @@
 
 from __future__ import annotations
 
+import enum
+
 import grpc
 
-__all__ = ["KVStoreError", "from_rpc_error"]
+__all__ = ["REASON_KEY", "KVStoreError", "PagesMissing", "Reason", "from_rpc_error",
+           "reason_of"]
+
+# The trailing metadata key under which the server names a Reason.
+REASON_KEY = "kvstore-reason"
+
+
+class Reason(enum.Enum):
+    """Why a call failed, where the caller must react and not only report it: the server
+    sends it beside the status; code branches on it, never on the message, which is
+    for people and may be reworded."""
+
+    LAYOUT_UNKNOWN = "layout-unknown"      # not registered (the server restarted): register again
+    SHM_TOKEN_STALE = "shm-token-stale"    # the region changed (restart): attach again
+    PAGES_MISSING = "pages-missing"        # a key asked for is stored nowhere
 
 
 class KVStoreError(Exception):
     """A call the server refused or could not serve; `code` is the gRPC status code."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, method: str = "") -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, method: str = "",
+                 reason: Reason | None = None) -> None:
         super().__init__(f"{method}: {code.name}: {message}" if method else
                          f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.reason = reason        # set where the caller must react (see Reason)
+
+
+class PagesMissing(KVStoreError, KeyError):
+    """A page asked for is stored nowhere (NOT_FOUND). Also a KeyError, as a mapping's
+    missing key is, so `except KeyError` catches it; its code and message are a
+    KVStoreError's."""
+
+    __str__ = Exception.__str__         # not KeyError's, which quotes the message
+
+    @classmethod
+    def of(cls, exc: KVStoreError) -> KVStoreError:
+        """exc as a PagesMissing if its code is NOT_FOUND, else exc itself."""
+        if exc.code != grpc.StatusCode.NOT_FOUND:
+            return exc
+        missing = cls(exc.code, exc.message, reason=exc.reason or Reason.PAGES_MISSING)
+        missing.args = exc.args
+        return missing
 
 
 def from_rpc_error(exc: grpc.RpcError, method: str) -> KVStoreError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
-    return KVStoreError(code, details or "", method)
+    return KVStoreError(code, details or "", method, reason_of(exc))
+
+
+def reason_of(exc: grpc.RpcError) -> Reason | None:
+    """The Reason the server sent with this error, if any (one it does not know: None)."""
+    trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == REASON_KEY:
+            try:
+                return Reason(value)
+            except ValueError:
+                return None
+    return None

@@ -8,7 +8,7 @@ a same-host call must prove it mapped this server's current region.
 from __future__ import annotations
 
 from .auth import Principal
-from .errors import Outcome, StoreError
+from .errors import Outcome, Reason, StoreError
 from .store import Store
 from .tenants import scoped_layout_id
 
@@ -29,7 +29,8 @@ def caller_layout(store: Store, auth_on: bool, caller: Principal, layout_id: byt
             owner = None
         if owner != caller.name:
             raise StoreError(Outcome.INVALID, f"unknown layout {layout_id.hex() or '(empty)'}"
-                                              ": call RegisterLayout first")
+                                              ": call RegisterLayout first",
+                             reason=Reason.LAYOUT_UNKNOWN)
     return scoped
 
 
@@ -47,4 +48,4 @@ def check_region_token(store: Store, token: bytes) -> None:
         raise StoreError(Outcome.EXPIRED,
                          "shared-memory token does not match this server's region (the "
                          "server restarted, or the client is not on this host): Attach "
-                         "again")
+                         "again", reason=Reason.SHM_TOKEN_STALE)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import grpc
@@ -12,20 +13,22 @@ from kvstore_client.convert import layout_to_proto
 from . import __version__
 from .auth import Authenticator
 from .parsing import parser
-from .service import _Invalid, guarded
+from .service import guarded
+from .status import Invalid
+from .stats import LayoutStats
 from .store import Store
 from .metrics import Metrics
 
 __all__ = ["AdminService", "add_admin_service"]
 
 
-def _layout_stats(entry: dict) -> apb.LayoutStats:
-    info = entry["info"]
+def _layout_stats(entry: LayoutStats) -> apb.LayoutStats:
+    info = entry.info
     return apb.LayoutStats(
         layout_id=info.layout_id, layout=layout_to_proto(info.layout),
-        page_bytes=info.page_bytes, pages=entry["pages"], used_bytes=entry["used_bytes"],
-        hits=entry["hits"], misses=entry["misses"], evictions=entry["evictions"],
-        bytes_in=entry["bytes_in"], bytes_out=entry["bytes_out"], tenant=info.tenant)
+        page_bytes=info.page_bytes, pages=entry.pages, used_bytes=entry.used_bytes,
+        hits=entry.hits, misses=entry.misses, evictions=entry.evictions,
+        bytes_in=entry.bytes_in, bytes_out=entry.bytes_out, tenant=info.tenant)
 
 
 class AdminService:
@@ -38,33 +41,31 @@ class AdminService:
 
     def Stats(self, request, context):
         s = self.store.stats()
-        dram = apb.TierStats(
-            name="dram", capacity_bytes=s["capacity_bytes"], used_bytes=s["used_bytes"],
-            pages=s["pages"], hits=s["hits"], misses=s["misses"], evictions=s["evictions"],
-            bytes_in=s["bytes_in"], bytes_out=s["bytes_out"])
-        tiers = [dram]
-        lower = s["lower"]
-        if lower is not None:
+        tiers = [apb.TierStats(
+            name="dram", capacity_bytes=s.capacity_bytes, used_bytes=s.used_bytes,
+            pages=s.pages, hits=s.hits, misses=s.misses, evictions=s.evictions,
+            bytes_in=s.bytes_in, bytes_out=s.bytes_out)]
+        for n, t in enumerate(s.tiers):
+            # hits: pages read back into DRAM, counted for the first tier below it
             tiers.append(apb.TierStats(
-                name="disk", capacity_bytes=lower["capacity_bytes"],
-                used_bytes=lower["used_bytes"], pages=lower["pages"], hits=s["promotions"],
-                evictions=lower["evictions"], bytes_in=lower["bytes_written"],
-                bytes_out=lower["bytes_read"], reads=lower["reads"], writes=lower["writes"],
-                drops=lower["drops"], corrupt=lower["corrupt_pages"], failed=lower["failed"]))
+                name=t.name, capacity_bytes=t.capacity_bytes, used_bytes=t.used_bytes,
+                pages=t.pages, hits=s.promotions if n == 0 else 0, evictions=t.evictions,
+                bytes_in=t.bytes_written, bytes_out=t.bytes_read, reads=t.reads,
+                writes=t.writes, drops=t.drops, corrupt=t.corrupt_pages, failed=t.failed))
         quotas = self.auth.quotas() if self.auth is not None else {}
-        tenants = [apb.TenantStats(name=t["name"], used_bytes=t["used_bytes"],
-                                   pages=t["pages"], quota_bytes=quotas.get(t["name"], 0))
-                   for t in s["tenants"]]
+        tenants = [apb.TenantStats(name=t.name, used_bytes=t.used_bytes,
+                                   pages=t.pages, quota_bytes=quotas.get(t.name, 0))
+                   for t in s.tenants]
         return apb.StatsResponse(
-            tiers=tiers, layouts=[_layout_stats(e) for e in s["layouts"]], tenants=tenants,
-            leases=s["leases"], leased_pages=s["leased_pages"],
-            uptime_seconds=s["uptime_seconds"], version=__version__)
+            tiers=tiers, layouts=[_layout_stats(e) for e in s.layouts], tenants=tenants,
+            leases=s.leases, leased_pages=s.leased_pages,
+            uptime_seconds=s.uptime_seconds, version=__version__)
 
     def Evict(self, request, context):
         target = request.WhichOneof("target")
         tier = request.tier or "dram"
         if target is None or (target == "all" and not request.all):
-            raise _Invalid("Evict needs a target: layout_id, bytes or all=true")
+            raise Invalid("Evict needs a target: layout_id, bytes or all=true")
         broken = self.store.break_leases() if request.force else 0
         if target == "layout_id":
             pages, nbytes, leased = self.store.evict(layout_id=request.layout_id, tier=tier)
@@ -73,7 +74,7 @@ class AdminService:
         elif target == "all" and request.all:
             pages, nbytes, leased = self.store.evict(everything=True, tier=tier)
         else:
-            raise _Invalid("Evict needs a target: layout_id, bytes or all=true")
+            raise Invalid("Evict needs a target: layout_id, bytes or all=true")
         return apb.EvictResponse(pages=pages, bytes=nbytes, skipped_leased=leased,
                                  leases_broken=broken)
 
@@ -84,12 +85,13 @@ class AdminService:
 
     def ListLayouts(self, request, context):
         return apb.ListLayoutsResponse(
-            layouts=[_layout_stats(e) for e in self.store.stats()["layouts"]])
+            layouts=[_layout_stats(e) for e in self.store.stats().layouts])
 
     def Inspect(self, request, context):
         if not request.key:
-            raise _Invalid("Inspect needs a key")
-        return apb.InspectResponse(**self.store.inspect(request.layout_id, request.key))
+            raise Invalid("Inspect needs a key")
+        return apb.InspectResponse(**dataclasses.asdict(
+            self.store.inspect(request.layout_id, request.key)))
 
 
 def add_admin_service(server: grpc.Server, service: AdminService) -> None:

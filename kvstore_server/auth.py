@@ -39,6 +39,7 @@ from kvstore_client.units import format_size, parse_size
 
 from .config import ConfigError
 from .errors import Outcome, StoreError
+from .status import CODES
 from .tenants import DEFAULT_TENANT
 
 if sys.version_info >= (3, 11):
@@ -72,10 +73,6 @@ ANONYMOUS = Principal(DEFAULT_TENANT, Role.TENANT, 0, shared_memory=True)
 
 # Which role each service needs; services not listed (health, reflection) are open.
 _SERVICE_ROLES = {"kvstore.v1.KVStore": Role.TENANT, "kvstore.v1.Admin": Role.ADMIN}
-# The two outcomes this module produces, as service.CODES maps them (service.py imports
-# this module, so the mapping cannot be imported from there).
-_CODES = {Outcome.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
-          Outcome.DENIED: grpc.StatusCode.PERMISSION_DENIED}
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -244,8 +241,8 @@ class _AuthInterceptor(grpc.ServerInterceptor):
             log.debug("refused %s: %s", details.method, exc.message)
             handler = continuation(details)
             if handler is not None:          # None: no such method (UNIMPLEMENTED)
-                self._refused(details.method.rpartition("/")[2], _CODES[exc.outcome])
-            return _refusal(handler, _CODES[exc.outcome], exc.message)
+                self._refused(details.method.rpartition("/")[2], CODES[exc.outcome])
+            return _refusal(handler, CODES[exc.outcome], exc.message)
         return continuation(details)
 
 

@@ -42,6 +42,9 @@ class ServerConfig:
     lease_ttl: float = 30.0         # seconds a lease or reservation lives unless released
     high_watermark: float = 0.95    # background eviction starts above this share of the pool
     low_watermark: float = 0.85     # ... and stops below this one
+    # Which pages DRAM and the disk tier evict first: a module of kvstore_server ("lru")
+    # or any importable module that defines POLICY (kvstore_server.eviction says how)
+    eviction_policy: str = "lru"
     shm_dir: str = "/dev/shm"       # where the pool's backing file lives (tmpfs or hugetlbfs)
     shm_group: str = ""             # group allowed to map the pool too (0660); "" = owner only
     workers: int = 16               # gRPC handler threads
@@ -103,6 +106,7 @@ _PARSERS = {
     "lease_ttl": parse_duration,
     "high_watermark": float,
     "low_watermark": float,
+    "eviction_policy": str,
     "shm_dir": str,
     "shm_group": str,
     "workers": int,
@@ -160,6 +164,9 @@ def argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-ttl", metavar="DURATION", help="lease lifetime, e.g. 30s (default 30s)")
     p.add_argument("--high-watermark", metavar="F", help="evict above this pool share (0.95)")
     p.add_argument("--low-watermark", metavar="F", help="evict down to this pool share (0.85)")
+    p.add_argument("--eviction-policy", metavar="NAME",
+                   help="which pages DRAM and disk evict first: lru, or a module that "
+                        "defines POLICY (default lru)")
     p.add_argument("--shm-dir", metavar="PATH", help="tmpfs or hugetlbfs folder for the pool")
     p.add_argument("--shm-group", metavar="GROUP",
                    help="let clients of this group map the pool (mode 0660); default: owner only")

@@ -24,6 +24,12 @@ once (a ring: the writer frees in the order offers took), and drops the page whe
 is full. A disk that fills (ENOSPC) or fails (EIO) turns writes off for good (logged once,
 `failed` in stats); reads of what is already here go on.
 
+Parts: the staging ring (staging.py), the slots, index and eviction (disk_slots.py), the
+bytes on disk (slotfile.py); this module is the shell around them: the lock, the writer
+thread, the folder lock, and the Tier interface (tier.py). It is over 400 lines because
+the read path's corruption handling, durable deletes and the writer's rounds all wait on
+one condition of that lock, and read best beside it.
+
 Concurrency: one lock guards the index, the slot arrays, the policy and the queue; no I/O
 runs under it. A read pins its slots (a pinned slot is never reused), reads and checks them
 outside the lock, then unpins; the writer picks slots under the lock and writes outside it.
@@ -41,128 +47,81 @@ cold: the files are read with O_DIRECT or their cache dropped):
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import fcntl
-import heapq
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from .lru import LRUPolicy
+from .disk_slots import DiskSlots
+from .eviction import PolicyFactory, make_policy
 from .slotfile import (
     ALIGN,
-    CORRUPT,
     MAX_KEY,
-    VALID,
     SlotFile,
     SlotHeader,
     SlotRead,
     SlotWrite,
-    aligned_buffer,
     probe_direct,
     read_slots,
     seal,
     slot_bytes_for,
     write_slots,
 )
+from .slots import SlotState
+from .staging import Pending, StagingRing
+from .tier import Page, PageInfo, TierStats
 
-__all__ = ["DiskTier", "NoDisk", "Page", "Tier"]
+__all__ = ["DiskStats", "DiskTier"]
 
 log = logging.getLogger(__name__)
 
-Page = memoryview | np.ndarray          # one page: contiguous bytes (any dtype, viewed as uint8)
 # os.pwritev's signature: the seam through which tests inject ENOSPC and EIO.
 PwriteV = Callable[[int, Sequence[memoryview], int], int]
 
 LAYOUT_ID_BYTES = 16
-_BATCH_BYTES = 16 << 20     # a write batch: one round of bookkeeping (written 8 MiB a call)
-_BATCH_PAGES = 256
 # Longest a delete waits for its slots to be blanked (_durable): reads in flight on them,
 # the writer's round in progress, the blanking. Past it the delete returns, not durable.
 DURABLE_WAIT = 10.0
 
-# Slot states (uint8 per slot id). WRITING: taken by the writer, invisible. DOOMED:
-# deleted or evicted while a read pins it; freed when the last read ends.
-FREE, WRITING, READY, DOOMED = 0, 1, 2, 3
+# Slot states (slots.py): WRITING here is taken by the writer, invisible; DOOMED is
+# deleted or evicted while a read pins it, freed when the last read ends.
+FREE, WRITING, READY, DOOMED = SlotState
 
 
-@runtime_checkable
-class Tier(Protocol):
-    """A tier below DRAM: disk now, a far Redis/Valkey tier later. Pages are named by
-    (16-byte layout id, key of 1..64 bytes). A tier never blocks a put and may forget any
-    page at any time: it is a cache, and nothing assumes it is a page's only holder."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class DiskStats(TierStats):
+    """The disk tier's counters: TierStats and its queue, restart and I/O mode."""
 
-    def offer(self, layout_id: bytes, key: bytes, page: Page) -> bool:
-        """Take a copy of the page to store; False if not taken. Never waits on I/O."""
-    def contains(self, layout_id: bytes, keys: Sequence[bytes]) -> np.ndarray:
-        """One bool per key: held now (a read_into after it may still miss)."""
-    def read_into(self, layout_id: bytes, keys: Sequence[bytes],
-                  outs: Sequence[Page]) -> list[bool]:
-        """Copy each held, intact page into outs[i] (exactly its size); False where not,
-        and outs[i] then holds unspecified bytes. Blocks on I/O: hold no lock around it."""
-    def delete(self, layout_id: bytes, keys: Sequence[bytes]) -> int:
-        """Forget these pages; returns how many were held. Durable when it returns: no
-        restart brings them back."""
-    def describe(self, layout_id: bytes, key: bytes) -> dict | None:
-        """Admin Inspect's fields for a page held here, None if it is not."""
-    def evict(self, *, nbytes: int | None = None, layout_id: bytes | None = None,
-              everything: bool = False) -> tuple[int, int]:
-        """Forget least recently used pages worth nbytes (of one layout if given), or a
-        whole layout's, or all: returns (pages, bytes)."""
-    def flush(self, timeout: float) -> int:
-        """Store what was offered, waiting at most timeout s; returns pages left pending."""
-    def stats(self) -> dict: ...
-    def close(self) -> None: ...
+    pages_by_layout: dict[bytes, int] = dataclasses.field(default_factory=dict)
+    queued_pages: int = 0
+    queued_bytes: int = 0
+    queue_capacity_bytes: int = 0
+    rebuilt_pages: int = 0          # found on disk at start
+    undurable_deletes: int = 0      # deletes that returned before their slots were blank
+    direct_io: bool = False
+    rebuild_seconds: float = 0.0
 
 
-class NoDisk:
-    """The null tier: holds nothing, takes nothing (a server run without --disk)."""
+@dataclasses.dataclass(slots=True)
+class _Counters:
+    """Events since start, named fields so that a typo is an error, not a new counter."""
 
-    def offer(self, layout_id, key, page) -> bool:
-        return False
-
-    def contains(self, layout_id, keys) -> np.ndarray:
-        return np.zeros(len(keys), dtype=bool)
-
-    def read_into(self, layout_id, keys, outs) -> list[bool]:
-        return [False] * len(keys)
-
-    def delete(self, layout_id, keys) -> int:
-        return 0
-
-    def describe(self, layout_id, key) -> dict | None:
-        return None
-
-    def evict(self, *, nbytes=None, layout_id=None, everything=False) -> tuple[int, int]:
-        return 0, 0
-
-    def flush(self, timeout) -> int:
-        return 0
-
-    def stats(self) -> dict:
-        return {"capacity_bytes": 0, "used_bytes": 0, "pages": 0, "failed": False}
-
-    def close(self) -> None:
-        pass
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _Pending:
-    """A page offered and not yet written: its slot image is arena[off : off + slot_bytes]."""
-
-    layout_id: bytes
-    key: bytes
-    off: int
-    nbytes: int
-    slot_bytes: int
-    ready: bool = False         # the offer's copy into the arena has finished
-    cancelled: bool = False     # deleted, evicted or dropped while queued: do not write
+    reads: int = 0
+    bytes_read: int = 0
+    writes: int = 0
+    bytes_written: int = 0
+    drops: int = 0
+    refused: int = 0
+    corrupt_pages: int = 0
+    read_errors: int = 0
+    evictions: int = 0
+    rebuilt_pages: int = 0
+    undurable_deletes: int = 0
 
 
 def _as_u8(page: Page) -> np.ndarray:
@@ -197,18 +156,21 @@ def _lock_folder(directory: str) -> int:
 
 
 class DiskTier:
-    """Pages in slot files under `directory`, at most capacity_bytes of slots, LRU."""
+    """Pages in slot files under `directory`, at most capacity_bytes of slots, evicted in
+    the order of an eviction policy (LRU by default)."""
 
     def __init__(self, directory: str, capacity_bytes: int, *, queue_bytes: int = 256 << 20,
                  direct: bool | None = None, clock: Callable[[], float] = time.monotonic,
-                 pwritev: PwriteV = os.pwritev) -> None:
+                 pwritev: PwriteV = os.pwritev,
+                 policy: PolicyFactory | str | None = None) -> None:
         """queue_bytes: staging memory for pages not yet written, in slot-sized pieces
         (256 MiB holds 255 pages of 1 MiB: one eviction batch of the store); offers beyond
         it are dropped. Counted in bytes, not pages, because layouts' pages differ in size
         a thousandfold; an untouched mapping, so memory is used only as pages queue.
         direct: O_DIRECT I/O, so spilled pages do not fill the page cache too (DRAM is
         the cache); None = where the file system allows it. clock: times the rebuild.
-        pwritev: a seam for tests (disk full, I/O errors)."""
+        pwritev: a seam for tests (disk full, I/O errors). policy: the eviction policy, or
+        the name of one (eviction.make_policy)."""
         if capacity_bytes <= 0 or queue_bytes < ALIGN:
             raise ValueError("capacity_bytes must be > 0 and queue_bytes at least 4 KiB")
         os.makedirs(directory, exist_ok=True)
@@ -219,42 +181,15 @@ class DiskTier:
         self._pwritev = pwritev
         self._lock = threading.Lock()       # guards everything below
         self._wake = threading.Condition(self._lock)   # the writer waits on it, flush too
-        # The write-behind queue: a FIFO of _Pending in a ring over the arena.
-        self._arena = aligned_buffer(queue_bytes // ALIGN * ALIGN)
-        self._ring: collections.deque[_Pending] = collections.deque()
-        self._head = 0                      # next free byte of the ring
-        self._queued: dict[bytes, dict[bytes, _Pending]] = {}    # layout -> key -> pending
+        self._staging = StagingRing(queue_bytes)     # the write-behind queue
         # Slots: small integer ids, their state in flat arrays (see pool.py for why).
-        self._files: dict[int, SlotFile] = {}                    # slot bytes -> file
-        self._free: dict[int, list[int]] = {}                    # slot bytes -> heap of ids
-        # ^ lowest id first keeps files dense and new slots adjacent, so pages evicted
-        #   together are written, and later read, with one call a run
-        self._index: dict[bytes, dict[bytes, int]] = {}          # layout -> key -> READY id
-        self._policy = LRUPolicy()
-        self._state = np.zeros(0, dtype=np.uint8)
-        self._pins = np.zeros(0, dtype=np.int32)        # reads in flight on each slot
-        self._sbytes = np.zeros(0, dtype=np.int64)      # slot size (0 = no slot yet)
-        self._idx = np.zeros(0, dtype=np.int64)         # slot number within its file
-        self._gen = np.zeros(0, dtype=np.uint64)
-        self._plen = np.zeros(0, dtype=np.int64)        # payload bytes
-        self._pxxh = np.zeros(0, dtype=np.uint64)       # payload checksum
-        self._file_of: list[SlotFile] = []
-        self._name_of: list[tuple[bytes, bytes] | None] = []     # (layout, key) if READY
-        self._discard: set[int] = set()     # freed ids whose slots are still to be blanked
-        # (layout, key) of pages forgotten here -> the writer round current when they were:
-        # their slots may still hold them until the next round ends. A delete of one must
-        # wait for that round though it no longer holds the page (_durable). Pruned as
-        # rounds end, so it holds at most the pages freed in about one round.
-        self._unblanked: dict[tuple[bytes, bytes], int] = {}
+        self._slots = DiskSlots(capacity_bytes, make_policy(policy), self._wake.notify_all)
         # Writer rounds (see _durable): started, finished, and the one a delete waits for.
         self._rounds = self._rounds_done = self._rounds_wanted = 0
-        self._next_gen = 1
-        self._used = 0                      # bytes of slots not FREE
-        self._pages = 0
         self._failed = False
         self._error = ""                    # why writes stopped
         self._closing = False
-        self.counters: collections.Counter[str] = collections.Counter()
+        self.counters = _Counters()
         started = clock()
         self._rebuild()
         self.rebuild_seconds = clock() - started
@@ -269,23 +204,23 @@ class DiskTier:
                              f"{MAX_KEY}, got {len(layout_id)} and {len(key)}")
         sb = slot_bytes_for(src.nbytes)
         with self._lock:
-            if self._failed or self._closing or sb > min(len(self._arena), self.capacity_bytes):
-                self.counters["refused"] += 1
+            if (self._failed or self._closing
+                    or sb > min(len(self._staging), self.capacity_bytes)):
+                self.counters.refused += 1
                 return False
-            sid = self._index.get(layout_id, {}).get(key)
+            sid = self._slots.index.get(layout_id, {}).get(key)
             if sid is not None:
-                self._policy.touch(np.array([sid]))
+                self._slots.policy.touch(np.array([sid]))
                 return True
-            if key in self._queued.get(layout_id, ()):
+            if key in self._staging.queued.get(layout_id, ()):
                 return True
-            off = self._ring_alloc(sb)
+            off = self._staging.alloc(sb)
             if off < 0:
-                self.counters["drops"] += 1
+                self.counters.drops += 1
                 return False
-            entry = _Pending(layout_id, key, off, src.nbytes, sb)
-            self._ring.append(entry)
-            self._queued.setdefault(layout_id, {})[key] = entry
-        self._arena[off:off + src.nbytes] = src     # the copy, outside the lock
+            entry = Pending(layout_id, key, off, src.nbytes, sb)
+            self._staging.push(entry)
+        self._staging.arena[off:off + src.nbytes] = src     # the copy, outside the lock
         with self._lock:
             entry.ready = True
             self._wake.notify()
@@ -293,8 +228,8 @@ class DiskTier:
 
     def contains(self, layout_id: bytes, keys: Sequence[bytes]) -> np.ndarray:
         with self._lock:
-            index = self._index.get(layout_id, {})
-            queued = self._queued.get(layout_id, {})
+            index = self._slots.index.get(layout_id, {})
+            queued = self._staging.queued.get(layout_id, {})
             return np.fromiter((k in index or k in queued for k in keys), dtype=bool,
                                count=len(keys))
 
@@ -307,8 +242,8 @@ class DiskTier:
         reads: list[SlotRead] = []
         pinned: list[tuple[int, int]] = []          # (key number, slot id) of each read
         with self._lock:
-            index = self._index.get(layout_id, {})
-            queued = self._queued.get(layout_id, {})
+            index = self._slots.index.get(layout_id, {})
+            queued = self._staging.queued.get(layout_id, {})
             found = [index.get(k) for k in keys]
             for i, (key, sid, arr) in enumerate(zip(keys, found, arrs)):
                 # A page of this layout is always the caller's page size: a slot whose
@@ -317,16 +252,16 @@ class DiskTier:
                 # counted, never served (it used to raise, and a promotion leaked the
                 # reservation it was reading into).
                 entry = queued.get(key)
-                size = int(self._plen[sid]) if sid is not None else \
+                size = int(self._slots.plen[sid]) if sid is not None else \
                     entry.nbytes if entry is not None else arr.nbytes
                 if arr.nbytes != size:
                     log.warning("disk tier: key %s holds %d bytes, %d expected: dropped as "
                                 "corrupt", key.hex(), size, arr.nbytes)
-                    self.counters["corrupt_pages"] += sid is None or \
-                        self._name_of[sid] == (layout_id, key)
+                    self.counters.corrupt_pages += sid is None or \
+                        self._slots.name_of[sid] == (layout_id, key)
                     if sid is not None:
-                        if self._name_of[sid] == (layout_id, key):   # once if repeated
-                            self._drop(sid)
+                        if self._slots.name_of[sid] == (layout_id, key):   # once if repeated
+                            self._slots.drop(sid, self._rounds)
                     else:
                         entry.cancelled = True
                         del queued[key]
@@ -335,32 +270,33 @@ class DiskTier:
                 if sid is None:
                     entry = queued.get(key)
                     if entry is not None and entry.ready:   # not written yet: copy it now
-                        arrs[i][:] = self._arena[entry.off:entry.off + entry.nbytes]
+                        arrs[i][:] = self._staging.arena[entry.off:entry.off + entry.nbytes]
                         result[i] = True
                     continue
-                self._pins[sid] += 1
+                self._slots.pins[sid] += 1
                 pinned.append((i, sid))
-                reads.append(SlotRead(self._file_of[sid], int(self._idx[sid]), arrs[i],
-                                      SlotHeader(layout_id, key, int(self._plen[sid]),
-                                                 int(self._gen[sid]), int(self._pxxh[sid]))))
+                slots = self._slots
+                reads.append(SlotRead(slots.file_of[sid], int(slots.idx[sid]), arrs[i],
+                                      SlotHeader(layout_id, key, int(slots.plen[sid]),
+                                                 int(slots.gen[sid]), int(slots.pxxh[sid]))))
             if pinned:                      # reversed: a prefix's head stays hottest
-                self._policy.touch(np.array([sid for _, sid in pinned[::-1]]))
+                self._slots.policy.touch(np.array([sid for _, sid in pinned[::-1]]))
         status = read_slots(reads) if reads else []
         with self._lock:
             for (i, sid), ok, read in zip(pinned, status, reads):
-                self._pins[sid] -= 1
+                self._slots.pins[sid] -= 1
                 if ok:
                     result[i] = True
-                    self.counters["reads"] += 1
-                    self.counters["bytes_read"] += read.out.nbytes
+                    self.counters.reads += 1
+                    self.counters.bytes_read += read.out.nbytes
                 elif ok is None:
-                    self.counters["read_errors"] += 1
+                    self.counters.read_errors += 1
                 else:                       # checksum failed: drop it, never return it
-                    self.counters["corrupt_pages"] += 1
-                    if self._name_of[sid] == (layout_id, keys[i]):
-                        self._drop(sid)
-                if self._state[sid] == DOOMED and self._pins[sid] == 0:
-                    self._release(sid)
+                    self.counters.corrupt_pages += 1
+                    if self._slots.name_of[sid] == (layout_id, keys[i]):
+                        self._slots.drop(sid, self._rounds)
+                if self._slots.state[sid] == DOOMED and self._slots.pins[sid] == 0:
+                    self._slots.release(sid)
         if status.count(False) or status.count(None):
             log.warning("disk tier: of %d pages read, %d failed their checksum (dropped) and "
                         "%d could not be read", len(reads), status.count(False),
@@ -369,8 +305,8 @@ class DiskTier:
 
     def delete(self, layout_id: bytes, keys: Sequence[bytes]) -> int:
         with self._lock:
-            index = self._index.get(layout_id, {})
-            queued = self._queued.get(layout_id, {})
+            index = self._slots.index.get(layout_id, {})
+            queued = self._staging.queued.get(layout_id, {})
             held, dropped = 0, []
             for key in keys:
                 entry = queued.pop(key, None)
@@ -378,26 +314,24 @@ class DiskTier:
                     entry.cancelled = True
                 sid = index.get(key)
                 if sid is not None:
-                    self._drop(sid)
+                    self._slots.drop(sid, self._rounds)
                     dropped.append(sid)
                 held += entry is not None or sid is not None
             if held or self._freed_since_round(layout_id, keys):
                 self._durable(dropped)
             return held
 
-    def describe(self, layout_id: bytes, key: bytes) -> dict | None:
+    def describe(self, layout_id: bytes, key: bytes) -> PageInfo | None:
         # Ages are not kept for disk pages (their generation orders them): 0.
         with self._lock:
-            sid = self._index.get(layout_id, {}).get(key)
+            sid = self._slots.index.get(layout_id, {}).get(key)
             if sid is not None:
-                return {"tier": "disk", "state": "READY", "size_bytes": int(self._plen[sid]),
-                        "age_seconds": 0.0, "idle_seconds": 0.0, "leases": int(self._pins[sid]),
-                        "slot_offset": self._file_of[sid].offset(int(self._idx[sid]))}
-            entry = self._queued.get(layout_id, {}).get(key)
+                return PageInfo("disk", "READY", int(self._slots.plen[sid]),
+                                leases=int(self._slots.pins[sid]),
+                                slot_offset=self._slots.file_of[sid].offset(int(self._slots.idx[sid])))
+            entry = self._staging.queued.get(layout_id, {}).get(key)
             if entry is not None:
-                return {"tier": "disk", "state": "QUEUED", "size_bytes": entry.nbytes,
-                        "age_seconds": 0.0, "idle_seconds": 0.0, "leases": 0,
-                        "slot_offset": 0}
+                return PageInfo("disk", "QUEUED", entry.nbytes)
         return None
 
     def evict(self, *, nbytes: int | None = None, layout_id: bytes | None = None,
@@ -406,58 +340,54 @@ class DiskTier:
             raise ValueError("evict needs nbytes, layout_id or everything")
         with self._lock:
             if layout_id is not None:
-                eligible = np.zeros(len(self._state), dtype=bool)
-                eligible[list(self._index.get(layout_id, {}).values())] = True
+                eligible = np.zeros(len(self._slots.state), dtype=bool)
+                eligible[list(self._slots.index.get(layout_id, {}).values())] = True
             else:
-                eligible = self._state == READY
+                eligible = self._slots.state == READY
             if nbytes is None:              # a whole layout, or everything: queued ones too
-                for lid, queued in self._queued.items():
+                for lid, queued in self._staging.queued.items():
                     if layout_id in (None, lid):
                         for entry in queued.values():
                             entry.cancelled = True
                         queued.clear()
                 victims = np.flatnonzero(eligible)
             else:
-                victims = self._policy.victims(int(np.count_nonzero(eligible)), eligible)
-                victims = victims[: self._enough(victims, nbytes)]
-            freed = int(self._sbytes[victims].sum())
+                victims = self._slots.policy.victims(int(np.count_nonzero(eligible)), eligible)
+                victims = victims[: self._slots.enough(victims, nbytes)]
+            freed = int(self._slots.sbytes[victims].sum())
             for sid in victims.tolist():
-                self._drop(sid)
-            self.counters["evictions"] += len(victims)
-            if nbytes is None and (victims.size or self._unblanked):   # as a delete
+                self._slots.drop(sid, self._rounds)
+            self.counters.evictions += len(victims)
+            if nbytes is None and (victims.size or self._slots.unblanked):   # as a delete
                 self._durable(victims.tolist())
             return len(victims), freed
 
     def flush(self, timeout: float) -> int:
         deadline = time.monotonic() + timeout
         with self._wake:
-            while not self._failed and not self._closing and self._pending():
+            while not self._failed and not self._closing and self._staging.pending():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._wake.wait(left)
-            return self._pending()
+            return self._staging.pending()
 
-    def stats(self) -> dict:
-        """Counters since start. `failed` stays True once a write failed (disk full or
-        broken): no page is taken again until a restart. drops: offers refused because the
-        queue was full; refused: because the tier failed, the page cannot fit, or its write
-        failed."""
+    holds_pages = True
+
+    def stats(self) -> DiskStats:
+        """Counters since start (TierStats says what each means)."""
         with self._lock:
-            queued = [e for e in self._ring if not e.cancelled]
-            return {
-                "capacity_bytes": self.capacity_bytes, "used_bytes": self._used,
-                "pages": self._pages,
-                "pages_by_layout": {lid: len(keys) for lid, keys in self._index.items() if keys},
-                "queued_pages": len(queued), "queued_bytes": sum(e.slot_bytes for e in queued),
-                "queue_capacity_bytes": len(self._arena),
-                **{name: self.counters[name] for name in (
-                    "reads", "bytes_read", "writes", "bytes_written", "drops", "refused",
-                    "corrupt_pages", "read_errors", "evictions", "rebuilt_pages",
-                    "undurable_deletes")},
-                "failed": self._failed, "error": self._error,
-                "direct_io": self.direct, "rebuild_seconds": self.rebuild_seconds,
-            }
+            queued = [e for e in self._staging.ring if not e.cancelled]
+            return DiskStats(
+                "disk", self.capacity_bytes, self._slots.used, self._slots.pages,
+                **dataclasses.asdict(self.counters), failed=self._failed, error=self._error,
+                pages_by_layout={lid: len(keys) for lid, keys in self._slots.index.items() if keys},
+                queued_pages=len(queued), queued_bytes=sum(e.slot_bytes for e in queued),
+                queue_capacity_bytes=len(self._staging), direct_io=self.direct,
+                rebuild_seconds=self.rebuild_seconds)
+
+    def levels(self) -> tuple[TierStats, ...]:
+        return (self.stats(),)
 
     def close(self) -> None:
         """Stop the writer after the batch it is writing (call flush first to keep the
@@ -468,86 +398,9 @@ class DiskTier:
             self._closing = True
             self._wake.notify_all()
         self._writer.join()
-        for file in self._files.values():
+        for file in self._slots.files.values():
             file.close()
         os.close(self._folder_lock)
-
-    # -- the staging ring (under the lock) ------------------------------------------------
-    def _ring_alloc(self, nbytes: int) -> int:
-        """Offset of nbytes free in the arena, or -1. Writes free in FIFO order, so the
-        used part is one run [tail, head) that may wrap once."""
-        size = len(self._arena)
-        tail = self._ring[0].off if self._ring else size
-        if not self._ring:
-            self._head = 0
-        if not self._ring or self._head > tail:     # free: [head, size) and [0, tail)
-            if self._head + nbytes <= size:
-                off = self._head
-            elif nbytes <= tail:
-                off = 0                             # wrap; the end's leftover stays unused
-            else:
-                return -1
-        elif self._head + nbytes <= tail:           # wrapped: free is [head, tail)
-            off = self._head
-        else:
-            return -1
-        self._head = off + nbytes
-        return off
-
-    def _pending(self) -> int:
-        return sum(1 for e in self._ring if not e.cancelled)
-
-    # -- slots (under the lock) -----------------------------------------------------------
-    def _new_ids(self, file: SlotFile, first: int, n: int) -> np.ndarray:
-        """Ids for slots first..first+n-1 of file. The arrays grow by doubling; ids past
-        the last one handed out are FREE with size 0, so masks over them select nothing."""
-        start = len(self._file_of)
-        if start + n > len(self._state):
-            size = max(start + n, 2 * len(self._state), 1024)
-            for name in ("_state", "_pins", "_sbytes", "_idx", "_gen", "_plen", "_pxxh"):
-                old = getattr(self, name)
-                new = np.zeros(size, dtype=old.dtype)
-                new[:start] = old[:start]
-                setattr(self, name, new)
-        self._sbytes[start:start + n] = file.slot_bytes
-        self._idx[start:start + n] = np.arange(first, first + n)
-        self._file_of.extend([file] * n)
-        self._name_of.extend([None] * n)
-        return np.arange(start, start + n)
-
-    def _alloc(self, slot_bytes: int) -> int:
-        free = self._free[slot_bytes]
-        if free:
-            sid = heapq.heappop(free)
-            self._discard.discard(sid)      # about to be overwritten: no need to blank
-        else:
-            file = self._files[slot_bytes]
-            sid = int(self._new_ids(file, file.n_slots, 1)[0])
-            file.n_slots += 1
-        self._state[sid] = WRITING
-        self._used += slot_bytes
-        return sid
-
-    def _drop(self, sid: int) -> None:
-        """Forget a READY page: its slot is freed now, or when the reads pinning it end."""
-        layout_id, key = self._name_of[sid]
-        del self._index[layout_id][key]
-        self._name_of[sid] = None
-        self._unblanked[layout_id, key] = self._rounds
-        self._pages -= 1
-        self._policy.remove(np.array([sid]))
-        if self._pins[sid]:
-            self._state[sid] = DOOMED
-        else:
-            self._release(sid)
-
-    def _release(self, sid: int) -> None:
-        """Free a slot; the writer blanks it unless it is reused first."""
-        self._state[sid] = FREE
-        self._used -= int(self._sbytes[sid])
-        heapq.heappush(self._free[int(self._sbytes[sid])], sid)
-        self._discard.add(sid)
-        self._wake.notify_all()         # the writer, and a delete waiting in _durable
 
     def _durable(self, dropped: list[int]) -> None:
         """Wait (under the lock, which the wait gives up) until no slot freed so far can
@@ -561,13 +414,13 @@ class DiskTier:
         freed before now is blank or rewritten, including one the round in progress frees
         (a queued page deleted while being written). Slots pinned by a read are freed
         when the read ends, so they are waited for first. This costs the caller the rest
-        of the writer's round (one batch, at most _BATCH_BYTES) and the blanking.
+        of the writer's round (one batch, at most staging.BATCH_BYTES) and the blanking.
 
         Durable against a killed process (the blank is in the kernel when pwrite or
         fallocate returns), not against a power cut: there is no fsync."""
         deadline = time.monotonic() + DURABLE_WAIT
-        doomed = [sid for sid in dropped if self._state[sid] == DOOMED]
-        while any(self._state[sid] == DOOMED for sid in doomed) and not self._closing:
+        doomed = [sid for sid in dropped if self._slots.state[sid] == DOOMED]
+        while any(self._slots.state[sid] == DOOMED for sid in doomed) and not self._closing:
             if not self._wake.wait(max(0.0, deadline - time.monotonic())):
                 break
         want = self._rounds + 1
@@ -575,7 +428,7 @@ class DiskTier:
         self._wake.notify_all()
         while self._rounds_done < want and not self._closing:
             if not self._wake.wait(max(0.0, deadline - time.monotonic())):
-                self.counters["undurable_deletes"] += 1
+                self.counters.undurable_deletes += 1
                 log.warning("disk tier: a delete returns before its slots were blanked "
                             "(the writer took over %.0fs); a kill now could bring the "
                             "pages back", DURABLE_WAIT)
@@ -585,94 +438,43 @@ class DiskTier:
         """Whether any of these pages was forgotten here (evicted, most often) so recently
         that its slot may not be blank yet: a slot freed while round r was the latest
         started is blank or rewritten once round r + 1 has ended."""
-        if not self._unblanked:
+        if not self._slots.unblanked:
             return False
         done = self._rounds_done
-        return any(self._unblanked.get((layout_id, key), -1) >= done for key in keys)
-
-    def _enough(self, victims: np.ndarray, nbytes: int) -> int:
-        """How many of the victims (in order) free at least nbytes."""
-        if nbytes <= 0:
-            return 0
-        return int(np.searchsorted(np.cumsum(self._sbytes[victims]), nbytes)) + 1
-
-    def _make_room(self, nbytes: int) -> None:
-        """Evict least recently used unpinned pages until nbytes more fit."""
-        deficit = self._used + nbytes - self.capacity_bytes
-        eligible = (self._state == READY) & (self._pins == 0)
-        if deficit <= 0 or not eligible.any():
-            return
-        smallest = int(self._sbytes[eligible].min())
-        victims = self._policy.victims(-(-deficit // smallest), eligible)
-        victims = victims[: self._enough(victims, deficit)]
-        for sid in victims.tolist():
-            self._drop(sid)
-        self.counters["evictions"] += len(victims)
+        return any(self._slots.unblanked.get((layout_id, key), -1) >= done for key in keys)
 
     # -- restart --------------------------------------------------------------------------
     def _rebuild(self) -> None:
-        found_ids, found_gens, found_names = [], [], []     # the VALID slots of every file
-        for name in sorted(os.listdir(self.directory)):
-            slot_bytes = SlotFile.slot_bytes_of(name)
-            if slot_bytes is None:
-                continue
-            file = self._files[slot_bytes] = SlotFile(self.directory, slot_bytes, self.direct)
-            scan = file.scan()
-            ids = self._new_ids(file, 0, file.n_slots)
-            self._gen[ids], self._plen[ids] = scan.generation, scan.payload_len
-            self._pxxh[ids] = scan.payload_xxh
-            valid = np.flatnonzero(scan.state == VALID)
-            found_ids.append(ids[valid])
-            found_gens.append(scan.generation[valid])
-            found_names += [(scan.layout_ids[i], scan.keys[i]) for i in valid.tolist()]
-            corrupt = ids[scan.state == CORRUPT]
-            self._discard.update(corrupt.tolist())
-            self.counters["corrupt_pages"] += len(corrupt) + int(scan.torn_tail)
-        ids = np.concatenate([np.zeros(0, np.int64), *found_ids])
-        gens = np.concatenate([np.zeros(0, np.uint64), *found_gens])
-        # Oldest first, so of two slots with one key the later write wins.
-        order = np.argsort(gens, kind="stable")
-        latest = dict(zip(map(found_names.__getitem__, order.tolist()), ids[order].tolist()))
-        live = np.array(list(latest.values()), dtype=np.int64)
-        live = live[np.argsort(self._gen[live], kind="stable")]
-        for (layout_id, key), sid in latest.items():
-            self._index.setdefault(layout_id, {})[key] = sid
-            self._name_of[sid] = (layout_id, key)
-        self._state[live] = READY
-        self._policy.touch(live)            # LRU order: the order of the writes
-        self._pages, self._used = len(live), int(self._sbytes[live].sum())
-        self._discard.update(set(ids.tolist()) - set(latest.values()))   # older duplicates
-        n = len(self._file_of)
-        for slot_bytes in self._files:
-            free = (self._state[:n] == FREE) & (self._sbytes[:n] == slot_bytes)
-            self._free[slot_bytes] = np.flatnonzero(free).tolist()   # ascending: a heap
-        self._next_gen = int(gens.max()) + 1 if gens.size else 1
-        self.counters["rebuilt_pages"] = self._pages
-        # More than the capacity is on disk after a restart with a smaller one, or after a
-        # kill that left freed slots not yet blanked: evict the oldest down to it. Under
-        # the lock, like every eviction (it notifies the writer, which blanks the slots).
+        """The index from the slot headers (DiskSlots.rebuild), then evicted down to the
+        capacity, which a restart with a smaller one or a kill that left freed slots not
+        yet blanked can exceed. Under the lock, like every eviction (it notifies the
+        writer, which blanks the slots)."""
+        self.counters.corrupt_pages += self._slots.rebuild(self.directory, self.direct)
+        self.counters.rebuilt_pages = self._slots.pages
         with self._lock:
-            self._make_room(0)
-        if self._pages or self.counters["corrupt_pages"]:
+            self.counters.evictions += self._slots.make_room(0, self._rounds)
+        if self._slots.pages or self.counters.corrupt_pages:
             log.info("disk tier: %d pages (%d MiB) found in %s; %d corrupt or torn slots "
-                     "skipped", self._pages, self._used >> 20, self.directory,
-                     self.counters["corrupt_pages"])
+                     "skipped", self._slots.pages, self._slots.used >> 20, self.directory,
+                     self.counters.corrupt_pages)
 
     # -- the writer thread ----------------------------------------------------------------
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not (self._closing or self._discard
+                while not (self._closing or self._slots.discard
                            or self._rounds_done < self._rounds_wanted
-                           or (self._ring and self._ring[0].ready and not self._failed)):
+                           or (self._staging.ring and self._staging.ring[0].ready
+                               and not self._failed)):
                     self._wake.wait()
-                if self._closing and not self._discard:
+                if self._closing and not self._slots.discard:
                     return
                 self._rounds += 1
                 round_ = self._rounds
-                blank = [(self._file_of[sid], int(self._idx[sid])) for sid in self._discard]
-                self._discard.clear()
-                batch = [] if self._closing or self._failed else self._take_batch()
+                slots = self._slots
+                blank = [(slots.file_of[sid], int(slots.idx[sid])) for sid in slots.discard]
+                self._slots.discard.clear()
+                batch = [] if self._closing or self._failed else self._staging.take_batch()
             try:
                 # Only this thread allocates slots, so none of these is reused meanwhile.
                 for file, idx, n in _runs_of(blank):
@@ -685,37 +487,30 @@ class DiskTier:
                     self._fail(exc)
             with self._lock:                # a delete may wait for this round (_durable)
                 self._rounds_done = round_
-                if self._unblanked:
-                    self._unblanked = {name: r for name, r in self._unblanked.items()
+                if self._slots.unblanked:
+                    self._slots.unblanked = {name: r for name, r in self._slots.unblanked.items()
                                        if r >= round_}
                 self._wake.notify_all()
 
-    def _take_batch(self) -> list[_Pending]:
-        batch, nbytes = [], 0
-        for entry in self._ring:
-            if not entry.ready or len(batch) == _BATCH_PAGES or nbytes > _BATCH_BYTES:
-                break
-            batch.append(entry)
-            nbytes += entry.slot_bytes
-        return batch
-
-    def _write(self, batch: list[_Pending]) -> None:
-        for sb in {e.slot_bytes for e in batch} - self._files.keys():
+    def _write(self, batch: list[Pending]) -> None:
+        for sb in {e.slot_bytes for e in batch} - self._slots.files.keys():
             file = SlotFile(self.directory, sb, self.direct)    # opened outside the lock
             with self._lock:
-                self._files[sb], self._free[sb] = file, []
+                self._slots.files[sb], self._slots.free[sb] = file, []
         with self._lock:
             live = [e for e in batch if not e.cancelled]
-            self._make_room(sum(e.slot_bytes for e in live))
+            need = sum(e.slot_bytes for e in live)
+            self.counters.evictions += self._slots.make_room(need, self._rounds)
             plan = []                               # (entry, slot id, generation)
             for entry in live:
-                if self._used + entry.slot_bytes > self.capacity_bytes:
-                    self.counters["refused"] += 1   # what is left is being read
+                if self._slots.used + entry.slot_bytes > self.capacity_bytes:
+                    self.counters.refused += 1   # what is left is being read
                     continue
-                plan.append((entry, self._alloc(entry.slot_bytes), self._next_gen))
-                self._next_gen += 1
-            writes = [SlotWrite(self._file_of[sid], int(self._idx[sid]),
-                                self._arena[e.off:e.off + e.slot_bytes]) for e, sid, _ in plan]
+                plan.append((entry, self._slots.alloc(entry.slot_bytes), self._slots.next_gen))
+                self._slots.next_gen += 1
+            arena, slots = self._staging.arena, self._slots
+            writes = [SlotWrite(slots.file_of[sid], int(slots.idx[sid]),
+                                arena[e.off:e.off + e.slot_bytes]) for e, sid, _ in plan]
         sums = [seal(w.image, e.layout_id, e.key, e.nbytes, gen)
                 for w, (e, _, gen) in zip(writes, plan)]
         written, error = write_slots(writes, self._pwritev)
@@ -723,28 +518,23 @@ class DiskTier:
             done = []                               # (slot id, generation, xxh, bytes)
             for (entry, sid, gen), pxxh, ok in zip(plan, sums, written):
                 if not ok or entry.cancelled:
-                    self.counters["refused"] += not entry.cancelled   # lost to the error
-                    self._release(sid)      # blanked, so an old page there cannot return
+                    self.counters.refused += not entry.cancelled   # lost to the error
+                    self._slots.release(sid)      # blanked, so an old page there cannot return
                     continue
                 done.append((sid, gen, pxxh, entry.nbytes))
-                self._name_of[sid] = (entry.layout_id, entry.key)
-                self._index.setdefault(entry.layout_id, {})[entry.key] = sid
+                self._slots.name_of[sid] = (entry.layout_id, entry.key)
+                self._slots.index.setdefault(entry.layout_id, {})[entry.key] = sid
             if done:
                 sids, gens, sums, sizes = (np.array(col, dtype=np.uint64) for col in zip(*done))
                 sids = sids.astype(np.int64)
-                self._gen[sids], self._pxxh[sids], self._plen[sids] = gens, sums, sizes
-                self._state[sids] = READY
-                self._policy.touch(sids)
-                self._pages += len(done)
-                self.counters["writes"] += len(done)
-                self.counters["bytes_written"] += int(sizes.sum())
-            for entry in batch:
-                queued = self._queued.get(entry.layout_id, {})
-                if queued.get(entry.key) is entry:
-                    del queued[entry.key]
-            if self._ring and self._ring[0] is batch[0]:    # else _fail emptied it
-                for _ in batch:
-                    self._ring.popleft()
+                slots = self._slots
+                slots.gen[sids], slots.pxxh[sids], slots.plen[sids] = gens, sums, sizes
+                self._slots.state[sids] = READY
+                self._slots.policy.touch(sids)
+                self._slots.pages += len(done)
+                self.counters.writes += len(done)
+                self.counters.bytes_written += int(sizes.sum())
+            self._staging.done(batch)
             if error is not None:
                 self._fail(error)
             self._wake.notify_all()
@@ -756,9 +546,5 @@ class DiskTier:
             self._error = str(exc)
             log.error("disk tier in %s stops taking pages: a write failed (%s); pages "
                       "already on disk are still served", self.directory, exc)
-        for entry in self._ring:
-            self.counters["refused"] += not entry.cancelled
-            entry.cancelled = True
-        self._ring.clear()
-        self._queued.clear()
+        self.counters.refused += self._staging.cancel_all()
         self._wake.notify_all()

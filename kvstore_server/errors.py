@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["Outcome", "StoreError"]
+from kvstore_client.errors import Reason   # one definition, shared with the client
+
+__all__ = ["Outcome", "Reason", "StoreError"]
 
 
 class Outcome(enum.Enum):
@@ -17,9 +19,11 @@ class Outcome(enum.Enum):
 
 
 class StoreError(Exception):
-    """A request the store cannot serve, with a message that says what was wrong."""
+    """A request the store cannot serve, with a message that says what was wrong and,
+    where a client must react, a reason it can branch on."""
 
-    def __init__(self, outcome: Outcome, message: str) -> None:
+    def __init__(self, outcome: Outcome, message: str, reason: Reason | None = None) -> None:
         super().__init__(message)
         self.outcome = outcome
         self.message = message
+        self.reason = reason

@@ -11,14 +11,14 @@ the most recently used. The store passes a prefix's keys from last to first, so 
 head of a prefix stays hottest and its tail is evicted first: a tail is useless without
 its head.
 
-Any other policy (ARC, S3-FIFO) implements the same four methods.
+Any other policy implements eviction.EvictionPolicy in a module of its own (see there).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["LRUPolicy"]
+__all__ = ["POLICY", "LRUPolicy"]
 
 
 class LRUPolicy:
@@ -78,3 +78,6 @@ class LRUPolicy:
         inside = ids < len(self._stamp)
         out[inside] = self._stamp[ids[inside]]
         return out
+
+
+POLICY = LRUPolicy      # what eviction.load_policy("lru") builds

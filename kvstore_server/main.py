@@ -27,6 +27,7 @@ from .config import (ConfigError, ServerConfig, argument_parser, data_address, i
 from .fastpath import FastPathServer
 from .fastpath.tls import fast_tls_context
 from .disk import DiskTier
+from .eviction import load_policy
 from .limits import RequestLimits, request_message_bytes
 from kvstore_client.malloc import keep_freed_buffers, limit_arenas
 from .metrics import Metrics
@@ -107,17 +108,21 @@ class Server:
                 raise ConfigError(f"metrics_port: cannot listen on 127.0.0.1:"
                                   f"{config.metrics_port}: {exc.strerror}") from None
             undo.callback(self.metrics.stop)
+        try:
+            policy = load_policy(config.eviction_policy)
+        except ValueError as exc:
+            raise ConfigError(f"eviction_policy: {exc}") from None
         self.disk = None
         if config.disk:
             try:
-                self.disk = DiskTier(config.disk_dir, config.disk)
+                self.disk = DiskTier(config.disk_dir, config.disk, policy=policy)
             except (OSError, RuntimeError) as exc:
                 raise ConfigError(f"disk_dir: {exc}") from None
             undo.callback(self.disk.close)
             stats = self.disk.stats()
             log.info("disk tier: %s in %s, %d pages found on disk (%.2fs), %s I/O",
-                     format_size(config.disk), config.disk_dir, stats["pages"],
-                     stats["rebuild_seconds"], "direct" if stats["direct_io"] else "buffered")
+                     format_size(config.disk), config.disk_dir, stats.pages,
+                     stats.rebuild_seconds, "direct" if stats.direct_io else "buffered")
         size = region_bytes(config.dram)
         log.info("allocating and pre-faulting the pool: %s in %s", format_size(size),
                  config.shm_dir)
@@ -133,7 +138,8 @@ class Server:
         log.info("pool ready in %.1fs", time.monotonic() - started)
         self.store = Store(self.region, lease_ttl=config.lease_ttl,
                            high_watermark=config.high_watermark,
-                           low_watermark=config.low_watermark, lower=self.disk)
+                           low_watermark=config.low_watermark, lower=self.disk,
+                           policy=policy)
         self.metrics.watch_store(self.store.stats, lambda: {"kvstore_lookup_streams": (
             "gauge", "Open LookupStream calls", self.lookups.open_streams())})
         self.streams = StreamWatchdog(config.stream_timeout)
@@ -253,7 +259,7 @@ class Server:
     def _watch_disk(self) -> None:
         # The tier only ever fails one way (writes stop, for good): report it once.
         while not self._stopping.wait(0.5):
-            if self.disk.stats()["failed"]:
+            if self.disk.stats().failed:
                 self.health.set(DISK_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
                 return
 

@@ -15,48 +15,50 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from .stats import StoreStats
 from .timed_lock import BUCKETS
 
 __all__ = ["Metrics"]
 
 
 class _StoreCollector:
-    def __init__(self, stats: Callable[[], dict], extra: Callable[[], dict]) -> None:
+    def __init__(self, stats: Callable[[], StoreStats], extra: Callable[[], dict]) -> None:
         self._stats = stats
         self._extra = extra
 
     def collect(self):
         s = self._stats()
         tier = "dram"
-        yield _gauge("kvstore_capacity_bytes", "Capacity of each tier", tier, s["capacity_bytes"])
-        yield _gauge("kvstore_used_bytes", "Bytes of slots in use per tier", tier, s["used_bytes"])
-        yield _gauge("kvstore_pages", "Pages stored per tier", tier, s["pages"])
-        yield _gauge("kvstore_leases", "Live leases", None, s["leases"])
-        yield _gauge("kvstore_leased_pages", "Pages pinned by a lease", None, s["leased_pages"])
-        yield _counter("kvstore_hits", "Pages found by lookups", tier, s["hits"])
-        yield _counter("kvstore_misses", "Pages a lookup asked for and did not find", tier, s["misses"])
-        yield _counter("kvstore_evictions", "Pages evicted", tier, s["evictions"])
-        yield _counter("kvstore_bytes_in", "Page bytes stored", tier, s["bytes_in"])
-        yield _counter("kvstore_bytes_out", "Page bytes served", tier, s["bytes_out"])
-        lower = s.get("lower")
-        if lower is not None:
-            tier = "disk"
+        yield _gauge("kvstore_capacity_bytes", "Capacity of each tier", tier, s.capacity_bytes)
+        yield _gauge("kvstore_used_bytes", "Bytes of slots in use per tier", tier, s.used_bytes)
+        yield _gauge("kvstore_pages", "Pages stored per tier", tier, s.pages)
+        yield _gauge("kvstore_leases", "Live leases", None, s.leases)
+        yield _gauge("kvstore_leased_pages", "Pages pinned by a lease", None, s.leased_pages)
+        yield _counter("kvstore_hits", "Pages found by lookups", tier, s.hits)
+        yield _counter("kvstore_misses", "Pages a lookup asked for and did not find", tier, s.misses)
+        yield _counter("kvstore_evictions", "Pages evicted", tier, s.evictions)
+        yield _counter("kvstore_bytes_in", "Page bytes stored", tier, s.bytes_in)
+        yield _counter("kvstore_bytes_out", "Page bytes served", tier, s.bytes_out)
+        for lower in s.tiers:
+            tier = lower.name
             yield _gauge("kvstore_capacity_bytes", "Capacity of each tier", tier,
-                         lower["capacity_bytes"])
+                         lower.capacity_bytes)
             yield _gauge("kvstore_used_bytes", "Bytes of slots in use per tier", tier,
-                         lower["used_bytes"])
-            yield _gauge("kvstore_pages", "Pages stored per tier", tier, lower["pages"])
+                         lower.used_bytes)
+            yield _gauge("kvstore_pages", "Pages stored per tier", tier, lower.pages)
+            if tier != "disk":
+                continue    # the series below are named for the disk tier
             yield _counter("kvstore_disk_reads", "Pages read back from disk", None,
-                           lower["reads"])
+                           lower.reads)
             yield _counter("kvstore_disk_writes", "Pages written to disk", None,
-                           lower["writes"])
+                           lower.writes)
             yield _counter("kvstore_disk_drops", "Pages not spilled: write queue full", None,
-                           lower["drops"])
+                           lower.drops)
             yield _counter("kvstore_disk_corrupt_pages", "Disk pages whose checksum failed "
-                           "(dropped, never served)", None, lower["corrupt_pages"])
+                           "(dropped, never served)", None, lower.corrupt_pages)
             yield _gauge("kvstore_disk_failed", "1 when disk writes stopped (full or failing)",
-                         None, int(lower["failed"]))
-        holds = s.get("lock")
+                         None, int(lower.failed))
+        holds = s.lock
         if holds is not None:
             h = HistogramMetricFamily("kvstore_store_lock_hold_seconds",
                                       "How long each hold of the store's lock lasted")
@@ -111,7 +113,7 @@ class Metrics:
         """A call refused before any handler ran (auth): counted, with no latency."""
         self._calls.labels(method, code.name).inc()
 
-    def watch_store(self, stats: Callable[[], dict],
+    def watch_store(self, stats: Callable[[], StoreStats],
                     extra: Callable[[], dict] = lambda: {}) -> None:
         self.registry.register(_StoreCollector(stats, extra))
 

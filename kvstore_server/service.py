@@ -1,10 +1,7 @@
 """The KVStore gRPC service: decodes requests, calls the store, maps outcomes to codes.
 
-This is the one place where storage outcomes become gRPC status codes:
-
-    Outcome.INVALID   -> INVALID_ARGUMENT      Outcome.EXHAUSTED -> RESOURCE_EXHAUSTED
-    Outcome.NOT_FOUND -> NOT_FOUND             Outcome.EXPIRED   -> FAILED_PRECONDITION
-    Outcome.UNAUTHENTICATED -> UNAUTHENTICATED Outcome.DENIED    -> PERMISSION_DENIED
+Outcomes become gRPC statuses in status.py, through `guarded`, which every service's
+methods (this one's and Admin's) wear.
 
 Every call acts for one tenant (auth.py): the layout ids a client sends are its own, and
 are scoped to its tenant here before the store sees them (tenants.py); lease ids are
@@ -28,59 +25,28 @@ import numpy as np
 
 from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client.convert import layout_from_proto
-from kvstore_client.keys import KeyError_, Packed
+from kvstore_client.keys import Packed
 from kvstore_client.wire import GET_DATA_TAG, PUT_DATA_TAG, frame, unframe
 
 from .access import caller_layout, check_region_token, may_map
 from .auth import ANONYMOUS, Authenticator, Principal
-from .errors import Outcome, StoreError
 from .limits import RequestLimits
 from .lookup_streams import LookupStreams
 from .metrics import Metrics
 from .parsing import checked, parser
 from .region import TOKEN_OFFSET
 from .store import FOREVER, Store
+from .status import Invalid, abort, code_of
 from .stream_gate import StreamGate, gated_requests, gated_stream
-from .tenants import scoped_layout_id
 from .watchdog import StreamWatchdog, watched_requests, watched_stream
 
-__all__ = ["KVStoreService", "add_kvstore_service", "guarded", "CODES"]
+__all__ = ["KVStoreService", "add_kvstore_service", "guarded"]
 
 log = logging.getLogger(__name__)
-
-CODES = {
-    Outcome.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
-    Outcome.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    Outcome.EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Outcome.EXPIRED: grpc.StatusCode.FAILED_PRECONDITION,
-    Outcome.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
-    Outcome.DENIED: grpc.StatusCode.PERMISSION_DENIED,
-}
 
 # About 1 MiB per streamed message: large enough that per-message overhead is small,
 # small enough that the first layer reaches the client early (DESIGN.md).
 CHUNK_BYTES = 1 << 20
-
-
-class _Invalid(Exception):
-    """A request that is malformed in a way the store never sees (e.g. stream shape)."""
-
-
-def _abort(context, method: str, exc: BaseException) -> grpc.StatusCode:
-    """Turn an exception into the call's gRPC status (context.abort raises)."""
-    if isinstance(exc, StoreError):
-        code, message = CODES[exc.outcome], exc.message
-    elif isinstance(exc, (KeyError_, _Invalid, ValueError)):
-        code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    elif context.code() is not None:      # context.abort already ran: keep its status
-        raise exc
-    elif isinstance(exc, grpc.RpcError) and not context.is_active():
-        raise exc     # the call is over (peer gone, or refused by gRPC): not our error
-    else:
-        log.error("%s failed", method, exc_info=exc)
-        code, message = grpc.StatusCode.INTERNAL, f"internal error in {method}; see the server log"
-    context.abort(code, message)
-    raise AssertionError("unreachable: context.abort raises")
 
 
 def guarded(method: str, metrics: Metrics) -> Callable:
@@ -94,8 +60,8 @@ def guarded(method: str, metrics: Metrics) -> Callable:
             try:
                 return fn(self, checked(request), context)
             except Exception as exc:  # noqa: BLE001 - the server must survive any request
-                code = _code_of(exc, context)
-                _abort(context, method, exc)
+                code = code_of(exc, context)
+                abort(context, method, exc)
             finally:
                 metrics.observe(method, time.perf_counter() - start, code)
 
@@ -109,24 +75,14 @@ def guarded(method: str, metrics: Metrics) -> Callable:
                 code = grpc.StatusCode.CANCELLED
                 raise
             except Exception as exc:  # noqa: BLE001
-                code = _code_of(exc, context)
-                _abort(context, method, exc)
+                code = code_of(exc, context)
+                abort(context, method, exc)
             finally:
                 metrics.observe(method, time.perf_counter() - start, code)
 
         return streaming if inspect.isgeneratorfunction(fn) else unary
 
     return wrap
-
-
-def _code_of(exc: BaseException, context) -> grpc.StatusCode:
-    if isinstance(exc, StoreError):
-        return CODES[exc.outcome]
-    if isinstance(exc, (KeyError_, _Invalid, ValueError)):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, grpc.RpcError) and not context.is_active():
-        return context.code() or grpc.StatusCode.CANCELLED
-    return context.code() or grpc.StatusCode.INTERNAL
 
 
 _parse_put_request = parser(pb.PutRequest)
@@ -218,7 +174,7 @@ class KVStoreService:
 
     def RegisterLayout(self, request, context):
         if not request.HasField("layout"):
-            raise _Invalid("RegisterLayout needs a layout")
+            raise Invalid("RegisterLayout needs a layout")
         layout = layout_from_proto(request.layout)
         info = self.store.register_layout(layout, self._caller(context).name)
         # The client's id, not the store's scoped one: the client names its layouts.
@@ -253,7 +209,7 @@ class KVStoreService:
     def Put(self, request_iterator, context):
         first = next(request_iterator, None)
         if first is None or isinstance(first, memoryview) or not first.HasField("header"):
-            raise _Invalid("Put must start with a header message (layout_id and keys)")
+            raise Invalid("Put must start with a header message (layout_id and keys)")
         header = first.header
         keys = self._keys(header.keys, "Put")
         caller = self._caller(context)
@@ -274,9 +230,9 @@ class KVStoreService:
                 elif message.WhichOneof("part") == "data":
                     data = memoryview(message.data)
                 else:
-                    raise _Invalid("Put sent a second header; one Put stores one batch")
+                    raise Invalid("Put sent a second header; one Put stores one batch")
                 if pos + len(data) > expected:
-                    raise _Invalid(f"Put sent more bytes than expected: {expected} "
+                    raise Invalid(f"Put sent more bytes than expected: {expected} "
                                    f"({len(keys)} pages of {page_bytes} bytes)")
                 src = np.frombuffer(data, dtype=np.uint8)
                 while src.size:
@@ -288,7 +244,7 @@ class KVStoreService:
                     src = src[take:]
                     pos += take
             if pos != expected:
-                raise _Invalid(f"Put sent {pos} bytes, expected {expected} "
+                raise Invalid(f"Put sent {pos} bytes, expected {expected} "
                                f"({len(keys)} pages of {page_bytes} bytes)")
             stored = self.store.commit(reservation.lease_id)
             committed = True

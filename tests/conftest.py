@@ -20,6 +20,11 @@ def _has_cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("KVSTORE_EVICTION_POLICY", "lru") != "lru":
+        other = pytest.mark.skip(reason="asserts LRU order; another eviction policy is set")
+        for item in items:
+            if "lru_order" in item.keywords:
+                item.add_marker(other)
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run on the GPU machine)")
@@ -83,3 +88,13 @@ def fresh_cluster():
     yield start
     for cluster in clusters:
         cluster.stop()
+
+
+@pytest.fixture(autouse=True)
+def _eviction_policy(monkeypatch):
+    """KVSTORE_EVICTION_POLICY names the eviction policy of every store and disk tier the
+    tests make, as it does for the servers they start (config.py): the eviction tests run
+    under a second policy with nothing else changed (tests/unit/test_eviction_policy.py)."""
+    name = os.environ.get("KVSTORE_EVICTION_POLICY")
+    if name:
+        monkeypatch.setattr("kvstore_server.eviction.DEFAULT_POLICY", name)

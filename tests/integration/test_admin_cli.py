@@ -189,6 +189,7 @@ def test_evict_layout_leaves_the_others(filled):
     assert stats.tiers[0].pages == N_B and stats.tiers[0].evictions == N_A
 
 
+@pytest.mark.lru_order
 def test_evict_bytes_takes_least_recently_used(filled):
     # A's pages 3..9 were put first and never read: they are the oldest.
     result = admin_json(filled.address, "evict", "--bytes", "64KiB")

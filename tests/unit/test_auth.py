@@ -12,6 +12,7 @@ from kvstore_server.auth import Authenticator, Principal, Role, parse_auth_file
 from kvstore_server.config import ConfigError, is_loopback, load_config
 from kvstore_server.errors import Outcome, StoreError
 from kvstore_server.region import Region
+from kvstore_server.stats import TenantStats
 from kvstore_server.store import Store
 from kvstore_server.tenants import DEFAULT_TENANT, scoped_layout_id
 
@@ -189,12 +190,12 @@ def test_quota_evicts_only_the_tenants_own_pages(store):
     put(store, b.layout_id, keys("b", 4))
     quota = 4 * PAGE
     put(store, a.layout_id, keys("a", 4), quota)
-    assert store.stats()["tenants"][0] == {"name": "a", "pages": 4, "used_bytes": 4 * PAGE}
+    assert store.stats().tenants[0] == TenantStats("a", pages=4, used_bytes=4 * PAGE)
     put(store, a.layout_id, keys("x", 2), quota)          # evicts a's two coldest: the tail
     assert store.exists(a.layout_id, keys("a", 4)).tolist() == [True, True, False, False]
     assert store.exists(b.layout_id, keys("b", 4)).all()
-    by_name = {t["name"]: t for t in store.stats()["tenants"]}
-    assert by_name["a"]["used_bytes"] == 4 * PAGE and by_name["b"]["used_bytes"] == 4 * PAGE
+    by_name = {t.name: t for t in store.stats().tenants}
+    assert by_name["a"].used_bytes == 4 * PAGE and by_name["b"].used_bytes == 4 * PAGE
     # More than the whole quota at once, or only leased pages to give up: refused.
     with pytest.raises(StoreError, match="more than its whole quota") as info:
         store.reserve(a.layout_id, keys("y", 5), quota=quota)
@@ -210,7 +211,7 @@ def test_quota_evicts_only_the_tenants_own_pages(store):
 def test_a_tenant_at_its_quota_evicts_a_batch_not_a_page_per_put():
     """Each reserve over the quota scans every slot for victims, so it evicts up to
     QUOTA_BATCH of the quota beyond its need (whole pages): the next puts find room."""
-    from kvstore_server.store import QUOTA_BATCH
+    from kvstore_server.quota import QUOTA_BATCH
     small = PageLayout(model="q", num_layers=1, page_tokens=1, num_kv_heads=1,
                        head_size=1024, dtype="float16")                   # 4 KiB pages
     region = Region(16 * MiB)
@@ -222,15 +223,15 @@ def test_a_tenant_at_its_quota_evicts_a_batch_not_a_page_per_put():
         put(store, a.layout_id, keys("a", 256), quota)
 
         def pages():
-            return store.stats()["tenants"][0]["pages"]
+            return store.stats().tenants[0].pages
 
         put(store, a.layout_id, keys("x", 1), quota)       # 1 needed, 8 more in the batch
         assert pages() == 256 - batch
         assert store.exists(a.layout_id, keys("a", 256)).tolist() == \
             [True] * (256 - batch - 1) + [False] * (batch + 1)   # the coldest: the tail
-        evictions = store.stats()["evictions"]
+        evictions = store.stats().evictions
         put(store, a.layout_id, keys("y", batch), quota)   # fits in the room the batch made
-        assert store.stats()["evictions"] == evictions and pages() == 256
+        assert store.stats().evictions == evictions and pages() == 256
     finally:
         region.close()
 
@@ -239,7 +240,7 @@ def test_usage_is_refunded_on_every_way_out(store):
     a = store.register_layout(LAYOUT, "a")
 
     def used():
-        return store.stats()["tenants"][0]["used_bytes"]
+        return store.stats().tenants[0].used_bytes
 
     res = store.reserve(a.layout_id, keys("w", 2))          # WRITING counts
     assert used() == 2 * PAGE

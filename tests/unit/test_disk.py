@@ -12,7 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from kvstore_server.disk import DiskTier, NoDisk, Tier
+from kvstore_server.disk import DiskTier
+from kvstore_server.tier import NullTier, Tier
 from kvstore_server.slotfile import HEADER_BYTES, aligned_buffer, slot_bytes_for
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -38,7 +39,7 @@ def fill(tier: DiskTier, keys, size: int, layout: bytes = LAYOUT) -> None:
     """Offer every page, flushing whenever the queue is full, then flush."""
     for k in keys:
         while not tier.offer(layout, k, page(k, size)):
-            assert tier.flush(10) == 0 and not tier.stats()["failed"]
+            assert tier.flush(10) == 0 and not tier.stats().failed
     assert tier.flush(10) == 0
 
 
@@ -75,7 +76,7 @@ def tiers(tmp_path):
 @pytest.mark.parametrize("direct", [True, False])
 def test_round_trip_two_page_sizes(tiers, direct):
     tier = tiers(direct=direct)
-    assert isinstance(tier, Tier) and isinstance(NoDisk(), Tier)
+    assert isinstance(tier, Tier) and isinstance(NullTier(), Tier)
     sizes = {"a": 64 * KiB, "b": 5000}           # a whole-block page and a ragged one
     for tag, size in sizes.items():
         fill(tier, [key(i, tag) for i in range(20)], size)
@@ -90,12 +91,12 @@ def test_round_trip_two_page_sizes(tiers, direct):
     assert not tier.contains(OTHER, [key(0, "a")]).any()
     assert tier.read_into(LAYOUT, [b"missing"], [np.empty(1, np.uint8)]) == [False]
     s = tier.stats()
-    assert s["pages"] == 40 and s["writes"] == 40 and s["corrupt_pages"] == 0
-    assert s["used_bytes"] == 20 * slot_bytes_for(64 * KiB) + 20 * slot_bytes_for(5000)
-    assert s["bytes_written"] == 20 * (64 * KiB + 5000)
+    assert s.pages == 40 and s.writes == 40 and s.corrupt_pages == 0
+    assert s.used_bytes == 20 * slot_bytes_for(64 * KiB) + 20 * slot_bytes_for(5000)
+    assert s.bytes_written == 20 * (64 * KiB + 5000)
     # A page of another length than the layout's is not this page: dropped as corrupt.
     assert tier.read_into(LAYOUT, [key(0, "a")], [np.empty(10, np.uint8)]) == [False]
-    assert tier.stats()["corrupt_pages"] == 1 and not tier.contains(LAYOUT, [key(0, "a")])[0]
+    assert tier.stats().corrupt_pages == 1 and not tier.contains(LAYOUT, [key(0, "a")])[0]
 
 
 def test_queued_pages_are_served_and_a_known_page_is_not_written_twice(tiers):
@@ -112,7 +113,7 @@ def test_queued_pages_are_served_and_a_known_page_is_not_written_twice(tiers):
     assert tier.flush(10) == 0
     assert tier.offer(LAYOUT, ks[0], page(ks[0], 8 * KiB))    # on disk already: no write
     assert tier.flush(10) == 0
-    assert tier.stats()["writes"] == 4
+    assert tier.stats().writes == 4
 
 
 def test_full_queue_drops_and_counts(tiers):
@@ -121,13 +122,14 @@ def test_full_queue_drops_and_counts(tiers):
     tier = tiers(queue_bytes=4 * slot_bytes_for(size), pwritev=gate)
     taken = [tier.offer(LAYOUT, key(i), page(key(i), size)) for i in range(10)]
     assert taken == [True] * 4 + [False] * 6
-    assert tier.stats()["drops"] == 6 and tier.stats()["queued_pages"] == 4
+    assert tier.stats().drops == 6 and tier.stats().queued_pages == 4
     gate.open.set()
     assert tier.flush(10) == 0
     assert tier.contains(LAYOUT, [key(i) for i in range(10)]).tolist() == [True] * 4 + [False] * 6
     assert tier.offer(LAYOUT, key(9), page(key(9), size))     # room again
 
 
+@pytest.mark.lru_order
 def test_lru_eviction_when_over_capacity(tiers):
     size = 12 * KiB                               # 16 KiB slots, 8 fit
     tier = tiers(capacity=8 * slot_bytes_for(size))
@@ -137,7 +139,7 @@ def test_lru_eviction_when_over_capacity(tiers):
     present = tier.contains(LAYOUT, [key(i) for i in range(12)])
     assert present.tolist() == [True] + [False] * 4 + [True] * 7
     s = tier.stats()
-    assert s["evictions"] == 4 and s["used_bytes"] <= s["capacity_bytes"] and s["pages"] == 8
+    assert s.evictions == 4 and s.used_bytes <= s.capacity_bytes and s.pages == 8
     ks = [key(i) for i in (0, *range(5, 12))]
     ok, outs = read(tier, ks, size)
     assert all(ok) and all(np.array_equal(o, page(k, size)) for k, o in zip(ks, outs))
@@ -154,13 +156,13 @@ def test_delete_and_evict(tiers, tmp_path):
     assert tier.evict(nbytes=1) == (1, slot_bytes_for(size))            # LRU: key 2
     assert not tier.contains(LAYOUT, [key(2)])[0]
     assert tier.evict(layout_id=OTHER) == (5, 5 * slot_bytes_for(size))
-    assert tier.stats()["pages"] == 7
+    assert tier.stats().pages == 7
     tier.close()
     # Deleted and evicted pages were blanked on disk: they do not come back at restart.
     tier = tiers(directory=tmp_path / "disk")
     assert tier.contains(LAYOUT, [key(i) for i in range(10)]).tolist() == [False] * 3 + [True] * 7
-    assert tier.stats()["pages"] == 7 and tier.stats()["corrupt_pages"] == 0
-    assert tier.evict(everything=True)[0] == 7 and tier.stats()["used_bytes"] == 0
+    assert tier.stats().pages == 7 and tier.stats().corrupt_pages == 0
+    assert tier.evict(everything=True)[0] == 7 and tier.stats().used_bytes == 0
 
 
 def test_restart_rebuilds_the_index_and_the_later_generation_wins(tiers, tmp_path):
@@ -182,7 +184,7 @@ def test_restart_rebuilds_the_index_and_the_later_generation_wins(tiers, tmp_pat
         f.write(old)
     tier = tiers(directory=tmp_path / "disk")
     s = tier.stats()
-    assert s["pages"] == 150 and s["rebuilt_pages"] == 150 and s["corrupt_pages"] == 0
+    assert s.pages == 150 and s.rebuilt_pages == 150 and s.corrupt_pages == 0
     ok, outs = read(tier, [key(0, "a")], 20 * KiB)
     assert ok == [True] and np.array_equal(outs[0], newer)
     for tag, size in sizes.items():
@@ -220,8 +222,8 @@ def test_random_byte_flips_never_return_a_wrong_page(tiers, tmp_path, size):
     for k, good, out in zip(ks, ok, outs):
         assert not good or np.array_equal(out, page(k, size))
     assert sum(not g for g in ok) == len(hit) and len(hit) > 10
-    assert tier.stats()["corrupt_pages"] == len(hit)
-    assert tier.stats()["pages"] == n - len(hit)          # corrupt pages left the index
+    assert tier.stats().corrupt_pages == len(hit)
+    assert tier.stats().pages == n - len(hit)          # corrupt pages left the index
     assert read(tier, ks, size)[0] == ok                  # and stay missing
 
 
@@ -241,7 +243,7 @@ def test_flips_under_a_running_tier_are_caught_on_read(tiers):
         ok, outs = read(tier, ks, size, aligned=aligned)
         assert all(np.array_equal(o, page(k, size)) for k, o, g in zip(ks, outs, ok) if g)
     assert [not g for g in read(tier, ks, size)[0]] == [i in (2, 4) for i in range(8)]
-    assert tier.stats()["corrupt_pages"] == 2
+    assert tier.stats().corrupt_pages == 2
 
 
 def test_torn_writes_are_detected(tiers, tmp_path):
@@ -259,11 +261,11 @@ def test_torn_writes_are_detected(tiers, tmp_path):
         f.seek(3 * sb - HEADER_BYTES)             # slot 2: header half written
         f.write(bytes(HEADER_BYTES // 2))
     tier = tiers(directory=tmp_path / "disk")
-    assert tier.stats()["corrupt_pages"] == 2     # slot 2's header and the cut-off slot 5
+    assert tier.stats().corrupt_pages == 2     # slot 2's header and the cut-off slot 5
     ok, outs = read(tier, ks, size)
     assert ok == [True, False, False, True, True, False, False, False]
     assert all(np.array_equal(o, page(k, size)) for k, o, g in zip(ks, outs, ok) if g)
-    assert tier.stats()["corrupt_pages"] == 3     # slot 1 caught by its payload checksum
+    assert tier.stats().corrupt_pages == 3     # slot 1 caught by its payload checksum
     fill(tier, [key(i, "new") for i in range(4)], size)   # the torn slots are reused
     assert all(read(tier, [key(i, "new") for i in range(4)], size)[0])
 
@@ -290,8 +292,8 @@ def test_write_errors_stop_the_tier_and_reads_go_on(tiers, err, caplog):
         tier.offer(LAYOUT, k, page(k, size))
         tier.flush(10)
     s = tier.stats()
-    assert s["failed"] and os.strerror(err) in s["error"] and s["pages"] == 2
-    assert s["refused"] == 2 and s["queued_pages"] == 0
+    assert s.failed and os.strerror(err) in s.error and s.pages == 2
+    assert s.refused == 2 and s.queued_pages == 0
     assert not tier.offer(LAYOUT, key(99), page(key(99), size))
     ok, outs = read(tier, first, size)
     assert all(ok) and all(np.array_equal(o, page(k, size)) for k, o in zip(first, outs))
@@ -315,8 +317,8 @@ def test_a_full_file_system_stops_the_tier(tiers, tmp_path):
             tier.offer(LAYOUT, k, page(k, size))
             tier.flush(10)
         s = tier.stats()
-        assert s["failed"] and "No space" in s["error"]
-        assert 10 < s["pages"] < 32
+        assert s.failed and "No space" in s.error
+        assert 10 < s.pages < 32
         held = [k for k in ks if tier.contains(LAYOUT, [k])[0]]
         ok, outs = read(tier, held, size)
         assert all(ok) and all(np.array_equal(o, page(k, size)) for k, o in zip(held, outs))
@@ -355,7 +357,7 @@ def test_readers_never_see_a_reused_slot(tiers):
         for t in threads:
             t.join()
     s = tier.stats()
-    assert not bad and s["corrupt_pages"] == 0 and s["used_bytes"] <= s["capacity_bytes"]
+    assert not bad and s.corrupt_pages == 0 and s.used_bytes <= s.capacity_bytes
 
 
 def test_one_tier_per_folder(tiers, tmp_path):
@@ -381,7 +383,7 @@ def test_restart_of_100k_pages(tiers, tmp_path):
     tier = tiers(capacity=512 * MiB, directory=tmp_path / "disk")
     took = time.perf_counter() - started
     print(f"\nrebuilt {n} pages in {took:.2f} s: {n / took:,.0f} pages/s")
-    assert tier.stats()["pages"] == n
+    assert tier.stats().pages == n
     sample = np.random.default_rng(0).choice(n, 256, replace=False).tolist()
     outs = [np.empty(size, np.uint8) for _ in sample]
     assert all(tier.read_into(LAYOUT, [ks[i] for i in sample], outs))

@@ -30,14 +30,14 @@ def test_a_restart_over_capacity_evicts_the_oldest_down_to_it(tiers, tmp_path):
     tier.close()
     tier = tiers(capacity=6 * sb, directory=tmp_path / "disk")
     s = tier.stats()
-    assert s["pages"] == 6 and s["used_bytes"] == 6 * sb and s["evictions"] == 10
+    assert s.pages == 6 and s.used_bytes == 6 * sb and s.evictions == 10
     assert tier.contains(LAYOUT, ks).tolist() == [False] * 10 + [True] * 6   # newest kept
     ok, outs = read(tier, ks[10:], size)
     assert all(ok) and all(np.array_equal(o, page(k, size)) for k, o in zip(ks[10:], outs))
     tier.close()
     # The evicted slots were blanked: the next start finds only what the last one kept.
     tier = tiers(capacity=16 * sb, directory=tmp_path / "disk")
-    assert tier.stats()["pages"] == 6 and tier.stats()["corrupt_pages"] == 0
+    assert tier.stats().pages == 6 and tier.stats().corrupt_pages == 0
 
 
 _CHILD = textwrap.dedent("""
@@ -136,5 +136,5 @@ def test_a_slot_of_the_wrong_length_is_corrupt(tiers, tmp_path):
     out = np.empty(6 * KiB, np.uint8)       # same 8 KiB slot class, another length
     assert tier.read_into(LAYOUT, [key(0)], [out]) == [False]
     s = tier.stats()
-    assert s["corrupt_pages"] == 1 and s["pages"] == 0
+    assert s.corrupt_pages == 1 and s.pages == 0
     assert not tier.contains(LAYOUT, [key(0)])[0]

@@ -14,11 +14,11 @@ from kvstore_server.fastpath.io import runs
 
 def test_one_status_table_agrees_with_the_grpc_path():
     """The fast path answers each store outcome with the gRPC code the gRPC path gives it
-    (service.CODES), through the one table both ends import."""
+    (status.CODES), through the one table both ends import."""
     from kvstore_server.errors import Outcome
     from kvstore_server.fastpath.ops import status_of
     from kvstore_server.errors import StoreError
-    from kvstore_server.service import CODES
+    from kvstore_server.status import CODES
     for outcome in Outcome:
         assert fw.GRPC_CODES[status_of(StoreError(outcome, ""))] is CODES[outcome], outcome
 

@@ -191,7 +191,7 @@ def test_admin_evict_by_bytes_layout_and_all(store):
     assert store.exists(b.layout_id, keys("b", 10)).sum() == 0
     store.acquire(a.layout_id, keys("a", 1))
     pages, _, leased = store.evict(everything=True)
-    assert leased == 1 and store.stats()["pages"] == 1
+    assert leased == 1 and store.stats().pages == 1
 
 
 def test_watermark_eviction(store):
@@ -207,8 +207,8 @@ def test_inspect_and_stats(store):
     put(store, info, keys("i", 2))
     store.test_clock.now += 3
     got = store.inspect(info.layout_id, keys("i", 1)[0])
-    assert got["state"] == "READY" and got["size_bytes"] == info.page_bytes
-    assert got["age_seconds"] == pytest.approx(3)
+    assert got.state == "READY" and got.size_bytes == info.page_bytes
+    assert got.age_seconds == pytest.approx(3)
     s = store.stats()
-    assert s["pages"] == 2 and s["layouts"][0]["pages"] == 2
-    np.testing.assert_equal(s["bytes_in"], 2 * info.page_bytes)
+    assert s.pages == 2 and s.layouts[0].pages == 2
+    np.testing.assert_equal(s.bytes_in, 2 * info.page_bytes)

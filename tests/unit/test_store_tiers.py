@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from kvstore_client.layout import PageLayout
-from kvstore_server.disk import DiskTier, NoDisk
+from kvstore_server.disk import DiskTier
+from kvstore_server.tier import NullTier
 from kvstore_server.errors import Outcome, StoreError
 from kvstore_server.region import Region
 from kvstore_server.store import Store
@@ -80,7 +81,7 @@ def test_pages_read_back_from_disk_are_held_to_the_quota(stores):
     put(store, b, theirs)                           # b takes the rest of the pool
     pinned = store.acquire(a.layout_id, old, quota=quota)   # read back: over a's quota
     store.release(pinned.lease_id)
-    assert store.stats()["tenants"][0]["used_bytes"] <= quota
+    assert store.stats().tenants[0].used_bytes <= quota
     assert dram_pages(store, b, theirs) == room     # b lost nothing to a
     assert dram_pages(store, a, old) == 8
 
@@ -95,8 +96,8 @@ def test_a_read_back_of_the_wrong_length_leaks_no_reservation(stores):
     with pytest.raises(StoreError) as err:
         store.acquire(info.layout_id, key)
     assert err.value.outcome is Outcome.NOT_FOUND
-    assert store.lower.stats()["corrupt_pages"] == 1
-    assert store.stats()["leases"] == 0 and store.pool.used_bytes == 0
+    assert store.lower.stats().corrupt_pages == 1
+    assert store.stats().leases == 0 and store.pool.used_bytes == 0
     assert put(store, info, key) == 1               # the key can be stored again
 
 
@@ -107,8 +108,8 @@ def test_delete_counts_and_inspect_finds_disk_only_pages(stores):
     put(store, info, ks)
     spill(store)
     found = store.inspect(info.layout_id, ks[0])
-    assert found["tier"] == "disk" and found["state"] == "READY"
-    assert found["size_bytes"] == info.page_bytes
+    assert found.tier == "disk" and found.state == "READY"
+    assert found.size_bytes == info.page_bytes
     pinned = store.acquire(info.layout_id, ks[:2])   # two back in DRAM, on disk too
     store.release(pinned.lease_id)
     assert store.delete(info.layout_id, ks[:4] + ks[:1]) == 4    # a repeat counts once
@@ -135,8 +136,10 @@ def test_keys_being_written_by_another_are_in_flight_not_skipped(stores):
 class SlowTier:
     """A tier below whose probe takes a while, and which holds every page."""
 
-    def __getattr__(self, name):             # the rest of the Tier interface: NoDisk's
-        return getattr(NoDisk(), name)
+    holds_pages = True
+
+    def __getattr__(self, name):             # the rest of the Tier interface: NullTier's
+        return getattr(NullTier(), name)
 
     def contains(self, layout_id, keys) -> np.ndarray:
         time.sleep(0.3)
@@ -160,7 +163,7 @@ def test_an_admin_can_break_abandoned_leases(stores):
     store.reserve(info.layout_id, keys("x", 4), ttl=1e9)     # a client that died
     store.acquire(info.layout_id, keys("r", 2), ttl=1e9)
     assert store.break_leases() == 2
-    assert store.stats()["leases"] == 0 and store.stats()["leased_pages"] == 0
+    assert store.stats().leases == 0 and store.stats().leased_pages == 0
     assert store.pool.used_bytes == 2 * store.pool.slot_bytes(info.cls)
     assert store.clear()[0] == 2 and store.pool.used_bytes == 0
 

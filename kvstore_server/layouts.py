@@ -1,0 +1,100 @@
+"""The layout registry: each tenant's registered page layouts and their key indexes.
+
+Not thread-safe: the store calls it under its lock. Registering is idempotent, and a
+layout is never unregistered, so a LayoutInfo's idx names it for the store's life.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from kvstore_client.layout import PageLayout
+
+from .errors import Outcome, Reason, StoreError
+from .index import KeyIndex
+from .tenants import DEFAULT_TENANT, scoped_layout_id
+
+__all__ = ["LayoutInfo", "LayoutRegistry"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class LayoutInfo:
+    """A registered layout, its index of keys, and its counters."""
+
+    idx: int
+    layout: PageLayout
+    layout_id: bytes                # the store's id: scoped to the tenant (tenants.py)
+    cls: int                        # pool size class of its pages
+    tenant: str = DEFAULT_TENANT    # whose pages these are: quota and lease ownership
+    # READY pages only, one vectorised hash table per key size (a request's keys all
+    # have one size), so a lookup is a few numpy calls and no per-key state check
+    ready: dict[int, KeyIndex] = dataclasses.field(default_factory=dict)
+    # key -> slot id of pages being written (reserved, not yet committed); small and
+    # short-lived, so a dict
+    writing: dict[bytes, int] = dataclasses.field(default_factory=dict)
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+    @property
+    def page_bytes(self) -> int:
+        return self.layout.page_bytes
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.layout.layer_bytes
+
+    def index_for(self, key_size: int) -> KeyIndex:
+        """The READY index of keys of this size, made on first use."""
+        index = self.ready.get(key_size)
+        if index is None:
+            index = self.ready[key_size] = KeyIndex(key_size)
+        return index
+
+
+class LayoutRegistry:
+    """Layouts by store layout id and by idx."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[bytes, LayoutInfo] = {}
+        self.by_idx: list[LayoutInfo] = []      # idx -> info; only appended to
+
+    def __len__(self) -> int:
+        return len(self.by_idx)
+
+    def register(self, layout: PageLayout, tenant: str, cls: int) -> LayoutInfo:
+        """The tenant's LayoutInfo for layout, made if new; cls: its pool size class."""
+        layout_id = scoped_layout_id(tenant, layout.layout_id)
+        info = self._by_id.get(layout_id)
+        if info is not None:
+            return info
+        info = LayoutInfo(len(self.by_idx), layout, layout_id, cls, tenant)
+        self._by_id[layout_id] = info
+        self.by_idx.append(info)
+        log.info("registered layout %s: %s, %d layers, %d tokens/page, %d bytes/page",
+                 layout_id.hex(), layout.model, layout.num_layers, layout.page_tokens,
+                 layout.page_bytes)
+        return info
+
+    def get(self, layout_id: bytes) -> LayoutInfo | None:
+        return self._by_id.get(layout_id)
+
+    def info(self, layout_id: bytes) -> LayoutInfo:
+        """The registered layout; INVALID with reason LAYOUT_UNKNOWN if there is none (a
+        client that sees it after a restart registers again)."""
+        info = self._by_id.get(layout_id)
+        if info is None:
+            raise StoreError(Outcome.INVALID, f"unknown layout {layout_id.hex() or '(empty)'}: "
+                                              "call RegisterLayout first",
+                             reason=Reason.LAYOUT_UNKNOWN)
+        return info
+
+    def of_tenant(self, tenant: str, cls: int | None = None) -> list[int]:
+        """The idx of each layout of the tenant (of one size class if given)."""
+        return [i.idx for i in self.by_idx
+                if i.tenant == tenant and (cls is None or i.cls == cls)]

@@ -1,0 +1,241 @@
+"""The tier interface below DRAM, its null object and its chain, and the page lifecycle.
+
+A page is named by (16-byte layout id, key of 1..64 bytes); a key names its contents, so
+two copies of one name hold the same bytes, and any tier may forget a page at any time.
+DRAM (store.py) is the top of the chain; everything below it is a `Tier`: the disk tier
+(disk.py), later a far tier, or several of them in a `TierChain`, top first. The store
+talks to "the tier below" only through this interface.
+
+The whole life of a page, across the tiers:
+
+      DRAM (store.py, one lock)                          tier below (Tier)
+      ─────────────────────────                          ─────────────────
+      reserve ──► WRITING: a RESERVE lease owns the slot, the key is invisible
+         │  │        the client writes the bytes into the slot, outside the lock
+         │  └─ abort / the reservation expires ──► slot FREE, key never visible
+         ▼
+      commit ──► READY: in the layout's index; touched by lookup and get
+         │
+         ├─ lease (Lookup with a lease, Get, Acquire): a READ lease pins the DRAM pages
+         │     while a client copies them out; release (or expiry) unpins them
+         │
+         ├─ evict (watermark, a quota, an admin): unleased READY pages, in the order of
+         │     the eviction policy ──── spill ──► offer(page): the tier copies it into
+         │     its slot is FREE now                 staging memory and returns at once; it
+         │                                          is written behind, or dropped when the
+         │                                          queue is full (a cache may lose it)
+         │                                           │
+         ├─ delete: freed now, or DOOMED            ▼
+         │     (invisible) until its last       held below: contains() says so, it is
+         │     lease is released; the tier      evicted by the tier's own policy, and
+         │     below forgets it too (durably)   delete() forgets it durably
+         │                                           │
+         └◄──────────── promote ◄──────────────────── read_into(): Acquire of a key missing
+              reserve ─► read_into the reserved       from DRAM reserves slots (held to the
+              slots (outside the lock) ─► commit      tenant's quota), reads the page into
+                                                      them and commits: READY again. Tiers
+                                                      are inclusive: the page stays below
+
+What a lookup lease pins and what it only counts: a Lookup counts the leading run of keys
+held in DRAM *or* below, but its lease pins only the run's DRAM pages. Pages below are not
+leased; Acquire (Get) promotes them later, and may then miss (a tier may forget). A RESERVE
+lease pins the slots of a put until commit or abort.
+
+Rules for a tier: `offer` never waits on I/O and may be called under the store's lock;
+`read_into`, `delete`, `evict` and `flush` may block and are called with no lock held.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+__all__ = ["NullTier", "Page", "PageInfo", "Tier", "TierChain", "TierStats"]
+
+Page = memoryview | np.ndarray          # one page: contiguous bytes (any dtype, viewed as uint8)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TierStats:
+    """One storage level's counters since start. drops: offers refused because the
+    write queue was full; refused: because the tier failed, the page cannot fit, or its
+    write failed. `failed` stays True once a write failed: nothing is taken again."""
+
+    name: str
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    pages: int = 0
+    reads: int = 0
+    bytes_read: int = 0
+    writes: int = 0
+    bytes_written: int = 0
+    drops: int = 0
+    refused: int = 0
+    corrupt_pages: int = 0
+    read_errors: int = 0
+    evictions: int = 0
+    failed: bool = False
+    error: str = ""                 # why writes stopped, if they did
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PageInfo:
+    """What admin Inspect tells about one page: where it is and in what state."""
+
+    tier: str                       # "dram", "disk", ...
+    state: str                      # a SlotState name, or QUEUED (offered, not written)
+    size_bytes: int
+    age_seconds: float = 0.0        # since commit (DRAM only; 0 below)
+    idle_seconds: float = 0.0       # since last touch (DRAM only; 0 below)
+    leases: int = 0                 # live leases (reads in flight, below) on its slot
+    slot_offset: int = 0            # byte offset in the region, or in the tier's file
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """A tier below DRAM. It never blocks a put and may forget any page at any time: it
+    is a cache, and nothing assumes it is a page's only holder."""
+
+    @property
+    def holds_pages(self) -> bool:
+        """False only for the null tier: lets the store skip work that cannot find
+        anything (a second pass of a lookup, spilling at stop)."""
+    def offer(self, layout_id: bytes, key: bytes, page: Page) -> bool:
+        """Spill: take a copy of the page to store; False if not taken. Never waits on I/O."""
+    def contains(self, layout_id: bytes, keys: Sequence[bytes]) -> np.ndarray:
+        """One bool per key: held now (a read_into after it may still miss)."""
+    def read_into(self, layout_id: bytes, keys: Sequence[bytes],
+                  outs: Sequence[Page]) -> list[bool]:
+        """Copy each held, intact page into outs[i] (exactly its size); False where not,
+        and outs[i] then holds unspecified bytes. Blocks on I/O: hold no lock around it."""
+    def delete(self, layout_id: bytes, keys: Sequence[bytes]) -> int:
+        """Forget these pages; returns how many were held. Durable when it returns: no
+        restart brings them back."""
+    def describe(self, layout_id: bytes, key: bytes) -> PageInfo | None:
+        """Admin Inspect's view of a page held here, None if it is not."""
+    def evict(self, *, nbytes: int | None = None, layout_id: bytes | None = None,
+              everything: bool = False) -> tuple[int, int]:
+        """Forget pages worth nbytes in the tier's eviction order (of one layout if
+        given), or a whole layout's, or all: returns (pages, bytes)."""
+    def flush(self, timeout: float) -> int:
+        """Store what was offered, waiting at most timeout s; returns pages left pending."""
+    def levels(self) -> tuple[TierStats, ...]:
+        """Stats of each storage level in this tier, top first: () for the null tier."""
+    def close(self) -> None:
+        """Stop background work and release files; the tier is unusable afterwards."""
+
+
+class NullTier:
+    """The null tier: holds nothing, takes nothing (a server run without --disk)."""
+
+    holds_pages = False
+
+    def offer(self, layout_id: bytes, key: bytes, page: Page) -> bool:
+        return False
+
+    def contains(self, layout_id: bytes, keys: Sequence[bytes]) -> np.ndarray:
+        return np.zeros(len(keys), dtype=bool)
+
+    def read_into(self, layout_id: bytes, keys: Sequence[bytes],
+                  outs: Sequence[Page]) -> list[bool]:
+        return [False] * len(keys)
+
+    def delete(self, layout_id: bytes, keys: Sequence[bytes]) -> int:
+        return 0
+
+    def describe(self, layout_id: bytes, key: bytes) -> PageInfo | None:
+        return None
+
+    def evict(self, *, nbytes: int | None = None, layout_id: bytes | None = None,
+              everything: bool = False) -> tuple[int, int]:
+        return 0, 0
+
+    def flush(self, timeout: float) -> int:
+        return 0
+
+    def levels(self) -> tuple[TierStats, ...]:
+        return ()
+
+    def close(self) -> None:
+        pass
+
+
+class TierChain:
+    """Tiers stacked top first (disk, then far) that the store sees as one tier.
+
+    Every tier is inclusive, like the disk tier under DRAM: a spill is offered to each
+    tier (each writes behind on its own), a read asks them in order and offers a page
+    found lower down to the tiers above it, so the next read of it stops higher up."""
+
+    def __init__(self, tiers: Sequence[Tier]) -> None:
+        self.tiers = tuple(t for t in tiers if t.holds_pages)
+
+    @property
+    def holds_pages(self) -> bool:
+        return bool(self.tiers)
+
+    def offer(self, layout_id: bytes, key: bytes, page: Page) -> bool:
+        taken = [tier.offer(layout_id, key, page) for tier in self.tiers]
+        return any(taken)
+
+    def contains(self, layout_id: bytes, keys: Sequence[bytes]) -> np.ndarray:
+        held = np.zeros(len(keys), dtype=bool)
+        for tier in self.tiers:
+            todo = np.flatnonzero(~held)
+            if not todo.size:
+                break
+            held[todo] = tier.contains(layout_id, [keys[i] for i in todo.tolist()])
+        return held
+
+    def read_into(self, layout_id: bytes, keys: Sequence[bytes],
+                  outs: Sequence[Page]) -> list[bool]:
+        got = [False] * len(keys)
+        for level, tier in enumerate(self.tiers):
+            todo = [i for i, ok in enumerate(got) if not ok]
+            if not todo:
+                break
+            found = tier.read_into(layout_id, [keys[i] for i in todo], [outs[i] for i in todo])
+            for i, ok in zip(todo, found):
+                if ok:
+                    got[i] = True
+                    for above in self.tiers[:level]:
+                        above.offer(layout_id, keys[i], outs[i])
+        return got
+
+    def delete(self, layout_id: bytes, keys: Sequence[bytes]) -> int:
+        # Held anywhere counts once: ask first, then every tier forgets.
+        held = self.contains(layout_id, keys)
+        for tier in self.tiers:
+            tier.delete(layout_id, keys)
+        return int(np.count_nonzero(held))
+
+    def describe(self, layout_id: bytes, key: bytes) -> PageInfo | None:
+        for tier in self.tiers:
+            info = tier.describe(layout_id, key)
+            if info is not None:
+                return info
+        return None
+
+    def evict(self, *, nbytes: int | None = None, layout_id: bytes | None = None,
+              everything: bool = False) -> tuple[int, int]:
+        pages = freed = 0
+        for tier in self.tiers:
+            more, more_bytes = tier.evict(nbytes=nbytes, layout_id=layout_id,
+                                          everything=everything)
+            pages, freed = pages + more, freed + more_bytes
+        return pages, freed
+
+    def flush(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        return sum(tier.flush(max(0.0, deadline - time.monotonic())) for tier in self.tiers)
+
+    def levels(self) -> tuple[TierStats, ...]:
+        return tuple(s for tier in self.tiers for s in tier.levels())
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()

@@ -1,0 +1,90 @@
+"""Clients react to what the server means, not to how it words it.
+
+Every StoreError message is rewritten (in the servers and in the tests' own process) by a
+sitecustomize module, and the restart-recovery tests run again: a client that meets a
+server restart must still register its layout again and map the new region, which it
+can only do by the reason the server sends beside the status (kvstore_client.errors).
+The gRPC path only: the fast path's client (dataplane.py) still matches message text.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import grpc
+import pytest
+
+from kvstore_bench.serverproc import ServerProcess
+from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore_client._proto.kvstore.v1 import kvstore_pb2_grpc as pbg
+from kvstore_client import KVStoreClient, KVStoreError, PageLayout, PagesMissing
+from kvstore_client.errors import Reason, reason_of
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+REWRITE = textwrap.dedent('''
+    """Test-only: every StoreError message becomes a meaningless one."""
+    import itertools
+
+    import kvstore_server.errors as errors
+
+    _n = itertools.count()
+    _init = errors.StoreError.__init__
+
+    def _rewritten(self, outcome, message, reason=None):
+        _init(self, outcome, f"message {next(_n)} reworded", reason)
+
+    errors.StoreError.__init__ = _rewritten
+''')
+
+RESTART_TESTS = [
+    "tests/integration/test_roundtrip.py::test_client_reregisters_after_server_restart",
+    "tests/integration/test_shm.py::test_server_restart_while_attached",
+]
+
+
+@pytest.fixture
+def rewriting_env(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(REWRITE)
+    path = os.pathsep.join(filter(None, [str(tmp_path), ROOT, os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
+
+
+def test_the_rewrite_takes_and_the_reason_still_comes(rewriting_env):
+    with ServerProcess(dram="32MiB", env=rewriting_env) as srv:
+        with grpc.insecure_channel(srv.address) as channel:
+            stub = pbg.KVStoreStub(channel)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Lookup(pb.LookupRequest(layout_ids=[bytes(16)],
+                                             keys=pb.PackedKeys(data=bytes(16), key_size=16)),
+                            timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "reworded" in caught.value.details() and "layout" not in caught.value.details()
+    assert reason_of(caught.value) is Reason.LAYOUT_UNKNOWN
+
+
+@pytest.mark.slow
+def test_restart_recovery_survives_reworded_messages(rewriting_env):
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           *RESTART_TESTS], cwd=ROOT, env=rewriting_env,
+                          capture_output=True, text=True, timeout=600)
+    tail = proc.stdout[-3000:]
+    assert proc.returncode == 0, tail
+    assert "failed" not in tail and " passed" in tail
+
+
+@pytest.mark.parametrize("data_plane", [False, True], ids=["grpc", "fast-path"])
+def test_a_missing_page_is_one_error_that_is_also_a_key_error(server, data_plane):
+    # The reason comes from the server on gRPC; on the fast path PagesMissing names it.
+    layout = PageLayout(model="missing", num_layers=1, page_tokens=16, num_kv_heads=8,
+                        head_size=128)
+    with KVStoreClient(server.address, data_plane=data_plane, shared_memory=False) as c:
+        ns = c.register_layout(layout)
+        with pytest.raises(PagesMissing) as caught:
+            c.get(ns, [b"not-stored".ljust(16, b"\0")])
+    assert isinstance(caught.value, KeyError) and isinstance(caught.value, KVStoreError)
+    assert caught.value.code == grpc.StatusCode.NOT_FOUND
+    assert caught.value.reason is Reason.PAGES_MISSING

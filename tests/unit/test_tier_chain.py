@@ -1,0 +1,98 @@
+"""TierChain: tiers stacked below DRAM that the store sees as one (disk, then far).
+
+Two disk tiers stand in for disk and far: both implement the same Tier interface, which
+is all the chain and the store see."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore_server.disk import DiskTier
+from kvstore_server.tier import NullTier, Tier, TierChain
+
+MiB = 1 << 20
+LAYOUT = bytes(range(16))
+SIZE = 8192
+
+
+def key(i: int) -> bytes:
+    return f"chain-{i}".encode().ljust(16, b"\0")
+
+
+def page(i: int) -> np.ndarray:
+    return np.full(SIZE, i % 251, dtype=np.uint8)
+
+
+@pytest.fixture
+def tiers(tmp_path):
+    made = [DiskTier(str(tmp_path / name), 16 * MiB) for name in ("near", "far")]
+    yield made
+    for tier in made:
+        tier.close()
+
+
+def test_the_chain_is_a_tier_and_drops_null_tiers(tiers):
+    chain = TierChain([tiers[0], NullTier(), tiers[1]])
+    assert isinstance(chain, Tier) and chain.holds_pages
+    assert chain.tiers == tuple(tiers)
+    assert not TierChain([NullTier()]).holds_pages
+    assert [s.name for s in chain.levels()] == ["disk", "disk"]
+
+
+def test_offer_reaches_every_tier_and_a_read_from_below_is_offered_up(tiers):
+    near, far = tiers
+    chain = TierChain(tiers)
+    assert chain.offer(LAYOUT, key(0), page(0))
+    assert chain.flush(10) == 0
+    assert near.contains(LAYOUT, [key(0)])[0] and far.contains(LAYOUT, [key(0)])[0]
+    # A page only the far tier holds: found through the chain, then copied up.
+    assert far.offer(LAYOUT, key(1), page(1)) and far.flush(10) == 0
+    assert chain.contains(LAYOUT, [key(0), key(1), key(2)]).tolist() == [True, True, False]
+    outs = [np.empty(SIZE, np.uint8) for _ in range(3)]
+    assert chain.read_into(LAYOUT, [key(0), key(1), key(2)], outs) == [True, True, False]
+    assert np.array_equal(outs[1], page(1))
+    assert chain.flush(10) == 0
+    assert near.contains(LAYOUT, [key(1)])[0]          # promoted into the tier above
+    assert chain.describe(LAYOUT, key(1)).tier == "disk"
+
+
+def test_delete_counts_a_page_once_and_forgets_it_everywhere(tiers):
+    chain = TierChain(tiers)
+    for i in range(3):
+        chain.offer(LAYOUT, key(i), page(i))
+    chain.flush(10)
+    assert chain.delete(LAYOUT, [key(0), key(1), key(9)]) == 2
+    assert chain.contains(LAYOUT, [key(0), key(1), key(2)]).tolist() == [False, False, True]
+    assert not any(t.contains(LAYOUT, [key(0)])[0] for t in tiers)
+    assert chain.evict(everything=True)[0] == 2        # key 2 in each tier
+
+
+def test_a_store_over_a_chain_spills_to_both_and_promotes_from_below(tiers):
+    from kvstore_client.layout import PageLayout
+    from kvstore_server.region import Region
+    from kvstore_server.store import Store
+
+    near, far = tiers
+    layout = PageLayout(model="chain", num_layers=1, page_tokens=16, num_kv_heads=8,
+                        head_size=128)                           # 64 KiB pages
+    region = Region(16 * MiB)
+    try:
+        store = Store(region, lower=TierChain(tiers))
+        info = store.register_layout(layout)
+        ks = [key(i) for i in range(4)]
+        res = store.reserve(info.layout_id, ks)
+        for i, off in enumerate(res.offsets.tolist()):
+            store.mem[off:off + info.page_bytes] = i + 1
+        store.commit(res.lease_id)
+        assert store.evict(everything=True)[0] == 4              # spilled to both tiers
+        assert store.lower.flush(10) == 0
+        assert near.contains(info.layout_id, ks).all() and far.contains(info.layout_id, ks).all()
+        near.delete(info.layout_id, ks[:2])                      # only far holds 0 and 1
+        pinned = store.acquire(info.layout_id, ks)
+        off = int(pinned.offsets[1])
+        assert store.mem[off:off + 4].tolist() == [2] * 4        # key 1, read back from far
+        store.release(pinned.lease_id)
+        assert [s.name for s in store.stats().tiers] == ["disk", "disk"]
+    finally:
+        region.close()
