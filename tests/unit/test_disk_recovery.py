@@ -40,40 +40,46 @@ def test_a_restart_over_capacity_evicts_the_oldest_down_to_it(tiers, tmp_path):
     assert tier.stats().pages == 6 and tier.stats().corrupt_pages == 0
 
 
-_CHILD = textwrap.dedent("""
-    import sys, time
-    import numpy as np
-    from kvstore_server import slotfile
-    from kvstore_server.disk import DiskTier
-    from tests.unit.test_disk import LAYOUT, KiB, fill, key
+# A child process that blanks slots slowly, so a delete that returned before its slots
+# were blanked would be caught by the SIGKILL that follows it.
+_SLOW_BLANK = """
+import sys, time
+from kvstore_server import slotfile
+from kvstore_server.disk import DiskTier
+from kvstore_server.slotfile import slot_bytes_for
+from tests.unit.test_disk import LAYOUT, KiB, fill, key
 
-    # Blanking a slot takes a while here, so a delete that returned before its slot was
-    # blanked would be caught by the kill below.
-    blank = slotfile.SlotFile.blank
-    def slow_blank(self, idx, *args):
-        time.sleep(0.5)
-        return blank(self, idx, *args)
-    slotfile.SlotFile.blank = slow_blank
+blank = slotfile.SlotFile.blank
+def slow_blank(self, idx, *args):
+    time.sleep(0.5)
+    return blank(self, idx, *args)
+slotfile.SlotFile.blank = slow_blank
+"""
 
-    tier = DiskTier(sys.argv[1], 64 << 20)
-    fill(tier, [key(i) for i in range(8)], 8 * KiB)
-    print(tier.delete(LAYOUT, [key(i) for i in range(4)]), flush=True)
-    time.sleep(60)
-""")
+
+def _killed_after(folder, script: str) -> str:
+    """Run the slow-blank prelude and `script` (which prints one line, then sleeps) in a
+    child; SIGKILL it as soon as it has printed; return what it printed."""
+    child = subprocess.Popen([sys.executable, "-c", _SLOW_BLANK + textwrap.dedent(script),
+                              str(folder)], stdout=subprocess.PIPE, text=True,
+                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    try:
+        return child.stdout.readline().strip()
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
 
 
 def test_a_delete_is_durable_once_it_returns(tmp_path):
     """A page deleted from the disk tier does not come back after a SIGKILL that follows
     the delete's return, however soon."""
     folder = tmp_path / "disk"
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(folder)],
-                             stdout=subprocess.PIPE, text=True,
-                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    try:
-        assert child.stdout.readline().strip() == "4"
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait()
+    assert _killed_after(folder, """
+        tier = DiskTier(sys.argv[1], 64 << 20)
+        fill(tier, [key(i) for i in range(8)], 8 * KiB)
+        print(tier.delete(LAYOUT, [key(i) for i in range(4)]), flush=True)
+        time.sleep(60)
+    """) == "4"
     tier = DiskTier(str(folder), 64 << 20)
     try:
         assert tier.contains(LAYOUT, [key(i) for i in range(8)]).tolist() == \
@@ -82,42 +88,20 @@ def test_a_delete_is_durable_once_it_returns(tmp_path):
         tier.close()
 
 
-_CHILD_EVICTED = textwrap.dedent("""
-    import sys, time
-    from kvstore_server import slotfile
-    from kvstore_server.disk import DiskTier
-    from kvstore_server.slotfile import slot_bytes_for
-    from tests.unit.test_disk import LAYOUT, KiB, fill, key
-
-    blank = slotfile.SlotFile.blank
-    def slow_blank(self, idx, *args):
-        time.sleep(0.5)
-        return blank(self, idx, *args)
-    slotfile.SlotFile.blank = slow_blank
-
-    # Eight 8 KiB pages fill the tier; one 16 KiB page evicts the two oldest, whose slots
-    # (another size class) are freed, not reused: they wait for the writer to blank them.
-    tier = DiskTier(sys.argv[1], 8 * slot_bytes_for(8 * KiB))
-    fill(tier, [key(i) for i in range(8)], 8 * KiB)
-    fill(tier, [key(100)], 16 * KiB)
-    print(tier.delete(LAYOUT, [key(0), key(1)]), flush=True)
-    time.sleep(60)
-""")
-
-
 def test_a_delete_of_an_evicted_page_is_durable_too(tmp_path):
     """A page the tier evicted is gone from its index before its slot is blanked. A delete
     of it then holds nothing here, but the client was told the key is deleted: a SIGKILL
     right after must not bring the page back from its not-yet-blanked slot."""
     folder = tmp_path / "disk"
-    child = subprocess.Popen([sys.executable, "-c", _CHILD_EVICTED, str(folder)],
-                             stdout=subprocess.PIPE, text=True,
-                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    try:
-        assert child.stdout.readline().strip() == "0"
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait()
+    # Eight 8 KiB pages fill the tier; one 16 KiB page evicts the two oldest, whose slots
+    # (another size class) are freed, not reused: they wait for the writer to blank them.
+    assert _killed_after(folder, """
+        tier = DiskTier(sys.argv[1], 8 * slot_bytes_for(8 * KiB))
+        fill(tier, [key(i) for i in range(8)], 8 * KiB)
+        fill(tier, [key(100)], 16 * KiB)
+        print(tier.delete(LAYOUT, [key(0), key(1)]), flush=True)
+        time.sleep(60)
+    """) == "0"
     tier = DiskTier(str(folder), 64 << 20)
     try:
         assert tier.contains(LAYOUT, [key(i) for i in range(8)]).tolist() == \
