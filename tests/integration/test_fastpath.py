@@ -289,7 +289,8 @@ def test_quiet_releases_get_no_answer_and_keep_the_connection_in_step(srv):
     raw.close()
     old.close()
     wait_for(lambda: _leases(srv) == before, "the released leases to go")
-    assert metric(srv.metrics_port, released) == counted + 4     # quiet ones counted too
+    # Quiet ones counted too. A call is counted after its answer is sent: wait for it.
+    wait_for(lambda: metric(srv.metrics_port, released) == counted + 4, "the releases' count")
 
 
 # -- faults: no pin, reservation or thread outlives a connection ------------------------------
@@ -593,8 +594,9 @@ def test_auth_refuses_and_counts_and_isolates_tenants(fresh_server, tmp_path):
         raw.sock.sendall(frame)
         assert raw.answer()[0] == fw.Status.PROTOCOL
         raw.close()
-    assert metric(port, 'kvstore_fast_refused_total{reason="unauthenticated"}') == 2
-    assert metric(port, 'kvstore_fast_refused_total{reason="denied"}') == 1
+    wait_for(lambda: metric(port, 'kvstore_fast_refused_total{reason="unauthenticated"}') == 2
+             and metric(port, 'kvstore_fast_refused_total{reason="denied"}') == 1,
+             "the refusals to be counted")
     with pytest.raises(KVStoreError, match="invalid token"):
         KVStoreClient(srv.address, token="nope", shared_memory=False, data_plane=True,
                       retries=0).lookup(_handle(srv), [b"k" * 16])
@@ -614,8 +616,9 @@ def test_auth_refuses_and_counts_and_isolates_tenants(fresh_server, tmp_path):
                                     'method="FastGet"}')
         status, body = raw.call(fw.Op.GET, keys_body(ns.layout_id, ks))
         assert status == fw.Status.INVALID and b"unknown layout" in body
-        assert metric(port, 'kvstore_rpc_total{code="INVALID_ARGUMENT",method="FastGet"}'
-                      ) == refused_gets + 1
+        wait_for(lambda: metric(port, 'kvstore_rpc_total{code="INVALID_ARGUMENT",'
+                                      'method="FastGet"}') == refused_gets + 1,
+                 "the refused get to be counted")
         status, body = raw.call(fw.Op.EXISTS, keys_body(ns.layout_id, ks))
         assert status == fw.Status.INVALID
         # A tenant without shared_memory may not acquire.
@@ -635,15 +638,17 @@ def test_auth_refuses_and_counts_and_isolates_tenants(fresh_server, tmp_path):
         with pytest.raises(KVStoreError, match="invalid token"):
             a.lookup(ns, ks)
         # ...counted as the call's outcome on the open connection, as a refusal on a new one.
-        assert metric(port, 'kvstore_rpc_total{code="UNAUTHENTICATED",method="FastLookup"}'
-                      ) >= 1
+        # The server counts a call after its answer is sent: wait for the count.
+        wait_for(lambda: metric(
+            port, 'kvstore_rpc_total{code="UNAUTHENTICATED",method="FastLookup"}') >= 1,
+            "the refused lookup to be counted")
         refused = metric(port, 'kvstore_fast_refused_total{reason="unauthenticated"}')
         raw = Raw(fast_address(srv), hello=False)
         raw.send(fw.Op.HELLO, TOKENS["a"].encode())
         assert raw.answer()[0] == fw.Status.UNAUTHENTICATED
         raw.close()
-        assert metric(port, 'kvstore_fast_refused_total{reason="unauthenticated"}'
-                      ) == refused + 1
+        wait_for(lambda: metric(port, 'kvstore_fast_refused_total{reason="unauthenticated"}')
+                 == refused + 1, "the refused HELLO to be counted")
 
 
 def _handle(srv):
