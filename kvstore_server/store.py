@@ -105,10 +105,13 @@ class Store(StoreAdmin):
                  high_watermark: float = 0.95, low_watermark: float = 0.85,
                  clock: Callable[[], float] = time.monotonic,
                  lower: Tier | None = None,
-                 policy: PolicyFactory | str | None = None) -> None:
+                 policy: PolicyFactory | str | None = None,
+                 through: Tier | None = None) -> None:
         """lower: the tier below DRAM (tier.py); evicted pages are offered to it, and a
         lookup, exists or acquire that misses in DRAM asks it. policy: the eviction
-        policy, or the name of one (eviction.make_policy)."""
+        policy, or the name of one (eviction.make_policy). through: a tier that is
+        offered every page at commit as well (the far tier under --far-write through, so
+        other hosts see a page at once), not only when it leaves DRAM."""
         self.region = region
         self.mem = region.mem
         self.pool = Pool(region.size - HEADER_BYTES, base=HEADER_BYTES)
@@ -117,6 +120,10 @@ class Store(StoreAdmin):
         self.low_watermark = low_watermark
         self.clock = clock
         self.lower: Tier = lower if lower is not None else NullTier()
+        self.through = through
+        # Keys the tier below is asked about at once (see _reach): a far tier pays a
+        # round trip per call, so it asks for bigger chunks than the disk tier's.
+        self._probe_chunk = max(_PROBE_CHUNK, getattr(self.lower, "probe_chunk", 0))
         # Guards everything below. Timed: the longest hold is the longest one call can
         # stall the others (limits.py bounds it; /metrics shows it).
         self._lock = TimedLock()
@@ -215,8 +222,8 @@ class Store(StoreAdmin):
         """How many leading keys are stored, in DRAM (slots >= 0) or on the tier below;
         the tier is asked about the gaps a chunk at a time, up to the first one it lacks."""
         gaps = np.flatnonzero(slots < 0)
-        for start in range(0, gaps.size, _PROBE_CHUNK):
-            chunk = gaps[start:start + _PROBE_CHUNK]
+        for start in range(0, gaps.size, self._probe_chunk):
+            chunk = gaps[start:start + self._probe_chunk]
             held = self.lower.contains(info.layout_id, keys.select(chunk))
             if not held.all():
                 return int(chunk[int(np.argmin(held))])
@@ -293,9 +300,11 @@ class Store(StoreAdmin):
         n_ids = self.pool.id_capacity
         return self._evictable() & np.isin(self._slots.layout_of[:n_ids], layouts)
 
-    def commit(self, lease_id: int, tenant: str | None = None) -> int:
+    def commit(self, lease_id: int, tenant: str | None = None, *,
+               write_through: bool = True) -> int:
         """Make a reservation's pages visible; returns how many became READY.
-        tenant: the caller, who must own the lease (None: the server itself)."""
+        tenant: the caller, who must own the lease (None: the server itself).
+        write_through False: not offered to the through tier (a page read back from it)."""
         with self._lock:
             lease = self._take(lease_id, LeaseKind.RESERVE, tenant)
             info = self._layouts.by_idx[lease.layout]
@@ -318,6 +327,13 @@ class Store(StoreAdmin):
             self._slots.committed_at[live_arr] = self.clock() - self.started_at
             self._touch(live_arr)
             info.bytes_in += len(live) * info.page_bytes
+            if self.through is not None and write_through:
+                # A copy into the tier's queue (offer never waits on I/O), under the lock
+                # because the slot may be evicted and reused the moment it is released.
+                pb = info.page_bytes
+                for key, slot in zip(live_keys, live):
+                    off = int(self.pool.offset[slot])
+                    self.through.offer(info.layout_id, key, self.mem[off:off + pb])
             return len(live)
 
     def abort(self, lease_id: int, tenant: str | None = None) -> bool:
@@ -396,7 +412,7 @@ class Store(StoreAdmin):
             ok = self.lower.read_into(info.layout_id, [wanted[i] for i in todo], views)
             if not all(ok):             # a corrupt or unreadable page: never served
                 return False
-            promoted = self.commit(res.lease_id)
+            promoted = self.commit(res.lease_id, write_through=False)
             committed = True
         finally:
             if not committed:

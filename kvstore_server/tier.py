@@ -173,6 +173,8 @@ class TierChain:
 
     def __init__(self, tiers: Sequence[Tier]) -> None:
         self.tiers = tuple(t for t in tiers if t.holds_pages)
+        # The largest chunk of keys any tier wants to be asked about at once (store.py).
+        self.probe_chunk = max((getattr(t, "probe_chunk", 0) for t in self.tiers), default=0)
 
     @property
     def holds_pages(self) -> bool:

@@ -1,0 +1,153 @@
+"""The far tier inside real servers: two kvstore-servers ("hosts": own pools, ports and
+tiers) sharing one 3-master cluster. A page put on A is served byte-exact by B; `through`
+writes at commit, `evict` only when a page leaves A's DRAM; a dead cluster costs a call
+at most the far timeout; a restarted server finds its pages in the cluster."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvstore_bench.serverproc import ServerProcess, free_port
+from kvstore_client import KVStoreClient, PageLayout
+
+LAYOUT = PageLayout(model="far", num_layers=4, page_tokens=16, num_kv_heads=8,
+                    head_size=64)                               # 128 KiB pages
+
+
+def keys(n, tag="p"):
+    return [xxhash.xxh3_128_digest(f"{tag}:{i}".encode()) for i in range(n)]
+
+
+def pages(n, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, (n, LAYOUT.page_bytes),
+                                                dtype=np.uint8)
+
+
+def far_tier(client):
+    return next(t for t in client.stats().tiers if t.name == "far")
+
+
+def wait_for(predicate, timeout=10.0):
+    stop = time.monotonic() + timeout
+    while time.monotonic() < stop:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.fixture
+def fleet(far_cluster):
+    """start(write=...) -> a server of one fleet (one namespace per test)."""
+    namespace = "t" + os.urandom(4).hex()
+    servers = []
+
+    def start(write="through", **flags):
+        flags.setdefault("far_timeout", "500ms")
+        srv = ServerProcess(far=",".join(far_cluster.urls), far_namespace=namespace,
+                            far_write=write, **flags).start()
+        servers.append(srv)
+        return srv
+
+    yield start
+    for srv in servers:
+        srv.stop()
+
+
+def test_a_page_put_on_a_is_served_byte_exact_by_b(fleet):
+    a, b = fleet("through"), fleet("through")
+    ks, data = keys(24), pages(24)
+    with KVStoreClient(a.address) as ca, KVStoreClient(b.address) as cb:
+        ca.put(ca.register_layout(LAYOUT), ks, data)
+        nb = cb.register_layout(LAYOUT)
+        assert wait_for(lambda: far_tier(ca).writes == 24)     # written behind, at commit
+        assert cb.lookup(nb, ks + [b"x" * 16]) == 24
+        assert cb.exists(nb, ks[:2] + [b"y" * 16]) == [True, True, False]
+        assert np.array_equal(cb.get(nb, ks), data)           # promoted into B's DRAM
+        far = far_tier(cb)
+        assert far.reads == 24 and far.bytes_out == data.nbytes and far.hits == 24
+        assert far.state == "reachable"
+        assert np.array_equal(cb.get(nb, ks), data)           # now a DRAM hit
+        assert far_tier(cb).reads == 24
+
+
+def test_evict_writes_only_when_a_page_leaves_dram(fleet):
+    a, b = fleet("evict"), fleet("evict")
+    ks, data = keys(16, "e"), pages(16, 1)
+    with KVStoreClient(a.address) as ca, KVStoreClient(b.address) as cb:
+        na, nb = ca.register_layout(LAYOUT), cb.register_layout(LAYOUT)
+        ca.put(na, ks, data)
+        time.sleep(0.5)
+        assert far_tier(ca).writes == 0 and cb.lookup(nb, ks) == 0
+        ca.evict(everything=True, tier="dram")                  # the pages leave A
+        assert wait_for(lambda: far_tier(ca).writes == 16)
+        assert ca.lookup(na, ks) == 16                          # A finds them below
+        assert np.array_equal(cb.get(nb, ks), data)
+
+
+def test_off_reads_but_never_writes(fleet):
+    a, b = fleet("through"), fleet("off")
+    ks, data = keys(8, "o"), pages(8, 2)
+    with KVStoreClient(a.address) as ca, KVStoreClient(b.address) as cb:
+        ca.put(ca.register_layout(LAYOUT), ks, data)
+        assert wait_for(lambda: far_tier(ca).writes == 8)
+        nb = cb.register_layout(LAYOUT)
+        assert np.array_equal(cb.get(nb, ks), data)
+        mine = keys(8, "b-own")
+        cb.put(nb, mine, data)
+        cb.evict(everything=True, tier="dram")
+        assert far_tier(cb).writes == 0 and cb.lookup(nb, mine) == 0
+
+
+def test_admin_evict_of_the_far_tier_reaches_only_the_fleet(fleet):
+    a = fleet("through")
+    ks, data = keys(8, "v"), pages(8, 3)
+    with KVStoreClient(a.address) as ca:
+        na = ca.register_layout(LAYOUT)
+        ca.put(na, ks, data)
+        assert wait_for(lambda: far_tier(ca).writes == 8)
+        ca.evict(everything=True, tier="disk")                  # no disk: the far tier stays
+        ca.evict(everything=True, tier="dram")
+        assert ca.lookup(na, ks) == 8
+        assert ca.evict(everything=True, tier="far").pages == 8
+        assert ca.lookup(na, ks) == 0
+
+
+def test_a_dead_cluster_costs_a_call_at_most_the_timeout():
+    dead = f"redis://127.0.0.1:{free_port()}"
+    with ServerProcess(far=dead, far_cluster="on", far_timeout="50ms") as srv, \
+            KVStoreClient(srv.address) as c:
+        ns = c.register_layout(LAYOUT)
+        ks, data = keys(8, "d"), pages(8, 4)
+        c.put(ns, ks, data)
+        for _ in range(5):
+            start = time.monotonic()
+            assert c.lookup(ns, ks + keys(4, "missing")) == 8
+            assert c.exists(ns, keys(2, "m2")) == [False, False]
+            assert time.monotonic() - start < 1.0
+        assert np.array_equal(c.get(ns, ks), data)              # nothing lost locally
+        assert far_tier(c).state in ("breaker open", "probing")
+        start = time.monotonic()
+        srv.stop()
+        assert time.monotonic() - start < 10
+    log = srv.log()
+    assert log.count("breaker open") == 1, log
+    assert "WARN" not in log.replace("WARNING", ""), log      # glide's own logger is off
+
+
+def test_a_restarted_server_finds_its_pages_in_the_cluster(fleet):
+    a = fleet("evict")
+    ks, data = keys(12, "r"), pages(12, 5)
+    with KVStoreClient(a.address) as ca:
+        ca.put(ca.register_layout(LAYOUT), ks, data)
+    a.stop()                                # a graceful stop spills DRAM to the far tier
+    again = fleet("evict")
+    with KVStoreClient(again.address) as c:
+        ns = c.register_layout(LAYOUT)
+        assert c.lookup(ns, ks) == 12
+        assert np.array_equal(c.get(ns, ks), data)
