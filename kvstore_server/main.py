@@ -291,8 +291,11 @@ class Server:
             thread.join(timeout=2)
         if self.store.lower.holds_pages and self.config.flush_on_stop:
             offered, left = self.store.spill_all(self.config.flush_timeout)
-            log.info("flushed DRAM to the tiers below: %d pages offered, %d not written "
-                     "in %.0fs", offered, left, self.config.flush_timeout)
+            # "flushed DRAM to disk: ..." is what operators look for (deploy/README.md).
+            below = " and ".join(t for t, on in (("disk", self.disk), ("far", self.far))
+                                 if on is not None)
+            log.info("flushed DRAM to %s: %d pages offered, %d not written in %.0fs",
+                     below, offered, left, self.config.flush_timeout)
         if self.disk is not None:
             self.disk.close()
         if self.far is not None:
