@@ -327,14 +327,21 @@ class Store(StoreAdmin):
             self._slots.committed_at[live_arr] = self.clock() - self.started_at
             self._touch(live_arr)
             info.bytes_in += len(live) * info.page_bytes
-            if self.through is not None and write_through:
-                # A copy into the tier's queue (offer never waits on I/O), under the lock
-                # because the slot may be evicted and reused the moment it is released.
-                pb = info.page_bytes
-                for key, slot in zip(live_keys, live):
-                    off = int(self.pool.offset[slot])
-                    self.through.offer(info.layout_id, key, self.mem[off:off + pb])
-            return len(live)
+            if self.through is None or not write_through or not live:
+                return len(live)
+            # Offered outside the lock (each offer copies a page into the tier's queue:
+            # 64 pages of 1 MiB would hold the lock for milliseconds), the slots pinned
+            # meanwhile so that no eviction or delete reuses them under the copy.
+            np.add.at(self._slots.pins, live_arr, 1)
+            offsets = self.pool.offset[live_arr].tolist()
+        pb = info.page_bytes
+        try:
+            for key, off in zip(live_keys, offsets):
+                self.through.offer(info.layout_id, key, self.mem[off:off + pb])
+        finally:
+            with self._lock:
+                self._unpin(live_arr)
+        return len(live)
 
     def abort(self, lease_id: int, tenant: str | None = None) -> bool:
         """Drop a reservation: its slots are freed and its keys never become visible.
