@@ -130,6 +130,9 @@ class FarTier:
         cluster's maxmemory policy decides that."""
         if layout_id is None and not everything:
             return 0, 0
+        # Pages still queued (an admin's `evict --tier all` spills DRAM first) would land
+        # after the clear: send them first, for a bounded time.
+        self.writer.flush(CLOSE_TIMEOUT)
         return self.client.clear(layout_id if not everything else None), 0
 
     def flush(self, timeout: float) -> int:

@@ -233,3 +233,37 @@ def test_a_master_killed_under_load_through_two_servers(fresh_cluster):
             "pages of the killed master's slots did not come back"
         assert np.array_equal(cb.get(nb, ks), data)
         assert time.monotonic() - after < 30
+
+
+def test_kvstore_admin_shows_and_evicts_the_far_tier(fleet):
+    from .test_admin_cli import admin
+
+    a, b = fleet("through"), fleet("through")
+    ks, data = keys(6, "adm"), pages(6, 9)
+    with KVStoreClient(a.address) as ca, KVStoreClient(b.address) as cb:
+        ca.put(ca.register_layout(LAYOUT), ks, data)
+        assert wait_for(lambda: far_tier(ca).writes == 6)
+        cb.get(cb.register_layout(LAYOUT), ks)
+    stats = admin(b.address, "stats")
+    assert stats.returncode == 0, stats.stderr
+    row = next(line for line in stats.stdout.splitlines() if line.startswith("far "))
+    assert "reachable" in row
+    assert "far tier: 6 pages read, 0 written" in stats.stdout, stats.stdout
+    out = admin(b.address, "evict", "--all", "--tier", "far", "--force")
+    assert out.returncode == 0, out.stderr
+    with KVStoreClient(fleet("off").address) as cc:       # a host with only the far tier
+        assert cc.lookup(cc.register_layout(LAYOUT), ks) == 0
+
+
+def test_evict_of_all_tiers_leaves_no_spilled_page_behind_in_the_cluster(fleet):
+    # `--tier all` spills DRAM to the tiers below, then clears them: the far tier sends
+    # what is queued before it clears, or the spilled pages would land after the clear.
+    a = fleet("evict", far_queue="64MiB")
+    ks, data = keys(64, "all"), pages(64, 10)
+    with KVStoreClient(a.address) as ca:
+        ca.put(ca.register_layout(LAYOUT), ks, data)
+        ca.evict(everything=True, tier="all")
+        assert wait_for(lambda: far_tier(ca).writes == 64)
+    time.sleep(0.3)
+    with KVStoreClient(fleet("off").address) as cc:
+        assert cc.lookup(cc.register_layout(LAYOUT), ks) == 0
