@@ -109,6 +109,14 @@ def _local_paths_out(text: str) -> str:
     return text.replace(here + "/", "./").replace(here, ".") if here else text
 
 
+def _argv_out(argv: list[str]) -> list[str]:
+    """The command as recorded: a path under the folder it ran in reads relative to it,
+    any other absolute path as DIR (an output folder of that machine)."""
+    here = os.getcwd().rstrip("/") + "/"
+    return [a[len(here):] if a.startswith(here) else "DIR" if os.path.isabs(a) else a
+            for a in argv]
+
+
 def run_recorded(folder: str, bench: str, argv: list[str],
                  run: Callable[[list[str]], int]) -> int:
     """Run a bench with its stdout kept; write the record when it succeeds."""
@@ -122,7 +130,7 @@ def run_recorded(folder: str, bench: str, argv: list[str],
         print(f"kvstore-bench: {bench} exited {rc}: nothing recorded", file=sys.stderr)
         return rc
     took = (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds()
-    record = Record(bench, list(argv), machine(), started.strftime("%Y-%m-%dT%H:%MZ"),
+    record = Record(bench, _argv_out(list(argv)), machine(), started.strftime("%Y-%m-%dT%H:%MZ"),
                     round(took, 1), (round(load0, 2), round(os.getloadavg()[0], 2)), rc,
                     _local_paths_out(tee.kept.getvalue()))
     os.makedirs(folder, exist_ok=True)

@@ -102,6 +102,12 @@ _CUDA_ERROR_ALREADY_REGISTERED = 712          # cudaErrorHostMemoryAlreadyRegist
 # 64 KiB slab copies at ~11.5 GB/s, so a load takes the DMA path only when its pages form
 # runs of at least this many on average.
 _DMA_MIN_RUN = 8
+# ... and only when a layer of the load is this large. The DMA path costs the host more per
+# layer (a 2D copy per run, two streams, events between them): in the 8B e2e bench on the
+# H200 a 1,024-token load (4 MiB a layer) went from 88% to 94% of a pinned copy on the
+# device but from 66% to 42% timed on the host, its hit TTFT no better; from 4,096 tokens
+# (16 MiB a layer) both gained (device 91 -> 97%, host 82 -> 86%).
+_DMA_MIN_LAYER_BYTES = 8 << 20
 # Device memory for the DMA path's staging: two buffers of this many bytes, taken once
 # per KVTransfer on the first DMA load (a layer larger than one is moved in pieces).
 DEFAULT_STAGING_BYTES = 64 << 20
@@ -116,7 +122,8 @@ class CopyMethod(enum.Enum):
     KERNEL = "kernel"    # one Triton kernel per layer over UVA host memory (CUDA default)
     # Loads by the copy engine: per layer, one 2D copy per run of pages adjacent in the
     # pool into a device staging buffer, then the kernel scatters it on the device. On
-    # CUDA a load takes it when its pages form runs (see _DMA_MIN_RUN); saves stay KERNEL.
+    # CUDA a load takes it when its pages form runs and its layers are large
+    # (_DMA_MIN_RUN, _DMA_MIN_LAYER_BYTES); saves stay KERNEL.
     DMA = "dma"
     COPIES = "copies"    # torch copy_ per slab + indexed write (CPU; the CUDA fallback)
 
@@ -383,7 +390,8 @@ class KVTransfer:
             plan = self._plan(host, offsets, block_ids, save=False)
             runs = _page_runs(plan.offsets, len(self.layers) * self.geo.layer_bytes)
             if self.method is CopyMethod.DMA or (
-                    self._dma_auto and runs and len(plan.offsets) >= _DMA_MIN_RUN * len(runs)):
+                    self._dma_auto and runs and len(plan.offsets) >= _DMA_MIN_RUN * len(runs)
+                    and len(plan.offsets) * self.geo.layer_bytes >= _DMA_MIN_LAYER_BYTES):
                 return LoadHandle(self.device, self._dma_load(plan, runs), (plan,))
             for layer in range(len(self.layers)):
                 self._copy_layer(layer, plan, to_cache=True)

@@ -11,8 +11,10 @@ its failure keeps it open. One log line per change of state, nothing per call.
                                      ^                          |
                                      +---------failure----------+
 
-The state machine is kvstore_connector.breaker.Breaker (pure, over a clock); this adds
-the failure threshold, a lock and the log lines.
+Unlike the connector's breaker (kvstore_connector.breaker), whose probe runs on a thread
+of its own so that no engine step ever waits on it, the probe here is an ordinary call
+let through: on the server a probe costs one call at most `--far-timeout` once per
+interval, and the calls themselves show whether the cluster is back.
 """
 
 from __future__ import annotations
@@ -22,8 +24,6 @@ import logging
 import threading
 import time
 from typing import Callable
-
-from kvstore_connector.breaker import Breaker
 
 __all__ = ["BreakerState", "FarBreaker"]
 
@@ -44,23 +44,26 @@ class FarBreaker:
     def __init__(self, threshold: int = 3, probe_interval: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.threshold = threshold
+        self.probe_interval = probe_interval
+        self._clock = clock
         self._lock = threading.Lock()           # guards the fields below
-        self._breaker = Breaker(probe_interval, clock)
+        self._open = False
+        self._next_probe = 0.0                  # when open: clock time of the next probe
         self._failures = 0                      # calls failed in a row while closed
         self._probing = False                   # a probe is out (half-open)
 
     @property
     def state(self) -> BreakerState:
         with self._lock:
-            if not self._breaker.open:
+            if not self._open:
                 return BreakerState.CLOSED
             return BreakerState.HALF_OPEN if self._probing else BreakerState.OPEN
 
     def allow(self) -> bool:
         with self._lock:
-            if not self._breaker.open:
+            if not self._open:
                 return True
-            if self._probing or not self._breaker.allow():
+            if self._probing or self._clock() < self._next_probe:
                 return False
             self._probing = True
         log.debug("far tier: breaker half-open, probing the cluster")
@@ -68,14 +71,18 @@ class FarBreaker:
 
     def record(self, ok: bool, why: str = "") -> None:
         with self._lock:
-            was_open, probing = self._breaker.open, self._probing
+            was_open, probing = self._open, self._probing
             self._probing = False
+            opened = False
             if ok:
                 self._failures = 0
-                self._breaker.succeeded()
+                self._open = False
             else:
                 self._failures += 1
-                opened = self._failures >= self.threshold and self._breaker.failed()
+                if was_open or self._failures >= self.threshold:
+                    opened = not was_open
+                    self._open = True
+                    self._next_probe = self._clock() + self.probe_interval
         # Closed -> open and open -> closed are what an operator needs to see; a failed
         # probe (half-open -> open again, once per probe interval) only at DEBUG.
         if ok and was_open:
@@ -83,6 +90,6 @@ class FarBreaker:
         elif not ok and opened:
             log.warning("far tier: breaker open after %d failed calls (last: %s); misses "
                         "until a probe succeeds (every %.1fs)", self._failures,
-                        why or "unknown", self._breaker.probe_interval)
+                        why or "unknown", self.probe_interval)
         elif not ok and probing:
             log.debug("far tier: probe failed (%s), breaker stays open", why or "unknown")

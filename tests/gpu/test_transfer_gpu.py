@@ -186,6 +186,3 @@ def test_load_by_dma_runs_out_of_order(server, kind_or_name, k):
     cases.run_load(server.address, kind_or_name, k, device="cuda", n_pages=12,
                    method=CopyMethod.DMA, staging_bytes=5 << 10, order=order, loads=3)
 
-
-def test_default_load_of_a_long_run_takes_the_dma_path(server):
-    cases.run_load(server.address, KVKind.VLLM_4D, 1, device="cuda", n_pages=16)

@@ -108,3 +108,10 @@ def test_the_performance_doc_is_current_with_its_records():
                           os.path.join(root, "docs", "performance.md")],
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
+
+
+def test_a_record_names_no_path_of_the_machine(tmp_path, monkeypatch):
+    from kvstore_bench.record import _argv_out
+    monkeypatch.chdir(tmp_path)
+    assert _argv_out(["--out", "/elsewhere/out", "--dir", str(tmp_path / "d"), "-n", "3"]) \
+        == ["--out", "DIR", "--dir", "d", "-n", "3"]
