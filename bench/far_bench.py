@@ -7,8 +7,13 @@ redis-server on PATH). For pages of 1 MiB and 64 KiB it times a pipelined GET pe
 and an MGET per hash-tag bucket (kvstore_server.far.keys), and for a lookup of 4,096
 keys one EXISTS per key against one EVAL_RO per bucket, each through redis-py's cluster
 pipeline (hiredis parser) and glide's batch; then FarClient (glide + the value codec,
-what the server uses) beside glide's own MGET of the same bytes. Contenders run in
-interleaved rounds, so load from other work on the machine falls on all of them alike;
+what the server uses) beside glide's own MGET of the same bytes; then the same through
+kvstore servers: server A writes pages through to the cluster, and server B, its DRAM
+emptied before every timed call, serves them to a client over gRPC, over the fast path
+and from shared memory on the same host (a Get that misses B's DRAM: read from the
+cluster, promoted, sent), beside glide's MGET of the same values, and times B's Lookup
+of the keys, all missing from its DRAM. Contenders run in interleaved rounds, so load
+from other work on the machine falls on all of them alike;
 figures are medians. The last lines are the ratios docs/far.md quotes.
 """
 
@@ -113,6 +118,57 @@ def _exists(c: Contenders, ours: FarClient, n: int, rounds: int) -> dict:
     return _median_times(calls, rounds)
 
 
+def _through_servers(c: Contenders, nodes: list[tuple[str, int]], size: int, n: int,
+                     rounds: int) -> dict:
+    """Medians of: glide MGET of the pages' values, server B's Get over gRPC and over the
+    fast path (B's DRAM emptied, untimed, before each), B's Lookup of the keys."""
+    import numpy as np
+
+    from kvstore_bench.serverproc import ServerProcess
+    from kvstore_client import KVStoreClient, PageLayout
+    from kvstore_server.far.keys import page_key
+
+    layout = PageLayout(model=f"bench-far-{size}", num_layers=1, page_tokens=1,
+                        num_kv_heads=1, head_size=size // 4)        # float16 K and V
+    urls = ",".join(f"redis://{h}:{p}" for h, p in nodes)
+    flags = dict(far=urls, far_namespace=NAMESPACE, far_timeout="5s", dram="2GiB")
+    keys = [os.urandom(16) for _ in range(n)]
+    pages = np.frombuffer(os.urandom(size), np.uint8)[None, :].repeat(n, 0)
+    with ServerProcess(far_write="through", **flags) as a, \
+            ServerProcess(far_write="off", **flags) as b, \
+            KVStoreClient(a.address) as ca, \
+            KVStoreClient(b.address, data_plane=False, shared_memory=False) as grpc_b, \
+            KVStoreClient(b.address, data_plane=True, shared_memory=False) as fast_b, \
+            KVStoreClient(b.address, shared_memory=True) as shm_b:
+        assert layout.page_bytes == size, layout.page_bytes
+        ca.put(ca.register_layout(layout), keys, pages)
+        ns, ns_fast = grpc_b.register_layout(layout), fast_b.register_layout(layout)
+        ns_shm = shm_b.register_layout(layout)
+        deadline = time.monotonic() + 60
+        while grpc_b.lookup(ns, keys) < n and time.monotonic() < deadline:
+            time.sleep(0.1)                     # A writes behind
+        groups = list(group_by_bucket(NAMESPACE, ns.layout_id, keys).values())
+        mgets = [["MGET", *(name for _, name in g)] for g in groups]
+        assert c.glide_batch([["GET", page_key(NAMESPACE, ns.layout_id, keys[0])]])[0]
+        empty = lambda: grpc_b.evict(everything=True, tier="dram")  # noqa: E731
+        calls = {"glide MGET": (lambda: None, lambda: c.glide_batch(mgets)),
+                 "kvstore get (gRPC)": (empty, lambda: grpc_b.get(ns, keys)),
+                 "kvstore get (fast path)": (empty, lambda: fast_b.get(ns_fast, keys)),
+                 "kvstore get (shm)": (empty, lambda: shm_b.get(ns_shm, keys)),
+                 "kvstore lookup": (empty, lambda: grpc_b.lookup(ns, keys))}
+        for name in ("kvstore get (gRPC)", "kvstore get (fast path)", "kvstore get (shm)"):
+            calls[name][0]()
+            assert np.array_equal(calls[name][1](), pages), f"{name}: wrong pages"
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        for _ in range(rounds):
+            for name, (setup, call) in calls.items():
+                setup()
+                t = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - t)
+        return {name: statistics.median(t) for name, t in times.items()}
+
+
 def run(nodes: list[tuple[str, int]], quick: bool) -> None:
     rounds = 3 if quick else 9
     urls = ",".join(f"redis://{h}:{p}" for h, p in nodes)
@@ -131,6 +187,15 @@ def run(nodes: list[tuple[str, int]], quick: bool) -> None:
             if "redis-py MGET" in m:
                 ratios.append((f"{size >> 10} KiB redis-py MGET vs glide MGET",
                                m["glide MGET"] / m["redis-py MGET"]))
+        for size, n in (((1 << 20, 16),) if quick else ((1 << 20, 64), (64 << 10, 512))):
+            m = _through_servers(c, nodes, size, n, rounds)
+            print(f"\nthrough kvstore servers: B gets {n} pages of {size >> 10} KiB that A "
+                  f"wrote ({n * size >> 20} MiB), B's DRAM empty:")
+            for name, t in sorted(m.items(), key=lambda kv: kv[1]):
+                print(f"  {name:<24} {t * 1e3:8.2f} ms")
+            for how in ("gRPC", "fast path", "shm"):
+                ratios.append((f"{size >> 10} KiB get through kvstore ({how}) vs glide MGET",
+                               m["glide MGET"] / m[f"kvstore get ({how})"]))
         n = 1024 if quick else 4096
         m = _exists(c, ours, n, rounds)
         print(f"\nlookup of {n} keys (half present):")

@@ -4,7 +4,7 @@
                   [--tls-cert PEM --tls-key PEM]] COMMAND
         stats [--json] [--watch SECONDS]      tiers, layouts, leases, uptime
         layouts [--json]                      registered layouts
-        evict (--layout ID | --bytes SIZE | --all) [--tier dram|disk|all] [--force]
+        evict (--layout ID | --bytes SIZE | --all) [--tier dram|disk|far|all] [--force]
         clear [--yes] [--force]               delete every page (asks first on a terminal)
         inspect --layout ID KEYHEX            where one page is and how it is used
         health [--service disk]               grpc.health.v1 Check; exit 0 only when SERVING
@@ -113,7 +113,7 @@ def _table(rows: list, headers: list[str], text_columns: int) -> str:
 
 
 def _render_stats(resp) -> str:
-    tiers = [[t.name, "FAILED" if t.failed else "ok",
+    tiers = [[t.name, "FAILED" if t.failed else (t.state or "ok"),
               _human(t.capacity_bytes), _human(t.used_bytes),
               _ratio(t.used_bytes, t.capacity_bytes), t.pages, t.hits, t.misses,
               _ratio(t.hits, t.hits + t.misses), t.evictions, _human(t.bytes_in),
@@ -132,6 +132,9 @@ def _render_stats(resp) -> str:
          f"leases {resp.leases}   leased pages {resp.leased_pages}"),
         _table(tiers, ["tier", "state", "capacity", "used", "use %", "pages", "hits",
                        "misses", "hit rate", "evictions", "bytes in", "bytes out"], 2),
+        "\n".join(f"far tier: {t.reads} pages read, {t.writes} written, {t.drops} dropped "
+                  f"(queue full), {t.corrupt} values refused, {t.errors} errors"
+                  for t in resp.tiers if t.name == "far"),
         "\n".join(f"{t.name} tier FAILED: it takes no more pages (a write failed: disk full "
                   "or failing; the server log says which); pages on it are still read"
                   for t in resp.tiers if t.failed),
@@ -278,8 +281,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="print again every SECONDS until Ctrl-C")
     command("layouts", cmd_layouts, "registered layouts")
     s = command("evict", cmd_evict, "evict unleased pages (DRAM pages move to disk, if any)")
-    s.add_argument("--tier", choices=["dram", "disk", "all"], default="dram",
-                   help="which tier to evict from (default dram)")
+    s.add_argument("--tier", choices=["dram", "disk", "far", "all"], default="dram",
+                   help="which tier to evict from (default dram); far: this server's "
+                        "namespace only")
     what = s.add_mutually_exclusive_group(required=True)
     what.add_argument("--layout", type=_layout_prefix, metavar="ID", help="every page of a layout")
     what.add_argument("--bytes", type=_positive(parse_size, "SIZE"), metavar="SIZE",

@@ -51,7 +51,9 @@ class AdminService:
                 name=t.name, capacity_bytes=t.capacity_bytes, used_bytes=t.used_bytes,
                 pages=t.pages, hits=s.promotions if n == 0 else 0, evictions=t.evictions,
                 bytes_in=t.bytes_written, bytes_out=t.bytes_read, reads=t.reads,
-                writes=t.writes, drops=t.drops, corrupt=t.corrupt_pages, failed=t.failed))
+                writes=t.writes, drops=t.drops, corrupt=t.corrupt_pages, failed=t.failed,
+                state=(t.error or "reachable") if t.name == "far" else "",
+                errors=t.read_errors if t.name == "far" else 0))
         quotas = self.auth.quotas() if self.auth is not None else {}
         tenants = [apb.TenantStats(name=t.name, used_bytes=t.used_bytes,
                                    pages=t.pages, quota_bytes=quotas.get(t.name, 0))

@@ -28,6 +28,7 @@ from .fastpath import FastPathServer
 from .fastpath.tls import fast_tls_context
 from .disk import DiskTier
 from .eviction import load_policy
+from .far import wiring as far_wiring
 from .limits import RequestLimits, request_message_bytes
 from kvstore_client.malloc import keep_freed_buffers, limit_arenas
 from .metrics import Metrics
@@ -36,6 +37,7 @@ from .region import Progress, Region, region_bytes, remove_stale
 from .sdnotify import Notifier
 from .service import KVStoreService, add_kvstore_service
 from .store import Store
+from .tier import TierChain
 from .watchdog import StreamWatchdog
 from kvstore_client.units import format_size
 
@@ -123,6 +125,12 @@ class Server:
             log.info("disk tier: %s in %s, %d pages found on disk (%.2fs), %s I/O",
                      format_size(config.disk), config.disk_dir, stats.pages,
                      stats.rebuild_seconds, "direct" if stats.direct_io else "buffered")
+        try:
+            self.far = far_wiring.open_far(config, self.metrics.registry)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.far is not None:
+            undo.callback(self.far.close)
         size = region_bytes(config.dram)
         log.info("allocating and pre-faulting the pool: %s in %s", format_size(size),
                  config.shm_dir)
@@ -138,8 +146,9 @@ class Server:
         log.info("pool ready in %.1fs", time.monotonic() - started)
         self.store = Store(self.region, lease_ttl=config.lease_ttl,
                            high_watermark=config.high_watermark,
-                           low_watermark=config.low_watermark, lower=self.disk,
-                           policy=policy)
+                           low_watermark=config.low_watermark,
+                           lower=TierChain([t for t in (self.disk, self.far) if t is not None]),
+                           policy=policy, through=far_wiring.through(self.far))
         self.metrics.watch_store(self.store.stats, lambda: {"kvstore_lookup_streams": (
             "gauge", "Open LookupStream calls", self.lookups.open_streams())})
         self.streams = StreamWatchdog(config.stream_timeout)
@@ -280,12 +289,17 @@ class Server:
         self.streams.stop()
         for thread in self._threads:
             thread.join(timeout=2)
+        if self.store.lower.holds_pages and self.config.flush_on_stop:
+            offered, left = self.store.spill_all(self.config.flush_timeout)
+            # "flushed DRAM to disk: ..." is what operators look for (deploy/README.md).
+            below = " and ".join(t for t, on in (("disk", self.disk), ("far", self.far))
+                                 if on is not None)
+            log.info("flushed DRAM to %s: %d pages offered, %d not written in %.0fs",
+                     below, offered, left, self.config.flush_timeout)
         if self.disk is not None:
-            if self.config.flush_on_stop:
-                offered, left = self.store.spill_all(self.config.flush_timeout)
-                log.info("flushed DRAM to disk: %d pages offered, %d not written in %.0fs",
-                         offered, left, self.config.flush_timeout)
             self.disk.close()
+        if self.far is not None:
+            self.far.close()
         self.region.close()
         log.info("stopped")
 

@@ -105,10 +105,13 @@ class Store(StoreAdmin):
                  high_watermark: float = 0.95, low_watermark: float = 0.85,
                  clock: Callable[[], float] = time.monotonic,
                  lower: Tier | None = None,
-                 policy: PolicyFactory | str | None = None) -> None:
+                 policy: PolicyFactory | str | None = None,
+                 through: Tier | None = None) -> None:
         """lower: the tier below DRAM (tier.py); evicted pages are offered to it, and a
         lookup, exists or acquire that misses in DRAM asks it. policy: the eviction
-        policy, or the name of one (eviction.make_policy)."""
+        policy, or the name of one (eviction.make_policy). through: a tier that is
+        offered every page at commit as well (the far tier under --far-write through, so
+        other hosts see a page at once), not only when it leaves DRAM."""
         self.region = region
         self.mem = region.mem
         self.pool = Pool(region.size - HEADER_BYTES, base=HEADER_BYTES)
@@ -117,6 +120,10 @@ class Store(StoreAdmin):
         self.low_watermark = low_watermark
         self.clock = clock
         self.lower: Tier = lower if lower is not None else NullTier()
+        self.through = through
+        # Keys the tier below is asked about at once (see _reach): a far tier pays a
+        # round trip per call, so it asks for bigger chunks than the disk tier's.
+        self._probe_chunk = max(_PROBE_CHUNK, getattr(self.lower, "probe_chunk", 0))
         # Guards everything below. Timed: the longest hold is the longest one call can
         # stall the others (limits.py bounds it; /metrics shows it).
         self._lock = TimedLock()
@@ -215,8 +222,8 @@ class Store(StoreAdmin):
         """How many leading keys are stored, in DRAM (slots >= 0) or on the tier below;
         the tier is asked about the gaps a chunk at a time, up to the first one it lacks."""
         gaps = np.flatnonzero(slots < 0)
-        for start in range(0, gaps.size, _PROBE_CHUNK):
-            chunk = gaps[start:start + _PROBE_CHUNK]
+        for start in range(0, gaps.size, self._probe_chunk):
+            chunk = gaps[start:start + self._probe_chunk]
             held = self.lower.contains(info.layout_id, keys.select(chunk))
             if not held.all():
                 return int(chunk[int(np.argmin(held))])
@@ -293,9 +300,11 @@ class Store(StoreAdmin):
         n_ids = self.pool.id_capacity
         return self._evictable() & np.isin(self._slots.layout_of[:n_ids], layouts)
 
-    def commit(self, lease_id: int, tenant: str | None = None) -> int:
+    def commit(self, lease_id: int, tenant: str | None = None, *,
+               write_through: bool = True) -> int:
         """Make a reservation's pages visible; returns how many became READY.
-        tenant: the caller, who must own the lease (None: the server itself)."""
+        tenant: the caller, who must own the lease (None: the server itself).
+        write_through False: not offered to the through tier (a page read back from it)."""
         with self._lock:
             lease = self._take(lease_id, LeaseKind.RESERVE, tenant)
             info = self._layouts.by_idx[lease.layout]
@@ -318,7 +327,21 @@ class Store(StoreAdmin):
             self._slots.committed_at[live_arr] = self.clock() - self.started_at
             self._touch(live_arr)
             info.bytes_in += len(live) * info.page_bytes
-            return len(live)
+            if self.through is None or not write_through or not live:
+                return len(live)
+            # Offered outside the lock (each offer copies a page into the tier's queue:
+            # 64 pages of 1 MiB would hold the lock for milliseconds), the slots pinned
+            # meanwhile so that no eviction or delete reuses them under the copy.
+            np.add.at(self._slots.pins, live_arr, 1)
+            offsets = self.pool.offset[live_arr].tolist()
+        pb = info.page_bytes
+        try:
+            for key, off in zip(live_keys, offsets):
+                self.through.offer(info.layout_id, key, self.mem[off:off + pb])
+        finally:
+            with self._lock:
+                self._unpin(live_arr)
+        return len(live)
 
     def abort(self, lease_id: int, tenant: str | None = None) -> bool:
         """Drop a reservation: its slots are freed and its keys never become visible.
@@ -396,7 +419,7 @@ class Store(StoreAdmin):
             ok = self.lower.read_into(info.layout_id, [wanted[i] for i in todo], views)
             if not all(ok):             # a corrupt or unreadable page: never served
                 return False
-            promoted = self.commit(res.lease_id)
+            promoted = self.commit(res.lease_id, write_through=False)
             committed = True
         finally:
             if not committed:

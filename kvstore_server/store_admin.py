@@ -60,18 +60,23 @@ class StoreAdmin:
 
     def evict(self, *, layout_id: bytes | None = None, nbytes: int | None = None,
               everything: bool = False, tier: str = "dram") -> tuple[int, int, int]:
-        """Admin eviction from tier "dram" (to the tier below), "disk" (gone), or "all":
+        """Admin eviction from tier "dram" (to the tiers below), "disk" or "far" (gone;
+        the far tier only this server's namespace, and never by a byte amount), or "all":
         (pages, bytes, pages skipped because leased)."""
-        if tier not in ("dram", "disk", "all"):
-            raise StoreError(Outcome.INVALID, f"tier must be dram, disk or all, got {tier!r}")
+        if tier not in ("dram", "disk", "far", "all"):
+            raise StoreError(Outcome.INVALID,
+                             f"tier must be dram, disk, far or all, got {tier!r}")
         pages = freed = leased = 0
         if tier in ("dram", "all"):
             pages, freed, leased = self._evict_dram(layout_id, nbytes)
-        if tier in ("disk", "all") and self.lower.holds_pages:
-            if layout_id is not None:
-                self._layouts.info(layout_id)
-            more, more_bytes = self.lower.evict(nbytes=nbytes, layout_id=layout_id,
-                                                everything=nbytes is None and layout_id is None)
+        if layout_id is not None and tier != "dram":
+            self._layouts.info(layout_id)
+        # The chain's tiers one by one: `--tier disk` must never reach a shared cluster.
+        for below in getattr(self.lower, "tiers", (self.lower,)):
+            if not below.holds_pages or tier not in ("all", _tier_name(below)):
+                continue
+            more, more_bytes = below.evict(nbytes=nbytes, layout_id=layout_id,
+                                           everything=nbytes is None and layout_id is None)
             pages, freed = pages + more, freed + more_bytes
         return pages, freed, leased
 
@@ -153,10 +158,15 @@ class StoreAdmin:
         try:
             for info, key, off in todo:
                 page = self.mem[off:off + info.page_bytes]
+                # A tier that refuses with its queue empty will not take the page later
+                # (failed, read only, breaker open): give up rather than wait out the time.
+                drained = False
                 while not self.lower.offer(info.layout_id, key, page):
-                    if any(t.failed for t in self.lower.levels()) or time.monotonic() > deadline:
+                    if (drained or any(t.failed for t in self.lower.levels())
+                            or time.monotonic() > deadline):
                         return offered, len(todo) - offered
-                    self.lower.flush(min(1.0, max(0.0, deadline - time.monotonic())))
+                    drained = self.lower.flush(
+                        min(1.0, max(0.0, deadline - time.monotonic()))) == 0
                 offered += 1
             left = self.lower.flush(max(0.0, deadline - time.monotonic()))
             return offered, left
@@ -216,3 +226,8 @@ class StoreAdmin:
                 tenants=tuple(TenantStats(name, pages, self._tenants.bytes.get(name, 0))
                               for name, pages in pages_of.items()),
                 tiers=tiers, lock=self._lock.holds())
+
+
+def _tier_name(tier) -> str:
+    levels = tier.levels()
+    return levels[0].name if levels else ""

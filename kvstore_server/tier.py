@@ -3,8 +3,8 @@
 A page is named by (16-byte layout id, key of 1..64 bytes); a key names its contents, so
 two copies of one name hold the same bytes, and any tier may forget a page at any time.
 DRAM (store.py) is the top of the chain; everything below it is a `Tier`: the disk tier
-(disk.py), later a far tier, or several of them in a `TierChain`, top first. The store
-talks to "the tier below" only through this interface.
+(disk.py), the far tier (far/tier.py), or several of them in a `TierChain`, top first
+(DRAM -> disk -> far). The store talks to "the tier below" only through this interface.
 
 The whole life of a page, across the tiers:
 
@@ -14,7 +14,9 @@ The whole life of a page, across the tiers:
          │  │        the client writes the bytes into the slot, outside the lock
          │  └─ abort / the reservation expires ──► slot FREE, key never visible
          ▼
-      commit ──► READY: in the layout's index; touched by lookup and get
+      commit ──► READY: in the layout's index; touched by lookup and get; a write-through
+         │       tier (the far tier under --far-write through) is offered a copy now,
+         │       outside the lock, the slots pinned while it copies
          │
          ├─ lease (Lookup with a lease, Get, Acquire): a READ lease pins the DRAM pages
          │     while a client copies them out; release (or expiry) unpins them
@@ -173,6 +175,8 @@ class TierChain:
 
     def __init__(self, tiers: Sequence[Tier]) -> None:
         self.tiers = tuple(t for t in tiers if t.holds_pages)
+        # The largest chunk of keys any tier wants to be asked about at once (store.py).
+        self.probe_chunk = max((getattr(t, "probe_chunk", 0) for t in self.tiers), default=0)
 
     @property
     def holds_pages(self) -> bool:

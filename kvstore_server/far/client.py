@@ -177,7 +177,7 @@ class FarClient:
                 pages[i] = decoded.payload
                 nbytes += decoded.payload.nbytes
         hits = sum(p is not None for p in pages)
-        self.counters.add(hits=hits, misses=len(keys) - hits, bytes_read=nbytes)
+        self.counters.add(hits=hits, misses=len(keys) - hits, bytes_read=nbytes, pages_read=hits)
         return pages
 
     def put(self, layout_id: bytes, items: Sequence[tuple[bytes, object]],

@@ -25,6 +25,7 @@ class FarCounters:
     hits: int = 0               # keys found (exists) or pages served (get)
     misses: int = 0             # keys asked for and not found, for any reason
     bytes_read: int = 0         # payload bytes served from the far tier
+    pages_read: int = 0         # pages served (get), of the hits
     bytes_written: int = 0      # payload bytes stored in it
     pages_written: int = 0
     errors: int = 0             # commands or calls that failed (timeout, refused, down)

@@ -7,48 +7,68 @@ tier's parts:
 
     offer(layout, key, page)     -> WriteBehind.offer: a copy queued, never waits;
                                     refused while the breaker is open (no copy made)
-    contains(layout, keys)       -> FarClient.exists: one round trip per shard
+                                    and under --far-write off
+    contains(layout, keys)       -> FarClient.exists: one round trip per shard, within
+                                    --far-timeout; what it cannot learn in time is a miss
     read_into(layout, keys, outs)-> FarClient.get in batches of at most READ_BATCH bytes,
                                     each verified page copied into its out buffer
     delete(layout, keys)         -> FarClient.delete (UNLINK)
     evict(layout / everything)   -> FarClient.clear: this namespace's keys only; a byte
                                     amount is the cluster's own eviction's business
-    flush(timeout) / close()     -> the write-behind queue's
+    describe(layout, key)        -> one EXISTS (admin Inspect only)
+    levels()                     -> one TierStats "far" from the client's counters
+    flush(timeout) / close()     -> the write-behind queue's, then glide's
 
 Every method answers; none raises on the cluster's behalf (misses, False, 0).
 """
 
 from __future__ import annotations
 
-import time
+import logging
 from collections.abc import Sequence
 
 import numpy as np
 
+from ..tier import PageInfo, TierStats
 from .breaker import BreakerState
 from .client import FarClient
 from .codec import Reason
+from .settings import WritePolicy
 from .writer import WriteBehind
 
-__all__ = ["READ_BATCH", "FarTier"]
+__all__ = ["CLOSE_TIMEOUT", "PROBE_CHUNK", "READ_BATCH", "FarTier"]
 
 # Bytes one get asks for at once: what one call may hold in memory twice over (the
 # reply, then the verified copy into the caller's buffer), whatever the request's size.
+log = logging.getLogger("kvstore.far")
+
 READ_BATCH = 64 << 20
+
+# Keys one contains() may ask about: the store asks the tier below about a lookup's gaps
+# in chunks of this many (store.py). The disk tier's probe costs a dict lookup a key and
+# stops at the first chunk with a gap; a far probe costs a round trip per shard whatever
+# its size, so a lookup's gaps go in one call (a request holds at most 64 Ki keys).
+PROBE_CHUNK = 1 << 16
+
+# How long close() waits for the write-behind queue to drain before dropping the rest:
+# a stop must end; what is not written is a later miss, never a loss of this host's data.
+CLOSE_TIMEOUT = 5.0
 
 
 class FarTier:
     """A Valkey/Redis Cluster below the disk tier; a cache that may forget any page."""
 
     holds_pages = True
+    probe_chunk = PROBE_CHUNK
 
     def __init__(self, client: FarClient, writer: WriteBehind | None = None) -> None:
         self.client = client
+        self.writes = client.settings.write is not WritePolicy.OFF
         self.writer = writer or WriteBehind(client.put, client.settings.queue_bytes,
                                             client.counters)
 
     def offer(self, layout_id: bytes, key: bytes, page) -> bool:
-        if self.client.breaker.state is BreakerState.OPEN:
+        if not self.writes or self.client.breaker.state is BreakerState.OPEN:
             return False
         return self.writer.offer(layout_id, key, page)
 
@@ -83,6 +103,26 @@ class FarTier:
     def delete(self, layout_id: bytes, keys: Sequence[bytes]) -> int:
         return self.client.delete(layout_id, keys)
 
+    def describe(self, layout_id: bytes, key: bytes) -> PageInfo | None:
+        """Held or not (one EXISTS); its size is not asked for: that would fetch it."""
+        if not self.client.exists(layout_id, [key])[0]:
+            return None
+        return PageInfo("far", "HELD", 0)
+
+    def state(self) -> str:
+        """What admin stats shows: reachable, or what the breaker says."""
+        return {BreakerState.CLOSED: "reachable", BreakerState.OPEN: "breaker open",
+                BreakerState.HALF_OPEN: "probing"}[self.client.breaker.state]
+
+    def levels(self) -> tuple[TierStats, ...]:
+        c = self.client.counters
+        state = self.state()
+        return (TierStats("far", reads=c.pages_read, bytes_read=c.bytes_read,
+                          writes=c.pages_written, bytes_written=c.bytes_written,
+                          drops=c.drops, refused=c.skipped,
+                          corrupt_pages=sum(c.rejected.values()), read_errors=c.errors,
+                          error="" if state == "reachable" else state),)
+
     def evict(self, *, nbytes: int | None = None, layout_id: bytes | None = None,
               everything: bool = False) -> tuple[int, int]:
         """A layout's pages, or all of this namespace's: (pages, 0) — the cluster does not
@@ -90,6 +130,9 @@ class FarTier:
         cluster's maxmemory policy decides that."""
         if layout_id is None and not everything:
             return 0, 0
+        # Pages still queued (an admin's `evict --tier all` spills DRAM first) would land
+        # after the clear: send them first, for a bounded time.
+        self.writer.flush(CLOSE_TIMEOUT)
         return self.client.clear(layout_id if not everything else None), 0
 
     def flush(self, timeout: float) -> int:
@@ -97,8 +140,12 @@ class FarTier:
         return self.writer.depth()[0]
 
     def close(self) -> None:
-        deadline = time.monotonic() + 5.0
-        self.writer.close(max(0.0, deadline - time.monotonic()))
+        """Write what is queued for at most CLOSE_TIMEOUT s, then drop glide's client."""
+        left = self.writer.depth()[0]
+        self.writer.close(CLOSE_TIMEOUT)
+        if self.writer.depth()[0]:
+            log.warning("far tier: %d of %d queued pages not written at stop",
+                        self.writer.depth()[0], left)
         self.client.close()
 
 

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "capacity_bytes", "used_bytes", "pages", "hits", "misses", "evictions", "bytes_in", "bytes_out", "reads", "writes", "drops", "corrupt", "failed")
+    __slots__ = ("name", "capacity_bytes", "used_bytes", "pages", "hits", "misses", "evictions", "bytes_in", "bytes_out", "reads", "writes", "drops", "corrupt", "failed", "state", "errors")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,8 @@ class TierStats(_message.Message):
     DROPS_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
     name: str
     capacity_bytes: int
     used_bytes: int
@@ -37,7 +39,9 @@ class TierStats(_message.Message):
     drops: int
     corrupt: int
     failed: bool
-    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., reads: _Optional[int] = ..., writes: _Optional[int] = ..., drops: _Optional[int] = ..., corrupt: _Optional[int] = ..., failed: _Optional[bool] = ...) -> None: ...
+    state: str
+    errors: int
+    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., reads: _Optional[int] = ..., writes: _Optional[int] = ..., drops: _Optional[int] = ..., corrupt: _Optional[int] = ..., failed: _Optional[bool] = ..., state: _Optional[str] = ..., errors: _Optional[int] = ...) -> None: ...
 
 class LayoutStats(_message.Message):
     __slots__ = ("layout_id", "layout", "page_bytes", "pages", "used_bytes", "hits", "misses", "evictions", "bytes_in", "bytes_out", "tenant")

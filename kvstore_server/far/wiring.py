@@ -1,0 +1,49 @@
+"""The far tier as the server builds it: settings -> FarClient -> FarTier, its metrics
+registered, glide's own logging silenced.
+
+valkey-glide's Rust core logs to stdout on its own (a WARN line per failed reconnect,
+many a second while a node is down). The far tier says what matters itself, once per
+state change (breaker.py), so glide's logger is turned off rather than left to flood the
+server's output. Nothing connects here: the client connects on its first call, so a
+server starts (and serves from DRAM and disk) while the cluster is still down.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import glide_sync as glide
+
+from .client import FarClient
+from .metrics import FarCollector
+from .settings import WritePolicy, from_config
+from .tier import FarTier
+
+__all__ = ["open_far", "through"]
+
+log = logging.getLogger("kvstore.far")
+
+
+def open_far(config, registry=None) -> FarTier | None:
+    """The far tier of a ServerConfig, its kvstore_far_* collector in `registry`; None
+    without --far. ValueError says what is wrong with the settings."""
+    settings = from_config(config)
+    if settings is None:
+        return None
+    glide.Logger.set_logger_config(glide.LogLevel.OFF)
+    tier = FarTier(FarClient(settings))
+    if registry is not None:
+        registry.register(FarCollector(tier.client.counters, tier.writer.depth,
+                                       lambda: tier.client.breaker.state))
+    log.info("far tier: %s at %s, namespace %s, write %s, timeout %.0fms",
+             f"cluster={settings.cluster.value}",
+             ",".join(f"{h}:{p}" for h, p in settings.nodes), settings.namespace,
+             settings.write.value, settings.timeout * 1000)
+    return tier
+
+
+def through(tier: FarTier | None) -> FarTier | None:
+    """The tier every commit is offered to: the far tier under --far-write through."""
+    if tier is not None and tier.client.settings.write is WritePolicy.THROUGH:
+        return tier
+    return None
