@@ -6,18 +6,20 @@ many a second while a node is down). The far tier says what matters itself, once
 state change (breaker.py), so glide's logger is turned off rather than left to flood the
 server's output. Nothing connects here: the client connects on its first call, so a
 server starts (and serves from DRAM and disk) while the cluster is still down.
+
+The client library is imported only when --far is set: a server without a far tier
+starts where valkey-glide is not installed (its Rust core ships only for some platforms).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-import glide_sync as glide
-
-from .client import FarClient
-from .metrics import FarCollector
 from .settings import WritePolicy, from_config
-from .tier import FarTier
+
+if TYPE_CHECKING:
+    from .tier import FarTier
 
 __all__ = ["open_far", "through"]
 
@@ -30,6 +32,12 @@ def open_far(config, registry=None) -> FarTier | None:
     settings = from_config(config)
     if settings is None:
         return None
+    import glide_sync as glide
+
+    from .client import FarClient
+    from .metrics import FarCollector
+    from .tier import FarTier
+
     glide.Logger.set_logger_config(glide.LogLevel.OFF)
     tier = FarTier(FarClient(settings))
     if registry is not None:

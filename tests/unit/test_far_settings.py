@@ -63,3 +63,15 @@ def test_credentials_from_url_and_file(tmp_path):
 def test_bad_values_say_what_is_wrong(argv, words):
     with pytest.raises(ConfigError, match=words):
         load_config(argv, environ={})
+
+
+def test_a_server_without_far_needs_no_far_client_library():
+    """valkey-glide is imported only with --far: the server module loads without it."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['glide_sync'] = None\n"
+            "import kvstore_server.main\n"
+            "assert 'glide_sync' not in {m for m, v in sys.modules.items() if v}\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
