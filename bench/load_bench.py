@@ -161,7 +161,7 @@ def run(tokens: list[int], reps: int, sweep_ctas: list[int], copies: bool) -> di
                                          "save_gbps": gb / save_s})
             if sweep_pages <= max_pages:
                 # The default takes the copy engine for these adjacent pages; the kernel
-                # alone, for comparison (transfer.py: _DMA_MIN_RUN).
+                # alone, for comparison (connector/transfer/core.py: _DMA_MIN_RUN).
                 gb = sweep_pages * pb / 1e9
                 load_s, _ = measure(KVTransfer(views, LAYOUT.page_tokens, "cuda",
                                                method=CopyMethod.KERNEL), sweep_pages, True)

@@ -48,7 +48,7 @@ from .config import ConnectorConfig, open_client
 from .hostmem import Mappings
 from .meta import LoadSpec, SaveSpec, StepMeta
 from .outcomes import LoadOutcomes, Verdict
-from .transfer import KVTransfer, TransferError
+from .transfer import KVTransfer, TransferError, pinned_empty
 
 __all__ = ["WorkerHalf", "layer_order"]
 
@@ -148,11 +148,8 @@ class WorkerHalf:
         return mem
 
     def _buffer(self, n_pages: int) -> np.ndarray:
-        """A pinned host buffer for n pages (gRPC path)."""
-        import torch
-        nbytes = n_pages * self.ns.page_bytes
-        pin = self.device.type == "cuda"
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin).numpy()
+        """A pinned host buffer for n pages (no shared pool: pages cross the socket)."""
+        return pinned_empty(n_pages * self.ns.page_bytes, self.device)
 
     # -- loads --------------------------------------------------------------------------
     def start_load(self, meta: StepMeta) -> None:

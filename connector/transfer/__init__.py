@@ -1,0 +1,81 @@
+"""Page slabs <-> paged KV caches: the connector's one package of streams, events and kernels.
+
+Lifecycle (one KVTransfer per worker, used from the engine's thread; not thread-safe)::
+
+    reg = HostRegistration(client.region().mem)     once at attach: cudaHostRegister the
+                                                    whole pool mapping (never per request)
+    xfer = KVTransfer([kv5(t, kind) for t in caches], page_tokens, device)
+
+    load:  acq = client.acquire(ns, keys)           pages pinned in the pool
+           h = xfer.load(pool, acq.offsets, ns.layer_bytes, block_ids)
+                                                    every layer enqueued on the load stream,
+                                                    one event per layer; returns at once
+           h.wait_layer(l)                          before layer l's attention: the CURRENT
+                                                    stream waits on layer l's event only
+           h.done() / h.synchronize()               then acq.release()
+    save:  res = client.reserve(ns, keys)           offsets, -1 = already stored
+           xfer.save_layer(l, pool, res.offsets, block_ids)   after layer l wrote its KV:
+                                                    the save stream waits for the current
+                                                    stream's work so far, then copies out
+           xfer.finish_save()                       host sync on every save enqueued since
+                                                    the last finish_save; then res.commit()
+    reg.close()                                     at detach
+
+`block_ids` is (pages, k) int64: page p's tokens [j*block_size, (j+1)*block_size) live in
+engine block block_ids[p, j]; page_tokens = k * block_size. A page in host memory is
+num_layers slabs back to back, a slab [kv_factor, page_tokens, kv_heads, head_size]
+contiguous (kvstore_client.layout.PageLayout); the caches are kv5 views
+[kv_factor, blocks, block_size, kv_heads, head_size] (connector.kvviews).
+
+How a layer moves, and why (H200, PCIe Gen5 x16; DESIGN.md "Measured limits"):
+a layer's slabs of P pages sit at P scattered places in the pool (page p's slab at
+offsets[p] + l * layer_bytes), 64 KiB each for an 8B-shaped 16-token page. One cudaMemcpy
+per slab runs at ~11 GB/s at that size; a pinned staging copy needs the slabs contiguous
+in host memory first (a CPU gather, no faster than memcpy). So the GPU path is one Triton
+kernel per layer that reads the registered pool directly through its UVA address and
+writes each head straight into its engine block (for saves the reverse: reads the blocks,
+writes the pool) -- no staging buffer, no CPU copy, one launch per layer. Measured on
+the H200 by bench/load_bench.py (8B shape, vLLM 0.33 4D caches, random block ids, host
+wall-clock medians of 5 including launches, against one pinned cudaMemcpy of the bytes):
+
+    tokens  bytes     load GB/s  of H2D    save GB/s  of D2H
+    1k      128 MiB   44.0       80%       46.4       84%
+    4k      512 MiB   49.0       89%       49.6       90%
+    16k     2 GiB     50.3       91%       51.4       93%
+    32k     4 GiB     50.6       91%       52.0       94%      (H2D 55.1-55.5, D2H 55.0-55.3)
+    CopyMethod.COPIES at 16k: load 8.6, save 8.2 (one cudaMemcpy per 64 KiB slab)
+
+The ~9% left on loads is the SMs' own PCIe reads against the copy engine's DMA (DESIGN.md
+measured the same kernel idea at 51.3 of 55.5 on contiguous pages). The kernel is capped
+at `max_ctas` persistent programs so that a load beside the model leaves most SMs free.
+
+So a load whose pages lie in runs of adjacent slots (the usual case: a request's pages
+are reserved together) goes by the copy engine instead (CopyMethod.DMA): per layer, one
+cudaMemcpy2DAsync per run (rows of layer_bytes, pitch page_bytes) into a device staging
+buffer, then the same kernel scatters the staging buffer into the blocks, device to
+device, on a second stream while the next piece copies. Same bench, same run, H200:
+
+    tokens  load GB/s  of H2D    (kernel alone at 16k: 50.1 GB/s)
+    1k      45.8       83%
+    4k      51.7       94%
+    16k     53.9       97%
+    32k     54.4       98%
+
+On CPU tensors (CI) and with CopyMethod.COPIES the same API runs torch copies: per
+slab `copy_` into a staging tensor and one indexed write per layer (and the reverse);
+there are no streams on CPU and every call completes before it returns.
+
+The package, one idea a module: `plan` (geometry and page checks: numpy, no device),
+`runtime` (CUDA runtime calls, host registration, pinned buffers, events), `handles`
+(what a caller waits on), `kernel` (the Triton copy kernel and its launch), `copies`
+(torch copies: CPU and the CUDA fallback), `dma` (the copy-engine load path), `core`
+(KVTransfer: streams, save bookkeeping and the choice of path).
+"""
+
+from .core import KVTransfer
+from .handles import LoadHandle, SaveHandle
+from .plan import CopyMethod
+from .runtime import HostRegistration, TransferError, pinned_empty
+
+__all__ = ["CopyMethod", "HostRegistration", "KVTransfer", "LoadHandle", "SaveHandle",
+           "TransferError", "pinned_empty"]

@@ -1,0 +1,178 @@
+"""KVTransfer: one worker's streams, its save bookkeeping and the choice of copy path."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from . import copies, kernel
+from .dma import DEFAULT_STAGING_BYTES, DmaLoader
+from .handles import LoadHandle, SaveHandle
+from .plan import CopyMethod, Plan, as_tensor, check_pages, geometry, page_runs
+from .runtime import on_stream, record
+
+__all__ = ["KVTransfer"]
+
+# When a load goes by the copy engine (dma.py). A lone 64 KiB slab copies at ~11.5 GB/s,
+# so only when the load's pages form runs of at least this many on average ...
+_DMA_MIN_RUN = 8
+# ... and only when a layer of the load is this large. The DMA path costs the host more per
+# layer (a 2D copy per run, two streams, events between them): in the 8B e2e bench on the
+# H200 a 1,024-token load (4 MiB a layer) went from 88% to 94% of a pinned copy on the
+# device but from 66% to 42% timed on the host, its hit TTFT no better; from 4,096 tokens
+# (16 MiB a layer) both gained (device 91 -> 97%, host 82 -> 86%).
+_DMA_MIN_LAYER_BYTES = 8 << 20
+
+
+class KVTransfer:
+    """Moves page slabs between host memory and the engine's paged caches, layer by layer.
+
+    layers: kv5 views in layer order (connector.kvviews.kv5), all of one shape and dtype;
+    page_tokens: tokens per store page (a multiple of the views' block_size);
+    device: where the views live. max_ctas caps the kernel's programs (0 = one per tile);
+    method: None = KERNEL on CUDA, COPIES on CPU.
+    """
+
+    def __init__(self, layers: Sequence[torch.Tensor], page_tokens: int,
+                 device: torch.device | str | None = None, *,
+                 max_ctas: int = kernel.DEFAULT_MAX_CTAS, method: CopyMethod | None = None,
+                 staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+        self.layers = list(layers)
+        self.geo = geometry(self.layers, page_tokens)
+        self.device = torch.device(device) if device is not None else self.layers[0].device
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.layers[0].device != self.device:
+            raise ValueError(f"the views are on {self.layers[0].device}, not {self.device}")
+        self.cuda = self.device.type == "cuda"
+        self.method = method or (CopyMethod.KERNEL if self.cuda else CopyMethod.COPIES)
+        if self.method in (CopyMethod.KERNEL, CopyMethod.DMA) and not kernel.available():
+            raise ValueError(f"{self.method} needs Triton")
+        if self.method is CopyMethod.DMA and not self.cuda:
+            raise ValueError("CopyMethod.DMA needs a CUDA device")
+        # Unless a method was named, a CUDA load of pages in runs goes by DMA.
+        self._dma_auto = method is None and self.cuda
+        self._dma = DmaLoader(self.device, staging_bytes)
+        self.max_ctas = max_ctas
+        # Byte views: strides in bytes, a uint8 pointer for the kernel.
+        self._bytes = [v.view(torch.uint8) for v in self.layers]
+        self._cache_align = math.gcd(self.geo.unit, *(s for b in self._bytes
+                                                      for s in b.stride()[:4]),
+                                     *(b.data_ptr() for b in self._bytes))
+        self._load_stream = self._save_stream = None
+        if self.cuda:
+            # Loads gate the model's layers: high priority, so their programs are
+            # scheduled ahead of queued compute work. Saves have slack until finish_save.
+            self._load_stream = torch.cuda.Stream(self.device, priority=-1)
+            self._save_stream = torch.cuda.Stream(self.device)
+        self._pending: list = []          # save events since the last finish_save
+        self._pending_keep: list = []     # what those saves read or write
+        self._save_plans: dict = {}       # checked save pages, until finish_save
+
+    # -- loads ---------------------------------------------------------------------------
+    def load(self, host: np.ndarray, offsets: np.ndarray, layer_bytes: int,
+             block_ids: np.ndarray) -> LoadHandle:
+        """Enqueue every layer of pages at `offsets` in `host` into `block_ids`.
+
+        On CUDA the load stream first waits for the current stream's work so far (the
+        blocks may have been in use), then copies layer by layer; the host memory must be
+        registered (HostRegistration) or pinned, and stay untouched until done(). Keep the
+        handle until then: it holds what the copies read.
+        """
+        if layer_bytes != self.geo.layer_bytes:
+            raise ValueError(f"layer_bytes {layer_bytes} does not match the caches: "
+                             f"{self.geo.layer_bytes} per layer of a {self.geo.page_tokens}-"
+                             f"token page")
+        events = []
+        with on_stream(self._load_stream, self.device):
+            plan = self._plan(host, offsets, block_ids, save=False)
+            runs = page_runs(plan.offsets, len(self.layers) * self.geo.layer_bytes)
+            if self.method is CopyMethod.DMA or (
+                    self._dma_auto and runs and len(plan.offsets) >= _DMA_MIN_RUN * len(runs)
+                    and len(plan.offsets) * self.geo.layer_bytes >= _DMA_MIN_LAYER_BYTES):
+                events = self._dma.load(self.geo, len(self.layers), plan, runs,
+                                        self._load_stream, self._cache_align, self._scatter)
+                return LoadHandle(self.device, events, (plan,))
+            for layer in range(len(self.layers)):
+                self._copy_layer(layer, plan, to_cache=True)
+                events.append(record(self._load_stream))
+        return LoadHandle(self.device, events if self.cuda else None, (plan,))
+
+    def _scatter(self, staging: torch.Tensor, layer: int, pages: int, offs: torch.Tensor,
+                 blocks: torch.Tensor, align: int) -> None:
+        kernel.launch(self.geo, self._bytes[layer], staging, pages, offs, blocks, 0, align,
+                      True, self.max_ctas)
+
+    # -- saves ---------------------------------------------------------------------------
+    def save_layer(self, layer: int, host: np.ndarray, offsets: np.ndarray,
+                   block_ids: np.ndarray) -> None:
+        """Copy layer `layer` of the pages in `block_ids` to `host` at `offsets` (-1: skip).
+
+        On CUDA the save stream first waits for the current stream's work so far (the
+        layer's KV was just written there); finish_save() waits for the copies.
+        """
+        if not 0 <= layer < len(self.layers):
+            raise IndexError(f"layer {layer} out of range [0, {len(self.layers)})")
+        with on_stream(self._save_stream, self.device):
+            # Called once per layer with the same pages: check and upload them once per
+            # finish_save. The key holds the host array's identity and every value.
+            offsets = np.asarray(offsets, dtype=np.int64)
+            block_ids = np.asarray(block_ids, dtype=np.int64)
+            key = (id(host), offsets.tobytes(), block_ids.tobytes(), block_ids.shape)
+            plan = self._save_plans.get(key)
+            if plan is None or plan.host is not host:
+                plan = self._save_plans[key] = self._plan(host, offsets, block_ids, save=True)
+            self._copy_layer(layer, plan, to_cache=False)
+            event = record(self._save_stream)
+        if self.cuda:
+            self._pending.append(event)
+            self._pending_keep.append(plan)
+
+    def finish_save(self, wait: bool = True) -> SaveHandle:
+        """A handle on every save enqueued since the last call; wait=True blocks until they
+        have landed (TransferError if one failed)."""
+        events, keep = self._pending, tuple(self._pending_keep)
+        self._pending, self._pending_keep = [], []
+        self._save_plans = {}
+        handle = SaveHandle(self.device, events if (self.cuda and events) else None, keep)
+        if wait:
+            handle.synchronize()
+        return handle
+
+    # -- shared ----------------------------------------------------------------------------
+    def _plan(self, host: np.ndarray, offsets, block_ids, *, save: bool) -> Plan:
+        """Checked pages of one load or save, with the index uploaded to the device
+        (current stream)."""
+        offsets, block_ids = check_pages(self.geo, len(self.layers), host, offsets,
+                                         block_ids, save=save)
+        host_t = as_tensor(host)
+        align = math.gcd(self._cache_align, host_t.data_ptr(), self.geo.layer_bytes,
+                         int(np.gcd.reduce(offsets)) if len(offsets) else 0, 16)
+        return Plan(host, host_t, offsets, block_ids, self._upload(offsets, block_ids), align)
+
+    def _upload(self, offsets: np.ndarray, block_ids: np.ndarray) -> torch.Tensor | None:
+        """offsets then block ids as one int64 tensor on the device (current stream), for
+        the kernel; None for CopyMethod.COPIES."""
+        if self.method is CopyMethod.COPIES or not len(offsets):
+            return None
+        staged = torch.empty(len(offsets) + block_ids.size, dtype=torch.int64,
+                             pin_memory=self.cuda)
+        staged_np = staged.numpy()
+        staged_np[:len(offsets)] = offsets
+        staged_np[len(offsets):] = block_ids.reshape(-1)
+        return staged.to(self.device, non_blocking=True)
+
+    def _copy_layer(self, layer: int, plan: Plan, *, to_cache: bool) -> None:
+        pages = len(plan.offsets)
+        if not pages:
+            return
+        if self.method is CopyMethod.COPIES:
+            copies.copy_layer(self.geo, self.layers[layer], layer, plan, to_cache=to_cache,
+                              device=self.device)
+            return
+        kernel.launch(self.geo, self._bytes[layer], plan.host_t, pages, plan.meta[:pages],
+                      plan.meta[pages:], layer * self.geo.layer_bytes, plan.align, to_cache,
+                      self.max_ctas)
