@@ -274,7 +274,7 @@ class LlamaModel(nn.Module):
         if first.dtype != self.dtype or first.device != self.device:
             raise ValueError(f"kv_caches are {first.dtype} on {first.device}; the model is "
                              f"{self.dtype} on {self.device}")
-        meta = prepare_step(seqs, num_blocks, block_size, self.device)
+        meta = prepare_step(seqs, num_blocks, block_size, self.device, cfg.num_kv_heads)
         freqs = meta.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         cos = freqs.cos().to(self.dtype).unsqueeze(1)  # [T, 1, head_size / 2]
         sin = freqs.sin().to(self.dtype).unsqueeze(1)

@@ -29,6 +29,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
+from . import paged_attn
+from .paged_attn import PagedPlan
+
 # SDPA's backends, cuDNN left out. On the H200 (torch 2.11) SDPA picks cuDNN for the decode
 # attention, and there two identical greedy runs of the 1B preset drew different attention
 # outputs from equal inputs from the third decode step on (a race: it went away when the
@@ -182,12 +185,17 @@ class StepMetadata:
     positions: torch.Tensor  # [T] each token's position in its sequence
     slots: torch.Tensor  # [T] where each token's K/V is written
     last_index: torch.Tensor  # [B] row of each request's last new token
-    groups: list[_AttnGroup]
+    groups: list[_AttnGroup]  # for torch's attention ops (empty when `paged` is set)
+    block_table: torch.Tensor | None = None  # [B, max_blocks], for the paged kernel
+    paged: PagedPlan | None = None  # the step's tiles: attention by paged_attn's kernel
 
 
 def prepare_step(seqs: Sequence[SeqStep], num_blocks: int, block_size: int,
-                 device: torch.device) -> StepMetadata:
-    """Validate a step and build its metadata: one small host-to-device copy per table."""
+                 device: torch.device, num_kv_heads: int | None = None) -> StepMetadata:
+    """Validate a step and build its metadata: one small host-to-device copy per table.
+
+    With num_kv_heads on a CUDA device, a step whose requests add at most
+    paged_attn.MAX_QUERY tokens each attends through paged_attn's kernel."""
     if not seqs:
         raise ValueError("a step needs at least one request")
     q_lens = [len(s.token_ids) for s in seqs]
@@ -218,12 +226,17 @@ def prepare_step(seqs: Sequence[SeqStep], num_blocks: int, block_size: int,
     # (ctx - q) + (t - start): the per-request part is gathered, the rest is one arange.
     first_minus_start = ctx_lens_t - q_lens_t - starts
     positions = first_minus_start[req_index] + torch.arange(num_tokens, device=device)
+    paged = None
+    if num_kv_heads and paged_attn.available(device) and max(q_lens) <= paged_attn.MAX_QUERY:
+        paged = paged_attn.plan(q_lens, ctx_lens, num_kv_heads, device)
     return StepMetadata(
         input_ids=input_ids,
         positions=positions,
         slots=slot_mapping(block_table, req_index, positions, block_size),
         last_index=starts + q_lens_t - 1,
-        groups=_attention_groups(q_lens, ctx_lens, block_table),
+        groups=[] if paged else _attention_groups(q_lens, ctx_lens, block_table),
+        block_table=block_table,
+        paged=paged,
     )
 
 
@@ -271,6 +284,8 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: StepMetadata)
     The step's new K/V must already be written (``write_kv``): attention reads every key,
     old and new, from ``kv_layer``. Returns ``[T, heads * head_size]``.
     """
+    if meta.paged is not None:
+        return paged_attn.paged_attention_triton(q, kv_layer, meta.block_table, meta.paged)
     if len(meta.groups) == 1:
         return _attend_group(q, kv_layer, meta.groups[0])
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
