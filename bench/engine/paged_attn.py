@@ -92,8 +92,8 @@ def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, block_table:
     k, v = kv_layer[0], kv_layer[1]
     scale = 1.0 / math.sqrt(head)
     grid = (p.num_tiles, kv_heads, p.splits)
-    common = dict(GROUP=group, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, D=head,
-                  BS=kv_layer.shape[2], num_warps=4, num_stages=2)
+    common = {"GROUP": group, "BLOCK_M": _BLOCK_M, "BLOCK_N": _BLOCK_N, "D": head,
+              "BS": kv_layer.shape[2], "num_warps": 4, "num_stages": 2}
     if p.splits == 1:
         _attn_kernel[grid](q, k, v, block_table, p.tiles, out, out, out,
                            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
