@@ -25,6 +25,12 @@ _DMA_MIN_RUN = 8
 # device but from 66% to 42% timed on the host, its hit TTFT no better; from 4,096 tokens
 # (16 MiB a layer) both gained (device 91 -> 97%, host 82 -> 86%).
 _DMA_MIN_LAYER_BYTES = 8 << 20
+# Layers one kernel launch covers (loads and saves by the kernel). Each launch costs ~40 us
+# of host time on the H200 host, as much as the bytes of a layer of a short load need on
+# PCIe, so launching per layer made short loads launch-bound. A wait for layer l waits for
+# its group, at most GROUP - 1 layers more: loads large enough for that to matter go by
+# DMA, layer by layer.
+_GROUP = 4
 
 
 class KVTransfer:
@@ -62,6 +68,16 @@ class KVTransfer:
         self._cache_align = math.gcd(self.geo.unit, *(s for b in self._bytes
                                                       for s in b.stride()[:4]),
                                      *(b.data_ptr() for b in self._bytes))
+        # One launch covers _GROUP layers when the caches share their strides, else one.
+        self._tables: list[kernel.LayerTable] = []
+        self._group = 1
+        if self.method is not CopyMethod.COPIES:
+            try:
+                self._tables = [kernel.LayerTable(self._bytes)]
+                self._group = _GROUP
+            except ValueError:
+                self._tables = [kernel.LayerTable([b]) for b in self._bytes]
+        self._save_runs: dict = {}        # plan key -> [first, last] layers not launched
         self._load_stream = self._save_stream = None
         if self.cuda:
             # Loads gate the model's layers: high priority, so their programs are
@@ -96,44 +112,96 @@ class KVTransfer:
                 events = self._dma.load(self.geo, len(self.layers), plan, runs,
                                         self._load_stream, self._cache_align, self._scatter)
                 return LoadHandle(self.device, events, (plan,))
-            for layer in range(len(self.layers)):
-                self._copy_layer(layer, plan, to_cache=True)
-                events.append(record(self._load_stream))
+            if self.method is CopyMethod.COPIES:
+                for layer in range(len(self.layers)):
+                    copies.copy_layer(self.geo, self.layers[layer], layer, plan,
+                                      to_cache=True, device=self.device)
+                    events.append(record(self._load_stream))
+            else:
+                for first in range(0, len(self.layers), self._group):
+                    count = min(self._group, len(self.layers) - first)
+                    self._launch(first, count, plan, to_cache=True)
+                    events += [record(self._load_stream)] * count
         return LoadHandle(self.device, events if self.cuda else None, (plan,))
 
     def _scatter(self, staging: torch.Tensor, layer: int, pages: int, offs: torch.Tensor,
                  blocks: torch.Tensor, align: int) -> None:
-        kernel.launch(self.geo, self._bytes[layer], staging, pages, offs, blocks, 0, align,
-                      True, self.max_ctas)
+        table, first = self._table(layer)
+        kernel.launch(self.geo, table, first, 1, staging, pages, offs, blocks, 0, align, True,
+                      self.max_ctas)
+
+    def _table(self, layer: int) -> tuple[kernel.LayerTable, int]:
+        """The layer table holding `layer`, and the layer's index in it."""
+        if len(self._tables) == 1:
+            return self._tables[0], layer
+        return self._tables[layer], 0
+
+    def _launch(self, first: int, count: int, plan: Plan, *, to_cache: bool) -> None:
+        """The kernel over layers [first, first + count) of the plan's pages."""
+        pages = len(plan.offsets)
+        if not pages:
+            return
+        table, at = self._table(first)
+        kernel.launch(self.geo, table, at, count, plan.host_t, pages, plan.meta[:pages],
+                      plan.meta[pages:], self.geo.layer_bytes, plan.align, to_cache,
+                      self.max_ctas)
 
     # -- saves ---------------------------------------------------------------------------
     def save_layer(self, layer: int, host: np.ndarray, offsets: np.ndarray,
                    block_ids: np.ndarray) -> None:
         """Copy layer `layer` of the pages in `block_ids` to `host` at `offsets` (-1: skip).
 
-        On CUDA the save stream first waits for the current stream's work so far (the
-        layer's KV was just written there); finish_save() waits for the copies.
+        On CUDA the copy runs on the save stream after the current stream's work so far
+        (the layer's KV was just written there), launched with the layers after it in its
+        group of consecutive layers (the group's last layer, or finish_save, launches
+        them; a layer's KV is not rewritten within a step); finish_save() waits for the
+        copies.
         """
         if not 0 <= layer < len(self.layers):
             raise IndexError(f"layer {layer} out of range [0, {len(self.layers)})")
-        with on_stream(self._save_stream, self.device):
-            # Called once per layer with the same pages: check and upload them once per
-            # finish_save. The key holds the host array's identity and every value.
-            offsets = np.asarray(offsets, dtype=np.int64)
-            block_ids = np.asarray(block_ids, dtype=np.int64)
-            key = (id(host), offsets.tobytes(), block_ids.tobytes(), block_ids.shape)
-            plan = self._save_plans.get(key)
-            if plan is None or plan.host is not host:
+        # Called once per layer with the same pages: check and upload them once per
+        # finish_save. The key holds the host array's identity and every value.
+        offsets = np.asarray(offsets, dtype=np.int64)
+        block_ids = np.asarray(block_ids, dtype=np.int64)
+        key = (id(host), offsets.tobytes(), block_ids.tobytes(), block_ids.shape)
+        plan = self._save_plans.get(key)
+        if plan is None or plan.host is not host:
+            with on_stream(self._save_stream, self.device):
                 plan = self._save_plans[key] = self._plan(host, offsets, block_ids, save=True)
-            self._copy_layer(layer, plan, to_cache=False)
-            event = record(self._save_stream)
+        if self.method is CopyMethod.COPIES:
+            with on_stream(self._save_stream, self.device):
+                copies.copy_layer(self.geo, self.layers[layer], layer, plan, to_cache=False,
+                                  device=self.device)
+            self._saved(plan)
+            return
+        run = self._save_runs.get(key)
+        if run is not None and layer != run[1] + 1:
+            self._flush_save(key)             # not the next layer: launch what is held
+            run = None
+        if run is None:
+            run = self._save_runs[key] = [layer, layer]
+        run[1] = layer
+        if layer - run[0] + 1 >= self._group or layer == len(self.layers) - 1:
+            self._flush_save(key)
+
+    def _flush_save(self, key) -> None:
+        first, last = self._save_runs.pop(key)
+        plan = self._save_plans[key]
+        with on_stream(self._save_stream, self.device):
+            for at in range(first, last + 1, self._group):
+                self._launch(at, min(last + 1 - at, self._group), plan, to_cache=False)
+        self._saved(plan)
+
+    def _saved(self, plan: Plan) -> None:
         if self.cuda:
-            self._pending.append(event)
+            self._pending.append(record(self._save_stream))
             self._pending_keep.append(plan)
 
     def finish_save(self, wait: bool = True) -> SaveHandle:
         """A handle on every save enqueued since the last call; wait=True blocks until they
         have landed (TransferError if one failed)."""
+        for key in list(self._save_runs):
+            self._flush_save(key)
         events, keep = self._pending, tuple(self._pending_keep)
         self._pending, self._pending_keep = [], []
         self._save_plans = {}
@@ -164,15 +232,3 @@ class KVTransfer:
         staged_np[:len(offsets)] = offsets
         staged_np[len(offsets):] = block_ids.reshape(-1)
         return staged.to(self.device, non_blocking=True)
-
-    def _copy_layer(self, layer: int, plan: Plan, *, to_cache: bool) -> None:
-        pages = len(plan.offsets)
-        if not pages:
-            return
-        if self.method is CopyMethod.COPIES:
-            copies.copy_layer(self.geo, self.layers[layer], layer, plan, to_cache=to_cache,
-                              device=self.device)
-            return
-        kernel.launch(self.geo, self._bytes[layer], plan.host_t, pages, plan.meta[:pages],
-                      plan.meta[pages:], layer * self.geo.layer_bytes, plan.align, to_cache,
-                      self.max_ctas)
