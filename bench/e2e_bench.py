@@ -593,7 +593,39 @@ def report(r: dict) -> str:
     verdict = acceptance(r)
     if verdict is not None:
         lines += ["", verdict[1]]
+    lines += hit_checks(r)
     return "\n".join(lines)
+
+
+# What a hit must cost at each length (GPU): never more than recomputing; at least these
+# speed-ups; at most this much connector time beyond the load on the device and the
+# remaining compute; a miss that saves at most this much slower than recomputing (>= 1k).
+HIT_SPEEDUPS = {4096: 3.0, 16384: 12.0, 32768: 20.0}
+HIT_OVERHEAD_MS = 3.0
+MISS_SAVE_RATIO, MISS_SAVE_FROM = 1.05, 1024
+
+
+def hit_checks(r: dict) -> list[str]:
+    """One line per preset and length: speed-up, connector overhead on the hit (hit TTFT -
+    load on the device - the remaining prefill alone) and miss+save / recompute, each
+    against its bound; empty off the GPU."""
+    if r["device"] != "cuda":
+        return []
+    lines = ["", "hit path (speed-up >= 1x, and 3x/12x/20x at 4k/16k/32k; overhead = hit - "
+                 f"load (device) - rest <= {HIT_OVERHEAD_MS:g} ms; miss+save / recompute <= "
+                 f"{MISS_SAVE_RATIO} from {MISS_SAVE_FROM} tokens):"]
+    for p in r["ttft"]:
+        speedup = p["recompute_s"] / p["dram_hit_s"]
+        need = HIT_SPEEDUPS.get(p["tokens"], 1.0)
+        checks = [f"{speedup:.1f}x {'ok' if speedup >= need else 'FAIL'} (>= {need:g}x)"]
+        if p.get("load_device_ms") is not None and p.get("rest_s") is not None:
+            over = (p["dram_hit_s"] - p["rest_s"]) * 1e3 - p["load_device_ms"]
+            checks.append(f"overhead {over:.1f} ms {'ok' if over <= HIT_OVERHEAD_MS else 'FAIL'}")
+        miss = p["miss_save_s"] / p["recompute_s"]
+        if p["tokens"] >= MISS_SAVE_FROM:
+            checks.append(f"miss+save {miss:.2f}x {'ok' if miss <= MISS_SAVE_RATIO else 'FAIL'}")
+        lines.append(f"  {p['preset']} {p['tokens']}: " + ", ".join(checks))
+    return lines
 
 
 def acceptance(r: dict) -> tuple[bool, str] | None:
