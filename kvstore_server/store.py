@@ -18,15 +18,13 @@ into slots a RESERVE lease owns or out of slots a READ lease pins, so no copy ca
 with a reuse of its slot. The tier below is asked outside the lock too (it has its own),
 except offer, which never waits.
 
-Why this module is over 400 lines: every state change of a slot happens here, under the
-one lock, and reads best in one place; the bulk operations an admin runs (evict, clear,
-spill at stop) are in store_admin.py.
+Store is one class over one lock, written as mixins by idea: the per-request lifecycle
+here, slots coming free and eviction in store_evict.py, lease endings in store_leases.py,
+the bulk operations an admin runs (evict, clear, spill at stop) in store_admin.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import math
 import threading
 import time
@@ -38,7 +36,7 @@ from kvstore_client.keys import Packed
 from kvstore_client.layout import PageLayout
 
 from .errors import Outcome, Reason, StoreError
-from .eviction import PolicyFactory, enough, make_policy
+from .eviction import PolicyFactory, make_policy
 from .layouts import LayoutInfo, LayoutRegistry
 from .leases import Lease, LeaseKind, LeaseTable
 from .pool import Pool
@@ -46,13 +44,14 @@ from .quota import TenantLedger
 from .region import HEADER_BYTES, Region
 from .slots import SlotState, SlotTable
 from .store_admin import StoreAdmin
+from .store_evict import StoreEviction
+from .store_leases import StoreLeases, owns
+from .store_values import Pinned, Reservation
 from .tenants import DEFAULT_TENANT
 from .tier import NullTier, Tier
 from .timed_lock import TimedLock
 
 __all__ = ["FOREVER", "LayoutInfo", "Pinned", "Reservation", "Store"]
-
-log = logging.getLogger(__name__)
 
 FREE, WRITING, READY, DOOMED = SlotState
 
@@ -65,40 +64,7 @@ MAX_LOOKUP_LAYOUTS = 256
 _PROBE_CHUNK = 1024
 
 
-def _owns(tenant: str | None, lease: Lease) -> bool:
-    """May this caller end the lease? None is the server itself, which may end any."""
-    return tenant is None or lease.owner == tenant
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Reservation:
-    """Slots for a put: slots[i] = -1 where keys[i] is not this put's to write: already
-    stored or named earlier in the request (skipped), or being written by another
-    reservation (in flight: stored only if that one commits, so a caller that must have
-    the page stored puts it again later)."""
-
-    lease_id: int
-    info: LayoutInfo
-    slots: np.ndarray
-    offsets: np.ndarray       # byte offset in the region of each slot (-1 if not written)
-    in_flight: int = 0
-
-    @property
-    def skipped(self) -> int:
-        return int(np.count_nonzero(self.slots < 0)) - self.in_flight
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Pinned:
-    """Pages pinned by a READ lease, in the order of the keys asked."""
-
-    lease_id: int
-    info: LayoutInfo
-    slots: np.ndarray
-    offsets: np.ndarray
-
-
-class Store(StoreAdmin):
+class Store(StoreLeases, StoreEviction, StoreAdmin):
     """Pages of every layout in one shared region, with leases and policy eviction."""
 
     def __init__(self, region: Region, *, lease_ttl: float = 30.0,
@@ -284,22 +250,6 @@ class Store(StoreAdmin):
             offsets = np.where(slots >= 0, self.pool.offset[np.maximum(slots, 0)], -1)
             return Reservation(lease.lease_id, info, slots, offsets, in_flight)
 
-    def _room_for(self, info: LayoutInfo, n: int, quota: int) -> None:
-        """Evict info's tenant's coldest pages so that n more fit its quota (quota.py)."""
-        mine = [i for i in self._layouts.by_idx if i.tenant == info.tenant]
-        page_bytes = np.array([i.page_bytes for i in self._layouts.by_idx], dtype=np.int64)
-        self._evict(self._tenants.quota_room(
-            info, n, quota, mine, self._evictable_of, self._policy,
-            lambda victims: page_bytes[self._slots.layout_of[victims]]))
-        self._evict(self._tenants.footprint_room(
-            info, n, quota, self.pool, self._layouts.of_tenant(info.tenant, info.cls),
-            self._evictable_of, self._policy))
-
-    def _evictable_of(self, layouts: list[int]) -> np.ndarray:
-        """Mask over slot ids: unleased READY pages of these layouts (by idx)."""
-        n_ids = self.pool.id_capacity
-        return self._evictable() & np.isin(self._slots.layout_of[:n_ids], layouts)
-
     def commit(self, lease_id: int, tenant: str | None = None, *,
                write_through: bool = True) -> int:
         """Make a reservation's pages visible; returns how many became READY.
@@ -350,7 +300,7 @@ class Store(StoreAdmin):
         with self._lock:
             lease = self._leases.get(lease_id)
             if (lease is None or lease.kind is not LeaseKind.RESERVE
-                    or not _owns(tenant, lease)):
+                    or not owns(tenant, lease)):
                 return False
             self._undo_reservation(self._leases.pop(lease_id))
             return True
@@ -428,65 +378,6 @@ class Store(StoreAdmin):
             self.promotions += promoted
         return True
 
-    def release(self, lease_id: int, tenant: str | None = None) -> bool:
-        """End a lease: a READ lease unpins its pages; a RESERVE lease is undone, as abort
-        does. False if it was unknown, had already expired, or is another tenant's
-        (tenant None: the server itself)."""
-        with self._lock:
-            lease = self._leases.get(lease_id)
-            if lease is None or not _owns(tenant, lease):
-                return False
-            self._leases.pop(lease_id)
-            if lease.kind is LeaseKind.RESERVE:
-                self._undo_reservation(lease)
-            else:
-                self._unpin(lease.slots)
-            return True
-
-    def _unpin(self, slots: np.ndarray) -> None:
-        np.subtract.at(self._slots.pins, slots, 1)
-        doomed = slots[(self._slots.state[slots] == DOOMED) & (self._slots.pins[slots] == 0)]
-        if doomed.size:
-            self._free(np.unique(doomed))
-
-    def _take(self, lease_id: int, kind: LeaseKind, tenant: str | None = None) -> Lease:
-        lease = self._leases.get(lease_id)
-        # Another tenant's lease reads as unknown: ids are guessable, existence is not news.
-        if lease is None or lease.kind is not kind or not _owns(tenant, lease):
-            raise StoreError(Outcome.EXPIRED, f"{kind.value} lease {lease_id} is unknown or "
-                                              "has expired")
-        return self._leases.pop(lease_id)
-
-    def expire_leases(self) -> int:
-        """Undo every lease past its expiry (a client that died holding it)."""
-        with self._lock:
-            gone = self._leases.expired()
-            self._undo_leases(gone)
-            if gone:
-                log.info("expired %d leases (%d pages) not released in time", len(gone),
-                         sum(len(lease.slots) for lease in gone))
-            return len(gone)
-
-    def break_leases(self) -> int:
-        """Admin --force: undo every lease and reservation a client holds now, as if it
-        had expired (a client that died holding them, before --lease-ttl ends them). A
-        client still copying from a page so released may read a reused slot: for an
-        operator who knows its clients are gone. Put and Get streams are never broken."""
-        with self._lock:
-            gone = self._leases.take_breakable()
-            self._undo_leases(gone)
-        if gone:
-            log.warning("admin broke %d leases (%d pages)", len(gone),
-                        sum(len(lease.slots) for lease in gone))
-        return len(gone)
-
-    def _undo_leases(self, leases: list[Lease]) -> None:
-        for lease in leases:
-            if lease.kind is LeaseKind.RESERVE:
-                self._undo_reservation(lease)
-            else:
-                self._unpin(lease.slots)
-
     # -- deletes --------------------------------------------------------------------
     def delete(self, layout_id: bytes, keys: Packed | Sequence[bytes]) -> int:
         """Delete pages; a leased one turns invisible now and is freed at release."""
@@ -512,99 +403,3 @@ class Store(StoreAdmin):
                       if k not in in_dram]
             deleted += self.lower.delete(layout_id, others)
         return deleted
-
-    def _drop(self, slots: np.ndarray) -> None:
-        """Slots already out of the index: free them, or doom them while pinned."""
-        if not slots.size:
-            return
-        pinned = self._slots.pins[slots] > 0
-        self._slots.state[slots[pinned]] = DOOMED
-        self._policy.remove(slots[pinned])
-        self._free(slots[~pinned])
-
-    # -- slots and eviction -----------------------------------------------------------
-    def _free(self, slots) -> None:
-        slots = np.asarray(slots, dtype=np.int64)
-        if not slots.size:
-            return
-        owners = self._slots.layout_of[slots]
-        per_layout = np.bincount(owners[owners >= 0], minlength=len(self._layouts))
-        for idx in np.flatnonzero(per_layout).tolist():
-            self._tenants.refund(self._layouts.by_idx[idx], int(per_layout[idx]))
-        self._slots.clear(slots)
-        self._policy.remove(slots)
-        self.pool.free(slots)
-
-    def _evictable(self) -> np.ndarray:
-        self._slots.grow(self.pool.id_capacity)
-        return self._slots.evictable(self.pool.id_capacity)
-
-    def _evict(self, slots: np.ndarray) -> int:
-        """Evict these unleased READY slots, spilling each page to the tier below (a
-        copy into its staging memory, or dropped when its queue is full: offer never
-        waits); returns bytes freed."""
-        if not slots.size:
-            return 0
-        for idx, key_size, members in self._slots.groups(slots):
-            info = self._layouts.by_idx[idx]
-            index = info.ready[key_size]
-            if self.lower.holds_pages:
-                pb = info.page_bytes
-                for key, slot in zip(index.keys_of(members), members.tolist()):
-                    off = int(self.pool.offset[slot])
-                    self.lower.offer(info.layout_id, key.tobytes(), self.mem[off:off + pb])
-            index.remove_slots(members)
-            info.evictions += len(members)
-        freed = int(self.pool.class_bytes[self.pool.cls[slots]].sum())
-        self.evictions += len(slots)
-        self._free(slots)
-        return freed
-
-    def _alloc(self, cls: int, n: int) -> np.ndarray:
-        """n slots of class cls, evicting in the policy's order if needed."""
-        got = self.pool.alloc(cls, n)
-        self._slots.grow(self.pool.id_capacity)
-        if len(got) == n:
-            return got
-        parts = [got]
-        missing = n - len(got)
-        # First the class's own pages: each eviction frees exactly one usable slot.
-        n_ids = self.pool.id_capacity
-        mine = self._evictable() & (self.pool.cls[:n_ids] == cls)
-        self._evict(self._policy.victims(missing, mine))
-        more = self.pool.alloc(cls, missing)
-        parts.append(more)
-        missing -= len(more)
-        # Then other classes' pages, first victims first, until whole extents come free.
-        batch = max(16, missing)
-        while missing > 0:
-            victims = self._policy.victims(batch, self._evictable())
-            if victims.size == 0:
-                break
-            self._evict(victims)
-            more = self.pool.alloc(cls, missing)
-            parts.append(more)
-            missing -= len(more)
-        return np.concatenate(parts)
-
-    def _slot_bytes(self, victims: np.ndarray) -> np.ndarray:
-        return self.pool.class_bytes[self.pool.cls[victims]]
-
-    def evict_to_watermark(self, batch: int = 256) -> int:
-        """Evict pages until usage is under the low watermark; returns pages evicted.
-        Runs in the evictor thread, a batch per lock hold, so requests interleave."""
-        evicted = 0
-        while True:
-            with self._lock:
-                high = self.high_watermark * self.pool.capacity_bytes
-                low = self.low_watermark * self.pool.capacity_bytes
-                if self.pool.used_bytes <= (low if evicted else high):
-                    self.pressure.clear()
-                    return evicted
-                victims = self._policy.victims(batch, self._evictable())
-                if victims.size == 0:
-                    return evicted
-                victims = victims[: enough(self._slot_bytes(victims),
-                                           self.pool.used_bytes - low)]
-                self._evict(victims)
-                evicted += len(victims)

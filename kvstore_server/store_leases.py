@@ -1,0 +1,101 @@
+"""Store's leases ending: released by their client, expired, or broken by an admin.
+
+A mixin of Store (store.py), which owns the lock and the lease table; a READ lease's end
+unpins its pages (a DOOMED page is freed with its last pin), a RESERVE lease's end undoes
+the reservation as abort does.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .errors import Outcome, StoreError
+from .leases import Lease, LeaseKind, LeaseTable
+from .slots import SlotState, SlotTable
+from .timed_lock import TimedLock
+
+__all__ = ["StoreLeases", "owns"]
+
+log = logging.getLogger("kvstore_server.store")
+
+DOOMED = SlotState.DOOMED
+
+
+def owns(tenant: str | None, lease: Lease) -> bool:
+    """May this caller end the lease? None is the server itself, which may end any."""
+    return tenant is None or lease.owner == tenant
+
+
+
+class StoreLeases:
+    """Store's lease endings; the attributes below are Store's (store.py)."""
+
+    _lock: TimedLock
+    _slots: SlotTable
+    _leases: LeaseTable
+
+    if TYPE_CHECKING:               # Store's own, used here
+        def _undo_reservation(self, lease: Lease) -> None: ...
+        def _free(self, slots) -> None: ...
+
+    def release(self, lease_id: int, tenant: str | None = None) -> bool:
+        """End a lease: a READ lease unpins its pages; a RESERVE lease is undone, as abort
+        does. False if it was unknown, had already expired, or is another tenant's
+        (tenant None: the server itself)."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None or not owns(tenant, lease):
+                return False
+            self._leases.pop(lease_id)
+            if lease.kind is LeaseKind.RESERVE:
+                self._undo_reservation(lease)
+            else:
+                self._unpin(lease.slots)
+            return True
+
+    def _unpin(self, slots: np.ndarray) -> None:
+        np.subtract.at(self._slots.pins, slots, 1)
+        doomed = slots[(self._slots.state[slots] == DOOMED) & (self._slots.pins[slots] == 0)]
+        if doomed.size:
+            self._free(np.unique(doomed))
+
+    def _take(self, lease_id: int, kind: LeaseKind, tenant: str | None = None) -> Lease:
+        lease = self._leases.get(lease_id)
+        # Another tenant's lease reads as unknown: ids are guessable, existence is not news.
+        if lease is None or lease.kind is not kind or not owns(tenant, lease):
+            raise StoreError(Outcome.EXPIRED, f"{kind.value} lease {lease_id} is unknown or "
+                                              "has expired")
+        return self._leases.pop(lease_id)
+
+    def expire_leases(self) -> int:
+        """Undo every lease past its expiry (a client that died holding it)."""
+        with self._lock:
+            gone = self._leases.expired()
+            self._undo_leases(gone)
+            if gone:
+                log.info("expired %d leases (%d pages) not released in time", len(gone),
+                         sum(len(lease.slots) for lease in gone))
+            return len(gone)
+
+    def break_leases(self) -> int:
+        """Admin --force: undo every lease and reservation a client holds now, as if it
+        had expired (a client that died holding them, before --lease-ttl ends them). A
+        client still copying from a page so released may read a reused slot: for an
+        operator who knows its clients are gone. Put and Get streams are never broken."""
+        with self._lock:
+            gone = self._leases.take_breakable()
+            self._undo_leases(gone)
+        if gone:
+            log.warning("admin broke %d leases (%d pages)", len(gone),
+                        sum(len(lease.slots) for lease in gone))
+        return len(gone)
+
+    def _undo_leases(self, leases: list[Lease]) -> None:
+        for lease in leases:
+            if lease.kind is LeaseKind.RESERVE:
+                self._undo_reservation(lease)
+            else:
+                self._unpin(lease.slots)
