@@ -6,7 +6,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -36,6 +35,7 @@ from .preflight import check_host
 from .region import Progress, Region, region_bytes, remove_stale
 from .sdnotify import Notifier
 from .service import KVStoreService, add_kvstore_service
+from .startup import EXIT_CANNOT_START, bind_grpc, check_config, progress_reporter
 from .store import Store
 from .tier import TierChain
 from .watchdog import StreamWatchdog
@@ -50,10 +50,6 @@ SERVICES = ("kvstore.v1.KVStore", "kvstore.v1.Admin")
 # failed. The server as a whole ("") stays SERVING then, degraded: DRAM serves as before
 # and pages already on disk are still read; only spilling stopped.
 DISK_HEALTH = "disk"
-# Exit status of a start-up refused for a setting (sysexits' EX_CONFIG; 2 = bad usage):
-# distinct from 1, a crash, so a systemd unit can restart after a crash but not loop on a
-# mistake that will fail the same way every time (RestartPreventExitStatus=2 78).
-EXIT_CANNOT_START = 78
 
 
 class Server:
@@ -102,7 +98,7 @@ class Server:
                      ("grpc.so_reuseport", 0)],
             interceptors=[self.auth.interceptor(self.metrics.refused)] if self.auth else None)
         undo.callback(self.grpc.stop, None)
-        self.port = _bind(self.grpc, config.listen, tls)
+        self.port = bind_grpc(self.grpc, config.listen, tls)
         if config.metrics_port:
             try:
                 self.metrics.serve(config.metrics_port)
@@ -307,35 +303,6 @@ class Server:
         self.grpc.wait_for_termination()
 
 
-def _bind(server: grpc.Server, listen: str, tls) -> int:
-    """Bind the gRPC port now, before the pool exists: grpcio binds in add_*_port and
-    raises RuntimeError (or returns 0) when it cannot, without saying why; a plain
-    socket's bind to the same address gives the reason."""
-    try:
-        port = (server.add_secure_port(listen, tls) if tls is not None
-                else server.add_insecure_port(listen))
-    except RuntimeError:
-        port = 0
-    if port == 0:
-        raise ConfigError(f"listen: cannot listen on {listen}: {_bind_error(listen)}")
-    return port
-
-
-def _bind_error(listen: str) -> str:
-    host, _, port = listen.rpartition(":")
-    try:
-        infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        return f"cannot resolve {host}: {exc.strerror}"
-    for family, kind, proto, _, address in infos:
-        try:
-            with socket.socket(family, kind, proto) as probe:
-                probe.bind(address)
-        except OSError as exc:
-            return exc.strerror or str(exc)
-    return "refused by gRPC"
-
-
 class _StopDuringStartUp(BaseException):
     """SIGTERM or SIGINT arrived while the server was starting (BaseException, like
     KeyboardInterrupt, so no `except Exception` on the way swallows it)."""
@@ -350,36 +317,6 @@ def _stop_starting(signum: int, _frame) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise _StopDuringStartUp(signum)
-
-
-def _check_config(config: ServerConfig) -> int:
-    """--check-config: the checks of a start-up that need no port and no pool."""
-    try:
-        check_host(config, region_bytes(config.dram))
-    except ConfigError as exc:
-        print(f"kvstore-server: {exc}", file=sys.stderr)
-        return EXIT_CANNOT_START
-    disk = (f"disk tier {format_size(config.disk)} in {config.disk_dir}" if config.disk
-            else "no disk tier")
-    metrics = f"metrics on 127.0.0.1:{config.metrics_port}" if config.metrics_port else ""
-    print(f"kvstore-server: config OK: listen {config.listen}, pool "
-          f"{format_size(config.dram)} in {config.shm_dir}, {disk}"
-          + (f", {metrics}" if metrics else "")
-          + " (ports are checked at start: they may be held by a running server)")
-    return 0
-
-
-def _progress_reporter(notifier: Notifier) -> Progress:
-    """Pool start-up progress to systemd (STATUS, and more start time while it moves)."""
-    last = [0.0]
-
-    def report(done: int, total: int) -> None:
-        now = time.monotonic()
-        if now - last[0] >= 1.0 or done == total:
-            last[0] = now
-            notifier.notify(STATUS=f"preparing the pool: {100 * done // total}%",
-                            EXTEND_TIMEOUT_USEC=60_000_000)
-    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -403,7 +340,7 @@ def _run(argv: list[str] | None) -> int:
         print(f"kvstore-server: {exc}", file=sys.stderr)
         return 2
     if check_only:
-        return _check_config(config)
+        return check_config(config)
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keep_freed_buffers()
@@ -414,7 +351,7 @@ def _run(argv: list[str] | None) -> int:
         # as free in the checks.
         remove_stale(config.shm_dir)
         check_host(config, region_bytes(config.dram))
-        server = Server(config, _progress_reporter(notifier))
+        server = Server(config, progress_reporter(notifier))
     except (ConfigError, OSError, ValueError, RuntimeError) as exc:
         log.error("cannot start: %s", exc)
         notifier.notify(STATUS=f"cannot start: {exc}")
