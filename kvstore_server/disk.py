@@ -25,10 +25,10 @@ is full. A disk that fills (ENOSPC) or fails (EIO) turns writes off for good (lo
 `failed` in stats); reads of what is already here go on.
 
 Parts: the staging ring (staging.py), the slots, index and eviction (disk_slots.py), the
-bytes on disk (slotfile.py); this module is the shell around them: the lock, the writer
-thread, the folder lock, and the Tier interface (tier.py). It is over 400 lines because
-the read path's corruption handling, durable deletes and the writer's rounds all wait on
-one condition of that lock, and read best beside it.
+bytes on disk (slotfile.py) and their batched I/O and folder lock (slot_io.py); this module
+is the shell: the lock, the writer thread and the Tier interface (tier.py).
+Over 400 lines because reads, durable deletes and the writer's rounds all wait on one
+condition of that lock and read best beside it.
 
 Concurrency: one lock guards the index, the slot arrays, the policy and the queue; no I/O
 runs under it. A read pins its slots (a pinned slot is never reused), reads and checks them
@@ -37,18 +37,14 @@ The lock never calls out, so offer may be called under the store's lock.
 
 Restart: the index is rebuilt from the slot headers (SlotFile.scan); torn or corrupt slots
 are skipped and counted, the later generation of a duplicated key wins, and the LRU order is
-the order of the generations. Measured on the 2-core CPU machine (ext4 on a virtio disk,
-cold: the files are read with O_DIRECT or their cache dropped):
-    100k pages of 1 KiB (4 KiB slots, 400 MiB): 0.9-1.5 s, 65k-107k pages/s. Small slots
-        are read whole, sequentially; the bound is the disk (dd reads the files in 0.74 s),
-        the checking (0.5 s of CPU) runs beside it. tests/unit/test_disk.py times it.
-    20k pages of 128 KiB (2.6 GB): 0.5-0.6 s, 32k-38k pages/s, reading only headers.
+the order of the generations. 100k pages of 1 KiB rebuild in 0.9-1.5 s on the 2-core CPU
+machine, cold (bound by the disk: dd reads the files in 0.74 s; tests/unit/test_disk.py
+times it).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import logging
 import os
 import threading
@@ -59,19 +55,9 @@ import numpy as np
 
 from .disk_slots import DiskSlots
 from .eviction import PolicyFactory, make_policy
-from .slotfile import (
-    ALIGN,
-    MAX_KEY,
-    SlotFile,
-    SlotHeader,
-    SlotRead,
-    SlotWrite,
-    probe_direct,
-    read_slots,
-    seal,
-    slot_bytes_for,
-    write_slots,
-)
+from .disk_stats import DiskCounters, DiskStats
+from .slot_io import SlotRead, SlotWrite, lock_folder, read_slots, runs_of, write_slots
+from .slotfile import ALIGN, MAX_KEY, SlotFile, SlotHeader, probe_direct, seal, slot_bytes_for
 from .slots import SlotState
 from .staging import Pending, StagingRing
 from .tier import Page, PageInfo, TierStats
@@ -93,66 +79,11 @@ DURABLE_WAIT = 10.0
 FREE, WRITING, READY, DOOMED = SlotState
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class DiskStats(TierStats):
-    """The disk tier's counters: TierStats and its queue, restart and I/O mode."""
-
-    pages_by_layout: dict[bytes, int] = dataclasses.field(default_factory=dict)
-    queued_pages: int = 0
-    queued_bytes: int = 0
-    queue_capacity_bytes: int = 0
-    rebuilt_pages: int = 0          # found on disk at start
-    undurable_deletes: int = 0      # deletes that returned before their slots were blank
-    direct_io: bool = False
-    rebuild_seconds: float = 0.0
-
-
-@dataclasses.dataclass(slots=True)
-class _Counters:
-    """Events since start, named fields so that a typo is an error, not a new counter."""
-
-    reads: int = 0
-    bytes_read: int = 0
-    writes: int = 0
-    bytes_written: int = 0
-    drops: int = 0
-    refused: int = 0
-    corrupt_pages: int = 0
-    read_errors: int = 0
-    evictions: int = 0
-    rebuilt_pages: int = 0
-    undurable_deletes: int = 0
-
-
 def _as_u8(page: Page) -> np.ndarray:
     arr = np.asarray(page)
     if not arr.flags.c_contiguous:
         raise ValueError("a page must be one contiguous buffer")
     return arr.reshape(-1).view(np.uint8)
-
-
-def _runs_of(slots: list[tuple[SlotFile, int]]) -> list[tuple[SlotFile, int, int]]:
-    """(file, first slot, count) for each run of adjacent slots of one file."""
-    runs: list[tuple[SlotFile, int, int]] = []
-    for file, idx in sorted(slots, key=lambda b: (b[0].slot_bytes, b[1])):
-        if runs and runs[-1][0] is file and runs[-1][1] + runs[-1][2] == idx:
-            runs[-1] = (file, runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((file, idx, 1))
-    return runs
-
-
-def _lock_folder(directory: str) -> int:
-    """An exclusive lock on the folder for the tier's life: two tiers writing one set of
-    slot files would overwrite each other's pages."""
-    fd = os.open(os.path.join(directory, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise RuntimeError(f"disk tier folder {directory} is in use by another disk tier "
-                           "(another kvstore-server?)") from None
-    return fd
 
 
 class DiskTier:
@@ -176,7 +107,7 @@ class DiskTier:
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self.capacity_bytes = capacity_bytes
-        self._folder_lock = _lock_folder(directory)
+        self._folder_lock = lock_folder(directory)
         self.direct = probe_direct(directory) if direct is None else direct
         self._pwritev = pwritev
         self._lock = threading.Lock()       # guards everything below
@@ -189,7 +120,7 @@ class DiskTier:
         self._failed = False
         self._error = ""                    # why writes stopped
         self._closing = False
-        self.counters = _Counters()
+        self.counters = DiskCounters()
         started = clock()
         self._rebuild()
         self.rebuild_seconds = clock() - started
@@ -477,7 +408,7 @@ class DiskTier:
                 batch = [] if self._closing or self._failed else self._staging.take_batch()
             try:
                 # Only this thread allocates slots, so none of these is reused meanwhile.
-                for file, idx, n in _runs_of(blank):
+                for file, idx, n in runs_of(blank):
                     file.blank(idx, self._pwritev, n)
                 if batch:
                     self._write(batch)

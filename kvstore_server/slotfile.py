@@ -48,16 +48,15 @@ import errno
 import mmap
 import os
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import xxhash
 
 __all__ = ["ALIGN", "BLANK", "CORRUPT", "HEADER_BYTES", "MAX_KEY", "VALID", "ScanResult",
-           "SlotFile", "SlotHeader", "SlotRead", "SlotWrite", "aligned_buffer", "pack_header",
-           "probe_direct", "read_slots", "seal", "slot_bytes_for", "unpack_header",
-           "write_slots"]
+           "SlotFile", "SlotHeader", "aligned_buffer", "full_io", "pack_header",
+           "probe_direct", "seal", "slot_bytes_for", "unpack_header"]
 
 ALIGN = 4096                # slot sizes and payload offsets; O_DIRECT needs 512 or 4096
 HEADER_BYTES = 128
@@ -90,12 +89,6 @@ _FALLOC_FL_KEEP_SIZE = 1
 _FALLOC_FL_PUNCH_HOLE = 2
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
-# Bytes per preadv/pwritev. Longer calls were slower, not faster: on the H200 machine's
-# virtio disk, O_DIRECT reads of runs of 1 MiB slots gave 2.06 GB/s at 8 slots a call and
-# 1.65 GB/s at 64 (plain reads: 2.31 GB/s at 8 MiB, 2.13 at 64 MiB; more threads at once
-# did not help either: 1.86 GB/s for 4 x 8 MiB).
-_RUN_BYTES = 8 << 20
 
 
 def _round_up(n: int, align: int) -> int:
@@ -297,7 +290,7 @@ class SlotFile:
 
         def read(first: int) -> np.ndarray:
             k, buf = min(per, n - first), bufs[(first // per) % 2]
-            got = _full_io(os.preadv, fd, [buf[:k * sb]], first * sb)
+            got = full_io(os.preadv, fd, [buf[:k * sb]], first * sb)
             heads = buf[:k * sb].reshape(k, sb)[:, -HEADER_BYTES:].copy()
             heads[got // sb:] = 0           # the file shrank under us: blank
             return heads
@@ -316,94 +309,7 @@ class SlotFile:
         self.fd = self.dfd = -1
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class SlotRead:
-    """A slot to read: the payload goes to `out`, and the header must equal `expect`."""
-
-    file: SlotFile
-    idx: int
-    out: np.ndarray             # payload_len bytes, writable
-    expect: SlotHeader
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SlotWrite:
-    """A sealed slot image (slot_bytes, page-aligned) to write at slot idx of file."""
-
-    file: SlotFile
-    idx: int
-    image: np.ndarray
-
-
-def read_slots(reads: Sequence[SlotRead]) -> list[bool | None]:
-    """Read and check slots, one preadv per run of adjacent slots: True (intact), False
-    (header or payload checksum wrong, or cut off by the end of the file: corrupt) or None
-    (the read itself failed: an I/O error, not the page's fault)."""
-    # A slot is read whole: the payload straight into the caller's buffer, the rest (slack
-    # and header) into scratch. O_DIRECT where the buffer is page-aligned and whole 4 KiB
-    # blocks (a DRAM pool slot); through the page cache otherwise.
-    direct = [r.file.dfd >= 0 and r.out.nbytes % ALIGN == 0 and r.out.ctypes.data % ALIGN == 0
-              for r in reads]
-    tail_bytes = [r.file.slot_bytes - r.out.nbytes for r in reads]
-    scratch = aligned_buffer(sum(tail_bytes))
-    ends = np.cumsum(tail_bytes, dtype=np.int64).tolist()
-    tails = [scratch[end - n:end] for n, end in zip(tail_bytes, ends)]
-    runs = [run for flag in (True, False)
-            for run in _runs([j for j in range(len(reads)) if direct[j] == flag],
-                             lambda j: (reads[j].file, reads[j].idx), _IOV_MAX // 2)]
-    status: list[bool | None] = [None] * len(reads)
-    for run in runs:
-        file = reads[run[0]].file
-        bufs = [buf for j in run for buf in (reads[j].out, tails[j])]
-        try:
-            got = _full_io(os.preadv, file.dfd if direct[run[0]] else file.fd, bufs,
-                           file.offset(reads[run[0]].idx))
-        except OSError:
-            continue
-        for k, j in enumerate(run):
-            status[j] = ((k + 1) * file.slot_bytes <= got
-                         and unpack_header(tails[j][-HEADER_BYTES:]) == reads[j].expect
-                         and xxhash.xxh3_64_intdigest(reads[j].out) == reads[j].expect.payload_xxh)
-    return status
-
-
-def write_slots(writes: Sequence[SlotWrite], pwritev: Callable = os.pwritev
-                ) -> tuple[list[bool], OSError | None]:
-    """Write slot images, one pwritev per run of adjacent slots (O_DIRECT where the file
-    has it). Returns which were written and the error that stopped the rest, if any."""
-    done = [False] * len(writes)
-    for run in _runs(range(len(writes)), lambda j: (writes[j].file, writes[j].idx), _IOV_MAX):
-        file = writes[run[0]].file
-        bufs = [writes[j].image for j in run]
-        try:
-            moved = _full_io(pwritev, file.dfd if file.dfd >= 0 else file.fd, bufs,
-                            file.offset(writes[run[0]].idx))
-            if moved < sum(b.nbytes for b in bufs):
-                raise OSError(errno.ENOSPC, "short write", file.path)
-        except OSError as exc:
-            return done, exc
-        for j in run:
-            done[j] = True
-    return done, None
-
-
-def _runs(items, where: Callable, max_len: int) -> list[list]:
-    """Items grouped into runs of adjacent slots of one file (where(item) = (file, idx)),
-    in file order, at most max_len and _RUN_BYTES a run (one slot at least)."""
-    runs: list[list] = []
-    last = None
-    for item in sorted(items, key=lambda it: (where(it)[0].slot_bytes, where(it)[1])):
-        file, idx = where(item)
-        most = min(max_len, max(1, _RUN_BYTES // file.slot_bytes))
-        if runs and len(runs[-1]) < most and last == (file, idx - 1):
-            runs[-1].append(item)
-        else:
-            runs.append([item])
-        last = (file, idx)
-    return runs
-
-
-def _full_io(call, fd: int, bufs: list, offset: int) -> int:
+def full_io(call, fd: int, bufs: list, offset: int) -> int:
     """Repeat a positional vector read or write over what a short call left; returns the
     bytes moved, less than asked only when a call moved nothing (end of file, disk full)."""
     views = [memoryview(b).cast("B") for b in bufs]
