@@ -32,6 +32,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tabulate import tabulate
 
+from .admin import plain
 from .channel import open_channel
 from .client import KVStoreClient
 from .errors import KVStoreError
@@ -87,19 +88,6 @@ def _duration(seconds: float) -> str:
     return (f"{d}d " if d else "") + (f"{h}h " if d or h else "") + f"{m}m {s % 60}s"
 
 
-def _plain(msg) -> dict:
-    """A protobuf message as JSON-ready values: ints stay ints, bytes become hex."""
-    out = {}
-    for field in msg.DESCRIPTOR.fields:
-        value = getattr(msg, field.name)
-        if field.message_type is not None:
-            value = [_plain(v) for v in value] if field.is_repeated else _plain(value)
-        elif isinstance(value, bytes):
-            value = value.hex()
-        out[field.name] = value
-    return out
-
-
 def _emit(args: argparse.Namespace, data, text: str) -> None:
     print(json.dumps(data, indent=2) if args.json else text, flush=True)
 
@@ -149,7 +137,7 @@ def cmd_stats(client: KVStoreClient, args: argparse.Namespace) -> int:
     while True:
         resp = client.stats()
         if args.json:
-            print(json.dumps(_plain(resp), indent=None if args.watch else 2), flush=True)
+            print(json.dumps(plain(resp), indent=None if args.watch else 2), flush=True)
         else:
             if args.watch and sys.stdout.isatty():
                 print("\x1b[H\x1b[2J", end="")
@@ -167,7 +155,7 @@ def cmd_layouts(client: KVStoreClient, args: argparse.Namespace) -> int:
              s.layout.num_layers, s.layout.page_tokens, s.layout.num_kv_heads,
              s.layout.head_size, s.layout.kv_factor, f"{s.layout.tp_rank}/{s.layout.tp_size}",
              s.layout.pp_rank, _human(s.page_bytes), s.pages] for s in layouts]
-    _emit(args, [_plain(s) for s in layouts], _table(
+    _emit(args, [plain(s) for s in layouts], _table(
         rows, ["layout id", "model", "dtype", "salt", "layers", "page tokens", "kv heads",
                "head size", "kv factor", "tp", "pp", "page bytes", "pages"], 4)
         if rows else "(no layouts registered)")
@@ -192,7 +180,7 @@ def cmd_evict(client: KVStoreClient, args: argparse.Namespace) -> int:
         resp = client.evict(nbytes=args.bytes, tier=args.tier, force=args.force)
     else:
         resp = client.evict(everything=True, tier=args.tier, force=args.force)
-    _emit(args, _plain(resp), f"evicted {resp.pages} pages ({_human(resp.bytes)}); "
+    _emit(args, plain(resp), f"evicted {resp.pages} pages ({_human(resp.bytes)}); "
                               f"{resp.skipped_leased} leased pages left in place"
                               + (f"; {resp.leases_broken} leases broken" if args.force else ""))
     return 0
@@ -211,7 +199,7 @@ def cmd_clear(client: KVStoreClient, args: argparse.Namespace) -> int:
             print("not cleared")
             return 1
     resp = client.clear(force=args.force)
-    _emit(args, _plain(resp), f"cleared {resp.pages} pages of {resp.layouts} layouts"
+    _emit(args, plain(resp), f"cleared {resp.pages} pages of {resp.layouts} layouts"
                               + (f"; {resp.leases_broken} leases broken" if args.force else ""))
     return 0
 
@@ -223,7 +211,7 @@ def cmd_inspect(client: KVStoreClient, args: argparse.Namespace) -> int:
             ("state", resp.state), ("size", f"{_human(resp.size_bytes)} ({resp.size_bytes} B)"),
             ("age", f"{resp.age_seconds:.1f}s"), ("idle", f"{resp.idle_seconds:.1f}s"),
             ("leases", resp.leases), ("slot offset", resp.slot_offset)]
-    _emit(args, {"layout_id": layout_id.hex(), "key": args.key.hex(), **_plain(resp)},
+    _emit(args, {"layout_id": layout_id.hex(), "key": args.key.hex(), **plain(resp)},
           tabulate(rows, tablefmt="plain", disable_numparse=True))
     return 0
 

@@ -4,82 +4,42 @@ On the same host as the server, page bytes move through the server's shared-memo
 (kvstore_client.shm) and gRPC carries only offsets and leases; elsewhere they stream over
 gRPC. `put`, `get`, `get_into` and `get_layers` pick the path by themselves.
 
-Every call has a timeout. Idempotent calls are retried with backoff when the server is
-UNAVAILABLE (restarting, briefly overloaded); a server that restarted has forgotten the
-layouts, so a call refused with Reason.LAYOUT_UNKNOWN registers its layout again and retries
-once. Puts are idempotent too: keys already stored are skipped by the server.
+KVStoreClient is the facade that picks the path; the parts are modules of their own:
+the gRPC stubs, retries and restart recoveries (rpc.py), the mapped region (attach.py),
+the fast path beside gRPC (dataplane.py), and the Admin service as dataclasses (admin.py,
+also `client.admin`). Every call has a timeout; puts are idempotent (keys already stored
+are skipped by the server).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import threading
-import time
 import weakref
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import Callable, Iterator, Sequence
 
 import grpc
 import numpy as np
 
-from ._proto.kvstore.v1 import admin_pb2 as apb
 from ._proto.kvstore.v1 import kvstore_pb2 as pb
+from .admin import AdminClient, ClearResult, EvictResult, LayoutStats, PageInfo, Stats
+from .attach import RegionAttachment
 from .buffers import LayerMajorWriter, as_uint8, page_aligned_empty
 from .channel import PEM, open_channel, with_token
-from .convert import layout_from_proto, layout_to_proto
+from .convert import layout_to_proto
 from .dataplane import USE_GRPC, DataPlane, packed_keys, tls_context
+from .errors import KVStoreError, PagesMissing, from_rpc_error
 from .fastpath import FastPathUnavailable
-from .errors import KVStoreError, PagesMissing, Reason, from_rpc_error, reason_of
-from .keys import Packed, pack_keys
+from .handles import LayoutHandle, Lease, PutResult
 from .layout import PageLayout
-from .lookup_stream import LookupStream
+from .rpc import Rpc, packed
 from .shm import Acquired, Reservation, SharedRegion, copy_layer, copy_pages
-from .wire import GET_DATA_TAG, PUT_DATA_TAG, frame, unframe
+from .wire import PUT_DATA_TAG, frame
 
 __all__ = ["KVStoreClient", "LayoutHandle", "PutResult", "Lease"]
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 CHUNK_BYTES = 1 << 20          # Put data messages; matches the server's Get chunks
-_RETRY_CODES = (grpc.StatusCode.UNAVAILABLE,)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class LayoutHandle:
-    """A registered layout: what every page call names."""
-
-    layout: PageLayout
-    layout_id: bytes
-    page_bytes: int
-    layer_bytes: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PutResult:
-    stored: int     # pages newly stored
-    skipped: int    # keys that were already present
-    # Keys another put was still writing: not stored by this call, and stored at all only
-    # if that writer commits (look them up again later to know).
-    in_flight: int = 0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Lease:
-    """Pages pinned by a lookup: they cannot be evicted until released or expired."""
-
-    lease_id: int
-    count: int
-
-
-def _put_serializer(message) -> bytes:
-    return message if isinstance(message, bytes) else message.SerializeToString()
-
-
-def _get_deserializer(message: bytes):
-    payload = unframe(message, GET_DATA_TAG)
-    return payload if payload is not None else memoryview(pb.GetResponse.FromString(message).data)
 
 
 class KVStoreClient:
@@ -106,59 +66,49 @@ class KVStoreClient:
                  channel: grpc.Channel | None = None, data_plane: bool | None = None,
                  data_address: str | None = None, data_connections: int = 4) -> None:
         self.address = address
-        self.timeout = timeout
-        self.retries = retries
-        self.shared_memory = shared_memory
-        self._region: SharedRegion | None = None
-        self._region_tried = False
-        self._region_lock = threading.Lock()   # guards attaching and re-attaching
         self._releases: set[grpc.Future] = set()   # lease releases still in flight
         self._channel = (with_token(channel, token) if channel is not None else
                          open_channel(address, token=token, tls_ca=tls_ca, tls_cert=tls_cert,
                                       tls_key=tls_key))
-        c = self._channel
-        s = "/kvstore.v1.KVStore/"
-        a = "/kvstore.v1.Admin/"
-
-        def unary(path, req, resp):
-            return c.unary_unary(path, request_serializer=req.SerializeToString,
-                                 response_deserializer=resp.FromString)
-
-        self._register = unary(s + "RegisterLayout", pb.RegisterLayoutRequest,
-                               pb.RegisterLayoutResponse)
-        self._lookup = unary(s + "Lookup", pb.LookupRequest, pb.LookupResponse)
-        # Lookups go over one open stream where they can (kvstore_client.lookup_stream).
-        self._lookups = LookupStream(c.stream_stream(
-            s + "LookupStream", request_serializer=pb.LookupRequest.SerializeToString,
-            response_deserializer=pb.LookupResponse.FromString)) if lookup_stream else None
+        self._rpc = Rpc(self._channel, timeout=timeout, retries=retries,
+                        lookup_stream=lookup_stream,
+                        reattach=lambda: self._shm.attach(force=True),
+                        reregister=lambda handle: self.register_layout(handle.layout))
+        self._lookups = self._rpc.lookups
         if self._lookups is not None:
             # A client dropped without close() would keep its stream, and a server thread,
             # open until the server's idle timeout (5 minutes): close it with the client
             # (not at interpreter exit, where the process's end closes it anyway).
             weakref.finalize(self, self._lookups.close).atexit = False
-        self._release = unary(s + "ReleaseLease", pb.ReleaseLeaseRequest, pb.ReleaseLeaseResponse)
-        self._exists = unary(s + "Exists", pb.ExistsRequest, pb.ExistsResponse)
-        self._delete = unary(s + "Delete", pb.DeleteRequest, pb.DeleteResponse)
-        self._put = c.stream_unary(s + "Put", request_serializer=_put_serializer,
-                                   response_deserializer=pb.PutResponse.FromString)
-        self._get = c.unary_stream(s + "Get", request_serializer=pb.GetRequest.SerializeToString,
-                                   response_deserializer=_get_deserializer)
-        self._attach = unary(s + "Attach", pb.AttachRequest, pb.AttachResponse)
-        self._reserve = unary(s + "Reserve", pb.ReserveRequest, pb.ReserveResponse)
-        self._commit = unary(s + "Commit", pb.CommitRequest, pb.CommitResponse)
-        self._abort = unary(s + "Abort", pb.AbortRequest, pb.AbortResponse)
-        self._acquire = unary(s + "Acquire", pb.AcquireRequest, pb.AcquireResponse)
-        self._stats = unary(a + "Stats", apb.StatsRequest, apb.StatsResponse)
-        self._evict = unary(a + "Evict", apb.EvictRequest, apb.EvictResponse)
-        self._clear = unary(a + "Clear", apb.ClearRequest, apb.ClearResponse)
-        self._list = unary(a + "ListLayouts", apb.ListLayoutsRequest, apb.ListLayoutsResponse)
-        self._inspect = unary(a + "Inspect", apb.InspectRequest, apb.InspectResponse)
+        self._shm = RegionAttachment(self._rpc, shared_memory)
+        self.admin = AdminClient(self._rpc)
         self._data = DataPlane(
             address, enabled=data_plane, data_address=data_address, token=token,
             tls=tls_context(tls_ca, tls_cert, tls_key), timeout=lambda: self.timeout,
             connections=data_connections, region=self.region,
             reregister=lambda handle: self.register_layout(handle.layout),
-            reattach=lambda: self._attach_region(force=True))
+            reattach=lambda: self._shm.attach(force=True))
+
+    # Settings that may be changed at any time, kept where they are used.
+    @property
+    def timeout(self) -> float:
+        return self._rpc.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._rpc.timeout = seconds
+
+    @property
+    def retries(self) -> int:
+        return self._rpc.retries
+
+    @retries.setter
+    def retries(self, n: int) -> None:
+        self._rpc.retries = n
+
+    @property
+    def shared_memory(self) -> bool | None:
+        return self._shm.shared_memory
 
     # -- plumbing -------------------------------------------------------------------
     def close(self) -> None:
@@ -167,13 +117,9 @@ class KVStoreClient:
                 future.result(timeout=1.0)
             except (grpc.RpcError, grpc.FutureTimeoutError):
                 pass
-        if self._lookups is not None:
-            self._lookups.close()
         self._data.close()
-        self._channel.close()
-        if self._region is not None:
-            self._region.close()
-            self._region = None
+        self._rpc.close()
+        self._shm.close()
 
     def __enter__(self) -> "KVStoreClient":
         return self
@@ -181,50 +127,10 @@ class KVStoreClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _call(self, method: str, fn: Callable[[], T], handle: LayoutHandle | None = None,
-              retry: bool = True) -> T:
-        attempts = 1 + (self.retries if retry else 0)
-        reregistered = False
-        reattached = False
-        attempt = 0
-        while True:
-            try:
-                return fn()
-            except grpc.RpcError as exc:
-                code = exc.code()
-                reason = reason_of(exc)
-                if not reattached and reason is Reason.SHM_TOKEN_STALE:
-                    reattached = True             # the server restarted: map its new region
-                    self._attach_region(force=True)
-                    continue
-                if (handle is not None and not reregistered
-                        and reason is Reason.LAYOUT_UNKNOWN):
-                    reregistered = True           # the server restarted: register again
-                    self.register_layout(handle.layout)
-                    continue
-                attempt += 1
-                if code in _RETRY_CODES and attempt < attempts:
-                    time.sleep(min(0.05 * 2 ** attempt, 1.0))
-                    continue
-                raise from_rpc_error(exc, method) from None
-
-    def _timeout_for(self, nbytes: int) -> float:
-        # Bulk calls get extra time at a pessimistic 100 MB/s.
-        return self.timeout + nbytes / 100e6
-
-    @staticmethod
-    def _packed(keys) -> pb.PackedKeys:
-        """Keys for the wire; a Packed (kvstore_client.keys) passes through without the
-        per-key checks, which cost ~0.3 ms for 4,096 keys."""
-        if isinstance(keys, Packed):
-            return pb.PackedKeys(data=keys.data, key_size=keys.size)
-        data, size = pack_keys(keys)
-        return pb.PackedKeys(data=data, key_size=size)
-
     # -- layouts --------------------------------------------------------------------
     def register_layout(self, layout: PageLayout) -> LayoutHandle:
         req = pb.RegisterLayoutRequest(layout=layout_to_proto(layout))
-        resp = self._call("RegisterLayout", lambda: self._register(req, timeout=self.timeout))
+        resp = self._rpc.call("RegisterLayout", lambda: self._rpc.register(req, timeout=self.timeout))
         if resp.layout_id != layout.layout_id:
             raise KVStoreError(grpc.StatusCode.INTERNAL,
                                "server computed a different layout id: client and server "
@@ -248,7 +154,7 @@ class KVStoreClient:
         if got is not USE_GRPC:
             return PutResult(*got)
         header = pb.PutRequest(header=pb.PutHeader(layout_id=ns.layout_id,
-                                                   keys=self._packed(keys)))
+                                                   keys=packed(keys)))
 
         def messages():
             yield header
@@ -256,9 +162,9 @@ class KVStoreClient:
                 yield frame(PUT_DATA_TAG, (mv[start:start + CHUNK_BYTES],))
 
         def call():
-            return self._put(messages(), timeout=self._timeout_for(total))
+            return self._rpc.put(messages(), timeout=self._rpc.timeout_for(total))
 
-        resp = self._call("Put", call, ns)
+        resp = self._rpc.call("Put", call, ns)
         return PutResult(resp.stored, resp.skipped, resp.in_flight)
 
     def lookup(self, ns: LayoutHandle | Sequence[LayoutHandle], keys: Sequence[bytes]) -> int:
@@ -280,14 +186,14 @@ class KVStoreClient:
         if got is not USE_GRPC:
             return pb.LookupResponse(count=got[0], lease_id=got[1])
         req = pb.LookupRequest(layout_ids=[h.layout_id for h in handles],
-                               keys=self._packed(keys), lease_ms=lease_ms)
+                               keys=packed(keys), lease_ms=lease_ms)
 
         def call():
             # The stream when it can answer, else the unary call (lookup_stream.py).
             response = None if self._lookups is None else self._lookups.ask(req, self.timeout)
-            return response if response is not None else self._lookup(req, timeout=self.timeout)
+            return response if response is not None else self._rpc.lookup(req, timeout=self.timeout)
 
-        return self._call("Lookup", call, handles[0])
+        return self._rpc.call("Lookup", call, handles[0])
 
     def release_lease(self, lease: Lease | int) -> bool:
         lease_id = lease.lease_id if isinstance(lease, Lease) else lease
@@ -296,7 +202,7 @@ class KVStoreClient:
         got = self._data.call("ReleaseLease", None, lambda f: f.release(lease_id))
         if got is not USE_GRPC:
             return got
-        resp = self._call("ReleaseLease", lambda: self._release(
+        resp = self._rpc.call("ReleaseLease", lambda: self._rpc.release(
             pb.ReleaseLeaseRequest(lease_id=lease_id), timeout=self.timeout))
         return resp.released
 
@@ -304,8 +210,8 @@ class KVStoreClient:
         got = self._data.call("Exists", ns, lambda f: f.exists(ns.layout_id, *packed_keys(keys)))
         if got is not USE_GRPC:
             return got
-        req = pb.ExistsRequest(layout_id=ns.layout_id, keys=self._packed(keys))
-        resp = self._call("Exists", lambda: self._exists(req, timeout=self.timeout), ns)
+        req = pb.ExistsRequest(layout_id=ns.layout_id, keys=packed(keys))
+        resp = self._rpc.call("Exists", lambda: self._rpc.exists(req, timeout=self.timeout), ns)
         bits = np.unpackbits(np.frombuffer(resp.bitmap, dtype=np.uint8), bitorder="little")
         return bits[: resp.count].astype(bool).tolist()
 
@@ -313,8 +219,8 @@ class KVStoreClient:
         got = self._data.call("Delete", ns, lambda f: f.delete(ns.layout_id, *packed_keys(keys)))
         if got is not USE_GRPC:
             return got
-        req = pb.DeleteRequest(layout_id=ns.layout_id, keys=self._packed(keys))
-        return self._call("Delete", lambda: self._delete(req, timeout=self.timeout), ns).deleted
+        req = pb.DeleteRequest(layout_id=ns.layout_id, keys=packed(keys))
+        return self._rpc.call("Delete", lambda: self._rpc.delete(req, timeout=self.timeout), ns).deleted
 
     def get(self, ns: LayoutHandle, keys: Sequence[bytes]) -> np.ndarray:
         """The pages of keys as a new (N, page_bytes) uint8 array; KeyError if one is missing."""
@@ -382,10 +288,10 @@ class KVStoreClient:
                 raise
             except FastPathUnavailable:     # raised before any layer: gRPC instead
                 self._data.drop(fast)
-        req = pb.GetRequest(layout_id=ns.layout_id, keys=self._packed(keys))
+        req = pb.GetRequest(layout_id=ns.layout_id, keys=packed(keys))
         writer = LayerMajorWriter(n, ns.layout.num_layers, lb, dest, ready.append)
         try:
-            for payload in self._get(req, timeout=self._timeout_for(n * ns.page_bytes)):
+            for payload in self._rpc.get(req, timeout=self._rpc.timeout_for(n * ns.page_bytes)):
                 writer.write(payload)
                 while ready:
                     layer = ready.pop(0)
@@ -401,18 +307,18 @@ class KVStoreClient:
         n = len(keys)
         if n == 0:
             return
-        req = pb.GetRequest(layout_id=ns.layout_id, keys=self._packed(keys))
+        req = pb.GetRequest(layout_id=ns.layout_id, keys=packed(keys))
 
         def call():
             writer = LayerMajorWriter(n, ns.layout.num_layers, ns.layer_bytes, dest)
-            for payload in self._get(req, timeout=self._timeout_for(n * ns.page_bytes)):
+            for payload in self._rpc.get(req, timeout=self._rpc.timeout_for(n * ns.page_bytes)):
                 writer.write(payload)
             if not writer.done:
                 raise KVStoreError(grpc.StatusCode.DATA_LOSS,
                                    f"Get ended after {writer.pos} of {writer.total} bytes", "Get")
 
         try:
-            self._call("Get", call, ns)
+            self._rpc.call("Get", call, ns)
         except KVStoreError as exc:
             if exc.code == grpc.StatusCode.NOT_FOUND:
                 raise PagesMissing.of(exc) from None
@@ -428,47 +334,13 @@ class KVStoreClient:
     # -- same-host data plane ---------------------------------------------------------
     def region(self) -> SharedRegion | None:
         """The server's pool mapped here, or None when only gRPC can be used."""
-        if self._region is None and not self._region_tried and self.shared_memory is not False:
-            self._attach_region()
-        return self._region
-
-    def _attach_region(self, force: bool = False) -> None:
-        with self._region_lock:
-            if self._region_tried and not force:
-                return
-            self._region_tried = True
-            old, self._region = self._region, None
-            try:
-                resp = self._call("Attach", lambda: self._attach(pb.AttachRequest(),
-                                                                 timeout=self.timeout))
-                self._region = SharedRegion(resp.path, resp.size, resp.token_offset)
-                log.debug("mapped the server's pool %s (%d bytes)", resp.path, resp.size)
-            except (OSError, KVStoreError) as exc:
-                if isinstance(exc, KVStoreError) and exc.code in _RETRY_CODES:
-                    self._region_tried = False    # the server is down: ask again later
-                if self.shared_memory:
-                    raise KVStoreError(grpc.StatusCode.FAILED_PRECONDITION,
-                                       f"shared memory was required but the server's pool "
-                                       f"cannot be mapped: {exc}", "Attach") from None
-                log.info("server pool not mappable from here (%s); using gRPC for page bytes",
-                         exc)
-            finally:
-                if old is not None:
-                    old.close()
-
-    def _need_region(self) -> SharedRegion:
-        region = self.region()
-        if region is None:
-            raise KVStoreError(grpc.StatusCode.FAILED_PRECONDITION,
-                               "the server's shared-memory pool is not mapped (another host, "
-                               "or shared_memory=False)")
-        return region
+        return self._shm.region()
 
     def reserve(self, ns: LayoutHandle, keys: Sequence[bytes], lease_ms: int = 0) -> Reservation:
         """WRITING slots in the shared pool for the keys not yet stored (two-phase put).
         Write `views[i]`, then `commit()`; or `abort()`. lease_ms 0 = the server's ttl."""
         def fast(f):
-            region = self._need_region()      # read per attempt: see the gRPC call below
+            region = self._shm.need()      # read per attempt: see the gRPC call below
             return region, f.reserve(ns.layout_id, *packed_keys(keys), region.token, lease_ms)
 
         got = self._data.call("Reserve", ns, fast)
@@ -476,19 +348,19 @@ class KVStoreClient:
             region, r = got
             return Reservation(ns, r.lease_id, r.offsets, r.skipped, region,
                                self._commit_lease, self._abort_lease, r.in_flight)
-        packed = self._packed(keys)
+        wire_keys = packed(keys)
 
         def call():
             # Offsets are valid only in the region whose token the server accepted, so
             # the token sent and the region returned come from one read of the mapping,
             # made again on each attempt: a retry after _call re-attached (the server
             # restarted) sends the new token and pairs the answer with the new mapping.
-            region = self._need_region()
-            return region, self._reserve(pb.ReserveRequest(
-                layout_id=ns.layout_id, keys=packed, token=region.token, lease_ms=lease_ms),
+            region = self._shm.need()
+            return region, self._rpc.reserve(pb.ReserveRequest(
+                layout_id=ns.layout_id, keys=wire_keys, token=region.token, lease_ms=lease_ms),
                 timeout=self.timeout)
 
-        region, resp = self._call("Reserve", call, ns)
+        region, resp = self._rpc.call("Reserve", call, ns)
         offsets = np.frombuffer(resp.offsets, dtype="<i8")
         return Reservation(ns, resp.lease_id, offsets, resp.skipped, region,
                            self._commit_lease, self._abort_lease, resp.in_flight)
@@ -497,22 +369,22 @@ class KVStoreClient:
         """Pin the pages of keys in the shared pool and return read-only views of them;
         `release()` when done. NOT_FOUND (KVStoreError) if a key is missing."""
         def fast(f):
-            region = self._need_region()      # read per attempt: see reserve
+            region = self._shm.need()      # read per attempt: see reserve
             return region, f.acquire(ns.layout_id, *packed_keys(keys), region.token, lease_ms)
 
         got = self._data.call("Acquire", ns, fast)
         if got is not USE_GRPC:
             region, r = got
             return Acquired(ns, r.lease_id, r.offsets, region, self._release_later)
-        packed = self._packed(keys)
+        wire_keys = packed(keys)
 
         def call():
-            region = self._need_region()      # read per attempt: see reserve
-            return region, self._acquire(pb.AcquireRequest(
-                layout_id=ns.layout_id, keys=packed, token=region.token, lease_ms=lease_ms),
+            region = self._shm.need()      # read per attempt: see reserve
+            return region, self._rpc.acquire(pb.AcquireRequest(
+                layout_id=ns.layout_id, keys=wire_keys, token=region.token, lease_ms=lease_ms),
                 timeout=self.timeout)
 
-        region, resp = self._call("Acquire", call, ns)
+        region, resp = self._rpc.call("Acquire", call, ns)
         offsets = np.frombuffer(resp.offsets, dtype="<i8")
         return Acquired(ns, resp.lease_id, offsets, region, self._release_later)
 
@@ -522,7 +394,7 @@ class KVStoreClient:
         if self._data.call("ReleaseLease", None,
                            lambda f: f.release_later(lease_id)) is not USE_GRPC:
             return
-        future = self._release.future(pb.ReleaseLeaseRequest(lease_id=lease_id),
+        future = self._rpc.release.future(pb.ReleaseLeaseRequest(lease_id=lease_id),
                                       timeout=self.timeout)
         self._releases.add(future)
         future.add_done_callback(self._release_done)
@@ -543,55 +415,39 @@ class KVStoreClient:
         got = self._data.call("Commit", None, lambda f: f.commit(lease_id))
         if got is not USE_GRPC:
             return got
-        return self._call("Commit", lambda: self._commit(pb.CommitRequest(lease_id=lease_id),
+        return self._rpc.call("Commit", lambda: self._rpc.commit(pb.CommitRequest(lease_id=lease_id),
                                                          timeout=self.timeout)).stored
 
     def _abort_lease(self, lease_id: int) -> bool:
         got = self._data.call("Abort", None, lambda f: f.abort(lease_id))
         if got is not USE_GRPC:
             return got
-        return self._call("Abort", lambda: self._abort(pb.AbortRequest(lease_id=lease_id),
+        return self._rpc.call("Abort", lambda: self._rpc.abort(pb.AbortRequest(lease_id=lease_id),
                                                        timeout=self.timeout)).aborted
 
-    # -- admin ----------------------------------------------------------------------
-    def stats(self) -> apb.StatsResponse:
-        return self._call("Stats", lambda: self._stats(apb.StatsRequest(), timeout=self.timeout))
+    # -- admin (kvstore_client.admin: dataclasses, not protobuf messages) ----------------
+    def stats(self) -> Stats:
+        return self.admin.stats()
 
-    def list_layouts(self) -> list[apb.LayoutStats]:
-        return list(self._call("ListLayouts", lambda: self._list(
-            apb.ListLayoutsRequest(), timeout=self.timeout)).layouts)
+    def list_layouts(self) -> list[LayoutStats]:
+        return self.admin.list_layouts()
 
     def evict(self, *, layout_id: bytes | None = None, nbytes: int | None = None,
-              everything: bool = False, tier: str = "dram",
-              force: bool = False) -> apb.EvictResponse:
-        """Evict from tier "dram" (pages move to disk, if any), "disk" or "all". force:
-        first end every lease and reservation clients hold (clients that died)."""
-        if sum(x is not None and x is not False for x in (layout_id, nbytes, everything)) != 1:
-            raise ValueError("evict needs exactly one of layout_id, nbytes, everything")
-        if layout_id is not None:
-            req = apb.EvictRequest(layout_id=layout_id, tier=tier, force=force)
-        elif nbytes is not None:
-            req = apb.EvictRequest(bytes=nbytes, tier=tier, force=force)
-        else:
-            req = apb.EvictRequest(all=True, tier=tier, force=force)
-        return self._call("Evict", lambda: self._evict(req, timeout=self.timeout), retry=False)
+              everything: bool = False, tier: str = "dram", force: bool = False) -> EvictResult:
+        """Evict from tier "dram" (pages move to disk, if any), "disk", "far" or "all".
+        force: first end every lease and reservation clients hold (clients that died)."""
+        return self.admin.evict(layout_id=layout_id, nbytes=nbytes, everything=everything,
+                                tier=tier, force=force)
 
-    def clear(self, force: bool = False) -> apb.ClearResponse:
+    def clear(self, force: bool = False) -> ClearResult:
         """Delete every page; force: end clients' leases and reservations first."""
-        return self._call("Clear", lambda: self._clear(apb.ClearRequest(force=force),
-                                                       timeout=self.timeout), retry=False)
+        return self.admin.clear(force)
 
-    def inspect(self, layout_id: bytes, key: bytes) -> apb.InspectResponse:
-        return self._call("Inspect", lambda: self._inspect(
-            apb.InspectRequest(layout_id=layout_id, key=key), timeout=self.timeout))
+    def inspect(self, layout_id: bytes, key: bytes) -> PageInfo:
+        return self.admin.inspect(layout_id, key)
 
 
 def _log_release_failure(future: grpc.Future) -> None:
     if future.exception() is not None:
         log.warning("releasing a lease failed (%s); it expires by itself",
                     future.exception())
-
-
-def layout_of(stats: apb.LayoutStats) -> PageLayout:
-    """The PageLayout of a ListLayouts/Stats entry."""
-    return layout_from_proto(stats.layout)

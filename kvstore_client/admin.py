@@ -1,0 +1,179 @@
+"""The Admin service for callers: stats, evict, clear, list layouts, inspect, as dataclasses.
+
+Callers and the kvstore-admin command see these frozen values, never protobuf messages:
+the wire may grow fields without a caller noticing, and a value can be compared, printed
+and turned into JSON (`plain`). Field names are the wire's, so `plain(x)` reads as the
+Admin service's messages do; a layout is a PageLayout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ._proto.kvstore.v1 import admin_pb2 as apb
+from .convert import layout_from_proto
+from .layout import PageLayout
+from .rpc import Rpc
+
+__all__ = ["AdminClient", "ClearResult", "EvictResult", "LayoutStats", "PageInfo", "Stats",
+           "TenantStats", "TierStats", "plain"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TierStats:
+    """One tier's counters (admin.proto's TierStats says what each counts)."""
+
+    name: str
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    pages: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    reads: int = 0
+    writes: int = 0
+    drops: int = 0
+    corrupt: int = 0
+    failed: bool = False
+    state: str = ""
+    errors: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LayoutStats:
+    """One registered layout and its DRAM counters."""
+
+    layout_id: bytes
+    layout: PageLayout
+    page_bytes: int = 0
+    pages: int = 0
+    used_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    tenant: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TenantStats:
+    name: str
+    used_bytes: int = 0
+    quota_bytes: int = 0    # 0 = unlimited
+    pages: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Stats:
+    """What Stats answers: every tier, layout and tenant, leases, uptime, version."""
+
+    tiers: tuple[TierStats, ...] = ()
+    layouts: tuple[LayoutStats, ...] = ()
+    leases: int = 0             # live leases
+    leased_pages: int = 0       # pages pinned by a lease now
+    uptime_seconds: float = 0.0
+    version: str = ""
+    tenants: tuple[TenantStats, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EvictResult:
+    pages: int = 0
+    bytes: int = 0
+    skipped_leased: int = 0     # left in place because a lease holds them
+    leases_broken: int = 0      # with force
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClearResult:
+    pages: int = 0
+    layouts: int = 0            # layouts that held pages; they stay registered
+    leases_broken: int = 0      # with force
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PageInfo:
+    """Where one key's page is and how it is used."""
+
+    tier: str                   # "dram", "disk" or "far"
+    state: str                  # "WRITING" or "READY"; on disk "QUEUED" (not yet written)
+    size_bytes: int = 0
+    age_seconds: float = 0.0    # since the page was committed
+    idle_seconds: float = 0.0   # since the page was last touched
+    leases: int = 0
+    slot_offset: int = 0
+
+
+def _fields(cls: Any, msg: Any, **override: Any) -> Any:
+    """cls from the message's fields of the same names (override: the converted ones)."""
+    return cls(**{f.name: override[f.name] if f.name in override else getattr(msg, f.name)
+                  for f in dataclasses.fields(cls)})
+
+
+def _layout_stats(msg: apb.LayoutStats) -> LayoutStats:
+    return _fields(LayoutStats, msg, layout=layout_from_proto(msg.layout))
+
+
+def plain(value: Any) -> Any:
+    """A value of this module as JSON-ready data: ints stay ints, bytes become hex."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, bytes):
+        return value.hex()
+    return value
+
+
+class AdminClient:
+    """The Admin service over one client's channel and retries (rpc.py)."""
+
+    def __init__(self, rpc: Rpc) -> None:
+        self._rpc = rpc
+
+    def stats(self) -> Stats:
+        rpc = self._rpc
+        resp = rpc.call("Stats", lambda: rpc.stats(apb.StatsRequest(), timeout=rpc.timeout))
+        return _fields(Stats, resp,
+                       tiers=tuple(_fields(TierStats, t) for t in resp.tiers),
+                       layouts=tuple(_layout_stats(s) for s in resp.layouts),
+                       tenants=tuple(_fields(TenantStats, t) for t in resp.tenants))
+
+    def list_layouts(self) -> list[LayoutStats]:
+        rpc = self._rpc
+        resp = rpc.call("ListLayouts", lambda: rpc.list_layouts(
+            apb.ListLayoutsRequest(), timeout=rpc.timeout))
+        return [_layout_stats(s) for s in resp.layouts]
+
+    def evict(self, *, layout_id: bytes | None = None, nbytes: int | None = None,
+              everything: bool = False, tier: str = "dram", force: bool = False) -> EvictResult:
+        """Evict from tier "dram" (pages move to disk, if any), "disk", "far" or "all".
+        force: first end every lease and reservation clients hold (clients that died)."""
+        if sum(x is not None and x is not False for x in (layout_id, nbytes, everything)) != 1:
+            raise ValueError("evict needs exactly one of layout_id, nbytes, everything")
+        if layout_id is not None:
+            req = apb.EvictRequest(layout_id=layout_id, tier=tier, force=force)
+        elif nbytes is not None:
+            req = apb.EvictRequest(bytes=nbytes, tier=tier, force=force)
+        else:
+            req = apb.EvictRequest(all=True, tier=tier, force=force)
+        rpc = self._rpc
+        resp = rpc.call("Evict", lambda: rpc.evict(req, timeout=rpc.timeout), retry=False)
+        return _fields(EvictResult, resp)
+
+    def clear(self, force: bool = False) -> ClearResult:
+        """Delete every page; force: end clients' leases and reservations first."""
+        rpc = self._rpc
+        resp = rpc.call("Clear", lambda: rpc.clear(apb.ClearRequest(force=force),
+                                                   timeout=rpc.timeout), retry=False)
+        return _fields(ClearResult, resp)
+
+    def inspect(self, layout_id: bytes, key: bytes) -> PageInfo:
+        rpc = self._rpc
+        resp = rpc.call("Inspect", lambda: rpc.inspect(
+            apb.InspectRequest(layout_id=layout_id, key=key), timeout=rpc.timeout))
+        return _fields(PageInfo, resp)

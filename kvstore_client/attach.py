@@ -1,0 +1,80 @@
+"""The server's shared-memory region mapped into this process, when it can be.
+
+A client on the server's host maps the region once (Attach gives its path, size and
+token) and moves page bytes through it. A server that restarted made a new region: the
+client maps it again when the server says the old token is stale (rpc.py), and every
+offset is used with the mapping of the server that issued it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+
+from ._proto.kvstore.v1 import kvstore_pb2 as pb
+from .errors import KVStoreError
+from .rpc import RETRY_CODES, Rpc
+from .shm import SharedRegion
+
+__all__ = ["RegionAttachment"]
+
+log = logging.getLogger(__name__)
+
+
+class RegionAttachment:
+    """The region of one client's server. shared_memory: None = map it when it can be
+    mapped (same host), else None (gRPC); True = require it; False = never map it."""
+
+    def __init__(self, rpc: Rpc, shared_memory: bool | None) -> None:
+        self.shared_memory = shared_memory
+        self._rpc = rpc
+        self._region: SharedRegion | None = None
+        self._tried = False
+        self._lock = threading.Lock()   # guards attaching and re-attaching
+
+    def region(self) -> SharedRegion | None:
+        """The server's region mapped here, or None when only gRPC can be used."""
+        if self._region is None and not self._tried and self.shared_memory is not False:
+            self.attach()
+        return self._region
+
+    def need(self) -> SharedRegion:
+        """The mapped region, or FAILED_PRECONDITION when there is none."""
+        region = self.region()
+        if region is None:
+            raise KVStoreError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "the server's shared-memory pool is not mapped (another host, "
+                               "or shared_memory=False)")
+        return region
+
+    def attach(self, force: bool = False) -> None:
+        """Map the server's region (again, with force: the server restarted)."""
+        with self._lock:
+            if self._tried and not force:
+                return
+            self._tried = True
+            old, self._region = self._region, None
+            try:
+                resp = self._rpc.call("Attach", lambda: self._rpc.attach(
+                    pb.AttachRequest(), timeout=self._rpc.timeout))
+                self._region = SharedRegion(resp.path, resp.size, resp.token_offset)
+                log.debug("mapped the server's pool %s (%d bytes)", resp.path, resp.size)
+            except (OSError, KVStoreError) as exc:
+                if isinstance(exc, KVStoreError) and exc.code in RETRY_CODES:
+                    self._tried = False           # the server is down: ask again later
+                if self.shared_memory:
+                    raise KVStoreError(grpc.StatusCode.FAILED_PRECONDITION,
+                                       f"shared memory was required but the server's pool "
+                                       f"cannot be mapped: {exc}", "Attach") from None
+                log.info("server pool not mappable from here (%s); using gRPC for page bytes",
+                         exc)
+            finally:
+                if old is not None:
+                    old.close()
+
+    def close(self) -> None:
+        if self._region is not None:
+            self._region.close()
+            self._region = None

@@ -1,0 +1,37 @@
+"""Values a KVStoreClient hands its callers for page calls: a layout handle, a put's result,
+a lookup's lease."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .layout import PageLayout
+
+__all__ = ["Lease", "LayoutHandle", "PutResult"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LayoutHandle:
+    """A registered layout: what every page call names."""
+
+    layout: PageLayout
+    layout_id: bytes
+    page_bytes: int
+    layer_bytes: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PutResult:
+    stored: int     # pages newly stored
+    skipped: int    # keys that were already present
+    # Keys another put was still writing: not stored by this call, and stored at all only
+    # if that writer commits (look them up again later to know).
+    in_flight: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Lease:
+    """Pages pinned by a lookup: they cannot be evicted until released or expired."""
+
+    lease_id: int
+    count: int

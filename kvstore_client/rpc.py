@@ -1,0 +1,137 @@
+"""The client's gRPC plumbing: one stub per method, and one way to call them, with retries
+and the recoveries a server restart calls for.
+
+Idempotent calls are retried with backoff when the server is UNAVAILABLE (restarting,
+briefly overloaded). A server that restarted has forgotten the layouts and made a new
+shared-memory region: a call refused with Reason.LAYOUT_UNKNOWN registers its layout again,
+one refused with Reason.SHM_TOKEN_STALE maps the new region, each once, and retries. The
+reason is machine-readable (errors.reason_of); the message is never matched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from ._proto.kvstore.v1 import admin_pb2 as apb
+from ._proto.kvstore.v1 import kvstore_pb2 as pb
+from .errors import Reason, from_rpc_error, reason_of
+from .handles import LayoutHandle
+from .keys import Packed, pack_keys
+from .lookup_stream import LookupStream
+from .wire import GET_DATA_TAG, unframe
+
+__all__ = ["RETRY_CODES", "Rpc", "packed"]
+
+T = TypeVar("T")
+
+RETRY_CODES = (grpc.StatusCode.UNAVAILABLE,)
+
+
+def _put_serializer(message) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def _get_deserializer(message: bytes):
+    payload = unframe(message, GET_DATA_TAG)
+    return payload if payload is not None else memoryview(pb.GetResponse.FromString(message).data)
+
+
+def packed(keys) -> pb.PackedKeys:
+    """Keys for the wire; a Packed (kvstore_client.keys) passes through without the
+    per-key checks, which cost ~0.3 ms for 4,096 keys."""
+    if isinstance(keys, Packed):
+        return pb.PackedKeys(data=keys.data, key_size=keys.size)
+    data, size = pack_keys(keys)
+    return pb.PackedKeys(data=data, key_size=size)
+
+
+class Rpc:
+    """The stubs of one channel and `call`, which runs one of them with retries.
+
+    timeout: seconds per call; retries: extra attempts of idempotent calls on UNAVAILABLE
+    (0 = none); both may be changed at any time. reattach and reregister are the two
+    recoveries (see the module docstring)."""
+
+    def __init__(self, channel: grpc.Channel, *, timeout: float, retries: int,
+                 lookup_stream: bool, reattach: Callable[[], None],
+                 reregister: Callable[[LayoutHandle], Any]) -> None:
+        self.channel = channel
+        self.timeout = timeout
+        self.retries = retries
+        self._reattach = reattach
+        self._reregister = reregister
+        c = channel
+        s = "/kvstore.v1.KVStore/"
+        a = "/kvstore.v1.Admin/"
+
+        def unary(path, req, resp):
+            return c.unary_unary(path, request_serializer=req.SerializeToString,
+                                 response_deserializer=resp.FromString)
+
+        self.register = unary(s + "RegisterLayout", pb.RegisterLayoutRequest,
+                              pb.RegisterLayoutResponse)
+        self.lookup = unary(s + "Lookup", pb.LookupRequest, pb.LookupResponse)
+        # Lookups go over one open stream where they can (kvstore_client.lookup_stream).
+        self.lookups = LookupStream(c.stream_stream(
+            s + "LookupStream", request_serializer=pb.LookupRequest.SerializeToString,
+            response_deserializer=pb.LookupResponse.FromString)) if lookup_stream else None
+        self.release = unary(s + "ReleaseLease", pb.ReleaseLeaseRequest, pb.ReleaseLeaseResponse)
+        self.exists = unary(s + "Exists", pb.ExistsRequest, pb.ExistsResponse)
+        self.delete = unary(s + "Delete", pb.DeleteRequest, pb.DeleteResponse)
+        self.put = c.stream_unary(s + "Put", request_serializer=_put_serializer,
+                                  response_deserializer=pb.PutResponse.FromString)
+        self.get = c.unary_stream(s + "Get", request_serializer=pb.GetRequest.SerializeToString,
+                                  response_deserializer=_get_deserializer)
+        self.attach = unary(s + "Attach", pb.AttachRequest, pb.AttachResponse)
+        self.reserve = unary(s + "Reserve", pb.ReserveRequest, pb.ReserveResponse)
+        self.commit = unary(s + "Commit", pb.CommitRequest, pb.CommitResponse)
+        self.abort = unary(s + "Abort", pb.AbortRequest, pb.AbortResponse)
+        self.acquire = unary(s + "Acquire", pb.AcquireRequest, pb.AcquireResponse)
+        self.stats = unary(a + "Stats", apb.StatsRequest, apb.StatsResponse)
+        self.evict = unary(a + "Evict", apb.EvictRequest, apb.EvictResponse)
+        self.clear = unary(a + "Clear", apb.ClearRequest, apb.ClearResponse)
+        self.list_layouts = unary(a + "ListLayouts", apb.ListLayoutsRequest,
+                                  apb.ListLayoutsResponse)
+        self.inspect = unary(a + "Inspect", apb.InspectRequest, apb.InspectResponse)
+
+    def call(self, method: str, fn: Callable[[], T], handle: LayoutHandle | None = None,
+             retry: bool = True) -> T:
+        """fn(), retried and recovered as the module docstring says; a failure is raised as
+        a KVStoreError naming method."""
+        attempts = 1 + (self.retries if retry else 0)
+        reregistered = False
+        reattached = False
+        attempt = 0
+        while True:
+            try:
+                return fn()
+            except grpc.RpcError as exc:
+                code = exc.code()
+                reason = reason_of(exc)
+                if not reattached and reason is Reason.SHM_TOKEN_STALE:
+                    reattached = True             # the server restarted: map its new region
+                    self._reattach()
+                    continue
+                if (handle is not None and not reregistered
+                        and reason is Reason.LAYOUT_UNKNOWN):
+                    reregistered = True           # the server restarted: register again
+                    self._reregister(handle)
+                    continue
+                attempt += 1
+                if code in RETRY_CODES and attempt < attempts:
+                    time.sleep(min(0.05 * 2 ** attempt, 1.0))
+                    continue
+                raise from_rpc_error(exc, method) from None
+
+    def timeout_for(self, nbytes: int) -> float:
+        """A bulk call's timeout: extra time at a pessimistic 100 MB/s."""
+        return self.timeout + nbytes / 100e6
+
+    def close(self) -> None:
+        if self.lookups is not None:
+            self.lookups.close()
+        self.channel.close()
