@@ -8,12 +8,14 @@
 
 `DataPlane.call` runs a fast-path call and answers USE_GRPC when the caller should make
 the gRPC call instead. It also mends what a server restart breaks, as the gRPC path does
-(client._call): "unknown layout" registers the layout again, and a stale region token
-maps the new region, each once.
+(rpc.py): by the reason in the error answer's flags (fastwire.REASON_FLAGS), never its
+message, Reason.LAYOUT_UNKNOWN registers the layout again and Reason.SHM_TOKEN_STALE maps
+the new region, each once.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import ssl
@@ -21,16 +23,16 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import grpc
 
-from .errors import KVStoreError
+from .errors import KVStoreError, Reason
 from .fastpath import FastPath, FastPathUnavailable
 from .keys import Packed, pack_keys
 
 if TYPE_CHECKING:
-    from .client import LayoutHandle
+    from .handles import LayoutHandle
     from .shm import SharedRegion
 
 __all__ = ["DataPlane", "USE_GRPC", "packed_keys", "tls_context"]
@@ -38,7 +40,15 @@ __all__ = ["DataPlane", "USE_GRPC", "packed_keys", "tls_context"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-USE_GRPC = object()      # what call() answers when the caller should use gRPC
+
+
+class _UseGrpc(enum.Enum):
+    USE_GRPC = 0
+
+
+# What call() answers when the caller should use gRPC (an enum member, so that
+# `got is not USE_GRPC` narrows got's type).
+USE_GRPC = _UseGrpc.USE_GRPC
 RETRY_S = 30.0           # after the fast path could not be reached, gRPC for this long
 
 
@@ -151,7 +161,7 @@ class DataPlane:
         fast.close()
 
     def call(self, method: str, handle: LayoutHandle | None,
-             fn: Callable[[FastPath], T]) -> T | object:
+             fn: Callable[[FastPath], T]) -> T | Literal[_UseGrpc.USE_GRPC]:
         """fn on the fast path, or USE_GRPC when there is none (or it just went away)."""
         fast = self.fast()
         if fast is None:
@@ -165,13 +175,11 @@ class DataPlane:
                 return USE_GRPC
             except KVStoreError as exc:
                 if (handle is not None and not reregistered
-                        and exc.code == grpc.StatusCode.INVALID_ARGUMENT
-                        and "unknown layout" in exc.message):
+                        and exc.reason is Reason.LAYOUT_UNKNOWN):
                     reregistered = True
                     self._reregister(handle)
                     continue
-                if (not reattached and exc.code == grpc.StatusCode.FAILED_PRECONDITION
-                        and "shared-memory token" in exc.message):
+                if not reattached and exc.reason is Reason.SHM_TOKEN_STALE:
                     reattached = True
                     self._reattach()
                     continue

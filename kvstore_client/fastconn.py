@@ -142,7 +142,8 @@ class Conn:
         message = bytes(body).decode(errors="replace")
         if status is fw.Status.PROTOCOL:
             raise Broken(f"the server refused a frame: {message}")
-        raise KVStoreError(fw.GRPC_CODES[status], message, method)
+        raise KVStoreError(fw.GRPC_CODES[status], message, method,
+                           fw.reason_of_flags(h.flags))
 
     def answer_head(self, op: int, method: str) -> fw.Header:
         """The header of an answer whose data follows (GET): read exactly, no further."""

@@ -16,7 +16,8 @@ in short, every request and every response is one frame:
 
 One frame answers one frame, in order, on one connection (no request ids: a client
 that wants calls in parallel opens more connections). A response's `status` is 0 for
-success; anything else is an error whose body is a UTF-8 message. Page bytes travel
+success; anything else is an error whose body is a UTF-8 message for people and whose
+flags name a Reason (REASON_FLAGS) where the client must react. Page bytes travel
 after the body and are never copied into a Python object on either end: the server
 sends them from the pool and receives them into reserved pool slots, the client
 receives into the caller's buffer.
@@ -34,10 +35,12 @@ import struct
 import grpc
 import numpy as np
 
+from .errors import Reason
 from .keys import MAX_KEY_BYTES
 
 __all__ = [
     "MAGIC", "VERSION", "HEADER", "Op", "Status", "GRPC_CODES", "Header", "WireError",
+    "REASON_FLAGS", "reason_flags", "reason_of_flags",
     "MAX_BODY", "MAX_ANSWER_BODY", "request_body_bytes", "MAX_DATA", "MAX_LAYOUTS",
     "LAYOUT_ID_BYTES", "REGION_TOKEN_BYTES",
     "PAGE_MAJOR", "LAYER_MAJOR", "QUIET", "KeysBlock", "encode_header", "decode_header",
@@ -46,7 +49,7 @@ __all__ = [
 ]
 
 MAGIC = b"KF"
-VERSION = 2
+VERSION = 3
 HEADER = struct.Struct("<2sBBHHQQ")          # 24 bytes, see the diagram above
 assert HEADER.size == 24
 
@@ -87,6 +90,24 @@ LAYER_MAJOR = 1         # every page's layer 0, then layer 1, ...: what get_laye
 # RELEASE that fails (the lease had expired) is counted in the server's metrics and
 # logged; the lease is gone either way.
 QUIET = 1
+
+
+# An error answer's flags: why it failed where the client must react (errors.Reason): it
+# branches on these, never on the message, which is for people and may be reworded. 0 = no
+# reason; a number this end does not know reads as none. Version 3 added them: a version 2
+# server answered errors with flags 0, so its client matched message text instead.
+REASON_FLAGS = {Reason.LAYOUT_UNKNOWN: 1, Reason.SHM_TOKEN_STALE: 2, Reason.PAGES_MISSING: 3}
+_REASON_OF_FLAGS = {flags: reason for reason, flags in REASON_FLAGS.items()}
+
+
+def reason_flags(reason: Reason | None) -> int:
+    """The flags of an error answer that has this reason."""
+    return 0 if reason is None else REASON_FLAGS[reason]
+
+
+def reason_of_flags(flags: int) -> Reason | None:
+    """The reason an error answer's flags name, or None."""
+    return _REASON_OF_FLAGS.get(flags)
 
 
 class Op(enum.IntEnum):

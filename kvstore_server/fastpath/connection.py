@@ -40,7 +40,7 @@ _NAMES = {op: "Fast" + op.name.title() for op in fw.Op}
 SCRATCH_BYTES = 256 << 10      # per connection: where a refused Put's data is dropped
 
 
-def _quiet(op: int, body: bytes, status: fw.Status = fw.Status.OK) -> None:
+def _quiet(op: int, body: bytes, status: fw.Status = fw.Status.OK, flags: int = 0) -> None:
     """The answer to a quiet RELEASE: none; a failed one is only logged (and counted)."""
     if status is not fw.Status.OK:
         log.debug("fast path: a quiet release failed: %s", body.decode(errors="replace"))
@@ -173,7 +173,7 @@ class Connection:
                 reply(op, answer)
         except StoreError as exc:
             status = status_of(exc)
-            reply(op, exc.message.encode(), status)
+            reply(op, exc.message.encode(), status, fw.reason_flags(exc.reason))
         except fw.WireError as exc:
             if exc.status is fw.Status.PROTOCOL:
                 raise

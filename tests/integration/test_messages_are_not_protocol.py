@@ -3,18 +3,22 @@
 Every StoreError message is rewritten (in the servers and in the tests' own process) by a
 sitecustomize module, and the restart-recovery tests run again: a client that meets a
 server restart must still register its layout again and map the new region, which it
-can only do by the reason the server sends beside the status (kvstore_client.errors).
-The gRPC path only: the fast path's client (dataplane.py) still matches message text.
+can only do by the reason the server sends beside the status (kvstore_client.errors): in
+trailing metadata on gRPC, in an error answer's flags on the fast path (fastwire.py). The
+recoveries are also met head on, on both paths, with the shared-memory region and without:
+a layout the server does not know, and a region token that no longer matches.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 import textwrap
 
 import grpc
+import numpy as np
 import pytest
 
 from kvstore_bench.serverproc import ServerProcess
@@ -22,6 +26,7 @@ from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client._proto.kvstore.v1 import kvstore_pb2_grpc as pbg
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout, PagesMissing
 from kvstore_client.errors import Reason, reason_of
+from kvstore_client.handles import LayoutHandle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,14 +48,25 @@ REWRITE = textwrap.dedent('''
 RESTART_TESTS = [
     "tests/integration/test_roundtrip.py::test_client_reregisters_after_server_restart",
     "tests/integration/test_shm.py::test_server_restart_while_attached",
+    "tests/integration/test_fastpath.py::"
+    "test_a_restarted_server_is_reached_again_and_the_layout_registered_again",
 ]
+
+LAYOUT = PageLayout(model="reworded", num_layers=2, page_tokens=16, num_kv_heads=2,
+                    head_size=64)
+PATHS = [False, True]
+PATH_IDS = ["grpc", "fast-path"]
+
+
+def _rewriting_env(folder) -> dict:
+    (folder / "sitecustomize.py").write_text(REWRITE)
+    path = os.pathsep.join(filter(None, [str(folder), ROOT, os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
 
 
 @pytest.fixture
 def rewriting_env(tmp_path):
-    (tmp_path / "sitecustomize.py").write_text(REWRITE)
-    path = os.pathsep.join(filter(None, [str(tmp_path), ROOT, os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path}
+    return _rewriting_env(tmp_path)
 
 
 def test_the_rewrite_takes_and_the_reason_still_comes(rewriting_env):
@@ -74,6 +90,47 @@ def test_restart_recovery_survives_reworded_messages(rewriting_env):
     tail = proc.stdout[-3000:]
     assert proc.returncode == 0, tail
     assert "failed" not in tail and " passed" in tail
+
+
+@pytest.fixture(scope="module")
+def rewriting_server(tmp_path_factory):
+    env = _rewriting_env(tmp_path_factory.mktemp("rewrite"))
+    with ServerProcess(dram="32MiB", env=env) as srv:
+        yield srv
+
+
+def _unregistered(layout: PageLayout) -> LayoutHandle:
+    """A handle for a layout this server never saw: what a client holds after a restart."""
+    return LayoutHandle(layout, layout.layout_id, layout.page_bytes, layout.layer_bytes)
+
+
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["remote", "same-host"])
+@pytest.mark.parametrize("data_plane", PATHS, ids=PATH_IDS)
+def test_an_unknown_layout_is_registered_again_by_its_reason(rewriting_server, data_plane,
+                                                              shared_memory):
+    with KVStoreClient(rewriting_server.address, data_plane=data_plane,
+                       shared_memory=shared_memory) as c:
+        ns = _unregistered(dataclasses.replace(LAYOUT, salt=f"{data_plane}{shared_memory}"))
+        keys = [bytes([i]) * 16 for i in range(3)]
+        assert c.lookup(ns, keys) == 0                 # registered again, then answered
+        data = np.arange(3 * ns.page_bytes, dtype=np.uint64).astype(np.uint8).reshape(3, -1)
+        assert c.put(ns, keys, data).stored == 3
+        assert np.array_equal(c.get(ns, keys), data)
+
+
+@pytest.mark.parametrize("data_plane", PATHS, ids=PATH_IDS)
+def test_a_stale_region_token_maps_the_region_again_by_its_reason(rewriting_server,
+                                                                   data_plane):
+    with KVStoreClient(rewriting_server.address, data_plane=data_plane,
+                       shared_memory=True) as c:
+        ns = c.register_layout(dataclasses.replace(LAYOUT, salt=f"stale{data_plane}"))
+        region = c.region()
+        region.token = bytes(len(region.token))     # what a restarted server's region is
+        keys = [bytes([i + 10]) * 16 for i in range(2)]
+        data = np.full((2, ns.page_bytes), 7, dtype=np.uint8)
+        assert c.put(ns, keys, data).stored == 2    # Reserve refused, region mapped again
+        assert c.region() is not region
+        assert np.array_equal(c.get(ns, keys), data)
 
 
 @pytest.mark.parametrize("data_plane", [False, True], ids=["grpc", "fast-path"])

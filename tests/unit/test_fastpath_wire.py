@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvstore_client import fastwire as fw
+from kvstore_client.errors import Reason
 from kvstore_server.config import ConfigError, data_address, load_config
 from kvstore_server.fastpath.io import runs
 
@@ -45,6 +46,9 @@ def test_header_round_trip():
     # Version 1 answered PUT and RESERVE without the in-flight count: a version 1 peer
     # would read a version 2 RESERVE's offsets four bytes off, so it is refused.
     (fw.HEADER.pack(b"KF", 1, 2, 0, 0, 0, 0), "version 1"),
+    # Version 2 answered errors without a reason in the flags: its client matched message
+    # text, so a version 3 server's reworded message would break its recoveries.
+    (fw.HEADER.pack(b"KF", 2, 2, 0, 0, 0, 0), "version 2"),
     (fw.HEADER.pack(fw.MAGIC, fw.VERSION, 200, 0, 0, 0, 0), "unknown op 200"),
     (fw.HEADER.pack(fw.MAGIC, fw.VERSION, fw.Op.LOOKUP, 0, 0, fw.MAX_BODY + 1, 0), "over the limit"),
     (fw.HEADER.pack(fw.MAGIC, fw.VERSION, fw.Op.LOOKUP, 0, 0, 0, 1), "only PUT carries data"),
@@ -99,3 +103,10 @@ def test_data_listen_off_loopback_needs_auth():
         load_config(["--data-listen", "0.0.0.0:7000"], environ={})
     with pytest.raises(ConfigError, match="HOST:PORT, auto or off"):
         load_config(["--data-listen", "nonsense"], environ={})
+
+
+def test_an_error_answers_flags_name_its_reason_and_unknown_flags_name_none():
+    for reason in Reason:
+        assert fw.reason_of_flags(fw.reason_flags(reason)) is reason
+    assert fw.reason_flags(None) == 0 and fw.reason_of_flags(0) is None
+    assert fw.reason_of_flags(999) is None
