@@ -24,7 +24,7 @@ from kvstore_connector.scheduler import SchedulerHalf
 
 from kvstore_client import KVStoreClient, PageLayout
 
-from .serverproc import ServerProcess
+from kvstore_testing.serverproc import ServerProcess
 
 __all__ = ["main"]
 

@@ -61,7 +61,7 @@ import numpy as np
 
 from kvstore_client import KVStoreClient
 
-from .serverproc import ServerProcess
+from kvstore_testing.serverproc import ServerProcess
 
 ACCEPT_PRESET, ACCEPT_TOKENS = "8b", 32768
 ACCEPT_TTFT_RATIO, ACCEPT_LOAD = 1 / 15, 0.90

@@ -23,7 +23,7 @@ import argparse
 import os
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import glide_sync as glide
 
@@ -124,7 +124,7 @@ def _through_servers(c: Contenders, nodes: list[tuple[str, int]], size: int, n: 
     fast path (B's DRAM emptied, untimed, before each), B's Lookup of the keys."""
     import numpy as np
 
-    from kvstore_bench.serverproc import ServerProcess
+    from kvstore_testing.serverproc import ServerProcess
     from kvstore_client import KVStoreClient, PageLayout
     from kvstore_server.far.keys import page_key
 
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.far:
         run(list(parse_far(args.far).nodes), args.quick)
         return 0
-    from kvstore_bench.clusterproc import ClusterProcess
+    from kvstore_testing.clusterproc import ClusterProcess
     with ClusterProcess(masters=3) as cluster:
         run([("127.0.0.1", node.port) for node in cluster.nodes], args.quick)
     return 0

@@ -40,7 +40,7 @@ from kvstore_client import KVStoreClient, PageLayout
 from kvstore_client.units import parse_size
 
 from .load_test import key_of, page_of
-from .serverproc import ServerProcess
+from kvstore_testing.serverproc import ServerProcess
 
 __all__ = ["KillConfig", "KillResult", "main", "run"]
 

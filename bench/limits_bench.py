@@ -36,7 +36,7 @@ from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client._proto.kvstore.v1 import kvstore_pb2_grpc
 from kvstore_client.wire import CHANNEL_OPTIONS
 
-from .serverproc import ServerProcess, free_port
+from kvstore_testing.serverproc import ServerProcess, free_port
 
 __all__ = ["main"]
 

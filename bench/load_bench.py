@@ -28,7 +28,7 @@ import numpy as np
 
 from kvstore_client import KVStoreClient, PageLayout
 
-from .serverproc import ServerProcess
+from kvstore_testing.serverproc import ServerProcess
 
 LAYOUT = PageLayout(model="bench-load-8b", num_layers=32, page_tokens=16, num_kv_heads=8,
                     head_size=128, dtype="bfloat16")
@@ -177,7 +177,7 @@ def run(tokens: list[int], reps: int, sweep_ctas: list[int], copies: bool) -> di
             acq.release()
             try:
                 saves.abort()
-            except Exception as exc:          # report the failure that got us here instead
+            except Exception as exc:  # noqa: BLE001 - report the failure that got us here instead
                 print(f"aborting the save reservation failed: {exc}", file=sys.stderr)
     return out
 

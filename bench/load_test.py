@@ -43,7 +43,7 @@ import xxhash
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_client.units import parse_size
 
-from .serverproc import ServerProcess
+from kvstore_testing.serverproc import ServerProcess
 
 __all__ = ["LoadConfig", "key_of", "main", "page_of", "report", "run"]
 

@@ -24,7 +24,7 @@ from kvstore_client import KVStoreClient, PageLayout
 from kvstore_client.buffers import page_aligned_empty
 from kvstore_client.malloc import keep_freed_buffers
 
-from .serverproc import ServerProcess
+from kvstore_testing.serverproc import ServerProcess
 from .store_bench import put_get_gbps
 
 MiB = 1 << 20

@@ -29,7 +29,7 @@ from kvstore_client.keys import Packed
 from kvstore_client.malloc import keep_freed_buffers
 
 from .grpc_baseline import grpc_stream_gbps
-from .serverproc import ServerProcess
+from kvstore_testing.serverproc import ServerProcess
 
 MiB = 1 << 20
 # (label, num_kv_heads, head_size): 32 layers, 16 tokens, bf16 -> these page sizes.

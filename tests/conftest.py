@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from kvstore_bench.clusterproc import ClusterProcess, server_binaries
-from kvstore_bench.serverproc import ServerProcess
+from kvstore_testing.clusterproc import ClusterProcess, server_binaries
+from kvstore_testing.serverproc import ServerProcess
 
 
 def _has_cuda() -> bool:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore_bench.serverproc import ServerProcess
+from kvstore_testing.serverproc import ServerProcess
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from connector.config import ConnectorConfig, open_client
-from kvstore_bench.serverproc import free_port
+from kvstore_testing.serverproc import free_port
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_client.errors import KVStoreError
 

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from kvstore_bench.serverproc import free_port
+from kvstore_testing.serverproc import free_port
 
 from .deployfiles import ROOT, dockerfile, exec_form, final_stage, healthcheck_command
 

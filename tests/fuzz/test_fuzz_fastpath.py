@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvstore_bench.serverproc import ServerProcess, free_port
+from kvstore_testing.serverproc import ServerProcess, free_port
 
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_client import fastwire as fw

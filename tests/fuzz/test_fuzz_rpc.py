@@ -36,7 +36,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore_bench.serverproc import ServerProcess
+from kvstore_testing.serverproc import ServerProcess
 from kvstore_client import PageLayout
 from kvstore_client._proto.kvstore.v1 import admin_pb2 as apb
 from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from kvstore_bench.serverproc import free_port
+from kvstore_testing.serverproc import free_port
 
 from kvstore_client import KVStoreClient, LayoutHandle, PageLayout
 from kvstore_client.units import parse_size

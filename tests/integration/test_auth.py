@@ -9,13 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import grpc
 import numpy as np
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from kvstore_bench.serverproc import ServerProcess, free_port
+from kvstore_testing.serverproc import ServerProcess, free_port
 
 from kvstore_connector.config import ConnectorConfig
 from kvstore_connector.scheduler import SchedulerHalf
@@ -23,6 +22,7 @@ from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
 from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client.channel import open_channel
 from kvstore_server.tenants import scoped_layout_id
+from tests.waiting import wait_for
 
 # 256 KiB pages: four of them fill the 1 MiB quota of tenant "small".
 LAYOUT = PageLayout(model="auth-test", num_layers=4, page_tokens=16, num_kv_heads=8,
@@ -291,13 +291,6 @@ def test_quota(srv):
 
 
 # -- reload ----------------------------------------------------------------------------
-def wait_for(predicate, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
 
 def works(srv, name: str) -> bool:
     with client(srv, name) as c:

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from kvstore_connector.config import ConnectorConfig, LoadMode, Role   # noqa: E402
 from kvstore_connector.scheduler import SchedulerHalf                   # noqa: E402
 from kvstore_connector.worker import WorkerHalf                         # noqa: E402
-from kvstore_bench.serverproc import ServerProcess, sigstop     # noqa: E402
+from kvstore_testing.serverproc import ServerProcess, sigstop     # noqa: E402
 from kvstore_client import KVStoreClient, PageLayout            # noqa: E402
 
 LAYERS, BLOCKS, BLOCK, HEADS, HEAD = 3, 64, 16, 2, 8

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvstore_bench.serverproc import ServerProcess
+from kvstore_testing.serverproc import ServerProcess
 from kvstore_client import KVStoreClient, PageLayout
 
 LAYOUT = PageLayout(model="disk", num_layers=32, page_tokens=16, num_kv_heads=8,

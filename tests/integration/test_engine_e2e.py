@@ -26,7 +26,7 @@ from kvstore_bench.engine.scheduler import (  # noqa: E402
     SchedulerConfig,
     StepResult,
 )
-from kvstore_bench.serverproc import ServerProcess  # noqa: E402
+from kvstore_testing.serverproc import ServerProcess  # noqa: E402
 
 from kvstore_connector.config import ConnectorConfig, LoadMode  # noqa: E402
 

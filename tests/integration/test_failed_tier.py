@@ -13,7 +13,7 @@ import time
 import numpy as np
 import xxhash
 
-from kvstore_bench.serverproc import ServerProcess
+from kvstore_testing.serverproc import ServerProcess
 from kvstore_client import KVStoreClient, PageLayout
 
 LAYOUT = PageLayout(model="failed-tier", num_layers=32, page_tokens=16, num_kv_heads=8,

@@ -91,7 +91,7 @@ def _evals(cluster) -> list[int]:
     counts = []
     for node in cluster.nodes:
         stats = cluster.cli_call(node, "info", "commandstats")
-        line = next((l for l in stats.split() if l.startswith("cmdstat_eval_ro:")), "")
+        line = next((ln for ln in stats.split() if ln.startswith("cmdstat_eval_ro:")), "")
         counts.append(int(line.split("calls=")[1].split(",")[0]) if line else 0)
     return counts
 

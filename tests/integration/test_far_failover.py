@@ -44,7 +44,7 @@ def test_kill_a_master_under_load(fresh_cluster):
             try:
                 got = client.get(layout, batch)
                 bits = client.exists(layout, batch)
-            except Exception as exc:            # the client must never raise
+            except Exception as exc:  # noqa: BLE001 - the client must never raise
                 problems.append(repr(exc))
                 return
             for key, page, bit in zip(batch, got, bits):

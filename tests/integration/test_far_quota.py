@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 
-from kvstore_bench.serverproc import ServerProcess
+from kvstore_testing.serverproc import ServerProcess
 
 from kvstore_client import KVStoreClient
 

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvstore_bench.serverproc import ServerProcess, free_port
+from kvstore_testing.serverproc import ServerProcess, free_port
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_server.far.keys import BUCKETS
+from tests.waiting import wait_for
 
 LAYOUT = PageLayout(model="far", num_layers=4, page_tokens=16, num_kv_heads=8,
                     head_size=64)                               # 128 KiB pages
@@ -31,15 +32,6 @@ def pages(n, seed=0):
 
 def far_tier(client):
     return next(t for t in client.stats().tiers if t.name == "far")
-
-
-def wait_for(predicate, timeout=10.0):
-    stop = time.monotonic() + timeout
-    while time.monotonic() < stop:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 @pytest.fixture
@@ -222,15 +214,15 @@ def test_a_master_killed_under_load_through_two_servers(fresh_cluster):
                 misses += len(batch) - n
             except KeyError:                    # PagesMissing: a miss between two calls
                 misses += 1
-            except Exception as exc:            # anything else is an error to a client
+            except Exception as exc:  # noqa: BLE001 - anything else is an error to a client
                 problems.append(repr(exc))
             cb.evict(everything=True, tier="dram")
         assert not problems, problems[:5]
         assert served > 0
         after = time.monotonic()
-        assert wait_for(lambda: cb.evict(everything=True, tier="dram") is not None
-                        and cb.lookup(nb, ks) == len(ks), 30), \
-            "pages of the killed master's slots did not come back"
+        wait_for(lambda: cb.evict(everything=True, tier="dram") is not None
+                 and cb.lookup(nb, ks) == len(ks),
+                 "pages of the killed master's slots to come back", timeout=30)
         assert np.array_equal(cb.get(nb, ks), data)
         assert time.monotonic() - after < 30
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kvstore_bench.clusterproc import server_binaries
+from kvstore_testing.clusterproc import server_binaries
 from kvstore_server.far.client import FarClient
 from kvstore_server.far.settings import parse_far
 

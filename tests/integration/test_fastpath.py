@@ -18,11 +18,12 @@ import urllib.request
 
 import numpy as np
 import pytest
-from kvstore_bench.serverproc import ServerProcess, free_port
+from kvstore_testing.serverproc import ServerProcess, free_port
 
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
 from kvstore_client import fastwire as fw
 from kvstore_client.fastpath import FastPath, FastPathUnavailable
+from tests.waiting import wait_for
 
 LAYOUTS = {
     "tiny": PageLayout(model="fp-tiny", num_layers=1, page_tokens=1, num_kv_heads=1,
@@ -58,14 +59,6 @@ def metric(port: int, name: str) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     return float(found.group(1)) if found else 0.0
-
-
-def wait_for(predicate, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 class Raw:
@@ -376,7 +369,7 @@ else:
 """)
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE)
     assert proc.stdout.readline().strip() == b"go"
-    wait_for(lambda: _leases(srv) > before, f"the {call} to be under way", 20)
+    wait_for(lambda: _leases(srv) > before, f"the {call} to be under way", timeout=20)
     proc.kill()
     proc.wait(10)
     _nothing_left(srv, before, threads, f"the killed client's {call}")

@@ -34,11 +34,12 @@ import numpy as np
 import pytest
 import xxhash
 from kvstore_bench.load_test import page_of
-from kvstore_bench.serverproc import ServerProcess
+from kvstore_testing.serverproc import ServerProcess
 
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
 from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client.wire import CHANNEL_OPTIONS
+from tests.waiting import wait_for
 
 SMALL = PageLayout(model="faults", num_layers=4, page_tokens=16, num_kv_heads=8,
                    head_size=64)                                    # 128 KiB pages
@@ -52,13 +53,6 @@ def keys(tag, n):
 
 def pages(ks, page_bytes):
     return np.stack([page_of(k, page_bytes) for k in ks])
-
-
-def wait_for(condition, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout}s"
-        time.sleep(0.05)
 
 
 def check_served(client, ns, ks) -> int:
@@ -129,7 +123,7 @@ def test_server_killed_during_heavy_puts(tmp_path):
     threads = [threading.Thread(target=write, args=(w,), daemon=True) for w in range(4)]
     for t in threads:
         t.start()
-    wait_for(lambda: sum(map(len, acked)) >= 600, 60, "600 pages stored")   # ~75 MiB
+    wait_for(lambda: sum(map(len, acked)) >= 600, "600 pages stored", timeout=60)   # ~75 MiB
     srv.proc.kill()
     killed = time.monotonic()
     for t in threads:
@@ -191,17 +185,17 @@ def test_client_killed_mid_streams(fresh_server):
         try:
             assert proc.stdout.readline().strip() == "holding"
             # The lookup lease, the Get's lease and the Put's reservation.
-            wait_for(lambda: c.stats().leases == 3, 5, "three leases held")
+            wait_for(lambda: c.stats().leases == 3, "three leases held", timeout=5)
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
         finally:
             proc.kill()
         # The streams end with the connection: their pins go at once, not at expiry...
-        wait_for(lambda: c.stats().leases == 1, 3, "stream leases released")
+        wait_for(lambda: c.stats().leases == 1, "stream leases released", timeout=3)
         assert c.stats().tiers[0].used_bytes == used         # the half-put's slots are free
         assert c.lookup(ns, keys("half-put", 8)) == 0         # and it never became visible
         # ...and the lookup lease, which no connection holds, at its expiry.
-        wait_for(lambda: c.stats().leases == 0, 10, "lookup lease expired")
+        wait_for(lambda: c.stats().leases == 0, "lookup lease expired", timeout=10)
         assert c.evict(everything=True).pages == 64 and c.stats().tiers[0].used_bytes == 0
 
 
@@ -235,7 +229,7 @@ def test_stalled_get_stream_is_cancelled_others_go_on(fresh_server):
         assert c.stats().leases == 3, "the stall ended before it was measured"
         assert during < 5 * base + 0.02 and during < 1.0, (base, during)
         # The server ends the stalled streams by itself (reading now would unstall them).
-        wait_for(lambda: c.stats().leases == 0, 10, "stalled leases released")
+        wait_for(lambda: c.stats().leases == 0, "stalled leases released", timeout=10)
         assert 3 <= time.monotonic() - opened < 3 + 5
         for channel, stream in stalls:
             with pytest.raises(grpc.RpcError) as err:
@@ -266,7 +260,7 @@ def test_stalled_streams_on_every_stream_thread_end(fresh_server):
             assert time.monotonic() - t0 < 6
             for _, future in puts:
                 assert future.exception(10).code() == grpc.StatusCode.CANCELLED
-            wait_for(lambda: c.stats().leases == 0, 5, "stalled leases released")
+            wait_for(lambda: c.stats().leases == 0, "stalled leases released", timeout=5)
             assert c.stats().tiers[0].used_bytes == 32 * BIG.page_bytes
         finally:
             stop.set()
@@ -286,8 +280,8 @@ def test_disk_write_limit_stops_the_tier(tmp_path):
         ks = keys("spill", 80)
         for i in range(0, 80, 8):
             c.put(ns, ks[i:i + 8], pages(ks[i:i + 8], BIG.page_bytes))
-        wait_for(lambda: {t.name: t for t in c.stats().tiers}["disk"].failed, 20,
-                 "the disk tier to fail")
+        wait_for(lambda: {t.name: t for t in c.stats().tiers}["disk"].failed,
+                 "the disk tier to fail", timeout=20)
         fresh = keys("after", 4)
         c.put(ns, fresh, pages(fresh, BIG.page_bytes))                 # DRAM goes on
         assert np.array_equal(c.get(ns, fresh), pages(fresh, BIG.page_bytes))

@@ -8,7 +8,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore_bench.serverproc import free_port
+from kvstore_testing.serverproc import free_port
 from kvstore_client import KVStoreClient, PageLayout
 
 

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore_bench.serverproc import free_port
+from kvstore_testing.serverproc import free_port
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
 from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client.keys import Packed
+from tests.waiting import wait_for
 
 LAYOUT = dict(model="stream", num_layers=2, page_tokens=4, num_kv_heads=2, head_size=16)
 
@@ -55,8 +56,7 @@ def test_lookups_share_one_stream_and_answer_as_lookup(fresh_server):
         assert c.release_lease(lease)
         assert c._lookups.opened == 1                  # every lookup above on one stream
         assert _open_streams(port) == 1
-    time.sleep(0.5)                                    # the close reaches the server
-    assert _open_streams(port) == 0
+    wait_for(lambda: _open_streams(port) == 0, "the close to reach the server")
 
 
 def test_a_bad_request_gets_lookups_error_and_the_next_lookup_works(fresh_server):

@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kvstore_bench.serverproc import ServerProcess
+from kvstore_testing.serverproc import ServerProcess
 from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client._proto.kvstore.v1 import kvstore_pb2_grpc as pbg
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout, PagesMissing

@@ -15,7 +15,7 @@ import stat
 import numpy as np
 import pytest
 
-from kvstore_bench.serverproc import ServerProcess
+from kvstore_testing.serverproc import ServerProcess
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_client.shm import SharedRegion, _receive_fd
 

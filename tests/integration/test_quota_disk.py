@@ -3,7 +3,7 @@ DRAM like the ones it puts (it used to reach six times its quota that way)."""
 
 from __future__ import annotations
 
-from kvstore_bench.serverproc import ServerProcess
+from kvstore_testing.serverproc import ServerProcess
 
 from kvstore_client import KVStoreClient
 

@@ -12,21 +12,15 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvstore_bench.serverproc import ServerProcess
+from kvstore_testing.serverproc import ServerProcess
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
+from tests.waiting import wait_for
 
 LAYOUT = PageLayout(model="shm", num_layers=4, page_tokens=16, num_kv_heads=2, head_size=64)
 
 
 def keys(tag, n):
     return [xxhash.xxh3_128_digest(f"{tag}:{i}".encode()) for i in range(n)]
-
-
-def wait_for(condition, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 def pages(n, seed=0):
@@ -101,8 +95,8 @@ def test_reservation_lease_expires(fresh_server):
         ns = c.register_layout(LAYOUT)
         ks = keys("expire", 4)
         res = c.reserve(ns, ks, lease_ms=200)
-        time.sleep(0.6)
-        assert c.stats().tiers[0].used_bytes == 0 and c.stats().leases == 0
+        wait_for(lambda: c.stats().leases == 0, "the reservation to expire")
+        assert c.stats().tiers[0].used_bytes == 0
         with pytest.raises(KVStoreError) as err:
             res.commit()
         assert err.value.code.name == "FAILED_PRECONDITION"

@@ -12,7 +12,7 @@ import sys
 import grpc
 import numpy as np
 import pytest
-from kvstore_bench.serverproc import ServerProcess, free_port
+from kvstore_testing.serverproc import ServerProcess, free_port
 
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from kvstore_bench.serverproc import ServerProcess
+from kvstore_testing.serverproc import ServerProcess
 
 if importlib.util.find_spec("sglang") is not None:
     from kvstore_bench.sglang_bench import install_torchvision_stub

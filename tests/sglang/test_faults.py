@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("sglang", reason="needs SGLang 0.5.23 (scripts/venv-sglang.sh)")
 
-from kvstore_bench.serverproc import sigstop
+from kvstore_testing.serverproc import sigstop
 from test_hicache_storage import _backend, _filled, _indices, _keys, _tokens
 
 from kvstore_client import KVStoreClient

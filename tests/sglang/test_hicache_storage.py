@@ -19,7 +19,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvstore_connector.sglang import KVStoreHiCacheStorage, store_key
-from kvstore_bench.serverproc import sigstop
+from kvstore_testing.serverproc import sigstop
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 PAGES = 6

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 from kvstore_bench.cli import BENCHES
-from kvstore_bench.clusterproc import server_binaries
+from kvstore_testing.clusterproc import server_binaries
 
 # The console script pip installed next to this interpreter: what a user runs.
 BENCH = shutil.which("kvstore-bench", path=os.path.dirname(sys.executable)) or "kvstore-bench"

@@ -5,6 +5,7 @@ import threading
 import time
 
 from connector.breaker import Breaker
+from tests.waiting import wait_for
 
 
 class Store:
@@ -19,13 +20,6 @@ class Store:
         return self.up
 
 
-def wait_until(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 def test_open_until_a_background_probe_answers():
     store = Store()
     b = Breaker(0.02, store.probe)
@@ -33,17 +27,17 @@ def test_open_until_a_background_probe_answers():
         assert b.allow() and not b.open
         assert b.failed() is True and b.open
         assert b.failed() is False                # already open: not "opened" again
-        wait_until(lambda: b.probes >= 3)
+        wait_for(lambda: b.probes >= 3)
         assert b.open and not b.allow()           # the caller never probes
         assert threading.current_thread() not in store.threads
         store.up = True
-        wait_until(lambda: not b.open)
+        wait_for(lambda: not b.open)
         assert b.allow()
         probes = b.probes
         time.sleep(0.1)
         assert b.probes == probes                 # closed: no more probing
         assert b.failed() is True                 # opens again, with a new probe thread
-        wait_until(lambda: not b.open)
+        wait_for(lambda: not b.open)
     finally:
         b.close()
 
@@ -58,7 +52,7 @@ def test_a_probe_that_raises_is_no_answer():
     b = Breaker(0.01, probe)
     try:
         b.failed()
-        wait_until(lambda: len(calls) >= 3)
+        wait_for(lambda: len(calls) >= 3)
         assert b.open
     finally:
         b.close()
@@ -70,7 +64,7 @@ def test_a_call_that_succeeds_closes_it_and_the_probe_thread_ends():
     b.failed()
     b.succeeded()
     assert b.allow()
-    wait_until(lambda: b._thread is None)
+    wait_for(lambda: b._thread is None)
     b.close()
 
 

@@ -59,20 +59,6 @@ class Gate:
         return os.pwritev(fd, bufs, offset)
 
 
-@pytest.fixture
-def tiers(tmp_path):
-    made = []
-
-    def make(capacity=64 * MiB, directory=None, **kw) -> DiskTier:
-        tier = DiskTier(str(directory or tmp_path / "disk"), capacity, **kw)
-        made.append(tier)
-        return tier
-
-    yield make
-    for tier in made:
-        tier.close()
-
-
 @pytest.mark.parametrize("direct", [True, False])
 def test_round_trip_two_page_sizes(tiers, direct):
     tier = tiers(direct=direct)

@@ -14,7 +14,7 @@ import numpy as np
 from kvstore_server.disk import DiskTier
 from kvstore_server.slotfile import slot_bytes_for
 
-from .test_disk import LAYOUT, KiB, fill, key, page, read, tiers  # noqa: F401 - fixture
+from .test_disk import LAYOUT, KiB, fill, key, page, read
 
 
 

@@ -6,13 +6,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvstore_bench.engine.model import (
+from kvstore_bench.engine.model import (  # noqa: E402 - after the torch skip
     PRESETS,
     LlamaModel,
     ModelConfig,
     SeqStep,
 )
-from kvstore_bench.engine.paged_cache import (
+from kvstore_bench.engine.paged_cache import (  # noqa: E402
     allocate_kv_caches,
     gather_kv,
     layer_name,

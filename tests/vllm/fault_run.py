@@ -44,7 +44,7 @@ from harness import (
     make_scheduler,
     make_vllm_config,
 )
-from kvstore_bench.serverproc import ServerProcess, sigstop
+from kvstore_testing.serverproc import ServerProcess, sigstop
 from vllm.v1.outputs import ModelRunnerOutput
 
 from connector.hashing import page_keys

@@ -22,7 +22,7 @@ from harness import (  # noqa: E402
 )
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from kvstore_bench.serverproc import ServerProcess  # noqa: E402
+from kvstore_testing.serverproc import ServerProcess  # noqa: E402
 from kvstore_client import KVStoreClient  # noqa: E402
 
 SHAPE = ModelShape()
@@ -94,7 +94,7 @@ def test_stored_prefix_goes_through_waiting_for_remote_kvs(model_dir, store, asy
     assert second.request("b").num_computed_tokens == 48
     # The load is reported by the worker, then the next schedule() runs the request.
     for _ in range(5):
-        result = second.step()
+        second.step()
         if second.status("b") == RequestStatus.RUNNING:
             break
     assert second.status("b") == RequestStatus.RUNNING
