@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -63,7 +63,7 @@ class LayerMajorWriter:
         self._dest = dest
         self._on_layer = on_layer
         self._layer = -1
-        self._view: np.ndarray | None = None
+        self._view: np.ndarray = np.empty(0, np.uint8)    # layer self._layer's destination
 
     def write(self, payload) -> None:
         src = np.frombuffer(payload, dtype=np.uint8)

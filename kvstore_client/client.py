@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -149,7 +149,7 @@ class KVStoreClient:
                 copy_pages(by_page, res.region.mem, res.offsets, to_pool=True)
                 stored = res.commit()
             return PutResult(stored, res.skipped, res.in_flight)
-        mv = memoryview(flat)
+        mv = flat.data
         got = self._data.call("Put", ns, lambda f: f.put(ns.layout_id, *packed_keys(keys), mv))
         if got is not USE_GRPC:
             return PutResult(*got)
@@ -243,7 +243,7 @@ class KVStoreClient:
         if keys:
             try:
                 got = self._data.call("Get", ns, lambda f: f.get_into(
-                    ns.layout_id, *packed_keys(keys), memoryview(flat), ns.page_bytes))
+                    ns.layout_id, *packed_keys(keys), flat.data, ns.page_bytes))
             except KVStoreError as exc:
                 if exc.code == grpc.StatusCode.NOT_FOUND:
                     raise PagesMissing.of(exc) from None

@@ -355,7 +355,7 @@ class FastPath:
                               f"{n * layers * layer_bytes}")
             for layer in range(layers):
                 buf = slab(layer)
-                conn.recv_exact(memoryview(buf).cast("B"))
+                conn.recv_exact(buf.data.cast("B"))
                 yield layer, buf
         except Timeout as exc:
             conn.close()

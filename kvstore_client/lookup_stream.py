@@ -22,7 +22,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 

@@ -22,7 +22,8 @@ import mmap
 import os
 import socket
 import stat
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, cast
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -174,7 +175,7 @@ class Acquired:
     """READY pages pinned for reading: read-only `views[i]`; `release()` when done."""
 
     def __init__(self, ns: "LayoutHandle", lease_id: int, offsets: np.ndarray,
-                 region: SharedRegion, release: Callable[[int], bool]) -> None:
+                 region: SharedRegion, release: Callable[[int], object]) -> None:
         self.ns = ns
         self.lease_id = lease_id
         self.offsets = offsets
@@ -186,7 +187,8 @@ class Acquired:
     def views(self) -> list[np.ndarray]:
         """A read-only view of each page. Made on first use: the client's own get copies
         by offsets (copy_pages) instead."""
-        views = self.region.pages(self.offsets, self.ns.page_bytes)
+        # An acquire pins every key it names: no offset is -1, so no view is None.
+        views = cast("list[np.ndarray]", self.region.pages(self.offsets, self.ns.page_bytes))
         for view in views:
             view.flags.writeable = False
         return views

@@ -12,7 +12,7 @@ The messages stay valid protobuf, so clients in other languages see nothing unus
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["frame", "unframe", "GET_DATA_TAG", "PUT_DATA_TAG", "CHANNEL_OPTIONS"]
 

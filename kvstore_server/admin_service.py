@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import grpc
 
@@ -97,7 +98,7 @@ class AdminService:
 
 
 def add_admin_service(server: grpc.Server, service: AdminService) -> None:
-    names = {
+    names: dict[str, tuple[Any, Any]] = {
         "Stats": (apb.StatsRequest, apb.StatsResponse),
         "Evict": (apb.EvictRequest, apb.EvictResponse),
         "Clear": (apb.ClearRequest, apb.ClearResponse),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import Any
 import argparse
 import dataclasses
 import ipaddress
@@ -95,7 +97,8 @@ def _bool(value: object) -> bool:
 
 
 # How each key is parsed, shared by the file, the environment and the flags.
-_PARSERS = {
+# setting -> its parser: text (or a TOML value) -> the typed value
+_PARSERS: dict[str, Callable[[Any], Any]] = {
     "listen": str,
     "dram": parse_size,
     "disk": parse_size,
@@ -225,12 +228,13 @@ def argument_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> ServerConfig:
+def load_config(argv: list[str] | None = None,
+                environ: Mapping[str, str] | None = None) -> ServerConfig:
     """Build the config; later sources override earlier ones: file < environment < flags."""
     args = argument_parser().parse_args(argv)
-    environ = os.environ if environ is None else environ
-    values: dict[str, object] = {}
-    config_file = args.config or environ.get("KVSTORE_CONFIG")
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    config_file = args.config or env.get("KVSTORE_CONFIG")
     if config_file:
         try:
             with open(config_file, "rb") as f:
@@ -241,8 +245,8 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
             values[key.replace("-", "_")] = _parse(config_file, key.replace("-", "_"), value)
     for key in _PARSERS:
         env_name = "KVSTORE_" + key.upper()
-        if env_name in environ:
-            values[key] = _parse(env_name, key, environ[env_name])
+        if env_name in env:
+            values[key] = _parse(env_name, key, env[env_name])
     for key in _PARSERS:
         flag_value = getattr(args, key, None)
         if flag_value is not None:

@@ -193,7 +193,7 @@ class DiskTier:
                     if sid is not None:
                         if self._slots.name_of[sid] == (layout_id, key):   # once if repeated
                             self._slots.drop(sid, self._rounds)
-                    else:
+                    elif entry is not None:     # always: the page was found queued
                         entry.cancelled = True
                         del queued[key]
                     found[i] = None
@@ -446,7 +446,7 @@ class DiskTier:
                 for w, (e, _, gen) in zip(writes, plan)]
         written, error = write_slots(writes, self._pwritev)
         with self._lock:
-            done = []                               # (slot id, generation, xxh, bytes)
+            done: list[tuple[int, int, int, int]] = []   # (slot id, generation, xxh, bytes)
             for (entry, sid, gen), pxxh, ok in zip(plan, sums, written):
                 if not ok or entry.cancelled:
                     self.counters.refused += not entry.cancelled   # lost to the error
@@ -456,10 +456,10 @@ class DiskTier:
                 self._slots.name_of[sid] = (entry.layout_id, entry.key)
                 self._slots.index.setdefault(entry.layout_id, {})[entry.key] = sid
             if done:
-                sids, gens, sums, sizes = (np.array(col, dtype=np.uint64) for col in zip(*done))
+                sids, gens, pxxhs, sizes = (np.array(col, dtype=np.uint64) for col in zip(*done))
                 sids = sids.astype(np.int64)
                 slots = self._slots
-                slots.gen[sids], slots.pxxh[sids], slots.plen[sids] = gens, sums, sizes
+                slots.gen[sids], slots.pxxh[sids], slots.plen[sids] = gens, pxxhs, sizes
                 self._slots.state[sids] = READY
                 self._slots.policy.touch(sids)
                 self._slots.pages += len(done)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import os
+from typing import cast
 from collections.abc import Callable
 
 import numpy as np
@@ -86,7 +87,10 @@ class DiskSlots:
 
     def drop(self, sid: int, round_: int) -> None:
         """Forget a READY page: its slot is freed now, or when the reads pinning it end."""
-        layout_id, key = self.name_of[sid]
+        name = self.name_of[sid]
+        if name is None:                # not READY: nothing to forget
+            return
+        layout_id, key = name
         del self.index[layout_id][key]
         self.name_of[sid] = None
         self.unblanked[layout_id, key] = round_
@@ -127,7 +131,10 @@ class DiskSlots:
         """Open every slot file in directory and index its valid slots (restart); torn or
         corrupt slots are skipped and returned as a count, the later generation of a
         duplicated key wins, and the policy's order is the order of the generations."""
-        found_ids, found_gens, found_names = [], [], []     # the VALID slots of every file
+        # The VALID slots of every file (a VALID slot's header names its layout and key).
+        found_ids: list[np.ndarray] = []
+        found_gens: list[np.ndarray] = []
+        found_names: list[tuple[bytes, bytes]] = []
         corrupt_pages = 0
         for name in sorted(os.listdir(directory)):
             slot_bytes = SlotFile.slot_bytes_of(name)
@@ -141,7 +148,8 @@ class DiskSlots:
             valid = np.flatnonzero(scan.state == VALID)
             found_ids.append(ids[valid])
             found_gens.append(scan.generation[valid])
-            found_names += [(scan.layout_ids[i], scan.keys[i]) for i in valid.tolist()]
+            found_names += cast("list[tuple[bytes, bytes]]",
+                                [(scan.layout_ids[i], scan.keys[i]) for i in valid.tolist()])
             corrupt = ids[scan.state == CORRUPT]
             self.discard.update(corrupt.tolist())
             corrupt_pages += len(corrupt) + int(scan.torn_tail)

@@ -17,7 +17,7 @@ import heapq
 import itertools
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -65,7 +65,8 @@ class LookupStreams:
                     w.progress()
                     yield self._lookup(request, context)
         finally:
-            self._slots.release()
+            if self._slots is not None:
+                self._slots.release()
 
     def start(self) -> None:
         self.watchdog.start()

@@ -110,7 +110,7 @@ class Server:
             policy = load_policy(config.eviction_policy)
         except ValueError as exc:
             raise ConfigError(f"eviction_policy: {exc}") from None
-        self.disk = None
+        self.disk: DiskTier | None = None
         if config.disk:
             try:
                 self.disk = DiskTier(config.disk_dir, config.disk, policy=policy)
@@ -182,7 +182,7 @@ class Server:
                 raise ConfigError(f"cannot listen on data_listen {config.data_listen}: "
                                   f"{exc}") from None
             log.warning("fast path: port %s:%d is taken (%s); serving it on the Unix "
-                        "socket only, remote clients use gRPC", tcp[0], tcp[1], exc)
+                        "socket only, remote clients use gRPC", *(tcp or ("", 0)), exc)
             return make(None) if config.data_socket else None
 
     def start(self) -> None:
@@ -263,8 +263,9 @@ class Server:
 
     def _watch_disk(self) -> None:
         # The tier only ever fails one way (writes stop, for good): report it once.
-        while not self._stopping.wait(0.5):
-            if self.disk.stats().failed:
+        disk = self.disk
+        while disk is not None and not self._stopping.wait(0.5):
+            if disk.stats().failed:
                 self.health.set(DISK_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
                 return
 

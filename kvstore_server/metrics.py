@@ -9,7 +9,8 @@ global state), served on 127.0.0.1:`--metrics-port`.
 from __future__ import annotations
 
 import itertools
-from typing import Callable
+from typing import Any
+from collections.abc import Callable
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -99,7 +100,7 @@ class Metrics:
         # The labelled series of each (method, code), made once: labels() validates and
         # locks on every call, 9 us of a Lookup's budget on the dev machine.
         self._series: dict[tuple[str, grpc.StatusCode], tuple] = {}
-        self._server = None
+        self._server: Any = None        # the HTTP server, once serve() started it
 
     def observe(self, method: str, seconds: float, code: grpc.StatusCode) -> None:
         series = self._series.get((method, code))

@@ -12,7 +12,8 @@ INVALID_ARGUMENT with the parser's reason.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 from google.protobuf.message import Message
 

@@ -84,7 +84,7 @@ class Pool:
             raise ValueError(f"page of {page_bytes} bytes does not fit the pool "
                              f"(largest slot: {self.slab_bytes * min(_MAX_EXTENT_SLABS, self.n_slabs)} bytes)")
         if slot not in self._class_by_size:
-            best = None
+            best: tuple[float, int] | None = None
             for k in range(1, min(_MAX_EXTENT_SLABS, self.n_slabs) + 1):
                 span = k * self.slab_bytes
                 if span < slot:
@@ -92,6 +92,8 @@ class Pool:
                 waste = (span % slot) / span
                 if best is None or waste < best[0] - 0.02:
                     best = (waste, k)
+            if best is None:            # unreachable: the check above found a span
+                raise ValueError(f"page of {page_bytes} bytes does not fit the pool")
             k = best[1]
             self._class_by_size[slot] = len(self._classes)
             self._classes.append(_SizeClass(slot, k, k * self.slab_bytes // slot))
@@ -136,9 +138,10 @@ class Pool:
             if c.partial:
                 ext = self._extents[next(iter(c.partial))]
             else:
-                ext = self._new_extent(cls)
-                if ext is None:
+                new = self._new_extent(cls)
+                if new is None:
                     break
+                ext = new
             take = min(n - len(out), len(ext.free))
             out.extend(ext.free[-take:])
             del ext.free[-take:]
@@ -182,7 +185,7 @@ class Pool:
         return int(hits[0]) if hits.size else None
 
     def _new_ids(self, n: int) -> np.ndarray:
-        ids = []
+        ids: list[int] = []
         while self._spare_ids and len(ids) < n:
             ids.append(self._spare_ids.pop())
         fresh = n - len(ids)

@@ -13,7 +13,7 @@ import secrets
 import socket
 import stat
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -82,7 +82,7 @@ class Region:
         self.path = os.path.join(directory, self.name)
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self._progress = progress or (lambda done, total: None)
-        self._mmap = None
+        self._mmap: mmap.mmap | None = None
         self._handout: Handout | None = None
         if group:
             import grp
@@ -90,10 +90,11 @@ class Region:
         else:
             fd = self._file(allocate)
         self._fd = fd               # kept open: the lock, or the memfd itself
-        self.mem = np.frombuffer(self._mmap, dtype=np.uint8)
+        assert self._mmap is not None       # mapped by _file or _sealed_memfd
+        self.mem: np.ndarray = np.frombuffer(self._mmap, dtype=np.uint8)
         self.mem[:len(MAGIC)] = np.frombuffer(MAGIC, dtype=np.uint8)
         self.mem[TOKEN_OFFSET:TOKEN_OFFSET + TOKEN_BYTES] = np.frombuffer(self.token, np.uint8)
-        self.locked = False
+        self.locked: bool = False
 
     def dup_fd(self) -> int:
         """A descriptor of the pool of the caller's own (close it when done)."""
@@ -150,7 +151,7 @@ class Region:
             try:
                 os.posix_fallocate(fd, start, length)
             except OSError as exc:
-                raise OSError(exc.errno, f"{os.strerror(exc.errno)}: {self.path} could "
+                raise OSError(exc.errno, f"{os.strerror(exc.errno or 0)}: {self.path} could "
                               f"take only {start >> 20} of the {self.size >> 20} MiB "
                               "asked for") from None
             self._progress(start + length, 2 * self.size)
@@ -221,7 +222,7 @@ def remove_stale(directory: str, min_age: float = 60.0) -> list[tuple[str, int]]
     cut short by a crash during start). Clients still mapping a removed file keep their
     mapping; the memory goes when they drop it.
     """
-    removed = []
+    removed: list[tuple[str, int]] = []
     try:
         names = os.listdir(directory)
     except OSError:

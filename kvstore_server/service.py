@@ -18,7 +18,7 @@ import functools
 import inspect
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -111,7 +111,7 @@ class KVStoreService:
         self.metrics = metrics
         self.auth = auth
         self.limits = limits or RequestLimits()
-        self._mem = memoryview(store.mem)
+        self._mem = store.mem.data
 
     def _keys(self, packed: pb.PackedKeys, method: str) -> Packed:
         return self.limits.keys(packed.data, packed.key_size, method)

@@ -119,7 +119,7 @@ class SlotHeader:
 
 def pack_header(header: SlotHeader, out: np.ndarray) -> None:
     """Write the 128-byte header into out (a writable uint8 view of 128 bytes)."""
-    buf = memoryview(out).cast("B")
+    buf = out.data.cast("B")
     _FIELDS.pack_into(buf, 0, MAGIC, VERSION, len(header.key), 0, header.payload_len,
                       header.generation, header.payload_xxh, header.layout_id, header.key)
     _XXH.pack_into(buf, _CHECKED, xxhash.xxh3_64_intdigest(buf[:_CHECKED]))
@@ -127,7 +127,7 @@ def pack_header(header: SlotHeader, out: np.ndarray) -> None:
 
 def unpack_header(buf: np.ndarray) -> SlotHeader | None:
     """The header in buf (128 bytes), or None when it is blank, torn or not ours."""
-    view = memoryview(buf).cast("B")
+    view = buf.data.cast("B")
     magic, version, key_len, _, payload_len, gen, pxxh, layout_id, key = _FIELDS.unpack_from(view)
     if magic != MAGIC or version != VERSION or not 1 <= key_len <= MAX_KEY:
         return None
@@ -140,7 +140,7 @@ def seal(slot: np.ndarray, layout_id: bytes, key: bytes, payload_len: int,
          generation: int) -> int:
     """Finish a slot image whose payload is in place: zero the slack, write the header.
     Returns the payload checksum."""
-    pxxh = xxhash.xxh3_64_intdigest(slot[:payload_len])
+    pxxh = xxhash.xxh3_64_intdigest(slot[:payload_len].data)
     slot[payload_len:-HEADER_BYTES] = 0
     pack_header(SlotHeader(layout_id, key, payload_len, generation, pxxh), slot[-HEADER_BYTES:])
     return pxxh
@@ -158,7 +158,7 @@ def probe_direct(directory: str) -> bool:
     except OSError:
         return False
     try:
-        return os.pwritev(fd, [buf], 0) == ALIGN and os.preadv(fd, [buf], 0) == ALIGN
+        return os.pwritev(fd, [buf.data], 0) == ALIGN and os.preadv(fd, [buf.data], 0) == ALIGN
     except OSError:
         return False
     finally:

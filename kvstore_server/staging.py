@@ -82,7 +82,8 @@ class StagingRing:
 
     def take_batch(self) -> list[Pending]:
         """The oldest ready entries, a write batch of them; they stay queued until done."""
-        batch, nbytes = [], 0
+        batch: list[Pending] = []
+        nbytes = 0
         for entry in self.ring:
             if not entry.ready or len(batch) == BATCH_PAGES or nbytes > BATCH_BYTES:
                 break

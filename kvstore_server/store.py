@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -302,7 +302,8 @@ class Store(StoreLeases, StoreEviction, StoreAdmin):
             if (lease is None or lease.kind is not LeaseKind.RESERVE
                     or not owns(tenant, lease)):
                 return False
-            self._undo_reservation(self._leases.pop(lease_id))
+            self._leases.pop(lease_id)
+            self._undo_reservation(lease)
             return True
 
     def _undo_reservation(self, lease: Lease) -> None:
@@ -387,7 +388,7 @@ class Store(StoreLeases, StoreEviction, StoreAdmin):
             index = info.ready.get(keys.size)
             ready = (index.remove(keys.rows) if index is not None and len(keys)
                      else np.full(len(keys), -1, dtype=np.int64))
-            writing = [info.writing.pop(keys.key(i), -1) for i in np.flatnonzero(ready < 0)]
+            writing = [info.writing.pop(keys.key(int(i)), -1) for i in np.flatnonzero(ready < 0)]
             # A key may repeat in one request: drop its slot once, or the pool would take
             # it back twice and later hand it to two pages.
             gone = np.unique(ready[ready >= 0])

@@ -38,7 +38,7 @@ class StoreAdmin:
     each holds and what guards it)."""
 
     pool: Pool
-    mem: memoryview
+    mem: np.ndarray
     lower: Tier
     clock: Callable[[], float]
     started_at: float

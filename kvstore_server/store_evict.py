@@ -29,7 +29,7 @@ class StoreEviction:
     what each holds and what guards it)."""
 
     pool: Pool
-    mem: memoryview
+    mem: np.ndarray
     lower: Tier
     evictions: int
     high_watermark: float
@@ -148,6 +148,6 @@ class StoreEviction:
                 if victims.size == 0:
                     return evicted
                 victims = victims[: enough(self._slot_bytes(victims),
-                                           self.pool.used_bytes - low)]
+                                           int(self.pool.used_bytes - low))]
                 self._evict(victims)
                 evicted += len(victims)

@@ -68,7 +68,8 @@ class StoreLeases:
         if lease is None or lease.kind is not kind or not owns(tenant, lease):
             raise StoreError(Outcome.EXPIRED, f"{kind.value} lease {lease_id} is unknown or "
                                               "has expired")
-        return self._leases.pop(lease_id)
+        self._leases.pop(lease_id)
+        return lease
 
     def expire_leases(self) -> int:
         """Undo every lease past its expiry (a client that died holding it)."""

@@ -23,7 +23,7 @@ import enum
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["BreakerState", "FarBreaker"]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import glide_sync as glide
 
@@ -121,7 +121,7 @@ class FarClient:
             cluster = isinstance(client, glide.GlideClusterClient)
             batch = glide.ClusterBatch(False) if cluster else glide.Batch(False)
             for args in commands:
-                batch.custom_command(args)
+                batch.custom_command([*args])
             ms = max(1, int(timeout * 1000))
             options = (glide.ClusterBatchOptions(timeout=ms) if cluster
                        else glide.BatchOptions(timeout=ms))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from .metrics import FarCounters
 
@@ -65,7 +65,8 @@ class WriteBehind:
                 self._cond.wait()
             if not self._queue:
                 return None
-            batch, size = [], 0
+            batch: list = []
+            size = 0
             while self._queue and (not batch or size + len(self._queue[0][2])
                                    <= self.batch_bytes):
                 item = self._queue.popleft()
@@ -83,7 +84,7 @@ class WriteBehind:
             for layout_id, items in by_layout.items():
                 try:
                     self._put(layout_id, items)
-                except Exception:       # the writer must outlive any one bad batch
+                except Exception:  # noqa: BLE001 - the writer must outlive any one bad batch
                     self.counters.add(errors=1)
             with self._cond:
                 self._busy = False

@@ -74,7 +74,7 @@ class Ops:
         self.limits = limits or RequestLimits()
         # The largest request body a connection reads (checked on the header).
         self.max_body = fw.request_body_bytes(self.limits.max_keys)
-        self.mem = memoryview(store.mem)
+        self.mem = store.mem.data
         # Our own descriptor of the pool, for sendfile: a duplicate of the region's, since
         # with --shm-group the pool is a memfd and its path is the hand-out socket.
         self.pool_fd = store.region.dup_fd()
