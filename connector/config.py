@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from kvstore_client import KVStoreClient
 

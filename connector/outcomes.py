@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import enum
-from typing import Iterable
+from collections.abc import Iterable
 
 __all__ = ["LoadOutcomes", "Verdict"]
 

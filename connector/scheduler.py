@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import grpc
 import numpy as np

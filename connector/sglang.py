@@ -202,6 +202,19 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self._breaker = Breaker(self.settings.probe_interval, self._probe)
 
     # -- setup ----------------------------------------------------------------------
+    @property
+    def _ns(self) -> LayoutHandle:
+        """The registered layout; RuntimeError before register_mem_pool_host."""
+        if self.handle is None:
+            raise RuntimeError("register_mem_pool_host has not been called")
+        return self.handle
+
+    @property
+    def _codec(self) -> PageCodec:
+        if self.codec is None:
+            raise RuntimeError("register_mem_pool_host has not been called")
+        return self.codec
+
     def register_mem_pool_host(self, mem_pool_host: HostKVCache):
         super().register_mem_pool_host(mem_pool_host)
         layout = _layout_of(self.storage_config, mem_pool_host, self.settings)
@@ -222,8 +235,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             if self._region_view is None or self._region_view[0] is not region:
                 self._region_view = (region, torch.from_numpy(region.mem))
             mem = self._region_view[1]
-        lay = self.handle.layout
-        return mem[offset:offset + self.handle.page_bytes].view(
+        lay = self._ns.layout
+        return mem[offset:offset + self._ns.page_bytes].view(
             lay.num_layers, lay.kv_factor, lay.page_tokens, -1)
 
     def _probe(self) -> bool:
@@ -231,7 +244,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         if self.handle is None:
             return True
         try:
-            self.client.register_layout(self.handle.layout)
+            self.client.register_layout(self._ns.layout)
         except KVStoreError as exc:
             return exc.code.name not in _NOT_ANSWERING
         return True
@@ -242,8 +255,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         skeys = [store_key(k) for k in keys]
         if self.client.region() is None:
             pages = torch.stack([sources(i).contiguous() for i in range(len(keys))])
-            return self.client.put(self.handle, skeys, pages.numpy()).stored
-        with self.client.reserve(self.handle, skeys) as res:
+            return self.client.put(self._ns, skeys, pages.numpy()).stored
+        with self.client.reserve(self._ns, skeys) as res:
             for i, offset in enumerate(res.offsets.tolist()):
                 if offset >= 0:
                     self._store_page(res.region, offset).copy_(sources(i))
@@ -257,7 +270,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             self._read_all(skeys, list(range(len(keys))), dests)
         except KeyError:
             # Some pages are gone (evicted since batch_exists): load those still here.
-            present = self.client.exists(self.handle, skeys)
+            present = self.client.exists(self._ns, skeys)
             idx = [i for i, hit in enumerate(present) if hit]
             try:
                 self._read_all([skeys[i] for i in idx], idx, dests)
@@ -269,14 +282,14 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         if not skeys:
             return
         if self.client.region() is None:
-            pages = self.client.get(self.handle, skeys)   # KeyError when one is missing
-            lay = self.handle.layout
+            pages = self.client.get(self._ns, skeys)   # KeyError when one is missing
+            lay = self._ns.layout
             shape = (lay.num_layers, lay.kv_factor, lay.page_tokens, -1)
             for i, page in zip(idx, torch.from_numpy(pages)):
                 dests(i).copy_(page.view(shape))
             return
         try:
-            acq = self.client.acquire(self.handle, skeys)
+            acq = self.client.acquire(self._ns, skeys)
         except KVStoreError as exc:
             if exc.code.name == "NOT_FOUND":
                 raise KeyError(exc.message) from None
@@ -310,17 +323,17 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             self.failures[what] += pages
 
     def _record(self, series: str, pages: int, start: float) -> None:
-        gbps = pages * self.handle.page_bytes / max(time.perf_counter() - start, 1e-9) / 1e9
+        gbps = pages * self._ns.page_bytes / max(time.perf_counter() - start, 1e-9) / 1e9
         with self._lock:
             getattr(self._metrics, series + "_pgs").append(pages)
             getattr(self._metrics, series + "_bandwidth").append(gbps)
 
     def _host_pages(self, host_indices: torch.Tensor, n: int) -> list[torch.Tensor]:
-        if host_indices.numel() != n * self.codec.page_tokens:
+        if host_indices.numel() != n * self._codec.page_tokens:
             raise ValueError(f"{host_indices.numel()} host indices for {n} pages of "
-                             f"{self.codec.page_tokens} tokens")
-        starts = host_indices.reshape(-1)[::self.codec.page_tokens].tolist()
-        return [self.codec.store_order(self.codec.host_page(s)) for s in starts]
+                             f"{self._codec.page_tokens} tokens")
+        starts = host_indices.reshape(-1)[::self._codec.page_tokens].tolist()
+        return [self._codec.store_order(self._codec.host_page(s)) for s in starts]
 
     # -- zero-copy interface (interface_v1) --------------------------------------------
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
@@ -349,12 +362,13 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         if not keys:
             return 0
         return self._guard("exists", 1, 0, lambda: self.client.lookup(
-            self.handle, [store_key(k) for k in keys]))
+            self._ns, [store_key(k) for k in keys]))
 
     # -- generic interface (flat data pages) ---------------------------------------------
     def get(self, key: str, target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> torch.Tensor | None:
-        return self.batch_get([key], [target_location])[0]
+        got = self.batch_get([key], [target_location])
+        return None if isinstance(got, int) else got[0]
 
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> List[torch.Tensor | None] | int:
@@ -363,7 +377,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             outs = [o if o is not None else self.mem_pool_host.get_dummy_flat_data_page()
                     for o in outs]
             start = time.perf_counter()
-            hits = self._read(keys, lambda i: self.codec.flat(outs[i]))
+            hits = self._read(keys, lambda i: self._codec.flat(outs[i]))
             self._record("prefetch", sum(hits), start)
             return [o if hit else None for o, hit in zip(outs, hits)]
         return self._guard("get", len(keys), [None] * len(keys), run)
@@ -379,7 +393,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             if values is None or len(values) != len(keys):
                 raise ValueError("batch_set needs one flat page per key")
             start = time.perf_counter()
-            self._write(keys, lambda i: self.codec.flat(values[i]))
+            self._write(keys, lambda i: self._codec.flat(values[i]))
             self._record("backup", len(keys), start)
             return True
         return self._guard("set", len(keys), False, run)
@@ -392,7 +406,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         """Drop this layout's pages (other layouts and engines keep theirs)."""
         if self.handle is not None:
             self._guard("exists", 1, None, lambda: self.client.evict(
-                layout_id=self.handle.layout_id, tier="all"))
+                layout_id=self._ns.layout_id, tier="all"))
 
     def get_stats(self):
         """SGLang's storage metrics since the last call (what its collector logs)."""

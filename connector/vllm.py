@@ -55,7 +55,7 @@ class KVStoreConnectorStats(KVConnectorStats):
     """Counters from the workers: pages and bytes loaded and saved, failed loads."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for name, value in other.data.items():
@@ -147,10 +147,16 @@ class KVStoreConnector(KVConnectorBase_V1):
                  self.config.load_mode.value)
 
     # -- scheduler side -------------------------------------------------------------------
+    @property
+    def _sched(self) -> SchedulerHalf:
+        if self._scheduler is None:
+            raise RuntimeError("a scheduler-side call on a worker-role connector")
+        return self._scheduler
+
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         self._requests[request.request_id] = request
-        hit = self._scheduler.hit(request.request_id, request.all_token_ids,
+        hit = self._sched.hit(request.request_id, request.all_token_ids,
                                   num_computed_tokens)
         if hit is None:
             return None, False
@@ -159,10 +165,10 @@ class KVStoreConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: "Request", blocks: Any,
                                  num_external_tokens: int) -> None:
         (block_ids, *_) = blocks.get_block_ids()
-        self._scheduler.allocated(request.request_id, block_ids, num_external_tokens)
+        self._sched.allocated(request.request_id, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        sched = self._scheduler
+        sched = self._sched
         counts = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             request = self._requests.get(new.req_id)
@@ -187,18 +193,18 @@ class KVStoreConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         # Failures first: a failed async load is reported as received too.
         if connector_output.invalid_block_ids:
-            failed = self._scheduler.load_failed_blocks(set(connector_output.invalid_block_ids))
+            failed = self._sched.load_failed_blocks(set(connector_output.invalid_block_ids))
             if failed:
                 log.warning("kvstore loads failed for %s: recomputing", failed)
         for req_id in connector_output.finished_recving or ():
-            self._scheduler.load_finished(req_id)
+            self._sched.load_finished(req_id)
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saves finish within the step that computed the pages (wait_for_save), so no
         # block needs to outlive the request.
         self._requests.pop(request.request_id, None)
-        self._scheduler.finished(request.request_id)
+        self._sched.finished(request.request_id)
         return False, None
 
     @property

@@ -36,7 +36,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from typing import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -48,7 +49,7 @@ from .config import ConnectorConfig, open_client
 from .hostmem import Mappings
 from .meta import LoadSpec, SaveSpec, StepMeta
 from .outcomes import LoadOutcomes, Verdict
-from .transfer import KVTransfer, TransferError, pinned_empty
+from .transfer import KVTransfer, LoadHandle, TransferError, pinned_empty
 
 __all__ = ["WorkerHalf", "layer_order"]
 
@@ -71,8 +72,8 @@ def layer_order(names: Sequence[str]) -> list[str]:
 @dataclasses.dataclass(slots=True)
 class _Load:
     spec: LoadSpec
-    handle: object            # transfer.LoadHandle
-    release: object           # callable ending the pin on the source pages
+    handle: LoadHandle
+    release: Callable[[], object]   # ends the pin on the source pages
     region: object = None     # the pool mapping the offsets belong to (None: a buffer)
 
 
@@ -81,8 +82,8 @@ class _Save:
     spec: SaveSpec
     host: np.ndarray          # where the slabs go: the shared pool or a pinned buffer
     offsets: np.ndarray       # page offsets in host (-1: already stored, skipped)
-    commit: object            # callable: Commit the reservation, or Put the buffer (gRPC)
-    abort: object             # callable: give the reserved slots back
+    commit: Callable[[], object]    # Commit the reservation, or Put the buffer (gRPC)
+    abort: Callable[[], object]     # give the reserved slots back
     region: object = None     # the pool mapping the offsets belong to (None: a buffer)
     held: int = 0             # steps its commit has waited on loads' outcomes
 
@@ -95,7 +96,7 @@ _HOLD_STEPS = 8
 class WorkerHalf:
     """Engine-agnostic worker logic over kv5 views of the engine's KV tensors."""
 
-    def __init__(self, config: ConnectorConfig, layout: PageLayout, layers: dict[str, object],
+    def __init__(self, config: ConnectorConfig, layout: PageLayout, layers: Mapping[str, Any],
                  *, saves: bool = True, client: KVStoreClient | None = None) -> None:
         """layers: layer name -> kv5 view [kv_factor, blocks, block_size, heads, head]."""
         names = layer_order(list(layers))

@@ -142,8 +142,10 @@ class KVTransfer:
         if not pages:
             return
         table, at = self._table(first)
-        kernel.launch(self.geo, table, at, count, plan.host_t, pages, plan.meta[:pages],
-                      plan.meta[pages:], self.geo.layer_bytes, plan.align, to_cache,
+        meta = plan.meta
+        assert meta is not None             # the plan makes it for the kernel path
+        kernel.launch(self.geo, table, at, count, plan.host_t, pages, meta[:pages],
+                      meta[pages:], self.geo.layer_bytes, plan.align, to_cache,
                       self.max_ctas)
 
     # -- saves ---------------------------------------------------------------------------

@@ -11,6 +11,7 @@ layer_bytes, pitch page_bytes). When a load takes this path is KVTransfer's choi
 from __future__ import annotations
 
 import math
+from typing import Any
 from collections.abc import Callable
 
 import torch
@@ -38,8 +39,8 @@ class DmaLoader:
         self.staging_bytes = staging_bytes
         self._staging: list[torch.Tensor] = []
         self._free: list = [None, None]     # event: the buffer's last scatter is done
-        self._scatter_stream = None
-        self._lib = None
+        self._scatter_stream: Any = None   # torch.cuda.Stream, made at first use
+        self._lib: Any = None              # the CUDA runtime (cudart), loaded at first use
 
     def _setup(self, layer_bytes: int) -> None:
         self._lib = cudart()
@@ -64,6 +65,7 @@ class DmaLoader:
         base = int(plan.host.ctypes.data)
         stream = self._scatter_stream
         meta = plan.meta
+        assert meta is not None             # the plan makes it for every device copy
         staged = torch.arange(min(chunk, pages), dtype=torch.int64, device=self.device) * lb
         # Made on the load stream, read on the scatter stream: the allocator must not hand
         # their memory out again before the scatters are done.
