@@ -1,6 +1,6 @@
 """The far tier inside real servers: two kvstore-servers ("hosts": own pools, ports and
 tiers) sharing one 3-master cluster. A page put on A is served byte-exact by B; `through`
-writes at commit, `evict` only when a page leaves A's DRAM; a dead cluster costs a call
+writes at commit, `evict` only when a page leaves A (its disk tier, or DRAM without one); a dead cluster costs a call
 at most the far timeout; a restarted server finds its pages in the cluster."""
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_a_page_put_on_a_is_served_byte_exact_by_b(fleet):
         assert far_tier(cb).reads == 24
 
 
-def test_evict_writes_only_when_a_page_leaves_dram(fleet):
+def test_evict_without_a_disk_tier_writes_when_a_page_leaves_dram(fleet):
     a, b = fleet("evict"), fleet("evict")
     ks, data = keys(16, "e"), pages(16, 1)
     with KVStoreClient(a.address) as ca, KVStoreClient(b.address) as cb:
@@ -89,6 +89,31 @@ def test_evict_writes_only_when_a_page_leaves_dram(fleet):
         assert wait_for(lambda: far_tier(ca).writes == 16)
         assert ca.lookup(na, ks) == 16                          # A finds them below
         assert np.array_equal(cb.get(nb, ks), data)
+
+
+def test_evict_with_a_disk_tier_writes_when_a_page_leaves_the_disk(fleet, tmp_path):
+    # The disk tier is the lowest tier of this host: a page leaving DRAM goes to disk
+    # only; it reaches the cluster when the disk tier evicts it to make room.
+    a = fleet("evict", disk="2MiB", disk_dir=str(tmp_path / "disk"))    # ~14 pages
+    b = fleet("off")
+    first, data = keys(8, "d1"), pages(8, 11)
+    with KVStoreClient(a.address) as ca, KVStoreClient(b.address) as cb:
+        na, nb = ca.register_layout(LAYOUT), cb.register_layout(LAYOUT)
+        ca.put(na, first, data)
+        ca.evict(everything=True, tier="dram")                  # DRAM -> disk
+        assert wait_for(lambda: disk_tier(ca).writes == 8)
+        time.sleep(0.5)
+        assert far_tier(ca).writes == 0 and cb.lookup(nb, first) == 0
+        for n in range(4):                                      # 32 more pages: disk full
+            ca.put(na, keys(8, f"d2-{n}"), pages(8, 12 + n))
+            ca.evict(everything=True, tier="dram")
+        assert wait_for(lambda: far_tier(ca).writes >= 8)       # the oldest left the disk
+        assert cb.lookup(nb, first) == 8
+        assert np.array_equal(cb.get(nb, first), data)
+
+
+def disk_tier(client):
+    return next(t for t in client.stats().tiers if t.name == "disk")
 
 
 def test_off_reads_but_never_writes(fleet):
