@@ -201,6 +201,44 @@ def test_a_4096_key_lookup_that_misses_locally_asks_each_shard_at_most_twice(fle
     assert all(c > 0 for c in calls) and sum(calls) <= 2 * BUCKETS, calls
 
 
+def test_a_4096_key_lookup_through_a_server_costs_at_most_two_round_trips(fresh_cluster):
+    # Every node announces a delay proxy as its address (cluster-announce-port), so the
+    # servers' cluster clients reach every shard through one: each request to a node
+    # waits `delay` there, and a lookup that needs k round trips in a row on a shard
+    # takes at least k * delay. The shards run in parallel: two round trips per shard
+    # is under 3 * delay whatever the number of shards.
+    from .delayproxy import DelayProxies
+
+    delay = 0.25
+    cluster = fresh_cluster(masters=3)
+    proxies = DelayProxies([n.port for n in cluster.nodes], delay)
+    try:
+        for node in cluster.nodes:
+            cluster.cli_call(node, "config", "set", "cluster-announce-port",
+                             str(proxies.map[node.port]))
+        urls = ",".join(f"redis://127.0.0.1:{proxies.map[n.port]}" for n in cluster.nodes)
+        assert wait_for(lambda: all(str(proxies.map[n.port]) in cluster.cli_call(
+            m, "cluster", "nodes") for n in cluster.nodes for m in cluster.nodes), 20)
+        ks = keys(4096, "rt")
+        data = np.zeros((len(ks), SMALL.page_bytes), dtype=np.uint8)
+        flags = dict(far=urls, far_timeout="5s", far_namespace="rt")
+        with ServerProcess(far_write="through", **flags) as a, \
+                ServerProcess(far_write="off", **flags) as b, \
+                KVStoreClient(a.address) as ca, KVStoreClient(b.address) as cb:
+            ca.put(ca.register_layout(SMALL), ks, data)
+            assert wait_for(lambda: far_tier(ca).writes == len(ks), 30)
+            nb = cb.register_layout(SMALL)
+            assert cb.lookup(nb, keys(8, "warm")) == 0     # connects, learns the slots
+            times = []
+            for _ in range(3):
+                t = time.perf_counter()
+                assert cb.lookup(nb, ks) == len(ks)        # all missing from B's DRAM
+                times.append(time.perf_counter() - t)
+    finally:
+        proxies.close()
+    assert delay <= min(times) and sorted(times)[1] < 3 * delay, times
+
+
 def _evals(cluster) -> list[int]:
     counts = []
     for node in cluster.nodes:
