@@ -1,6 +1,6 @@
 """Far-tier clients side by side on one real cluster: redis-py, valkey-glide, and ours.
 
-    kvstore-bench far [--quick] [--far redis://HOST:PORT,...]
+    kvstore-bench far [--quick] [--runs 3] [--far redis://HOST:PORT,...]
 
 Without --far it starts its own 3-master cluster on loopback (valkey-server or
 redis-server on PATH). For pages of 1 MiB and 64 KiB it times a pipelined GET per page
@@ -180,7 +180,7 @@ def _through_servers(c: Contenders, nodes: list[tuple[str, int]], size: int, n: 
         return {name: statistics.median(t) for name, t in times.items()}
 
 
-def run(nodes: list[tuple[str, int]], quick: bool) -> None:
+def run(nodes: list[tuple[str, int]], quick: bool, runs: int = 1) -> None:
     rounds = 3 if quick else 9
     urls = ",".join(f"redis://{h}:{p}" for h, p in nodes)
     ours = FarClient(parse_far(urls, namespace=NAMESPACE, timeout=10))
@@ -198,19 +198,24 @@ def run(nodes: list[tuple[str, int]], quick: bool) -> None:
             if "redis-py MGET" in m:
                 ratios.append((f"{size >> 10} KiB redis-py MGET vs glide MGET",
                                m["glide MGET"] / m["redis-py MGET"]))
-        for size, n in (((1 << 20, 16),) if quick else ((1 << 20, 64), (64 << 10, 512))):
-            m = _through_servers(c, nodes, size, n, rounds)
-            print(f"\nthrough kvstore servers: B gets {n} pages of {size >> 10} KiB that A "
-                  f"wrote ({n * size >> 20} MiB), B's DRAM empty:")
-            for name, t in sorted(m.items(), key=lambda kv: kv[1]):
-                print(f"  {name:<30} {t * 1e3:8.2f} ms")
-            for how in ("gRPC", "fast path", "shm"):
-                ratios.append((f"{size >> 10} KiB get through kvstore ({how}) vs glide MGET",
-                               m["glide MGET"] / m[f"kvstore get ({how})"]))
-            for how in ("fast path", "shm"):
-                ratios.append((f"{size >> 10} KiB get through kvstore ({how}) vs glide MGET "
-                               "in parallel parts",
-                               m["glide MGET, parts in parallel"] / m[f"kvstore get ({how})"]))
+        across: dict[str, list[float]] = {}         # through-server ratios, per run
+        for run_no in range(1, runs + 1):
+            for size, n in (((1 << 20, 16),) if quick else ((1 << 20, 64), (64 << 10, 512))):
+                m = _through_servers(c, nodes, size, n, rounds)
+                print(f"\nthrough kvstore servers{f' (run {run_no} of {runs})' if runs > 1 else ''}"
+                      f": B gets {n} pages of {size >> 10} KiB that A wrote "
+                      f"({n * size >> 20} MiB), B's DRAM empty:")
+                for name, t in sorted(m.items(), key=lambda kv: kv[1]):
+                    print(f"  {name:<30} {t * 1e3:8.2f} ms")
+                for how in ("gRPC", "fast path", "shm"):
+                    across.setdefault(f"{size >> 10} KiB get through kvstore ({how}) vs glide "
+                                      "MGET", []).append(m["glide MGET"] / m[f"kvstore get ({how})"])
+                for how in ("fast path", "shm"):
+                    across.setdefault(f"{size >> 10} KiB get through kvstore ({how}) vs glide "
+                                      "MGET in parallel parts", []).append(
+                        m["glide MGET, parts in parallel"] / m[f"kvstore get ({how})"])
+        for name, values in across.items():
+            ratios.append((name, statistics.median(values)))
         n = 1024 if quick else 4096
         m = _exists(c, ours, n, rounds)
         print(f"\nlookup of {n} keys (half present):")
@@ -225,6 +230,10 @@ def run(nodes: list[tuple[str, int]], quick: bool) -> None:
         print("\nspeed ratios (> 1: the first named is faster; 'ours': against glide's own):")
         for name, r in ratios:
             print(f"  {name:<72} {r:5.2f}x")
+        if runs > 1:
+            print(f"\nthrough-server ratios above: medians of {runs} runs; each run's:")
+            for name, values in across.items():
+                print(f"  {name:<72} " + " ".join(f"{v:5.2f}x" for v in values))
     finally:
         c.close()
         ours.close()
@@ -233,15 +242,18 @@ def run(nodes: list[tuple[str, int]], quick: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvstore-bench far", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer, smaller pages: a smoke run")
+    p.add_argument("--runs", type=int, default=1,
+                   help="times the through-server comparison runs (fresh servers each); "
+                        "its ratios are then the medians of the runs (default 1)")
     p.add_argument("--far", metavar="URL[,URL...]",
                    help="an existing cluster (default: start a 3-master one on loopback)")
     args = p.parse_args(argv)
     if args.far:
-        run(list(parse_far(args.far).nodes), args.quick)
+        run(list(parse_far(args.far).nodes), args.quick, args.runs)
         return 0
     from kvstore_bench.clusterproc import ClusterProcess
     with ClusterProcess(masters=3) as cluster:
-        run([("127.0.0.1", node.port) for node in cluster.nodes], args.quick)
+        run([("127.0.0.1", node.port) for node in cluster.nodes], args.quick, args.runs)
     return 0
 
 

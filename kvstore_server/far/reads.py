@@ -7,13 +7,16 @@ checksum and the copy into the pool then run after it, on the request's path. Cu
 parts of about PART_BYTES, with up to PARALLEL of them in flight on a small thread pool
 (glide's FFI call releases the GIL while its Rust core waits on the sockets), the
 cluster sends part k+1 while this process verifies and copies part k, and the shards'
-replies overlap more. Measured on the 2-core development VM, 64 pages of 1 MiB on a
-3-master loopback cluster, medians of 11 interleaved rounds, fetch + verify + copy into
-a buffer: one batch 110 ms, 2 parts 85, 4 parts 82, 8 parts 70, 16 parts of 4 MiB
-54 ms, against 110 ms for glide's own single pipelined MGET batch without verify or copy.
+replies overlap more. Measured on the 2-core development VM (3-master loopback cluster,
+medians of 9-11 interleaved rounds, fetch + verify + copy into a buffer, against glide's
+own single pipelined MGET batch, which neither verifies nor copies): 64 pages of 1 MiB,
+glide 110 ms, one batch 110, 2 parts 85, 4 parts 82, 8 parts 70, 16 parts 54 ms. On a
+machine loaded by other work (load average 9), parts of 512 KiB / 1 MiB / 2 MiB with 16
+in flight: 64 x 1 MiB 224 / 131 / 194 ms (glide 321 ms), 512 x 64 KiB 103 / 95 / 106 ms
+(glide 135 ms); 32 in flight instead of 16 changed nothing. Hence 1 MiB, 16.
 
 Bounds. A request holds at most PARALLEL parts fetched and not yet copied (each at most
-PART_BYTES, or one page if a page is larger): PARALLEL * PART_BYTES = 64 MiB at most,
+PART_BYTES, or one page if a page is larger): PARALLEL * PART_BYTES = 16 MiB at most,
 whatever the request's size. The pool has WORKERS threads, shared by every request of
 the server, so the cluster is asked for at most WORKERS parts at once in all; parts
 beyond wait in the pool's queue (key lists only, no bytes).
@@ -32,8 +35,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 __all__ = ["PARALLEL", "PART_BYTES", "WORKERS", "ParallelReader", "split"]
 
-PART_BYTES = 4 << 20        # bytes one part asks for (one page at least)
-PARALLEL = 16               # parts of one request in flight: 64 MiB at most
+PART_BYTES = 1 << 20        # bytes one part asks for (one page at least)
+PARALLEL = 16               # parts of one request in flight: 16 MiB at most
 WORKERS = 16                # threads the server's far reads share
 
 Fetch = Callable[[bytes, list[bytes], float], list]   # FarClient.get's shape

@@ -10,7 +10,7 @@ tier's parts:
                                     and under --far-write off
     contains(layout, keys)       -> FarClient.exists: one round trip per shard, within
                                     --far-timeout; what it cannot learn in time is a miss
-    read_into(layout, keys, outs)-> FarClient.get in parts of about PART_BYTES, several in
+    read_into(layout, keys, outs)-> FarClient.get in parts of about 1 MiB, several in
                                     flight (reads.py), each verified page copied into its
                                     out buffer as its part lands
     delete(layout, keys)         -> FarClient.delete (UNLINK)
