@@ -3,6 +3,7 @@ fails is a miss for its pages only."""
 
 from __future__ import annotations
 
+from kvstore_server.far import reads
 from kvstore_server.far.reads import ParallelReader, split
 
 
@@ -12,7 +13,8 @@ def test_split_bounds_each_part_by_bytes_one_item_at_least():
     assert split([], 2) == []
 
 
-def test_every_page_lands_once_in_its_place_and_a_failed_part_is_misses():
+def test_every_page_lands_once_in_its_place_and_a_failed_part_is_misses(monkeypatch):
+    monkeypatch.setattr(reads, "PART_BYTES", 4 << 20)         # 4 pages a part
     def fetch(layout_id, keys, timeout):
         if b"k3" in keys:
             return [None] * len(keys)          # FarClient.get's answer to a failed call
