@@ -209,7 +209,8 @@ def run(nodes: list[tuple[str, int]], quick: bool, runs: int = 1) -> None:
                     print(f"  {name:<30} {t * 1e3:8.2f} ms")
                 for how in ("gRPC", "fast path", "shm"):
                     across.setdefault(f"{size >> 10} KiB get through kvstore ({how}) vs glide "
-                                      "MGET", []).append(m["glide MGET"] / m[f"kvstore get ({how})"])
+                                      "MGET", []).append(m["glide MGET"]
+                                                         / m[f"kvstore get ({how})"])
                 for how in ("fast path", "shm"):
                     across.setdefault(f"{size >> 10} KiB get through kvstore ({how}) vs glide "
                                       "MGET in parallel parts", []).append(

@@ -1,7 +1,8 @@
 """The far tier inside real servers: two kvstore-servers ("hosts": own pools, ports and
 tiers) sharing one 3-master cluster. A page put on A is served byte-exact by B; `through`
-writes at commit, `evict` only when a page leaves A (its disk tier, or DRAM without one); a dead cluster costs a call
-at most the far timeout; a restarted server finds its pages in the cluster."""
+writes at commit, `evict` only when a page leaves A (its disk tier, or DRAM without one);
+a dead cluster costs a call at most the far timeout; a restarted server finds its pages
+in the cluster; a master killed under load costs misses, never errors or wrong pages."""
 
 from __future__ import annotations
 
