@@ -137,3 +137,40 @@ def near_page(tier, info, k):
     out = np.empty(info.page_bytes, np.uint8)
     assert tier.read_into(info.layout_id, [k], [out]) == [True]
     return out
+
+
+class Below(NullTier):
+    """Records what the tier above hands down, as the far tier's queue would take it."""
+
+    holds_pages = True
+
+    def __init__(self) -> None:
+        self.got: dict[bytes, bytes] = {}
+
+    def offer(self, layout_id, key, page) -> bool:
+        self.got[key] = bytes(memoryview(page).cast("B"))
+        return True
+
+
+def test_a_page_corrupt_on_disk_is_never_handed_down(tmp_path):
+    import os
+
+    from kvstore_server.slotfile import slot_bytes_for
+
+    near, below = DiskTier(str(tmp_path / "near"), 4 * slot_bytes_for(SIZE)), Below()
+    chain = TierChain([near, below])
+    try:
+        for i in range(4):                              # slots 0..3 of a fresh file
+            assert chain.offer(LAYOUT, key(i), page(i)) and chain.flush(10) == 0
+        sb = slot_bytes_for(SIZE)
+        fd = os.open(os.path.join(near.directory, f"{sb}.slots"), os.O_RDWR)
+        try:
+            os.pwrite(fd, b"\xfe", 1 * sb + 10)         # key 1's payload
+        finally:
+            os.close(fd)
+        for i in range(4, 8):                           # evicts keys 0..3
+            assert chain.offer(LAYOUT, key(i), page(i)) and chain.flush(10) == 0
+        assert sorted(below.got) == sorted([key(0), key(2), key(3)])
+        assert all(below.got[key(i)] == page(i).tobytes() for i in (0, 2, 3))
+    finally:
+        near.close()
