@@ -24,6 +24,7 @@ BENCHES = {
     "limits": "limits_bench",
     "admit": "admit_bench",
     "far": "far_bench",
+    "far-failover": "far_failover",
     "report": "record",         # not a bench: renders the records (see record.py)
 }
 

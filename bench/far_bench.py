@@ -1,6 +1,6 @@
 """Far-tier clients side by side on one real cluster: redis-py, valkey-glide, and ours.
 
-    kvstore-bench far [--quick] [--far redis://HOST:PORT,...]
+    kvstore-bench far [--quick] [--runs 3] [--far redis://HOST:PORT,...]
 
 Without --far it starts its own 3-master cluster on loopback (valkey-server or
 redis-server on PATH). For pages of 1 MiB and 64 KiB it times a pipelined GET per page
@@ -11,7 +11,8 @@ what the server uses) beside glide's own MGET of the same bytes; then the same t
 kvstore servers: server A writes pages through to the cluster, and server B, its DRAM
 emptied before every timed call, serves them to a client over gRPC, over the fast path
 and from shared memory on the same host (a Get that misses B's DRAM: read from the
-cluster, promoted, sent), beside glide's MGET of the same values, and times B's Lookup
+cluster, promoted, sent), beside glide's MGET of the same values (one pipelined batch,
+and the same cut into the parts B fetches in parallel), and times B's Lookup
 of the keys, all missing from its DRAM. Contenders run in interleaved rounds, so load
 from other work on the machine falls on all of them alike;
 figures are medians. The last lines are the ratios docs/far.md quotes.
@@ -24,12 +25,14 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import glide_sync as glide
 
 from kvstore_server.far.client import EXISTS_SCRIPT, FarClient
 from kvstore_server.far.codec import encode
 from kvstore_server.far.keys import group_by_bucket
+from kvstore_server.far.reads import PARALLEL, PART_BYTES, split
 from kvstore_server.far.settings import parse_far
 
 try:
@@ -149,9 +152,16 @@ def _through_servers(c: Contenders, nodes: list[tuple[str, int]], size: int, n: 
             time.sleep(0.1)                     # A writes behind
         groups = list(group_by_bucket(NAMESPACE, ns.layout_id, keys).values())
         mgets = [["MGET", *(name for _, name in g)] for g in groups]
+        # glide with the server's own trick (far/reads.py): parts in parallel threads
+        parts = [[["MGET", *(name for _, name in g)] for g in group_by_bucket(
+            NAMESPACE, ns.layout_id, keys[s:e]).values()]
+            for s, e in split([size] * n, PART_BYTES)]
+        pool = ThreadPoolExecutor(PARALLEL)
+        parallel = lambda: list(pool.map(c.glide_batch, parts))  # noqa: E731
         assert c.glide_batch([["GET", page_key(NAMESPACE, ns.layout_id, keys[0])]])[0]
         empty = lambda: grpc_b.evict(everything=True, tier="dram")  # noqa: E731
         calls = {"glide MGET": (lambda: None, lambda: c.glide_batch(mgets)),
+                 "glide MGET, parts in parallel": (lambda: None, parallel),
                  "kvstore get (gRPC)": (empty, lambda: grpc_b.get(ns, keys)),
                  "kvstore get (fast path)": (empty, lambda: fast_b.get(ns_fast, keys)),
                  "kvstore get (shm)": (empty, lambda: shm_b.get(ns_shm, keys)),
@@ -166,10 +176,11 @@ def _through_servers(c: Contenders, nodes: list[tuple[str, int]], size: int, n: 
                 t = time.perf_counter()
                 call()
                 times[name].append(time.perf_counter() - t)
+        pool.shutdown()
         return {name: statistics.median(t) for name, t in times.items()}
 
 
-def run(nodes: list[tuple[str, int]], quick: bool) -> None:
+def run(nodes: list[tuple[str, int]], quick: bool, runs: int = 1) -> None:
     rounds = 3 if quick else 9
     urls = ",".join(f"redis://{h}:{p}" for h, p in nodes)
     ours = FarClient(parse_far(urls, namespace=NAMESPACE, timeout=10))
@@ -187,15 +198,25 @@ def run(nodes: list[tuple[str, int]], quick: bool) -> None:
             if "redis-py MGET" in m:
                 ratios.append((f"{size >> 10} KiB redis-py MGET vs glide MGET",
                                m["glide MGET"] / m["redis-py MGET"]))
-        for size, n in (((1 << 20, 16),) if quick else ((1 << 20, 64), (64 << 10, 512))):
-            m = _through_servers(c, nodes, size, n, rounds)
-            print(f"\nthrough kvstore servers: B gets {n} pages of {size >> 10} KiB that A "
-                  f"wrote ({n * size >> 20} MiB), B's DRAM empty:")
-            for name, t in sorted(m.items(), key=lambda kv: kv[1]):
-                print(f"  {name:<24} {t * 1e3:8.2f} ms")
-            for how in ("gRPC", "fast path", "shm"):
-                ratios.append((f"{size >> 10} KiB get through kvstore ({how}) vs glide MGET",
-                               m["glide MGET"] / m[f"kvstore get ({how})"]))
+        across: dict[str, list[float]] = {}         # through-server ratios, per run
+        for run_no in range(1, runs + 1):
+            for size, n in (((1 << 20, 16),) if quick else ((1 << 20, 64), (64 << 10, 512))):
+                m = _through_servers(c, nodes, size, n, rounds)
+                print(f"\nthrough kvstore servers{f' (run {run_no} of {runs})' if runs > 1 else ''}"
+                      f": B gets {n} pages of {size >> 10} KiB that A wrote "
+                      f"({n * size >> 20} MiB), B's DRAM empty:")
+                for name, t in sorted(m.items(), key=lambda kv: kv[1]):
+                    print(f"  {name:<30} {t * 1e3:8.2f} ms")
+                for how in ("gRPC", "fast path", "shm"):
+                    across.setdefault(f"{size >> 10} KiB get through kvstore ({how}) vs glide "
+                                      "MGET", []).append(m["glide MGET"]
+                                                         / m[f"kvstore get ({how})"])
+                for how in ("fast path", "shm"):
+                    across.setdefault(f"{size >> 10} KiB get through kvstore ({how}) vs glide "
+                                      "MGET in parallel parts", []).append(
+                        m["glide MGET, parts in parallel"] / m[f"kvstore get ({how})"])
+        for name, values in across.items():
+            ratios.append((name, statistics.median(values)))
         n = 1024 if quick else 4096
         m = _exists(c, ours, n, rounds)
         print(f"\nlookup of {n} keys (half present):")
@@ -209,7 +230,11 @@ def run(nodes: list[tuple[str, int]], quick: bool) -> None:
         ratios.append((f"{n}-key lookup ours", m["glide EVAL_RO/bucket"] / m["ours exists"]))
         print("\nspeed ratios (> 1: the first named is faster; 'ours': against glide's own):")
         for name, r in ratios:
-            print(f"  {name:<48} {r:5.2f}x")
+            print(f"  {name:<72} {r:5.2f}x")
+        if runs > 1:
+            print(f"\nthrough-server ratios above: medians of {runs} runs; each run's:")
+            for name, values in across.items():
+                print(f"  {name:<72} " + " ".join(f"{v:5.2f}x" for v in values))
     finally:
         c.close()
         ours.close()
@@ -218,15 +243,18 @@ def run(nodes: list[tuple[str, int]], quick: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvstore-bench far", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer, smaller pages: a smoke run")
+    p.add_argument("--runs", type=int, default=1,
+                   help="times the through-server comparison runs (fresh servers each); "
+                        "its ratios are then the medians of the runs (default 1)")
     p.add_argument("--far", metavar="URL[,URL...]",
                    help="an existing cluster (default: start a 3-master one on loopback)")
     args = p.parse_args(argv)
     if args.far:
-        run(list(parse_far(args.far).nodes), args.quick)
+        run(list(parse_far(args.far).nodes), args.quick, args.runs)
         return 0
     from kvstore_testing.clusterproc import ClusterProcess
     with ClusterProcess(masters=3) as cluster:
-        run([("127.0.0.1", node.port) for node in cluster.nodes], args.quick)
+        run([("127.0.0.1", node.port) for node in cluster.nodes], args.quick, args.runs)
     return 0
 
 

@@ -78,6 +78,7 @@ class ServerConfig:
     far: str = ""                   # redis:// rediss:// valkey:// URLs, comma-separated
     far_cluster: str = "auto"       # auto / on / off
     far_password_file: str = ""     # first line: the password (wins over the URL's)
+    far_ca_file: str = ""           # PEM CA of the cluster's TLS certificates; "" = system's
     far_ttl: float = 0.0            # seconds a page lives there; 0 = no expiry
     far_timeout: float = 0.05       # deadline of one far call
     far_write: str = "evict"        # evict / through / off
@@ -128,6 +129,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "far": str,
     "far_cluster": str,
     "far_password_file": str,
+    "far_ca_file": str,
     "far_ttl": parse_duration,
     "far_timeout": parse_duration,
     "far_write": str,
@@ -213,6 +215,9 @@ def argument_parser() -> argparse.ArgumentParser:
                    help="auto (ask the node), on or off (one server) (default auto)")
     r.add_argument("--far-password-file", metavar="FILE",
                    help="file whose first line is the password (wins over the URL's)")
+    r.add_argument("--far-ca-file", metavar="FILE",
+                   help="PEM CA the cluster's TLS certificates are checked against "
+                        "(rediss:// only; default: the system's trust store)")
     r.add_argument("--far-ttl", metavar="DURATION",
                    help="how long a page lives in the cluster; 0 = no expiry (default 0)")
     r.add_argument("--far-timeout", metavar="DURATION",

@@ -57,10 +57,11 @@ from .disk_slots import DiskSlots
 from .eviction import PolicyFactory, make_policy
 from .disk_stats import DiskCounters, DiskStats
 from .slot_io import SlotRead, SlotWrite, lock_folder, read_slots, runs_of, write_slots
-from .slotfile import ALIGN, MAX_KEY, SlotFile, SlotHeader, probe_direct, seal, slot_bytes_for
+from .slotfile import (ALIGN, MAX_KEY, SlotFile, SlotHeader, aligned_buffer, probe_direct, seal,
+                       slot_bytes_for)
 from .slots import SlotState
 from .staging import Pending, StagingRing
-from .tier import Page, PageInfo, TierStats
+from .tier import Page, PageInfo, Tier, TierStats
 
 __all__ = ["DiskStats", "DiskTier"]
 
@@ -121,6 +122,9 @@ class DiskTier:
         self._error = ""                    # why writes stopped
         self._closing = False
         self.counters = DiskCounters()
+        # Where pages evicted to make room go (TierChain sets it: the far tier, under
+        # --far-write evict, for they are leaving the host); None: they are forgotten.
+        self.below: Tier | None = None
         started = clock()
         self._rebuild()
         self.rebuild_seconds = clock() - started
@@ -431,7 +435,10 @@ class DiskTier:
         with self._lock:
             live = [e for e in batch if not e.cancelled]
             need = sum(e.slot_bytes for e in live)
-            self.counters.evictions += self._slots.make_room(need, self._rounds)
+            leaving: list[SlotRead] = []            # victims the tier below is offered
+            self.counters.evictions += self._slots.make_room(
+                need, self._rounds, None if self.below is None else
+                lambda sid: leaving.append(self._slot_read(sid)))
             plan = []                               # (entry, slot id, generation)
             for entry in live:
                 if self._slots.used + entry.slot_bytes > self.capacity_bytes:
@@ -442,6 +449,8 @@ class DiskTier:
             arena, slots = self._staging.arena, self._slots
             writes = [SlotWrite(slots.file_of[sid], int(slots.idx[sid]),
                                 arena[e.off:e.off + e.slot_bytes]) for e, sid, _ in plan]
+        if leaving:                 # before their slots are rewritten (this thread only)
+            self._spill_below(leaving)
         sums = [seal(w.image, e.layout_id, e.key, e.nbytes, gen)
                 for w, (e, _, gen) in zip(writes, plan)]
         written, error = write_slots(writes, self._pwritev)
@@ -469,6 +478,25 @@ class DiskTier:
             if error is not None:
                 self._fail(error)
             self._wake.notify_all()
+
+    def _slot_read(self, sid: int) -> SlotRead:
+        """A read of READY slot sid's page, its buffer not yet made (_spill_below)."""
+        slots = self._slots
+        layout_id, key = slots.name_of[sid]
+        return SlotRead(slots.file_of[sid], int(slots.idx[sid]), np.empty(0, np.uint8),
+                        SlotHeader(layout_id, key, int(slots.plen[sid]), int(slots.gen[sid]),
+                                   int(slots.pxxh[sid])))
+
+    def _spill_below(self, leaving: list[SlotRead]) -> None:
+        """Offer pages this tier evicts to the tier below: they are leaving the host (the
+        far tier under --far-write evict). One page at a time through one buffer, so the
+        memory is one slot whatever the batch; a page that fails its checksum is not
+        offered. Runs in the writer thread, before the victims' slots are rewritten."""
+        buf = aligned_buffer(max(r.file.slot_bytes for r in leaving))
+        for r in leaving:
+            read = dataclasses.replace(r, out=buf[:r.expect.payload_len])
+            if read_slots([read])[0]:
+                self.below.offer(r.expect.layout_id, r.expect.key, read.out)
 
     def _fail(self, exc: BaseException) -> None:
         """Stop taking pages after a write failed: drop the queue, keep serving reads."""

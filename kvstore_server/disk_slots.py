@@ -113,9 +113,11 @@ class DiskSlots:
         """How many of the victims (in order) free at least nbytes."""
         return enough(self.sbytes[victims], nbytes)
 
-    def make_room(self, nbytes: int, round_: int) -> int:
+    def make_room(self, nbytes: int, round_: int,
+                  leaving: Callable[[int], None] | None = None) -> int:
         """Evict unpinned pages, in the policy's order, until nbytes more fit; returns how
-        many. round_: the writer round current now (unblanked)."""
+        many. round_: the writer round current now (unblanked). leaving: called with each
+        victim's slot id before it is dropped (its name and place still set)."""
         deficit = self.used + nbytes - self.capacity_bytes
         eligible = (self.state == READY) & (self.pins == 0)
         if deficit <= 0 or not eligible.any():
@@ -124,6 +126,8 @@ class DiskSlots:
         victims = self.policy.victims(-(-deficit // smallest), eligible)
         victims = victims[: self.enough(victims, deficit)]
         for sid in victims.tolist():
+            if leaving is not None:
+                leaving(sid)
             self.drop(sid, round_)
         return len(victims)
 

@@ -62,6 +62,10 @@ FOREVER = math.inf
 MAX_LOOKUP_LAYOUTS = 256
 # Keys of a lookup asked of the tier below at once: it stops at the first one missing.
 _PROBE_CHUNK = 1024
+# How long a read-back waits for pages another read-back (or a put) is writing: two Gets
+# of one prefix held only below DRAM promote it once, and the second waits for the first
+# instead of missing (it used to answer NOT_FOUND while the first was still reading).
+_PROMOTE_WAIT = 5.0
 
 
 class Store(StoreLeases, StoreEviction, StoreAdmin):
@@ -377,7 +381,22 @@ class Store(StoreLeases, StoreEviction, StoreAdmin):
                 self.abort(res.lease_id)
         with self._lock:
             self.promotions += promoted
+        if res.in_flight:
+            self._wait_written(info, [wanted[i] for i in np.flatnonzero(res.slots < 0)])
         return True
+
+    def _wait_written(self, info: LayoutInfo, keys: list[bytes]) -> None:
+        """Until none of these keys is being written (committed or aborted by whoever
+        writes it), for at most _PROMOTE_WAIT s. Polls: this happens only when two
+        read-backs of one page meet, and it keeps commit and abort free of signalling."""
+        deadline = time.monotonic() + _PROMOTE_WAIT
+        pause = 0.0005
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not any(k in info.writing for k in keys):
+                    return
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
 
     # -- deletes --------------------------------------------------------------------
     def delete(self, layout_id: bytes, keys: Packed | Sequence[bytes]) -> int:

@@ -169,12 +169,20 @@ class NullTier:
 class TierChain:
     """Tiers stacked top first (disk, then far) that the store sees as one tier.
 
-    Every tier is inclusive, like the disk tier under DRAM: a spill is offered to each
-    tier (each writes behind on its own), a read asks them in order and offers a page
+    A spill goes down one tier at a time: a page leaving DRAM is offered to the top tier,
+    and reaches the next one when that tier lets it go, either at once (it refused or
+    dropped the offer: failed, full queue, too big) or later, when it evicts the page to
+    make room (a tier with a `below` attribute, the disk tier, offers its victims to the
+    tier the chain puts there). So under --far-write evict a page goes to the far tier
+    when it leaves this host: when it leaves the disk tier, or DRAM where there is no
+    disk tier. Reads are inclusive: a read asks the tiers in order and offers a page
     found lower down to the tiers above it, so the next read of it stops higher up."""
 
     def __init__(self, tiers: Sequence[Tier]) -> None:
         self.tiers = tuple(t for t in tiers if t.holds_pages)
+        for upper, lower in zip(self.tiers, self.tiers[1:]):
+            if hasattr(upper, "below"):
+                upper.below = lower
         # The largest chunk of keys any tier wants to be asked about at once (store.py).
         self.probe_chunk = max((getattr(t, "probe_chunk", 0) for t in self.tiers), default=0)
 
@@ -183,8 +191,7 @@ class TierChain:
         return bool(self.tiers)
 
     def offer(self, layout_id: bytes, key: bytes, page: Page) -> bool:
-        taken = [tier.offer(layout_id, key, page) for tier in self.tiers]
-        return any(taken)
+        return any(tier.offer(layout_id, key, page) for tier in self.tiers)  # first taker
 
     def contains(self, layout_id: bytes, keys: Sequence[bytes]) -> np.ndarray:
         held = np.zeros(len(keys), dtype=bool)

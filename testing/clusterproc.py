@@ -11,6 +11,12 @@ Ports: each node takes a client port and a cluster-bus port, both picked free on
 `cluster-node-timeout` is short (1 s by default) so a failover takes seconds, not the
 15 s default, in tests that kill a master.
 
+TLS and ACL users (`tls=TlsFiles(...)`, `users=("kv on >pw ~* +@all",)`): each node
+then also listens on a TLS port (`tls-port`, `tls-cluster yes` so the cluster bus and
+the slot map are TLS too, clients not asked for certificates), and `urls` are
+`rediss://` URLs of those ports; the plain port stays open on loopback for the cli that
+this module drives. `users` are ACL rules (`user` lines) added to the default user.
+
 Where the binaries come from: `server_binaries()` looks for valkey-server then
 redis-server on PATH (CI installs Debian's redis-server in .ci/run); None when neither
 can be had, which tests turn into a skip that says so.
@@ -27,7 +33,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-__all__ = ["ClusterNode", "ClusterProcess", "server_binaries"]
+__all__ = ["ClusterNode", "ClusterProcess", "TlsFiles", "server_binaries"]
 
 
 def server_binaries() -> tuple[str, str] | None:
@@ -53,6 +59,15 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """PEM files of a TLS cluster: every node's certificate and key, and the CA."""
+
+    cert: str
+    key: str
+    ca: str
+
+
 @dataclass(slots=True)
 class ClusterNode:
     """One server process of the cluster."""
@@ -60,6 +75,7 @@ class ClusterNode:
     port: int
     bus_port: int
     proc: subprocess.Popen | None = None
+    tls_port: int = 0               # 0: no TLS port
 
     @property
     def address(self) -> str:
@@ -74,7 +90,8 @@ class ClusterProcess:
     """A cluster of `masters` masters with `replicas` replicas each, torn down on exit."""
 
     def __init__(self, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 1000,
-                 binaries: tuple[str, str] | None = None) -> None:
+                 binaries: tuple[str, str] | None = None, tls: TlsFiles | None = None,
+                 users: tuple[str, ...] = ()) -> None:
         found = binaries or server_binaries()
         if found is None:
             raise FileNotFoundError("no valkey-server or redis-server (with its cli) on PATH")
@@ -82,14 +99,30 @@ class ClusterProcess:
         self.masters, self.replicas = masters, replicas
         self.node_timeout_ms = node_timeout_ms
         self.dir = tempfile.mkdtemp(prefix="kvstore-cluster-")
+        self.tls, self.users = tls, users
         count = masters * (1 + replicas)
-        ports = _free_ports(2 * count)
-        self.nodes = [ClusterNode(ports[2 * i], ports[2 * i + 1]) for i in range(count)]
+        ports = _free_ports(3 * count)
+        self.nodes = [ClusterNode(ports[3 * i], ports[3 * i + 1],
+                                  tls_port=ports[3 * i + 2] if tls else 0)
+                      for i in range(count)]
 
     @property
     def urls(self) -> list[str]:
-        """redis:// URLs of every node: what `--far` takes."""
+        """redis:// URLs of every node (rediss:// of the TLS ports): what `--far` takes."""
+        if self.tls:
+            return [f"rediss://127.0.0.1:{n.tls_port}" for n in self.nodes]
         return [f"redis://{n.address}" for n in self.nodes]
+
+    def _extra_args(self, node: ClusterNode) -> list[str]:
+        args = []
+        if self.tls:
+            args += ["--tls-port", str(node.tls_port), "--tls-cert-file", self.tls.cert,
+                     "--tls-key-file", self.tls.key, "--tls-ca-cert-file", self.tls.ca,
+                     "--tls-cluster", "yes", "--tls-replication", "yes",
+                     "--tls-auth-clients", "no"]
+        for rule in self.users:
+            args += ["--user", *rule.split()]
+        return args
 
     def start(self, wait: float = 30.0) -> "ClusterProcess":
         try:
@@ -123,7 +156,7 @@ class ClusterProcess:
              "--repl-diskless-sync-delay", "0", "--cluster-replica-validity-factor", "0",
              # as docs/far.md advises for a cache: the shards still up keep serving
              # while one is failing over, instead of the whole cluster refusing
-             "--cluster-require-full-coverage", "no"],
+             "--cluster-require-full-coverage", "no", *self._extra_args(node)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
 

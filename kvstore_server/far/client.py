@@ -68,14 +68,17 @@ def connect(settings: FarSettings, **options):
                 credentials=(glide.ServerCredentials(settings.password, settings.username)
                              if settings.password or settings.username else None),
                 client_name="kvstore-far")
+    tls = (glide.TlsAdvancedConfiguration(root_pem_cacerts=settings.ca_pem)
+           if settings.tls and settings.ca_pem else None)
+    base["advanced_config"] = glide.AdvancedGlideClientConfiguration(
+        connection_timeout=ms, tls_config=tls)
     cluster = settings.cluster is ClusterMode.ON or (
         settings.cluster is ClusterMode.AUTO and _cluster_enabled(settings, base))
     if cluster:
         return glide.GlideClusterClient.create(glide.GlideClusterClientConfiguration(
-            **base, advanced_config=glide.AdvancedGlideClusterClientConfiguration(
-                connection_timeout=ms)))
-    return glide.GlideClient.create(glide.GlideClientConfiguration(
-        **base, advanced_config=glide.AdvancedGlideClientConfiguration(connection_timeout=ms)))
+            **{**base, "advanced_config": glide.AdvancedGlideClusterClientConfiguration(
+                connection_timeout=ms, tls_config=tls)}))
+    return glide.GlideClient.create(glide.GlideClientConfiguration(**base))
 
 
 class FarClient:

@@ -4,7 +4,11 @@
 rest from CLUSTER SLOTS), as `redis://`, `rediss://` (TLS), `valkey://` or `valkeys://`,
 with optional `user:password@`. All URLs must agree on scheme and credentials: they are
 one cluster. A password may come from `--far-password-file` instead, so it stays out of
-process listings and config files; the file wins over the URL.
+process listings and config files; the file wins over the URL. A user name (an ACL user,
+Redis >= 6) comes from the URL only: it is not a secret.
+
+    --far-ca-file    PEM CA certificates the cluster's TLS certificates are checked
+                     against (rediss:// only; default: the system's trust store)
 
     --far-cluster    auto | on | off   auto: ask the first node (INFO cluster)
     --far-ttl        seconds a page lives in the cluster; 0 = no expiry (maxmemory
@@ -56,6 +60,7 @@ class FarSettings:
     write: WritePolicy = WritePolicy.EVICT
     namespace: str = "kvstore"
     queue_bytes: int = 256 << 20
+    ca_pem: bytes | None = field(default=None, repr=False)  # TLS roots; None: the system's
 
 
 def _node(url: str) -> tuple[str, int, bool, str | None, str | None]:
@@ -78,7 +83,7 @@ def _node(url: str) -> tuple[str, int, bool, str | None, str | None]:
 
 def parse_far(urls: str, *, cluster: str = "auto", password_file: str = "", ttl: float = 0.0,
               timeout: float = 0.05, write: str = "evict", namespace: str = "kvstore",
-              queue_bytes: int = 256 << 20) -> FarSettings | None:
+              queue_bytes: int = 256 << 20, ca_file: str = "") -> FarSettings | None:
     """FarSettings from the flags' values; None when `urls` is empty (no far tier).
     ValueError says what is wrong."""
     if not urls.strip():
@@ -96,6 +101,17 @@ def parse_far(urls: str, *, cluster: str = "auto", password_file: str = "", ttl:
             raise ValueError(f"far password file: {exc}") from None
         if not password:
             raise ValueError(f"far password file {password_file} is empty")
+    ca_pem = None
+    if ca_file:
+        if not tls:
+            raise ValueError("far_ca_file needs rediss:// or valkeys:// URLs (TLS)")
+        try:
+            with open(ca_file, "rb") as f:
+                ca_pem = f.read()
+        except OSError as exc:
+            raise ValueError(f"far CA file: {exc}") from None
+        if b"-----BEGIN CERTIFICATE-----" not in ca_pem:
+            raise ValueError(f"far CA file {ca_file} holds no PEM certificate")
     try:
         mode, policy = ClusterMode(cluster.lower()), WritePolicy(write.lower())
     except ValueError as exc:
@@ -111,7 +127,7 @@ def parse_far(urls: str, *, cluster: str = "auto", password_file: str = "", ttl:
     if queue_bytes < (1 << 20):
         raise ValueError("far_queue must be at least 1MiB")
     return FarSettings(tuple((h, p) for h, p, *_ in nodes), tls, username, password, mode,
-                       ttl, timeout, policy, namespace, queue_bytes)
+                       ttl, timeout, policy, namespace, queue_bytes, ca_pem)
 
 
 def from_config(config) -> FarSettings | None:
@@ -119,4 +135,5 @@ def from_config(config) -> FarSettings | None:
     return parse_far(config.far, cluster=config.far_cluster,
                      password_file=config.far_password_file, ttl=config.far_ttl,
                      timeout=config.far_timeout, write=config.far_write,
-                     namespace=config.far_namespace, queue_bytes=config.far_queue)
+                     namespace=config.far_namespace, queue_bytes=config.far_queue,
+                     ca_file=config.far_ca_file)

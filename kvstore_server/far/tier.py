@@ -10,8 +10,9 @@ tier's parts:
                                     and under --far-write off
     contains(layout, keys)       -> FarClient.exists: one round trip per shard, within
                                     --far-timeout; what it cannot learn in time is a miss
-    read_into(layout, keys, outs)-> FarClient.get in batches of at most READ_BATCH bytes,
-                                    each verified page copied into its out buffer
+    read_into(layout, keys, outs)-> FarClient.get in parts of about 1 MiB, several in
+                                    flight (reads.py), each verified page copied into its
+                                    out buffer as its part lands
     delete(layout, keys)         -> FarClient.delete (UNLINK)
     evict(layout / everything)   -> FarClient.clear: this namespace's keys only; a byte
                                     amount is the cluster's own eviction's business
@@ -33,16 +34,13 @@ from ..tier import PageInfo, TierStats
 from .breaker import BreakerState
 from .client import FarClient
 from .codec import Reason
+from .reads import ParallelReader
 from .settings import WritePolicy
 from .writer import WriteBehind
 
-__all__ = ["CLOSE_TIMEOUT", "PROBE_CHUNK", "READ_BATCH", "FarTier"]
+__all__ = ["CLOSE_TIMEOUT", "PROBE_CHUNK", "FarTier"]
 
-# Bytes one get asks for at once: what one call may hold in memory twice over (the
-# reply, then the verified copy into the caller's buffer), whatever the request's size.
 log = logging.getLogger("kvstore.far")
-
-READ_BATCH = 64 << 20
 
 # Keys one contains() may ask about: the store asks the tier below about a lookup's gaps
 # in chunks of this many (store.py). The disk tier's probe costs a dict lookup a key and
@@ -66,6 +64,7 @@ class FarTier:
         self.writes = client.settings.write is not WritePolicy.OFF
         self.writer = writer or WriteBehind(client.put, client.settings.queue_bytes,
                                             client.counters)
+        self.reader = ParallelReader(client.get, client.settings.timeout)
 
     def offer(self, layout_id: bytes, key: bytes, page) -> bool:
         if not self.writes or self.client.breaker.state is BreakerState.OPEN:
@@ -78,26 +77,18 @@ class FarTier:
     def read_into(self, layout_id: bytes, keys: Sequence[bytes],
                   outs: Sequence) -> list[bool]:
         got = [False] * len(keys)
-        start = 0
-        while start < len(keys):
-            end, size = start, 0
-            while end < len(keys) and (end == start or size + _nbytes(outs[end]) <= READ_BATCH):
-                size += _nbytes(outs[end])
-                end += 1
-            # Larger batches get a deadline that grows with their bytes: the far timeout
-            # bounds a lookup's wait, not a transfer's (1 GB/s is a slow cluster here).
-            timeout = self.client.settings.timeout + size / 1e9
-            pages = self.client.get(layout_id, keys[start:end], timeout=timeout)
-            for i, page in enumerate(pages, start):
-                if page is None:
-                    continue
-                out = memoryview(outs[i]).cast("B")
-                if page.nbytes != out.nbytes:     # same layout, other size: not this page
-                    self.client.counters.reject(Reason.TRUNCATED)
-                    continue
-                out[:] = page
-                got[i] = True
-            start = end
+        views = [memoryview(out).cast("B") for out in outs]
+
+        def land(i: int, page) -> None:
+            if page is None:
+                return
+            if page.nbytes != views[i].nbytes:   # same layout, other size: not this page
+                self.client.counters.reject(Reason.TRUNCATED)
+                return
+            views[i][:] = page
+            got[i] = True
+
+        self.reader.read(layout_id, keys, [v.nbytes for v in views], land)
         return got
 
     def delete(self, layout_id: bytes, keys: Sequence[bytes]) -> int:
@@ -143,11 +134,8 @@ class FarTier:
         """Write what is queued for at most CLOSE_TIMEOUT s, then drop glide's client."""
         left = self.writer.depth()[0]
         self.writer.close(CLOSE_TIMEOUT)
+        self.reader.close()
         if self.writer.depth()[0]:
             log.warning("far tier: %d of %d queued pages not written at stop",
                         self.writer.depth()[0], left)
         self.client.close()
-
-
-def _nbytes(buf) -> int:
-    return memoryview(buf).nbytes

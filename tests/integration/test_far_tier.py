@@ -5,14 +5,17 @@ reach only their own namespace, an open breaker refuses spills."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
 
-from kvstore_server.far import tier as tier_module
+from kvstore_server.far import reads
 from kvstore_server.far.breaker import BreakerState, FarBreaker
 from kvstore_server.far.client import FarClient
 from kvstore_server.far.settings import parse_far
+from kvstore_server.far.reads import ParallelReader
 from kvstore_server.far.tier import FarTier
 
 
@@ -46,19 +49,38 @@ def test_a_page_spilled_on_one_host_is_read_byte_exact_on_another(hosts):
     assert b.client.counters.hits >= 12 and b.client.counters.bytes_read == pages.nbytes
 
 
-def test_reads_go_in_batches_of_bounded_bytes(hosts, monkeypatch):
+def test_reads_go_in_parts_of_bounded_bytes_several_in_flight(hosts, monkeypatch):
     a, b, _ = hosts
     layout = os.urandom(16)
     keys, pages = _pages(10, 64 << 10)
     a.client.put(layout, list(zip(keys, pages)))
-    calls = []
+    calls, flying, most = [], [0], [0]
     real_get = b.client.get
-    monkeypatch.setattr(b.client, "get", lambda *args, **kw: calls.append(len(args[1]))
-                        or real_get(*args, **kw))
-    monkeypatch.setattr(tier_module, "READ_BATCH", 3 * (64 << 10))
+    lock = threading.Lock()
+
+    def get(*args, **kw):
+        with lock:
+            calls.append(len(args[1]))
+            flying[0] += 1
+            most[0] = max(most[0], flying[0])
+        time.sleep(0.05)                   # long enough for the next parts to start
+        try:
+            return real_get(*args, **kw)
+        finally:
+            with lock:
+                flying[0] -= 1
+
+    monkeypatch.setattr(b.client, "get", get)
+    b.reader = ParallelReader(b.client.get, 1.0)
+    monkeypatch.setattr(reads, "PART_BYTES", 3 * (64 << 10))
+    monkeypatch.setattr(reads, "PARALLEL", 2)
     out = np.zeros_like(pages)
-    assert b.read_into(layout, keys, list(out)) == [True] * 10
-    assert calls == [3, 3, 3, 1] and np.array_equal(out, pages)
+    try:
+        assert b.read_into(layout, keys, list(out)) == [True] * 10
+    finally:
+        b.reader.close()
+    assert sorted(calls) == [1, 3, 3, 3] and np.array_equal(out, pages)
+    assert most[0] == 2                    # in parallel, and never more than asked
 
 
 def test_a_buffer_of_another_size_is_a_miss(hosts):

@@ -59,6 +59,9 @@ def test_credentials_from_url_and_file(tmp_path):
     (["--far", "redis://h", "--far-namespace", "a{b}"], "far_namespace"),
     (["--far", "redis://h", "--far-queue", "1KiB"], "far_queue"),
     (["--far", "redis://h", "--far-password-file", "/nonexistent/pw"], "password file"),
+    (["--far", "redis://h", "--far-ca-file", "/etc/hostname"], "needs rediss"),
+    (["--far", "rediss://h", "--far-ca-file", "/nonexistent/ca.pem"], "CA file"),
+    (["--far", "rediss://h", "--far-ca-file", "/etc/hostname"], "no PEM certificate"),
 ])
 def test_bad_values_say_what_is_wrong(argv, words):
     with pytest.raises(ConfigError, match=words):
