@@ -31,8 +31,8 @@ from kvstore_client.keys import KeyError_
 
 from ..auth import ANONYMOUS, Authenticator, Principal, Role, token_digest
 from ..errors import Outcome, StoreError
-from .io import ClientGone, Reader, set_timeouts
 from ..peercert import Digest, der_digest
+from .io import ClientGone, Reader, set_timeouts
 from .ops import Ops, Session, status_of, table
 
 __all__ = ["Connection"]

@@ -20,7 +20,16 @@ from kvstore_client import KVStoreClient, KVStoreError
 from kvstore_client import fastwire as fw
 from kvstore_client.fastpath import FastPath
 
-from .test_fastpath import LAYOUTS, Raw, fast_address, keys, keys_body, metric, pages, wait_for
+from .test_fastpath import (
+    LAYOUTS,
+    Raw,
+    fast_address,
+    keys,
+    keys_body,
+    metric,
+    pages,
+    wait_for,
+)
 from .test_tls import EC, openssl, signed
 
 CODE = grpc.StatusCode

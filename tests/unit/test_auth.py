@@ -312,8 +312,8 @@ def test_a_certificate_names_its_caller_and_a_token_must_agree(cert_auth):
     refusals = [
         (None, None, "missing bearer token"),
         (None, hashlib.sha256(b"unknown").digest(), "not named in the auth file"),
-        (tok_b, CERT_A, "the bearer token names tenant 'team-b' and the client "
-                        "certificate tenant 'team-a'"),
+        (tok_b, CERT_A, ("the bearer token names tenant 'team-b' and the client "
+                         "certificate tenant 'team-a'")),
         (hashlib.sha256(b"nope").digest(), CERT_A, "invalid token"),   # never ignored
     ]
     for token, cert, words in refusals:
