@@ -95,11 +95,15 @@ class NetPair:
                 if ms:
                     _ip("tc", *ns_args, "qdisc", "add", "dev", dev, "root", "netem",
                         "delay", f"{ms}ms")
-        except NetUnavailable:
+        except NetUnavailable as exc:
             for ns_args, dev in ends:           # never half a delay
                 subprocess.run(["tc", *ns_args, "qdisc", "del", "dev", dev, "root"],
                                capture_output=True, timeout=30, check=False)
             self.delay_ms = 0.0
+            if "qdisc kind is unknown" in str(exc):
+                raise NetUnavailable(f"{exc} (this kernel has no netem qdisc: sch_netem is "
+                                     "not built or not loaded; `modprobe sch_netem` where "
+                                     "the kernel ships it)") from None
             raise
         self.delay_ms = ms
 
