@@ -12,6 +12,7 @@ __all__ = ["BENCHES", "main"]
 BENCHES = {
     "store": "store_bench",
     "fastpath": "fastpath_bench",
+    "fastpath-netns": "netns_bench",
     "hash": "hash_bench",
     "index": "index_bench",
     "shm": "shm_bench",

@@ -10,6 +10,9 @@ Each run measures, against one real kvstore-server on loopback and in turn:
 - a same-host acquire + release of one page, p50: fast path on the Unix socket, gRPC;
 - with `--send`, the server's two ways to send pages (sendfile, sendmsg) against each
   other, on a bare fast-path server in its own process.
+`--tls` instead measures the fast path with and without TLS side by side
+(bench/fastpath_tls.py); `kvstore-bench fastpath-netns` puts the server in another
+network namespace (bench/netns_bench.py).
 Ratios are per run; the report gives each figure's median over the runs. The dev VM has
 2 cores shared with other work: trust the ratios of one run, and the medians, not one figure.
 
@@ -449,8 +452,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", metavar="N,N,...",
                    help="only: the aggregate get of this many client processes at once, "
                         "each over one connection, fast path and gRPC, one server")
+    p.add_argument("--tls", action="store_true",
+                   help="only: the fast path with and without TLS, two servers side by side")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.tls:
+        from .fastpath_tls import tls_report
+        print(tls_report(args.runs, args.mib or (32 if args.quick else 128)))
+        return 0
     if args.clients:
         print(clients_report([int(k) for k in args.clients.split(",")], args.mib or 64, 3))
         return 0

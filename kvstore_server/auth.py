@@ -1,16 +1,29 @@
-"""Who is calling: bearer tokens from an auth file, checked on every KVStore and Admin call.
+"""Who is calling: bearer tokens and client certificates from an auth file, checked on
+every KVStore and Admin call, on gRPC and on the fast path alike.
 
-A caller sends gRPC metadata `authorization: Bearer <token>`. The auth file (TOML,
-`--auth-file`) holds only SHA-256 hashes of tokens, so reading it does not let anyone
-call the server:
+A caller sends gRPC metadata `authorization: Bearer <token>` (on the fast path: its
+HELLO), or, over mutual TLS, presents a client certificate the auth file names. The
+auth file (TOML, `--auth-file`) holds only SHA-256 hashes, of tokens and of
+certificates, so reading it does not let anyone call the server:
 
     [tenants.team-a]
     token_sha256 = "9f86d08..."        # 64 hex digits; a list allows rotation
+    cert_sha256 = "3A:5F:..."          # optional: its client certificate's fingerprint
     quota = "8GiB"                     # optional: DRAM bytes of its pages; 0 = unlimited
     shared_memory = true               # optional: may map the pool (trusted local engines)
 
     [admins.ops]
     token_sha256 = "60303ae..."
+
+An entry needs a token, a certificate or both. Which credential wins (identify):
+
+    token sent?   certificate named in the file?   the caller is
+    no            no                               refused (UNAUTHENTICATED)
+    no            yes                              the certificate's entry
+    yes, known    no (or no certificate)           the token's entry (mTLS only gates)
+    yes, known    yes, the same entry              that entry
+    yes, known    yes, another entry               refused: the two disagree
+    yes, unknown  any                              refused: a bad token is never ignored
 
 Tenants may call kvstore.v1.KVStore and see only their own layouts and pages (see
 tenants.py); admins may call kvstore.v1.Admin and see everything. Health and reflection
@@ -39,6 +52,7 @@ from kvstore_client.units import format_size, parse_size
 
 from .config import ConfigError
 from .errors import Outcome, StoreError
+from .peercert import Digest, grpc_peer_digest, parse_fingerprint
 from .status import CODES
 from .tenants import DEFAULT_TENANT
 
@@ -47,8 +61,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
 
-__all__ = ["ANONYMOUS", "Authenticator", "Principal", "Role", "parse_auth_file",
-           "tls_server_credentials"]
+__all__ = ["ANONYMOUS", "Authenticator", "Credentials", "Principal", "Role",
+           "parse_auth_file", "token_digest", "tls_server_credentials"]
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +90,27 @@ _SERVICE_ROLES = {"kvstore.v1.KVStore": Role.TENANT, "kvstore.v1.Admin": Role.AD
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_KEYS = {"tenants": {"token_sha256", "quota", "shared_memory"}, "admins": {"token_sha256"}}
+_KEYS = {"tenants": {"token_sha256", "cert_sha256", "quota", "shared_memory"},
+         "admins": {"token_sha256", "cert_sha256"}}
 
-Digest = bytes   # SHA-256 of a token: 32 bytes
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Credentials:
+    """What an auth file says: who each token and each client certificate is."""
+
+    tokens: dict[Digest, Principal]      # SHA-256 of a token -> its caller
+    certs: dict[Digest, Principal]       # SHA-256 of a certificate (DER) -> its caller
+
+    def principals(self) -> set[Principal]:
+        return set(self.tokens.values()) | set(self.certs.values())
 
 
-def parse_auth_file(path: str) -> dict[Digest, Principal]:
-    """Token hash -> principal; ConfigError names the file, the entry and the problem."""
+def token_digest(token: str) -> Digest:
+    return hashlib.sha256(token.encode()).digest()
+
+
+def parse_auth_file(path: str) -> Credentials:
+    """ConfigError names the file, the entry and the problem."""
     try:
         with open(path, "rb") as f:
             table = tomllib.load(f)
@@ -92,7 +120,7 @@ def parse_auth_file(path: str) -> dict[Digest, Principal]:
     if unknown:
         raise ConfigError(f"auth file {path}: unknown table(s) {sorted(unknown)} "
                           "(known: [tenants.NAME], [admins.NAME])")
-    out: dict[Digest, Principal] = {}
+    out = Credentials({}, {})
     for section, role in (("tenants", Role.TENANT), ("admins", Role.ADMIN)):
         entries = table.get(section, {})
         if not isinstance(entries, dict):
@@ -100,13 +128,23 @@ def parse_auth_file(path: str) -> dict[Digest, Principal]:
         for name, entry in entries.items():
             where = f"auth file {path}, [{section}.{name}]"
             principal = _principal(where, name, role, entry)
-            for digest in _digests(where, entry.get("token_sha256")):
-                if digest in out:
-                    raise ConfigError(f"{where}: token_sha256 {digest.hex()[:12]}... is also "
-                                      f"the token of {out[digest].role.value} "
-                                      f"{out[digest].name!r}; every token must be unique")
-                out[digest] = principal
-    if not out:
+            if "token_sha256" not in entry and "cert_sha256" not in entry:
+                raise ConfigError(f"{where}: token_sha256 is missing (the SHA-256 of the "
+                                  "token, 64 hex digits: printf %s \"$TOKEN\" | sha256sum), "
+                                  "and so is cert_sha256 (a client certificate's "
+                                  "fingerprint): an entry needs one of them")
+            for key, into, what in (("token_sha256", out.tokens, "token"),
+                                    ("cert_sha256", out.certs, "certificate")):
+                if key not in entry:
+                    continue
+                for digest in _digests(where, key, entry[key]):
+                    if digest in into:
+                        raise ConfigError(f"{where}: {key} {digest.hex()[:12]}... is also "
+                                          f"the {what} of {into[digest].role.value} "
+                                          f"{into[digest].name!r}; every {what} must be "
+                                          "unique")
+                    into[digest] = principal
+    if not out.tokens and not out.certs:
         raise ConfigError(f"auth file {path} defines no [tenants.NAME] and no [admins.NAME]: "
                           "nobody could call the server")
     return out
@@ -114,7 +152,7 @@ def parse_auth_file(path: str) -> dict[Digest, Principal]:
 
 def _principal(where: str, name: str, role: Role, entry: object) -> Principal:
     if not isinstance(entry, dict):
-        raise ConfigError(f"{where}: must be a table with token_sha256")
+        raise ConfigError(f"{where}: must be a table with token_sha256 or cert_sha256")
     if not _NAME.match(name):
         raise ConfigError(f"{where}: a name is 1-64 letters, digits, '_', '.', '-'")
     unknown = set(entry) - _KEYS[role.value + "s"]
@@ -133,13 +171,19 @@ def _principal(where: str, name: str, role: Role, entry: object) -> Principal:
     return Principal(name, role, quota, shared)
 
 
-def _digests(where: str, value: object) -> list[Digest]:
+def _digests(where: str, key: str, value: object) -> list[Digest]:
     values = value if isinstance(value, list) else [value]
-    if value is None or not values:
-        raise ConfigError(f"{where}: token_sha256 is missing (the SHA-256 of the token, "
-                          "64 hex digits: printf %s \"$TOKEN\" | sha256sum)")
+    if not values:
+        raise ConfigError(f"{where}: {key} is an empty list")
     out = []
     for v in values:
+        if key == "cert_sha256":
+            try:
+                out.append(parse_fingerprint(v if isinstance(v, str) else repr(v)))
+            except ValueError as exc:
+                raise ConfigError(f"{where}: cert_sha256: {exc} (openssl x509 -in "
+                                  "client.pem -noout -fingerprint -sha256)") from None
+            continue
         if not isinstance(v, str) or not _HEX64.match(v.strip().lower()):
             raise ConfigError(f"{where}: token_sha256 must be 64 hex digits (a SHA-256), "
                               f"got {v!r}")
@@ -147,16 +191,20 @@ def _digests(where: str, value: object) -> list[Digest]:
     return out
 
 
-def _bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+def _bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    """The bearer token of the metadata; None when there is none (or not a bearer)."""
     for key, value in metadata or ():
         if key == "authorization":
             scheme, _, token = (value if isinstance(value, str) else value.decode()).partition(" ")
             if scheme.lower() == "bearer" and token.strip():
                 return token.strip()
             break
-    raise StoreError(Outcome.UNAUTHENTICATED,
-                     "missing bearer token: send metadata 'authorization: Bearer <token>' "
-                     "(KVStoreClient(token=...), kvstore-admin --token or $KVSTORE_TOKEN)")
+    return None
+
+
+MISSING = ("missing bearer token: send metadata 'authorization: Bearer <token>' "
+           "(KVStoreClient(token=...), kvstore-admin --token or $KVSTORE_TOKEN), or over "
+           "mutual TLS a client certificate the auth file names (cert_sha256)")
 
 
 class Authenticator:
@@ -166,30 +214,62 @@ class Authenticator:
         """Raises ConfigError when the file cannot be used."""
         self.path = path
         self._reload_lock = threading.Lock()      # one reload at a time
-        # Replaced whole on reload (one reference assignment), read without a lock.
-        self._principals = parse_auth_file(path)
+        # Replaced whole on reload (one reference assignment), read without a lock:
+        # tokens and certificates change together.
+        self._creds = parse_auth_file(path)
 
-    def principal(self, metadata) -> Principal:
-        """The caller of these invocation metadata; UNAUTHENTICATED if unknown."""
-        # A dict keyed by the SHA-256 of the token, not by the token: what the lookup's
-        # timing could reveal is how many leading bytes of a *hash* matched, and knowing
-        # a prefix of SHA-256(token) does not help anyone find the token (the reason a
-        # constant-time compare, hmac.compare_digest, matters for raw secrets).
-        principal = self._principals.get(hashlib.sha256(_bearer(metadata).encode()).digest())
-        if principal is None:
+    def identify(self, token: Digest | None, cert: Digest | None) -> Principal:
+        """The caller of a token's SHA-256 and a client certificate's (None: not sent);
+        UNAUTHENTICATED as the table in the module's docstring says. Looked up again at
+        every call, so a reload revokes open connections and streams too."""
+        # Dicts keyed by SHA-256, not by the token: what the lookup's timing could reveal
+        # is how many leading bytes of a *hash* matched, and knowing a prefix of
+        # SHA-256(token) does not help anyone find the token (the reason a constant-time
+        # compare, hmac.compare_digest, matters for raw secrets).
+        creds = self._creds
+        by_cert = creds.certs.get(cert) if cert is not None else None
+        if token is None:
+            if by_cert is not None:
+                return by_cert
+            if cert is not None:
+                raise StoreError(Outcome.UNAUTHENTICATED, (
+                    f"no bearer token, and the client certificate (SHA-256 "
+                    f"{cert.hex()[:16]}...) is not named in the auth file (revoked?)"))
+            raise StoreError(Outcome.UNAUTHENTICATED, MISSING)
+        by_token = creds.tokens.get(token)
+        if by_token is None:
             raise StoreError(Outcome.UNAUTHENTICATED, "invalid token: the server does not "
                                                       "know it (revoked, or a typo?)")
-        return principal
+        if by_cert is not None and (by_cert.name, by_cert.role) != (by_token.name,
+                                                                    by_token.role):
+            raise StoreError(Outcome.UNAUTHENTICATED, (
+                f"the bearer token names {by_token.role.value} {by_token.name!r} and the "
+                f"client certificate {by_cert.role.value} {by_cert.name!r}: send the "
+                "credentials of one caller"))
+        return by_token
+
+    def principal(self, metadata, cert: Digest | None = None) -> Principal:
+        """The caller of these invocation metadata (and client certificate)."""
+        token = _bearer(metadata)
+        return self.identify(None if token is None else token_digest(token), cert)
+
+    def caller(self, context) -> Principal:
+        """The caller of a gRPC call: its metadata and its client certificate."""
+        return self.principal(context.invocation_metadata(), grpc_peer_digest(context))
 
     def counts(self) -> tuple[int, int]:
         """(tenants, admins) known now."""
-        principals = set(self._principals.values())
+        principals = self._creds.principals()
         tenants = sum(p.role is Role.TENANT for p in principals)
         return tenants, len(principals) - tenants
 
+    def certificates(self) -> int:
+        """Client certificates the auth file names."""
+        return len(self._creds.certs)
+
     def quotas(self) -> dict[str, int]:
         """Tenant name -> quota in bytes (0 = unlimited)."""
-        return {p.name: p.quota_bytes for p in self._principals.values()
+        return {p.name: p.quota_bytes for p in self._creds.principals()
                 if p.role is Role.TENANT}
 
     def reload(self) -> bool:
@@ -197,13 +277,13 @@ class Authenticator:
         return False. Calls in flight finish under the principal they started with."""
         with self._reload_lock:
             try:
-                principals = parse_auth_file(self.path)
+                creds = parse_auth_file(self.path)
             except ConfigError as exc:
                 tenants, admins = self.counts()
                 log.error("auth reload failed, keeping the %d tenants and %d admins in "
                           "force: %s", tenants, admins, exc)
                 return False
-            self._principals = principals
+            self._creds = creds
             tenants, admins = self.counts()
             quotas = ", ".join(f"{n}={format_size(q)}" for n, q in self.quotas().items() if q)
             log.info("auth reloaded from %s: %d tenants, %d admins%s", self.path, tenants,
@@ -218,8 +298,13 @@ class Authenticator:
 
 
 class _AuthInterceptor(grpc.ServerInterceptor):
-    """Refuses KVStore calls without a tenant token and Admin calls without an admin one,
-    before the request is read."""
+    """Refuses KVStore calls but a tenant's and Admin calls but an admin's, before the
+    handler runs (and before it reads a request stream).
+
+    The refusal runs inside the call, not here: who calls may be its client certificate,
+    and only the call's context has that (grpc.ServicerContext.auth_context); what an
+    interceptor sees is the method and the metadata. So each KVStore and Admin handler is
+    wrapped by one of the same shape that identifies the caller first."""
 
     def __init__(self, auth: Authenticator, refused: Callable[[str, grpc.StatusCode], None]
                  ) -> None:
@@ -228,39 +313,48 @@ class _AuthInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, details):
         needed = _SERVICE_ROLES.get(details.method.rpartition("/")[0].lstrip("/"))
-        if needed is None:
-            return continuation(details)
-        try:
-            principal = self.auth.principal(details.invocation_metadata)
-            if principal.role is not needed:
-                raise StoreError(Outcome.DENIED, (
-                    f"{principal.role.value} {principal.name!r} may not call "
-                    f"{details.method}: it needs a{'n' if needed is Role.ADMIN else ''} "
-                    f"{needed.value} token"))
-        except StoreError as exc:
-            log.debug("refused %s: %s", details.method, exc.message)
-            handler = continuation(details)
-            if handler is not None:          # None: no such method (UNIMPLEMENTED)
-                self._refused(details.method.rpartition("/")[2], CODES[exc.outcome])
-            return _refusal(handler, CODES[exc.outcome], exc.message)
-        return continuation(details)
+        handler = continuation(details)
+        if needed is None or handler is None:    # open service; no such method
+            return handler
+        method = details.method
+
+        def check(context) -> None:
+            try:
+                principal = self.auth.caller(context)
+                if principal.role is not needed:
+                    raise StoreError(Outcome.DENIED, (
+                        f"{principal.role.value} {principal.name!r} may not call "
+                        f"{method}: it needs a{'n' if needed is Role.ADMIN else ''} "
+                        f"{needed.value} token or certificate"))
+            except StoreError as exc:
+                log.debug("refused %s: %s", method, exc.message)
+                self._refused(method.rpartition("/")[2], CODES[exc.outcome])
+                context.abort(CODES[exc.outcome], exc.message)
+
+        return _guarded(handler, check)
 
 
-def _refusal(handler, code: grpc.StatusCode, message: str):
-    """A handler of the same shape as `handler` that ends the call with code."""
-    if handler is None:            # no such method: let gRPC answer UNIMPLEMENTED
-        return None
+_MAKE = {(False, False): (grpc.unary_unary_rpc_method_handler, "unary_unary"),
+         (True, False): (grpc.stream_unary_rpc_method_handler, "stream_unary"),
+         (False, True): (grpc.unary_stream_rpc_method_handler, "unary_stream"),
+         (True, True): (grpc.stream_stream_rpc_method_handler, "stream_stream")}
 
-    def refuse(_request, context):
-        context.abort(code, message)
 
-    make = {(False, False): grpc.unary_unary_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,
-            (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, True): grpc.stream_stream_rpc_method_handler}
-    return make[handler.request_streaming, handler.response_streaming](
-        refuse, request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer)
+def _guarded(handler, check: Callable[[object], None]):
+    """A handler of the same shape as `handler` that calls check(context) first (which
+    aborts the call to refuse it)."""
+    make, kind = _MAKE[handler.request_streaming, handler.response_streaming]
+    inner = getattr(handler, kind)
+    if handler.response_streaming:
+        def behaviour(request, context):
+            check(context)
+            yield from inner(request, context)
+    else:
+        def behaviour(request, context):
+            check(context)
+            return inner(request, context)
+    return make(behaviour, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
 
 
 def tls_server_credentials(cert_file: str, key_file: str,

@@ -223,6 +223,10 @@ class Server:
             tenants, admins = self.auth.counts()
             log.info("auth: %d tenants, %d admins from %s (SIGHUP reloads); %s", tenants,
                      admins, c.auth_file, tls)
+            if self.auth.certificates() and not c.tls_client_ca:
+                log.warning("the auth file names %d client certificates (cert_sha256), but "
+                            "without --tls-client-ca no client presents one: those "
+                            "entries can only be reached by token", self.auth.certificates())
         if not is_loopback(host):
             if self.auth is not None and not c.tls_cert:
                 log.warning("auth is on but TLS is off on %s: bearer tokens and pages "

@@ -121,7 +121,7 @@ class KVStoreService:
         """The tenant this call acts for (the interceptor already refused the others)."""
         if self.auth is None:
             return ANONYMOUS
-        return self.auth.principal(context.invocation_metadata())
+        return self.auth.caller(context)
 
     def _layout(self, caller: Principal, layout_id: bytes) -> bytes:
         return caller_layout(self.store, self.auth is not None, caller, layout_id)

@@ -66,6 +66,7 @@ _PROBE_CHUNK = 1024
 # of one prefix held only below DRAM promote it once, and the second waits for the first
 # instead of missing (it used to answer NOT_FOUND while the first was still reading).
 _PROMOTE_WAIT = 5.0
+_NONE_MISSING = np.empty(0, dtype=np.int64)      # acquire: no key is missing
 
 
 class Store(StoreLeases, StoreEviction, StoreAdmin):
@@ -333,9 +334,12 @@ class Store(StoreLeases, StoreEviction, StoreAdmin):
             with self._lock:
                 info = self.info(layout_id)
                 slots = self._find(info, keys)
-                missing = np.flatnonzero(slots < 0)
+                if len(slots) == 1 and slots[0] >= 0:   # one page, present: no numpy
+                    missing = _NONE_MISSING
+                else:
+                    missing = np.flatnonzero(slots < 0)
                 if not missing.size:
-                    np.add.at(self._slots.pins, slots, 1)     # add.at: a key may repeat
+                    self._pin(slots)
                     self._touch(slots)
                     info.bytes_out += len(keys) * info.page_bytes
                     lease = self._leases.grant(LeaseKind.READ, slots,

@@ -44,13 +44,17 @@ class ServerProcess:
     Extra keyword arguments become flags (`lease_ttl="1s"` -> `--lease-ttl 1s`). The
     process is stopped (SIGTERM, then SIGKILL) on exit; its log is kept in `self.log_path`.
     credentials: how the health check reaches a server started with --tls-cert.
+    host: the address it listens on; prefix: a command it runs under (`ip netns exec NS`,
+    bench/netns.py: a server "on another host").
     """
 
     def __init__(self, *args: str, port: int | None = None, env: dict | None = None,
-                 credentials: grpc.ChannelCredentials | None = None, **flags) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, host: str = "127.0.0.1",
+                 prefix: list[str] | tuple[str, ...] = (), **flags) -> None:
         self.credentials = credentials
         self.port = port or free_port_pair()
-        self.address = f"127.0.0.1:{self.port}"
+        self.address = f"{host}:{self.port}"
+        self.prefix = list(prefix)
         self.args = list(args)
         flags.setdefault("dram", "64MiB")
         for name, value in flags.items():
@@ -63,7 +67,8 @@ class ServerProcess:
     def start(self, wait: float = 20.0) -> "ServerProcess":
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore_server.main", "--listen", self.address, *self.args],
+            [*self.prefix, sys.executable, "-m", "kvstore_server.main", "--listen",
+             self.address, *self.args],
             stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         self.wait_healthy(wait)
         return self

@@ -9,16 +9,18 @@ the connection goes on. A frame that breaks the format gets a PROTOCOL error fra
 the connection is closed: after a bad length nothing that follows can be trusted.
 Nothing a client sends can end the thread other than by ending its own connection.
 
-The connection acts for its tenant under exactly the gRPC path's rules: the token is
-checked by the same Authenticator, and looked up again for every request (a dict get of
-its SHA-256, ~1 us), so a token revoked by SIGHUP stops working on open connections too
-and a changed quota applies at once.
+The connection acts for its tenant under exactly the gRPC path's rules: its token (from
+HELLO) and its TLS client certificate are checked by the same Authenticator.identify as
+a gRPC call's, and looked up again before every request (two dict gets of their
+SHA-256s, hashed once at HELLO), so a token or certificate revoked by SIGHUP stops
+working on open connections too and a changed quota applies at once.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import time
 from collections.abc import Callable
 
@@ -27,8 +29,9 @@ import grpc
 from kvstore_client import fastwire as fw
 from kvstore_client.keys import KeyError_
 
-from ..auth import ANONYMOUS, Authenticator, Principal, Role
+from ..auth import ANONYMOUS, Authenticator, Principal, Role, token_digest
 from ..errors import Outcome, StoreError
+from ..peercert import Digest, der_digest
 from .io import ClientGone, Reader, set_timeouts
 from .ops import Ops, Session, status_of, table
 
@@ -71,16 +74,18 @@ class Connection:
         self._refused = refused
         self._table = table(ops)
         self._reader = Reader(sock)
-        self._token = ""
+        self._token: Digest | None = None     # SHA-256 of HELLO's token; None: none sent
+        self._cert: Digest | None = None      # SHA-256 of the TLS client certificate
 
     # -- who --------------------------------------------------------------------------
     def _principal(self) -> Principal:
         if self.auth is None:
             return ANONYMOUS
-        principal = self.auth.principal([("authorization", f"Bearer {self._token}")])
+        principal = self.auth.identify(self._token, self._cert)
         if principal.role is not Role.TENANT:
             raise StoreError(Outcome.DENIED, f"{principal.role.value} {principal.name!r} may "
-                                             "not use the fast path: it needs a tenant token")
+                                             "not use the fast path: it needs a tenant token "
+                                             "or certificate")
         return principal
 
     def _hello(self) -> None:
@@ -92,9 +97,12 @@ class Connection:
         if h.op != fw.Op.HELLO:
             raise fw.WireError(f"the first frame must be HELLO, got op {h.op}")
         try:
-            self._token = bytes(body).decode()
+            token = bytes(body).decode().strip()
         except UnicodeDecodeError:
             raise Refused(fw.Status.UNAUTHENTICATED, "token is not UTF-8") from None
+        self._token = token_digest(token) if token else None
+        if isinstance(self.sock, ssl.SSLSocket):         # mTLS: the certificate it showed
+            self._cert = der_digest(self.sock.getpeercert(binary_form=True))
         try:
             principal = self._principal()
         except StoreError as exc:
@@ -124,8 +132,8 @@ class Connection:
         session = None
         try:
             self._hello()
-            session = Session(self.sock, self._reader, self._principal, self.plain,
-                              memoryview(bytearray(SCRATCH_BYTES)))
+            session = Session(self.sock, self._reader, self.plain,
+                              memoryview(bytearray(SCRATCH_BYTES)), ANONYMOUS)
             # One timeout for the connection's life, set once (a setsockopt pair per
             # request cost ~3 us of a ~100 us call): a connection silent that long, between
             # frames or inside one, is closed. Slow senders that trickle bytes are bounded
@@ -164,10 +172,15 @@ class Connection:
         start = time.perf_counter()
         status = fw.Status.OK
         gone = False
-        op = fw.Op(h.op)
+        op = h.op               # an int decode_header checked; the tables take it as is
         # A quiet RELEASE gets no answer, not even an error (fastwire.QUIET).
         reply = self._reply if not (op == fw.Op.RELEASE and h.flags & fw.QUIET) else _quiet
         try:
+            try:
+                s.who = self._principal()
+            except StoreError:                  # revoked: a PUT's pages still follow,
+                s.reader.skip(h.data_len, s.scratch)   # read past them to stay in step
+                raise
             answer = self._table[op](s, h, body)
             if answer is not None:
                 reply(op, answer)

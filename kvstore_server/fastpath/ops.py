@@ -41,9 +41,11 @@ class Session:
 
     sock: socket.socket
     reader: Reader                    # the socket's incoming bytes (a Put's pages)
-    caller: Callable[[], Principal]   # who the connection acts for, now (auth reloads)
     plain: bool                       # not TLS: sendmsg and sendfile may be used
     scratch: memoryview               # for the data of a refused Put; bounded
+    # Who the request being served acts for: looked up again before every request
+    # (connection.py), so an auth reload applies to open connections at once.
+    who: Principal
     # Lease ids taken on this connection and not yet ended through it: released when it
     # closes, so a client that dies holding leases leaves no pin behind. Insertion-ordered
     # and capped (MAX_TRACKED): a client that lets its leases expire instead of ending
@@ -89,7 +91,7 @@ class Ops:
         return self.limits.keys(block.data, block.key_size if block.n else 0, method)
 
     def _layout(self, s: Session, layout_id: bytes) -> bytes:
-        return caller_layout(self.store, self.auth_on, s.caller(), layout_id)
+        return caller_layout(self.store, self.auth_on, s.who, layout_id)
 
     # -- control ------------------------------------------------------------------------
     def lookup(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
@@ -122,30 +124,30 @@ class Ops:
 
     def acquire(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
         layout, keys, ttl = self._same_host(s, body, "Acquire")
-        pinned = self.store.acquire(layout, keys, ttl=ttl, quota=s.caller().quota_bytes)
+        pinned = self.store.acquire(layout, keys, ttl=ttl, quota=s.who.quota_bytes)
         s.took(pinned.lease_id)
         return fw.LEASE.pack(pinned.lease_id) + fw.u64(pinned.offsets)
 
     def reserve(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
         layout, keys, ttl = self._same_host(s, body, "Reserve")
-        res = self.store.reserve(layout, keys, ttl=ttl, quota=s.caller().quota_bytes)
+        res = self.store.reserve(layout, keys, ttl=ttl, quota=s.who.quota_bytes)
         s.took(res.lease_id)
         return fw.RESERVED.pack(res.lease_id, res.skipped, res.in_flight) + fw.u64(res.offsets)
 
     def commit(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
         (lease_id,) = _unpack(fw.LEASE, body, 0)
         s.leases.pop(lease_id, None)
-        return fw.LEASE.pack(self.store.commit(lease_id, s.caller().name))
+        return fw.LEASE.pack(self.store.commit(lease_id, s.who.name))
 
     def abort(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
         (lease_id,) = _unpack(fw.LEASE, body, 0)
         s.leases.pop(lease_id, None)
-        return fw.LEASE.pack(int(self.store.abort(lease_id, s.caller().name)))
+        return fw.LEASE.pack(int(self.store.abort(lease_id, s.who.name)))
 
     def release(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
         (lease_id,) = _unpack(fw.LEASE, body, 0)
         s.leases.pop(lease_id, None)
-        return fw.LEASE.pack(int(self.store.release(lease_id, s.caller().name)))
+        return fw.LEASE.pack(int(self.store.release(lease_id, s.who.name)))
 
     def _ttl(self, lease_ms: int) -> float:
         """A client's lease_ms (0 = the server's ttl), never past the server's ttl: a
@@ -165,7 +167,7 @@ class Ops:
         layout_id, token, lease_ms = _unpack(fw.LEASED_HEAD, body, 0)
         block, _ = fw.decode_keys(body, fw.LEASED_HEAD.size)
         keys = self._keys(block, method)
-        may_map(s.caller())
+        may_map(s.who)
         check_region_token(self.store, token)
         return self._layout(s, layout_id), keys, self._ttl(lease_ms)
 
@@ -180,7 +182,7 @@ class Ops:
                               self.store.pool.capacity_bytes)
         # Pages read back from disk are charged like a put: the tenant's quota holds.
         pinned = self.store.acquire(layout, keys, ttl=FOREVER,
-                                    quota=s.caller().quota_bytes)
+                                    quota=s.who.quota_bytes)
         try:
             info = pinned.info
             pb = info.page_bytes
@@ -227,7 +229,7 @@ class Ops:
                                    f"{len(keys) * pb} bytes of data, the frame says "
                                    f"{h.data_len}", fw.Status.INVALID)
             res = self.store.reserve(layout, keys, ttl=FOREVER,
-                                     quota=s.caller().quota_bytes)
+                                     quota=s.who.quota_bytes)
         except Exception:
             s.reader.skip(h.data_len, s.scratch)
             raise

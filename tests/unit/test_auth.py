@@ -51,7 +51,7 @@ def auth_file(tmp_path):
 
 
 def test_parse_good_file(auth_file):
-    principals = parse_auth_file(str(auth_file))
+    principals = parse_auth_file(str(auth_file)).tokens
     a = principals[hashlib.sha256(b"tok-a").digest()]
     assert a == Principal("team-a", Role.TENANT, 8 << 30, True)
     b = principals[hashlib.sha256(b"tok-b").digest()]
@@ -62,7 +62,11 @@ def test_parse_good_file(auth_file):
 
 @pytest.mark.parametrize("text,words", [
     ('[tenants.a]\ntoken_sha256 = "abc"\n', ["[tenants.a]", "64 hex digits"]),
-    ('[tenants.a]\nquota = "1GiB"\n', ["[tenants.a]", "token_sha256 is missing"]),
+    ('[tenants.a]\nquota = "1GiB"\n', ["[tenants.a]", "token_sha256 is missing",
+                                       "cert_sha256"]),
+    ('[tenants.a]\ncert_sha256 = "ab:cd"\n', ["[tenants.a]", "cert_sha256", "64 hex"]),
+    (f'[tenants.a]\ncert_sha256 = "{sha("c")}"\n[admins.b]\ncert_sha256 = "{sha("c")}"\n',
+     ["[admins.b]", "certificate", "unique"]),
     (f'[tenants.a]\ntoken_sha256 = "{sha("x")}"\ncolour = 1\n', ["[tenants.a]", "colour"]),
     (f'[admins.o]\ntoken_sha256 = "{sha("x")}"\nquota = "1GiB"\n', ["[admins.o]", "quota"]),
     (f'[tenants.a]\ntoken_sha256 = "{sha("x")}"\nquota = "lots"\n', ["[tenants.a]", "quota"]),
@@ -271,3 +275,58 @@ def test_leases_belong_to_their_tenant(store):
     assert not store.abort(res.lease_id, "b")
     assert store.commit(res.lease_id, "a") == 1
     assert np.all(store.exists(a.layout_id, keys("n", 1)))
+
+
+# -- client certificates as identities --------------------------------------------------
+CERT_A, CERT_B, CERT_X = (hashlib.sha256(name).digest() for name in (b"a", b"b", b"x"))
+
+
+def colons(digest: bytes) -> str:
+    """As `openssl x509 -fingerprint -sha256` prints it."""
+    return ":".join(f"{b:02X}" for b in digest)
+
+
+@pytest.fixture
+def cert_auth(tmp_path):
+    path = tmp_path / "auth.toml"
+    path.write_text(f"""
+[tenants.team-a]
+cert_sha256 = "{colons(CERT_A)}"
+[tenants.team-b]
+token_sha256 = "{sha('tok-b')}"
+cert_sha256 = ["{CERT_B.hex()}", "{sha('old-b')}"]
+[admins.ops]
+cert_sha256 = "{CERT_X.hex().upper()}"
+""")
+    return path
+
+
+def test_a_certificate_names_its_caller_and_a_token_must_agree(cert_auth):
+    auth = Authenticator(str(cert_auth))
+    tok_b = hashlib.sha256(b"tok-b").digest()
+    assert auth.identify(None, CERT_A).name == "team-a"          # no token needed
+    assert auth.identify(None, CERT_X).role is Role.ADMIN
+    assert auth.identify(tok_b, CERT_B).name == "team-b"         # both, one caller
+    assert auth.identify(tok_b, None).name == "team-b"
+    assert auth.identify(tok_b, hashlib.sha256(b"unknown").digest()).name == "team-b"
+    refusals = [
+        (None, None, "missing bearer token"),
+        (None, hashlib.sha256(b"unknown").digest(), "not named in the auth file"),
+        (tok_b, CERT_A, ("the bearer token names tenant 'team-b' and the client "
+                         "certificate tenant 'team-a'")),
+        (hashlib.sha256(b"nope").digest(), CERT_A, "invalid token"),   # never ignored
+    ]
+    for token, cert, words in refusals:
+        with pytest.raises(StoreError, match=words) as info:
+            auth.identify(token, cert)
+        assert info.value.outcome is Outcome.UNAUTHENTICATED
+    assert auth.counts() == (2, 1) and auth.certificates() == 4
+
+
+def test_reload_revokes_a_certificate(cert_auth):
+    auth = Authenticator(str(cert_auth))
+    cert_auth.write_text(f'[tenants.team-b]\ncert_sha256 = "{CERT_B.hex()}"\n')
+    assert auth.reload()
+    with pytest.raises(StoreError, match="not named in the auth file"):
+        auth.identify(None, CERT_A)
+    assert auth.identify(None, CERT_B).name == "team-b"

@@ -1,0 +1,117 @@
+"""A raw TCP peer for the benchmarks: the same bytes as a store call, with no protocol.
+
+Run as its own process, where the server would run (`python -m kvstore_bench.rawpeer
+HOST PORT`; it prints its port when listening). Each connection is served by a thread,
+request after request; a request is 9 bytes, `op u8 | nbytes u64` (little-endian):
+
+    G  the peer sends nbytes (from one buffer, sendall of a memoryview): a get
+    P  the peer receives nbytes (recv_into one buffer), then sends one byte: a put
+
+`RawClient` is the client side: get, put, and a striped get over several connections at
+once (threads, each receiving its slice straight into the caller's buffer), the
+ceiling a striped fast-path get is measured against.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import sys
+import threading
+
+import numpy as np
+
+__all__ = ["RawClient", "serve"]
+
+REQUEST = struct.Struct("<cQ")
+CHUNK = 1 << 20
+
+
+def _serve_conn(conn: socket.socket, data: memoryview, sink: memoryview) -> None:
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    head = bytearray(REQUEST.size)
+    with conn:
+        while True:
+            pos = 0
+            while pos < len(head):
+                got = conn.recv_into(memoryview(head)[pos:])
+                if not got:
+                    return
+                pos += got
+            op, nbytes = REQUEST.unpack(head)
+            if op == b"G":
+                while nbytes:
+                    take = min(nbytes, len(data))
+                    conn.sendall(data[:take])
+                    nbytes -= take
+            else:
+                while nbytes:
+                    got = conn.recv_into(sink, min(nbytes, len(sink)))
+                    if not got:
+                        return
+                    nbytes -= got
+                conn.sendall(b"k")
+
+
+def serve(host: str, port: int = 0, buffer_bytes: int = 64 << 20) -> None:
+    """Serve until killed; prints the port once listening."""
+    data = memoryview(np.ones(buffer_bytes, dtype=np.uint8)).cast("B")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as srv:
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind((host, port))
+        srv.listen(64)
+        print(srv.getsockname()[1], flush=True)
+        while True:
+            conn, _ = srv.accept()
+            sink = memoryview(bytearray(CHUNK))
+            threading.Thread(target=_serve_conn, args=(conn, data, sink), daemon=True).start()
+
+
+class RawClient:
+    """Connections to a rawpeer; not thread-safe (striped gets use one thread each)."""
+
+    def __init__(self, host: str, port: int, connections: int = 1) -> None:
+        self.socks = []
+        for _ in range(connections):
+            sock = socket.create_connection((host, port), timeout=60)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.socks.append(sock)
+
+    @staticmethod
+    def _get(sock: socket.socket, out: memoryview) -> None:
+        sock.sendall(REQUEST.pack(b"G", len(out)))
+        pos = 0
+        while pos < len(out):
+            got = sock.recv_into(out[pos:])
+            if not got:
+                raise ConnectionError("the raw peer closed the connection")
+            pos += got
+
+    def get(self, out: memoryview) -> None:
+        """len(out) bytes into out: over one connection, or striped over all of them."""
+        if len(self.socks) == 1:
+            self._get(self.socks[0], out)
+            return
+        bounds = np.linspace(0, len(out), len(self.socks) + 1).astype(int).tolist()
+        threads = [threading.Thread(target=self._get, args=(sock, out[a:b]))
+                   for sock, a, b in zip(self.socks, bounds[:-1], bounds[1:], strict=True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def put(self, data: memoryview) -> None:
+        sock = self.socks[0]
+        sock.sendall(REQUEST.pack(b"P", len(data)))
+        for start in range(0, len(data), CHUNK):
+            sock.sendall(data[start:start + CHUNK])
+        if sock.recv(1) != b"k":
+            raise ConnectionError("the raw peer did not acknowledge a put")
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0)
