@@ -75,6 +75,7 @@ class Pending:
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     answer: Answer | None = None
     abandoned: bool = False
+    asks: int = 1                  # times the engine asked for it (the caller counts)
 
 
 class LookupWorker:
@@ -96,6 +97,9 @@ class LookupWorker:
         self._releases: list[int] = []         # lease ids to send
         self._closed = False
         self._thread: threading.Thread | None = None   # started by the first submit
+        # When the lookup in flight began (None: none is): a call in flight for longer
+        # than a healthy one takes means the store may hang. Written by the worker only.
+        self._calling_since: float | None = None
         self.looked_up = 0                     # lookups made (for tests and benchmarks)
 
     def submit(self, job: Job) -> Pending:
@@ -110,6 +114,11 @@ class LookupWorker:
                 self._thread.start()
             self._lock.notify()
         return pending
+
+    def stalled(self, seconds: float) -> bool:
+        """Whether the lookup in flight has taken longer than `seconds` so far."""
+        since = self._calling_since
+        return since is not None and self.clock() - since > seconds
 
     def abandon(self, pending: Pending) -> None:
         """The answer is not wanted: its lease goes, whenever the answer comes."""
@@ -156,10 +165,13 @@ class LookupWorker:
                 if pending.abandoned:
                     pending.done.set()
                     continue
+                self._calling_since = self.clock()
                 try:
                     answer = self._lookup(pending.job)
                 except Exception as exc:  # noqa: BLE001 - handed to the caller's thread
                     answer = Answer(np.zeros(0, np.int32), (), b"", 0, 0, exc)
+                finally:
+                    self._calling_since = None
                 self.looked_up += 1
                 with self._lock:
                     if pending.abandoned:

@@ -30,17 +30,19 @@ Where the lookups run (ConnectorConfig.lookups). "sync": on the caller's thread,
 Lookup per request as the engine asks. "prefetch" (the default): a request seen for the
 first time is handed to a worker thread (connector.prefetch) that hashes it and looks it
 up; the caller waits for that answer only while the step's lookup_wait_ms lasts, else
-hears "ask again", and its next ask takes the answer (waiting, if it must, until
-lookup_timeout after the first ask; then "no hit"). Lease releases go through the same
-worker. A prefetched answer is dropped, and its lease released, when the request
+hears "ask again". A later ask takes the answer if it has come; if not, the second ask
+hears "ask again" once more while the worker is getting through its queue, and the third
+(or one that finds the worker's call in flight past lookup_wait_ms: the store may hang)
+waits for it until lookup_timeout after the first ask, then answers "no hit". So a
+request is answered within two steps of its first ask. Lease releases go through the
+same worker. A prefetched answer is dropped, and its lease released, when the request
 finishes first, or when its tokens changed before the answer was taken (it counted
 pages of other tokens); a lease is released on every path.
 
 A store that does not answer costs the step that meets it at most one lookup_timeout;
 then the breaker is open (connector.breaker) and no step asks the store anything (no hit,
 no wait, lease releases kept) until its background probe finds the store answering. A
-request hears "ask again" at most `ask_again` times (sync lookups; a prefetched one hears
-it once, on its first ask).
+request hears "ask again" at most `ask_again` times after a timeout (sync lookups).
 
 Keys are the connector's chained page hashes (connector.hashing), computed once per page
 and extended as a request grows. With tensor parallelism every rank has its own layout;
@@ -278,10 +280,17 @@ class SchedulerHalf:
             if not pending.done.is_set():
                 return None               # answered at the next ask
         elif not pending.done.is_set():
+            pending.asks += 1
             if not self.breaker.allow():
                 self._abandon(req_id)
                 return 0
-            # Asked before and still unanswered: wait out its lookup's own deadline.
+            # Asked before and still unanswered. While the worker gets through a burst
+            # (~0.25 ms a lookup), ask again; but a request is answered by its third
+            # ask, and a worker whose call takes longer than lookup_wait_ms may be
+            # meeting a hung store: then wait out the lookup's own deadline, so the
+            # store costs one step one timeout and the breaker opens.
+            if pending.asks < 3 and not self._worker.stalled(self.config.lookup_wait_ms / 1e3):
+                return None
             pending.done.wait(max(0.0, pending.submitted + self.config.lookup_timeout
                                   - self._worker.clock()))
             if not pending.done.is_set():
