@@ -80,7 +80,7 @@ class ConnectorConfig:
     # Hits shorter than this many tokens are reported as no hit (recomputed). 0 = every
     # hit counts: on the H200 (8B, bf16, CUDA graphs) a 256-token hit measured 0.8x of
     # recomputing in the run docs/performance.md records and 1.1x in another, a tie
-    # within noise, and from 1k tokens 2-2.5x faster (docs/connector.md).
+    # within noise, and from 1k tokens 2-2.5x faster (docs/connector.md says more).
     min_hit_tokens: int = 0
     role: Role = Role.BOTH
     load_mode: LoadMode = LoadMode.LAYERWISE
