@@ -32,9 +32,9 @@ first time is handed to a worker thread (connector.prefetch) that hashes it and 
 up; the caller waits for that answer only while the step's lookup_wait_ms lasts, else
 hears "ask again". A later ask takes the answer if it has come; if not, the second ask
 hears "ask again" once more while the worker is getting through its queue, and the third
-(or one that finds the worker's call in flight past lookup_wait_ms: the store may hang)
-waits for it until lookup_timeout after the first ask, then answers "no hit". So a
-request is answered within two steps of its first ask. Lease releases go through the
+(or any ask that finds the worker's call in flight past lookup_wait_ms, at least 2 ms:
+the store may hang) waits for it until lookup_timeout after the first ask, then answers
+"no hit". So a request is answered within two steps of its first ask. Lease releases go through the
 same worker. A prefetched answer is dropped, and its lease released, when the request
 finishes first, or when its tokens changed before the answer was taken (it counted
 pages of other tokens); a lease is released on every path.
@@ -74,6 +74,9 @@ __all__ = ["SchedulerHalf"]
 log = logging.getLogger(__name__)
 
 _RELEASES_KEPT = 100_000      # lease releases waiting for a store that does not answer
+# A prefetched lookup in flight for longer than this (or lookup_wait_ms, if longer) may be
+# meeting a hung store: a healthy one takes ~0.25 ms on the dev VM.
+_STALLED_S = 0.002
 # Errors after which the store counts as unreachable: no hit, one warning, no failure.
 _DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
          grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
@@ -277,20 +280,22 @@ class SchedulerHalf:
                 began = time.perf_counter()
                 pending.done.wait(budget)
                 self._waited += time.perf_counter() - began
-            if not pending.done.is_set():
+            if not pending.done.is_set() and not self._stalled():
                 return None               # answered at the next ask
         elif not pending.done.is_set():
             pending.asks += 1
             if not self.breaker.allow():
                 self._abandon(req_id)
                 return 0
-            # Asked before and still unanswered. While the worker gets through a burst
-            # (~0.25 ms a lookup), ask again; but a request is answered by its third
-            # ask, and a worker whose call takes longer than lookup_wait_ms may be
-            # meeting a hung store: then wait out the lookup's own deadline, so the
-            # store costs one step one timeout and the breaker opens.
-            if pending.asks < 3 and not self._worker.stalled(self.config.lookup_wait_ms / 1e3):
+            # Asked before and still unanswered: while the worker gets through a burst
+            # (~0.25 ms a lookup), ask again.
+            if pending.asks < 3 and not self._stalled():
                 return None
+        if not pending.done.is_set():
+            # The worker's call has been in flight past lookup_wait_ms (on any ask), or
+            # this is the third ask: wait out the lookup's own deadline. When the store
+            # hangs this is the one step that pays, as sync lookups would in the step the
+            # request arrived; then the breaker is open and no ask waits.
             pending.done.wait(max(0.0, pending.submitted + self.config.lookup_timeout
                                   - self._worker.clock()))
             if not pending.done.is_set():
@@ -308,6 +313,9 @@ class SchedulerHalf:
         if answer.count == DOWN:
             return 0
         return self._counted(state, answer.count, answer.lease_id)
+
+    def _stalled(self) -> bool:
+        return self._worker.stalled(max(self.config.lookup_wait_ms / 1e3, _STALLED_S))
 
     def _install(self, state: _Request, answer: Answer) -> None:
         """Keep the worker's conversion and hashing: they are the request's own."""

@@ -84,10 +84,14 @@ def test_a_burst_hears_ask_again_then_gets_the_stores_answers(srv):
     sched = sched_of(srv, lookup_wait_ms=0)
     prompts = {f"r{i}": np.concatenate([system, prompt(40, 100 + i)]) for i in range(8)}
     try:
-        assert all(sched.hit(r, t, 0) is None for r, t in prompts.items())
+        answer(sched, "warm", prompt(40, 99))        # connected and registered
+        # Asked back to back with no wait: "ask again" (a request whose ask finds the
+        # worker's call in flight past 2 ms, on a loaded machine, waits for its answer).
+        first = [sched.hit(r, t, 0) for r, t in prompts.items()]
+        assert None in first and set(first) <= {None, 160}, first
         sched.build()
         assert {r: answer(sched, r, t) for r, t in prompts.items()} == dict.fromkeys(prompts, 160)
-        assert sched._worker.looked_up == 8           # one lookup each, no more
+        assert sched._worker.looked_up == 9           # one lookup each, no more
         assert leases(srv) == 8                       # each answer holds its pages
         for r in prompts:                             # the engine loads none of them
             sched.allocated(r, list(range(13)), 0)
@@ -132,7 +136,9 @@ def test_finished_while_the_lookup_is_in_flight_releases_the_lease_when_it_comes
         answer(sched, "warm", prompt(40, 6))          # connected and registered
         sigstop(srv.proc.pid)                         # the next lookup waits in flight
         try:
-            assert sched.hit("r", tokens, 0) is None
+            # "ask again" (or, if this thread was held past 2 ms, a wait for the deadline
+            # and "no hit", which abandons the answer the same way)
+            assert sched.hit("r", tokens, 0) in (None, 0)
             deadline = time.monotonic() + 5
             while not sched._worker.stalled(0.0):
                 assert time.monotonic() < deadline
@@ -228,21 +234,24 @@ def test_a_hung_store_costs_one_ask_one_timeout_then_nothing(srv):
     sched = sched_of(srv, lookup_timeout=timeout, probe_interval=60.0)
     try:
         answer(sched, "warm", prompt(40, 13))
+        sched.build()                                      # a new step: 2 ms to wait
         sigstop(srv.proc.pid)
         try:
+            # The call is in flight past 2 ms: the first ask (or, if it returned before
+            # that, the second) waits out the lookup's deadline and answers "no hit".
             started = time.monotonic()
-            assert sched.hit("r", tokens, 0) is None       # waited its 2 ms, in flight
-            first = time.monotonic() - started
-            sched.build()
-            started = time.monotonic()
-            assert sched.hit("r", tokens, 0) == 0          # the call is stalled: waits
-            second = time.monotonic() - started
-            assert sched.breaker.open
+            got = sched.hit("r", tokens, 0)
+            if got is None:
+                sched.build()
+                time.sleep(0.01)                           # the engine's step
+                got = sched.hit("r", tokens, 0)
+            met = time.monotonic() - started
+            assert got == 0 and sched.breaker.open
             started = time.monotonic()
             assert sched.hit("other", prompt(100, 14), 0) == 0    # asks nothing
-            third = time.monotonic() - started
+            after = time.monotonic() - started
         finally:
             os.kill(srv.proc.pid, signal.SIGCONT)
-        assert first < 0.1 and second < timeout + 0.25 and third < 0.05, (first, second, third)
+        assert met < timeout + 0.25 and after < 0.05, (met, after)
     finally:
         sched.close()
