@@ -75,7 +75,6 @@ class Pending:
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     answer: Answer | None = None
     abandoned: bool = False
-    asks: int = 1                  # times the engine asked for it (the caller counts)
 
 
 class LookupWorker:

@@ -30,11 +30,11 @@ Where the lookups run (ConnectorConfig.lookups). "sync": on the caller's thread,
 Lookup per request as the engine asks. "prefetch" (the default): a request seen for the
 first time is handed to a worker thread (connector.prefetch) that hashes it and looks it
 up; the caller waits for that answer only while the step's lookup_wait_ms lasts, else
-hears "ask again". A later ask takes the answer if it has come; if not, the second ask
-hears "ask again" once more while the worker is getting through its queue, and the third
-(or any ask that finds the worker's call in flight past lookup_wait_ms, at least 2 ms:
-the store may hang) waits for it until lookup_timeout after the first ask, then answers
-"no hit". So a request is answered within two steps of its first ask. Lease releases go through the
+hears "ask again". A later ask takes the answer if it has come, else hears "ask again"
+while the worker gets through its queue, up to lookup_timeout after the first ask (then
+"no hit"). An ask that finds the worker's call in flight past lookup_wait_ms (at least
+2 ms: the store may hang) waits for its answer until that deadline instead, so a hung
+store costs one step one timeout and then opens the breaker. Lease releases go through the
 same worker. A prefetched answer is dropped, and its lease released, when the request
 finishes first, or when its tokens changed before the answer was taken (it counted
 pages of other tokens); a lease is released on every path.
@@ -283,19 +283,19 @@ class SchedulerHalf:
             if not pending.done.is_set() and not self._stalled():
                 return None               # answered at the next ask
         elif not pending.done.is_set():
-            pending.asks += 1
             if not self.breaker.allow():
                 self._abandon(req_id)
                 return 0
             # Asked before and still unanswered: while the worker gets through a burst
-            # (~0.25 ms a lookup), ask again.
-            if pending.asks < 3 and not self._stalled():
+            # (~0.25 ms a lookup), ask again, until the lookup's deadline.
+            if not self._stalled() and self._worker.clock() < (
+                    pending.submitted + self.config.lookup_timeout):
                 return None
         if not pending.done.is_set():
-            # The worker's call has been in flight past lookup_wait_ms (on any ask), or
-            # this is the third ask: wait out the lookup's own deadline. When the store
-            # hangs this is the one step that pays, as sync lookups would in the step the
-            # request arrived; then the breaker is open and no ask waits.
+            # The worker's call has been in flight past lookup_wait_ms (on any ask): the
+            # store may hang. Wait out the lookup's own deadline: this is the one step
+            # that pays, as sync lookups would in the step the request arrived; then the
+            # breaker is open and no ask waits.
             pending.done.wait(max(0.0, pending.submitted + self.config.lookup_timeout
                                   - self._worker.clock()))
             if not pending.done.is_set():
