@@ -1,24 +1,38 @@
 """What admitting a burst of new requests costs the engine's scheduler loop.
 
 vLLM asks the connector, request by request inside one `schedule()`, how much of each
-prompt the store holds (`get_num_new_matched_tokens`); every answer is a lookup (with a
-lease) on the store. This times that loop for a burst of requests sharing a system prompt
-whose pages are stored, as the scheduler half does it (connector.scheduler.SchedulerHalf:
-hash the pages not hashed yet, one Lookup over every rank's layout, keep the lease), then
-their release. The same burst is asked over the fast path and over gRPC (the lookup
-stream), in interleaved repetitions; the hashing alone is timed beside them.
+prompt the store holds (`get_num_new_matched_tokens`). This times the scheduler half
+(connector.scheduler.SchedulerHalf) answering a burst of requests that share a system
+prompt whose pages are stored, as a scheduler loop would see it, in both lookup modes:
 
-    kvstore-bench admit [--requests 64] [--system-len 2048] [--user-len 128] [--reps 7]
+    sync       every answer is hashed and looked up (with a lease) on the loop's thread
+    prefetch   a request seen for the first time goes to the lookup worker; the loop
+               waits for answers only within lookup_wait_ms per step, the rest hear
+               "ask again" and are asked at the next step
+
+A step is the asks of every request not yet answered, then `build()` (the step's plan);
+between steps the engine computes, here a sleep of --gap-ms (1 ms is what vLLM sleeps
+between steps that ran nothing, 10 ms a decode step). "loop ms" is the time spent inside
+the scheduler half over every step until the whole burst is answered; "release ms" is the
+loop's part of dropping the burst's leases afterwards (`finished` + one `build`). Modes
+and gaps alternate within each repetition; figures are medians. Lookups go over the fast
+path, and over gRPC (the lookup stream) in sync mode for reference; the hashing alone is
+timed beside them.
+
+    kvstore-bench admit [--mode sync,prefetch] [--gap-ms 1,10] [--requests 64]
+        [--system-len 2048] [--user-len 128] [--reps 7]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import statistics
 import time
 
 import numpy as np
-from kvstore_connector.config import ConnectorConfig
+from kvstore_connector.config import ConnectorConfig, LookupMode
 from kvstore_connector.hashing import page_keys
 from kvstore_connector.scheduler import SchedulerHalf
 
@@ -32,52 +46,98 @@ __all__ = ["main"]
 # holds a 2,048-token prefix in a few MiB.
 LAYOUT = PageLayout(model="admit-bench", dtype="bfloat16", num_layers=1, page_tokens=16,
                     num_kv_heads=1, head_size=64)
+_ids = itertools.count()
 
 
-def _burst(sched: SchedulerHalf, prompts: list[np.ndarray], tag: str) -> tuple[float, int]:
-    """Seconds to ask every request once, as one schedule() would, and the tokens hit."""
-    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+@dataclasses.dataclass(frozen=True, slots=True)
+class Case:
+    """One way of admitting the burst: a lookup mode, a path, a gap between steps."""
+
+    mode: LookupMode
+    fast: bool              # fast path; False: gRPC
+    gap_s: float            # the engine's step between two schedule() calls
+
+    @property
+    def name(self) -> str:
+        path = "" if self.fast else ", gRPC"
+        return f"{self.mode.value}{path}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Burst:
+    loop_s: float           # inside the scheduler half, every step until all answered
+    steps: int              # schedule() calls it took
+    release_s: float        # finished() of every request + the build that releases
+    hit_tokens: int
+
+
+def _burst(sched: SchedulerHalf, prompts: list[np.ndarray], gap_s: float) -> Burst:
+    """Ask every request as consecutive schedule() calls would until all are answered."""
+    ids = [f"r{next(_ids)}" for _ in prompts]
+    waiting = list(zip(ids, prompts))
+    loop = 0.0
+    hit = steps = 0
+    while waiting:
+        if steps:
+            time.sleep(gap_s)
+        steps += 1
+        started = time.perf_counter()
+        asked_again = []
+        for req_id, tokens in waiting:
+            got = sched.hit(req_id, tokens, 0)
+            if got is None:
+                asked_again.append((req_id, tokens))
+            else:
+                hit += got
+        sched.build()
+        loop += time.perf_counter() - started
+        waiting = asked_again
     started = time.perf_counter()
-    hit = 0
-    for req_id, tokens in zip(ids, prompts):
-        hit += sched.hit(req_id, tokens, 0) or 0
-    took = time.perf_counter() - started
     for req_id in ids:
         sched.finished(req_id)
-    sched.build()                       # sends the lease releases
-    return took, hit
+    sched.build()                       # sends (or hands over) the lease releases
+    return Burst(loop, steps, time.perf_counter() - started, hit)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvstore-bench admit",
                                 description=__doc__.splitlines()[0])
+    p.add_argument("--mode", default="sync,prefetch",
+                   help="lookup modes, comma-separated (sync, prefetch)")
+    p.add_argument("--gap-ms", default="1,10",
+                   help="the engine's step between schedule() calls, ms, comma-separated")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--system-len", type=int, default=2048)
     p.add_argument("--user-len", type=int, default=128)
-    p.add_argument("--reps", type=int, default=7, help="bursts per path (median)")
+    p.add_argument("--reps", type=int, default=7, help="bursts per case (median)")
     args = p.parse_args(argv)
+    modes = [LookupMode(m) for m in args.mode.split(",")]
+    gaps = [float(g) / 1e3 for g in args.gap_ms.split(",")]
     rng = np.random.default_rng(0)
     system = rng.integers(0, 32000, args.system_len, dtype=np.int32)
     prompts = [np.concatenate([system, rng.integers(0, 32000, args.user_len, dtype=np.int32)])
                for _ in range(args.requests)]
+    # A sync burst takes one step whatever the gap: one case per path, not per gap.
+    cases = [Case(m, fast, g) for m in modes for fast in (True, False)
+             for g in (gaps[:1] if m is LookupMode.SYNC else gaps)
+             if fast or m is LookupMode.SYNC]
     with ServerProcess(dram="256MiB").start() as srv:
-        config = ConnectorConfig(server=srv.address, lookup_timeout=5.0)
         with KVStoreClient(srv.address, shared_memory=False) as filler:
             ns = filler.register_layout(LAYOUT)
             keys = page_keys(system, LAYOUT.page_tokens, LAYOUT.chain_seed)
             filler.put(ns, keys, np.zeros((len(keys), ns.page_bytes), np.uint8))
-        paths = {"fast path": True, "gRPC": False}
-        scheds = {name: SchedulerHalf(config, [LAYOUT], 16, client=KVStoreClient(
-            srv.address, shared_memory=False, retries=0, timeout=5.0, data_plane=fast))
-            for name, fast in paths.items()}
-        times: dict[str, list[float]] = {name: [] for name in paths}
-        hits: dict[str, int] = {}
+        scheds = {}
+        for case in cases:
+            config = ConnectorConfig(server=srv.address, lookup_timeout=5.0, lookups=case.mode)
+            scheds[case] = SchedulerHalf(config, [LAYOUT], 16, client=KVStoreClient(
+                srv.address, shared_memory=False, retries=0, timeout=5.0,
+                data_plane=case.fast))
+        runs: dict[Case, list[Burst]] = {case: [] for case in cases}
         for rep in range(args.reps + 1):                # the first burst warms up
-            for name, sched in scheds.items():
-                took, hit = _burst(sched, prompts, f"{name}-{rep}")
+            for case in cases:
+                burst = _burst(scheds[case], prompts, case.gap_s)
                 if rep:
-                    times[name].append(took)
-                    hits[name] = hit
+                    runs[case].append(burst)
         hashing = []
         for _ in range(args.reps):
             started = time.perf_counter()
@@ -90,16 +150,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{n} new requests, {args.system_len}-token shared system prompt stored + "
           f"{args.user_len} own tokens each; median of {args.reps} bursts")
     print()
-    print("| path | burst ms | per request us | tokens hit |")
-    print("|---|---|---|---|")
-    for name in paths:
-        med = statistics.median(times[name])
-        print(f"| {name} | {med * 1e3:.2f} | {med / n * 1e6:.0f} | {hits[name]:,} |")
-    med = statistics.median(hashing)
-    print(f"| hashing alone (in both) | {med * 1e3:.2f} | {med / n * 1e6:.0f} | - |")
+    print("| lookups | step gap ms | steps to answer all | loop ms | per request us "
+          "| release ms | tokens hit |")
+    print("|---|---|---|---|---|---|---|")
+    loop = {}
+    for case in cases:
+        bursts = runs[case]
+        loop[case] = statistics.median(b.loop_s for b in bursts)
+        steps = statistics.median(b.steps for b in bursts)
+        release = statistics.median(b.release_s for b in bursts)
+        gap = "-" if case.mode is LookupMode.SYNC else f"{case.gap_s * 1e3:g}"
+        print(f"| {case.name} | {gap} | {steps:g} | {loop[case] * 1e3:.2f} | "
+              f"{loop[case] / n * 1e6:.0f} | {release * 1e3:.2f} | {bursts[-1].hit_tokens:,} |")
+    print(f"| hashing alone | - | - | {statistics.median(hashing) * 1e3:.2f} | "
+          f"{statistics.median(hashing) / n * 1e6:.0f} | - | - |")
     print()
-    fast, grpc_ = (statistics.median(times[k]) for k in paths)
-    print(f"fast path / gRPC: {grpc_ / fast:.1f}x faster")
+    sync = next((c for c in cases if c.mode is LookupMode.SYNC and c.fast), None)
+    grpc_ = next((c for c in cases if c.mode is LookupMode.SYNC and not c.fast), None)
+    if sync and grpc_:
+        print(f"sync, fast path / gRPC: {loop[grpc_] / loop[sync]:.1f}x faster")
+    for case in cases:
+        if sync and case.mode is LookupMode.PREFETCH:
+            print(f"loop ms, sync / prefetch at a {case.gap_s * 1e3:g} ms step: "
+                  f"{loop[sync] / loop[case]:.1f}x")
     return 0
 
 

@@ -198,7 +198,9 @@ class _Bench:
         def run(timed_on_device: bool) -> None:
             nonlocal hit
             req_id = f"load{next(_ids)}"
-            hit = sched.hit(req_id, tokens, 0) or 0
+            hit = sched.hit(req_id, tokens, 0)
+            while hit is None:          # a prefetched lookup: answered by the third ask
+                hit = sched.hit(req_id, tokens, 0)
             sched.allocated(req_id, blocks, hit)
             meta = sched.build()        # as a layer-wise load, whatever --load-mode says
             meta = StepMeta(tuple(dataclasses.replace(x, is_async=False) for x in meta.loads))

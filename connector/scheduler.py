@@ -26,10 +26,23 @@ A failed load marks its request so that the pages it recomputes are saved, and m
 every other request that read the failed blocks as tainted: it saves nothing more,
 whatever restart point the engine picks for it (docs/vllm-load-failure-sharing.md).
 
+Where the lookups run (ConnectorConfig.lookups). "sync": on the caller's thread, one
+Lookup per request as the engine asks. "prefetch" (the default): a request seen for the
+first time is handed to a worker thread (connector.prefetch) that hashes it and looks it
+up; the caller waits for that answer only while the step's lookup_wait_ms lasts, else
+hears "ask again". A later ask takes the answer if it has come, else hears "ask again"
+while the worker gets through its queue, up to lookup_timeout after the first ask (then
+"no hit"). An ask that finds the worker's call in flight past lookup_wait_ms (at least
+2 ms: the store may hang) waits for its answer until that deadline instead, so a hung
+store costs one step one timeout and then opens the breaker. Lease releases go through the
+same worker. A prefetched answer is dropped, and its lease released, when the request
+finishes first, or when its tokens changed before the answer was taken (it counted
+pages of other tokens); a lease is released on every path.
+
 A store that does not answer costs the step that meets it at most one lookup_timeout;
 then the breaker is open (connector.breaker) and no step asks the store anything (no hit,
 no wait, lease releases kept) until its background probe finds the store answering. A
-request hears "ask again" at most `ask_again` times.
+request hears "ask again" at most `ask_again` times after a timeout (sync lookups).
 
 Keys are the connector's chained page hashes (connector.hashing), computed once per page
 and extended as a request grows. With tensor parallelism every rank has its own layout;
@@ -51,15 +64,19 @@ from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
 from kvstore_client.keys import Packed
 
 from .breaker import Breaker
-from .config import ConnectorConfig, SavePolicy, open_client
+from .config import ConnectorConfig, LookupMode, SavePolicy, open_client
 from .hashing import KEY_BYTES, page_keys
 from .meta import LoadSpec, SaveSpec, StepMeta
+from .prefetch import DOWN, Answer, Job, LookupWorker, Pending
 
 __all__ = ["SchedulerHalf"]
 
 log = logging.getLogger(__name__)
 
 _RELEASES_KEPT = 100_000      # lease releases waiting for a store that does not answer
+# A prefetched lookup in flight for longer than this (or lookup_wait_ms, if longer) may be
+# meeting a hung store: a healthy one takes ~0.25 ms on the dev VM.
+_STALLED_S = 0.002
 # Errors after which the store counts as unreachable: no hit, one warning, no failure.
 _DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
          grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
@@ -126,6 +143,12 @@ class SchedulerHalf:
         self._unconfirmed: dict[int, _Load] = {}    # load id -> load not yet confirmed
         self._ok: list[int] = []          # loads settled since the last build: good,
         self._failed: list[int] = []      # ... and failed (StepMeta.loads_ok/_failed)
+        # Prefetched lookups (LookupMode.PREFETCH): the worker, the answers not yet taken
+        # (by request id), and the seconds this step has waited for first answers.
+        self._worker = (LookupWorker(self._lookup_job, self._send_releases)
+                        if config.lookups is LookupMode.PREFETCH else None)
+        self._pending: dict[str, Pending] = {}
+        self._waited = 0.0
 
     # -- the store ----------------------------------------------------------------------
     def _ns(self) -> list[LayoutHandle]:
@@ -150,14 +173,18 @@ class SchedulerHalf:
         self._down_since = now
 
     # -- requests -----------------------------------------------------------------------
-    def _state(self, req_id: str, tokens, prompt_len: int | None = None) -> _Request:
+    def _state(self, req_id: str, tokens, prompt_len: int | None = None, *,
+               convert: bool = True) -> _Request:
+        """The request's state; convert=False leaves a new request's tokens unconverted
+        (the lookup worker converts them off the loop)."""
         state = self._requests.get(req_id)
-        # Converting a 32k-token list costs milliseconds: only when the request grew.
+        # Converting a 32k-token list costs milliseconds (2,176 tokens: ~40 us): only
+        # when the request grew.
         if state is None:
-            arr = np.asarray(tokens, dtype=np.int32)
-            state = _Request(arr, len(arr) if prompt_len is None else prompt_len)
+            arr = np.asarray(tokens, dtype=np.int32) if convert else np.zeros(0, np.int32)
+            state = _Request(arr, len(tokens) if prompt_len is None else prompt_len)
             self._requests[req_id] = state
-        elif len(tokens) > len(state.tokens):
+        elif len(tokens) > len(state.tokens) and convert:
             state.tokens = np.asarray(tokens, dtype=np.int32)
         return state
 
@@ -176,33 +203,35 @@ class SchedulerHalf:
         """Tokens to load beyond the engine's own `num_local_tokens`; None = ask again."""
         if not self.config.role.loads:
             return 0
-        state = self._state(req_id, tokens)
+        prefetch = self._worker is not None
+        state = self._state(req_id, tokens, convert=not prefetch)
         state.local_tokens = num_local_tokens
         # A lease from an earlier answer that was not acted on (the engine could not
         # allocate blocks, or asks again after a preemption) pins pages for nothing:
         # every answer starts by dropping it, whichever way it returns.
         self._drop_lease(state)
         if state.load_failed or state.tainted:
+            self._abandon(req_id)
             return 0          # a failed load is recomputed, not retried in a loop
         t = self.page_tokens
         # Never claim the whole prompt: the engine must compute at least its last token.
-        usable = (len(state.tokens) - 1) // t
+        usable = (len(tokens) - 1) // t
         if usable * t <= num_local_tokens or num_local_tokens % t:
             # Nothing beyond the local hit, or a local hit that ends inside a page (only
             # possible when a page spans several blocks): loading would overwrite blocks
             # the engine already shares, so recompute instead.
+            self._abandon(req_id)
             return 0
+        if prefetch:
+            return self._hit_prefetched(req_id, state, tokens, usable)
         self._keys_upto(state, usable)
         # The keys go packed, as one bytes object kept per request: a 32k-token prompt's
         # 2,048 keys are not checked and joined again on every lookup.
         keys = Packed(state.packed[:usable * KEY_BYTES], KEY_BYTES)
-        first = num_local_tokens // t
         if not self.breaker.allow():
             return 0          # the store is not answering: no hit, no wait
         try:
-            lease = self.client.lookup_lease(self._ns(), keys, self.config.lease_ms) \
-                if self.config.lease_ms else None
-            count = lease.count if lease else self.client.lookup(self._ns(), keys)
+            count, lease_id = self._ask(keys)
         except KVStoreError as exc:
             if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED and exc.code not in _DOWN:
                 raise
@@ -213,13 +242,115 @@ class SchedulerHalf:
                 return None   # maybe a moment's stall: the engine asks again next step
             return 0
         self.breaker.succeeded()
-        if lease is not None:
-            state.lease_id = lease.lease_id
+        return self._counted(state, count, lease_id)
+
+    def _ask(self, keys: Packed) -> tuple[int, int]:
+        """(leading pages present in every rank's layout, lease id or 0): one Lookup."""
+        if self.config.lease_ms:
+            lease = self.client.lookup_lease(self._ns(), keys, self.config.lease_ms)
+            return lease.count, lease.lease_id
+        return self.client.lookup(self._ns(), keys), 0
+
+    def _counted(self, state: _Request, count: int, lease_id: int) -> int:
+        """The store holds `count` leading pages (leased by lease_id): the hit to report."""
+        state.lease_id = lease_id
         state.saved_pages = max(state.saved_pages, count)
-        if count <= first:
-            self._drop_lease(state)
+        first = state.local_tokens // self.page_tokens
+        hit = (count - first) * self.page_tokens
+        if hit <= 0 or hit < self.config.min_hit_tokens:
+            self._drop_lease(state)       # too short to be worth loading: recompute
             return 0
-        return (count - first) * t
+        return hit
+
+    # -- prefetched lookups (LookupMode.PREFETCH) -----------------------------------------
+    def _hit_prefetched(self, req_id: str, state: _Request, tokens, usable: int) -> int | None:
+        pending = self._pending.get(req_id)
+        if pending is not None and (pending.job.pages != usable
+                                    or len(pending.job.tokens) != len(tokens)):
+            self._abandon(req_id)         # asked for other tokens: its count is not ours
+            pending = None
+        if pending is None:
+            if not self.breaker.allow():
+                return 0                  # the store is not answering: no hit, no wait
+            # A slice, not the list: the engine may append to it while the worker reads.
+            job = Job(req_id, tokens[:len(tokens)], usable, tuple(state.keys), state.packed)
+            pending = self._pending[req_id] = self._worker.submit(job)
+            budget = self.config.lookup_wait_ms / 1e3 - self._waited
+            if budget > 0:
+                began = time.perf_counter()
+                pending.done.wait(budget)
+                self._waited += time.perf_counter() - began
+            if not pending.done.is_set() and not self._stalled():
+                return None               # answered at the next ask
+        elif not pending.done.is_set():
+            if not self.breaker.allow():
+                self._abandon(req_id)
+                return 0
+            # Asked before and still unanswered: while the worker gets through a burst
+            # (~0.25 ms a lookup), ask again, until the lookup's deadline.
+            if not self._stalled() and self._worker.clock() < (
+                    pending.submitted + self.config.lookup_timeout):
+                return None
+        if not pending.done.is_set():
+            # The worker's call has been in flight past lookup_wait_ms (on any ask): the
+            # store may hang. Wait out the lookup's own deadline: this is the one step
+            # that pays, as sync lookups would in the step the request arrived; then the
+            # breaker is open and no ask waits.
+            pending.done.wait(max(0.0, pending.submitted + self.config.lookup_timeout
+                                  - self._worker.clock()))
+            if not pending.done.is_set():
+                self._abandon(req_id)
+                self._store_down(TimeoutError(f"no lookup answer within "
+                                              f"{self.config.lookup_timeout} s"))
+                return 0
+        del self._pending[req_id]
+        answer = pending.answer
+        if answer is None:                # closed meanwhile
+            return 0
+        self._install(state, answer)
+        if answer.error is not None:
+            raise answer.error
+        if answer.count == DOWN:
+            return 0
+        return self._counted(state, answer.count, answer.lease_id)
+
+    def _stalled(self) -> bool:
+        return self._worker.stalled(max(self.config.lookup_wait_ms / 1e3, _STALLED_S))
+
+    def _install(self, state: _Request, answer: Answer) -> None:
+        """Keep the worker's conversion and hashing: they are the request's own."""
+        if len(answer.tokens) > len(state.tokens):
+            state.tokens = answer.tokens
+        if len(answer.keys) > len(state.keys):
+            state.keys = list(answer.keys)
+            state.packed = answer.packed
+
+    def _lookup_job(self, job: Job) -> Answer:
+        """On the worker thread: hash the pages not hashed yet, then one Lookup."""
+        tokens = np.asarray(job.tokens, dtype=np.int32)
+        keys, packed = list(job.keys), job.packed
+        t = self.page_tokens
+        if job.pages > len(keys):
+            new = page_keys(tokens[len(keys) * t:job.pages * t], t, self.seed,
+                            parent=keys[-1] if keys else None)
+            keys += new
+            packed += b"".join(new)
+        if not self.breaker.allow():
+            return Answer(tokens, tuple(keys), packed, DOWN)
+        try:
+            count, lease_id = self._ask(Packed(packed[:job.pages * KEY_BYTES], KEY_BYTES))
+        except KVStoreError as exc:
+            if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED and exc.code not in _DOWN:
+                raise
+            self._store_down(exc)
+            return Answer(tokens, tuple(keys), packed, DOWN)
+        self.breaker.succeeded()
+        return Answer(tokens, tuple(keys), packed, count, lease_id)
+
+    def _abandon(self, req_id: str) -> None:
+        pending = self._pending.pop(req_id, None)
+        if pending is not None:
+            self._worker.abandon(pending)
 
     def _drop_lease(self, state: _Request) -> None:
         if state.lease_id:
@@ -291,6 +422,7 @@ class SchedulerHalf:
     def build(self) -> StepMeta:
         """This step's plan for the workers; the scheduler half forgets it."""
         self._builds += 1
+        self._waited = 0.0            # the next step's lookups get lookup_wait_ms anew
         # Layer-wise loads whose step's outcome has come back without a failure.
         for load_id, load in list(self._unconfirmed.items()):
             if load.confirm_at is not None and load.confirm_at <= self._builds:
@@ -312,21 +444,32 @@ class SchedulerHalf:
         (self._ok if ok else self._failed).append(load_id)
 
     def _release_dropped(self) -> None:
-        # Releases go only to a store that answers: one that hangs would cost every
-        # release its timeout. They wait while the breaker is open (its probe closes it);
-        # one never sent only costs its pages their pin until lease_ms runs out.
-        del self._leases_to_release[:-_RELEASES_KEPT]
-        while self._leases_to_release and self.breaker.allow():
-            lease_id = self._leases_to_release[-1]
+        # Prefetch: the worker sends them, off the loop.
+        if self._worker is not None:
+            self._worker.release(self._leases_to_release)
+            self._leases_to_release = []
+        else:
+            self._leases_to_release = self._send_releases(self._leases_to_release)
+
+    def _send_releases(self, lease_ids: list[int]) -> list[int]:
+        """Release leases; returns those kept for later (the store is not answering).
+
+        Releases go only to a store that answers: one that hangs would cost every
+        release its timeout. They wait while the breaker is open (its probe closes it);
+        one never sent only costs its pages their pin until lease_ms runs out."""
+        del lease_ids[:-_RELEASES_KEPT]
+        while lease_ids and self.breaker.allow():
+            lease_id = lease_ids[-1]
             try:
                 self.client.release_lease(lease_id)
                 self.breaker.succeeded()
             except KVStoreError as exc:
                 if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED or exc.code in _DOWN:
                     self._store_down(exc)
-                    return                # kept, for when the store answers again
+                    return lease_ids      # kept, for when the store answers again
                 log.debug("releasing lease %d failed: %s", lease_id, exc)
-            self._leases_to_release.pop()
+            lease_ids.pop()
+        return lease_ids
 
     def load_finished(self, req_id: str) -> None:
         """The workers report the request's async load done: its lease can go."""
@@ -360,6 +503,8 @@ class SchedulerHalf:
         state = self._requests.pop(req_id, None)
         if state is not None:
             self._drop_lease(state)
+        if self._worker is not None:
+            self._abandon(req_id)
         # Its async load may still be running in a worker: confirm it like a layer-wise
         # one, once the steps in flight have come back.
         for load in self._unconfirmed.values():
@@ -371,6 +516,11 @@ class SchedulerHalf:
             self._drop_lease(state)
         for load_id in list(self._unconfirmed):
             self._settle(load_id, ok=False)
-        self._release_dropped()
+        if self._worker is not None:
+            for req_id in list(self._pending):
+                self._abandon(req_id)
+            self._worker.release(self._leases_to_release)
+            self._leases_to_release = self._worker.close(self.config.lookup_timeout + 0.5)
+        self._leases_to_release = self._send_releases(self._leases_to_release)
         self.breaker.close()
         self.client.close()

@@ -16,7 +16,7 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvstore_testing.serverproc import ServerProcess, free_port
 
-from kvstore_connector.config import ConnectorConfig
+from kvstore_connector.config import ConnectorConfig, LookupMode
 from kvstore_connector.scheduler import SchedulerHalf
 from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
 from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
@@ -401,7 +401,8 @@ def test_admin_cli_token(srv):
 
 def test_connector_sends_its_token(srv):
     for token, ok in ((TOKENS["a"], True), ("", False)):
-        sched = SchedulerHalf(ConnectorConfig(server=srv.address, token=token, lookup_timeout=5),
+        sched = SchedulerHalf(ConnectorConfig(server=srv.address, token=token, lookup_timeout=5,
+                                              lookups=LookupMode.SYNC),
                               [LAYOUT], block_size=16)
         try:
             if ok:

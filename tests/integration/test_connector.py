@@ -11,7 +11,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvstore_connector.config import ConnectorConfig, LoadMode, Role   # noqa: E402
+from kvstore_connector.config import (  # noqa: E402
+    ConnectorConfig,
+    LoadMode,
+    LookupMode,
+    Role,
+)
 from kvstore_connector.scheduler import SchedulerHalf                   # noqa: E402
 from kvstore_connector.worker import WorkerHalf                         # noqa: E402
 from kvstore_testing.serverproc import ServerProcess, sigstop     # noqa: E402
@@ -40,6 +45,9 @@ class Engine:
                  lag=1, **config):
         # A generous lookup timeout: a loaded CI machine must not turn hits into "ask again".
         config.setdefault("lookup_timeout", 5.0)
+        # These tests call hit() as the engine would and act on its answer at once: the
+        # lookups on this thread (prefetched ones: tests/integration/test_prefetch.py).
+        config.setdefault("lookups", LookupMode.SYNC)
         self.config = ConnectorConfig(server=server, role=role, load_mode=mode, **config)
         self.layout = layout(page_tokens)
         self.caches = {n: torch.full((2, BLOCKS, BLOCK, HEADS, HEAD), -1.0) for n in NAMES}
@@ -258,7 +266,7 @@ def test_keys_match_across_processes_and_ranks(srv):
     """Two TP ranks' layouts share keys (one Lookup answers the minimum over both)."""
     r0, r1 = layout(tp_rank=0, tp_size=2), layout(tp_rank=1, tp_size=2)
     assert r0.chain_seed == r1.chain_seed and r0.layout_id != r1.layout_id
-    cfg = ConnectorConfig(server=srv.address, lookup_timeout=5.0)
+    cfg = ConnectorConfig(server=srv.address, lookup_timeout=5.0, lookups=LookupMode.SYNC)
     sched = SchedulerHalf(cfg, [r0, r1], BLOCK)
     tokens = prompt(64, 15)
     caches = {n: torch.zeros((2, BLOCKS, BLOCK, HEADS, HEAD)) for n in NAMES}
@@ -496,7 +504,7 @@ def test_a_load_failing_on_one_rank_keeps_every_rank_from_storing_over_it(srv):
     rank's attention: when rank 0's load fails, rank 1's pages of that step are wrong too,
     though rank 1's own load succeeded. Rank 1 hears of it from the scheduler half."""
     r0, r1 = layout(tp_rank=0, tp_size=2), layout(tp_rank=1, tp_size=2)
-    cfg = ConnectorConfig(server=srv.address, lookup_timeout=5.0)
+    cfg = ConnectorConfig(server=srv.address, lookup_timeout=5.0, lookups=LookupMode.SYNC)
     sched = SchedulerHalf(cfg, [r0, r1], BLOCK)
     tokens = prompt(64, 36)
     fill = {n: torch.zeros((2, BLOCKS, BLOCK, HEADS, HEAD)) for n in NAMES}

@@ -123,7 +123,9 @@ def test_two_requests_sharing_a_prefix(model, srv):
     system = prompt(64, 5)
     serve(make_engine(model, srv), {"warm": np.concatenate([system, prompt(9, 6)])})
     r1, r2 = (np.concatenate([system, prompt(n, s)]) for n, s in ((30, 7), (41, 8)))
-    engine = make_engine(model, srv)
+    # Both answers awaited in their step (a cold connection's first lookup takes longer
+    # than the default wait on a loaded machine, and this counts steps).
+    engine = make_engine(model, srv, lookup_wait_ms=5000)
     outs = serve(engine, {"r1": r1, "r2": r2})
     assert engine.num_steps == 4               # both prefills in the first step
     assert engine.num_computed_tokens == 30 + 41 + 2 * 3

@@ -292,7 +292,7 @@ def test_disk_write_limit_stops_the_tier(tmp_path):
 # -- the server dies while a connector loads -----------------------------------------------------
 def test_server_killed_mid_connector_load(fresh_server):
     torch = pytest.importorskip("torch")
-    from kvstore_connector.config import ConnectorConfig
+    from kvstore_connector.config import ConnectorConfig, LookupMode
     from kvstore_connector.hashing import page_keys
     from kvstore_connector.scheduler import SchedulerHalf
     from kvstore_connector.worker import WorkerHalf
@@ -301,7 +301,8 @@ def test_server_killed_mid_connector_load(fresh_server):
                         head_size=128, dtype="float16")                 # 2 MiB pages
     n_pages, blocks = 100, 128
     srv = fresh_server(dram="256MiB")
-    cfg = ConnectorConfig(server=srv.address, shared_memory=False, lookup_timeout=5.0)
+    cfg = ConnectorConfig(server=srv.address, shared_memory=False, lookup_timeout=5.0,
+                          lookups=LookupMode.SYNC)
     tokens = np.random.default_rng(0).integers(0, 32000, n_pages * 16 + 1).astype(np.int32)
     ks = page_keys(tokens[:n_pages * 16], 16, layout.chain_seed)
     with KVStoreClient(srv.address) as c:

@@ -115,3 +115,16 @@ def test_a_record_names_no_path_of_the_machine(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert _argv_out(["--out", "/elsewhere/out", "--dir", str(tmp_path / "d"), "-n", "3"]) \
         == ["--out", "DIR", "--dir", "d", "-n", "3"]
+
+
+@pytest.mark.slow
+def test_admit_shows_both_lookup_modes_side_by_side():
+    out = bench("admit", "--requests", "4", "--system-len", "64", "--user-len", "16",
+                "--reps", "1", "--gap-ms", "5", timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = {line.split("|")[1].strip(): line for line in out.stdout.splitlines()
+            if line.startswith("| ")}
+    assert {"sync", "sync, gRPC", "prefetch"} <= set(rows), out.stdout
+    assert all(r.rstrip(" |").endswith("256") for k, r in rows.items()
+               if k.startswith(("sync", "prefetch"))), out.stdout     # 4 x 64 tokens hit
+    assert "loop ms, sync / prefetch at a 5 ms step:" in out.stdout

@@ -3,6 +3,8 @@ kvstore-server: lookups, WAITING_FOR_REMOTE_KVS, saves, loads of bytes, failures
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM 0.33 (scripts/venv-vllm.sh)")
@@ -30,10 +32,14 @@ PROMPT = list(range(1000, 1064))           # 64 tokens: 3 pages can be claimed (
 
 
 def engine(model_dir, address, *, mode="layerwise", role="kv_both", async_scheduling=False,
-           policy="recompute"):
+           policy="recompute", lookup_wait_ms=5000):
+    # These tests count steps: a new request's first ask waits for its lookup (a cold
+    # connection's first one outlasts the default 2 ms on a loaded machine), except where
+    # a test sets lookup_wait_ms to see "ask again".
     spec = ConnectorSpec(name="KVStoreConnector", module_path="kvstore_connector.vllm", role=role,
                          extra_config={"server": address, "load_mode": mode,
-                                       "lookup_timeout": 5.0},
+                                       "lookup_timeout": 5.0,
+                                       "lookup_wait_ms": lookup_wait_ms},
                          load_failure_policy=policy)
     config = make_vllm_config(model_dir, spec, async_scheduling=async_scheduling)
     kv_cache_config = make_kv_cache_config(config)
@@ -99,6 +105,44 @@ def test_stored_prefix_goes_through_waiting_for_remote_kvs(model_dir, store, asy
             break
     assert second.status("b") == RequestStatus.RUNNING
     assert_loaded(second, "b", 48)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_a_burst_is_looked_up_off_the_loop_and_admitted_at_a_later_ask(model_dir, store,
+                                                                       async_scheduling):
+    """Prefetched lookups with no wait: vLLM's schedule() hears "ask again" for every new
+    request, skips them, and admits them with their hits once the answers have come."""
+    first = engine(model_dir, store.address)
+    first.add(make_request("a", PROMPT, max_tokens=2))
+    run_to_completion(first, "a")
+    burst = engine(model_dir, store.address, lookup_wait_ms=0,
+                   async_scheduling=async_scheduling)
+    ids = [f"b{i}" for i in range(6)]
+    burst.add(*(make_request(r, PROMPT, max_tokens=2) for r in ids))
+    out = burst.schedule()
+    assert not out.scheduled_new_reqs                  # all asked again
+    assert all(burst.status(r) == RequestStatus.WAITING for r in ids)
+    burst.finish(out)
+    admitted = {}
+    for _ in range(40):                                # answers as they come
+        time.sleep(0.02)
+        out = burst.schedule()
+        # Layer-wise: running this step; AsyncScheduler loads async: waiting for the KV.
+        admitted.update((n.req_id, n.num_computed_tokens) for n in out.scheduled_new_reqs)
+        admitted.update((r, burst.request(r).num_computed_tokens) for r in ids
+                        if burst.status(r) == RequestStatus.WAITING_FOR_REMOTE_KVS)
+        burst.finish(out)
+        if len(admitted) == len(ids):
+            break
+    assert admitted == dict.fromkeys(ids, 48)
+    for r in ids:
+        run_to_completion(burst, r)
+        assert r not in burst.scheduler.requests
+    with KVStoreClient(store.address) as c:
+        deadline = time.monotonic() + 5
+        while c.stats().leases:
+            assert time.monotonic() < deadline, "leases left in the store"
+            time.sleep(0.05)
 
 
 def test_layerwise_load_runs_in_the_same_step(model_dir, store):

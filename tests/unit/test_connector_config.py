@@ -1,0 +1,30 @@
+"""ConnectorConfig.from_mapping: the lookup settings arrive typed, bad values are named."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore_connector.config import ConnectorConfig, LookupMode
+
+
+def test_lookups_default_to_prefetch_and_every_hit_counts():
+    config = ConnectorConfig.from_mapping({})
+    assert config.lookups is LookupMode.PREFETCH
+    assert config.lookup_wait_ms == 2.0 and config.min_hit_tokens == 0
+
+
+def test_lookup_settings_from_json():
+    config = ConnectorConfig.from_mapping({"lookups": "sync", "lookup_wait_ms": 0,
+                                           "min_hit_tokens": 256})
+    assert config.lookups is LookupMode.SYNC
+    assert config.lookup_wait_ms == 0 and config.min_hit_tokens == 256
+
+
+@pytest.mark.parametrize(("values", "words"), [
+    ({"lookups": "eager"}, "'eager' is not a valid LookupMode"),
+    ({"lookup_wait_ms": -1}, "lookup_wait_ms >= 0"),
+    ({"min_hit_tokens": -16}, "min_hit_tokens >= 0"),
+])
+def test_bad_lookup_settings_are_named(values, words):
+    with pytest.raises(ValueError, match=words):
+        ConnectorConfig.from_mapping(values)
