@@ -62,6 +62,7 @@ from kvstore_client import KVStoreClient, KVStoreError, PageLayout
 from .breaker import Breaker
 from .config import ConnectorConfig, open_client
 from .hostmem import Mappings
+from .loading import start_step_loads
 from .meta import LoadSpec, SaveSpec, StepMeta
 from .outcomes import LoadOutcomes, Verdict
 from .pending import Part, PendingSave, SaveQueue, Settle
@@ -95,18 +96,6 @@ class _Load:
 
 # One request's save in a reservation of its own (the buffer path).
 _Save = PendingSave.of
-
-
-def _shared_release(release, users: int):
-    """A release that ends the lease when the last of `users` loads calls it: one Acquire
-    serves the step's loads, and each releases as its copies land."""
-    left = [users]
-
-    def one() -> None:
-        left[0] -= 1
-        if left[0] == 0:
-            release()
-    return one
 
 
 class WorkerHalf:
@@ -215,67 +204,21 @@ class WorkerHalf:
                     self._layer_handles.append(load.handle)
 
     def _start_shared(self, specs: list[LoadSpec]) -> None:
-        """Every load of the step under one Acquire (one lease). Layer-wise loads become
-        one transfer (one copy per layer for all of them, one event to wait on); async
-        ones one transfer each, since each request is reported when its own pages land."""
-        keys = [key for spec in specs for key in spec.keys]
-        try:
-            acquired = self.client.acquire(self.ns, keys)
-            self.breaker.succeeded()
-        except KVStoreError as exc:
-            self._trip(exc)
-            if exc.code == grpc.StatusCode.NOT_FOUND and len(specs) > 1:
-                # A page went missing: acquire each load alone, so only its own fails.
-                for spec in specs:
-                    self._start_shared([spec])
-                return
-            for spec in specs:
-                self._load_failed(spec, exc)
-            return
-        except (OSError, RuntimeError, ValueError) as exc:
-            for spec in specs:
-                self._load_failed(spec, exc)
-            return
-        bounds = np.cumsum([0] + [len(spec.keys) for spec in specs]).tolist()
+        """Every load of the step under one Acquire (connector.loading)."""
         lb = self.ns.layer_bytes
-        groups: list[list[int]] = []               # spec indices sharing one transfer
-        layerwise = [i for i, spec in enumerate(specs) if not spec.is_async]
-        if layerwise:
-            groups.append(layerwise)
-        groups += [[i] for i, spec in enumerate(specs) if spec.is_async]
-        release = _shared_release(acquired.release, len(specs))
-        try:
-            pool = self._mem(acquired.region)
-        except (OSError, RuntimeError, ValueError) as exc:
-            acquired.release()
-            for spec in specs:
-                self._load_failed(spec, exc)
-            return
-        for group in groups:
-            offsets = np.concatenate([acquired.offsets[bounds[i]:bounds[i + 1]]
-                                      for i in group])
-            blocks = np.concatenate([specs[i].block_ids.reshape(len(specs[i].keys), -1)
-                                     for i in group])
-            try:
-                handle = self.transfer.load(pool, offsets, lb, blocks)
-            except (RuntimeError, ValueError) as exc:
-                for i in group:
-                    release()
-                    self._load_failed(specs[i], exc)
-                continue
-            self._started([_Load(specs[i], handle, release, acquired.region) for i in group])
+        started, failed = start_step_loads(
+            specs, lambda keys: self.client.acquire(self.ns, keys), self._mem,
+            lambda pool, offsets, blocks: self.transfer.load(pool, offsets, lb, blocks))
+        tripped = False
+        for spec, exc in failed:
+            tripped |= self._trip(exc)
+            self._load_failed(spec, exc)
+        if not tripped:
+            self.breaker.succeeded()
+        self._started([_Load(x.spec, x.handle, x.release, x.region) for x in started])
 
     def _start_one(self, spec: LoadSpec) -> _Load:
         lb = self.ns.layer_bytes
-        if self._shared():
-            acquired = self.client.acquire(self.ns, spec.keys)
-            try:
-                pool = self._mem(acquired.region)
-                handle = self.transfer.load(pool, acquired.offsets, lb, spec.block_ids)
-            except BaseException:
-                acquired.release()
-                raise
-            return _Load(spec, handle, acquired.release, acquired.region)
         host = self._buffer(len(spec.keys))
         self.client.get_into(self.ns, spec.keys, host)
         offsets = np.arange(len(spec.keys), dtype=np.int64) * self.ns.page_bytes
@@ -309,10 +252,12 @@ class WorkerHalf:
         nor while our own breaker is open (but for its probes)."""
         return not self._store_down and self.breaker.allow()
 
-    def _trip(self, exc: Exception) -> None:
-        """A call that timed out or found the store unreachable opens the breaker."""
+    def _trip(self, exc: Exception) -> bool:
+        """A call that timed out or found the store unreachable opens the breaker (True)."""
         if isinstance(exc, KVStoreError) and exc.code in _NOT_ANSWERING:
             self.breaker.failed()
+            return True
+        return False
 
     def wait_for_layer(self, name: str) -> None:
         layer = self._index[name]
