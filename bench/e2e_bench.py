@@ -501,7 +501,8 @@ _LOAD_HEAD = ("| preset | tokens | hit | MiB | load GB/s host | load GB/s device
               "| pinned H2D GB/s device / host | load/H2D device / host | rest ms | hidden |")
 _BREAKDOWN_NOTE = ("Breakdown (ms, medians): host time inside each connector call during a "
                    "DRAM hit, up to its first token (work deferred to later steps, such as "
-                   "an asynchronous save's Commit, is not counted); rest = the remaining prefill alone with the prefix resident; "
+                   "an asynchronous save's Commit, is not counted); rest = the remaining "
+                   "prefill alone with the prefix resident; "
                    "load (device) = the load's copies alone on CUDA events, hidden or not; "
                    "leftover = hit TTFT - connector calls - rest (launches, unhidden load, "
                    "sampling). Recompute: forward = the model alone over the whole prompt.")
