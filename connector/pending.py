@@ -145,6 +145,10 @@ class SaveQueue:
     def __iter__(self):
         return iter((*self.step, *self.inflight, *self.held))
 
+    def __len__(self) -> int:
+        """Saves not finished yet, in any stage."""
+        return len(self.step) + len(self.inflight) + len(self.held)
+
     def enqueued(self, handle) -> None:
         """The step's copies are all enqueued: `handle` says when they have landed."""
         for save in self.step:

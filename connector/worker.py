@@ -350,8 +350,9 @@ class WorkerHalf:
             if what is Settle.ABORT:
                 save.abort()
                 return
-            if what is Settle.PARTIAL:
-                save.forget(save.dropped_keys())
+            dropped = save.dropped_keys() if what is Settle.PARTIAL else []
+            if dropped:
+                save.forget(dropped)          # never published: see connector.pending
             save.commit()
             stored = save.stored_pages()
             self._stats["pages_saved"] += stored
