@@ -288,16 +288,21 @@ class WorkerHalf:
         if not specs or not self._may_call():
             return                        # the store is not answering: a miss later
         try:
-            if self._shared():
-                self._saves.step.append(self._reserve_step(specs))
-            else:
-                for spec in specs:
-                    self._saves.step.append(self._reserve(spec))
-            self.breaker.succeeded()
-        except (KVStoreError, OSError, RuntimeError) as exc:
+            shared = self._shared()
+        except (KVStoreError, OSError) as exc:
             self._trip(exc)
-            log.warning("not saving %d pages of %s: %s", sum(len(s.keys) for s in specs),
-                        ", ".join(s.req_id for s in specs), exc)
+            log.warning("not saving this step's pages: %s", exc)
+            return
+        # Shared pool: the step's saves in one reservation; else one buffer each.
+        for group in ([specs] if shared else [[spec] for spec in specs]):
+            try:
+                self._saves.step.append(self._reserve_step(group) if shared
+                                        else self._reserve(group[0]))
+                self.breaker.succeeded()
+            except (KVStoreError, OSError, RuntimeError) as exc:
+                self._trip(exc)
+                log.warning("not saving %d pages of %s: %s", sum(len(s.keys) for s in group),
+                            ", ".join(s.req_id for s in group), exc)
 
     def _reserve_step(self, specs: list[SaveSpec]) -> PendingSave:
         """One reservation for every save of the step (one Reserve), each request's pages
