@@ -37,7 +37,7 @@ class Started:
     region: object            # the pool mapping the offsets belong to
 
 
-def counted_release(release: Callable[[], None], users: int) -> Callable[[], None]:
+def _counted_release(release: Callable[[], None], users: int) -> Callable[[], None]:
     """A release that ends the lease when the last of `users` loads has called it."""
     left = [users]
 
@@ -74,7 +74,7 @@ def start_step_loads(specs: list[LoadSpec], acquire, mem, load
     except (OSError, RuntimeError, ValueError) as exc:
         acquired.release()
         return [], [(spec, exc) for spec in specs]
-    release = counted_release(acquired.release, len(specs))
+    release = _counted_release(acquired.release, len(specs))
     bounds = np.cumsum([0] + [len(spec.keys) for spec in specs]).tolist()
     layerwise = [i for i, spec in enumerate(specs) if not spec.is_async]
     groups = ([layerwise] if layerwise else []) + [[i] for i, spec in enumerate(specs)
