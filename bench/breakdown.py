@@ -3,7 +3,10 @@
 ``CallTimer`` wraps the vLLM-named methods of one connector instance (the reference engine's
 ``StoreConnector``) with ``perf_counter`` and sums each over a window, so a benchmark can
 split a hit's time to first token into the connector's parts and what is left (compute,
-launches, waiting for the device). The wrappers add ~1 us a call; nothing else changes.
+launches, waiting for the device). Each call's start is kept, so the sums can stop at the
+first token (`until`): work a connector defers to later steps (an asynchronous save's
+Commit) is not part of the time to first token. The wrappers add ~1 us a call; nothing
+else changes.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class CallTimer:
         self._names = [n for n in names if hasattr(obj, n)]
         self.seconds = dict.fromkeys(self._names, 0.0)
         self.calls = dict.fromkeys(self._names, 0)
+        self._spans: list[tuple[str, float, float]] = []   # (name, start, seconds)
         for name in self._names:
             setattr(obj, name, self._wrap(name, getattr(obj, name)))
 
@@ -49,13 +53,24 @@ class CallTimer:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[name] += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self.seconds[name] += dt
                 self.calls[name] += 1
+                self._spans.append((name, t0, dt))
         return timed
 
     def reset(self) -> None:
         for name in self._names:
             self.seconds[name], self.calls[name] = 0.0, 0
+        self._spans.clear()
+
+    def until(self, when: float) -> dict[str, float]:
+        """Seconds in each call that started before `when` (a perf_counter reading)."""
+        out = dict.fromkeys(self._names, 0.0)
+        for name, start, dt in self._spans:
+            if start < when:
+                out[name] += dt
+        return out
 
     def total(self) -> float:
         return sum(self.seconds.values())

@@ -137,6 +137,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         self._requests: dict[str, "Request"] = {}     # live scheduler objects
+        # Requests a save was planned for: their blocks outlive them until the workers
+        # report the save copies landed (finished_sending), as saves are asynchronous.
+        self._saving: set[str] = set()
         if role == KVConnectorRole.SCHEDULER:
             # A step's outcome comes back max_concurrent_batches builds later (2 under
             # AsyncScheduler): until then its loads count as unconfirmed.
@@ -188,7 +191,9 @@ class KVStoreConnector(KVConnectorBase_V1):
                             counts.get(req_id, 0), block_ids=blocks if resumed else None,
                             new_block_ids=() if resumed else blocks,
                             prompt_len=request.num_prompt_tokens)
-        return KVStoreConnectorMetadata(sched.build())
+        step = sched.build()
+        self._saving.update(save.req_id for save in step.saves)
+        return KVStoreConnectorMetadata(step)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         # Failures first: a failed async load is reported as received too.
@@ -201,11 +206,15 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # Saves finish within the step that computed the pages (wait_for_save), so no
-        # block needs to outlive the request.
+        # Saves are asynchronous: the blocks of a request a save was planned for are
+        # freed when every worker has reported it in finished_sending (get_finished),
+        # once its save copies have landed. The workers track the same plans, so they
+        # report exactly these requests.
         self._requests.pop(request.request_id, None)
         self._sched.finished(request.request_id)
-        return False, None
+        delay = request.request_id in self._saving
+        self._saving.discard(request.request_id)
+        return delay, None
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -250,7 +259,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self._worker is None:
             return None, None
         received = self._worker.finished()
-        return None, received or None
+        sent = self._worker.sent(finished_req_ids)
+        return sent or None, received or None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is None:

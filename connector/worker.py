@@ -2,15 +2,31 @@
 
 Per step, in the order engines call it (docs/dev/vllm-0.33-connector-api.md, section 5):
 
-    bind(meta)             reserve store slots for this step's saves (before the forward)
-    start_load(meta)       pin the pages to load (Acquire) and start copying them, every
-                           layer on a side stream with one event per layer
+    bind(meta)             reserve store slots for every save of the step in one call
+                           (Reserve), before the forward; finish earlier steps' saves
+                           whose copies have landed
+    start_load(meta)       pin every page the step loads in one call (Acquire) and start
+                           copying them, every layer on a side stream with one event per
+                           layer
     wait_for_layer(name)   the compute stream waits for that layer's copies only
     save_layer(name)       that layer's pages to save are gathered and copied out (D2H)
-    wait_for_save()        every save copy has landed: commit the reservations
+    wait_for_save()        the step's save copies are recorded, not waited for; the
+                           step's loads are checked (a failed one is reported this step)
     finished(ids)          loads whose copies are done release their pins; async loads are
                            reported as received
+    sent(ids)              finished requests none of whose save copies is still running:
+                           their blocks may be reused (vLLM's finished_sending)
     load_errors()          block ids whose load failed (the engine recomputes them)
+
+Saves are asynchronous: the step that produced pages never waits for their copies or
+their Commit. The copies run on the save stream beside the next steps; a later step
+boundary (bind, finished, sent) polls their event and commits the reservation once they
+have landed and every load they were computed over is known good (connector.pending).
+Until then the engine must not reuse the blocks they read: a finished request's blocks
+are held by the engine until `sent` names it (the adapters answer request_finished
+"delay the free" for every request a save was planned for), and the next step's compute
+stream waits on the device for the copies still running (bind), which also covers blocks
+an engine frees without asking (a preemption). A copy that fails commits nothing.
 
 No page computed over a failed load is stored. A save that names loads in
 SaveSpec.after (its request's prefix reads their blocks) is committed only when every
@@ -36,7 +52,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -47,9 +63,11 @@ from kvstore_client import KVStoreClient, KVStoreError, PageLayout
 from .breaker import Breaker
 from .config import ConnectorConfig, open_client
 from .hostmem import Mappings
+from .loading import start_step_loads
 from .meta import LoadSpec, SaveSpec, StepMeta
 from .outcomes import LoadOutcomes, Verdict
-from .transfer import KVTransfer, LoadHandle, TransferError, pinned_empty
+from .pending import Part, PendingSave, SaveQueue, Settle
+from .transfer import KVTransfer, TransferError, pinned_empty
 
 __all__ = ["WorkerHalf", "layer_order"]
 
@@ -72,25 +90,13 @@ def layer_order(names: Sequence[str]) -> list[str]:
 @dataclasses.dataclass(slots=True)
 class _Load:
     spec: LoadSpec
-    handle: LoadHandle
-    release: Callable[[], object]   # ends the pin on the source pages
+    handle: object            # transfer.LoadHandle (one may serve several loads)
+    release: object           # callable ending the pin on the source pages
     region: object = None     # the pool mapping the offsets belong to (None: a buffer)
 
 
-@dataclasses.dataclass(slots=True)
-class _Save:
-    spec: SaveSpec
-    host: np.ndarray          # where the slabs go: the shared pool or a pinned buffer
-    offsets: np.ndarray       # page offsets in host (-1: already stored, skipped)
-    commit: Callable[[], object]    # Commit the reservation, or Put the buffer (gRPC)
-    abort: Callable[[], object]     # give the reserved slots back
-    region: object = None     # the pool mapping the offsets belong to (None: a buffer)
-    held: int = 0             # steps its commit has waited on loads' outcomes
-
-
-# Steps a save may wait for the outcomes of the loads it names; the scheduler half
-# reports them within max_concurrent_batches steps, so a save still waiting is given up.
-_HOLD_STEPS = 8
+# One request's save in a reservation of its own (the buffer path).
+_Save = PendingSave.of
 
 
 class WorkerHalf:
@@ -116,12 +122,16 @@ class WorkerHalf:
         self._mappings = Mappings()                # pool mappings registered with CUDA
         self._last_region = None                   # the newest mapping used
         self._loads: list[_Load] = []              # this step's layer-wise loads
+        self._layer_handles: list = []             # their distinct handles (wait_for_layer)
         self._async: dict[str, _Load] = {}         # loads reported when done
-        self._saves: list[_Save] = []
+        self._saves = SaveQueue()                  # reserved, copying, waiting to commit
         self._errors: set[int] = set()
         self._failed_async: set[str] = set()
         self._outcomes = LoadOutcomes()            # of the loads saves name (after)
-        self._held: list[_Save] = []               # written, waiting on loads' outcomes
+        # Requests a save was planned for (in any plan this worker was handed): when one
+        # finishes, the engine holds its blocks until `sent` names it.
+        self._saving: set[str] = set()
+        self._finishing: set[str] = set()          # finished, a save copy still running
         # Usually the scheduler half finds a hung store first (StepMeta.store_down); a
         # call of ours that meets it opens this one, probed back on its own thread.
         self.breaker = Breaker(config.probe_interval, self._probe)
@@ -154,35 +164,62 @@ class WorkerHalf:
 
     # -- loads --------------------------------------------------------------------------
     def start_load(self, meta: StepMeta) -> None:
+        if not meta.loads:
+            return
+        if not self._may_call():
+            exc = KVStoreError(grpc.StatusCode.UNAVAILABLE,
+                               "the store is not answering (waiting for a probe)")
+            for spec in meta.loads:
+                self._load_failed(spec, exc)
+            return
+        try:
+            shared = self._shared()
+        except (KVStoreError, OSError) as exc:
+            self._trip(exc)
+            for spec in meta.loads:
+                self._load_failed(spec, exc)
+            return
+        if shared:
+            self._start_shared(list(meta.loads))
+            return
         for spec in meta.loads:
             try:
-                if not self._may_call():
-                    raise KVStoreError(grpc.StatusCode.UNAVAILABLE,
-                                       "the store is not answering (waiting for a probe)")
                 load = self._start_one(spec)
                 self.breaker.succeeded()
             except (KVStoreError, KeyError, OSError, RuntimeError, ValueError) as exc:
                 self._trip(exc)
                 self._load_failed(spec, exc)
                 continue
+            self._started([load])
+
+    def _started(self, loads: list[_Load]) -> None:
+        for load in loads:
+            spec = load.spec
             self._stats["pages_loaded"] += len(spec.keys)
             self._stats["bytes_loaded"] += len(spec.keys) * self.ns.page_bytes
             if spec.is_async:
                 self._async[spec.req_id] = load
             else:
                 self._loads.append(load)
+                if not any(h is load.handle for h in self._layer_handles):
+                    self._layer_handles.append(load.handle)
+
+    def _start_shared(self, specs: list[LoadSpec]) -> None:
+        """Every load of the step under one Acquire (connector.loading)."""
+        lb = self.ns.layer_bytes
+        started, failed = start_step_loads(
+            specs, lambda keys: self.client.acquire(self.ns, keys), self._mem,
+            lambda pool, offsets, blocks: self.transfer.load(pool, offsets, lb, blocks))
+        tripped = False
+        for spec, exc in failed:
+            tripped |= self._trip(exc)
+            self._load_failed(spec, exc)
+        if not tripped:
+            self.breaker.succeeded()
+        self._started([_Load(x.spec, x.handle, x.release, x.region) for x in started])
 
     def _start_one(self, spec: LoadSpec) -> _Load:
         lb = self.ns.layer_bytes
-        if self._shared():
-            acquired = self.client.acquire(self.ns, spec.keys)
-            try:
-                pool = self._mem(acquired.region)
-                handle = self.transfer.load(pool, acquired.offsets, lb, spec.block_ids)
-            except BaseException:
-                acquired.release()
-                raise
-            return _Load(spec, handle, acquired.release, acquired.region)
         host = self._buffer(len(spec.keys))
         self.client.get_into(self.ns, spec.keys, host)
         offsets = np.arange(len(spec.keys), dtype=np.int64) * self.ns.page_bytes
@@ -198,9 +235,10 @@ class WorkerHalf:
             self._failed_async.add(spec.req_id)
         self._outcomes.failed([spec.load_id])
         # Pages computed over blocks that were never filled may not be stored, whichever
-        # request computed them (its own, or one sharing its blocks).
-        self._cancel_saves(spec)
-        self._settle_held()
+        # request computed them (its own, or one sharing its blocks): their parts are
+        # dropped, and the reservation finished once its copies have landed.
+        self._saves.drop_over(spec)
+        self._finish_saves(self._saves.settle(self._outcomes))
 
     def _probe(self) -> bool:
         """The breaker's probe (on its own thread): does the store answer?"""
@@ -215,50 +253,78 @@ class WorkerHalf:
         nor while our own breaker is open (but for its probes)."""
         return not self._store_down and self.breaker.allow()
 
-    def _trip(self, exc: Exception) -> None:
-        """A call that timed out or found the store unreachable opens the breaker."""
+    def _trip(self, exc: Exception) -> bool:
+        """A call that timed out or found the store unreachable opens the breaker (True)."""
         if isinstance(exc, KVStoreError) and exc.code in _NOT_ANSWERING:
             self.breaker.failed()
+            return True
+        return False
 
     def wait_for_layer(self, name: str) -> None:
         layer = self._index[name]
-        for load in self._loads:
-            load.handle.wait_layer(layer)
+        for handle in self._layer_handles:
+            handle.wait_layer(layer)
 
     # -- saves --------------------------------------------------------------------------
     def bind(self, meta: StepMeta) -> None:
         """Reserve the store's slots for this step's saves before the forward starts, so
-        no RPC waits inside the layers."""
-        self._saves.clear()
+        no RPC waits inside the layers; finish earlier saves whose copies have landed."""
         self._store_down = meta.store_down
         self._outcomes.succeeded(meta.loads_ok)
         self._outcomes.failed(meta.loads_failed)
-        self._settle_held(step=True)
-        if not self.saves_enabled:
+        self._saving.update(spec.req_id for spec in meta.saves)
+        if self._saves.inflight:
+            # Blocks read by copies still running may be rewritten only after them.
+            self.transfer.fence_saves()
+        self._poll_saves(step=True)
+        if not self.saves_enabled or not meta.saves:
             return
+        specs = []
         for spec in meta.saves:
             if self._outcomes.verdict(spec.after) is Verdict.DROP:
                 log.info("not saving %d pages of %s: computed over a failed load",
                          len(spec.keys), spec.req_id)
-                continue
-            if not self._may_call():
-                continue                  # the store is not answering: a miss later
+            else:
+                specs.append(spec)
+        if not specs or not self._may_call():
+            return                        # the store is not answering: a miss later
+        try:
+            shared = self._shared()
+        except (KVStoreError, OSError) as exc:
+            self._trip(exc)
+            log.warning("not saving this step's pages: %s", exc)
+            return
+        # Shared pool: the step's saves in one reservation; else one buffer each.
+        for group in ([specs] if shared else [[spec] for spec in specs]):
             try:
-                self._saves.append(self._reserve(spec))
+                self._saves.step.append(self._reserve_step(group) if shared
+                                        else self._reserve(group[0]))
                 self.breaker.succeeded()
             except (KVStoreError, OSError, RuntimeError) as exc:
                 self._trip(exc)
-                log.warning("not saving %d pages of %s: %s", len(spec.keys), spec.req_id, exc)
+                log.warning("not saving %d pages of %s: %s", sum(len(s.keys) for s in group),
+                            ", ".join(s.req_id for s in group), exc)
 
-    def _reserve(self, spec: SaveSpec) -> _Save:
-        if self._shared():
-            res = self.client.reserve(self.ns, spec.keys)
-            try:
-                pool = self._mem(res.region)
-            except BaseException:
-                res.abort()
-                raise
-            return _Save(spec, pool, res.offsets, res.commit, res.abort, res.region)
+    def _reserve_step(self, specs: list[SaveSpec]) -> PendingSave:
+        """One reservation for every save of the step (one Reserve), each request's pages
+        a part of it (connector.pending)."""
+        keys = [key for spec in specs for key in spec.keys]
+        res = self.client.reserve(self.ns, keys)
+        try:
+            pool = self._mem(res.region)
+        except BaseException:
+            res.abort()
+            raise
+        parts, lo = [], 0
+        for spec in specs:
+            parts.append(Part(spec, lo, lo + len(spec.keys)))
+            lo += len(spec.keys)
+        blocks = np.concatenate([spec.block_ids.reshape(len(spec.keys), -1) for spec in specs])
+        ns = self.ns
+        return PendingSave(parts, pool, res.offsets, blocks, res.commit, res.abort,
+                           lambda dropped: self.client.delete(ns, dropped), res.region)
+
+    def _reserve(self, spec: SaveSpec) -> PendingSave:
         host = self._buffer(len(spec.keys))
         offsets = np.arange(len(spec.keys), dtype=np.int64) * self.ns.page_bytes
         keys = spec.keys
@@ -267,81 +333,58 @@ class WorkerHalf:
                                              host.reshape(len(keys), self.ns.page_bytes)),
                      lambda: None)
 
-    def _cancel_saves(self, failed: LoadSpec) -> None:
-        """Abort the step's saves computed over the failed load's blocks."""
-        keep = []
-        for save in self._saves:
-            if save.spec.req_id == failed.req_id or failed.load_id in save.spec.after:
-                if not self._may_call():
-                    continue                    # not answering: the reservation expires
-                try:
-                    save.abort()
-                except KVStoreError as exc:     # the reservation expires by itself
-                    log.debug("aborting the save of %s failed: %s", save.spec.req_id, exc)
-            else:
-                keep.append(save)
-        self._saves = keep
+    def _poll_saves(self, step: bool = False) -> None:
+        """Finish the saves whose copies have landed (never waits)."""
+        self._finish_saves(self._saves.poll(self._outcomes, step, self._copy_failed))
 
-    def _settle_held(self, step: bool = False) -> None:
-        """Commit held saves whose loads all succeeded, abort those over a failed one (or
-        waiting too long); step: a step has passed."""
-        waiting = []
-        for save in self._held:
-            save.held += step
-            verdict = self._outcomes.verdict(save.spec.after)
-            if verdict is Verdict.HOLD and save.held <= _HOLD_STEPS:
-                waiting.append(save)
-            else:
-                self._finish_save(save, verdict is Verdict.COMMIT)
-        self._held = waiting
+    @staticmethod
+    def _copy_failed(save: PendingSave, exc: Exception) -> None:
+        log.warning("saving %d pages failed on the device, they are not stored: %s",
+                    len(save.offsets), exc)
 
-    def _finish_save(self, save: _Save, commit: bool) -> None:
+    def _finish_saves(self, ready: list[tuple[PendingSave, Settle]]) -> None:
+        for save, what in ready:
+            self._finish_save(save, what)
+
+    def _finish_save(self, save: PendingSave, what: Settle) -> None:
         if not self._may_call():
             # The store is not answering: neither commit nor abort (each would wait its
             # timeout); the reservation expires in the store, the pages are a miss later.
-            log.info("not saving %d pages of %s: the store is not answering",
-                     len(save.spec.keys), save.spec.req_id)
+            log.info("not saving %d pages: the store is not answering", len(save.offsets))
             return
         try:
-            if not commit:
+            if what is Settle.ABORT:
                 save.abort()
                 return
+            dropped = save.dropped_keys() if what is Settle.PARTIAL else []
+            if dropped:
+                save.forget(dropped)          # never published: see connector.pending
             save.commit()
-            stored = int((save.offsets >= 0).sum())
+            stored = save.stored_pages()
             self._stats["pages_saved"] += stored
             self._stats["bytes_saved"] += stored * self.ns.page_bytes
         except KVStoreError as exc:
             self._trip(exc)
             log.warning("finishing the save of %d pages of %s failed: %s",
-                        len(save.spec.keys), save.spec.req_id, exc)
+                        len(save.offsets), ", ".join(sorted(save.req_ids)), exc)
 
     def save_layer(self, name: str) -> None:
         layer = self._index[name]
-        for save in self._saves:
-            self.transfer.save_layer(layer, save.host, save.offsets, save.spec.block_ids)
+        for save in self._saves.step:
+            self.transfer.save_layer(layer, save.host, save.offsets, save.block_ids)
 
     def wait_for_save(self) -> None:
+        """Check the step's loads; hand the step's save copies to the poll, unwaited."""
         self._check_loads()
-        if not self._saves:
-            return
-        try:
-            self.transfer.finish_save()
-            ok = True
-        except RuntimeError as exc:
-            log.warning("saving pages failed, they are not stored: %s", exc)
-            ok = False
-        for save in self._saves:
-            verdict = self._outcomes.verdict(save.spec.after) if ok else Verdict.DROP
-            if verdict is Verdict.HOLD:
-                self._held.append(save)       # committed once its loads are known good
-            else:
-                self._finish_save(save, verdict is Verdict.COMMIT)
-        self._saves.clear()
+        if self._saves.step:
+            self._saves.enqueued(self.transfer.finish_save(wait=False))
+        self._poll_saves()
 
     # -- completion ---------------------------------------------------------------------
     def _check_loads(self) -> None:
         """Finish this step's layer-wise loads (the forward waited on every layer), so a
-        copy that failed on the device is known before any save of the step commits."""
+        copy that failed on the device is reported in the step that made it (the
+        scheduler half counts a load good when its step reports no failure)."""
         for load in self._loads:
             try:
                 load.handle.synchronize()
@@ -349,6 +392,7 @@ class WorkerHalf:
                 self._load_failed(load.spec, exc)
             load.release()
         self._loads.clear()
+        self._layer_handles.clear()
 
     def finished(self) -> set[str]:
         """Release finished loads' pins; return ids of async loads now complete."""
@@ -366,9 +410,25 @@ class WorkerHalf:
                 load.release()
                 del self._async[req_id]
                 done.add(req_id)
+        self._poll_saves()
         # A step boundary: mappings of a server that restarted can go once no copy uses them.
         self._mappings.keep_only([self._last_region, *(x.region for x in self._async.values()),
-                                  *(x.region for x in (*self._saves, *self._held))])
+                                  *(x.region for x in self._saves)])
+        return done
+
+    def sent(self, finished_req_ids: Iterable[str] = ()) -> set[str]:
+        """Of the finished requests a save was planned for, those whose save copies have
+        all landed (and been committed, unless waiting on loads' outcomes or given up):
+        the engine may now free their blocks. Every request named is reported once."""
+        for req_id in finished_req_ids:
+            if req_id in self._saving:
+                self._saving.discard(req_id)
+                self._finishing.add(req_id)
+        if not self._finishing:
+            return set()
+        self._poll_saves()
+        done = self._finishing - self._saves.busy()
+        self._finishing -= done
         return done
 
     @staticmethod
@@ -391,9 +451,11 @@ class WorkerHalf:
             load.release()
         self._loads.clear()
         self._async.clear()
-        for save in self._held:               # their loads' outcomes will never come
-            self._finish_save(save, commit=False)
-        self._held.clear()
+        # Copies still running land first: a slot is never given back under a copy.
+        self._saves.land_all(lambda save: save.handle.synchronize() if save.handle
+                             else self.transfer.finish_save(wait=True))
+        # Loads' outcomes not known now never come: those saves are dropped.
+        self._finish_saves(self._saves.settle(self._outcomes, give_up=True))
         self._mappings.close()
         self.breaker.close()
         self.client.close()

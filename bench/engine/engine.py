@@ -17,7 +17,7 @@ One ``step()``, in the order vLLM 0.33's model runner makes the connector's work
     start_load_kv(meta)                     here if the step has layer-wise loads ...
     model forward: per layer write K/V, wait_for_layer_load, attend, save_kv_layer
     start_load_kv(meta)                     ... else here, after the forward is launched
-    wait_for_save -> get_finished -> get_block_ids_with_load_errors
+    wait_for_save -> get_finished(finished ids) -> get_block_ids_with_load_errors
     greedy sampling (the step's one host sync) -> scheduler.update_from_output(...)
 
 A step with no scheduled tokens (only loads in flight) skips the forward but still makes
@@ -139,12 +139,12 @@ class Engine:
             logits = self.model(seqs, self.kv_caches, conn if conn is not None else NO_HOOKS
                                 ).logits
             next_tokens = logits.argmax(dim=-1)
-        received, invalid = frozenset(), frozenset()
+        sent, received, invalid = frozenset(), frozenset(), frozenset()
         if conn is not None:
             if not out.has_sync_kv_loads:
                 conn.start_load_kv(meta)
             conn.wait_for_save()
-            received = conn.get_finished()
+            sent, received = conn.get_finished(frozenset(out.finished_req_ids))
             invalid = conn.get_block_ids_with_load_errors()
         sampled: dict[str, int] = {}
         before: dict[str, int] = {}
@@ -156,7 +156,7 @@ class Engine:
                     sampled[s.request.req_id] = tokens[i]
                     before[s.request.req_id] = s.request.num_tokens
         finished = self.scheduler.update_from_output(out, StepResult(sampled, received,
-                                                                     invalid))
+                                                                     invalid, sent))
         for i, s in enumerate(out.scheduled):
             r = s.request
             track = self._tracks.get(r.req_id)

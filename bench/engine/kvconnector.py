@@ -10,7 +10,7 @@ so the engine exercises the same code vLLM runs. Scheduler side (``Scheduler`` c
 worker side (``Engine.step`` calls; the per-layer pair is the model's ``LayerHooks``)::
 
     bind_connector_metadata -> start_load_kv -> per layer: wait_for_layer_load,
-      save_kv_layer -> wait_for_save -> get_finished -> get_block_ids_with_load_errors
+      save_kv_layer -> wait_for_save -> get_finished(finished ids) -> get_block_ids_with_load_errors
 
 The caches are registered as FlashAttention NHD tensors ``[2, blocks, block_size,
 kv_heads, head_size]`` (``connector.kvviews.KVKind.FLASH_NHD``).
@@ -64,6 +64,9 @@ class StoreConnector:
         self.scheduler_half = SchedulerHalf(config, [layout], block_size)
         views = {name: kv5(t, KVKind.FLASH_NHD) for name, t in kv_caches.items()}
         self.worker_half = WorkerHalf(config, layout, views)
+        # Requests a save was planned for: the engine holds their blocks after they
+        # finish until get_finished reports the save copies landed (saves are async).
+        self._saving: set[str] = set()
 
     # -- scheduler side -------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request,
@@ -87,7 +90,9 @@ class StoreConnector:
             sched.scheduled(r.req_id, r.all_token_ids, s.num_computed_tokens,
                             s.num_new_tokens, block_ids=r.block_ids,
                             prompt_len=r.num_prompt_tokens)
-        return sched.build()
+        meta = sched.build()
+        self._saving.update(save.req_id for save in meta.saves)
+        return meta
 
     def update_connector_output(self, finished_recving: frozenset[str],
                                 invalid_block_ids: frozenset[int]) -> None:
@@ -99,10 +104,13 @@ class StoreConnector:
         for req_id in finished_recving:
             self.scheduler_half.load_finished(req_id)
 
-    def request_finished(self, request: Request) -> None:
-        # Saves finish within the step that computed them (wait_for_save): no block has
-        # to outlive the request.
+    def request_finished(self, request: Request) -> bool:
+        """True: hold the request's blocks until get_finished reports it sent (its save
+        copies may still be reading them)."""
         self.scheduler_half.finished(request.req_id)
+        delay = request.req_id in self._saving
+        self._saving.discard(request.req_id)
+        return delay
 
     # -- worker side ----------------------------------------------------------------------
     def bind_connector_metadata(self, meta: StepMeta) -> None:
@@ -120,8 +128,11 @@ class StoreConnector:
     def wait_for_save(self) -> None:
         self.worker_half.wait_for_save()
 
-    def get_finished(self) -> frozenset[str]:
-        return frozenset(self.worker_half.finished())
+    def get_finished(self, finished_req_ids: frozenset[str] = frozenset()
+                     ) -> tuple[frozenset[str], frozenset[str]]:
+        """(requests whose saves have landed: free their blocks, async loads done)."""
+        received = frozenset(self.worker_half.finished())
+        return frozenset(self.worker_half.sent(finished_req_ids)), received
 
     def get_block_ids_with_load_errors(self) -> frozenset[int]:
         return frozenset(self.worker_half.load_errors())

@@ -23,8 +23,9 @@ vllm/v1/core/sched/scheduler.py of 0.33)::
 
 and ``update_from_output()`` takes the step's results back: invalid (failed) load blocks
 send their requests back to recompute, sampled tokens are appended, finished requests
-are handed to ``connector.request_finished`` and freed, and finished loads are noted for
-promotion in the next ``schedule()``.
+are handed to ``connector.request_finished`` and freed (or, when it answers True, held
+until the workers report the request in ``finished_sending``: its saves are still copying
+from the blocks), and finished loads are noted for promotion in the next ``schedule()``.
 
 Chunked prefill is the token budget: a prompt longer than what is left of
 ``max_num_batched_tokens`` runs in pieces over several steps. There is no engine-side
@@ -189,6 +190,7 @@ class StepResult:
     sampled: dict[str, int]                          # req_id -> next token
     finished_recving: frozenset[str] = frozenset()   # async loads now complete
     invalid_block_ids: frozenset[int] = frozenset()  # blocks whose load failed
+    finished_sending: frozenset[str] = frozenset()   # finished requests' saves landed
 
 
 class SchedulerConnector(Protocol):
@@ -205,7 +207,8 @@ class SchedulerConnector(Protocol):
     def update_connector_output(self, finished_recving: frozenset[str],
                                 invalid_block_ids: frozenset[int]) -> None: ...
 
-    def request_finished(self, request: Request) -> None: ...
+    def request_finished(self, request: Request) -> bool | None:
+        """True: keep the request's blocks until it is reported in finished_sending."""
 
 
 class Scheduler:
@@ -222,10 +225,12 @@ class Scheduler:
         self._finished_recving: set[str] = set()  # loaded, promoted at the next schedule()
         self._finished_ids: list[str] = []        # for the next SchedulerOutput
         self._held: dict[str, Request] = {}       # aborted mid-load: blocks freed once loaded
+        self._sending: dict[str, Request] = {}    # finished, saves copying: freed once sent
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.req_id in self.requests or request.req_id in self._held:
+        if (request.req_id in self.requests or request.req_id in self._held
+                or request.req_id in self._sending):
             raise ValueError(f"request id {request.req_id!r} is already in use")
         self.requests[request.req_id] = request
         self.waiting.append(request)
@@ -236,7 +241,9 @@ class Scheduler:
             self._finish(request, RequestStatus.ABORTED)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests not finished, or finished with saves still copying from their blocks
+        (the engine steps on until those are reported, so it ends with them stored)."""
+        return bool(self.requests or self._sending)
 
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -343,11 +350,19 @@ class Scheduler:
         for req_id in result.finished_recving:
             held = self._held.pop(req_id, None)
             if held is not None:                 # aborted while loading: free it now
-                self.blocks.give(held.block_ids)
-                held.block_ids = []
+                if req_id not in self._sending:
+                    self._free(held)
             elif req_id in self.requests:
                 self._finished_recving.add(req_id)
+        for req_id in result.finished_sending:
+            sent = self._sending.pop(req_id, None)
+            if sent is not None and req_id not in self._held:
+                self._free(sent)
         return finished
+
+    def _free(self, request: Request) -> None:
+        self.blocks.give(request.block_ids)
+        request.block_ids = []
 
     # -- internals ------------------------------------------------------------------------
     def _cap(self, n: int, budget: int) -> int:
@@ -419,11 +434,12 @@ class Scheduler:
         self._finished_recving.discard(request.req_id)
         del self.requests[request.req_id]
         request.status = status
-        if self.connector is not None:
-            self.connector.request_finished(request)
+        sending = (self.connector is not None
+                   and bool(self.connector.request_finished(request)))
         self._finished_ids.append(request.req_id)
         if loading:                 # the workers still write its blocks: hold them
             self._held[request.req_id] = request
-        else:
-            self.blocks.give(request.block_ids)
-            request.block_ids = []
+        if sending:                 # the workers still read its blocks: hold them
+            self._sending[request.req_id] = request
+        if not loading and not sending:
+            self._free(request)

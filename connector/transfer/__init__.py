@@ -17,8 +17,12 @@ Lifecycle (one KVTransfer per worker, used from the engine's thread; not thread-
            xfer.save_layer(l, pool, res.offsets, block_ids)   after layer l wrote its KV:
                                                     the save stream waits for the current
                                                     stream's work so far, then copies out
-           xfer.finish_save()                       host sync on every save enqueued since
-                                                    the last finish_save; then res.commit()
+           h = xfer.finish_save(wait=False)         a handle on every save enqueued since
+                                                    the last finish_save (one event);
+           h.done() / h.synchronize()               then res.commit()
+           xfer.fence_saves()                       the current stream waits (on the device)
+                                                    for the saves in flight before it reuses
+                                                    the blocks they read
     reg.close()                                     at detach
 
 `block_ids` is (pages, k) int64: page p's tokens [j*block_size, (j+1)*block_size) live in

@@ -84,9 +84,10 @@ class KVTransfer:
             # scheduled ahead of queued compute work. Saves have slack until finish_save.
             self._load_stream = torch.cuda.Stream(self.device, priority=-1)
             self._save_stream = torch.cuda.Stream(self.device)
-        self._pending: list = []          # save events since the last finish_save
+        self._pending_saves = False       # save_layer since the last finish_save
         self._pending_keep: list = []     # what those saves read or write
         self._save_plans: dict = {}       # checked save pages, until finish_save
+        self._last_save = None            # the newest save event (fence_saves)
 
     # -- loads ---------------------------------------------------------------------------
     def load(self, host: np.ndarray, offsets: np.ndarray, layer_bytes: int,
@@ -195,8 +196,10 @@ class KVTransfer:
         self._saved(plan)
 
     def _saved(self, plan: Plan) -> None:
-        if self.cuda:
-            self._pending.append(record(self._save_stream))
+        # No event per launch: one stream runs the saves in order, so the one event
+        # finish_save records covers them all (an event costs the host ~5-10 us).
+        self._pending_saves = True
+        if not self._pending_keep or self._pending_keep[-1] is not plan:
             self._pending_keep.append(plan)
 
     def finish_save(self, wait: bool = True) -> SaveHandle:
@@ -204,13 +207,25 @@ class KVTransfer:
         have landed (TransferError if one failed)."""
         for key in list(self._save_runs):
             self._flush_save(key)
-        events, keep = self._pending, tuple(self._pending_keep)
-        self._pending, self._pending_keep = [], []
+        events, keep = [], tuple(self._pending_keep)
+        if self.cuda and self._pending_saves:
+            events = [record(self._save_stream)]
+            self._last_save = events[0]
+        self._pending_saves, self._pending_keep = False, []
         self._save_plans = {}
         handle = SaveHandle(self.device, events if (self.cuda and events) else None, keep)
         if wait:
             handle.synchronize()
         return handle
+
+    def fence_saves(self) -> None:
+        """Make the current stream wait, on the device (no host sync), for every save
+        copy enqueued so far: blocks those copies read may be rewritten by later work on
+        it only after them. Blocks an engine frees without telling the connector (a
+        preempted request's) are reused by the next step's forward, so the worker fences
+        at the start of a step while saves are in flight (nothing on CPU)."""
+        if self._last_save is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._last_save)
 
     # -- shared ----------------------------------------------------------------------------
     def _plan(self, host: np.ndarray, offsets, block_ids, *, save: bool) -> Plan:

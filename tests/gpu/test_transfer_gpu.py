@@ -186,3 +186,28 @@ def test_load_by_dma_runs_out_of_order(server, kind_or_name, k):
     cases.run_load(server.address, kind_or_name, k, device="cuda", n_pages=12,
                    method=CopyMethod.DMA, staging_bytes=5 << 10, order=order, loads=3)
 
+
+
+def test_an_async_save_is_polled_and_the_fence_keeps_its_blocks(server):
+    """finish_save(wait=False) returns at once with the copies still running (the save
+    stream is held up behind a sleep); fence_saves makes later writes to the saved blocks
+    on the compute stream wait for them, so the pool gets the KV of the save's time."""
+    kind, block_size = KVKind.FLASH_NHD, 4
+    layout = cases.layout_for(kind, block_size, layers=1)
+    cache = cases.make_cache(kind, block_size, device="cuda")
+    xfer = KVTransfer([kv5(cache, kind)], block_size, "cuda")
+    host = torch.zeros(4 * layout.page_bytes, dtype=torch.uint8, pin_memory=True).numpy()
+    block_ids = np.array([[3], [9], [4], [20]])
+    offsets = np.arange(4) * layout.page_bytes
+    torch.cuda.synchronize()
+    want = [cases.expected_page([cache], kind, layout, b) for b in block_ids]
+    with torch.cuda.stream(xfer._save_stream):
+        torch.cuda._sleep(200_000_000)                   # the save stream is busy ~0.1 s
+    xfer.save_layer(0, host, offsets, block_ids)
+    handle = xfer.finish_save(wait=False)
+    assert not handle.done()                             # returned with copies in flight
+    xfer.fence_saves()
+    cache.view(torch.int16).fill_(cases.POISON)          # the next step reuses the blocks
+    handle.synchronize()
+    assert handle.done()
+    assert np.array_equal(host.reshape(4, -1), np.stack(want))

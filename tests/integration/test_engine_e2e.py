@@ -28,7 +28,9 @@ from kvstore_bench.engine.scheduler import (  # noqa: E402
 )
 from kvstore_testing.serverproc import ServerProcess  # noqa: E402
 
+from kvstore_client import KVStoreClient  # noqa: E402
 from kvstore_connector.config import ConnectorConfig, LoadMode  # noqa: E402
+from kvstore_connector.hashing import page_keys  # noqa: E402
 
 BLOCK = 16
 TOL = 1e-5
@@ -127,7 +129,9 @@ def test_two_requests_sharing_a_prefix(model, srv):
     # than the default wait on a loaded machine, and this counts steps).
     engine = make_engine(model, srv, lookup_wait_ms=5000)
     outs = serve(engine, {"r1": r1, "r2": r2})
-    assert engine.num_steps == 4               # both prefills in the first step
+    # Both prefills in the first step, 3 more tokens, and one step that reports the
+    # finished requests' saves landed (saves are async: the blocks are held till then).
+    assert engine.num_steps == 5
     assert engine.num_computed_tokens == 30 + 41 + 2 * 3
     for req_id, tokens in (("r1", r1), ("r2", r2)):
         assert outs[req_id].num_external_tokens == 64
@@ -305,3 +309,27 @@ def test_token_budget_chunks_prefills_and_preemption_requeues_first():
     assert out.preempted_req_ids == ("b",)
     assert sched.waiting[0].req_id == "b" and sched.waiting[0].num_computed_tokens == 0
     assert sched.requests["b"].status is RequestStatus.PREEMPTED
+
+
+def test_a_finished_requests_blocks_are_held_until_its_save_is_committed(model, srv):
+    from .test_connector_step import Gate
+    engine = make_engine(model, srv)
+    gate = Gate(engine.connector.worker_half.transfer)     # the save copies "run" until opened
+    tokens = prompt(64, 21)
+    engine.add_request("a", tokens, 1)
+    sched = engine.scheduler
+    while "a" in sched.requests:
+        engine.step()
+    layout = engine.connector.layout
+    with KVStoreClient(srv.address) as client:
+        ns = client.register_layout(layout)
+        keys = page_keys(tokens, BLOCK, layout.chain_seed)
+        for _ in range(3):              # finished: its blocks stay the engine's, not free
+            assert engine.has_unfinished() and sched.blocks.num_free == 64 - 4
+            assert client.lookup(ns, keys) == 0
+            engine.step()
+        gate.open = True
+        engine.step()                   # landed: committed, then reported and freed
+        assert client.lookup(ns, keys) == 4
+        assert not engine.has_unfinished() and sched.blocks.num_free == 64
+    engine.connector.close()

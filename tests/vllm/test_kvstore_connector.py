@@ -209,3 +209,47 @@ def test_store_down_serves_without_it(model_dir, store):
     driver.add(make_request("x", PROMPT, max_tokens=1))
     out = driver.schedule()
     assert out.scheduled_new_reqs[0].num_computed_tokens == 0
+
+
+class SaveGate:
+    """The worker's save copies as a slow device runs them: not landed until `open`."""
+
+    def __init__(self, transfer) -> None:
+        self.open = False
+        self.handles = []
+        real = transfer.finish_save
+
+        def finish_save(wait=True):
+            self.handles.append(real(wait))
+            return self
+        transfer.finish_save = finish_save
+
+    def done(self) -> bool:
+        return self.open and all(h.done() for h in self.handles)
+
+    def synchronize(self) -> None:
+        for h in self.handles:
+            h.synchronize()
+
+
+def test_a_finished_requests_blocks_wait_for_its_saves_to_land(model_dir, store):
+    driver = engine(model_dir, store.address)
+    gate = SaveGate(driver.worker.connector._worker.transfer)
+    pool = driver.scheduler.kv_cache_manager.block_pool
+    free = pool.get_num_free_blocks()
+    driver.add(make_request("a", PROMPT, max_tokens=1))
+    result = driver.step()                  # prefill, 4 pages saved, finished
+    assert result.engine_outputs            # the token came out at once ...
+    for _ in range(3):                      # ... but vLLM holds the blocks (delay free)
+        assert "a" in driver.scheduler.requests
+        assert pool.get_num_free_blocks() < free
+        with KVStoreClient(store.address) as c:
+            assert c.stats().tiers[0].pages == 0      # not committed either
+        driver.step()
+    gate.open = True
+    result = driver.step()
+    assert result.kv_connector_output.finished_sending == {"a"}
+    assert "a" not in driver.scheduler.requests
+    assert pool.get_num_free_blocks() == free
+    with KVStoreClient(store.address) as c:
+        assert c.stats().tiers[0].pages == 4

@@ -1,0 +1,95 @@
+"""A step's loads from the store's shared pool under one Acquire.
+
+One Acquire pins every page the step loads (on the H200 an Acquire cost the hit's step
+1.5-2.2 ms of host time, one per request), and its offsets are split per load. Layer-wise
+loads then become one transfer: one copy per layer for all of them and one event for the
+compute stream to wait on. Async loads stay one transfer each, since each request is
+reported received when its own pages have landed. The lease is one too: it ends when the
+last load under it has landed, each load's `release` counting down (the loads of a step
+run on one stream, in order, so the last to land is the last enqueued).
+
+A page missing at the Acquire (NOT_FOUND) fails the whole call, so the step's loads are
+then acquired one by one and only the load missing a page fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import grpc
+import numpy as np
+
+from kvstore_client import KVStoreError
+
+from .meta import LoadSpec
+
+__all__ = ["Started", "start_step_loads"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Started:
+    """One load under way: the handle of its copies (several loads may share one)."""
+
+    spec: LoadSpec
+    handle: object            # transfer.LoadHandle
+    release: Callable[[], None]   # this load is done with the lease
+    region: object            # the pool mapping the offsets belong to
+
+
+def _counted_release(release: Callable[[], None], users: int) -> Callable[[], None]:
+    """A release that ends the lease when the last of `users` loads has called it."""
+    left = [users]
+
+    def one() -> None:
+        left[0] -= 1
+        if left[0] == 0:
+            release()
+    return one
+
+
+def start_step_loads(specs: list[LoadSpec], acquire, mem, load
+                     ) -> tuple[list[Started], list[tuple[LoadSpec, Exception]]]:
+    """Start every load of `specs` under one Acquire; (started, failed with why).
+
+    acquire(keys) -> kvstore_client Acquired; mem(region) -> the mapping's bytes (registered
+    with CUDA); load(pool, offsets, block_ids) -> a transfer.LoadHandle.
+    """
+    keys = [key for spec in specs for key in spec.keys]
+    try:
+        acquired = acquire(keys)
+    except KVStoreError as exc:
+        if exc.code == grpc.StatusCode.NOT_FOUND and len(specs) > 1:
+            started, failed = [], []
+            for spec in specs:
+                s, f = start_step_loads([spec], acquire, mem, load)
+                started += s
+                failed += f
+            return started, failed
+        return [], [(spec, exc) for spec in specs]
+    except (OSError, RuntimeError, ValueError) as exc:
+        return [], [(spec, exc) for spec in specs]
+    try:
+        pool = mem(acquired.region)
+    except (OSError, RuntimeError, ValueError) as exc:
+        acquired.release()
+        return [], [(spec, exc) for spec in specs]
+    release = _counted_release(acquired.release, len(specs))
+    bounds = np.cumsum([0] + [len(spec.keys) for spec in specs]).tolist()
+    layerwise = [i for i, spec in enumerate(specs) if not spec.is_async]
+    groups = ([layerwise] if layerwise else []) + [[i] for i, spec in enumerate(specs)
+                                                  if spec.is_async]
+    started, failed = [], []
+    for group in groups:
+        offsets = np.concatenate([acquired.offsets[bounds[i]:bounds[i + 1]] for i in group])
+        blocks = np.concatenate([specs[i].block_ids.reshape(len(specs[i].keys), -1)
+                                 for i in group])
+        try:
+            handle = load(pool, offsets, blocks)
+        except (RuntimeError, ValueError) as exc:
+            for i in group:
+                release()
+                failed.append((specs[i], exc))
+            continue
+        started += [Started(specs[i], handle, release, acquired.region) for i in group]
+    return started, failed
