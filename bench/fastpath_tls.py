@@ -21,7 +21,7 @@ import numpy as np
 from kvstore_client import KVStoreClient
 from kvstore_client.buffers import page_aligned_empty
 
-from .serverproc import ServerProcess
+from kvstore_testing.serverproc import ServerProcess
 from .store_bench import put_get_gbps
 
 __all__ = ["tls_report"]

@@ -38,7 +38,7 @@ from kvstore_client.malloc import keep_freed_buffers
 from .fastpath_bench import PAGE_1M, PAGE_64K, _p, _timed
 from .netns import NetPair, NetUnavailable
 from .rawpeer import RawClient
-from .serverproc import ServerProcess
+from kvstore_testing.serverproc import ServerProcess
 from .store_bench import put_get_gbps
 
 MiB = 1 << 20

@@ -14,7 +14,7 @@ import ssl
 import grpc
 import numpy as np
 import pytest
-from kvstore_bench.serverproc import ServerProcess, free_port
+from kvstore_testing.serverproc import ServerProcess, free_port
 
 from kvstore_client import KVStoreClient, KVStoreError
 from kvstore_client import fastwire as fw

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kvstore_bench.serverproc import sigstop  # noqa: E402
+from kvstore_testing.serverproc import sigstop  # noqa: E402
 
 from kvstore_client import KVStoreClient, PageLayout  # noqa: E402
 from kvstore_connector.config import ConnectorConfig  # noqa: E402
