@@ -89,7 +89,7 @@ def run(cluster, seconds: float, kill_at: float, n_pages: int = 96) -> Outcome:
             except KeyError:                    # PAGES_MISSING: gone between two calls
                 misses += 1
                 last_miss = time.monotonic()
-            except Exception as exc:            # anything else is an error to a client
+            except Exception as exc:  # noqa: BLE001 - anything else is an error to a client
                 errors.append(repr(exc))
             cb.evict(everything=True, tier="dram")
             rounds += 1
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  wrong pages                 {out.wrong_pages}")
     print(f"  hits {out.hits}, misses {out.misses} "
           f"({out.misses / max(1, out.hits + out.misses):.1%} of pages asked for)")
-    print(f"  every page a hit again      "
+    print("  every page a hit again      "
           + (f"{out.recovered_s:.1f} s after the kill" if out.recovered_s >= 0 else "never"))
     for line in out.first_errors:
         print(f"  error: {line}")

@@ -15,7 +15,7 @@ then acquired one by one and only the load missing a page fails.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 import numpy as np

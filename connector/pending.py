@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

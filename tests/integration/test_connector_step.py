@@ -5,7 +5,6 @@ wait for (committed at a later step boundary once their copies have landed)."""
 import time
 import urllib.request
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -175,7 +174,6 @@ def test_a_failed_load_drops_only_its_own_part_of_the_steps_reservation(srv):
     a.run_prompt("seed", shared)
     b = Engine(srv.address)
     ok = prompt(64, 10)
-    prompts = {"lost": shared, "ok": ok}
     hit = b.sched.hit("lost", shared, 0)
     assert hit == 48
     with KVStoreClient(srv.address) as client:    # the pages vanish before the Acquire
