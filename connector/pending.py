@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -66,7 +67,7 @@ class PendingSave:
     # the reservation cannot lose parts (one part only), a dropped part aborts it.
     forget: Callable[[list[bytes]], object] | None = None
     region: object = None      # the pool mapping the offsets belong to (None: a buffer)
-    handle: object = None      # the copies' SaveHandle, once the step enqueued them all
+    handle: Any = None      # the copies' SaveHandle, once the step enqueued them all
     landed: bool = False       # the copies have landed (or failed: then all dropped)
     held: int = 0              # steps it has waited on loads' outcomes since landing
 
@@ -189,7 +190,8 @@ class SaveQueue:
 
     def settle(self, outcomes: LoadOutcomes, step: bool = False,
                give_up: bool = False) -> list[tuple[PendingSave, Settle]]:
-        ready, waiting = [], []
+        ready: list[tuple[PendingSave, Settle]] = []
+        waiting: list[PendingSave] = []
         for save in self.held:
             save.held += step
             what = save.settle(outcomes, give_up or save.held > HOLD_STEPS)
@@ -200,7 +202,7 @@ class SaveQueue:
         self.held = waiting
         return ready
 
-    def land_all(self, wait: Callable[[PendingSave], None]) -> None:
+    def land_all(self, wait: Callable[[PendingSave], object]) -> None:
         """Every copy waited for (`wait(save)` blocks until it has landed or raises):
         nothing is given back under a copy still running."""
         for save in (*self.step, *self.inflight):

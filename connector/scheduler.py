@@ -151,6 +151,11 @@ class SchedulerHalf:
         self._waited = 0.0
 
     # -- the store ----------------------------------------------------------------------
+    def _prefetcher(self) -> LookupWorker:
+        """The lookup worker (only called in LookupMode.PREFETCH, where it exists)."""
+        assert self._worker is not None
+        return self._worker
+
     def _ns(self) -> list[LayoutHandle]:
         if self._handles is None:
             self._handles = [self.client.register_layout(layout) for layout in self.layouts]
@@ -274,7 +279,7 @@ class SchedulerHalf:
                 return 0                  # the store is not answering: no hit, no wait
             # A slice, not the list: the engine may append to it while the worker reads.
             job = Job(req_id, tokens[:len(tokens)], usable, tuple(state.keys), state.packed)
-            pending = self._pending[req_id] = self._worker.submit(job)
+            pending = self._pending[req_id] = self._prefetcher().submit(job)
             budget = self.config.lookup_wait_ms / 1e3 - self._waited
             if budget > 0:
                 began = time.perf_counter()
@@ -288,7 +293,7 @@ class SchedulerHalf:
                 return 0
             # Asked before and still unanswered: while the worker gets through a burst
             # (~0.25 ms a lookup), ask again, until the lookup's deadline.
-            if not self._stalled() and self._worker.clock() < (
+            if not self._stalled() and self._prefetcher().clock() < (
                     pending.submitted + self.config.lookup_timeout):
                 return None
         if not pending.done.is_set():
@@ -297,7 +302,7 @@ class SchedulerHalf:
             # that pays, as sync lookups would in the step the request arrived; then the
             # breaker is open and no ask waits.
             pending.done.wait(max(0.0, pending.submitted + self.config.lookup_timeout
-                                  - self._worker.clock()))
+                                  - self._prefetcher().clock()))
             if not pending.done.is_set():
                 self._abandon(req_id)
                 self._store_down(TimeoutError(f"no lookup answer within "
@@ -315,7 +320,7 @@ class SchedulerHalf:
         return self._counted(state, answer.count, answer.lease_id)
 
     def _stalled(self) -> bool:
-        return self._worker.stalled(max(self.config.lookup_wait_ms / 1e3, _STALLED_S))
+        return self._prefetcher().stalled(max(self.config.lookup_wait_ms / 1e3, _STALLED_S))
 
     def _install(self, state: _Request, answer: Answer) -> None:
         """Keep the worker's conversion and hashing: they are the request's own."""
@@ -350,7 +355,7 @@ class SchedulerHalf:
     def _abandon(self, req_id: str) -> None:
         pending = self._pending.pop(req_id, None)
         if pending is not None:
-            self._worker.abandon(pending)
+            self._prefetcher().abandon(pending)
 
     def _drop_lease(self, state: _Request) -> None:
         if state.lease_id:

@@ -52,7 +52,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -90,8 +90,8 @@ def layer_order(names: Sequence[str]) -> list[str]:
 @dataclasses.dataclass(slots=True)
 class _Load:
     spec: LoadSpec
-    handle: object            # transfer.LoadHandle (one may serve several loads)
-    release: object           # callable ending the pin on the source pages
+    handle: Any               # transfer.LoadHandle (one may serve several loads)
+    release: Callable[[], object]          # callable ending the pin on the source pages
     region: object = None     # the pool mapping the offsets belong to (None: a buffer)
 
 
@@ -358,6 +358,7 @@ class WorkerHalf:
                 return
             dropped = save.dropped_keys() if what is Settle.PARTIAL else []
             if dropped:
+                assert save.forget is not None   # PARTIAL only where parts can be forgotten
                 save.forget(dropped)          # never published: see connector.pending
             save.commit()
             stored = save.stored_pages()

@@ -482,7 +482,9 @@ class DiskTier:
     def _slot_read(self, sid: int) -> SlotRead:
         """A read of READY slot sid's page, its buffer not yet made (_spill_below)."""
         slots = self._slots
-        layout_id, key = slots.name_of[sid]
+        name = slots.name_of[sid]
+        assert name is not None               # a READY slot has a name
+        layout_id, key = name
         return SlotRead(slots.file_of[sid], int(slots.idx[sid]), np.empty(0, np.uint8),
                         SlotHeader(layout_id, key, int(slots.plen[sid]), int(slots.gen[sid]),
                                    int(slots.pxxh[sid])))
@@ -495,7 +497,7 @@ class DiskTier:
         buf = aligned_buffer(max(r.file.slot_bytes for r in leaving))
         for r in leaving:
             read = dataclasses.replace(r, out=buf[:r.expect.payload_len])
-            if read_slots([read])[0]:
+            if read_slots([read])[0] and self.below is not None:
                 self.below.offer(r.expect.layout_id, r.expect.key, read.out)
 
     def _fail(self, exc: BaseException) -> None:

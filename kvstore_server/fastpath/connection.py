@@ -39,7 +39,7 @@ __all__ = ["Connection"]
 
 log = logging.getLogger(__name__)
 
-_NAMES = {op: "Fast" + op.name.title() for op in fw.Op}
+_NAMES: dict[int, str] = {op: "Fast" + op.name.title() for op in fw.Op}
 SCRATCH_BYTES = 256 << 10      # per connection: where a refused Put's data is dropped
 
 
