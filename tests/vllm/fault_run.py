@@ -92,7 +92,8 @@ class Engine:
         spec = ConnectorSpec(
             name="KVStoreConnector", module_path="connector.vllm", role="kv_both",
             extra_config={"server": address, "load_mode": mode, "lookup_timeout": 0.5,
-                          "timeout": 1.0, "probe_interval": 0.5, "lease_ms": 3000},
+                          "timeout": 1.0, "probe_interval": 0.5, "lease_ms": 3000,
+                          "lookup_wait_ms": 5000},   # answered in the step asked: steps fixed
             load_failure_policy="recompute")
         self.async_scheduling = scheduler == "async"
         config = make_vllm_config(model_dir, spec, async_scheduling=self.async_scheduling,
