@@ -32,7 +32,7 @@ from .limits import RequestLimits, request_message_bytes
 from kvstore_client.malloc import keep_freed_buffers, limit_arenas
 from .metrics import Metrics
 from .preflight import check_host
-from .region import Progress, Region, region_bytes, remove_stale
+from .region import Progress, Region, region_bytes, remove_own, remove_stale
 from .sdnotify import Notifier
 from .service import KVStoreService, add_kvstore_service
 from .startup import EXIT_CANNOT_START, bind_grpc, check_config, progress_reporter
@@ -131,6 +131,7 @@ class Server:
         log.info("allocating and pre-faulting the pool: %s in %s", format_size(size),
                  config.shm_dir)
         started = time.monotonic()
+        undo.callback(remove_own, config.shm_dir)
         try:
             self.region = Region(size, config.shm_dir, config.shm_group, progress)
         except OSError as exc:

@@ -208,6 +208,26 @@ class Region:
 _NAME = re.compile(r"kvstore-(\d+)-[0-9a-f]{8}(?:\.sock)?")
 
 
+def remove_own(directory: str) -> None:
+    """Remove this process's region files and sockets in `directory` (start-up's undo).
+
+    Registered before the region is made, so a SIGTERM or SIGINT that lands between the
+    file's creation and the code that would close it (inside `Region()`, or before its
+    caller has the object) still leaves nothing behind. Every name that carries our pid
+    is ours: a region's name is made with O_EXCL from the pid and a random part."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        match = _NAME.fullmatch(name)
+        if match is not None and int(match.group(1)) == os.getpid():
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
+
+
 def remove_stale(directory: str, min_age: float = 60.0) -> list[tuple[str, int]]:
     """Remove the region files of servers that died without stopping; returns (path, bytes)
     of each removed.

@@ -195,6 +195,18 @@ def test_signal_during_pool_preparation(shm_dir, sig):
     assert os.listdir(shm_dir) == []
 
 
+def test_start_up_undo_removes_this_process_files_only(tmp_path):
+    """The sweep start-up registers before making the pool: a signal that lands between the
+    file's creation and its close being registered (the race above) still leaves nothing."""
+    from kvstore_server.region import remove_own
+    mine = [f"kvstore-{os.getpid()}-0123abcd", f"kvstore-{os.getpid()}-0123abcd.sock"]
+    others = [f"kvstore-{os.getpid() + 1}-0123abcd", "kvstore-notes.txt"]
+    for name in mine + others:
+        (tmp_path / name).write_bytes(b"x")
+    remove_own(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == sorted(others)
+
+
 # -- what a good start-up says ---------------------------------------------------------------------
 def test_check_config(shm_dir):
     ok = subprocess.run([*SERVER, "--check-config", "--shm-dir", shm_dir, "--dram", "64MiB"],
