@@ -65,6 +65,11 @@ device, on a second stream while the next piece copies. Same bench, same run, H2
     16k     53.9       97%
     32k     54.4       98%
 
+Saves of large layers whose pages lie in runs go the same way in reverse: the kernel
+gathers a group of layers into a device staging buffer, and a 2D copy per run writes it to
+the pool, so the bytes cross PCIe without holding the SMs the forward is using
+(core._DMA_SAVE_MIN_RUN has the figures that set when).
+
 On CPU tensors (CI) and with CopyMethod.COPIES the same API runs torch copies: per
 slab `copy_` into a staging tensor and one indexed write per layer (and the reverse);
 there are no streams on CPU and every call completes before it returns.
@@ -72,7 +77,7 @@ there are no streams on CPU and every call completes before it returns.
 The package, one idea a module: `plan` (geometry and page checks: numpy, no device),
 `runtime` (CUDA runtime calls, host registration, pinned buffers, events), `handles`
 (what a caller waits on), `kernel` (the Triton copy kernel and its launch), `copies`
-(torch copies: CPU and the CUDA fallback), `dma` (the copy-engine load path), `core`
+(torch copies: CPU and the CUDA fallback), `dma` (the copy-engine paths), `core`
 (KVTransfer: streams, save bookkeeping and the choice of path).
 """
 

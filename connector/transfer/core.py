@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from . import copies, kernel
-from .dma import DEFAULT_STAGING_BYTES, DmaLoader
+from .dma import DEFAULT_STAGING_BYTES, DmaLoader, DmaSaver
 from .handles import LoadHandle, SaveHandle
 from .plan import CopyMethod, Plan, as_tensor, check_pages, geometry, page_runs
 from .runtime import on_stream, record
@@ -25,6 +25,15 @@ _DMA_MIN_RUN = 8
 # device but from 66% to 42% timed on the host, its hit TTFT no better; from 4,096 tokens
 # (16 MiB a layer) both gained (device 91 -> 97%, host 82 -> 86%).
 _DMA_MIN_LAYER_BYTES = 8 << 20
+# Saves go by the copy engine on CUDA when their pages form runs of this many on average
+# and a layer of the save is at least _DMA_MIN_LAYER_BYTES (dma.DmaSaver says why: the
+# kernel's PCIe writes hold SMs beside the forward). H200, 8B, in one run each, saves by
+# DMA against the kernel: e2e miss+save / recompute at 4,096 tokens 1.02 and 1.02 against
+# 1.05 and 1.05; at 1,024 tokens 1.00 and 1.07 against 1.07 and 1.17 (noisy), but
+# `kvstore-bench load` saves of 1,024 tokens alone reached 61-65% of a pinned copy
+# against 86% (a group's fixed costs: two streams, a gather, events), so short saves stay
+# on the kernel. At 16,384 tokens: 92% against 94%.
+_DMA_SAVE_MIN_RUN = 4
 # Layers one kernel launch covers (loads and saves by the kernel). Each launch costs ~40 us
 # of host time on the H200 host, as much as the bytes of a layer of a short load need on
 # PCIe, so launching per layer made short loads launch-bound. A wait for layer l waits for
@@ -62,6 +71,7 @@ class KVTransfer:
         # Unless a method was named, a CUDA load of pages in runs goes by DMA.
         self._dma_auto = method is None and self.cuda
         self._dma = DmaLoader(self.device, staging_bytes)
+        self._dma_saver = DmaSaver(self.device, staging_bytes)
         self.max_ctas = max_ctas
         # Byte views: strides in bytes, a uint8 pointer for the kernel.
         self._bytes = [v.view(torch.uint8) for v in self.layers]
@@ -87,6 +97,8 @@ class KVTransfer:
         self._pending_saves = False       # save_layer since the last finish_save
         self._pending_keep: list = []     # what those saves read or write
         self._save_plans: dict = {}       # checked save pages, until finish_save
+        self._save_dma: dict = {}         # plan key -> its runs when it goes by DMA
+        self._dma_saved = False           # a DMA save since the last finish_save
         self._last_save = None            # the newest save event (fence_saves)
 
     # -- loads ---------------------------------------------------------------------------
@@ -171,6 +183,13 @@ class KVTransfer:
         if plan is None or plan.host is not host:
             with on_stream(self._save_stream, self.device):
                 plan = self._save_plans[key] = self._plan(host, offsets, block_ids, save=True)
+            self._save_dma.pop(key, None)
+            if self.method is CopyMethod.DMA or self._dma_auto:
+                runs = page_runs(plan.offsets, len(self.layers) * self.geo.layer_bytes)
+                if runs and (self.method is CopyMethod.DMA or (
+                        len(plan.offsets) >= _DMA_SAVE_MIN_RUN * len(runs)
+                        and len(plan.offsets) * self.geo.layer_bytes >= _DMA_MIN_LAYER_BYTES)):
+                    self._save_dma[key] = runs
         if self.method is CopyMethod.COPIES:
             with on_stream(self._save_stream, self.device):
                 copies.copy_layer(self.geo, self.layers[layer], layer, plan, to_cache=False,
@@ -190,10 +209,24 @@ class KVTransfer:
     def _flush_save(self, key) -> None:
         first, last = self._save_runs.pop(key)
         plan = self._save_plans[key]
+        runs = self._save_dma.get(key)
         with on_stream(self._save_stream, self.device):
             for at in range(first, last + 1, self._group):
-                self._launch(at, min(last + 1 - at, self._group), plan, to_cache=False)
+                count = min(last + 1 - at, self._group)
+                if runs is None:
+                    self._launch(at, count, plan, to_cache=False)
+                    continue
+                self._dma_saver.save(self.geo, len(self.layers), plan, runs, at, count,
+                                     self._table(at)[1] * self.geo.layer_bytes,
+                                     self._save_stream, self._cache_align, self._gather)
+                self._dma_saved = True
         self._saved(plan)
+
+    def _gather(self, staging: torch.Tensor, first: int, count: int, pages: int,
+                offs: torch.Tensor, blocks: torch.Tensor, align: int) -> None:
+        table, at = self._table(first)
+        kernel.launch(self.geo, table, at, count, staging, pages, offs, blocks,
+                      self.geo.layer_bytes, align, False, self.max_ctas)
 
     def _saved(self, plan: Plan) -> None:
         # No event per launch: one stream runs the saves in order, so the one event
@@ -208,11 +241,16 @@ class KVTransfer:
         for key in list(self._save_runs):
             self._flush_save(key)
         events, keep = [], tuple(self._pending_keep)
+        if self._dma_saved:
+            # The copies out run on the saver's stream: the one event covers them too.
+            assert self._save_stream is not None and self._dma_saver.last is not None
+            self._save_stream.wait_event(self._dma_saver.last)
+            self._dma_saved = False
         if self.cuda and self._pending_saves:
             events = [record(self._save_stream)]
             self._last_save = events[0]
         self._pending_saves, self._pending_keep = False, []
-        self._save_plans = {}
+        self._save_plans, self._save_dma = {}, {}
         handle = SaveHandle(self.device, events if (self.cuda and events) else None, keep)
         if wait:
             handle.synchronize()

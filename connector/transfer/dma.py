@@ -19,7 +19,7 @@ import torch
 from .plan import Geometry, Plan
 from .runtime import TransferError, clear_cuda_error, cudart, record
 
-__all__ = ["DEFAULT_STAGING_BYTES", "DmaLoader"]
+__all__ = ["DEFAULT_STAGING_BYTES", "DmaLoader", "DmaSaver"]
 
 # Device memory for staging: two buffers of this many bytes, taken on the first DMA load
 # (a layer larger than one is moved in pieces).
@@ -29,6 +29,9 @@ _CUDA_MEMCPY_DEFAULT = 4                      # cudaMemcpyDefault: direction fro
 # scatter(staging, layer, pages, staged_offsets, block_ids, align): the kernel from a
 # device buffer into one layer's blocks, on the current stream.
 Scatter = Callable[[torch.Tensor, int, int, torch.Tensor, torch.Tensor, int], None]
+# gather(staging, first, count, pages, staged_offsets, block_ids, align): the kernel from
+# layers [first, first + count)'s blocks into a device buffer, on the current stream.
+Gather = Callable[[torch.Tensor, int, int, int, torch.Tensor, torch.Tensor, int], None]
 
 
 class DmaLoader:
@@ -101,3 +104,78 @@ class DmaLoader:
                     self._free[b] = record(stream)
                 events.append(self._free[(piece - 1) % 2])
         return events
+
+
+class DmaSaver:
+    """Saves by the copy engine: the kernel gathers a group of layers' blocks into a device
+    staging buffer laid out as the pool lays out a page (the group's layers back to back),
+    then one cudaMemcpy2DAsync per run of adjacent pool slots writes the rows out (width
+    count * layer_bytes, pitch page_bytes).
+
+    Why: a kernel save writes the pool through UVA from the SMs for as long as the bytes
+    take on PCIe, beside the forward that produced them; the copy engine needs no SM while
+    the bytes move, so the forward keeps its SMs (the gather is device to device, ~1% of
+    the copy's time). The gather runs on the save stream and the copy on a stream of its
+    own, two buffers alternating, so a piece gathers while the previous one copies out.
+    """
+
+    def __init__(self, device: torch.device, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+        self.device = device
+        self.staging_bytes = staging_bytes
+        self._staging: list[torch.Tensor] = []
+        self._free: list = [None, None]     # event: the buffer's last copy out is done
+        self._copy_stream: Any = None       # torch.cuda.Stream, made at first use
+        self._lib: Any = None
+        self.last = None                    # event: the newest copy out (finish_save)
+
+    def save(self, geo: Geometry, num_layers: int, plan: Plan, runs: list[tuple[int, int]],
+             first: int, count: int, shift: int, save, cache_align: int,
+             gather: Gather) -> None:
+        """Layers [first, first + count) of the plan's pages, from their blocks to the
+        host at plan.offsets; `save` is the save stream (it has waited for the forward).
+        The kernel addresses layer l of page p at staging + offs[p] + l * layer_bytes, l
+        counted in its layer table: `shift` = the group's first layer's index there times
+        layer_bytes, taken off so the group starts at the buffer's start."""
+        lb, pages = geo.layer_bytes, len(plan.offsets)
+        if not pages:
+            return
+        width = count * lb
+        if not self._staging:
+            self._lib = cudart()
+            per = max(width, self.staging_bytes)
+            self._staging = [torch.empty(per, dtype=torch.uint8, device=self.device)
+                             for _ in range(2)]
+            self._copy_stream = torch.cuda.Stream(self.device)
+        chunk = max(1, self._staging[0].numel() // width)      # pages a buffer holds
+        extent = num_layers * lb
+        base = int(plan.host.ctypes.data)
+        meta = plan.meta
+        assert meta is not None             # the plan makes it for every device copy
+        staged = (torch.arange(min(chunk, pages), dtype=torch.int64, device=self.device)
+                  * width - shift)
+        align = math.gcd(cache_align, lb, 16)
+        copy = self._copy_stream
+        with torch.cuda.device(self.device):
+            for p0 in range(0, pages, chunk):
+                p1 = min(pages, p0 + chunk)
+                b = (p0 // chunk) % 2
+                buf = self._staging[b]
+                if self._free[b] is not None:
+                    save.wait_event(self._free[b])
+                with torch.cuda.stream(save):
+                    gather(buf, first, count, p1 - p0, staged[:p1 - p0],
+                           meta[pages + p0 * geo.k:pages + p1 * geo.k], align)
+                copy.wait_event(record(save))
+                for r0, r1 in runs:
+                    r0, r1 = max(r0, p0), min(r1, p1)
+                    if r0 >= r1:
+                        continue
+                    rc = self._lib.cudaMemcpy2DAsync(
+                        base + int(plan.offsets[r0]) + first * lb, extent,
+                        buf.data_ptr() + (r0 - p0) * width, width, width, r1 - r0,
+                        _CUDA_MEMCPY_DEFAULT, copy.cuda_stream)
+                    if rc:
+                        clear_cuda_error()
+                        raise TransferError(f"cudaMemcpy2DAsync of layers {first}.."
+                                            f"{first + count - 1} failed with CUDA error {rc}")
+                self._free[b] = self.last = record(copy)

@@ -17,10 +17,12 @@ __all__ = ["CopyMethod", "Geometry", "Plan", "as_tensor", "check_pages", "geomet
 
 class CopyMethod(enum.Enum):
     KERNEL = "kernel"    # one Triton kernel per layer over UVA host memory (CUDA default)
-    # Loads by the copy engine: per layer, one 2D copy per run of pages adjacent in the
-    # pool into a device staging buffer, then the kernel scatters it on the device. On
-    # CUDA a load takes it when its pages form runs and its layers are large
-    # (core._DMA_MIN_RUN, core._DMA_MIN_LAYER_BYTES); saves stay KERNEL.
+    # By the copy engine: a load copies, per layer, one 2D copy per run of pages adjacent
+    # in the pool into a device staging buffer, then the kernel scatters it on the device;
+    # a save gathers on the device and copies out the same way (dma.py). On CUDA a load
+    # takes it when its pages form runs and its layers are large (core._DMA_MIN_RUN,
+    # core._DMA_MIN_LAYER_BYTES), a save when, besides, its pages form runs
+    # (core._DMA_SAVE_MIN_RUN).
     DMA = "dma"
     COPIES = "copies"    # torch copy_ per slab + indexed write (CPU; the CUDA fallback)
 

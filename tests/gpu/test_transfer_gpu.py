@@ -188,6 +188,28 @@ def test_load_by_dma_runs_out_of_order(server, kind_or_name, k):
 
 
 
+# -- saves by the copy engine: the kernel gathers into a staging buffer, 2D copies out ----------
+# staging_bytes=1 leaves one page per buffer (both buffers alternate); 9 layers make groups
+# 0-3, 4-7 and 8, so a group that does not start at layer 0 is covered.
+@pytest.mark.parametrize("kind_or_name,k", cases.CASES)
+def test_save_by_dma_one_run(server, kind_or_name, k):
+    cases.run_save(server.address, kind_or_name, k, device="cuda", n_pages=12, layers=9,
+                   method=CopyMethod.DMA, staging_bytes=1)
+
+
+@pytest.mark.parametrize("kind_or_name,k", [(KVKind.VLLM_4D, 1), ("VLLM_4D_HNC", 2)])
+def test_save_by_dma_runs_out_of_order(server, kind_or_name, k):
+    order = np.array([3, 4, 5, 0, 1, 2, 9, 10, 11, 6, 8, 7])     # runs of 3, 3, 3, 2, 1, 1
+    cases.run_save(server.address, kind_or_name, k, device="cuda", n_pages=12, layers=9,
+                   method=CopyMethod.DMA, staging_bytes=5 << 10, order=order)
+
+
+@pytest.mark.parametrize("kind_or_name,k", [(KVKind.VLLM_4D, 1), (KVKind.FLASH_NHD, 2)])
+def test_save_by_the_kernel_when_named(server, kind_or_name, k):
+    cases.run_save(server.address, kind_or_name, k, device="cuda", n_pages=12, layers=9,
+                   method=CopyMethod.KERNEL)
+
+
 def test_an_async_save_is_polled_and_the_fence_keeps_its_blocks(server):
     """finish_save(wait=False) returns at once with the copies still running (the save
     stream is held up behind a sleep); fence_saves makes later writes to the saved blocks

@@ -141,9 +141,11 @@ def run_load(server_address, kind_or_name, k, device="cpu", dtype=torch.bfloat16
 
 
 def run_save(server_address, kind_or_name, k, device="cpu", dtype=torch.bfloat16,
-             block_size=4, n_pages=5, seed=1):
+             block_size=4, n_pages=5, seed=1, order=None, layers=3, **transfer):
+    """order: the pages' order in the save (default: as reserved, so mostly adjacent in
+    the pool); layers: the model's; transfer: KVTransfer options."""
     kind, physical = case(kind_or_name)
-    layout = layout_for(kind, k * block_size)
+    layout = layout_for(kind, k * block_size, layers)
     gen = torch.Generator().manual_seed(seed)
     caches = []
     for _ in range(layout.num_layers):
@@ -154,18 +156,23 @@ def run_save(server_address, kind_or_name, k, device="cpu", dtype=torch.bfloat16
     rng = np.random.default_rng(seed)
     block_ids = rng.permutation(BLOCKS)[:n_pages * k].reshape(n_pages, k).astype(np.int64)
     want = [expected_page(caches, kind, layout, b) for b in block_ids]
-    ks = keys(f"save-{kind.value}-{physical}-{k}-{device}", n_pages)
+    # Named by the case and the options too: a test of the same case with other options
+    # against the same server would otherwise find its pages already stored.
+    tag = f"{layers}-{None if order is None else list(order)}-{sorted(transfer.items())}"
+    ks = keys(f"save-{kind.value}-{physical}-{k}-{device}-{tag}", n_pages)
     with KVStoreClient(server_address, shared_memory=True) as c:
         ns = c.register_layout(layout)
         c.put(ns, ks[1:2], want[1][None])              # already stored: offset -1, skipped
         mem = c.region().mem
         reg = HostRegistration(mem)
         try:
-            xfer = KVTransfer([kv5(t, kind) for t in caches], layout.page_tokens, device)
+            xfer = KVTransfer([kv5(t, kind) for t in caches], layout.page_tokens, device,
+                              **transfer)
             res = c.reserve(ns, ks)
             assert res.offsets[1] == -1 and (np.delete(res.offsets, 1) >= 0).all()
+            at = np.arange(n_pages) if order is None else np.asarray(order)
             for layer in range(layout.num_layers):
-                xfer.save_layer(layer, mem, res.offsets, block_ids)
+                xfer.save_layer(layer, mem, res.offsets[at], block_ids[at])
             handle = xfer.finish_save()
             assert handle.done()
             assert res.commit() == n_pages - 1
