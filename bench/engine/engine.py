@@ -62,6 +62,10 @@ class RequestOutput:
         return self.first_token - self.submitted
 
 
+# An idle vLLM engine sleeps this long between steps that ran nothing.
+IDLE_SECONDS = 0.001
+
+
 @dataclasses.dataclass(slots=True)
 class _Track:
     """What the engine records about a request beside the scheduler's state."""
@@ -111,12 +115,20 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def run(self, max_steps: int = 1_000_000) -> dict[str, RequestOutput]:
-        """Step until every request has finished; their outputs by id."""
+        """Step until every request has finished; their outputs by id.
+
+        A step that ran no token is followed by a pause of IDLE_SECONDS, as vLLM's engine
+        loop idles: requests can wait on something outside the loop (a prefetched lookup's
+        answer), and without it an idle loop spins through its steps in microseconds while
+        the answer is on its way."""
         outputs: dict[str, RequestOutput] = {}
         for _ in range(max_steps):
             if not self.has_unfinished():
                 return outputs
+            before = self.num_computed_tokens
             outputs.update((o.req_id, o) for o in self.step())
+            if self.num_computed_tokens == before and self.has_unfinished():
+                time.sleep(IDLE_SECONDS)
         raise RuntimeError(f"requests still unfinished after {max_steps} steps: "
                            f"{list(self.scheduler.requests.values())}")
 
