@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 __all__ = ["Breaker"]
@@ -44,6 +45,7 @@ class Breaker:
         self._probe = probe
         self._lock = threading.Lock()      # guards _open and _thread
         self._open = False
+        self._opened_at = float("-inf")    # monotonic time the breaker last opened
         self._thread: threading.Thread | None = None   # the probe thread while open
         self._closed = threading.Event()   # close(): the probe thread ends
         self.probes = 0                    # probes made so far (for tests and stats)
@@ -62,13 +64,21 @@ class Breaker:
             if self._open or self._closed.is_set():
                 return False
             self._open = True
+            self._opened_at = time.monotonic()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._probe_until_answered,
                                                 name="kvstore-probe", daemon=True)
                 self._thread.start()
             return True
 
-    def succeeded(self) -> None:
+    def succeeded(self, began: float | None = None) -> None:
+        """The call answered. `began`: when it started (time.monotonic()). A call that
+        started before the breaker last opened says nothing about the store now (it may
+        have been answered just before the store stopped), so it does not close it: with
+        several threads calling, such a late success reopened the way to a hung store
+        and the next request's lookup waited a whole timeout again."""
+        if began is not None and began < self._opened_at:
+            return
         self._open = False
 
     def _probe_until_answered(self) -> None:

@@ -77,3 +77,20 @@ def test_close_stops_probing():
     time.sleep(0.1)
     assert b.probes <= probes + 1
     assert b.failed() is False                   # a closed breaker starts no thread
+
+
+def test_a_call_that_began_before_it_opened_does_not_close_it():
+    """Two threads: one's call was answered just before the store stopped, the other's
+    timed out and opened the breaker; the first's late success must not close it."""
+    b = Breaker(60, Store().probe)
+    try:
+        began = time.monotonic()
+        assert b.failed() is True
+        b.succeeded(began)                        # began before the opening: stale
+        assert b.open and not b.allow()
+        b.succeeded(time.monotonic())             # began after: the store answered
+        assert not b.open
+        b.succeeded()                             # no start given: as before, closes
+        assert not b.open
+    finally:
+        b.close()
