@@ -54,8 +54,9 @@ class Rig:
         # Blocks in a scrambled order, none shared: page i -> blocks[i].
         self.blocks = rng.permutation(blocks)[:pages * self.k].reshape(pages, self.k)
 
-    def worker(self, address: str, **config) -> WorkerHalf:
-        caches = {n: torch.full(self.shape, -7, dtype=self.dtype) for n in self.names}
+    def worker(self, address: str, device: str = "cpu", **config) -> WorkerHalf:
+        caches = {n: torch.full(self.shape, -7, dtype=self.dtype, device=device)
+                  for n in self.names}
         cfg = ConnectorConfig(server=address, **config)
         return WorkerHalf(cfg, self.layout, caches)
 
@@ -86,14 +87,15 @@ class Rig:
         return worker.load_errors()
 
     def as_bytes(self, worker: WorkerHalf) -> list[np.ndarray]:
-        return [t.contiguous().view(torch.uint8).numpy().copy() for t in worker.transfer.layers]
+        return [t.contiguous().view(torch.uint8).cpu().numpy().copy()
+                for t in worker.transfer.layers]
 
     def expected(self, worker: WorkerHalf) -> None:
         """Every page's slab of every layer is in its blocks, as the store holds it."""
         lb = self.layout.page_bytes // len(self.names)
         for layer, view in enumerate(worker.transfer.layers):
             for page, blocks in enumerate(self.blocks):
-                got = view[:, torch.as_tensor(blocks)]          # [kv, k, block, heads, head]
+                got = view[:, torch.as_tensor(blocks)].cpu()    # [kv, k, block, heads, head]
                 want = torch.from_numpy(self.pages[page, layer * lb:(layer + 1) * lb].copy())
                 want = want.view(self.dtype).view(got.shape[0], self.k, *got.shape[2:])
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), \
