@@ -124,7 +124,8 @@ class WorkerHalf:
         self.transfer = KVTransfer(views, layout.page_tokens, self.device)
         self.saves_enabled = saves and config.role.saves
         self.client = client or open_client(config, config.timeout,
-                                            shared_memory=config.shared_memory)
+                                            shared_memory=config.shared_memory,
+                                            data_connections=config.remote_connections)
         self._ns = None                            # registered on first use
         self._mappings = Mappings()                # pool mappings registered with CUDA
         self._remote = RemoteLoads(self.client, self.transfer, config.remote_staging_bytes)
