@@ -285,7 +285,8 @@ class RemoteLoads:
     def close(self) -> None:
         """Stop every load still receiving and wait for its threads."""
         for load in self._loads:
-            load.stop("the connector is closing")
+            if load.receiving:
+                load.stop("the connector is closing")
         for load in self._loads:
             try:
                 load.synchronize()

@@ -4,6 +4,9 @@ Run on the GPU machine."""
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +15,18 @@ from kvstore_connector.remote import SLABS
 from tests.integration.test_remote_load import SHAPES, Rig, remote_threads
 
 pytestmark = pytest.mark.gpu
+
+# tests/unit is not a package: load its load_layer cases by path.
+_spec = importlib.util.spec_from_file_location(
+    "load_layer_cases",
+    pathlib.Path(__file__).resolve().parents[1] / "unit" / "test_transfer_load_layer.py")
+load_layer_cases = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(load_layer_cases)
+
+
+@pytest.mark.parametrize("kind_or_name,k", load_layer_cases.cases.CASES)
+def test_load_layer_in_every_cache_layout_on_cuda(kind_or_name, k):
+    load_layer_cases.run_load_layers(kind_or_name, k, device="cuda")
 
 
 @pytest.fixture
