@@ -127,8 +127,7 @@ class RemoteLoad:
         # Page chunks whose layer fits a slab, as even as can be.
         chunks = -(-len(keys) * lb // ring.slab_bytes)
         bounds = np.linspace(0, len(keys), chunks + 1).astype(int).tolist()
-        self._chunks = [(keys[a:b], transfer.load_blocks(block_ids[a:b]))
-                        for a, b in zip(bounds[:-1], bounds[1:])]
+        self._chunks = [(keys[a:b], block_ids[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
         self.deadline = (time.monotonic() + client.timeout
                          + len(keys) * ns.page_bytes / _SLOWEST_BYTES_PER_S)
         self._stop = threading.Event()          # set: stop receiving (failure, deadline)
@@ -161,7 +160,7 @@ class RemoteLoad:
                 self._cond.notify_all()
 
     def _chunk(self, c: int) -> None:
-        keys, blocks = self._chunks[c]
+        keys, block_ids = self._chunks[c]
         lb, ring = self._ns.layer_bytes, self._ring
         taken: dict[int, int] = {}              # layer -> slab, received into, not copied
 
@@ -171,6 +170,12 @@ class RemoteLoad:
             taken[layer] = ring.take(self._stop)
             return ring.mem(taken[layer], len(keys), lb)
 
+        try:
+            # Checked and uploaded here, on the load stream: the engine's thread never waits.
+            blocks = self._transfer.load_blocks(block_ids)
+        except BaseException as exc:  # noqa: BLE001 - reported by done() and synchronize()
+            self._fail(exc)
+            return
         layers = self._client.get_layers(self._ns, keys, dest, self._stop)
         try:
             for layer, slab in layers:
