@@ -26,7 +26,9 @@ Failures (server gone, connection cut, pages missing, a stall): the Get raises o
 receiving thread, the thread ends, layers not enqueued never will be, and the load raises
 at done/synchronize, which the worker reports like any failed load (the engine recomputes
 those blocks). Nothing is left: the Get's threads have ended, the slabs are back in the
-ring, and the store pinned the pages only while it sent them. Every wait is bounded: a
+ring, and the store pinned the pages only while it sent them. (A thread in a call that a
+stop cannot cut -- opening the fast path, a gRPC stream -- ends at the client's timeout
+instead, and copies nothing more.) Every wait is bounded: a
 receive by the client's timeout for progress, the whole load by a deadline (the client's
 timeout plus the bytes at a pessimistic 100 MB/s, as a gRPC Get is given); past it the
 load is stopped (its sockets shut) and fails.
@@ -55,6 +57,7 @@ __all__ = ["RemoteLoad", "RemoteLoadFailed", "RemoteLoads", "StagingRing"]
 # only hold memory.
 SLABS = 4
 _POLL_S = 0.05                # how often a waiting thread looks for a stop
+_STOP_JOIN_S = 1.0            # how long a stopped load's thread is waited for
 _SLOWEST_BYTES_PER_S = 100e6  # the deadline's pessimistic rate (kvstore_client.rpc)
 
 
@@ -250,7 +253,11 @@ class RemoteLoad:
         self._thread.join(max(0.0, self.deadline - time.monotonic()))
         if self._thread.is_alive():
             self.stop("the remote load passed its deadline")
-            self._thread.join()
+            # A stop shuts the Get's sockets, so the thread ends at once, unless it is in
+            # a call a stop cannot cut (opening the fast path, a gRPC stream): that one
+            # ends at the client's timeout, copying nothing more (the stop is checked
+            # before every copy), and the load is failed now.
+            self._thread.join(_STOP_JOIN_S)
         if self._last is not None:
             self._last.synchronize()        # copies enqueued before a failure land first
         self._raise()

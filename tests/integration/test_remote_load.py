@@ -252,3 +252,32 @@ def test_missing_pages_fail_the_step_loads_and_the_next_step_loads(srv):
     assert not remote.breaker.open                # a missing page is an answer
     assert rig.step(remote, rig.specs([4])[:1]) == set()
     remote.close()
+
+
+def test_the_deadline_bounds_the_wait_for_a_layer(srv):
+    """A store that answers nothing (stopped) while the client's timeout is long: the
+    forward's wait for a layer ends at the load's deadline, the load is stopped and
+    reported failed, and its threads end."""
+    rig = Rig(srv.address, SHAPES["kv2-fp32-page16"], pages=8, seed=12)
+    remote = rig.worker(srv.address, shared_memory=False, timeout=60.0)
+    # Registered, and the fast path open, while the store answers, as in an engine that
+    # has run a while: a stop shuts the Get's socket.
+    remote.client.exists(remote.ns, rig.keys[:1])
+    meta = StepMeta(rig.specs([]))
+    sigstop(srv.proc.pid)
+    try:
+        remote.bind(meta)
+        remote.start_load(meta)
+        load = remote._layer_handles[0]
+        load.deadline = time.monotonic() + 0.5     # not the 60 s the settings give
+        start = time.monotonic()
+        remote.wait_for_layer(rig.names[0])
+        waited = time.monotonic() - start
+        remote.wait_for_save()
+        errors = remote.load_errors()
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+    assert 0.3 < waited < 5, waited
+    assert errors == {int(b) for b in rig.blocks.reshape(-1)}
+    assert remote_threads() == []
+    remote.close()
