@@ -9,7 +9,7 @@ the forward's first layer wait for every byte of every layer. Instead, per load:
                             (the blocks may have been in use); a thread starts the Get
     receive (that thread)   client.get_layers, layer-major, striped over the client's
                             connections, into slabs of a ring of pinned host memory
-                            (StagingRing); as each layer lands its copy to the blocks is
+                            (connector.staging); as each layer lands its copy to the blocks is
                             enqueued on the load stream (KVTransfer.load_layer) and the
                             slab goes back to the ring with the copy's event
     wait_layer(L) (engine)  waits on the host until layer L's copy is enqueued, then makes
@@ -36,11 +36,9 @@ load is stopped (its sockets shut) and fails.
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import grpc
 import numpy as np
@@ -48,15 +46,11 @@ import torch
 
 from kvstore_client import KVStoreClient, KVStoreError
 
-from .transfer import KVTransfer, TransferError, pinned_empty
+from .staging import SLABS, StagingRing, Stopped as _Stopped
+from .transfer import KVTransfer, TransferError
 
-__all__ = ["RemoteLoad", "RemoteLoadFailed", "RemoteLoads", "StagingRing"]
+__all__ = ["SLABS", "RemoteLoad", "RemoteLoadFailed", "RemoteLoads"]
 
-# Slabs in the ring: one receiving, one or two copying, one spare. A layer's copy (PCIe,
-# ~50 GB/s on the H200) is faster than its receive (the network), so more slabs would
-# only hold memory.
-SLABS = 4
-_POLL_S = 0.05                # how often a waiting thread looks for a stop
 _STOP_JOIN_S = 1.0            # how long a stopped load's thread is waited for
 _SLOWEST_BYTES_PER_S = 100e6  # the deadline's pessimistic rate (kvstore_client.rpc)
 
@@ -73,136 +67,167 @@ class RemoteLoadFailed(RuntimeError):
         self.cause = cause
 
 
-class _Stopped(Exception):
-    """The load was stopped (deadline, close) while this thread waited."""
-
-
-class StagingRing:
-    """SLABS pinned host buffers of `slab_bytes` each, taken for a receive and given back
-    with the event of the copy out of them. Thread-safe: stripes of several Gets take
-    from it at once."""
-
-    def __init__(self, total_bytes: int, min_slab: int, device: torch.device) -> None:
-        self.slab_bytes = max(total_bytes // SLABS, min_slab)
-        self._mem = [pinned_empty(self.slab_bytes, device) for _ in range(SLABS)]
-        self._cond = threading.Condition()      # guards _free
-        # Slabs not being received into, oldest first, each with the event of the copy
-        # out of it (None: nothing to wait for).
-        self._free: collections.deque = collections.deque((i, None) for i in range(SLABS))
-
-    def take(self, stop: threading.Event) -> int:
-        """A free slab's index, once the copy out of it has landed; _Stopped when `stop`
-        is set while waiting."""
-        with self._cond:
-            while not self._free:
-                if stop.is_set():
-                    raise _Stopped
-                self._cond.wait(_POLL_S)
-            slab, event = self._free.popleft()
-        if event is not None:
-            try:
-                event.synchronize()
-            except RuntimeError as exc:
-                self.give(slab)
-                raise TransferError(f"KV copy failed on the device: {exc}") from exc
-        return slab
-
-    def mem(self, slab: int, pages: int, layer_bytes: int) -> np.ndarray:
-        return self._mem[slab][:pages * layer_bytes].reshape(pages, layer_bytes)
-
-    def give(self, slab: int, event: Any = None) -> None:
-        with self._cond:
-            self._free.append((slab, event))
-            self._cond.notify()
-
-
 class RemoteLoad:
-    """One load in flight: a receiving thread and one event per layer. The handle the
-    worker holds, like transfer.LoadHandle (wait_layer, done, synchronize)."""
+    """One Get in flight for one load or several (`parts`: each load's page count, in
+    order): a receiving thread and one event per layer. `parts()` are the handles the
+    worker holds, like transfer.LoadHandle (wait_layer, done, synchronize).
+
+    A Get that finds pages missing fails before any byte of a layer arrives, so no layer
+    is whole yet; with several loads in it, each load is then asked for by a Get of its
+    own, so only the one missing a page fails (as the shared-pool path fails only that
+    one).
+    """
 
     def __init__(self, client: KVStoreClient, ns, keys: Sequence[bytes],
-                 block_ids: np.ndarray, transfer: KVTransfer, ring: StagingRing) -> None:
+                 block_ids: np.ndarray, transfer: KVTransfer, ring: StagingRing,
+                 parts: Sequence[int] = ()) -> None:
         self._client, self._ns, self._transfer, self._ring = client, ns, transfer, ring
         self._layers = ns.layout.num_layers
-        lb = ns.layer_bytes
-        keys = list(keys)
-        block_ids = np.asarray(block_ids, dtype=np.int64).reshape(len(keys), -1)
-        # Page chunks whose layer fits a slab, as even as can be.
-        chunks = -(-len(keys) * lb // ring.slab_bytes)
-        bounds = np.linspace(0, len(keys), chunks + 1).astype(int).tolist()
-        self._chunks = [(keys[a:b], block_ids[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+        self._keys = list(keys)
+        self._block_ids = np.asarray(block_ids, dtype=np.int64).reshape(len(self._keys), -1)
+        self._sizes = list(parts) or [len(self._keys)]
+        if sum(self._sizes) != len(self._keys):
+            raise ValueError(f"parts of {sum(self._sizes)} pages for {len(self._keys)} keys")
+        self._chunks = self._split([(0, len(self._keys), -1)])
         self.deadline = (time.monotonic() + client.timeout
-                         + len(keys) * ns.page_bytes / _SLOWEST_BYTES_PER_S)
-        self._stop = threading.Event()          # set: stop receiving (failure, deadline)
+                         + len(self._keys) * ns.page_bytes / _SLOWEST_BYTES_PER_S)
+        self._stop = threading.Event()          # set: the load failed or was stopped
+        # What each chunk's Get stops on: one event for all of the step's Get, so that a
+        # chunk's failure stops the others; one per load when each is asked for alone.
+        self._stops = [threading.Event()] * len(self._chunks)
         self._cond = threading.Condition()      # (an RLock) guards the fields below
         self._enqueued = [0] * self._layers     # chunks whose piece of a layer is enqueued
         self._events: list = [None] * self._layers   # a layer's event, once whole
         self._ready = 0                         # layers [0, ready) enqueued whole
         self._last = None                       # the newest copy's event
         self._error: BaseException | None = None
+        self._missing: KVStoreError | None = None    # the step's Get found pages missing
+        self._failed: dict[int, KVStoreError] = {}   # part -> why, asked for alone
         self._ended = False                     # the receiving thread has finished
         transfer.order_loads()
         self._thread = threading.Thread(target=self._run, name="kvstore-remote-load",
                                         daemon=True)
         self._thread.start()
 
+    def parts(self) -> list[_Part]:
+        return [_Part(self, i) for i in range(len(self._sizes))]
+
+    def _split(self, ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        """(first page, end, part; -1 = all) of Gets whose layer fits a slab, as even as
+        can be."""
+        out = []
+        for lo, hi, part in ranges:
+            chunks = -(-(hi - lo) * self._ns.layer_bytes // self._ring.slab_bytes)
+            bounds = np.linspace(lo, hi, chunks + 1).astype(int).tolist()
+            out += [(a, b, part) for a, b in zip(bounds[:-1], bounds[1:])]
+        return out
+
     # -- the receiving thread -------------------------------------------------------------
     def _run(self) -> None:
         try:
-            helpers = [threading.Thread(target=self._chunk, args=(c,), daemon=True,
-                                        name="kvstore-remote-chunk")
-                       for c in range(1, len(self._chunks))]
-            for t in helpers:
-                t.start()
-            self._chunk(0)
-            for t in helpers:
-                t.join()
+            self._get_all()
+            if self._by_part():
+                self._get_all()
         finally:
             with self._cond:
                 self._ended = True
                 self._cond.notify_all()
 
+    def _get_all(self) -> None:
+        helpers = [threading.Thread(target=self._chunk, args=(c,), daemon=True,
+                                    name="kvstore-remote-chunk")
+                   for c in range(1, len(self._chunks))]
+        for t in helpers:
+            t.start()
+        self._chunk(0)
+        for t in helpers:
+            t.join()
+
+    def _by_part(self) -> bool:
+        """After pages were found missing: a Get per load. No layer was whole (the chunk
+        missing a page sent none), so the engine has read none; pieces other chunks
+        copied are copied again, the same bytes to the same blocks, in stream order."""
+        with self._cond:
+            if self._missing is None or self._stop.is_set():
+                return False
+            if len(self._sizes) == 1 or self._ready:
+                self._fail(self._missing)
+                return False
+            self._enqueued = [0] * self._layers
+            edges = np.cumsum([0, *self._sizes]).tolist()
+            self._chunks = self._split([(edges[i], edges[i + 1], i)
+                                        for i in range(len(self._sizes))])
+            per_part = [threading.Event() for _ in self._sizes]
+            self._stops = [per_part[part] for _, _, part in self._chunks]
+            return True
+
     def _chunk(self, c: int) -> None:
-        keys, block_ids = self._chunks[c]
+        lo, hi, part = self._chunks[c]
+        keys, attempt = self._keys[lo:hi], self._stops[c]
         lb, ring = self._ns.layer_bytes, self._ring
         taken: dict[int, int] = {}              # layer -> slab, received into, not copied
+        landed: set[int] = set()
 
         def dest(layer: int) -> np.ndarray:
             if layer in taken:                  # the get started again over gRPC
                 ring.give(taken.pop(layer))
-            taken[layer] = ring.take(self._stop)
+            taken[layer] = ring.take(attempt)
             return ring.mem(taken[layer], len(keys), lb)
 
         try:
             # Checked and uploaded here, on the load stream: the engine's thread never waits.
-            blocks = self._transfer.load_blocks(block_ids)
+            blocks = self._transfer.load_blocks(self._block_ids[lo:hi])
         except BaseException as exc:  # noqa: BLE001 - reported by done() and synchronize()
             self._fail(exc)
             return
-        layers = self._client.get_layers(self._ns, keys, dest, self._stop)
+        layers = self._client.get_layers(self._ns, keys, dest, attempt)
         try:
             for layer, slab in layers:
                 event = None
                 with self._cond:                # an enqueue and a stop exclude each other
                     # Stopped: nothing more is copied; the get raises why at its next layer.
-                    if not self._stop.is_set():
+                    if not attempt.is_set():
                         event = self._transfer.load_layer(layer, slab, blocks)
                         self._landed(layer, event)
+                        landed.add(layer)
                 ring.give(taken.pop(layer), event)
+            if len(landed) < self._layers:      # stopped after its last layer came
+                raise _Stopped
         except BaseException as exc:  # noqa: BLE001 - reported by done() and synchronize()
-            self._fail(exc)
+            self._chunk_failed(exc, part, attempt, landed)
         finally:
             layers.close()                      # its threads have ended when this returns
             for unused in taken.values():       # received into, never copied
                 ring.give(unused)
 
+    def _chunk_failed(self, exc: BaseException, part: int, attempt: threading.Event,
+                      landed: set[int]) -> None:
+        missing = isinstance(exc, KVStoreError) and exc.code == grpc.StatusCode.NOT_FOUND
+        with self._cond:
+            if self._stop.is_set() or not (missing or isinstance(exc, _Stopped)
+                                           or _cancelled(exc)):
+                self._fail(exc)
+                return
+            # Pages missing, or a stop because a sibling Get found some missing.
+            if part < 0:                        # the step's Get: _by_part decides
+                if missing:
+                    self._missing = self._missing or exc   # type: ignore[assignment]
+                attempt.set()
+                return
+            if missing or part not in self._failed:
+                self._failed[part] = exc        # type: ignore[assignment]
+            for layer in range(self._layers):   # this load alone fails: its layers
+                if layer not in landed:         # count as in, never copied
+                    self._landed(layer, None)
+
     def _landed(self, layer: int, event) -> None:
         """Layer's piece of one chunk enqueued (under _cond). The load stream runs its
-        copies in order, so the event of the last chunk's piece covers the others."""
-        self._last = event
+        copies in order, so the newest copy's event covers every piece before it."""
+        if event is not None:
+            self._last = event
         self._enqueued[layer] += 1
         if self._enqueued[layer] == len(self._chunks):
-            self._events[layer] = event
+            self._events[layer] = self._last
             while self._ready < self._layers and self._enqueued[self._ready] == len(self._chunks):
                 self._ready += 1
             self._cond.notify_all()
@@ -214,6 +239,8 @@ class RemoteLoad:
                                                   or _cancelled(self._error)):
                 self._error = exc
             self._stop.set()
+            for event in self._stops:
+                event.set()
             self._cond.notify_all()
 
     def stop(self, why: str) -> None:
@@ -237,19 +264,19 @@ class RemoteLoad:
         if event is not None:
             torch.cuda.current_stream(self._transfer.device).wait_event(event)
 
-    def done(self) -> bool:
-        """Whether the load has ended and its last copy landed (RemoteLoadFailed if it
-        failed); never waits."""
+    def done(self, part: int | None = None) -> bool:
+        """Whether the load has ended and its last copy landed (RemoteLoadFailed if it,
+        or the part, failed); never waits."""
         if self._thread.is_alive():
             if time.monotonic() > self.deadline:
                 self.stop("the remote load passed its deadline")
             return False
-        self._raise()
+        self._raise(part)
         return self._last is None or bool(self._last.query())
 
-    def synchronize(self) -> None:
+    def synchronize(self, part: int | None = None) -> None:
         """Block until the load has ended (at most until its deadline, then it is stopped)
-        and its last copy has landed; RemoteLoadFailed if it failed."""
+        and its last copy has landed; RemoteLoadFailed if it, or the part, failed."""
         self._thread.join(max(0.0, self.deadline - time.monotonic()))
         if self._thread.is_alive():
             self.stop("the remote load passed its deadline")
@@ -260,18 +287,39 @@ class RemoteLoad:
             self._thread.join(_STOP_JOIN_S)
         if self._last is not None:
             self._last.synchronize()        # copies enqueued before a failure land first
-        self._raise()
+        self._raise(part)
 
     @property
     def receiving(self) -> bool:
         return self._thread.is_alive()
 
-    def _raise(self) -> None:
+    def _raise(self, part: int | None) -> None:
         if self._error is not None:
             raise RemoteLoadFailed(self._error)
+        if part in self._failed:
+            raise RemoteLoadFailed(self._failed[part])
         if self._ready < self._layers:      # stopped with no error of its own
             raise RemoteLoadFailed(KVStoreError(grpc.StatusCode.CANCELLED,
                                                 "the remote load was stopped", "Get"))
+
+
+class _Part:
+    """One load's handle on a RemoteLoad shared by the step's loads: its own outcome; the
+    first part waits for the layers, which every part shares."""
+
+    def __init__(self, load: RemoteLoad, index: int) -> None:
+        self._load = load
+        self._index = index
+
+    def wait_layer(self, layer: int) -> None:
+        if self._index == 0:
+            self._load.wait_layer(layer)
+
+    def done(self) -> bool:
+        return self._load.done(self._index)
+
+    def synchronize(self) -> None:
+        self._load.synchronize(self._index)
 
 
 class RemoteLoads:
@@ -285,12 +333,15 @@ class RemoteLoads:
         self._ring: StagingRing | None = None
         self._loads: list[RemoteLoad] = []      # started, maybe still receiving
 
-    def start(self, ns, keys: Sequence[bytes], block_ids: np.ndarray) -> RemoteLoad:
+    def start(self, ns, keys: Sequence[bytes], block_ids: np.ndarray,
+              parts: Sequence[int] = ()) -> RemoteLoad:
+        """One Get of keys into block_ids (pages, k), for loads of `parts` pages each."""
         if self._ring is None:
             self._ring = StagingRing(self._staging_bytes, ns.layer_bytes,
                                      self._transfer.device)
         self._loads = [x for x in self._loads if x.receiving]
-        load = RemoteLoad(self._client, ns, keys, block_ids, self._transfer, self._ring)
+        load = RemoteLoad(self._client, ns, keys, block_ids, self._transfer, self._ring,
+                          parts)
         self._loads.append(load)
         return load
 

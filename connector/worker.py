@@ -227,13 +227,13 @@ class WorkerHalf:
             keys = [key for spec in group for key in spec.keys]
             blocks = np.concatenate([s.block_ids.reshape(len(s.keys), -1) for s in group])
             try:
-                handle = self._remote.start(self.ns, keys, blocks)
+                load = self._remote.start(self.ns, keys, blocks, [len(s.keys) for s in group])
             except (KVStoreError, OSError, RuntimeError, ValueError) as exc:
                 self._trip(exc)
                 for spec in group:
                     self._load_failed(spec, exc)
                 continue
-            self._started([_Load(spec, handle, lambda: None) for spec in group])
+            self._started([_Load(s, part, lambda: None) for s, part in zip(group, load.parts())])
 
     def _load_failed(self, spec: LoadSpec, exc: Exception) -> None:
         log.warning("load of %d pages for %s failed, the engine recomputes them: %s",

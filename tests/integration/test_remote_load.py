@@ -184,7 +184,7 @@ def test_layer_zero_is_ready_while_later_layers_are_still_on_the_wire(srv, small
 
     def between(layer):
         if layer == 0:
-            load = remote._layer_handles[0]
+            load = remote._layer_handles[0]._load
             seen.append(load._ready)
             os.kill(srv.proc.pid, signal.SIGCONT)
 
@@ -242,15 +242,26 @@ def test_a_stalled_server_fails_the_load_within_the_timeout(srv, small_stripes):
     remote.close()
 
 
-def test_missing_pages_fail_the_step_loads_and_the_next_step_loads(srv):
-    rig = Rig(srv.address, SHAPES["kv2-fp32-page16"], pages=8, seed=9)
-    remote = rig.worker(srv.address, shared_memory=False)
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_missing_page_fails_only_the_load_it_belongs_to(srv, chunked):
+    """The step's loads share one Get; a page missing fails that Get, and each load is
+    then asked for alone, as the shared-pool path does with its Acquire."""
+    rig = Rig(srv.address, SHAPES["kv2-fp32-page16"], pages=12, seed=9)
+    lb = rig.layout.page_bytes // len(rig.names)
+    staging = {"remote_staging_bytes": SLABS * 2 * lb} if chunked else {}
+    remote = rig.worker(srv.address, shared_memory=False, **staging)
     with KVStoreClient(srv.address) as c:
-        c.delete(c.register_layout(rig.layout), rig.keys[6:])
-    errors = rig.step(remote, rig.specs([4]))
-    assert errors == {int(b) for b in rig.blocks.reshape(-1)}
+        c.delete(c.register_layout(rig.layout), rig.keys[6:7])
+    errors = rig.step(remote, rig.specs([4, 8]))        # pages 4-7 hold the missing one
+    assert errors == {int(b) for b in rig.blocks[4:8].reshape(-1)}
     assert not remote.breaker.open                # a missing page is an answer
-    assert rig.step(remote, rig.specs([4])[:1]) == set()
+    for page in (*range(4), *range(8, 12)):       # the other loads landed, byte-exact
+        for layer, view in enumerate(remote.transfer.layers):
+            got = view[:, torch.as_tensor(rig.blocks[page])].contiguous().view(torch.uint8)
+            want = rig.pages[page, layer * lb:(layer + 1) * lb]
+            assert np.array_equal(got.numpy().reshape(-1), want), (page, layer)
+    assert remote_threads() == []
+    assert len(remote._remote._ring._free) == SLABS
     remote.close()
 
 
@@ -268,7 +279,7 @@ def test_the_deadline_bounds_the_wait_for_a_layer(srv):
     try:
         remote.bind(meta)
         remote.start_load(meta)
-        load = remote._layer_handles[0]
+        load = remote._layer_handles[0]._load
         load.deadline = time.monotonic() + 0.5     # not the 60 s the settings give
         start = time.monotonic()
         remote.wait_for_layer(rig.names[0])
