@@ -100,6 +100,14 @@ class ConnectorConfig:
     # default, so a hang costs one step at most that on either side. A healthy control
     # call takes well under a millisecond on the store's host.
     timeout: float = 0.5
+    # Without the shared pool (a store on another host, or shared_memory false) a load is
+    # received layer by layer into pinned host memory and each layer copied to the GPU as
+    # it lands (connector.remote): this many bytes of it, in four slabs (each at least
+    # one page's layer; a load's layer larger than a slab is received in page chunks) ...
+    remote_staging_bytes: int = 512 << 20
+    # ... over at most this many connections at once (a Get is split by pages; each
+    # connection gets at least 16 MiB of it).
+    remote_connections: int = 8
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], role: str | None = None) -> "ConnectorConfig":
@@ -122,10 +130,12 @@ class ConnectorConfig:
         config = cls(**kwargs)
         if (config.page_tokens < 0 or config.lookup_timeout <= 0 or config.lease_ms < 0
                 or config.probe_interval <= 0 or config.ask_again < 0
-                or config.lookup_wait_ms < 0 or config.min_hit_tokens < 0):
+                or config.lookup_wait_ms < 0 or config.min_hit_tokens < 0
+                or config.remote_staging_bytes <= 0 or config.remote_connections <= 0):
             raise ValueError("kvstore connector config: page_tokens must be >= 0, "
                              "lookup_timeout > 0, lease_ms >= 0, probe_interval > 0, "
-                             "ask_again >= 0, lookup_wait_ms >= 0 and min_hit_tokens >= 0")
+                             "ask_again >= 0, lookup_wait_ms >= 0, min_hit_tokens >= 0, "
+                             "remote_staging_bytes > 0 and remote_connections > 0")
         if bool(config.tls_cert) != bool(config.tls_key):
             raise ValueError("kvstore connector config: a client certificate needs both "
                              "tls_cert and tls_key")
@@ -133,9 +143,12 @@ class ConnectorConfig:
 
 
 def open_client(config: ConnectorConfig, timeout: float, *, retries: int = 3,
-                shared_memory: bool | None = None) -> KVStoreClient:
-    """A client of config.server with the config's credentials (token, TLS)."""
+                shared_memory: bool | None = None, data_connections: int = 4
+                ) -> KVStoreClient:
+    """A client of config.server with the config's credentials (token, TLS);
+    data_connections: most connections one Get is striped over."""
     return KVStoreClient(config.server, timeout=timeout, retries=retries,
                          shared_memory=shared_memory, token=config.token or None,
                          tls_ca=config.tls_ca or None, tls_cert=config.tls_cert or None,
-                         tls_key=config.tls_key or None)
+                         tls_key=config.tls_key or None,
+                         data_connections=data_connections)

@@ -43,8 +43,14 @@ the store: saves are skipped (their reservations expire in the store), loads fai
 (the engine recomputes). The breaker's probe runs on its own thread, never in a step.
 
 On the store's host the pages move straight between the shared pool (registered with
-CUDA once) and the GPU; elsewhere they go through a pinned buffer and gRPC. All CUDA
-work is in connector.transfer; this module only plans it.
+CUDA once) and the GPU. Elsewhere a load is received layer by layer into a ring of
+pinned slabs and each layer copied to the GPU as it lands (connector.remote), so the
+forward's first layer waits for the first layer's bytes only; saves go through a pinned
+buffer and a Put. All CUDA work is in connector.transfer; this module only plans it.
+
+Over 400 lines because it is the one place that reads in the order an engine calls it
+(loads, saves, completion); each part with an idea of its own is a module beside it
+(loading, remote, pending, outcomes, breaker, hostmem).
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ from .loading import start_step_loads
 from .meta import LoadSpec, SaveSpec, StepMeta
 from .outcomes import LoadOutcomes, Verdict
 from .pending import Part, PendingSave, SaveQueue, Settle
+from .remote import RemoteLoadFailed, RemoteLoads
 from .transfer import KVTransfer, TransferError, pinned_empty
 
 __all__ = ["WorkerHalf", "layer_order"]
@@ -117,9 +124,11 @@ class WorkerHalf:
         self.transfer = KVTransfer(views, layout.page_tokens, self.device)
         self.saves_enabled = saves and config.role.saves
         self.client = client or open_client(config, config.timeout,
-                                            shared_memory=config.shared_memory)
+                                            shared_memory=config.shared_memory,
+                                            data_connections=config.remote_connections)
         self._ns = None                            # registered on first use
         self._mappings = Mappings()                # pool mappings registered with CUDA
+        self._remote = RemoteLoads(self.client, self.transfer, config.remote_staging_bytes)
         self._last_region = None                   # the newest mapping used
         self._loads: list[_Load] = []              # this step's layer-wise loads
         self._layer_handles: list = []             # their distinct handles (wait_for_layer)
@@ -181,16 +190,8 @@ class WorkerHalf:
             return
         if shared:
             self._start_shared(list(meta.loads))
-            return
-        for spec in meta.loads:
-            try:
-                load = self._start_one(spec)
-                self.breaker.succeeded()
-            except (KVStoreError, KeyError, OSError, RuntimeError, ValueError) as exc:
-                self._trip(exc)
-                self._load_failed(spec, exc)
-                continue
-            self._started([load])
+        else:
+            self._start_remote(list(meta.loads))
 
     def _started(self, loads: list[_Load]) -> None:
         for load in loads:
@@ -218,13 +219,21 @@ class WorkerHalf:
             self.breaker.succeeded()
         self._started([_Load(x.spec, x.handle, x.release, x.region) for x in started])
 
-    def _start_one(self, spec: LoadSpec) -> _Load:
-        lb = self.ns.layer_bytes
-        host = self._buffer(len(spec.keys))
-        self.client.get_into(self.ns, spec.keys, host)
-        offsets = np.arange(len(spec.keys), dtype=np.int64) * self.ns.page_bytes
-        handle = self.transfer.load(host, offsets, lb, spec.block_ids)
-        return _Load(spec, handle, lambda: None)
+    def _start_remote(self, specs: list[LoadSpec]) -> None:
+        """No shared pool: one pipelined Get for the step's layer-wise loads, one for each
+        async load (connector.remote); a failure is known at wait_for_save or finished."""
+        layerwise = [spec for spec in specs if not spec.is_async]
+        for group in ([layerwise] if layerwise else []) + [[s] for s in specs if s.is_async]:
+            keys = [key for spec in group for key in spec.keys]
+            blocks = np.concatenate([s.block_ids.reshape(len(s.keys), -1) for s in group])
+            try:
+                load = self._remote.start(self.ns, keys, blocks, [len(s.keys) for s in group])
+            except (KVStoreError, OSError, RuntimeError, ValueError) as exc:
+                self._trip(exc)
+                for spec in group:
+                    self._load_failed(spec, exc)
+                continue
+            self._started([_Load(s, part, lambda: None) for s, part in zip(group, load.parts())])
 
     def _load_failed(self, spec: LoadSpec, exc: Exception) -> None:
         log.warning("load of %d pages for %s failed, the engine recomputes them: %s",
@@ -239,6 +248,12 @@ class WorkerHalf:
         # dropped, and the reservation finished once its copies have landed.
         self._saves.drop_over(spec)
         self._finish_saves(self._saves.settle(self._outcomes))
+
+    def _remote_failed(self, exc: Exception) -> None:
+        """A remote load's Get that timed out or lost the store opens the breaker, as
+        any call of ours that meets it does."""
+        if isinstance(exc, RemoteLoadFailed) and isinstance(exc.cause, Exception):
+            self._trip(exc.cause)
 
     def _probe(self) -> bool:
         """The breaker's probe (on its own thread): does the store answer?"""
@@ -390,6 +405,7 @@ class WorkerHalf:
             try:
                 load.handle.synchronize()
             except (TransferError, RuntimeError) as exc:
+                self._remote_failed(exc)
                 self._load_failed(load.spec, exc)
             load.release()
         self._loads.clear()
@@ -404,6 +420,7 @@ class WorkerHalf:
             try:
                 landed = load.handle.done()
             except (TransferError, RuntimeError) as exc:
+                self._remote_failed(exc)
                 self._load_failed(load.spec, exc)
                 self._failed_async.discard(req_id)
                 landed = True
@@ -447,8 +464,12 @@ class WorkerHalf:
         return errors
 
     def close(self) -> None:
+        self._remote.close()                       # stops receives still running
         for load in [*self._loads, *self._async.values()]:
-            load.handle.synchronize()
+            try:
+                load.handle.synchronize()
+            except RemoteLoadFailed:
+                pass                               # stopped above: nothing to report
             load.release()
         self._loads.clear()
         self._async.clear()

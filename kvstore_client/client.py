@@ -16,8 +16,9 @@ gRPC) side by side, so that a reader sees in one place which one runs and why.
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import grpc
 import numpy as np
@@ -33,6 +34,7 @@ from .errors import KVStoreError, PagesMissing, from_rpc_error
 from .fastpath import FastPathUnavailable
 from .handles import LayoutHandle, Lease, PutResult
 from .keys import Packed
+from .layerget import Dest, LayerGet
 from .layout import PageLayout
 from .rpc import Rpc, packed
 from .shm import Acquired, Reservation, SharedRegion, copy_layer, copy_pages
@@ -250,57 +252,56 @@ class KVStoreClient:
                 got = self._data.call("Get", ns, lambda f: f.get_into(
                     ns.layout_id, *packed_keys(keys), flat.data, ns.page_bytes))
             except KVStoreError as exc:
-                if exc.code == grpc.StatusCode.NOT_FOUND:
-                    raise PagesMissing.of(exc) from None
-                raise
+                raise PagesMissing.of(exc) from None
             if got is not USE_GRPC:
                 return
         by_layer = flat.reshape(n, layers, lb)
         self._stream(ns, keys, lambda layer: by_layer[:, layer, :])
 
-    def get_layers(self, ns: LayoutHandle, keys: Sequence[bytes]
-                   ) -> Iterator[tuple[int, np.ndarray]]:
-        """Yield (layer, slab) as each layer arrives; slab is a contiguous
-        (N, layer_bytes) array holding every page's bytes of that layer."""
+    def get_layers(self, ns: LayoutHandle, keys: Sequence[bytes], dest: Dest | None = None,
+                   stop: threading.Event | None = None
+                   ) -> Generator[tuple[int, np.ndarray], None, None]:
+        """Yield (layer, slab) as each layer arrives; slab is a contiguous (N, layer_bytes)
+        array holding every page's bytes of that layer: a new one, or dest(layer), the
+        caller's (pinned memory, say; called once per layer, it may block until one is
+        free). Over the fast path a large get is striped over the pooled connections
+        (kvstore_client.layerget); setting `stop` from another thread ends it (the
+        iteration raises), and a failing get sets it, so a dest that waits can give up."""
         keys = list(keys)
         n, lb = len(keys), ns.layer_bytes
-        slabs: dict[int, np.ndarray] = {}
-        ready: list[int] = []
-
-        def dest(layer: int) -> np.ndarray:
-            slabs[layer] = np.empty((n, lb), dtype=np.uint8)
-            return slabs[layer]
-
         if n == 0:
             return
+        dest = dest or (lambda layer: np.empty((n, lb), dtype=np.uint8))
         if self.region() is not None:
             with self._acquire_or_keyerror(ns, keys) as acq:
                 for layer in range(ns.layout.num_layers):
-                    slab = np.empty((n, lb), dtype=np.uint8)
+                    slab = dest(layer)
                     copy_layer(slab, acq.region.mem, acq.offsets, layer, ns.page_bytes)
                     yield layer, slab
             return
         fast = self._data.fast()
         if fast is not None:
             try:
-                yield from fast.get_layers(ns.layout_id, *packed_keys(keys),
-                                           ns.layout.num_layers, lb,
-                                           lambda layer: np.empty((n, lb), dtype=np.uint8))
+                yield from LayerGet(fast, ns.layout_id, *packed_keys(keys), ns.layout.num_layers,
+                                    lb, dest, stop, lambda: self.register_layout(ns.layout))
                 return
             except KVStoreError as exc:
-                if exc.code == grpc.StatusCode.NOT_FOUND:
-                    raise PagesMissing.of(exc) from None
-                raise
+                raise PagesMissing.of(exc) from None
             except FastPathUnavailable:     # raised before any layer: gRPC instead
                 self._data.drop(fast)
         req = pb.GetRequest(layout_id=ns.layout_id, keys=packed(keys))
-        writer = LayerMajorWriter(n, ns.layout.num_layers, lb, dest, ready.append)
+        slabs: dict[int, np.ndarray] = {}      # what dest gave, until yielded
+        ready: list[int] = []
+        writer = LayerMajorWriter(n, ns.layout.num_layers, lb,
+                                  lambda layer: slabs.setdefault(layer, dest(layer)), ready.append)
         try:
             for payload in self._rpc.get(req, timeout=self._rpc.timeout_for(n * ns.page_bytes)):
                 writer.write(payload)
                 while ready:
                     layer = ready.pop(0)
                     yield layer, slabs.pop(layer)
+                if stop is not None and stop.is_set():
+                    raise KVStoreError(grpc.StatusCode.CANCELLED, "the get was stopped", "Get")
         except grpc.RpcError as exc:
             self._raise_get(exc)
         if not writer.done:
@@ -325,9 +326,7 @@ class KVStoreClient:
         try:
             self._rpc.call("Get", call, ns)
         except KVStoreError as exc:
-            if exc.code == grpc.StatusCode.NOT_FOUND:
-                raise PagesMissing.of(exc) from None
-            raise
+            raise PagesMissing.of(exc) from None
 
     @staticmethod
     def _raise_get(exc: grpc.RpcError):

@@ -3,6 +3,8 @@
     FastPath(address, token=...)        address: "HOST:PORT" (TCP) or a Unix socket path
       .lookup / .exists / .delete       microsecond control calls
       .get_into / .put                  page bytes between the socket and the caller's buffer
+      .take / .fresh / .give            connections lent to a layer-major Get
+                                        (kvstore_client.layerget)
       .acquire / .reserve / .commit / .abort / .release   the shared-memory path's control
 
 Connections are opened on first use, authenticated once (HELLO with the token), kept
@@ -36,7 +38,7 @@ from . import fastwire as fw
 from .errors import KVStoreError
 from .fastconn import Broken, Conn, Timeout, deadline
 
-__all__ = ["FastPath", "FastPathUnavailable", "FastLease"]
+__all__ = ["FastPath", "FastPathUnavailable", "FastLease", "keys_body"]
 
 T = TypeVar("T")
 
@@ -63,7 +65,7 @@ class FastLease:
         self.in_flight = in_flight
 
 
-def _keys_body(layout_id: bytes, key_size: int, packed: bytes) -> bytes:
+def keys_body(layout_id: bytes, key_size: int, packed: bytes) -> bytes:
     return fw.LAYOUT_HEAD.pack(layout_id) + fw.encode_keys(key_size, packed)
 
 
@@ -141,6 +143,23 @@ class FastPath:
             conn.close()
         else:
             self._idle.append(conn)
+
+    # -- lent to kvstore_client.layerget, which reads one Get on several at once ------
+    def take(self) -> Conn:
+        """An idle connection, or a new one."""
+        return self._take()
+
+    def fresh(self) -> Conn:
+        """A new connection (a pooled one was found broken)."""
+        return self._connect()
+
+    def give(self, conn: Conn) -> None:
+        """Back to the pool, in step (its call answered in full)."""
+        self._give(conn)
+
+    @property
+    def timeout(self) -> float:
+        return self._timeout()
 
     def check(self) -> None:
         """Open (and keep) one connection now; FastPathUnavailable if none can be."""
@@ -231,7 +250,7 @@ class FastPath:
 
     def exists(self, layout_id: bytes, key_size: int, packed: bytes) -> list[bool]:
         answer = self._run("Exists", lambda c: self._simple(
-            c, fw.Op.EXISTS, _keys_body(layout_id, key_size, packed), "Exists"))
+            c, fw.Op.EXISTS, keys_body(layout_id, key_size, packed), "Exists"))
         (n,) = fw.COUNT.unpack_from(answer)
         bits = np.unpackbits(np.frombuffer(answer[fw.COUNT.size:], dtype=np.uint8),
                              bitorder="little")
@@ -239,7 +258,7 @@ class FastPath:
 
     def delete(self, layout_id: bytes, key_size: int, packed: bytes) -> int:
         answer = self._run("Delete", lambda c: self._simple(
-            c, fw.Op.DELETE, _keys_body(layout_id, key_size, packed), "Delete"))
+            c, fw.Op.DELETE, keys_body(layout_id, key_size, packed), "Delete"))
         return fw.COUNT.unpack_from(answer)[0]
 
     def acquire(self, layout_id: bytes, key_size: int, packed: bytes, region_token: bytes,
@@ -302,7 +321,7 @@ class FastPath:
             ) -> tuple[int, int, int]:
         """(stored, skipped, in flight); data: the pages, back to back, as one flat byte
         view."""
-        body = _keys_body(layout_id, key_size, packed)
+        body = keys_body(layout_id, key_size, packed)
 
         def call(c: Conn) -> tuple[int, int, int]:
             c.send(fw.Op.PUT, body, data)
@@ -331,40 +350,10 @@ class FastPath:
 
     def _get_part(self, layout_id: bytes, key_size: int, packed: bytes, out: memoryview,
                   flags: int = fw.PAGE_MAJOR) -> None:
-        body = _keys_body(layout_id, key_size, packed)
+        body = keys_body(layout_id, key_size, packed)
 
         def call(c: Conn) -> None:
             c.send(fw.Op.GET, body, flags=flags)
             c.answer_into(fw.Op.GET, "Get", out)
 
         self._run("Get", call)
-
-    def get_layers(self, layout_id: bytes, key_size: int, packed: bytes, layers: int,
-                   layer_bytes: int, slab: Callable[[int], np.ndarray]):
-        """Yield each layer as it arrives: the server sends every page's layer 0, then
-        layer 1, ...; slab(layer) gives the (n, layer_bytes) buffer to fill."""
-        body = _keys_body(layout_id, key_size, packed)
-        n = len(packed) // key_size if key_size else 0
-        conn = self._take()
-        try:
-            conn.use_timeout(self._timeout())
-            conn.send(fw.Op.GET, body, flags=fw.LAYER_MAJOR)
-            h = conn.answer_head(fw.Op.GET, "Get")
-            if h.data_len != n * layers * layer_bytes:
-                raise Broken(f"Get answered {h.data_len} bytes, expected "
-                              f"{n * layers * layer_bytes}")
-            for layer in range(layers):
-                buf = slab(layer)
-                conn.recv_exact(buf.data.cast("B"))
-                yield layer, buf
-        except Timeout as exc:
-            conn.close()
-            raise deadline("Get", exc) from None
-        except Broken as exc:
-            conn.close()
-            raise KVStoreError(grpc.StatusCode.UNAVAILABLE,
-                               f"fast-path connection broke: {exc}", "Get") from None
-        except BaseException:
-            conn.close()          # the consumer stopped early, or an error frame
-            raise
-        self._give(conn)

@@ -13,6 +13,13 @@ Lifecycle (one KVTransfer per worker, used from the engine's thread; not thread-
            h.wait_layer(l)                          before layer l's attention: the CURRENT
                                                     stream waits on layer l's event only
            h.done() / h.synchronize()               then acq.release()
+    load, layer by layer (no shared pool: connector.remote):
+           xfer.order_loads()                       engine's thread: the load stream waits
+                                                    for the current stream's work so far
+           b = xfer.load_blocks(block_ids)          then, on the receiving thread, as each
+           ev = xfer.load_layer(l, slab, b)         layer's slab (pages back to back) lands:
+                                                    its copy on the load stream, its event;
+                                                    the current stream waits on ev
     save:  res = client.reserve(ns, keys)           offsets, -1 = already stored
            xfer.save_layer(l, pool, res.offsets, block_ids)   after layer l wrote its KV:
                                                     the save stream waits for the current

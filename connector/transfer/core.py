@@ -12,7 +12,7 @@ from . import copies, kernel
 from .dma import DEFAULT_STAGING_BYTES, DmaLoader, DmaSaver
 from .handles import LoadHandle, SaveHandle
 from .plan import CopyMethod, Plan, as_tensor, check_pages, geometry, page_runs
-from .runtime import on_stream, record
+from .runtime import on_device, on_stream, record
 
 __all__ = ["KVTransfer"]
 
@@ -136,6 +136,53 @@ class KVTransfer:
                     self._launch(first, count, plan, to_cache=True)
                     events += [record(self._load_stream)] * count
         return LoadHandle(self.device, events if self.cuda else None, (plan,))
+
+    def order_loads(self) -> None:
+        """Make the load stream wait (on the device) for the current stream's work so far,
+        so that copies enqueued later by load_layer, from another thread, land in blocks
+        the engine is done with. Call it on the engine's thread; nothing on CPU."""
+        if self._load_stream is not None:
+            self._load_stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def load_blocks(self, block_ids: np.ndarray) -> torch.Tensor:
+        """block_ids (pages, k) checked as a load's are (plan.check_pages), on the device,
+        for load_layer."""
+        block_ids = np.asarray(block_ids, dtype=np.int64)
+        pages = len(block_ids) if block_ids.ndim else 0
+        # A page's layer alone is checked: the offsets are the slab's rows.
+        _, block_ids = check_pages(self.geo, 1, np.empty(self.geo.layer_bytes, np.uint8),
+                                   np.zeros(pages, np.int64), block_ids, save=False)
+        # On the load stream, where load_layer reads them: no wait for the engine's.
+        with on_device(self.device), on_stream(self._load_stream, None):
+            return torch.from_numpy(block_ids).to(self.device, non_blocking=True)
+
+    def load_layer(self, layer: int, slab: np.ndarray, blocks: torch.Tensor):
+        """Copy layer `layer` of P pages, back to back in `slab` ((P, layer_bytes) uint8,
+        pinned), into the blocks `blocks` (load_blocks); the event of the copy is returned
+        (None on CPU, where it has landed on return). `slab` must stay untouched until it.
+
+        For pages that arrive layer by layer (connector.remote), from a thread other
+        than the engine's: the copy goes on the load stream without waiting for the
+        calling thread's stream (order_loads, on the engine's thread, did that). The slab
+        is contiguous, so it crosses PCIe as one copy by the copy engine into device
+        memory, then one indexed write per K and V puts each page in its blocks on the
+        device: torch calls only, no kernel launched from this thread.
+        """
+        geo = self.geo
+        if not 0 <= layer < len(self.layers):
+            raise IndexError(f"layer {layer} out of range [0, {len(self.layers)})")
+        pages = blocks.shape[0]
+        if slab.dtype != np.uint8 or slab.shape != (pages, geo.layer_bytes):
+            raise ValueError(f"slab must be uint8 of shape {(pages, geo.layer_bytes)}, got "
+                             f"{slab.dtype} {slab.shape}")
+        view = self.layers[layer]
+        with on_device(self.device), on_stream(self._load_stream, None):
+            src = as_tensor(slab).to(self.device, non_blocking=True)
+            kv = src.view(geo.dtype).view(pages, geo.kv, geo.k, geo.block_size, geo.heads,
+                                          geo.head)
+            for c in range(geo.kv):
+                view[c][blocks] = kv[:, c]
+            return record(self._load_stream)
 
     def _scatter(self, staging: torch.Tensor, layer: int, pages: int, offs: torch.Tensor,
                  blocks: torch.Tensor, align: int) -> None:

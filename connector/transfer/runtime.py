@@ -13,8 +13,8 @@ import ctypes
 import numpy as np
 import torch
 
-__all__ = ["HostRegistration", "TransferError", "clear_cuda_error", "cudart", "on_stream",
-           "pinned_empty", "query", "record", "sync"]
+__all__ = ["HostRegistration", "TransferError", "clear_cuda_error", "cudart", "on_device",
+           "on_stream", "pinned_empty", "query", "record", "sync"]
 
 _CUDA_ERROR_ALREADY_REGISTERED = 712          # cudaErrorHostMemoryAlreadyRegistered
 
@@ -108,12 +108,22 @@ def clear_cuda_error() -> None:
 
 
 # -- streams and events ----------------------------------------------------------------------
-def on_stream(stream, device: torch.device):
-    """Run on `stream` after the current stream's work so far (nothing on CPU)."""
+def on_stream(stream, device: torch.device | None):
+    """Run on `stream` after the current stream's work so far (nothing on CPU); with
+    device None, on `stream` without waiting for anything."""
     if stream is None:
         return contextlib.nullcontext()
-    stream.wait_stream(torch.cuda.current_stream(device))
+    if device is not None:
+        stream.wait_stream(torch.cuda.current_stream(device))
     return torch.cuda.stream(stream)
+
+
+def on_device(device: torch.device):
+    """Make `device` this thread's current CUDA device (nothing on CPU): a thread other
+    than the engine's starts on device 0."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def record(stream):

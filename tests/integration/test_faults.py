@@ -333,11 +333,14 @@ def test_server_killed_mid_connector_load(fresh_server):
     killer = threading.Thread(target=kill_when_streaming, daemon=True)
     killer.start()
     t0 = time.monotonic()
-    worker.start_load(meta)
+    worker.start_load(meta)                    # receives on a thread (connector.remote)
+    for name in caches:
+        worker.wait_for_layer(name)
+    worker.wait_for_save()                     # a failed load is known by here
     took = time.monotonic() - t0
     killer.join(5)
     assert killed.is_set(), "the load finished before the server could be killed"
-    assert took < 10, f"start_load took {took:.1f}s after the server died"
+    assert took < 10, f"the step took {took:.1f}s after the server died"
     errors = worker.load_errors()
     assert errors == set(block_ids[:n_pages])            # the engine recomputes them all
     assert sched.load_failed_blocks(errors) == ["r"]

@@ -1,0 +1,237 @@
+"""A layer-major Get over the fast path, into the caller's buffers, striped over connections.
+
+    for layer, buf in LayerGet(fast, layout_id, key_size, packed, layers, layer_bytes,
+                               dest, stop):
+        ...             buf is dest(layer), whole: every page's bytes of that layer
+
+The server answers a GET flagged LAYER_MAJOR with every page's layer 0, then every page's
+layer 1, ... (kvstore_client.fastwire). A large Get is split by pages into stripes, one
+pooled connection and one thread each, so that several sockets receive at once; every
+stripe is itself layer-major, so it receives its pages' rows of layer L straight into
+layer L's buffer, then its rows of layer L+1. `dest(layer)` is called once per layer, by
+the first stripe to reach it, and may block until the caller has a buffer free (a ring
+of pinned slabs, say); the other stripes wait for that buffer. A layer is handed out once
+every stripe has filled its rows. Every stripe goes through the layers in order, so the
+layers complete in order.
+
+A stripe always runs on a thread of its own, even a lone one: the caller's thread only
+waits for finished layers, so it can notice `stop` and end the get at any time.
+
+Failure: the first stripe to fail sets `stop` and shuts the other stripes' sockets; the
+iteration raises its error once every stripe thread has ended. A caller that sets
+`stop`, or stops iterating, ends the get the same way (KVStoreError CANCELLED). So a
+`dest` that waits for a buffer must give up when `stop` is set. A stripe whose pooled
+connection is found broken before any byte of its answer arrived (one left idle across a
+server restart) tries once more on a fresh one, as FastPath's other calls do, and one
+told that the layout is unknown (the server restarted) registers it again and tries once
+more; a connection that breaks later fails the get (UNAVAILABLE). Each receive is bounded by the
+client's timeout for progress (kvstore_client.fastconn).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import socket
+import threading
+from collections.abc import Callable, Iterator
+
+import grpc
+import numpy as np
+
+from . import fastwire as fw
+from .errors import KVStoreError, Reason
+from .fastconn import Broken, Conn, Timeout, deadline
+from .fastpath import STRIPE_MIN_BYTES, FastPath, keys_body
+
+__all__ = ["Dest", "LayerGet"]
+
+# dest(layer) -> the (n_pages, layer_bytes) uint8 C-contiguous array that layer lands in.
+Dest = Callable[[int], np.ndarray]
+
+_POLL_S = 0.05          # how often a waiting thread looks at `stop`
+
+
+class _Stopped(Exception):
+    """This stripe ends because another one failed or the caller stopped the get."""
+
+
+class LayerGet:
+    """One layer-major Get; iterate once for (layer, buffer) in layer order."""
+
+    def __init__(self, fast: FastPath, layout_id: bytes, key_size: int, packed: bytes,
+                 layers: int, layer_bytes: int, dest: Dest,
+                 stop: threading.Event | None = None,
+                 reregister: Callable[[], object] | None = None) -> None:
+        """stop: set by the caller to end the get, and by the get when it fails;
+        reregister: registers the layout again (a server that restarted forgot it)."""
+        self.n = len(packed) // key_size if key_size else 0
+        self.layers = layers
+        self.layer_bytes = layer_bytes
+        self.stop = stop or threading.Event()
+        self._fast = fast
+        self._layout_id = layout_id
+        self._key_size = key_size
+        self._packed = packed
+        self._dest = dest
+        self._reregister = reregister
+        stripes = min(fast.connections, self.n,
+                      max(1, self.n * layers * layer_bytes // STRIPE_MIN_BYTES))
+        self._bounds = np.linspace(0, self.n, max(1, stripes) + 1).astype(int).tolist()
+        self._lock = threading.Lock()     # guards _buffers, _left, _conns, _error
+        self._buffers: dict[int, concurrent.futures.Future] = {}   # layer -> its buffer
+        self._left = [len(self._bounds) - 1] * layers     # stripes yet to fill a layer
+        self._conns: dict[int, Conn] = {}                 # stripe -> its connection now
+        self._error: BaseException | None = None          # the first stripe's failure
+        self._done: queue.Queue = queue.Queue()           # (layer, buffer), in order
+
+    # -- the caller's side ------------------------------------------------------------
+    def __iter__(self) -> Iterator[tuple[int, np.ndarray]]:
+        if not self.n:
+            return
+        threads = [threading.Thread(target=self._stripe, args=(i, lo, hi), daemon=True,
+                                    name=f"kvstore-layers-{i}")
+                   for i, (lo, hi) in enumerate(zip(self._bounds[:-1], self._bounds[1:]))]
+        for t in threads:
+            t.start()
+        completed = False
+        try:
+            for _ in range(self.layers):
+                yield self._next()
+            completed = True
+        finally:
+            if not completed:             # the caller stopped early, or a stripe failed
+                self.stop.set()
+                self._shut_all()
+            for t in threads:
+                t.join()
+
+    def _next(self) -> tuple[int, np.ndarray]:
+        while True:
+            try:
+                return self._done.get(timeout=_POLL_S)
+            except queue.Empty:
+                pass
+            if self._error is not None:
+                raise self._error
+            if self.stop.is_set():
+                raise KVStoreError(grpc.StatusCode.CANCELLED, "the get was stopped", "Get")
+
+    # -- the stripes ------------------------------------------------------------------
+    def _stripe(self, i: int, lo: int, hi: int) -> None:
+        try:
+            self._receive(i, lo, hi)
+        except _Stopped:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            with self._lock:
+                first = self._error is None and not self.stop.is_set()
+                if first:
+                    self._error = exc
+            if first:
+                self.stop.set()
+                self._shut_all()
+
+    def _receive(self, i: int, lo: int, hi: int) -> None:
+        body = keys_body(self._layout_id, self._key_size,
+                         self._packed[lo * self._key_size:hi * self._key_size])
+        expected = (hi - lo) * self.layers * self.layer_bytes
+        for attempt in (0, 1):
+            conn = self._fast.take() if attempt == 0 else self._fast.fresh()
+            with self._lock:
+                self._conns[i] = conn
+            started = False            # a byte of the answer has arrived
+            try:
+                if self.stop.is_set():
+                    raise _Stopped
+                conn.use_timeout(self._fast.timeout)
+                conn.send(fw.Op.GET, body, flags=fw.LAYER_MAJOR)
+                head = conn.answer_head(fw.Op.GET, "Get")
+                started = True
+                if head.data_len != expected:
+                    raise Broken(f"Get answered {head.data_len} bytes, expected {expected}")
+                for layer in range(self.layers):
+                    rows = self._buffer(layer)[lo:hi]
+                    conn.recv_exact(rows.reshape(-1).data)
+                    self._arrived(layer)
+            except KVStoreError as exc:
+                self._fast.give(conn)      # an error frame: the connection is in step
+                if (attempt or started or self._reregister is None
+                        or exc.reason is not Reason.LAYOUT_UNKNOWN):
+                    raise
+                self._reregister()
+                continue
+            except Broken as exc:
+                conn.close()
+                if started or attempt or self.stop.is_set():
+                    if self.stop.is_set():
+                        raise _Stopped from None
+                    raise KVStoreError(grpc.StatusCode.UNAVAILABLE,
+                                       f"fast-path connection broke: {exc}", "Get") from None
+                continue
+            except Timeout as exc:
+                conn.close()
+                raise deadline("Get", exc) from None
+            except BaseException:
+                conn.close()               # mid-frame: never reuse it
+                raise
+            finally:
+                with self._lock:
+                    self._conns.pop(i, None)
+            self._fast.give(conn)
+            return
+
+    def _buffer(self, layer: int) -> np.ndarray:
+        """Layer's buffer: made by this stripe's dest() call if it is the first to reach
+        the layer, else waited for."""
+        with self._lock:
+            future = self._buffers.get(layer)
+            mine = future is None
+            if mine:
+                future = self._buffers[layer] = concurrent.futures.Future()
+        assert future is not None
+        if mine:
+            try:
+                buf = self._checked(self._dest(layer))
+            except BaseException as exc:
+                future.set_exception(exc)
+                raise
+            future.set_result(buf)
+            return buf
+        while True:
+            if self.stop.is_set():
+                raise _Stopped
+            try:
+                return future.result(timeout=_POLL_S)
+            except concurrent.futures.TimeoutError:
+                continue
+            except BaseException:  # noqa: BLE001 - the stripe that called dest reports it
+                raise _Stopped from None
+
+    def _checked(self, buf: np.ndarray) -> np.ndarray:
+        want = (self.n, self.layer_bytes)
+        if (not isinstance(buf, np.ndarray) or buf.dtype != np.uint8 or buf.shape != want
+                or not buf.flags.c_contiguous or not buf.flags.writeable):
+            raise ValueError(f"dest must give a writable C-contiguous uint8 array of shape "
+                             f"{want}, got {getattr(buf, 'dtype', type(buf))} "
+                             f"{getattr(buf, 'shape', '')}")
+        return buf
+
+    def _arrived(self, layer: int) -> None:
+        with self._lock:
+            self._left[layer] -= 1
+            if self._left[layer]:
+                return
+            future = self._buffers.pop(layer)
+            self._done.put((layer, future.result()))
+
+    def _shut_all(self) -> None:
+        """Wake every stripe blocked in a receive: the socket is shut under it (the
+        connection is closed by its own thread, which then fails or stops)."""
+        with self._lock:
+            conns = list(self._conns.values())
+        for conn in conns:
+            try:
+                socket.socket.shutdown(conn.sock, socket.SHUT_RDWR)
+            except OSError:
+                pass
