@@ -58,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -208,6 +209,7 @@ class WorkerHalf:
     def _start_shared(self, specs: list[LoadSpec]) -> None:
         """Every load of the step under one Acquire (connector.loading)."""
         lb = self.ns.layer_bytes
+        began = time.monotonic()
         started, failed = start_step_loads(
             specs, lambda keys: self.client.acquire(self.ns, keys), self._mem,
             lambda pool, offsets, blocks: self.transfer.load(pool, offsets, lb, blocks))
@@ -216,7 +218,7 @@ class WorkerHalf:
             tripped |= self._trip(exc)
             self._load_failed(spec, exc)
         if not tripped:
-            self.breaker.succeeded()
+            self.breaker.succeeded(began)
         self._started([_Load(x.spec, x.handle, x.release, x.region) for x in started])
 
     def _start_remote(self, specs: list[LoadSpec]) -> None:
@@ -312,9 +314,10 @@ class WorkerHalf:
         # Shared pool: the step's saves in one reservation; else one buffer each.
         for group in ([specs] if shared else [[spec] for spec in specs]):
             try:
+                began = time.monotonic()
                 self._saves.step.append(self._reserve_step(group) if shared
                                         else self._reserve(group[0]))
-                self.breaker.succeeded()
+                self.breaker.succeeded(began)
             except (KVStoreError, OSError, RuntimeError) as exc:
                 self._trip(exc)
                 log.warning("not saving %d pages of %s: %s", sum(len(s.keys) for s in group),
