@@ -52,8 +52,9 @@ class Counted:
 class StoreLookups:
     """Lookups and lease releases for the scheduler half, behind one breaker.
 
-    Not thread-safe beyond what its parts are: the scheduler's loop and the lookup
-    worker (connector.prefetch) call it, never both a lookup at once.
+    Called from one thread at a time: the scheduler's loop (sync lookups) or the lookup
+    worker (connector.prefetch); the breaker's probe, on its own thread, only registers
+    the layouts again.
     """
 
     def __init__(self, config: ConnectorConfig, layouts: Sequence[PageLayout],

@@ -84,9 +84,9 @@ class SchedulerHalf:
         self.store = StoreLookups(config, layouts, client or open_client(
             config, config.lookup_timeout, retries=0, shared_memory=False))
         self._requests: dict[str, RequestState] = {}
-        self._loads: list[LoadSpec] = []
+        self._loads: list[LoadSpec] = []          # the next build's plan so far
         self._saves: list[SaveSpec] = []
-        self._leases_to_release: list[int] = []
+        self._leases_to_release: list[int] = []   # dropped leases, sent at the next build
         self._unconfirmed = UnconfirmedLoads(lag)
         # Prefetched lookups (LookupMode.PREFETCH): the worker, the answers not yet taken
         # (by request id), and the seconds this step has waited for first answers.
