@@ -19,8 +19,8 @@ How SGLang drives a backend (managers/cache_controller.py):
 
 Keys and pages. SGLang names a page by a chained hash string; the store key is
 xxh3_128 of that string, so any hash format fits the store's 16-byte keys. How a host
-pool's pages are laid out in the store, and the PageLayout that keeps pages of two
-ranks, dtypes or models apart, is connector.sglang_pages.
+pool's pages map onto the store's, and the PageLayout that keeps pages of two ranks,
+dtypes or models apart: connector.sglang_pages.
 
 Failures. A backend error never raises into SGLang's prefetch or backup threads (SGLang
 #38428 lost its prefetch thread that way): every store error becomes a miss or a failed
