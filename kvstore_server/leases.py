@@ -21,9 +21,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["LeaseKind", "Lease", "LeaseTable"]
+__all__ = ["FOREVER", "LeaseKind", "Lease", "LeaseTable"]
 
 Clock = Callable[[], float]  # seconds, monotonic; tests pass one they can advance
+
+# The ttl of a lease its holder releases itself in a `finally` (a Put or Get stream in
+# the server's process, a read-back): it never expires, since expiring it would let the
+# slot be reused under a live copy.
+FOREVER = math.inf
 
 
 class LeaseKind(enum.Enum):

@@ -20,12 +20,12 @@ except offer, which never waits.
 
 Store is one class over one lock, written as mixins by idea: the per-request lifecycle
 here, slots coming free and eviction in store_evict.py, lease endings in store_leases.py,
-the bulk operations an admin runs (evict, clear, spill at stop) in store_admin.py.
+the bulk operations an admin runs (evict, clear, spill at stop) in store_admin.py, what
+is asked of the tier below (a lookup's reach, read-backs) in store_below.py.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,12 +38,13 @@ from kvstore_client.layout import PageLayout
 from .errors import Outcome, Reason, StoreError
 from .eviction import PolicyFactory, make_policy
 from .layouts import LayoutInfo, LayoutRegistry
-from .leases import Lease, LeaseKind, LeaseTable
+from .leases import FOREVER, Lease, LeaseKind, LeaseTable
 from .pool import Pool
 from .quota import TenantLedger
 from .region import HEADER_BYTES, Region
 from .slots import SlotState, SlotTable
 from .store_admin import StoreAdmin
+from .store_below import PROBE_CHUNK, StoreBelow
 from .store_evict import StoreEviction
 from .store_leases import StoreLeases, owns
 from .store_values import Pinned, Reservation
@@ -55,21 +56,12 @@ __all__ = ["FOREVER", "LayoutInfo", "Pinned", "Reservation", "Store"]
 
 FREE, WRITING, READY, DOOMED = SlotState
 
-# A lease the RPC layer releases itself in a `finally` (a Put or Get stream in this
-# process) never expires: expiring it would let the slot be reused under a live copy.
-FOREVER = math.inf
 # Layouts one Lookup may name: one per tensor/pipeline-parallel rank of an engine.
 MAX_LOOKUP_LAYOUTS = 256
-# Keys of a lookup asked of the tier below at once: it stops at the first one missing.
-_PROBE_CHUNK = 1024
-# How long a read-back waits for pages another read-back (or a put) is writing: two Gets
-# of one prefix held only below DRAM promote it once, and the second waits for the first
-# instead of missing (it used to answer NOT_FOUND while the first was still reading).
-_PROMOTE_WAIT = 5.0
 _NONE_MISSING = np.empty(0, dtype=np.int64)      # acquire: no key is missing
 
 
-class Store(StoreLeases, StoreEviction, StoreAdmin):
+class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
     """Pages of every layout in one shared region, with leases and policy eviction."""
 
     def __init__(self, region: Region, *, lease_ttl: float = 30.0,
@@ -94,7 +86,7 @@ class Store(StoreLeases, StoreEviction, StoreAdmin):
         self.through = through
         # Keys the tier below is asked about at once (see _reach): a far tier pays a
         # round trip per call, so it asks for bigger chunks than the disk tier's.
-        self._probe_chunk = max(_PROBE_CHUNK, getattr(self.lower, "probe_chunk", 0))
+        self._probe_chunk = max(PROBE_CHUNK, getattr(self.lower, "probe_chunk", 0))
         # Guards everything below. Timed: the longest hold is the longest one call can
         # stall the others (limits.py bounds it; /metrics shows it).
         self._lock = TimedLock()
@@ -188,17 +180,6 @@ class Store(StoreLeases, StoreEviction, StoreAdmin):
         np.add.at(self._slots.pins, pinned, 1)    # add.at: a key may repeat
         return count, self._leases.grant(LeaseKind.READ, pinned, lease_ttl,
                                          owner=infos[0].tenant).lease_id
-
-    def _reach(self, info: LayoutInfo, keys: Packed, slots: np.ndarray) -> int:
-        """How many leading keys are stored, in DRAM (slots >= 0) or on the tier below;
-        the tier is asked about the gaps a chunk at a time, up to the first one it lacks."""
-        gaps = np.flatnonzero(slots < 0)
-        for start in range(0, gaps.size, self._probe_chunk):
-            chunk = gaps[start:start + self._probe_chunk]
-            held = self.lower.contains(info.layout_id, keys.select(chunk))
-            if not held.all():
-                return int(chunk[int(np.argmin(held))])
-        return len(keys)
 
     def exists(self, layout_id: bytes, keys: Packed | Sequence[bytes]) -> np.ndarray:
         """One bool per key: stored in this layout, in DRAM or on the tier below."""
@@ -356,51 +337,6 @@ class Store(StoreLeases, StoreEviction, StoreAdmin):
                                  f"not stored in layout {info.layout.layout_id.hex()}",
                                  reason=Reason.PAGES_MISSING)
         raise AssertionError("unreachable")
-
-    def _promote(self, info: LayoutInfo, keys: Packed, missing: np.ndarray,
-                 quota: int = 0) -> bool:
-        """Read the missing pages back from the tier below into DRAM (one batched read,
-        outside the lock, into slots a reservation owns, within the tenant's quota);
-        False if one is not there or cannot be read intact. The reservation is aborted
-        whatever goes wrong: one left behind never expired, and its keys could not be
-        stored again until a restart."""
-        if not self.lower.holds_pages:
-            return False
-        wanted = keys.select(missing)
-        if not self.lower.contains(info.layout_id, wanted).all():
-            return False
-        res = self.reserve(info.layout_id, wanted, ttl=FOREVER, quota=quota)
-        committed = False
-        try:
-            todo = np.flatnonzero(res.slots >= 0)
-            pb = info.page_bytes
-            views = [self.mem[off:off + pb] for off in res.offsets[todo].tolist()]
-            ok = self.lower.read_into(info.layout_id, [wanted[i] for i in todo], views)
-            if not all(ok):             # a corrupt or unreadable page: never served
-                return False
-            promoted = self.commit(res.lease_id, write_through=False)
-            committed = True
-        finally:
-            if not committed:
-                self.abort(res.lease_id)
-        with self._lock:
-            self.promotions += promoted
-        if res.in_flight:
-            self._wait_written(info, [wanted[i] for i in np.flatnonzero(res.slots < 0)])
-        return True
-
-    def _wait_written(self, info: LayoutInfo, keys: list[bytes]) -> None:
-        """Until none of these keys is being written (committed or aborted by whoever
-        writes it), for at most _PROMOTE_WAIT s. Polls: this happens only when two
-        read-backs of one page meet, and it keeps commit and abort free of signalling."""
-        deadline = time.monotonic() + _PROMOTE_WAIT
-        pause = 0.0005
-        while time.monotonic() < deadline:
-            with self._lock:
-                if not any(k in info.writing for k in keys):
-                    return
-            time.sleep(pause)
-            pause = min(2 * pause, 0.01)
 
     # -- deletes --------------------------------------------------------------------
     def delete(self, layout_id: bytes, keys: Packed | Sequence[bytes]) -> int:

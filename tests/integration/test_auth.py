@@ -406,10 +406,10 @@ def test_connector_sends_its_token(srv):
                               [LAYOUT], block_size=16)
         try:
             if ok:
-                assert sched._ns()[0].layout_id == LAYOUT.layout_id
+                assert sched.store.handles()[0].layout_id == LAYOUT.layout_id
             else:
                 with pytest.raises(KVStoreError) as info:
-                    sched._ns()
+                    sched.store.handles()
                 assert info.value.code == CODE.UNAUTHENTICATED
         finally:
             sched.client.close()

@@ -1,7 +1,6 @@
 """Bad input gets a clear gRPC status and never hurts the server or stored pages."""
 
 import threading
-import time
 
 import grpc
 import numpy as np
@@ -13,6 +12,7 @@ from kvstore_client._proto.kvstore.v1 import admin_pb2_grpc
 from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client._proto.kvstore.v1 import kvstore_pb2_grpc
 from kvstore_client.convert import layout_to_proto
+from tests.waiting import wait_for
 
 LAYOUT = PageLayout(model="err", num_layers=2, page_tokens=4, num_kv_heads=2, head_size=16,
                     dtype="float32")
@@ -243,24 +243,29 @@ def test_put_abandoned_by_its_client_is_not_a_server_error(setup, server):
     # as INTERNAL.
     stub, _, client, ns, _ = setup
     keys = [b"abandoned-%06d" % i for i in range(2)]
-    sent = threading.Event()
+    sent, cancelled = threading.Event(), threading.Event()
 
     def messages():
         yield pb.PutRequest(header=pb.PutHeader(layout_id=ns.layout_id,
                                                 keys=packed(b"".join(keys), 16)))
         yield pb.PutRequest(data=b"\x03" * ns.page_bytes)
         sent.set()
-        time.sleep(1.0)          # the client cancels meanwhile
+        cancelled.wait(10)       # the client cancels meanwhile
 
+    leases = client.stats().leases
     call = stub.Put.future(messages(), timeout=10)
     assert sent.wait(5)
-    time.sleep(0.2)
+    # The Put's reservation is held: its handler is reading the stream when it ends.
+    wait_for(lambda: client.stats().leases == leases + 1, "the Put's reservation")
     call.cancel()
+    cancelled.set()
     big = [("authorization", "Bearer " + "A" * 6000)] * 3     # over the 16 KiB hard limit
     with pytest.raises(grpc.RpcError) as err:
         stub.Put(put_messages(ns, keys, b"\x03" * 2 * ns.page_bytes), timeout=10, metadata=big)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    time.sleep(0.5)
+    # Undone as the cancelled Put's handler unwinds, just before a failure would be
+    # logged: the log is read after it, not after a guess at how long that takes.
+    wait_for(lambda: client.stats().leases == leases, "the reservation undone")
     assert "Put failed" not in server.log()
     assert client.exists(ns, keys) == [False, False]
 

@@ -117,10 +117,13 @@ def test_finished_before_the_answer_was_taken_releases_its_lease(srv):
     sched = sched_of(srv, lookup_wait_ms=0)
     try:
         assert sched.hit("r", tokens, 0) is None
+        pending = sched._pending["r"]
         sched.finished("r")                           # answered or not, it is gone
         sched.build()
         assert sched._worker.looked_up <= 1
-        time.sleep(0.2)
+        # The worker is done with it (looked up and its lease queued for release, or
+        # skipped): only then does "no lease" mean the lease was released.
+        assert pending.done.wait(5)
         assert wait_leases(srv, 0)
         assert not sched._pending
     finally:

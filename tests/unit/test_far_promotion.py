@@ -24,12 +24,14 @@ class SlowBelow(NullTier):
 
     def __init__(self, pages: dict[bytes, bytes], delay: float) -> None:
         self.pages, self.delay, self.read = pages, delay, 0
+        self.reading = threading.Event()         # set when a read has begun
 
     def contains(self, layout_id, keys):
         return np.array([k in self.pages for k in keys], dtype=bool)
 
     def read_into(self, layout_id, keys, outs):
         if keys:
+            self.reading.set()
             time.sleep(self.delay)
         for k, out in zip(keys, outs):
             memoryview(out).cast("B")[:] = self.pages[k]
@@ -58,7 +60,7 @@ def test_a_second_get_waits_for_the_first_read_back_instead_of_missing():
 
         first, second = threading.Thread(target=get), threading.Thread(target=get)
         first.start()
-        time.sleep(0.1)                     # the first is reading from below now
+        assert below.reading.wait(5)        # the first is reading from below now
         second.start()
         first.join(10)
         second.join(10)

@@ -7,6 +7,7 @@ import threading
 import time
 
 from kvstore_server.far.writer import WriteBehind
+from tests.waiting import wait_for
 
 
 class Sink:
@@ -29,9 +30,7 @@ def test_full_queue_drops_and_never_blocks():
     w = WriteBehind(sink, max_bytes=4 << 20)
     page = b"x" * (1 << 20)
     w.offer(b"L" * 16, b"first", page)          # taken by the thread, which then blocks
-    deadline = time.monotonic() + 5
-    while w.depth()[0] and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: not w.depth()[0], "the writer to take the first page")
     t = time.perf_counter()
     accepted = [w.offer(b"L" * 16, bytes([i]), page) for i in range(10)]
     elapsed = time.perf_counter() - t
@@ -51,7 +50,7 @@ def test_batches_group_by_layout_and_copy_the_page():
     w = WriteBehind(sink, max_bytes=1 << 20)
     buf = bytearray(b"a" * 10)
     w.offer(b"A" * 16, b"k0", buf)
-    time.sleep(0.1)
+    wait_for(lambda: not w.depth()[0], "the writer to take k0 (then held by the sink)")
     for i in range(3):
         w.offer(b"A" * 16 if i % 2 else b"B" * 16, b"k%d" % (i + 1), buf)
     buf[:] = b"b" * 10                            # the pool slot is reused after offer

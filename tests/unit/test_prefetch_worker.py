@@ -23,6 +23,7 @@ class Store:
     def __init__(self) -> None:
         self.ids = itertools.count(1)
         self.released: list[int] = []
+        self.refused: list[int] = []    # releases offered while down
         self.gate = threading.Event()
         self.gate.set()
         self.down = False           # releases are kept, as for a store not answering
@@ -35,6 +36,7 @@ class Store:
 
     def release(self, lease_ids: list[int]) -> list[int]:
         if self.down:
+            self.refused += lease_ids
             return list(lease_ids)
         self.released += lease_ids
         return []
@@ -123,7 +125,7 @@ def test_a_refusal_reaches_the_caller_as_the_answers_error(worker):
 def test_releases_a_store_did_not_take_are_kept_and_sent_later(store, worker):
     store.down = True
     worker.release([7, 8])
-    time.sleep(0.05)
+    assert wait_until(lambda: store.refused == [7, 8])
     assert store.released == []
     store.down = False
     worker.submit(job())                              # new work: the kept ones go first
@@ -137,7 +139,7 @@ def test_close_returns_every_lease_not_yet_released(store):
     store.down = True
     worker.abandon(pending)                           # lease 1: the store keeps refusing
     worker.release([5])
-    time.sleep(0.05)
+    assert wait_until(lambda: {1, 5} <= set(store.refused))    # tried, and kept
     assert sorted(worker.close(1.0)) == [1, 5]
     with pytest.raises(RuntimeError):
         worker.submit(job())

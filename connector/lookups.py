@@ -1,0 +1,132 @@
+"""The scheduler half's calls to the store: lookups that lease, lease releases, the breaker.
+
+A store that does not answer costs the step that meets it at most one lookup_timeout;
+then the breaker is open (connector.breaker) and nothing is asked of the store (no hit,
+no wait, lease releases kept) until its background probe finds the store answering.
+A timeout and the errors in `_DOWN` count as "not answering": no hit, one warning a
+minute, never a failure of the request. Any other error is a refusal the caller sees.
+
+With tensor parallelism every rank has its own layout; a lookup asks over all of them in
+one call, which answers the minimum, so ranks never disagree about what to load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
+from kvstore_client.keys import Packed
+
+from .breaker import Breaker
+from .config import ConnectorConfig
+from .prefetch import DOWN
+
+__all__ = ["Counted", "StoreLookups"]
+
+log = logging.getLogger(__name__)
+
+_RELEASES_KEPT = 100_000      # lease releases waiting for a store that does not answer
+# Errors after which the store counts as unreachable: no hit, one warning, no failure.
+_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+         grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+def _unanswered(exc: KVStoreError) -> bool:
+    return exc.code == grpc.StatusCode.DEADLINE_EXCEEDED or exc.code in _DOWN
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Counted:
+    """A lookup's outcome."""
+
+    count: int                  # leading pages present on every rank; DOWN: not answered
+    lease_id: int = 0           # pins the counted pages; 0 = none
+    timed_out: bool = False     # DOWN because the call ran out of time (maybe a stall)
+
+
+class StoreLookups:
+    """Lookups and lease releases for the scheduler half, behind one breaker.
+
+    Called from one thread at a time: the scheduler's loop (sync lookups) or the lookup
+    worker (connector.prefetch); the breaker's probe, on its own thread, only registers
+    the layouts again.
+    """
+
+    def __init__(self, config: ConnectorConfig, layouts: Sequence[PageLayout],
+                 client: KVStoreClient) -> None:
+        self.config = config
+        self.layouts = list(layouts)
+        self.client = client
+        self._handles: list[LayoutHandle] | None = None   # registered on first use
+        self._down_since = 0.0        # when the store was last found unreachable
+        self.breaker = Breaker(config.probe_interval, self._probe)
+
+    def handles(self) -> list[LayoutHandle]:
+        if self._handles is None:
+            self._handles = [self.client.register_layout(layout) for layout in self.layouts]
+        return self._handles
+
+    def lookup(self, keys: Packed) -> Counted:
+        """Leading pages present (leased when lease_ms is set); DOWN, without a call,
+        while the breaker is open. Raises KVStoreError for a refusal."""
+        if not self.breaker.allow():
+            return Counted(DOWN)
+        try:
+            if self.config.lease_ms:
+                lease = self.client.lookup_lease(self.handles(), keys, self.config.lease_ms)
+                counted = Counted(lease.count, lease.lease_id)
+            else:
+                counted = Counted(self.client.lookup(self.handles(), keys))
+        except KVStoreError as exc:
+            if not _unanswered(exc):
+                raise
+            self.down(exc)
+            return Counted(DOWN, timed_out=exc.code == grpc.StatusCode.DEADLINE_EXCEEDED)
+        self.breaker.succeeded()
+        return counted
+
+    def release(self, lease_ids: list[int]) -> list[int]:
+        """Release leases; returns those kept for later (the store is not answering).
+
+        Releases go only to a store that answers: one that hangs would cost every
+        release its timeout. They wait while the breaker is open (its probe closes it);
+        one never sent only costs its pages their pin until lease_ms runs out."""
+        del lease_ids[:-_RELEASES_KEPT]
+        while lease_ids and self.breaker.allow():
+            lease_id = lease_ids[-1]
+            try:
+                self.client.release_lease(lease_id)
+                self.breaker.succeeded()
+            except KVStoreError as exc:
+                if _unanswered(exc):
+                    self.down(exc)
+                    return lease_ids      # kept, for when the store answers again
+                log.debug("releasing lease %d failed: %s", lease_id, exc)
+            lease_ids.pop()
+        return lease_ids
+
+    def down(self, exc: Exception) -> None:
+        """The store did not answer a call: open the breaker (warn once a minute)."""
+        now = time.monotonic()
+        if self.breaker.failed() and now - self._down_since > 60:
+            log.warning("kvstore at %s not answering (%s): serving without it, probing "
+                        "every %.1f s", self.config.server, exc, self.config.probe_interval)
+        self._down_since = now
+
+    def _probe(self) -> bool:
+        """The breaker's probe (on its own thread): does the store answer? Registering
+        the layouts is idempotent, and after a restart it is what the store needs first."""
+        try:
+            self._handles = [self.client.register_layout(layout) for layout in self.layouts]
+        except KVStoreError as exc:
+            return not _unanswered(exc)
+        return True
+
+    def close(self) -> None:
+        self.breaker.close()
+        self.client.close()
