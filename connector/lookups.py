@@ -76,6 +76,7 @@ class StoreLookups:
         while the breaker is open. Raises KVStoreError for a refusal."""
         if not self.breaker.allow():
             return Counted(DOWN)
+        began = time.monotonic()
         try:
             if self.config.lease_ms:
                 lease = self.client.lookup_lease(self.handles(), keys, self.config.lease_ms)
@@ -87,7 +88,9 @@ class StoreLookups:
                 raise
             self.down(exc)
             return Counted(DOWN, timed_out=exc.code == grpc.StatusCode.DEADLINE_EXCEEDED)
-        self.breaker.succeeded()
+        # Lookups run on the loop's thread and on the prefetch thread: one answered just
+        # before the store stopped must not close what the other's timeout opened.
+        self.breaker.succeeded(began)
         return counted
 
     def release(self, lease_ids: list[int]) -> list[int]:
@@ -99,9 +102,10 @@ class StoreLookups:
         del lease_ids[:-_RELEASES_KEPT]
         while lease_ids and self.breaker.allow():
             lease_id = lease_ids[-1]
+            began = time.monotonic()
             try:
                 self.client.release_lease(lease_id)
-                self.breaker.succeeded()
+                self.breaker.succeeded(began)
             except KVStoreError as exc:
                 if _unanswered(exc):
                     self.down(exc)

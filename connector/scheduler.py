@@ -206,7 +206,10 @@ class SchedulerHalf:
             # The worker's call has been in flight past lookup_wait_ms (on any ask): the
             # store may hang. Wait out the lookup's own deadline: this is the one step
             # that pays, as sync lookups would in the step the request arrived; then the
-            # breaker is open and no ask waits.
+            # breaker is open and no ask waits (nor a later request of this step).
+            if not self.breaker.allow():
+                self._abandon(req_id)
+                return 0
             pending.done.wait(max(0.0, pending.submitted + self.config.lookup_timeout
                                   - self._prefetcher().clock()))
             if not pending.done.is_set():

@@ -218,6 +218,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         if not self._breaker.allow():
             self._count(what, pages)
             return fallback               # the store is not answering: a miss, at once
+        began = time.monotonic()
         try:
             result = fn()
         except Exception as exc:  # noqa: BLE001 - never into SGLang's threads (#38428)
@@ -226,7 +227,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                 self._breaker.failed()
             self._count(what, pages)
             return fallback
-        self._breaker.succeeded()
+        self._breaker.succeeded(began)    # SGLang calls from several threads
         return result
 
     def _count(self, what: str, pages: int) -> None:
