@@ -262,13 +262,6 @@ class RemoteLoad:
                 self._cond.wait(min(left, 1.0))
             event = self._events[layer]
         if event is not None:
-            # The host, not only the stream, waits for the layer's copy to land. With the
-            # stream's wait alone, tests/gpu/test_remote_load_gpu.py's ordering test saw,
-            # once on the H200, a read enqueued right after this call differ from the
-            # layer's final bytes (32 layers of 16 MiB; not explained yet). The bytes are
-            # network-bound here (~7 ms a layer of 128 MiB at 18 GB/s against ~2.3 ms of
-            # copy), so the host's wait costs the forward little.
-            event.synchronize()
             torch.cuda.current_stream(self._transfer.device).wait_event(event)
 
     def done(self, part: int | None = None) -> bool:

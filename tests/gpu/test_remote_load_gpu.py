@@ -75,7 +75,9 @@ def test_each_layer_is_read_after_its_copy_on_the_compute_stream(srv):
         assert rig.step(remote, rig.specs([100]), read) == set()
         torch.cuda.synchronize()
         for layer, got in enumerate(seen):
-            assert torch.equal(got, remote.transfer.layers[layer][:, idx]), layer
+            # As bits: the pages are random bytes, so bf16 NaNs, which never equal.
+            final = remote.transfer.layers[layer][:, idx]
+            assert torch.equal(got.view(torch.int16), final.view(torch.int16)), layer
         rig.expected(remote)
     assert remote_threads() == []
     remote.close()
