@@ -1,4 +1,23 @@
-"""kvstore-server: start the store, serve it over gRPC, stop cleanly on SIGTERM/SIGINT."""
+"""kvstore-server: start the store, serve it over gRPC, stop cleanly on SIGTERM/SIGINT.
+
+Threads. The main thread starts everything, then waits; signals run there (a SIGTERM or
+SIGINT starts a `stopper` thread, a SIGHUP a `reloader` that re-reads the auth file).
+gRPC calls run on the `rpc` pool (--workers + --lookup-streams threads) beside gRPC's own
+C threads. Beside them: `evictor` (watermarks), `lease-reaper` (expired leases),
+two `stream-watchdog` threads (streams that stop moving; lookup streams left idle),
+`disk-health` and `disk-writer` (with a disk tier), `fast-accept-tcp`, `fast-accept-unix`
+and one `fast-conn` per fast-path connection, `pool-handout` (with --shm-group), the
+metrics port's HTTP thread, and with a far tier `kvstore-far-writer`, the `far-read` pool
+and the cluster client's own threads.
+
+Locks, in the only order they are taken (never the reverse): the store's lock
+(`Store._lock`, a TimedLock: evictions spill under it) -> the disk tier's lock (its
+`offer` copies into staging) -> the far writer's queue condition (a page leaving the
+host). Every other lock (the fast-path server's, the stream gate's, the watchdog's, a
+breaker's, the auth reload lock) is a leaf: nothing else is taken while it is held.
+Reads from the tiers below DRAM, and every copy of page bytes, happen outside the store's
+lock (store_below.py).
+"""
 
 from __future__ import annotations
 
