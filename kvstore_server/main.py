@@ -15,8 +15,9 @@ Locks, in the only order they are taken (never the reverse): the store's lock
 `offer` copies into staging) -> the far writer's queue condition (a page leaving the
 host). Every other lock (the fast-path server's, the stream gate's, the watchdog's, a
 breaker's, the auth reload lock) is a leaf: nothing else is taken while it is held.
-Reads from the tiers below DRAM, and every copy of page bytes, happen outside the store's
-lock (store_below.py).
+Reads from the tiers below DRAM (store_below.py) and the copies of page bytes into and out
+of the pool for clients happen outside the store's lock; a spill's copy into the disk
+tier's staging is the one made under it.
 """
 
 from __future__ import annotations
