@@ -265,7 +265,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is None:
             return None
-        stats = KVStoreConnectorStats(data=self._worker.take_stats())
+        stats = KVStoreConnectorStats(data=dataclasses.asdict(self._worker.take_stats()))
         return None if stats.is_empty() else stats
 
     @classmethod

@@ -77,7 +77,7 @@ from .pending import Part, PendingSave, SaveQueue, Settle
 from .remote import RemoteLoadFailed, RemoteLoads
 from .transfer import KVTransfer, TransferError, pinned_empty
 
-__all__ = ["WorkerHalf", "layer_order"]
+__all__ = ["WorkerHalf", "WorkerStats", "layer_order"]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,17 @@ def layer_order(names: Sequence[str]) -> list[str]:
         match = re.search(r"\.(\d+)\.", name) or re.search(r"(\d+)", name)
         return (int(match.group(1)) if match else pos, pos)
     return [name for _, name in sorted(enumerate(names), key=index)]
+
+
+@dataclasses.dataclass(slots=True)
+class WorkerStats:
+    """What the worker half moved since the stats were last taken (vLLM's connector stats)."""
+
+    pages_loaded: int = 0
+    bytes_loaded: int = 0
+    load_failures: int = 0
+    pages_saved: int = 0
+    bytes_saved: int = 0
 
 
 @dataclasses.dataclass(slots=True)
@@ -146,7 +157,7 @@ class WorkerHalf:
         # call of ours that meets it opens this one, probed back on its own thread.
         self.breaker = Breaker(config.probe_interval, self._probe)
         self._store_down = False                   # this step's StepMeta.store_down
-        self._stats = self._zero_stats()
+        self._stats = WorkerStats()
 
     @property
     def ns(self):
@@ -197,8 +208,8 @@ class WorkerHalf:
     def _started(self, loads: list[_Load]) -> None:
         for load in loads:
             spec = load.spec
-            self._stats["pages_loaded"] += len(spec.keys)
-            self._stats["bytes_loaded"] += len(spec.keys) * self.ns.page_bytes
+            self._stats.pages_loaded += len(spec.keys)
+            self._stats.bytes_loaded += len(spec.keys) * self.ns.page_bytes
             if spec.is_async:
                 self._async[spec.req_id] = load
             else:
@@ -240,7 +251,7 @@ class WorkerHalf:
     def _load_failed(self, spec: LoadSpec, exc: Exception) -> None:
         log.warning("load of %d pages for %s failed, the engine recomputes them: %s",
                     len(spec.keys), spec.req_id, exc)
-        self._stats["load_failures"] += 1
+        self._stats.load_failures += 1
         self._errors.update(int(b) for b in spec.block_ids.reshape(-1))
         if spec.is_async:
             self._failed_async.add(spec.req_id)
@@ -380,8 +391,8 @@ class WorkerHalf:
                 save.forget(dropped)          # never published: see connector.pending
             save.commit()
             stored = save.stored_pages()
-            self._stats["pages_saved"] += stored
-            self._stats["bytes_saved"] += stored * self.ns.page_bytes
+            self._stats.pages_saved += stored
+            self._stats.bytes_saved += stored * self.ns.page_bytes
         except KVStoreError as exc:
             self._trip(exc)
             log.warning("finishing the save of %d pages of %s failed: %s",
@@ -452,14 +463,9 @@ class WorkerHalf:
         self._finishing -= done
         return done
 
-    @staticmethod
-    def _zero_stats() -> dict[str, int]:
-        return {"pages_loaded": 0, "bytes_loaded": 0, "load_failures": 0,
-                "pages_saved": 0, "bytes_saved": 0}
-
-    def take_stats(self) -> dict[str, int]:
-        """Counters since the last call (pages and bytes loaded and saved, failures)."""
-        stats, self._stats = self._stats, self._zero_stats()
+    def take_stats(self) -> WorkerStats:
+        """Counters since the last call."""
+        stats, self._stats = self._stats, WorkerStats()
         return stats
 
     def load_errors(self) -> set[int]:
