@@ -342,26 +342,38 @@ class _Bench:
     def breakdown(self, store, tokens: np.ndarray, hit: int, point: dict) -> dict:
         """Median ms of each part of a DRAM hit and of a recompute (see ``_BREAKDOWN_NOTE``)."""
         from .breakdown import CALLS, CallTimer
-        runs: list[dict] = []
-        with CallTimer(self.store) as timer:
-            for _ in range(self.args.reps + 1):
-                timer.reset()
-                (out,), _ = self.serve(store, [tokens])
-                # Until the first token: what the connector defers to later steps (a
-                # save's Commit) is not part of the TTFT.
-                parts = {CALLS[n]: s * 1e3 for n, s in timer.until(out.first_token).items()}
-                parts["ttft"] = out.ttft * 1e3
-                parts["after_first_token"] = timer.total() * 1e3 - sum(
-                    v for k, v in parts.items() if k != "ttft")
-                runs.append(parts)
-        hit_parts = {k: statistics.median(r[k] for r in runs[1:]) for k in runs[0]}
-        connector = sum(v for k, v in hit_parts.items()
-                        if k not in ("ttft", "after_first_token"))
-        hit_parts.update(connector=connector, rest=point["rest_s"] * 1e3,
-                         load_device=point.get("load_device_ms"),
-                         leftover=hit_parts["ttft"] - connector - point["rest_s"] * 1e3)
+
+        def timed(empty_first: bool) -> dict:
+            runs: list[dict] = []
+            with CallTimer(self.store) as timer:
+                for _ in range(self.args.reps + 1):
+                    if empty_first:
+                        self.clear()
+                    timer.reset()
+                    (out,), _ = self.serve(store, [tokens])
+                    # Until the first token: what the connector defers to later steps (a
+                    # save's Commit) is not part of the TTFT.
+                    parts = {CALLS[n]: s * 1e3
+                             for n, s in timer.until(out.first_token).items()}
+                    parts["ttft"] = out.ttft * 1e3
+                    parts["after_first_token"] = timer.total() * 1e3 - sum(
+                        v for k, v in parts.items() if k != "ttft")
+                    runs.append(parts)
+            med = {k: statistics.median(r[k] for r in runs[1:]) for k in runs[0]}
+            med["connector"] = sum(v for k, v in med.items()
+                                   if k not in ("ttft", "after_first_token"))
+            return med
+
+        # The misses first: the last one leaves the prompt stored for the hits.
+        miss_parts = timed(True)
+        hit_parts = timed(False)
+        hit_parts.update(rest=point["rest_s"] * 1e3, load_device=point.get("load_device_ms"),
+                         leftover=hit_parts["ttft"] - hit_parts["connector"]
+                         - point["rest_s"] * 1e3)
         forward = self.rest_alone(tokens, 0, self.args.reps) * 1e3
-        return {"hit": hit_parts, "recompute": {
+        miss_parts.update(forward=forward,
+                          leftover=miss_parts["ttft"] - miss_parts["connector"] - forward)
+        return {"hit": hit_parts, "miss": miss_parts, "recompute": {
             "forward": forward, "ttft": point["recompute_s"] * 1e3,
             "leftover": point["recompute_s"] * 1e3 - forward}}
 
@@ -525,6 +537,27 @@ def _breakdown_row(p: dict) -> str:
     return f"| {p['preset']} | {p['tokens']} | " + " | ".join(cells) + " |"
 
 
+_MISS_NOTE = ("Miss+save breakdown (ms, medians): host time inside each connector call "
+              "of a miss that saves every page (an empty store each time), up to its first "
+              "token; forward = the model alone over the whole prompt; leftover = miss+save "
+              "TTFT - connector calls - forward (saves' copies slowing the forward, launches, "
+              "sampling).")
+_MISS_PARTS = ("lookup", "step meta", "reserve saves", "save layers", "save wait",
+               "finished + release")
+_MISS_HEAD = ("| preset | tokens | " + " | ".join(_MISS_PARTS) + " | other calls | connector "
+              "| forward | leftover | miss+save TTFT | recompute TTFT | miss+save / recompute |")
+
+
+def _miss_row(p: dict) -> str:
+    m = p["breakdown"]["miss"]
+    other = m["connector"] - sum(m.get(k, 0.0) for k in _MISS_PARTS)
+    cells = [_f(m.get(k), "{:.2f}") for k in _MISS_PARTS]
+    cells += [f"{other:.2f}", f"{m['connector']:.2f}", f"{m['forward']:.1f}",
+              f"{m['leftover']:.1f}", f"{m['ttft']:.1f}", _ms(p["recompute_s"]),
+              f"{m['ttft'] / (p['recompute_s'] * 1e3):.2f}x"]
+    return f"| {p['preset']} | {p['tokens']} | " + " | ".join(cells) + " |"
+
+
 _MULTI_HEAD = ("| preset | requests | system + user tokens | decode | without store s "
                "| with store s | speedup | req/s without | req/s with "
                "| mean TTFT without ms | mean TTFT with ms |")
@@ -588,6 +621,10 @@ def report(r: dict) -> str:
         lines += ["", _BREAKDOWN_NOTE, "", _BREAKDOWN_HEAD,
                   "|" + "---|" * (len(_BREAKDOWN_PARTS) + 11)]
         lines += [_breakdown_row(p) for p in broken]
+        missed = [p for p in broken if "miss" in p["breakdown"]]
+        if missed:
+            lines += ["", _MISS_NOTE, "", _MISS_HEAD, "|" + "---|" * (len(_MISS_PARTS) + 9)]
+            lines += [_miss_row(p) for p in missed]
     one = [p for p in r["ttft"] if "recompute_one_step_s" in p]
     if one:
         lines += ["", "recompute in one step (budget = prompt): " + ", ".join(

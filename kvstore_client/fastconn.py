@@ -23,6 +23,7 @@ __all__ = ["Conn", "Broken", "Timeout", "deadline"]
 log = logging.getLogger(__name__)
 
 ANSWER_BUFFER = 64 << 10     # per connection
+SEND_BYTES = 2 << 20         # at most per send of page bytes (Conn.send)
 
 
 class Broken(ConnectionError):
@@ -84,7 +85,12 @@ class Conn:
             if len(body) >= 65536:
                 self.sock.sendall(body)
             if data is not None:
-                self.sock.sendall(data)
+                # In pieces: one send of 128 MiB moved ~20% less over loopback than
+                # sends of a few MiB (the server's send_views says more).
+                if data.ndim != 1 or data.itemsize != 1:
+                    data = data.cast("B")
+                for start in range(0, data.nbytes, SEND_BYTES):
+                    self.sock.sendall(data[start:start + SEND_BYTES])
         except OSError as exc:
             raise _failed(exc, "sending") from None
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import socket
 import struct
+import threading
 
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from kvstore_client import fastwire as fw
 from kvstore_client.errors import Reason
 from kvstore_server.config import ConfigError, data_address, load_config
-from kvstore_server.fastpath.io import runs
+from kvstore_server.fastpath.io import IOV_BATCH, SEND_BYTES, runs, send_views
 
 
 def test_one_status_table_agrees_with_the_grpc_path():
@@ -110,3 +112,45 @@ def test_an_error_answers_flags_name_its_reason_and_unknown_flags_name_none():
         assert fw.reason_of_flags(fw.reason_flags(reason)) is reason
     assert fw.reason_flags(None) == 0 and fw.reason_of_flags(0) is None
     assert fw.reason_of_flags(999) is None
+
+
+class _CountingSocket(socket.socket):
+    """A real socket that notes the bytes each sendmsg was handed."""
+
+    calls: list[tuple[int, int]]        # (bytes, views) of each sendmsg
+
+    def sendmsg(self, buffers, *args):
+        self.calls.append((sum(memoryview(b).nbytes for b in buffers), len(buffers)))
+        return super().sendmsg(buffers, *args)
+
+
+def test_send_views_sends_every_byte_in_order_in_bounded_calls():
+    """Views larger than one call's bound go in pieces, many small ones are joined: the
+    receiver gets exactly the bytes in order, and no sendmsg is handed more than
+    SEND_BYTES or more than IOV_BATCH views."""
+    a, b = socket.socketpair()
+    sender = _CountingSocket(fileno=a.detach())
+    sender.calls = []
+    rng = np.random.default_rng(1)
+    sizes = [1, SEND_BYTES * 3 + 5, *([100] * (IOV_BATCH + 7)), SEND_BYTES - 1, 2, 0, 70_000]
+    blobs = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    expected = b"".join(blobs)
+    got = bytearray()
+
+    def drain() -> None:
+        while len(got) < len(expected):
+            chunk = b.recv(1 << 20)
+            if not chunk:
+                return
+            got.extend(chunk)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    send_views(sender, [memoryview(x) for x in blobs])
+    reader.join(30)
+    sender.close()
+    b.close()
+    assert bytes(got) == expected
+    assert max(n for n, _ in sender.calls) <= SEND_BYTES
+    assert max(v for _, v in sender.calls) <= IOV_BATCH
+    assert len(sender.calls) >= len(expected) // SEND_BYTES
