@@ -9,8 +9,8 @@ view of an LBNHC buffer per layer) at random block ids, every layer its own kern
 event; saves copy the same blocks back into reserved pool slots. The baselines move the
 same total bytes as one copy between a cudaHostAlloc buffer and one GPU buffer. Times are
 host wall-clock from a synchronized start to the last byte (medians of --reps, after one
-warm-up), so launch costs count. Acceptance: at 16k tokens load >= 90% and save >= 80%
-of the pinned copy (--check exits 1 otherwise).
+warm-up), so launch costs count. Acceptance: at 16k tokens load >= 93% and save >= 90%
+of the pinned copy, at 1k tokens both >= 85% (--check exits 1 otherwise).
 
     python -m kvstore_bench.load_bench [--tokens 1024,4096,16384,32768] [--reps 5]
         [--sweep-ctas 16,32,64,128,0] [--copies] [--check] [--json]
@@ -33,7 +33,9 @@ from kvstore_testing.serverproc import ServerProcess
 LAYOUT = PageLayout(model="bench-load-8b", num_layers=32, page_tokens=16, num_kv_heads=8,
                     head_size=128, dtype="bfloat16")
 BLOCK_SIZE = 16
-ACCEPT_TOKENS, ACCEPT_LOAD, ACCEPT_SAVE = 16384, 0.90, 0.80
+# tokens: (load, save), the least share of the same run's pinned copy each must reach.
+ACCEPT = {16384: (0.93, 0.90), 1024: (0.85, 0.85)}
+ACCEPT_TOKENS = 16384    # where the sweeps and the other copy methods are timed
 _SHIFT = 1040          # page i = random bytes from offset i*_SHIFT: every page differs
 
 
@@ -211,14 +213,16 @@ def report(r: dict) -> str:
 
 
 def acceptance(r: dict) -> tuple[bool, str] | None:
-    at = [s for s in r["sizes"] if s["tokens"] == ACCEPT_TOKENS]
+    at = {s["tokens"]: s for s in r["sizes"] if s["tokens"] in ACCEPT}
     if not at:
         return None
-    s = at[0]
-    ok = s["load_ratio"] >= ACCEPT_LOAD and s["save_ratio"] >= ACCEPT_SAVE
-    return ok, (f"acceptance at {ACCEPT_TOKENS} tokens: load {s['load_ratio']:.0%} "
-                f"(>= {ACCEPT_LOAD:.0%}), save {s['save_ratio']:.0%} (>= {ACCEPT_SAVE:.0%}): "
-                + ("PASS" if ok else "FAIL"))
+    parts, ok = [], True
+    for tokens, s in sorted(at.items(), reverse=True):
+        load, save = ACCEPT[tokens]
+        ok = ok and s["load_ratio"] >= load and s["save_ratio"] >= save
+        parts.append(f"at {tokens} tokens load {s['load_ratio']:.0%} (>= {load:.0%}), save "
+                     f"{s['save_ratio']:.0%} (>= {save:.0%})")
+    return ok, "acceptance: " + "; ".join(parts) + ": " + ("PASS" if ok else "FAIL")
 
 
 def _ints(text: str) -> list[int]:
