@@ -19,6 +19,7 @@ from kvstore_client.keys import Packed
 
 from .layouts import LayoutInfo
 from .leases import FOREVER
+from .pool import Pool
 from .tier import Tier
 from .timed_lock import TimedLock
 
@@ -33,12 +34,16 @@ PROBE_CHUNK = 1024
 # of one prefix held only below DRAM promote it once, and the second waits for the first
 # instead of missing (it used to answer NOT_FOUND while the first was still reading).
 _PROMOTE_WAIT = 5.0
+# A read-back asks the tier below whether it holds the pages unless the pool has this
+# many times their bytes free (free bytes are not free slots of every size class).
+_ROOM_MARGIN = 2
 
 
 class StoreBelow:
     """Store's reach into the tier below; the attributes below are Store's (store.py)."""
 
     mem: np.ndarray
+    pool: Pool
     lower: Tier
     promotions: int
     _lock: TimedLock
@@ -72,7 +77,13 @@ class StoreBelow:
         if not self.lower.holds_pages:
             return False
         wanted = keys.select(missing)
-        if not self.lower.contains(info.layout_id, wanted).all():
+        # Asking first keeps a Get of pages the tier below lacks from reserving, and so
+        # evicting, DRAM for nothing. But the far tier answers in a round trip (~2 ms of
+        # a 64 MiB far read, 39 -> 37 ms, on the dev VM), so it is asked only when the
+        # reservation might evict: with the room free, an absent page costs nothing but
+        # the aborted reservation.
+        room = self.pool.free_bytes >= _ROOM_MARGIN * len(wanted) * info.page_bytes
+        if not room and not self.lower.contains(info.layout_id, wanted).all():
             return False
         res = self.reserve(info.layout_id, wanted, ttl=FOREVER, quota=quota)
         committed = False
