@@ -488,12 +488,14 @@ class _Bench:
                            for _ in range(a.multi)]
                 outs, wall = self.serve(engine, prompts, a.multi_decode, keep_logits=False)
                 runs.append((wall, statistics.mean(o.ttft for o in outs),
-                             sum(o.num_external_tokens for o in outs)))
+                             sum(o.num_external_tokens for o in outs),
+                             [round(o.ttft * 1e3, 1) for o in outs]))
             wall = statistics.median(r[0] for r in runs[1:])
             out[name] = {"wall_s": wall, "requests_per_s": a.multi / wall,
                          "output_tokens_per_s": a.multi * a.multi_decode / wall,
                          "mean_ttft_s": statistics.median(r[1] for r in runs[1:]),
-                         "hit_tokens": runs[-1][2]}
+                         "hit_tokens": runs[-1][2],
+                         "ttft_ms_per_run": [r[3] for r in runs]}
         out["speedup"] = out["without_store"]["wall_s"] / out["with_store"]["wall_s"]
         self.clear()
         return out

@@ -2,7 +2,7 @@
 one pinned cudaMemcpy of the same bytes.
 
 An 8B-shaped layout (32 layers, 8 KV heads, head 128, bf16, 16-token pages = 2 MiB a
-page, 64 KiB a layer slab) in a real kvstore-server's shared pool, mapped and registered
+page, 64 KiB a layer slab; --layout 1b: 16 layers, head 64, 32 KiB a layer slab) in a real kvstore-server's shared pool, mapped and registered
 with cudaHostRegister by this process. For each prompt length, the pages are acquired and
 loaded with connector.transfer into vLLM 0.33-style caches (a [blocks, heads, 16, 2*128]
 view of an LBNHC buffer per layer) at random block ids, every layer its own kernel and
@@ -30,8 +30,14 @@ from kvstore_client import KVStoreClient, PageLayout
 
 from kvstore_testing.serverproc import ServerProcess
 
-LAYOUT = PageLayout(model="bench-load-8b", num_layers=32, page_tokens=16, num_kv_heads=8,
-                    head_size=128, dtype="bfloat16")
+# The layouts of the e2e bench's 8B and 1B presets (--layout; 8b by default).
+LAYOUTS = {
+    "8b": PageLayout(model="bench-load-8b", num_layers=32, page_tokens=16, num_kv_heads=8,
+                     head_size=128, dtype="bfloat16"),
+    "1b": PageLayout(model="bench-load-1b", num_layers=16, page_tokens=16, num_kv_heads=8,
+                     head_size=64, dtype="bfloat16"),
+}
+LAYOUT = LAYOUTS["8b"]      # the one this run times: main() sets it from --layout
 BLOCK_SIZE = 16
 # tokens: (load, save), the least share of the same run's pinned copy each must reach.
 ACCEPT = {16384: (0.93, 0.90), 1024: (0.85, 0.85)}
@@ -95,7 +101,9 @@ def run(tokens: list[int], reps: int, sweep_ctas: list[int], copies: bool) -> di
     source = rng.integers(0, 256, pb + _SHIFT * max_pages, dtype=np.uint8)
     # Loaded pages + reserved save slots, under the server's 85% low watermark.
     dram_gib = -(-2 * max_pages * pb // (1 << 30)) * 100 // 85 + 2
-    out: dict = {"layout": "8B: 32 layers, 8 KV heads, head 128, bf16, 16-token pages",
+    out: dict = {"layout": (f"{LAYOUT.model}: {LAYOUT.num_layers} layers, "
+                            f"{LAYOUT.num_kv_heads} KV heads, head {LAYOUT.head_size}, "
+                            f"{LAYOUT.dtype}, {LAYOUT.page_tokens}-token pages"),
                  "page_bytes": pb, "layer_bytes": lb, "dram_gib": dram_gib, "sizes": []}
     t0 = time.perf_counter()
     with ServerProcess(dram=f"{dram_gib}GiB").start(wait=300) as srv, \
@@ -240,8 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--copies", action="store_true",
                    help="also time CopyMethod.COPIES (per-slab cudaMemcpy) at 16k tokens")
     p.add_argument("--check", action="store_true", help="exit 1 if acceptance fails")
+    p.add_argument("--layout", choices=sorted(LAYOUTS), default="8b",
+                   help="the page layout: the e2e bench's 8B or 1B preset")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    global LAYOUT
+    LAYOUT = LAYOUTS[args.layout]
     import torch
     if not torch.cuda.is_available():
         print("load_bench needs a CUDA device")
