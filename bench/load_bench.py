@@ -164,9 +164,11 @@ def run(tokens: list[int], reps: int, sweep_ctas: list[int], copies: bool) -> di
             if sweep_ctas and sweep_pages <= max_pages:
                 gb = sweep_pages * pb / 1e9
                 out["sweep"] = []
-                for ctas in sweep_ctas:
+                for ctas in sweep_ctas:      # the cap is the kernel's: time the kernel
                     load_s, save_s = measure(KVTransfer(views, LAYOUT.page_tokens, "cuda",
-                                                        max_ctas=ctas), sweep_pages, False)
+                                                        max_ctas=ctas,
+                                                        method=CopyMethod.KERNEL),
+                                             sweep_pages, False)
                     out["sweep"].append({"max_ctas": ctas, "load_gbps": gb / load_s,
                                          "save_gbps": gb / save_s})
             if sweep_pages <= max_pages:
