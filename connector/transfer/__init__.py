@@ -58,7 +58,9 @@ wall-clock medians of 5 including launches, against one pinned cudaMemcpy of the
 
 The ~9% left on loads is the SMs' own PCIe reads against the copy engine's DMA (DESIGN.md
 measured the same kernel idea at 51.3 of 55.5 on contiguous pages). The kernel is capped
-at `max_ctas` persistent programs so that a load beside the model leaves most SMs free.
+at a number of persistent programs so that a copy beside the model leaves most SMs free:
+32 for saves and for loads of rows of 256 bytes or more, more for shorter rows, whose
+reads move less a program (kernel.load_ctas).
 
 So a load whose pages lie in runs of adjacent slots (the usual case: a request's pages
 are reserved together) goes by the copy engine instead (CopyMethod.DMA): per layer, one

@@ -47,13 +47,14 @@ class KVTransfer:
 
     layers: kv5 views in layer order (connector.kvviews.kv5), all of one shape and dtype;
     page_tokens: tokens per store page (a multiple of the views' block_size);
-    device: where the views live. max_ctas caps the kernel's programs (0 = one per tile);
+    device: where the views live. max_ctas caps the kernel's programs (0 = one per tile;
+    None = by the rows' length for loads, kernel.load_ctas, and DEFAULT_MAX_CTAS for saves);
     method: None = KERNEL on CUDA, COPIES on CPU.
     """
 
     def __init__(self, layers: Sequence[torch.Tensor], page_tokens: int,
                  device: torch.device | str | None = None, *,
-                 max_ctas: int = kernel.DEFAULT_MAX_CTAS, method: CopyMethod | None = None,
+                 max_ctas: int | None = None, method: CopyMethod | None = None,
                  staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         self.layers = list(layers)
         self.geo = geometry(self.layers, page_tokens)
@@ -72,7 +73,8 @@ class KVTransfer:
         self._dma_auto = method is None and self.cuda
         self._dma = DmaLoader(self.device, staging_bytes)
         self._dma_saver = DmaSaver(self.device, staging_bytes)
-        self.max_ctas = max_ctas
+        self.load_ctas = kernel.load_ctas(self.geo.unit) if max_ctas is None else max_ctas
+        self.save_ctas = kernel.DEFAULT_MAX_CTAS if max_ctas is None else max_ctas
         # Byte views: strides in bytes, a uint8 pointer for the kernel.
         self._bytes = [v.view(torch.uint8) for v in self.layers]
         self._cache_align = math.gcd(self.geo.unit, *(s for b in self._bytes
@@ -188,7 +190,7 @@ class KVTransfer:
                  blocks: torch.Tensor, align: int) -> None:
         table, first = self._table(layer)
         kernel.launch(self.geo, table, first, 1, staging, pages, offs, blocks, 0, align, True,
-                      self.max_ctas)
+                      self.load_ctas)
 
     def _table(self, layer: int) -> tuple[kernel.LayerTable, int]:
         """The layer table holding `layer`, and the layer's index in it."""
@@ -206,7 +208,7 @@ class KVTransfer:
         assert meta is not None             # the plan makes it for the kernel path
         kernel.launch(self.geo, table, at, count, plan.host_t, pages, meta[:pages],
                       meta[pages:], self.geo.layer_bytes, plan.align, to_cache,
-                      self.max_ctas)
+                      self.load_ctas if to_cache else self.save_ctas)
 
     # -- saves ---------------------------------------------------------------------------
     def save_layer(self, layer: int, host: np.ndarray, offsets: np.ndarray,
@@ -273,7 +275,7 @@ class KVTransfer:
                 offs: torch.Tensor, blocks: torch.Tensor, align: int) -> None:
         table, at = self._table(first)
         kernel.launch(self.geo, table, at, count, staging, pages, offs, blocks,
-                      self.geo.layer_bytes, align, False, self.max_ctas)
+                      self.geo.layer_bytes, align, False, self.save_ctas)
 
     def _saved(self, plan: Plan) -> None:
         # No event per launch: one stream runs the saves in order, so the one event

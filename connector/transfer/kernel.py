@@ -25,12 +25,25 @@ try:                                  # Triton ships with CUDA builds of torch; 
 except ImportError:                   # pragma: no cover - depends on the install
     triton = None
 
-__all__ = ["DEFAULT_MAX_CTAS", "LayerTable", "available", "launch"]
+__all__ = ["DEFAULT_MAX_CTAS", "LayerTable", "available", "launch", "load_ctas"]
 
 # Default cap on the kernel's programs (persistent CTAs). On the H200 16, 32, 64, 128 and
 # uncapped all moved 49.8-50.2 GB/s (load) and 50.8-51.2 GB/s (save) at 16k tokens: PCIe,
 # not the SMs, is the limit, so take few and leave the rest of the 132 SMs to the model.
 DEFAULT_MAX_CTAS = 32
+
+
+def load_ctas(unit: int) -> int:
+    """The cap on a load's programs for rows of `unit` bytes (0 = one program per tile).
+
+    A program's PCIe reads of short rows move less: the 1B preset's 128-byte rows loaded
+    at 16 KiB a page-layer with 16, 32, 64, 128 and uncapped programs moved 7.6, 14.8,
+    27.9, 45.1 and 46.4 GB/s (H200, 16k tokens), where the 8B preset's 256-byte rows reach
+    49.8 at 32. Saves write, and 16 programs already moved 48 GB/s for either; they keep
+    DEFAULT_MAX_CTAS. Rows shorter than 128 bytes were not measured: no cap."""
+    if unit >= 256:
+        return DEFAULT_MAX_CTAS
+    return 128 if unit >= 128 else 0
 # Bytes one program moves per loop iteration (rows of one contiguous unit each).
 _TILE_BYTES = 16 << 10
 
