@@ -44,6 +44,8 @@ def load_ctas(unit: int) -> int:
     if unit >= 256:
         return DEFAULT_MAX_CTAS
     return 128 if unit >= 128 else 0
+
+
 # Bytes one program moves per loop iteration (rows of one contiguous unit each).
 _TILE_BYTES = 16 << 10
 

@@ -22,9 +22,9 @@ __all__ = ["ClientGone", "Reader", "recv_exact", "drain", "runs", "send_views",
 # A sendmsg takes at most IOV_MAX (1024 on Linux) buffers.
 IOV_BATCH = 1024
 # ... and, here, at most this many bytes. One call of 128 MiB moved 3.3-4.2 GB/s over
-# loopback on the dev VM where calls of 1-4 MiB moved 4.3-5.2 (the same bytes, same run,
-# bench/fastpath_bench.py's raw peer sends 1 MiB a call): a long call holds the socket
-# while the receiver's acknowledgements queue behind it.
+# loopback on the dev VM where calls of 1-4 MiB moved 4.3-5.2 (the same bytes, same run;
+# bench/fastpath_bench.py's raw peer sends 1 MiB a call). The kernel's reason was not
+# looked into.
 SEND_BYTES = 2 << 20
 
 
