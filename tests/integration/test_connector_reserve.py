@@ -206,3 +206,39 @@ def test_a_reserve_whose_step_never_reached_wait_for_save_is_given_back(srv, end
     assert in_store(srv.address, e.layout, keys) == [False] * 4
     if end == "next-bind":
         e.close()
+
+
+def test_a_hung_store_costs_a_step_that_loads_and_saves_one_timeout(srv):
+    """The Acquire waits for the step's Reserve to be answered, so the Reserve's timeout
+    opens the breaker and the loads fail at once, as when the Reserve was made in bind;
+    made beside it, the Acquire would wait for the fast path's lease connection, then
+    time out on its own."""
+    timeout = 0.3
+    seed = Engine(srv.address)
+    cached = prompt(64, 6)
+    seed.run_prompt("seed", cached)
+    e = Engine(srv.address, timeout=timeout, probe_interval=60.0)
+    warm(e)
+    fresh = prompt(64, 7)
+    assert e.sched.hit("load", cached, 0) == 48
+    blocks = {"load": e.alloc(64), "save": e.alloc(64)}
+    e.sched.allocated("load", blocks["load"], 48)
+    e.sched.scheduled("load", cached, 48, 16, block_ids=blocks["load"])
+    e.sched.allocated("save", blocks["save"], 0)
+    e.sched.scheduled("save", fresh, 0, 64, block_ids=blocks["save"])
+    meta = e.sched.build()
+    assert len(meta.loads) == 1 and len(meta.saves) == 2
+    sigstop(srv.proc.pid)
+    try:
+        start = time.monotonic()
+        _, _, errors = e.run(meta, [(blocks["load"], cached, 48, 64),
+                                    (blocks["save"], fresh, 0, 64)])
+        step = time.monotonic() - start
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+    assert step < 2 * timeout, step
+    assert errors == set(blocks["load"][:3])   # the engine recomputes the loaded pages
+    assert e.worker.breaker.open
+    assert in_store(srv.address, e.layout, keys_of(e, "save", 4)) == [False] * 4
+    for x in (seed, e):
+        x.close()
