@@ -27,8 +27,8 @@ launched after its layer's hook is still right): made in bind, its round trip de
 the forward by all of it. Only the shared pool's saves need it; without the pool a save
 goes to a pinned buffer and makes no call until its Put. A step that loads takes the
 Reserve's answer before its Acquire (start_load), so the two never race for the fast
-path's lease connection. A Reserve still unanswered when the next step binds belongs to
-a step that never reached wait_for_save: its slots are given back, nothing of it stored.
+path's lease connection. A Reserve whose answer no hook took by the next bind belongs
+to a step that never reached wait_for_save: its slots are given back, nothing stored.
 
 Saves are asynchronous: the step that produced pages never waits for their copies or
 their Commit. The copies run on the save stream beside the next steps; a later step
@@ -369,7 +369,7 @@ class WorkerHalf:
         thread (connector.reserving); the step takes it in a save hook or at its end."""
         try:
             ns = self.ns                  # registered on first use, here as for loads
-        except KVStoreError as exc:
+        except (KVStoreError, OSError, RuntimeError) as exc:
             self._reserve_failed(specs, exc)
             return
         keys = [key for spec in specs for key in spec.keys]
@@ -394,9 +394,9 @@ class WorkerHalf:
             self._save_layer(save, layer)
 
     def _drop_unfinished_reserve(self) -> None:
-        """A Reserve still unanswered at the start of a step (or at close) is of a step
-        that never reached wait_for_save: none of its layers was copied and its blocks may
-        be reused now, so it saves nothing and its slots are given back."""
+        """A Reserve not taken by the start of a step (or by close) is of a step that never
+        reached wait_for_save: none of its layers was copied and its blocks may be reused
+        now, so it saves nothing and its slots are given back."""
         answer = self._reserving.take()
         if answer is None:
             return
