@@ -4,7 +4,8 @@ A step's saves need store slots before their first copy. Made before the forward
 Reserve's round trip delayed the forward by all of it: on the H200 (8B, bf16, a
 1,024-token miss saving every page) it was 1.04 ms of the step's host time, with the
 miss at 1.12-1.13x the time to first token of a recompute. Made here, it overlaps the
-first layers' compute instead. A layer whose save hook runs before the answer is in is
+first layers' compute instead (on the dev VM, CPU, a 32-page step's bind went from
+0.175 to 0.021 ms of host time). A layer whose save hook runs before the answer is in is
 owed: its copy is launched when a later hook, or the end of the step, takes the answer.
 
 A layer's copy launched after its own hook is still right: transfer.save_layer orders
@@ -17,8 +18,10 @@ end of the step waits for it; the client's own timeout bounds that wait, as it b
 the call when it was made inline). The answer, good or bad, is the worker's to act on.
 
 The Reserve runs on this module's thread, everything else on the worker's thread.
-KVStoreClient is thread-safe: its fast path takes a lease call's connection under a
-lock, and other calls take pooled connections of their own.
+KVStoreClient is thread-safe: its fast path makes lease calls (Reserve, Acquire,
+Commit, Abort, Release) one at a time over one connection, under a lock, and other calls
+over pooled connections of their own. So an Acquire made beside the Reserve would wait
+for it; the worker takes the answer before its Acquire instead (worker.start_load).
 """
 
 from __future__ import annotations
