@@ -53,7 +53,8 @@ class Answer:
 
 
 class StepReserve:
-    """One thread for the step's Reserve (started on first use) and the layers owed."""
+    """One thread for the step's Reserve (started on first use) and the layers owed.
+    Called from the worker's thread only; the Reserve itself runs on the pool's thread."""
 
     def __init__(self) -> None:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -79,7 +80,8 @@ class StepReserve:
 
     def owe(self, layer: int) -> None:
         """The layer's save waits for the answer."""
-        assert self._answer is not None
+        if self._answer is None:
+            raise RuntimeError("no Reserve to owe a layer to")
         self._answer.owed.append(layer)
 
     def take(self) -> Answer | None:
