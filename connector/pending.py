@@ -3,9 +3,11 @@ reservation may be committed.
 
 A step's saves are reserved together (one Reserve for every request's pages: on the H200 a
 Reserve costs 0.4-2 ms of the step's host time, so one per request made a step of many
-requests pay it many times) and copied together, layer by layer, on the save stream. The
-step that produced the pages does not wait for those copies: the worker polls their event
-at later step boundaries. A reservation is finished once
+requests pay it many times; it is made beside the forward, connector.reserving) and
+copied together, layer by layer, on the save stream. A reservation enters the queue when
+its Reserve has answered. The step that produced the pages does not wait for those
+copies: the worker polls their event at later step boundaries. A reservation is finished
+once
 
   1. its copies have landed (a slot may not be committed, nor freed for another page,
      while a copy still writes it), and

@@ -2,21 +2,33 @@
 
 Per step, in the order engines call it (docs/dev/vllm-0.33-connector-api.md, section 5):
 
-    bind(meta)             reserve store slots for every save of the step in one call
-                           (Reserve), before the forward; finish earlier steps' saves
-                           whose copies have landed
+    bind(meta)             ask for store slots for every save of the step in one call
+                           (Reserve) on the reserve thread, and return without its
+                           answer; finish earlier steps' saves whose copies have landed
     start_load(meta)       pin every page the step loads in one call (Acquire) and start
                            copying them, every layer on a side stream with one event per
                            layer
     wait_for_layer(name)   the compute stream waits for that layer's copies only
-    save_layer(name)       that layer's pages to save are gathered and copied out (D2H)
-    wait_for_save()        the step's save copies are recorded, not waited for; the
-                           step's loads are checked (a failed one is reported this step)
+    save_layer(name)       that layer's pages to save are gathered and copied out (D2H);
+                           while the Reserve is unanswered the layer is owed instead, and
+                           copied (in order) by the first hook that finds the answer in
+    wait_for_save()        the Reserve's answer is waited for if still out, the layers
+                           owed are copied; the step's save copies are recorded, not
+                           waited for; the step's loads are checked (a failed one is
+                           reported this step)
     finished(ids)          loads whose copies are done release their pins; async loads are
                            reported as received
     sent(ids)              finished requests none of whose save copies is still running:
                            their blocks may be reused (vLLM's finished_sending)
     load_errors()          block ids whose load failed (the engine recomputes them)
+
+The Reserve runs beside the forward (connector.reserving says why and why a copy
+launched after its layer's hook is still right): made in bind, its round trip delayed
+the forward by all of it. Only the shared pool's saves need it; without the pool a save
+goes to a pinned buffer and makes no call until its Put. A step that loads takes the
+Reserve's answer before its Acquire (start_load), so the two never race for the fast
+path's lease connection. A Reserve whose answer no hook took by the next bind belongs
+to a step that never reached wait_for_save: its slots are given back, nothing stored.
 
 Saves are asynchronous: the step that produced pages never waits for their copies or
 their Commit. The copies run on the save stream beside the next steps; a later step
@@ -36,11 +48,13 @@ committed, and it is dropped if one of them failed (connector.outcomes). A load'
 failure (at Acquire, or in its copies, found at the latest in wait_for_save) is known
 here at once; another rank's, one or two steps later through the scheduler half.
 
-A store that does not answer costs the step that meets it at most one call's `timeout`:
-that call opens the breaker (connector.breaker), and while it is open, or while the
-scheduler half reports the store down (StepMeta.store_down), the worker makes no call to
-the store: saves are skipped (their reservations expire in the store), loads fail at once
-(the engine recomputes). The breaker's probe runs on its own thread, never in a step.
+A store that does not answer costs the step that meets it at most one call's `timeout`
+(a Reserve's is waited for at wait_for_save, or before the step's Acquire, so the wait
+ends when the call would have ended inline): that call opens the breaker
+(connector.breaker), and while it is open, or while the scheduler half reports the store
+down (StepMeta.store_down), the worker makes no call to the store: saves are skipped
+(their reservations expire in the store), loads fail at once (the engine recomputes).
+The breaker's probe runs on its own thread, never in a step.
 
 On the store's host the pages move straight between the shared pool (registered with
 CUDA once) and the GPU. Elsewhere a load is received layer by layer into a ring of
@@ -50,7 +64,7 @@ buffer and a Put. All CUDA work is in connector.transfer; this module only plans
 
 Over 400 lines because it is the one place that reads in the order an engine calls it
 (loads, saves, completion); each part with an idea of its own is a module beside it
-(loading, remote, pending, outcomes, breaker, hostmem).
+(loading, remote, reserving, pending, outcomes, breaker, hostmem).
 """
 
 from __future__ import annotations
@@ -66,6 +80,7 @@ import grpc
 import numpy as np
 
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
+from kvstore_client.shm import Reservation
 
 from .breaker import Breaker
 from .config import ConnectorConfig, open_client
@@ -75,6 +90,7 @@ from .meta import LoadSpec, SaveSpec, StepMeta
 from .outcomes import LoadOutcomes, Verdict
 from .pending import Part, PendingSave, SaveQueue, Settle
 from .remote import RemoteLoadFailed, RemoteLoads
+from .reserving import StepReserve
 from .transfer import KVTransfer, TransferError, pinned_empty
 
 __all__ = ["WorkerHalf", "WorkerStats", "layer_order"]
@@ -146,6 +162,7 @@ class WorkerHalf:
         self._layer_handles: list = []             # their distinct handles (wait_for_layer)
         self._async: dict[str, _Load] = {}         # loads reported when done
         self._saves = SaveQueue()                  # reserved, copying, waiting to commit
+        self._reserving = StepReserve()            # the step's Reserve, until answered
         self._errors: set[int] = set()
         self._failed_async: set[str] = set()
         self._outcomes = LoadOutcomes()            # of the loads saves name (after)
@@ -187,6 +204,11 @@ class WorkerHalf:
     def start_load(self, meta: StepMeta) -> None:
         if not meta.loads:
             return
+        # The step's Reserve is answered first. An Acquire beside it would wait for it
+        # anyway (the fast path makes lease calls one at a time), and a store that does
+        # not answer then costs the step one timeout, not two: the Reserve's opens the
+        # breaker and the loads fail at once, as when the Reserve was made in bind.
+        self._take_reserve()
         if not self._may_call():
             exc = KVStoreError(grpc.StatusCode.UNAVAILABLE,
                                "the store is not answering (waiting for a probe)")
@@ -295,9 +317,11 @@ class WorkerHalf:
 
     # -- saves --------------------------------------------------------------------------
     def bind(self, meta: StepMeta) -> None:
-        """Reserve the store's slots for this step's saves before the forward starts, so
-        no RPC waits inside the layers; finish earlier saves whose copies have landed."""
+        """Start reserving the store's slots for this step's saves (on the reserve thread,
+        so the forward does not wait for the round trip); finish earlier saves whose
+        copies have landed."""
         self._store_down = meta.store_down
+        self._drop_unfinished_reserve()
         self._outcomes.succeeded(meta.loads_ok)
         self._outcomes.failed(meta.loads_failed)
         self._saving.update(spec.req_id for spec in meta.saves)
@@ -322,23 +346,80 @@ class WorkerHalf:
             self._trip(exc)
             log.warning("not saving this step's pages: %s", exc)
             return
-        # Shared pool: the step's saves in one reservation; else one buffer each.
-        for group in ([specs] if shared else [[spec] for spec in specs]):
+        if shared:
+            self._start_reserve(specs)
+            return
+        # No shared pool: one buffer each, filled by the copies and sent by a Put at
+        # commit; no call to the store here.
+        for spec in specs:
             try:
                 began = time.monotonic()
-                self._saves.step.append(self._reserve_step(group) if shared
-                                        else self._reserve(group[0]))
+                self._saves.step.append(self._reserve(spec))
                 self.breaker.succeeded(began)
             except (KVStoreError, OSError, RuntimeError) as exc:
-                self._trip(exc)
-                log.warning("not saving %d pages of %s: %s", sum(len(s.keys) for s in group),
-                            ", ".join(s.req_id for s in group), exc)
+                self._reserve_failed([spec], exc)
 
-    def _reserve_step(self, specs: list[SaveSpec]) -> PendingSave:
-        """One reservation for every save of the step (one Reserve), each request's pages
-        a part of it (connector.pending)."""
+    def _reserve_failed(self, specs: list[SaveSpec], exc: Exception) -> None:
+        self._trip(exc)
+        log.warning("not saving %d pages of %s: %s", sum(len(s.keys) for s in specs),
+                    ", ".join(s.req_id for s in specs), exc)
+
+    def _start_reserve(self, specs: list[SaveSpec]) -> None:
+        """The step's saves in one reservation (one Reserve), asked for on the reserve
+        thread (connector.reserving); the step takes it in a save hook or at its end."""
+        try:
+            ns = self.ns                  # registered on first use, here as for loads
+        except (KVStoreError, OSError, RuntimeError) as exc:
+            self._reserve_failed(specs, exc)
+            return
         keys = [key for spec in specs for key in spec.keys]
-        res = self.client.reserve(self.ns, keys)
+        self._reserving.start(lambda: self.client.reserve(ns, keys), specs)
+
+    def _take_reserve(self) -> None:
+        """The step's reservation, once its Reserve has answered (waited for if need be:
+        the client's timeout bounds the wait), joins the step's saves and the layers it
+        owes are copied, in order. A Reserve that failed is handled as it was inline: the
+        step's pages are not saved."""
+        answer = self._reserving.take()
+        if answer is None:
+            return
+        try:
+            save = self._step_save(answer.specs, answer.reservation())
+        except (KVStoreError, OSError, RuntimeError) as exc:
+            self._reserve_failed(answer.specs, exc)
+            return
+        self.breaker.succeeded(answer.began)
+        self._saves.step.append(save)
+        for layer in answer.owed:
+            self._save_layer(save, layer)
+
+    def _drop_unfinished_reserve(self) -> None:
+        """A Reserve not taken by the start of a step (or by close) is of a step that never
+        reached wait_for_save: none of its layers was copied and its blocks may be reused
+        now, so it saves nothing and its slots are given back."""
+        answer = self._reserving.take()
+        if answer is None:
+            return
+        try:
+            res = answer.reservation()
+        except (KVStoreError, OSError, RuntimeError) as exc:
+            self._reserve_failed(answer.specs, exc)
+            return
+        self.breaker.succeeded(answer.began)
+        log.info("not saving %d pages: their step ended before its saves",
+                 sum(len(s.keys) for s in answer.specs))
+        if not self._may_call():
+            return                        # not answering: the reservation expires there
+        try:
+            res.abort()
+        except KVStoreError as exc:
+            self._trip(exc)
+            log.warning("giving back %d reserved slots failed (they expire): %s",
+                        len(res.offsets), exc)
+
+    def _step_save(self, specs: list[SaveSpec], res: Reservation) -> PendingSave:
+        """The step's reservation as one pending save, each request's pages a part of it
+        (connector.pending)."""
         try:
             pool = self._mem(res.region)
         except BaseException:
@@ -399,12 +480,26 @@ class WorkerHalf:
                         len(save.offsets), ", ".join(sorted(save.req_ids)), exc)
 
     def save_layer(self, name: str) -> None:
+        """Copy the layer's pages of the step's saves out; while the step's Reserve is
+        unanswered the layer is owed instead (copied when it is answered), so no hook
+        waits for the store."""
         layer = self._index[name]
+        if self._reserving.pending:
+            if self._reserving.ready():
+                self._take_reserve()
+            else:
+                self._reserving.owe(layer)
         for save in self._saves.step:
-            self.transfer.save_layer(layer, save.host, save.offsets, save.block_ids)
+            self._save_layer(save, layer)
+
+    def _save_layer(self, save: PendingSave, layer: int) -> None:
+        self.transfer.save_layer(layer, save.host, save.offsets, save.block_ids)
 
     def wait_for_save(self) -> None:
-        """Check the step's loads; hand the step's save copies to the poll, unwaited."""
+        """Take the step's reservation (waiting for its Reserve if it is still out) and
+        copy the layers it owes; check the step's loads; hand the step's save copies to
+        the poll, unwaited."""
+        self._take_reserve()
         self._check_loads()
         if self._saves.step:
             self._saves.enqueued(self.transfer.finish_save(wait=False))
@@ -427,6 +522,7 @@ class WorkerHalf:
 
     def finished(self) -> set[str]:
         """Release finished loads' pins; return ids of async loads now complete."""
+        self._take_reserve()              # a load failing below drops parts of it
         self._check_loads()
         done = set(self._failed_async)
         self._failed_async.clear()
@@ -452,6 +548,7 @@ class WorkerHalf:
         """Of the finished requests a save was planned for, those whose save copies have
         all landed (and been committed, unless waiting on loads' outcomes or given up):
         the engine may now free their blocks. Every request named is reported once."""
+        self._take_reserve()              # its requests' blocks are busy until copied
         for req_id in finished_req_ids:
             if req_id in self._saving:
                 self._saving.discard(req_id)
@@ -473,6 +570,8 @@ class WorkerHalf:
         return errors
 
     def close(self) -> None:
+        self._drop_unfinished_reserve()
+        self._reserving.close()
         self._remote.close()                       # stops receives still running
         for load in [*self._loads, *self._async.values()]:
             try:

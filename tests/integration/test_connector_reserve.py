@@ -1,0 +1,244 @@
+"""The step's Reserve made beside the forward, against a real server: the engine's hooks do
+not wait for its answer, the layers they owed are copied once it is in, and a Reserve that
+fails or outlives its step stores nothing and leaves nothing behind."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvstore_client import KVStoreClient                                  # noqa: E402
+from kvstore_connector.worker import WorkerHalf                           # noqa: E402
+from kvstore_testing.serverproc import sigstop                            # noqa: E402
+
+from .test_connector import (                                             # noqa: E402
+    BLOCK,
+    NAMES,
+    Engine,
+    expected_pages,
+    in_store,
+    kv_value,
+    prompt,
+    stored_pages,
+    wait_leases_gone,
+)
+
+HANG = 0.4          # seconds the store is stopped around a step's bind and hooks
+
+
+@pytest.fixture
+def srv(fresh_server):
+    # Reservations left behind would outlive every check here (never expiring in a test).
+    return fresh_server(dram="64MiB", lease_ttl="60s")
+
+
+def planned(engine, req_id, tokens):
+    """A step computing the whole prompt (no hit): its meta and the request's blocks."""
+    assert engine.sched.hit(req_id, tokens, 0) == 0
+    blocks = engine.alloc(len(tokens))
+    engine.sched.allocated(req_id, blocks, 0)
+    engine.sched.scheduled(req_id, tokens, 0, len(tokens), block_ids=blocks)
+    meta = engine.sched.build()
+    assert len(meta.saves) == 1
+    return meta, blocks
+
+
+def compute(engine, layer, blocks, tokens):
+    """The forward's write of one layer's KV, then its save hook."""
+    pos = torch.arange(len(tokens))
+    engine.caches[NAMES[layer]][:, torch.as_tensor(blocks)[pos // BLOCK], pos % BLOCK] = \
+        kv_value(layer, pos, torch.as_tensor(tokens))
+    engine.worker.save_layer(NAMES[layer])
+
+
+def keys_of(engine, req_id, pages):
+    return engine.sched._keys_upto(engine.sched._requests[req_id], pages)
+
+
+def leases(address):
+    with KVStoreClient(address) as client:
+        return client.stats().leases
+
+
+def warm(engine):
+    """One step stored: the pool is mapped, the layout registered, connections open."""
+    engine.run_prompt("warm", prompt(32, 99))
+
+
+def test_the_hooks_do_not_wait_for_the_reserve_and_owed_layers_are_stored_exact(srv):
+    e = Engine(srv.address, timeout=5.0)
+    warm(e)
+    tokens = prompt(64, 1)
+    meta, blocks = planned(e, "r", tokens)
+    sigstop(srv.proc.pid)
+    resume = threading.Timer(HANG, os.kill, (srv.proc.pid, signal.SIGCONT))
+    resume.start()
+    try:
+        start = time.monotonic()
+        e.worker.bind(meta)
+        e.worker.start_load(meta)
+        for layer in range(len(NAMES)):
+            compute(e, layer, blocks, tokens)
+        hooks = time.monotonic() - start
+        e.worker.wait_for_save()               # waits for the answer, copies every layer
+        step = time.monotonic() - start
+    finally:
+        resume.join()
+        os.kill(srv.proc.pid, signal.SIGCONT)
+    assert hooks < HANG / 2, hooks             # bind and every hook ran while it was stopped
+    assert step >= HANG * 0.9, step            # the step's end waited for the answer
+    e.worker.finished()
+    keys = keys_of(e, "r", 4)
+    same = stored_pages(srv.address, e.layout, keys) == expected_pages(tokens, 4)
+    assert same.all(axis=1).tolist() == [True] * 4
+    assert e.worker.sent({"r"}) == {"r"}
+    with KVStoreClient(srv.address) as client:
+        assert wait_leases_gone(client)
+    e.close()
+
+
+def test_a_hook_that_finds_the_answer_in_copies_the_layers_owed_first(srv):
+    e = Engine(srv.address, timeout=5.0)
+    warm(e)
+    tokens = prompt(64, 2)
+    meta, blocks = planned(e, "r", tokens)
+    sigstop(srv.proc.pid)
+    try:
+        e.worker.bind(meta)
+        compute(e, 0, blocks, tokens)           # owed: the store has not answered
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 5
+    while not e.worker._reserving.ready() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # Layer 0's blocks are reused after its hook: an owed copy made from the blocks as
+    # they are at the next hook must still read layer 0's own KV, which a layer's KV is
+    # (the engine never rewrites a layer within a step), so only later layers change here.
+    compute(e, 1, blocks, tokens)               # takes the answer: copies 0, then 1
+    assert not e.worker._reserving.pending
+    compute(e, 2, blocks, tokens)
+    e.worker.wait_for_save()
+    e.worker.finished()
+    same = stored_pages(srv.address, e.layout, keys_of(e, "r", 4)) == \
+        expected_pages(tokens, 4)
+    assert same.all(axis=1).tolist() == [True] * 4
+    e.close()
+
+
+@pytest.mark.parametrize("how", ["sigstop", "sigkill"])
+def test_a_reserve_that_fails_saves_nothing_raises_nothing_and_costs_one_timeout(srv, how):
+    timeout = 0.3
+    e = Engine(srv.address, timeout=timeout, probe_interval=0.2)
+    warm(e)
+    tokens = prompt(64, 3)
+    meta, blocks = planned(e, "r", tokens)
+    keys = keys_of(e, "r", 4)
+    if how == "sigstop":
+        sigstop(srv.proc.pid)
+    else:
+        srv.stop(signal.SIGKILL)
+    try:
+        start = time.monotonic()
+        e.worker.bind(meta)
+        e.worker.start_load(meta)
+        for layer in range(len(NAMES)):
+            compute(e, layer, blocks, tokens)
+        e.worker.wait_for_save()               # the Reserve's failure is met here
+        e.worker.finished()
+        step = time.monotonic() - start
+        assert e.worker.breaker.open           # as an inline Reserve's failure did
+        # No call until a probe answers: the next step's bind and end wait for nothing.
+        start = time.monotonic()
+        e.run(e.sched.build(), [])
+        assert time.monotonic() - start < 0.1
+    finally:
+        if how == "sigstop":
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        else:
+            srv.start()
+    # One timeout; a killed store also the client's retries on UNAVAILABLE (backoff
+    # 0.1 + 0.2 + 0.4 s), as when the Reserve was made inline.
+    assert step < timeout + (1.5 if how == "sigkill" else 0.5), step
+    assert in_store(srv.address, e.layout, keys) == [False] * 4
+    assert e.worker.sent({"r"}) == {"r"}       # nothing copies its blocks: they may go
+    # The stopped store took the Reserve when it resumed, from a connection the client
+    # had closed: the server ends that reservation with it, nothing waits for its ttl.
+    with KVStoreClient(srv.address) as client:
+        assert wait_leases_gone(client)
+    # Once a probe finds the store answering, a step's pages are stored again.
+    deadline = time.monotonic() + 5
+    while e.worker.breaker.open and time.monotonic() < deadline:
+        time.sleep(0.05)
+    again = prompt(64, 4)
+    e.run_prompt("again", again)
+    same = stored_pages(srv.address, e.layout, keys_of(e, "again", 4)) == \
+        expected_pages(again, 4)
+    assert same.all(axis=1).tolist() == [True] * 4
+    e.close()
+
+
+@pytest.mark.parametrize("end", ["next-bind", "close"])
+def test_a_reserve_whose_step_never_reached_wait_for_save_is_given_back(srv, end):
+    e = Engine(srv.address, timeout=5.0)
+    # Reserves over gRPC: a fast-path reservation would also end with its connection at
+    # close, and this checks that the worker itself gives it back.
+    e.worker.close()
+    e.worker = WorkerHalf(e.config, e.layout, e.caches,
+                          client=KVStoreClient(srv.address, timeout=5.0, data_plane=False))
+    warm(e)
+    tokens = prompt(64, 5)
+    meta, _ = planned(e, "r", tokens)
+    keys = keys_of(e, "r", 4)
+    e.worker.bind(meta)                        # the step fails before any save hook
+    deadline = time.monotonic() + 5
+    while not e.worker._reserving.ready() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert leases(srv.address) == 1            # the reservation, answered, not taken
+    if end == "next-bind":
+        e.worker.bind(e.sched.build())
+    else:
+        e.close()
+    assert leases(srv.address) == 0            # aborted at once, not left to its ttl
+    assert in_store(srv.address, e.layout, keys) == [False] * 4
+    if end == "next-bind":
+        e.close()
+
+
+def test_a_hung_store_costs_a_step_that_loads_and_saves_one_timeout(srv):
+    """The Acquire waits for the step's Reserve to be answered, so the Reserve's timeout
+    opens the breaker and the loads fail at once, as when the Reserve was made in bind;
+    made beside it, the Acquire would wait for the fast path's lease connection, then
+    time out on its own."""
+    timeout = 0.3
+    seed = Engine(srv.address)
+    cached = prompt(64, 6)
+    seed.run_prompt("seed", cached)
+    e = Engine(srv.address, timeout=timeout, probe_interval=60.0)
+    warm(e)
+    fresh = prompt(64, 7)
+    assert e.sched.hit("load", cached, 0) == 48
+    blocks = {"load": e.alloc(64), "save": e.alloc(64)}
+    e.sched.allocated("load", blocks["load"], 48)
+    e.sched.scheduled("load", cached, 48, 16, block_ids=blocks["load"])
+    e.sched.allocated("save", blocks["save"], 0)
+    e.sched.scheduled("save", fresh, 0, 64, block_ids=blocks["save"])
+    meta = e.sched.build()
+    assert len(meta.loads) == 1 and len(meta.saves) == 2
+    sigstop(srv.proc.pid)
+    try:
+        start = time.monotonic()
+        _, _, errors = e.run(meta, [(blocks["load"], cached, 48, 64),
+                                    (blocks["save"], fresh, 0, 64)])
+        step = time.monotonic() - start
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+    assert step < 2 * timeout, step
+    assert errors == set(blocks["load"][:3])   # the engine recomputes the loaded pages
+    assert e.worker.breaker.open
+    assert in_store(srv.address, e.layout, keys_of(e, "save", 4)) == [False] * 4
+    for x in (seed, e):
+        x.close()
