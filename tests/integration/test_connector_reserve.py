@@ -11,9 +11,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvstore_client import KVStoreClient                                  # noqa: E402
+from kvstore_client import KVStoreClient, KVStoreError                    # noqa: E402
 from kvstore_connector.worker import WorkerHalf                           # noqa: E402
 from kvstore_testing.serverproc import sigstop                            # noqa: E402
+from tests.waiting import wait_for                                        # noqa: E402
 
 from .test_connector import (                                             # noqa: E402
     BLOCK,
@@ -35,6 +36,16 @@ def srv(fresh_server):
     # Reservations left behind would outlive every check here (never expiring in a test).
     return fresh_server(dram="64MiB", lease_ttl="60s")
 
+
+
+def answers(address) -> bool:
+    """A fresh client's call is answered."""
+    try:
+        with KVStoreClient(address) as client:
+            client.stats()
+        return True
+    except KVStoreError:
+        return False
 
 def planned(engine, req_id, tokens):
     """A step computing the whole prompt (no hit): its meta and the request's blocks."""
@@ -160,6 +171,10 @@ def test_a_reserve_that_fails_saves_nothing_raises_nothing_and_costs_one_timeout
             os.kill(srv.proc.pid, signal.SIGCONT)
         else:
             srv.start()
+            # A new client shares the killed server's connection and its reconnect
+            # backoff (up to 1 s: kvstore_client.wire), longer than its own retries.
+            wait_for(lambda: answers(srv.address), "the restarted store to answer",
+                     timeout=5)
     # One timeout; a killed store also the client's retries on UNAVAILABLE (backoff
     # 0.1 + 0.2 + 0.4 s), as when the Reserve was made inline.
     assert step < timeout + (1.5 if how == "sigkill" else 0.5), step
