@@ -22,7 +22,7 @@ CALLS: dict[str, str] = {
     "get_num_new_matched_tokens": "lookup",
     "update_state_after_alloc": "alloc",
     "build_connector_meta": "step meta",
-    "bind_connector_metadata": "reserve saves",
+    "bind_connector_metadata": "bind",       # hands the step's Reserve to its thread
     "start_load_kv": "acquire + launch load",
     "wait_for_layer_load": "layer waits",
     "save_kv_layer": "save layers",

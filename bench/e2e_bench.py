@@ -531,7 +531,7 @@ _BREAKDOWN_NOTE = ("Breakdown (ms, medians): host time inside each connector cal
                    "load (device) = the load's copies alone on CUDA events, hidden or not; "
                    "leftover = hit TTFT - connector calls - rest (launches, unhidden load, "
                    "sampling). Recompute: forward = the model alone over the whole prompt.")
-_BREAKDOWN_PARTS = ("lookup", "step meta", "reserve saves", "acquire + launch load",
+_BREAKDOWN_PARTS = ("lookup", "step meta", "bind", "acquire + launch load",
                     "layer waits", "save layers", "save wait", "finished + release")
 _BREAKDOWN_HEAD = ("| preset | tokens | " + " | ".join(_BREAKDOWN_PARTS) + " | other calls "
                    "| connector | load (device) | rest | leftover | hit TTFT | recompute forward "
@@ -550,10 +550,11 @@ def _breakdown_row(p: dict) -> str:
 
 _MISS_NOTE = ("Miss+save breakdown (ms, medians): host time inside each connector call "
               "of a miss that saves every page (an empty store each time), up to its first "
-              "token; forward = the model alone over the whole prompt; leftover = miss+save "
+              "token (bind hands the step's Reserve to a thread; a save hook or the save "
+              "wait that finds it unanswered waits for it there); forward = the model alone over the whole prompt; leftover = miss+save "
               "TTFT - connector calls - forward (saves' copies slowing the forward, launches, "
               "sampling).")
-_MISS_PARTS = ("lookup", "step meta", "reserve saves", "save layers", "save wait",
+_MISS_PARTS = ("lookup", "step meta", "bind", "save layers", "save wait",
                "finished + release")
 _MISS_HEAD = ("| preset | tokens | " + " | ".join(_MISS_PARTS) + " | other calls | connector "
               "| forward | leftover | miss+save TTFT | recompute TTFT | miss+save / recompute |")
