@@ -47,6 +47,12 @@ def answers(address) -> bool:
     except KVStoreError:
         return False
 
+
+def pages_match(address, e, keys, tokens) -> list[bool]:
+    """For each of the prompt's first four pages: the store holds it, byte for byte."""
+    same = stored_pages(address, e.layout, keys) == expected_pages(tokens, 4)
+    return same.all(axis=1).tolist()
+
 def planned(engine, req_id, tokens):
     """A step computing the whole prompt (no hit): its meta and the request's blocks."""
     assert engine.sched.hit(req_id, tokens, 0) == 0
@@ -103,9 +109,7 @@ def test_the_hooks_do_not_wait_for_the_reserve_and_owed_layers_are_stored_exact(
     assert hooks < HANG / 2, hooks             # bind and every hook ran while it was stopped
     assert step >= HANG * 0.9, step            # the step's end waited for the answer
     e.worker.finished()
-    keys = keys_of(e, "r", 4)
-    same = stored_pages(srv.address, e.layout, keys) == expected_pages(tokens, 4)
-    assert same.all(axis=1).tolist() == [True] * 4
+    assert pages_match(srv.address, e, keys_of(e, "r", 4), tokens) == [True] * 4
     assert e.worker.sent({"r"}) == {"r"}
     with KVStoreClient(srv.address) as client:
         assert wait_leases_gone(client)
@@ -134,9 +138,7 @@ def test_a_hook_that_finds_the_answer_in_copies_the_layers_owed_first(srv):
     compute(e, 2, blocks, tokens)
     e.worker.wait_for_save()
     e.worker.finished()
-    same = stored_pages(srv.address, e.layout, keys_of(e, "r", 4)) == \
-        expected_pages(tokens, 4)
-    assert same.all(axis=1).tolist() == [True] * 4
+    assert pages_match(srv.address, e, keys_of(e, "r", 4), tokens) == [True] * 4
     e.close()
 
 
@@ -190,9 +192,7 @@ def test_a_reserve_that_fails_saves_nothing_raises_nothing_and_costs_one_timeout
         time.sleep(0.05)
     again = prompt(64, 4)
     e.run_prompt("again", again)
-    same = stored_pages(srv.address, e.layout, keys_of(e, "again", 4)) == \
-        expected_pages(again, 4)
-    assert same.all(axis=1).tolist() == [True] * 4
+    assert pages_match(srv.address, e, keys_of(e, "again", 4), again) == [True] * 4
     e.close()
 
 
