@@ -163,6 +163,9 @@ class WorkerHalf:
         self._async: dict[str, _Load] = {}         # loads reported when done
         self._saves = SaveQueue()                  # reserved, copying, waiting to commit
         self._reserving = StepReserve()            # the step's Reserve, until answered
+        # The saves of a step that also loads: reserved in start_load once its loads are
+        # launched (bind leaves them here).
+        self._deferred: list[SaveSpec] | None = None
         self._errors: set[int] = set()
         self._failed_async: set[str] = set()
         self._outcomes = LoadOutcomes()            # of the loads saves name (after)
@@ -204,11 +207,24 @@ class WorkerHalf:
     def start_load(self, meta: StepMeta) -> None:
         if not meta.loads:
             return
-        # The step's Reserve is answered first. An Acquire beside it would wait for it
-        # anyway (the fast path makes lease calls one at a time), and a store that does
-        # not answer then costs the step one timeout, not two: the Reserve's opens the
-        # breaker and the loads fail at once, as when the Reserve was made in bind.
-        self._take_reserve()
+        # A step that loads reserves for its saves only once its loads are launched, and
+        # waits for that Reserve here, before the forward. Asked for in bind on the
+        # reserve thread, the Reserve went first and the Acquire waited behind it (the
+        # fast path makes lease calls one at a time): H200, 8B, a 32k-token DRAM hit,
+        # timing the worker's calls over six hits, the Acquire waited 0.4-2.5 ms for it
+        # while no copy had begun. Left to the thread during the forward instead, it
+        # contended for the GIL with the forward's launches: the 1k-token hit took 15.4
+        # and 16.2 ms in two of three e2e runs, against 11.1 here and 12.0 before. Here
+        # the copies already run while it is answered (e2e at 32k: 19.5x recompute, as
+        # before within the runs' spread of 19.2-19.9x). A store that does not answer
+        # costs the step one timeout: the Acquire's opens the breaker, and the Reserve
+        # is then not asked for.
+        try:
+            self._start_loads(meta)
+        finally:
+            self._take_reserve()
+
+    def _start_loads(self, meta: StepMeta) -> None:
         if not self._may_call():
             exc = KVStoreError(grpc.StatusCode.UNAVAILABLE,
                                "the store is not answering (waiting for a probe)")
@@ -347,7 +363,10 @@ class WorkerHalf:
             log.warning("not saving this step's pages: %s", exc)
             return
         if shared:
-            self._start_reserve(specs)
+            if meta.loads:
+                self._deferred = specs        # start_load reserves, after its loads
+            else:
+                self._start_reserve(specs)
             return
         # No shared pool: one buffer each, filled by the copies and sent by a Put at
         # commit; no call to the store here.
@@ -375,11 +394,19 @@ class WorkerHalf:
         keys = [key for spec in specs for key in spec.keys]
         self._reserving.start(lambda: self.client.reserve(ns, keys), specs)
 
+    def _start_deferred(self) -> None:
+        """Ask for the Reserve bind left to start_load (the store may have stopped
+        answering meanwhile: then the step's pages are not saved)."""
+        specs, self._deferred = self._deferred, None
+        if specs and self._may_call():
+            self._start_reserve(specs)
+
     def _take_reserve(self) -> None:
         """The step's reservation, once its Reserve has answered (waited for if need be:
         the client's timeout bounds the wait), joins the step's saves and the layers it
         owes are copied, in order. A Reserve that failed is handled as it was inline: the
         step's pages are not saved."""
+        self._start_deferred()
         answer = self._reserving.take()
         if answer is None:
             return
@@ -396,7 +423,9 @@ class WorkerHalf:
     def _drop_unfinished_reserve(self) -> None:
         """A Reserve not taken by the start of a step (or by close) is of a step that never
         reached wait_for_save: none of its layers was copied and its blocks may be reused
-        now, so it saves nothing and its slots are given back."""
+        now, so it saves nothing and its slots are given back (one bind left to
+        start_load was never asked for)."""
+        self._deferred = None
         answer = self._reserving.take()
         if answer is None:
             return
@@ -484,6 +513,7 @@ class WorkerHalf:
         unanswered the layer is owed instead (copied when it is answered), so no hook
         waits for the store."""
         layer = self._index[name]
+        self._start_deferred()                # start_load was skipped: ask now
         if self._reserving.pending:
             if self._reserving.ready():
                 self._take_reserve()

@@ -223,11 +223,58 @@ def test_a_reserve_whose_step_never_reached_wait_for_save_is_given_back(srv, end
         e.close()
 
 
+def test_a_step_that_loads_reserves_after_its_acquire_and_before_its_forward(srv):
+    """The loads gate the first layer: the Acquire goes first, the Reserve once the loads
+    are launched, answered before the forward's hooks; loaded and saved pages are exact."""
+    seed = Engine(srv.address)
+    cached = prompt(64, 16)
+    seed.run_prompt("seed", cached)
+    e = Engine(srv.address)
+    warm(e)
+    calls = []
+    client = e.worker.client
+    for name in ("acquire", "reserve"):
+        def spy(*args, _name=name, _call=getattr(client, name), **kwargs):
+            calls.append(_name)
+            return _call(*args, **kwargs)
+        setattr(client, name, spy)
+    fresh = prompt(64, 17)
+    assert e.sched.hit("load", cached, 0) == 48
+    blocks = {"load": e.alloc(64), "save": e.alloc(64)}
+    e.sched.allocated("load", blocks["load"], 48)
+    e.sched.scheduled("load", cached, 48, 16, block_ids=blocks["load"])
+    e.sched.allocated("save", blocks["save"], 0)
+    e.sched.scheduled("save", fresh, 0, 64, block_ids=blocks["save"])
+    meta = e.sched.build()
+    assert len(meta.loads) == 1 and len(meta.saves) == 2
+    e.worker.bind(meta)
+    assert calls == []                          # bind asks for nothing
+    e.worker.start_load(meta)
+    assert calls == ["acquire", "reserve"]
+    assert not e.worker._reserving.pending      # answered and taken before the forward
+    for layer, name in enumerate(NAMES):
+        e.worker.wait_for_layer(name)
+        for block_ids, tokens, start in ((blocks["load"], cached, 48), (blocks["save"], fresh, 0)):
+            pos = torch.arange(start, 64)
+            e.caches[name][:, torch.as_tensor(block_ids)[pos // BLOCK], pos % BLOCK] = \
+                kv_value(layer, pos, torch.as_tensor(tokens[start:]))
+        e.worker.save_layer(name)
+    e.worker.wait_for_save()
+    e.worker.finished()
+    assert e.worker.load_errors() == set()
+    e.expect_kv(blocks["load"], cached, 64)
+    saved = keys_of(e, "save", 4)
+    wait_for(lambda: e.step([]) and all(in_store(srv.address, e.layout, saved)),
+             "the saved pages committed")
+    assert pages_match(srv.address, e, saved, fresh) == [True] * 4
+    for x in (seed, e):
+        x.close()
+
+
 def test_a_hung_store_costs_a_step_that_loads_and_saves_one_timeout(srv):
-    """The Acquire waits for the step's Reserve to be answered, so the Reserve's timeout
-    opens the breaker and the loads fail at once, as when the Reserve was made in bind;
-    made beside it, the Acquire would wait for the fast path's lease connection, then
-    time out on its own."""
+    """The step's Acquire goes first (its Reserve waits for the loads to be launched), so
+    the Acquire's timeout opens the breaker and the Reserve is then not asked for: one
+    timeout for the step, not two."""
     timeout = 0.3
     seed = Engine(srv.address)
     cached = prompt(64, 6)
