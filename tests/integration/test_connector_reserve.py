@@ -223,45 +223,45 @@ def test_a_reserve_whose_step_never_reached_wait_for_save_is_given_back(srv, end
         e.close()
 
 
+def load_and_save(engine, cached, fresh):
+    """A step that loads the last page of `cached` (its first three are stored) and
+    computes all of `fresh`, saving both: its meta and each request's blocks."""
+    assert engine.sched.hit("load", cached, 0) == 48
+    blocks = {"load": engine.alloc(64), "save": engine.alloc(64)}
+    engine.sched.allocated("load", blocks["load"], 48)
+    engine.sched.scheduled("load", cached, 48, 16, block_ids=blocks["load"])
+    engine.sched.allocated("save", blocks["save"], 0)
+    engine.sched.scheduled("save", fresh, 0, 64, block_ids=blocks["save"])
+    meta = engine.sched.build()
+    assert len(meta.loads) == 1 and len(meta.saves) == 2
+    return meta, blocks
+
+
 def test_a_step_that_loads_reserves_after_its_acquire_and_before_its_forward(srv):
     """The loads gate the first layer: the Acquire goes first, the Reserve once the loads
     are launched, answered before the forward's hooks; loaded and saved pages are exact."""
     seed = Engine(srv.address)
-    cached = prompt(64, 16)
+    cached, fresh = prompt(64, 16), prompt(64, 17)
     seed.run_prompt("seed", cached)
     e = Engine(srv.address)
     warm(e)
-    calls = []
+    calls, hooks = [], []
     client = e.worker.client
     for name in ("acquire", "reserve"):
         def spy(*args, _name=name, _call=getattr(client, name), **kwargs):
             calls.append(_name)
             return _call(*args, **kwargs)
         setattr(client, name, spy)
-    fresh = prompt(64, 17)
-    assert e.sched.hit("load", cached, 0) == 48
-    blocks = {"load": e.alloc(64), "save": e.alloc(64)}
-    e.sched.allocated("load", blocks["load"], 48)
-    e.sched.scheduled("load", cached, 48, 16, block_ids=blocks["load"])
-    e.sched.allocated("save", blocks["save"], 0)
-    e.sched.scheduled("save", fresh, 0, 64, block_ids=blocks["save"])
-    meta = e.sched.build()
-    assert len(meta.loads) == 1 and len(meta.saves) == 2
-    e.worker.bind(meta)
-    assert calls == []                          # bind asks for nothing
-    e.worker.start_load(meta)
-    assert calls == ["acquire", "reserve"]
-    assert not e.worker._reserving.pending      # answered and taken before the forward
-    for layer, name in enumerate(NAMES):
-        e.worker.wait_for_layer(name)
-        for block_ids, tokens, start in ((blocks["load"], cached, 48), (blocks["save"], fresh, 0)):
-            pos = torch.arange(start, 64)
-            e.caches[name][:, torch.as_tensor(block_ids)[pos // BLOCK], pos % BLOCK] = \
-                kv_value(layer, pos, torch.as_tensor(tokens[start:]))
-        e.worker.save_layer(name)
-    e.worker.wait_for_save()
-    e.worker.finished()
-    assert e.worker.load_errors() == set()
+
+    def hook(name, _save_layer=e.worker.save_layer):
+        hooks.append((tuple(calls), e.worker._reserving.pending))
+        _save_layer(name)
+    e.worker.save_layer = hook
+    meta, blocks = load_and_save(e, cached, fresh)
+    _, _, errors = e.run(meta, [(blocks["load"], cached, 48, 64),
+                                (blocks["save"], fresh, 0, 64)])
+    assert hooks[0] == (("acquire", "reserve"), False)   # both made, the answer taken
+    assert errors == set()
     e.expect_kv(blocks["load"], cached, 64)
     saved = keys_of(e, "save", 4)
     wait_for(lambda: e.step([]) and all(in_store(srv.address, e.layout, saved)),
@@ -282,14 +282,7 @@ def test_a_hung_store_costs_a_step_that_loads_and_saves_one_timeout(srv):
     e = Engine(srv.address, timeout=timeout, probe_interval=60.0)
     warm(e)
     fresh = prompt(64, 7)
-    assert e.sched.hit("load", cached, 0) == 48
-    blocks = {"load": e.alloc(64), "save": e.alloc(64)}
-    e.sched.allocated("load", blocks["load"], 48)
-    e.sched.scheduled("load", cached, 48, 16, block_ids=blocks["load"])
-    e.sched.allocated("save", blocks["save"], 0)
-    e.sched.scheduled("save", fresh, 0, 64, block_ids=blocks["save"])
-    meta = e.sched.build()
-    assert len(meta.loads) == 1 and len(meta.saves) == 2
+    meta, blocks = load_and_save(e, cached, fresh)
     sigstop(srv.proc.pid)
     try:
         start = time.monotonic()
