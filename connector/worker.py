@@ -4,10 +4,11 @@ Per step, in the order engines call it (docs/dev/vllm-0.33-connector-api.md, sec
 
     bind(meta)             ask for store slots for every save of the step in one call
                            (Reserve) on the reserve thread, and return without its
-                           answer; finish earlier steps' saves whose copies have landed
+                           answer (a step that also loads leaves it to start_load);
+                           finish earlier steps' saves whose copies have landed
     start_load(meta)       pin every page the step loads in one call (Acquire) and start
                            copying them, every layer on a side stream with one event per
-                           layer
+                           layer; then make the step's Reserve and take its answer
     wait_for_layer(name)   the compute stream waits for that layer's copies only
     save_layer(name)       that layer's pages to save are gathered and copied out (D2H);
                            while the Reserve is unanswered the layer is owed instead, and
@@ -25,9 +26,10 @@ Per step, in the order engines call it (docs/dev/vllm-0.33-connector-api.md, sec
 The Reserve runs beside the forward (connector.reserving says why and why a copy
 launched after its layer's hook is still right): made in bind, its round trip delayed
 the forward by all of it. Only the shared pool's saves need it; without the pool a save
-goes to a pinned buffer and makes no call until its Put. A step that loads takes the
-Reserve's answer before its Acquire (start_load), so the two never race for the fast
-path's lease connection. A Reserve whose answer no hook took by the next bind belongs
+goes to a pinned buffer and makes no call until its Put. A step that loads makes its
+Reserve after its Acquire and load launches and takes the answer there (start_load), so
+the copies never wait for it and the two never race for the fast path's lease
+connection. A Reserve whose answer no hook took by the next bind belongs
 to a step that never reached wait_for_save: its slots are given back, nothing stored.
 
 Saves are asynchronous: the step that produced pages never waits for their copies or
@@ -49,8 +51,8 @@ failure (at Acquire, or in its copies, found at the latest in wait_for_save) is 
 here at once; another rank's, one or two steps later through the scheduler half.
 
 A store that does not answer costs the step that meets it at most one call's `timeout`
-(a Reserve's is waited for at wait_for_save, or before the step's Acquire, so the wait
-ends when the call would have ended inline): that call opens the breaker
+(a Reserve's is waited for at wait_for_save, or in start_load, so the wait ends when the
+call would have ended inline): that call opens the breaker
 (connector.breaker), and while it is open, or while the scheduler half reports the store
 down (StepMeta.store_down), the worker makes no call to the store: saves are skipped
 (their reservations expire in the store), loads fail at once (the engine recomputes).
