@@ -67,9 +67,9 @@ def run(client, commands: Sequence[list], timeout_ms: int) -> tuple[list, Callab
         else glide.Batch(False)
     for args in commands:
         batch.custom_command([*args])
-    if client._is_closed:
-        raise glide.ClosingError("Unable to execute requests; the client is closed.")
     ffi, lib = client._ffi, client._lib
+    if client._is_closed or client._core_client == ffi.NULL:
+        raise glide.ClosingError("Unable to execute requests; the client is closed.")
     # both return (cdata, refs): the refs keep the arguments' memory alive for the call
     info, refs = client._convert_commands_to_c_batch_info(batch.commands, False)
     options, option_refs = client._create_c_batch_options_from_params(False, False, None,
