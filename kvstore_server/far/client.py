@@ -17,7 +17,8 @@ is a success, so one dead shard among three does not stop the other two being as
 
 Lookups ask with one EVAL_RO per bucket (keys.py) that returns one EXISTS bit per key:
 EXISTS with many keys answers only a count, and one EXISTS per key costs the client
-~2.6x more time for 4,096 keys (docs/far.md). Gets use MGET per bucket.
+~2.6x more time for 4,096 keys (docs/far.md). Gets use MGET per bucket; the server's
+reads (read) verify and copy each value where glide's reply holds it (inplace.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 import glide_sync as glide
 
-from . import codec
+from . import codec, inplace
 from .breaker import FarBreaker
 from .keys import group_by_bucket, namespace_pattern, page_key
 from .metrics import FarCounters
@@ -81,6 +82,21 @@ def connect(settings: FarSettings, **options):
     return glide.GlideClient.create(glide.GlideClientConfiguration(**base))
 
 
+def _nothing() -> None:
+    pass
+
+
+def _exec(client, commands: Commands, ms: int) -> list:
+    """One non-atomic batch through glide's exec: per-command results."""
+    cluster = isinstance(client, glide.GlideClusterClient)
+    batch = glide.ClusterBatch(False) if cluster else glide.Batch(False)
+    for args in commands:
+        batch.custom_command([*args])
+    options = (glide.ClusterBatchOptions(timeout=ms) if cluster
+               else glide.BatchOptions(timeout=ms))
+    return list(client.exec(batch, raise_on_error=False, options=options) or [])
+
+
 class FarClient:
     """exists / get / put / delete of one layout's pages; answers, never raises."""
 
@@ -93,11 +109,16 @@ class FarClient:
         self._connect = connect
         self._lock = threading.Lock()       # guards _client: made once, by one thread
         self._client = None                 # glide client; None until the first call
+        # read() looks at values in glide's reply (inplace.py) where glide allows it;
+        # off: it copies them out through exec, as get() does (tests compare the two).
+        self.in_place = True
+        self._readable_in_place = False     # whether _client allows it (inplace.supported)
 
     def _glide(self):
         with self._lock:
             if self._client is None:
                 self._client = self._connect(self.settings)
+                self._readable_in_place = inplace.supported(self._client)
             return self._client
 
     def _drop(self, client) -> None:
@@ -113,34 +134,37 @@ class FarClient:
     def _run(self, commands: Commands, timeout: float) -> list | None:
         """Run one batch; per-command results (an exception for a failed command), or
         None when the call failed whole or was not made (breaker open)."""
+        out, _ = self._call(commands, timeout, in_place=False)
+        return out
+
+    def _call(self, commands: Commands, timeout: float,
+              in_place: bool) -> tuple[list | None, Callable[[], None]]:
+        """_run's answer and a free() to call once done with it: with in_place (and a
+        glide that allows it) bulk strings are views into glide's reply until then."""
         if not commands:
-            return []
+            return [], _nothing
         if not self.breaker.allow():
             self.counters.add(skipped=1)
-            return None
+            return None, _nothing
         client = None
         try:
             client = self._glide()
-            cluster = isinstance(client, glide.GlideClusterClient)
-            batch = glide.ClusterBatch(False) if cluster else glide.Batch(False)
-            for args in commands:
-                batch.custom_command([*args])
             ms = max(1, int(timeout * 1000))
-            options = (glide.ClusterBatchOptions(timeout=ms) if cluster
-                       else glide.BatchOptions(timeout=ms))
-            out = client.exec(batch, raise_on_error=False, options=options)
+            if in_place and self._readable_in_place:
+                out, free = inplace.run(client, commands, ms)
+            else:
+                out, free = _exec(client, commands, ms), _nothing
         except glide.GlideError as exc:
             self.counters.add(errors=1)
             self.breaker.record(False, type(exc).__name__)
             if client is not None and isinstance(exc, glide.ClosingError):
                 self._drop(client)
-            return None
-        out = list(out or [])
+            return None, _nothing
         failed = sum(isinstance(r, Exception) for r in out)
         if failed:
             self.counters.add(errors=failed)
         self.breaker.record(failed < len(out), f"{failed} of {len(out)} commands failed")
-        return out
+        return out, free
 
     def exists(self, layout_id: bytes, keys: Sequence[bytes],
                timeout: float | None = None) -> list[bool]:
@@ -161,27 +185,42 @@ class FarClient:
     def get(self, layout_id: bytes, keys: Sequence[bytes],
             timeout: float | None = None) -> list[memoryview | None]:
         """Each key's page, or None: missing, unreachable, or refused by the codec."""
+        pages: list[memoryview | None] = [None] * len(keys)
+        self.read(layout_id, keys, timeout, pages.__setitem__, in_place=False)
+        return pages
+
+    def read(self, layout_id: bytes, keys: Sequence[bytes], timeout: float | None,
+             land: Callable[[int, memoryview | None], None], *,
+             in_place: bool | None = None) -> None:
+        """land(i, page) once for each key, page as get() answers it; but by default
+        (in_place, see inplace.py) `page` is a view into glide's reply, valid only until
+        land returns: land copies what it keeps."""
         keys = list(keys)
         groups = list(group_by_bucket(self.settings.namespace, layout_id, keys).values())
-        out = self._run([["MGET", *(k for _, k in g)] for g in groups],
-                        timeout or self.settings.timeout)
-        pages: list[memoryview | None] = [None] * len(keys)
-        nbytes = 0
-        for group, reply in zip(groups, out or ()):
-            if not isinstance(reply, list):
-                continue
-            for (i, _), value in zip(group, reply):
-                if value is None:
+        out, free = self._call([["MGET", *(k for _, k in g)] for g in groups],
+                               timeout or self.settings.timeout,
+                               self.in_place if in_place is None else in_place)
+        try:
+            pages: dict[int, memoryview] = {}
+            nbytes = 0
+            for group, reply in zip(groups, out or ()):
+                if not isinstance(reply, list):
                     continue
-                decoded = codec.decode(value, layout_id, keys[i])
-                if decoded.payload is None:
-                    self.counters.reject(decoded.reason)
-                    continue
-                pages[i] = decoded.payload
-                nbytes += decoded.payload.nbytes
-        hits = sum(p is not None for p in pages)
-        self.counters.add(hits=hits, misses=len(keys) - hits, bytes_read=nbytes, pages_read=hits)
-        return pages
+                for (i, _), value in zip(group, reply):
+                    if value is None:
+                        continue
+                    decoded = codec.decode(value, layout_id, keys[i])
+                    if decoded.payload is None:
+                        self.counters.reject(decoded.reason)
+                        continue
+                    pages[i] = decoded.payload
+                    nbytes += decoded.payload.nbytes
+            self.counters.add(hits=len(pages), misses=len(keys) - len(pages),
+                              bytes_read=nbytes, pages_read=len(pages))
+            for i in range(len(keys)):
+                land(i, pages.get(i))
+        finally:
+            free()
 
     def put(self, layout_id: bytes, items: Sequence[tuple[bytes, object]],
             timeout: float = WRITE_TIMEOUT) -> int:

@@ -10,9 +10,9 @@ tier's parts:
                                     and under --far-write off
     contains(layout, keys)       -> FarClient.exists: one round trip per shard, within
                                     --far-timeout; what it cannot learn in time is a miss
-    read_into(layout, keys, outs)-> FarClient.get in parts of about 1 MiB, several in
+    read_into(layout, keys, outs)-> FarClient.read in parts of about 1 MiB, several in
                                     flight (reads.py), each verified page copied into its
-                                    out buffer as its part lands
+                                    out buffer from glide's reply as its part lands
     delete(layout, keys)         -> FarClient.delete (UNLINK)
     evict(layout / everything)   -> FarClient.clear: this namespace's keys only; a byte
                                     amount is the cluster's own eviction's business
@@ -64,7 +64,7 @@ class FarTier:
         self.writes = client.settings.write is not WritePolicy.OFF
         self.writer = writer or WriteBehind(client.put, client.settings.queue_bytes,
                                             client.counters)
-        self.reader = ParallelReader(client.get, client.settings.timeout)
+        self.reader = ParallelReader(client.read, client.settings.timeout)
 
     def offer(self, layout_id: bytes, key: bytes, page) -> bool:
         if not self.writes or self.client.breaker.state is BreakerState.OPEN:

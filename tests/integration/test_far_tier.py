@@ -55,23 +55,23 @@ def test_reads_go_in_parts_of_bounded_bytes_several_in_flight(hosts, monkeypatch
     keys, pages = _pages(10, 64 << 10)
     a.client.put(layout, list(zip(keys, pages)))
     calls, flying, most = [], [0], [0]
-    real_get = b.client.get
+    real_read = b.client.read
     lock = threading.Lock()
 
-    def get(*args, **kw):
+    def read(*args, **kw):
         with lock:
             calls.append(len(args[1]))
             flying[0] += 1
             most[0] = max(most[0], flying[0])
         time.sleep(0.05)                   # long enough for the next parts to start
         try:
-            return real_get(*args, **kw)
+            return real_read(*args, **kw)
         finally:
             with lock:
                 flying[0] -= 1
 
-    monkeypatch.setattr(b.client, "get", get)
-    b.reader = ParallelReader(b.client.get, 1.0)
+    monkeypatch.setattr(b.client, "read", read)
+    b.reader = ParallelReader(b.client.read, 1.0)
     monkeypatch.setattr(reads, "PART_BYTES", 3 * (64 << 10))
     monkeypatch.setattr(reads, "PARALLEL", 2)
     out = np.zeros_like(pages)
