@@ -15,14 +15,15 @@ and 17.0 ms (16.7). Through two servers, reads.py has the figures.
 
 This leans on glide_sync's internals (the client's `_lib`, `_ffi`, `_core_client`, the
 batch and options converters `exec` uses, the CommandResponse layout of glide 2.6):
-`supported` checks that they are there, and callers fall back to `exec` when they are
-not. The views handed out are valid only until the caller frees the reply: whatever
+`supported` checks the release and that they are there, and callers fall back to
+`exec` when not. The views handed out are valid only until the caller frees the reply: whatever
 is wanted from a value is copied before that.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from importlib import metadata
 
 import glide_sync as glide
 from glide_shared.exceptions import get_request_error_class
@@ -32,6 +33,11 @@ __all__ = ["run", "supported"]
 # CommandResponse.response_type, as glide_sync 2.6's BaseClient._handle_command_response
 # reads it.
 _NULL, _INT, _STRING, _ARRAY, _OK, _ERROR = 0, 1, 4, 5, 8, 9
+
+# The glide_sync releases whose internals this was written against and tested with. A
+# later release may keep the names and change what they mean (the arguments of the
+# core's `batch`): it reads through exec until this module is checked against it.
+_RELEASES = ("2.6.",)
 
 _NEEDED = ("_ffi", "_lib", "_core_client", "_is_closed", "_convert_commands_to_c_batch_info",
            "_create_c_batch_options_from_params")
@@ -47,7 +53,8 @@ def supported(client) -> bool:
     """Whether this glide client exposes what an in-place read needs, the reply's
     structures included (a glide that changed them falls back to exec, not to errors)."""
     try:
-        return (all(hasattr(client, name) for name in _NEEDED)
+        return (metadata.version("valkey-glide-sync").startswith(_RELEASES)
+                and all(hasattr(client, name) for name in _NEEDED)
                 and hasattr(client._lib, "batch")
                 and hasattr(client._lib, "free_command_result")
                 and all(fields <= {name for name, _ in client._ffi.typeof(struct).fields}
