@@ -214,10 +214,10 @@ class WorkerHalf:
         # reserve thread, the Reserve went first and the Acquire waited behind it (the
         # fast path makes lease calls one at a time): H200, 8B, a 32k-token DRAM hit,
         # timing the worker's calls over six hits, the Acquire waited 0.4-2.5 ms for it
-        # while no copy had begun. Left to the thread during the forward instead, it
-        # contended for the GIL with the forward's launches: the 1k-token hit took 11.8,
-        # 15.4 and 16.2 ms in three e2e runs (two beside a change to short loads since
-        # undone), against 11.1 here and 12.0 before. Here the copies already run while
+        # while no copy had begun. Left to the thread during the forward instead (likely
+        # contending for the GIL with the forward's launches; not measured directly), the
+        # 1k-token hit took 11.8, 15.4 and 16.2 ms in three e2e runs (two beside a change
+        # to short loads since undone), against 11.1 here and 12.0 before. Here the copies already run while
         # it is answered (e2e at 32k: 19.5x recompute, as before within the runs' spread
         # of 19.2-19.9x). A store that does not answer costs the step one timeout: the
         # Acquire's opens the breaker, and the Reserve is then not asked for.
