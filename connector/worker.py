@@ -217,10 +217,10 @@ class WorkerHalf:
         # while no copy had begun. Left to the thread during the forward instead (likely
         # contending for the GIL with the forward's launches; not measured directly), the
         # 1k-token hit took 11.8, 15.4 and 16.2 ms in three e2e runs (two beside a change
-        # to short loads since undone), against 11.1 here and 12.0 before. Here the copies already run while
-        # it is answered (e2e at 32k: 19.5x recompute, as before within the runs' spread
-        # of 19.2-19.9x). A store that does not answer costs the step one timeout: the
-        # Acquire's opens the breaker, and the Reserve is then not asked for.
+        # to short loads since undone), against 11.1 here and 12.0 before. Here the copies
+        # already run while it is answered (e2e at 32k: 19.5x recompute, as before within
+        # the runs' spread of 19.2-19.9x). A store that does not answer costs the step one
+        # timeout: the Acquire's opens the breaker, and the Reserve is then not asked for.
         try:
             self._start_loads(meta)
         finally:
