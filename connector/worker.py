@@ -4,7 +4,8 @@ Per step, in the order engines call it (docs/dev/vllm-0.33-connector-api.md, sec
 
     bind(meta)             ask for store slots for every save of the step in one call
                            (Reserve) on the reserve thread, and return without its
-                           answer (a step that also loads leaves it to start_load);
+                           answer (a step with layer-wise loads leaves it to
+                           start_load);
                            finish earlier steps' saves whose copies have landed
     start_load(meta)       pin every page the step loads in one call (Acquire) and start
                            copying them, every layer on a side stream with one event per
@@ -26,10 +27,11 @@ Per step, in the order engines call it (docs/dev/vllm-0.33-connector-api.md, sec
 The Reserve runs beside the forward (connector.reserving says why and why a copy
 launched after its layer's hook is still right): made in bind, its round trip delayed
 the forward by all of it. Only the shared pool's saves need it; without the pool a save
-goes to a pinned buffer and makes no call until its Put. A step that loads makes its
-Reserve after its Acquire and load launches and takes the answer there (start_load), so
-the copies never wait for it and the two never race for the fast path's lease
-connection. A Reserve whose answer no hook took by the next bind belongs
+goes to a pinned buffer and makes no call until its Put. A step with layer-wise loads
+makes its Reserve after its Acquire and load launches and takes the answer there
+(start_load), so the copies never wait for it; a step whose loads are all async (they
+start after the forward) takes the bind's Reserve answer before its Acquire. Either
+way the two never race for the fast path's lease connection. A Reserve whose answer no hook took by the next bind belongs
 to a step that never reached wait_for_save: its slots are given back, nothing stored.
 
 Saves are asynchronous: the step that produced pages never waits for their copies or
@@ -165,8 +167,8 @@ class WorkerHalf:
         self._async: dict[str, _Load] = {}         # loads reported when done
         self._saves = SaveQueue()                  # reserved, copying, waiting to commit
         self._reserving = StepReserve()            # the step's Reserve, until answered
-        # The saves of a step that also loads: reserved in start_load once its loads are
-        # launched (bind leaves them here).
+        # The saves of a step with layer-wise loads: reserved in start_load once its loads
+        # are launched (bind leaves them here).
         self._deferred: list[SaveSpec] | None = None
         self._errors: set[int] = set()
         self._failed_async: set[str] = set()
@@ -209,7 +211,7 @@ class WorkerHalf:
     def start_load(self, meta: StepMeta) -> None:
         if not meta.loads:
             return
-        # A step that loads reserves for its saves only once its loads are launched, and
+        # A step with layer-wise loads reserves for its saves once they are launched, and
         # waits for that Reserve here, before the forward. Asked for in bind on the
         # reserve thread, the Reserve went first and the Acquire waited behind it (the
         # fast path makes lease calls one at a time): H200, 8B, a 32k-token DRAM hit,
@@ -221,9 +223,15 @@ class WorkerHalf:
         # already run while it is answered (e2e at 32k: 19.5x recompute, as before within
         # the runs' spread of 19.2-19.9x). A store that does not answer costs the step one
         # timeout: the Acquire's opens the breaker, and the Reserve is then not asked for.
+        # Async loads start after the forward (vLLM's model runner), whose save hooks need
+        # the reservation first: bind asks for a step's Reserve at once when none of its
+        # loads is layer-wise, and its answer is taken here before the Acquire, so that a
+        # store that does not answer costs one timeout there too.
+        self._take_reserve()
         try:
             self._start_loads(meta)
         finally:
+            self._start_deferred()
             self._take_reserve()
 
     def _start_loads(self, meta: StepMeta) -> None:
@@ -365,7 +373,7 @@ class WorkerHalf:
             log.warning("not saving this step's pages: %s", exc)
             return
         if shared:
-            if meta.loads:
+            if any(not spec.is_async for spec in meta.loads):
                 self._deferred = specs        # start_load reserves, after its loads
             else:
                 self._start_reserve(specs)
@@ -397,8 +405,9 @@ class WorkerHalf:
         self._reserving.start(lambda: self.client.reserve(ns, keys), specs)
 
     def _start_deferred(self) -> None:
-        """Ask for the Reserve bind left to start_load (the store may have stopped
-        answering meanwhile: then the step's pages are not saved)."""
+        """Ask for the Reserve bind left to start_load (start_load, or the first save hook
+        or wait_for_save of a step that skipped it; the store may have stopped answering
+        meanwhile: then the step's pages are not saved)."""
         specs, self._deferred = self._deferred, None
         if specs and self._may_call():
             self._start_reserve(specs)
@@ -408,7 +417,6 @@ class WorkerHalf:
         the client's timeout bounds the wait), joins the step's saves and the layers it
         owes are copied, in order. A Reserve that failed is handled as it was inline: the
         step's pages are not saved."""
-        self._start_deferred()
         answer = self._reserving.take()
         if answer is None:
             return
@@ -531,6 +539,7 @@ class WorkerHalf:
         """Take the step's reservation (waiting for its Reserve if it is still out) and
         copy the layers it owes; check the step's loads; hand the step's save copies to
         the poll, unwaited."""
+        self._start_deferred()                # start_load was skipped: ask now
         self._take_reserve()
         self._check_loads()
         if self._saves.step:

@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvstore_client import KVStoreClient, KVStoreError                    # noqa: E402
+from kvstore_connector.config import LoadMode                             # noqa: E402
 from kvstore_connector.worker import WorkerHalf                           # noqa: E402
 from kvstore_testing.serverproc import sigstop                            # noqa: E402
 from tests.waiting import wait_for                                        # noqa: E402
@@ -267,6 +268,43 @@ def test_a_step_that_loads_reserves_after_its_acquire_and_before_its_forward(srv
     wait_for(lambda: e.step([]) and all(in_store(srv.address, e.layout, saved)),
              "the saved pages committed")
     assert pages_match(srv.address, e, saved, fresh) == [True] * 4
+    for x in (seed, e):
+        x.close()
+
+
+def test_a_step_whose_loads_are_async_reserves_at_bind_and_before_its_acquire(srv):
+    """Async loads start after the forward (vLLM's model runner), whose save hooks need
+    the reservation: the Reserve is asked for at bind, and its answer is taken before the
+    step's Acquire."""
+    seed = Engine(srv.address)
+    cached, fresh = prompt(64, 18), prompt(64, 19)
+    seed.run_prompt("seed", cached)
+    e = Engine(srv.address, mode=LoadMode.ASYNC)
+    warm(e)
+    calls = []
+    client = e.worker.client
+    for name in ("acquire", "reserve"):
+        def spy(*args, _name=name, _call=getattr(client, name), **kwargs):
+            calls.append(_name)
+            return _call(*args, **kwargs)
+        setattr(client, name, spy)
+    assert e.sched.hit("load", cached, 0) == 48
+    blocks = {"load": e.alloc(64), "save": e.alloc(64)}
+    e.sched.allocated("load", blocks["load"], 48)
+    e.sched.allocated("save", blocks["save"], 0)
+    e.sched.scheduled("save", fresh, 0, 64, block_ids=blocks["save"])
+    meta = e.sched.build()
+    assert [spec.is_async for spec in meta.loads] == [True] and len(meta.saves) == 1
+    e.worker.bind(meta)
+    assert e.worker._reserving.pending          # asked for at bind
+    for layer in range(len(NAMES)):
+        compute(e, layer, blocks["save"], fresh)
+    e.worker.start_load(meta)                   # after the forward, as vLLM does
+    assert calls == ["reserve", "acquire"]
+    e.worker.wait_for_save()
+    wait_for(lambda: "load" in e.worker.finished(), "the async load landed")
+    assert e.worker.load_errors() == set()
+    e.expect_kv(blocks["load"], cached, 48)
     for x in (seed, e):
         x.close()
 
