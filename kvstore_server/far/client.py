@@ -23,6 +23,7 @@ reads (read) verify and copy each value where glide's reply holds it (inplace.py
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +37,8 @@ from .metrics import FarCounters
 from .settings import ClusterMode, FarSettings
 
 __all__ = ["EXISTS_SCRIPT", "FarClient", "connect"]
+
+log = logging.getLogger(__name__)
 
 # One bit per key of one slot; read-only, so EVAL_RO (Redis >= 7.0, Valkey).
 EXISTS_SCRIPT = ("local r = {} for i, k in ipairs(KEYS) do "
@@ -119,6 +122,9 @@ class FarClient:
             if self._client is None:
                 self._client = self._connect(self.settings)
                 self._readable_in_place = inplace.supported(self._client)
+                if self.in_place and not self._readable_in_place:
+                    log.info("far reads copy each value out of glide's reply: this "
+                             "valkey-glide-sync is not a release inplace.py reads in place")
             return self._client
 
     def _drop(self, client) -> None:
