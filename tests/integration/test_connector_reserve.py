@@ -224,6 +224,18 @@ def test_a_reserve_whose_step_never_reached_wait_for_save_is_given_back(srv, end
         e.close()
 
 
+def lease_calls(client) -> list[str]:
+    """The names of the client's Acquire and Reserve calls, in order, as they are made
+    (the calls themselves go to the server as ever)."""
+    calls: list[str] = []
+    for name in ("acquire", "reserve"):
+        def spy(*args, _name=name, _call=getattr(client, name), **kwargs):
+            calls.append(_name)
+            return _call(*args, **kwargs)
+        setattr(client, name, spy)
+    return calls
+
+
 def load_and_save(engine, cached, fresh):
     """A step that loads the last page of `cached` (its first three are stored) and
     computes all of `fresh`, saving both: its meta and each request's blocks."""
@@ -246,13 +258,7 @@ def test_a_step_that_loads_reserves_after_its_acquire_and_before_its_forward(srv
     seed.run_prompt("seed", cached)
     e = Engine(srv.address)
     warm(e)
-    calls, hooks = [], []
-    client = e.worker.client
-    for name in ("acquire", "reserve"):
-        def spy(*args, _name=name, _call=getattr(client, name), **kwargs):
-            calls.append(_name)
-            return _call(*args, **kwargs)
-        setattr(client, name, spy)
+    calls, hooks = lease_calls(e.worker.client), []
 
     def hook(name, _save_layer=e.worker.save_layer):
         hooks.append((tuple(calls), e.worker._reserving.pending))
@@ -281,13 +287,7 @@ def test_a_step_whose_loads_are_async_reserves_at_bind_and_before_its_acquire(sr
     seed.run_prompt("seed", cached)
     e = Engine(srv.address, mode=LoadMode.ASYNC)
     warm(e)
-    calls = []
-    client = e.worker.client
-    for name in ("acquire", "reserve"):
-        def spy(*args, _name=name, _call=getattr(client, name), **kwargs):
-            calls.append(_name)
-            return _call(*args, **kwargs)
-        setattr(client, name, spy)
+    calls = lease_calls(e.worker.client)
     assert e.sched.hit("load", cached, 0) == 48
     blocks = {"load": e.alloc(64), "save": e.alloc(64)}
     e.sched.allocated("load", blocks["load"], 48)
