@@ -91,13 +91,10 @@ def _nothing() -> None:
 
 def _exec(client, commands: Commands, ms: int) -> list:
     """One non-atomic batch through glide's exec: per-command results."""
-    cluster = isinstance(client, glide.GlideClusterClient)
-    batch = glide.ClusterBatch(False) if cluster else glide.Batch(False)
-    for args in commands:
-        batch.custom_command([*args])
-    options = (glide.ClusterBatchOptions(timeout=ms) if cluster
-               else glide.BatchOptions(timeout=ms))
-    return list(client.exec(batch, raise_on_error=False, options=options) or [])
+    options = (glide.ClusterBatchOptions(timeout=ms)
+               if isinstance(client, glide.GlideClusterClient) else glide.BatchOptions(timeout=ms))
+    return list(client.exec(inplace.make_batch(client, commands), raise_on_error=False,
+                            options=options) or [])
 
 
 class FarClient:

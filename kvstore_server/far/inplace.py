@@ -28,7 +28,7 @@ from importlib import metadata
 import glide_sync as glide
 from glide_shared.exceptions import get_request_error_class
 
-__all__ = ["run", "supported"]
+__all__ = ["make_batch", "run", "supported"]
 
 # CommandResponse.response_type, as glide_sync 2.6's BaseClient._handle_command_response
 # reads it.
@@ -63,6 +63,15 @@ def supported(client) -> bool:
         return False
 
 
+def make_batch(client, commands: Sequence[list]):
+    """`commands` as one non-atomic glide batch, of the kind `client` runs."""
+    cluster = isinstance(client, glide.GlideClusterClient)
+    batch = glide.ClusterBatch(False) if cluster else glide.Batch(False)
+    for args in commands:
+        batch.custom_command([*args])
+    return batch
+
+
 def run(client, commands: Sequence[list], timeout_ms: int) -> tuple[list, Callable[[], None]]:
     """Run `commands` as one non-atomic batch, as `exec(batch, raise_on_error=False)`
     does: one result per command, an array as a list, a failed command as a
@@ -70,10 +79,7 @@ def run(client, commands: Sequence[list], timeout_ms: int) -> tuple[list, Callab
     calls the returned free() once, when done with the views (they are invalid after
     it). Raises glide's errors where `exec` would (closed client, timeout, no
     connection), having freed what there was."""
-    batch = glide.ClusterBatch(False) if isinstance(client, glide.GlideClusterClient) \
-        else glide.Batch(False)
-    for args in commands:
-        batch.custom_command([*args])
+    batch = make_batch(client, commands)
     ffi, lib = client._ffi, client._lib
     if client._is_closed or client._core_client == ffi.NULL:
         raise glide.ClosingError("Unable to execute requests; the client is closed.")
