@@ -21,8 +21,10 @@ The Reserve runs on this module's thread, everything else on the worker's thread
 KVStoreClient is thread-safe: its fast path makes lease calls (Reserve, Acquire,
 Commit, Abort, Release) one at a time over one connection, under a lock, and other calls
 over pooled connections of their own. So an Acquire made beside the Reserve would wait
-for it: a step that also loads asks for its Reserve only once its loads are launched, and
-takes the answer before the forward (worker.start_load).
+for it: a step with layer-wise loads asks for its Reserve only once they are launched,
+and takes the answer before the forward; a step whose loads are all async (they start
+after the forward) asks in bind and takes the answer before its Acquire
+(worker.start_load).
 """
 
 from __future__ import annotations
