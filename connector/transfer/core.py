@@ -39,12 +39,19 @@ _DMA_MIN_UNIT = 256
 # against 86% (a group's fixed costs: two streams, a gather, events), so short saves stay
 # on the kernel. At 16,384 tokens: 92% against 94%.
 _DMA_SAVE_MIN_RUN = 4
-# Layers one kernel launch covers (loads and saves by the kernel). Each launch costs ~40 us
-# of host time on the H200 host, as much as the bytes of a layer of a short load need on
-# PCIe, so launching per layer made short loads launch-bound. A wait for layer l waits for
-# its group, at most GROUP - 1 layers more: loads large enough for that to matter go by
-# DMA, layer by layer.
+# Layers one kernel launch covers (loads and saves by the kernel): at least _GROUP, and
+# more while a launch would move under _LAUNCH_BYTES. Each launch costs ~40 us of host
+# time on the H200 host (plus its stream switch and event), as much as the bytes of a
+# layer of a short load need on PCIe, so launching per layer made short loads
+# launch-bound. A wait for layer l waits for its group: at most a launch's bytes more,
+# ~0.3 ms of PCIe, and loads large enough for a group to matter go by DMA, layer by
+# layer. On the H200, below ~3k tokens of the 8B preset a hit is bound by the host (the
+# engine's launches and the connector's calls), not by the copies: a 256-token hit's
+# 32 layer waits and 32 save hooks cost 1.8 ms of host time there (e2e --breakdown).
 _GROUP = 4
+_LAUNCH_BYTES = 16 << 20
+# Programs of a DMA load's scatter (staging -> blocks, on the device): 0 = one per tile.
+_SCATTER_CTAS = 0
 
 
 class KVTransfer:
@@ -95,6 +102,7 @@ class KVTransfer:
             except ValueError:
                 self._tables = [kernel.LayerTable([b]) for b in self._bytes]
         self._save_runs: dict = {}        # plan key -> [first, last] layers not launched
+        self._save_groups: dict = {}      # plan key -> layers a launch of it covers
         self._load_stream = self._save_stream = None
         if self.cuda:
             # Loads gate the model's layers: high priority, so their programs are
@@ -125,22 +133,25 @@ class KVTransfer:
         events = []
         with on_stream(self._load_stream, self.device):
             plan = self._plan(host, offsets, block_ids, save=False)
-            runs = page_runs(plan.offsets, len(self.layers) * self.geo.layer_bytes)
+            pages = len(plan.offsets)
             if self.method is CopyMethod.DMA or (
-                    self._dma_auto and runs and len(plan.offsets) >= _DMA_MIN_RUN * len(runs)
-                    and len(plan.offsets) * self.geo.layer_bytes >= _DMA_MIN_LAYER_BYTES
+                    self._dma_auto and pages * self.geo.layer_bytes >= _DMA_MIN_LAYER_BYTES
                     and self.geo.unit >= _DMA_MIN_UNIT):
-                events = self._dma.load(self.geo, len(self.layers), plan, runs,
-                                        self._load_stream, self._cache_align, self._scatter)
-                return LoadHandle(self.device, events, (plan,))
+                runs = page_runs(plan.offsets, len(self.layers) * self.geo.layer_bytes)
+                if self.method is CopyMethod.DMA or (runs and pages >= _DMA_MIN_RUN * len(runs)):
+                    events = self._dma.load(self.geo, len(self.layers), plan, runs,
+                                            self._load_stream, self._cache_align,
+                                            self._scatter)
+                    return LoadHandle(self.device, events, (plan,))
             if self.method is CopyMethod.COPIES:
                 for layer in range(len(self.layers)):
                     copies.copy_layer(self.geo, self.layers[layer], layer, plan,
                                       to_cache=True, device=self.device)
                     events.append(record(self._load_stream))
             else:
-                for first in range(0, len(self.layers), self._group):
-                    count = min(self._group, len(self.layers) - first)
+                group = self._layers_per_launch(pages)
+                for first in range(0, len(self.layers), group):
+                    count = min(group, len(self.layers) - first)
                     self._launch(first, count, plan, to_cache=True)
                     events += [record(self._load_stream)] * count
         return LoadHandle(self.device, events if self.cuda else None, (plan,))
@@ -194,9 +205,19 @@ class KVTransfer:
 
     def _scatter(self, staging: torch.Tensor, layer: int, pages: int, offs: torch.Tensor,
                  blocks: torch.Tensor, align: int) -> None:
+        # From device memory: no PCIe to share, so no cap on the programs (the load cap is
+        # for reads over PCIe). The last layer's scatter is on a hit's critical path: at
+        # 32k tokens of the 8B preset (128 MiB a layer) it took 0.37 ms with 32 programs.
         table, first = self._table(layer)
         kernel.launch(self.geo, table, first, 1, staging, pages, offs, blocks, 0, align, True,
-                      self.load_ctas)
+                      _SCATTER_CTAS)
+
+    def _layers_per_launch(self, pages: int) -> int:
+        """Layers one kernel launch of `pages` pages covers (_GROUP, _LAUNCH_BYTES)."""
+        if self._group == 1:
+            return 1
+        need = -(-_LAUNCH_BYTES // max(1, pages * self.geo.layer_bytes))
+        return min(len(self.layers), max(self._group, need))
 
     def _table(self, layer: int) -> tuple[kernel.LayerTable, int]:
         """The layer table holding `layer`, and the layer's index in it."""
@@ -239,6 +260,7 @@ class KVTransfer:
             with on_stream(self._save_stream, self.device):
                 plan = self._save_plans[key] = self._plan(host, offsets, block_ids, save=True)
             self._save_dma.pop(key, None)
+            self._save_groups[key] = self._layers_per_launch(len(plan.offsets))
             if self.method is CopyMethod.DMA or self._dma_auto:
                 runs = page_runs(plan.offsets, len(self.layers) * self.geo.layer_bytes)
                 if runs and (self.method is CopyMethod.DMA or (
@@ -258,16 +280,17 @@ class KVTransfer:
         if run is None:
             run = self._save_runs[key] = [layer, layer]
         run[1] = layer
-        if layer - run[0] + 1 >= self._group or layer == len(self.layers) - 1:
+        if layer - run[0] + 1 >= self._save_groups[key] or layer == len(self.layers) - 1:
             self._flush_save(key)
 
     def _flush_save(self, key) -> None:
         first, last = self._save_runs.pop(key)
         plan = self._save_plans[key]
         runs = self._save_dma.get(key)
+        group = self._group if runs is not None else self._save_groups[key]
         with on_stream(self._save_stream, self.device):
-            for at in range(first, last + 1, self._group):
-                count = min(last + 1 - at, self._group)
+            for at in range(first, last + 1, group):
+                count = min(last + 1 - at, group)
                 if runs is None:
                     self._launch(at, count, plan, to_cache=False)
                     continue
@@ -305,7 +328,7 @@ class KVTransfer:
             events = [record(self._save_stream)]
             self._last_save = events[0]
         self._pending_saves, self._pending_keep = False, []
-        self._save_plans, self._save_dma = {}, {}
+        self._save_plans, self._save_dma, self._save_groups = {}, {}, {}
         handle = SaveHandle(self.device, events if (self.cuda and events) else None, keep)
         if wait:
             handle.synchronize()

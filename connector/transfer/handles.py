@@ -16,6 +16,10 @@ class LoadHandle:
         self._device = device
         self._events = events
         self._keep = keep        # host array, index tensors: alive until the copies end
+        # The event last waited for, and the stream that waited: the layers of one kernel
+        # launch share its event, and a second wait for it there is a host call for nothing.
+        self._waited: torch.cuda.Event | None = None
+        self._waited_on: torch.cuda.Stream | None = None
 
     @property
     def num_layers(self) -> int:
@@ -27,7 +31,12 @@ class LoadHandle:
             return
         if not 0 <= layer < len(self._events):
             raise IndexError(f"layer {layer} out of range [0, {len(self._events)})")
-        torch.cuda.current_stream(self._device).wait_event(self._events[layer])
+        event = self._events[layer]
+        stream = torch.cuda.current_stream(self._device)
+        if event is self._waited and stream == self._waited_on:
+            return
+        stream.wait_event(event)
+        self._waited, self._waited_on = event, stream
 
     def done(self) -> bool:
         """Whether every layer has landed (polls; raises TransferError on a CUDA error)."""

@@ -233,3 +233,51 @@ def test_an_async_save_is_polled_and_the_fence_keeps_its_blocks(server):
     handle.synchronize()
     assert handle.done()
     assert np.array_equal(host.reshape(4, -1), np.stack(want))
+
+
+@pytest.mark.parametrize("n_pages,launches", [(4, 1), (64, 8)])
+def test_short_loads_and_saves_take_fewer_launches_and_stay_exact(fresh_server, monkeypatch,
+                                                                   n_pages, launches):
+    """A load or save of few pages covers more layers per kernel launch (4 pages of 64 KiB
+    a layer: every layer in one; 64 pages: four layers a launch), byte-exact both ways, and
+    every layer's wait gates on its launch's event."""
+    from kvstore_connector.transfer import core
+    counted = []
+    real = core.kernel.launch
+
+    def spy(geo, table, layer0, layers, *rest):
+        counted.append(layers)
+        return real(geo, table, layer0, layers, *rest)
+
+    srv = fresh_server(dram="1GiB")
+    with KVStoreClient(srv.address, shared_memory=True) as c:
+        ns, ks, caches = _big_setup(c, n_pages, f"groups{n_pages}")
+        mem = c.region().mem
+        with HostRegistration(mem), c.acquire(ns, ks) as acq:
+            xfer = KVTransfer([kv5(t, KVKind.VLLM_4D) for t in caches], 16, "cuda")
+            block_ids = np.random.default_rng(3).permutation(2 * n_pages)[:n_pages]
+            block_ids = block_ids.reshape(n_pages, 1).astype(np.int64)
+            monkeypatch.setattr(core.kernel, "launch", spy)
+            handle = xfer.load(mem, acq.offsets, ns.layer_bytes, block_ids)
+            assert len(counted) == launches and sum(counted) == LAYOUT_8B.num_layers
+            for layer in range(LAYOUT_8B.num_layers):
+                handle.wait_layer(layer)
+            pages = np.stack([mem[o:o + ns.page_bytes] for o in acq.offsets])
+            stamped = torch.stack([t.view(torch.int16).sum() for t in caches])  # after the waits
+            handle.synchronize()
+            torch.cuda.synchronize()
+            idx = torch.from_numpy(block_ids[:, 0]).cuda()
+            for layer in range(LAYOUT_8B.num_layers):
+                got = kv5(caches[layer], KVKind.VLLM_4D)[:, idx].transpose(0, 1).contiguous()
+                lo, hi = layer * ns.layer_bytes, (layer + 1) * ns.layer_bytes
+                assert np.array_equal(got.view(torch.uint8).reshape(n_pages, -1).cpu().numpy(),
+                                      pages[:, lo:hi])
+            assert torch.equal(stamped, torch.stack([t.view(torch.int16).sum() for t in caches]))
+            counted.clear()
+            out = torch.zeros(pages.size, dtype=torch.uint8, pin_memory=True).numpy()
+            offsets = np.arange(n_pages) * ns.page_bytes
+            for layer in range(LAYOUT_8B.num_layers):
+                xfer.save_layer(layer, out, offsets, block_ids)
+            xfer.finish_save()
+            assert len(counted) == launches
+            assert np.array_equal(out.reshape(n_pages, -1), pages)
