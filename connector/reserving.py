@@ -68,14 +68,26 @@ class StepReserve:
         """A Reserve whose answer the worker has not taken."""
         return self._answer is not None
 
-    def start(self, reserve: Callable[[], Reservation], specs: list[SaveSpec]) -> None:
+    def start(self, reserve: Callable[[], Reservation], specs: list[SaveSpec], *,
+              inline: bool = False) -> None:
+        """Ask for the Reserve on the thread; inline, on the caller's thread, for a caller
+        that takes the answer at once (handing it over and back costs the thread's wake-up
+        and the GIL besides the round trip)."""
         if self._answer is not None:
             raise RuntimeError("the previous step's Reserve was not taken")
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="kvstore-reserve")
         began = time.monotonic()
-        self._answer = Answer(specs, began, [], self._pool.submit(reserve))
+        if inline:
+            call: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                call.set_result(reserve())
+            except Exception as exc:  # noqa: BLE001 - the answer carries it, as the thread's would
+                call.set_exception(exc)
+        else:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="kvstore-reserve")
+            call = self._pool.submit(reserve)
+        self._answer = Answer(specs, began, [], call)
 
     def ready(self) -> bool:
         """The answer is in (taking it will not wait)."""

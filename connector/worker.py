@@ -226,12 +226,14 @@ class WorkerHalf:
         # Async loads start after the forward (vLLM's model runner), whose save hooks need
         # the reservation first: bind asks for a step's Reserve at once when none of its
         # loads is layer-wise, and its answer is taken here before the Acquire, so that a
-        # store that does not answer costs one timeout there too.
+        # store that does not answer costs one timeout there too. The Reserve made here is
+        # waited for at once, so it is made on this thread, not handed to the reserve
+        # thread and back.
         self._take_reserve()
         try:
             self._start_loads(meta)
         finally:
-            self._start_deferred()
+            self._start_deferred(inline=True)
             self._take_reserve()
 
     def _start_loads(self, meta: StepMeta) -> None:
@@ -393,24 +395,25 @@ class WorkerHalf:
         log.warning("not saving %d pages of %s: %s", sum(len(s.keys) for s in specs),
                     ", ".join(s.req_id for s in specs), exc)
 
-    def _start_reserve(self, specs: list[SaveSpec]) -> None:
+    def _start_reserve(self, specs: list[SaveSpec], inline: bool = False) -> None:
         """The step's saves in one reservation (one Reserve), asked for on the reserve
-        thread (connector.reserving); the step takes it in a save hook or at its end."""
+        thread (connector.reserving), or inline by a caller that takes it at once; the
+        step takes it in a save hook or at its end."""
         try:
             ns = self.ns                  # registered on first use, here as for loads
         except (KVStoreError, OSError, RuntimeError) as exc:
             self._reserve_failed(specs, exc)
             return
         keys = [key for spec in specs for key in spec.keys]
-        self._reserving.start(lambda: self.client.reserve(ns, keys), specs)
+        self._reserving.start(lambda: self.client.reserve(ns, keys), specs, inline=inline)
 
-    def _start_deferred(self) -> None:
+    def _start_deferred(self, inline: bool = False) -> None:
         """Ask for the Reserve bind left to start_load (start_load, or the first save hook
         or wait_for_save of a step that skipped it; the store may have stopped answering
         meanwhile: then the step's pages are not saved)."""
         specs, self._deferred = self._deferred, None
         if specs and self._may_call():
-            self._start_reserve(specs)
+            self._start_reserve(specs, inline)
 
     def _take_reserve(self) -> None:
         """The step's reservation, once its Reserve has answered (waited for if need be:
@@ -539,7 +542,7 @@ class WorkerHalf:
         """Take the step's reservation (waiting for its Reserve if it is still out) and
         copy the layers it owes; check the step's loads; hand the step's save copies to
         the poll, unwaited."""
-        self._start_deferred()                # start_load was skipped: ask now
+        self._start_deferred(inline=True)     # start_load was skipped: ask now
         self._take_reserve()
         self._check_loads()
         if self._saves.step:
