@@ -106,7 +106,6 @@ class KVTransfer:
             except ValueError:
                 self._tables = [kernel.LayerTable([b]) for b in self._bytes]
         self._save_runs: dict = {}        # plan key -> [first, last] layers not launched
-        self._save_groups: dict = {}      # plan key -> layers a launch of it covers
         self._load_stream = self._save_stream = None
         if self.cuda:
             # Loads gate the model's layers: high priority, so their programs are
@@ -223,6 +222,10 @@ class KVTransfer:
         need = -(-launch_bytes // max(1, pages * self.geo.layer_bytes))
         return min(len(self.layers), max(self._group, need))
 
+    def _save_group(self, plan: Plan) -> int:
+        """Layers one kernel launch of a save covers (_SAVE_LAUNCH_BYTES)."""
+        return self._layers_per_launch(len(plan.offsets), _SAVE_LAUNCH_BYTES)
+
     def _table(self, layer: int) -> tuple[kernel.LayerTable, int]:
         """The layer table holding `layer`, and the layer's index in it."""
         if len(self._tables) == 1:
@@ -264,8 +267,6 @@ class KVTransfer:
             with on_stream(self._save_stream, self.device):
                 plan = self._save_plans[key] = self._plan(host, offsets, block_ids, save=True)
             self._save_dma.pop(key, None)
-            self._save_groups[key] = self._layers_per_launch(len(plan.offsets),
-                                                             _SAVE_LAUNCH_BYTES)
             if self.method is CopyMethod.DMA or self._dma_auto:
                 runs = page_runs(plan.offsets, len(self.layers) * self.geo.layer_bytes)
                 if runs and (self.method is CopyMethod.DMA or (
@@ -285,14 +286,14 @@ class KVTransfer:
         if run is None:
             run = self._save_runs[key] = [layer, layer]
         run[1] = layer
-        if layer - run[0] + 1 >= self._save_groups[key] or layer == len(self.layers) - 1:
+        if layer - run[0] + 1 >= self._save_group(plan) or layer == len(self.layers) - 1:
             self._flush_save(key)
 
     def _flush_save(self, key) -> None:
         first, last = self._save_runs.pop(key)
         plan = self._save_plans[key]
         runs = self._save_dma.get(key)
-        group = self._group if runs is not None else self._save_groups[key]
+        group = self._group if runs is not None else self._save_group(plan)
         with on_stream(self._save_stream, self.device):
             for at in range(first, last + 1, group):
                 count = min(last + 1 - at, group)
@@ -333,7 +334,7 @@ class KVTransfer:
             events = [record(self._save_stream)]
             self._last_save = events[0]
         self._pending_saves, self._pending_keep = False, []
-        self._save_plans, self._save_dma, self._save_groups = {}, {}, {}
+        self._save_plans, self._save_dma = {}, {}
         handle = SaveHandle(self.device, events if (self.cuda and events) else None, keep)
         if wait:
             handle.synchronize()
