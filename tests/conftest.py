@@ -4,6 +4,7 @@ Cluster for the far tier, and CUDA detection."""
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
@@ -17,6 +18,15 @@ def _has_cuda() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+def pytest_configure(config):
+    # Tests send SIGINT to processes they start (the Ctrl-C paths). A pytest started with
+    # SIGINT ignored (a background job of a non-interactive shell, nohup) hands that to
+    # every child, and a Python child then never sees the signal: the watch and netns
+    # tests failed so. A handler of our own here is reset to the default in each child.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -50,9 +50,11 @@ def fast_address(srv: ServerProcess) -> str:
 
 
 def unix_path(srv: ServerProcess) -> str:
-    line = re.search(r"unix socket (\S+)", srv.log())
-    assert line, srv.log()
-    return line.group(1)
+    # The line comes once the fast path is up, which may be just after the server answers
+    # its first health check (a loaded machine: CI once read the log before it).
+    wait_for(lambda: re.search(r"unix socket (\S+)", srv.log()), "the fast path's unix socket",
+             timeout=30)
+    return re.search(r"unix socket (\S+)", srv.log()).group(1)
 
 
 def metric(port: int, name: str) -> float:
