@@ -228,7 +228,7 @@ def test_server_down_means_no_hit(srv):
 def test_server_restart_mid_load_falls_back_to_recompute(srv):
     a = Engine(srv.address)
     tokens = prompt(64, 13)
-    a.run_prompt("a", tokens)
+    a.run_prompt("a", tokens[:49])                            # stores pages 0-2
     b = Engine(srv.address)
     hit = b.sched.hit("b", tokens, 0)
     assert hit == 48
@@ -247,6 +247,26 @@ def test_server_restart_mid_load_falls_back_to_recompute(srv):
         assert b.sched.hit("b", tokens, 0) == 0               # and is not offered it again
     finally:
         again.stop()
+
+
+def test_a_prompt_stored_to_its_last_page_does_not_save_that_page_again(srv):
+    """A prompt that ends on a page boundary, stored whole: the hit leaves the last page
+    to compute (the engine must compute the last token), and that page, which the lookup
+    found stored, is not saved again: the step asks for no Reserve. One page short of
+    that, the last page is saved."""
+    a = Engine(srv.address)
+    tokens = prompt(64, 21)
+    a.run_prompt("a", tokens)
+    b = Engine(srv.address)
+    hit, blocks, meta, errors = b.run_prompt("b", tokens)
+    assert (hit, errors, meta.saves) == (48, set(), ())
+    b.expect_kv(blocks, tokens, 64)
+    other = prompt(64, 22)
+    a.run_prompt("a2", other[:49])                        # pages 0-2 stored
+    hit, _, meta, _ = b.run_prompt("b2", other)
+    assert hit == 48 and [len(spec.keys) for spec in meta.saves] == [1]
+    for e in (a, b):
+        e.close()
 
 
 def test_lookup_timeout_answers_ask_again(srv):

@@ -255,7 +255,7 @@ def test_a_step_that_loads_reserves_after_its_acquire_and_before_its_forward(srv
     are launched, answered before the forward's hooks; loaded and saved pages are exact."""
     seed = Engine(srv.address)
     cached, fresh = prompt(64, 16), prompt(64, 17)
-    seed.run_prompt("seed", cached)
+    seed.run_prompt("seed", cached[:49])            # pages 0-2 stored
     e = Engine(srv.address)
     warm(e)
     calls, hooks = lease_calls(e.worker.client), []
@@ -284,7 +284,7 @@ def test_a_step_whose_loads_are_async_reserves_at_bind_and_before_its_acquire(sr
     step's Acquire."""
     seed = Engine(srv.address)
     cached, fresh = prompt(64, 18), prompt(64, 19)
-    seed.run_prompt("seed", cached)
+    seed.run_prompt("seed", cached[:49])            # pages 0-2 stored
     e = Engine(srv.address, mode=LoadMode.ASYNC)
     warm(e)
     calls = lease_calls(e.worker.client)
@@ -316,7 +316,7 @@ def test_a_hung_store_costs_a_step_that_loads_and_saves_one_timeout(srv):
     timeout = 0.3
     seed = Engine(srv.address)
     cached = prompt(64, 6)
-    seed.run_prompt("seed", cached)
+    seed.run_prompt("seed", cached[:49])            # pages 0-2 stored
     e = Engine(srv.address, timeout=timeout, probe_interval=60.0)
     warm(e)
     fresh = prompt(64, 7)
