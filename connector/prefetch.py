@@ -156,9 +156,13 @@ class LookupWorker:
                 if kept:
                     with self._lock:
                         self._releases[:0] = kept
-                        if not jobs:
+                        if not jobs and not self._jobs and not self._closed:
                             # The store is down: wait for new work (or close) rather
-                            # than spin; the kept releases go with the next batch.
+                            # than spin; the kept releases go with the next batch. Work
+                            # submitted during the release was notified to nobody: it
+                            # is looked up now, not a second later (a hung store once
+                            # cost a scheduler step 1.5 s so: the release's timeout,
+                            # then this wait).
                             self._lock.wait(1.0)
             for pending in jobs:
                 if pending.abandoned:

@@ -132,6 +132,34 @@ def test_releases_a_store_did_not_take_are_kept_and_sent_later(store, worker):
     assert wait_until(lambda: sorted(store.released) == [7, 8])
 
 
+def test_a_job_submitted_while_a_release_fails_is_looked_up_at_once():
+    """A release that hangs and then fails (the store stopped) while a job arrives: the
+    job is looked up when the release returns, not after the worker's idle wait."""
+    in_release, finish = threading.Event(), threading.Event()
+    answered = []
+
+    def release(lease_ids):
+        in_release.set()
+        finish.wait(5)
+        return list(lease_ids)                      # kept: the store is not answering
+
+    def lookup(job):
+        answered.append(time.monotonic())
+        return Answer(np.asarray(job.tokens, np.int32), (), b"", 0, 0)
+
+    worker = LookupWorker(lookup, release)
+    try:
+        worker.release([3])
+        assert in_release.wait(5)
+        pending = worker.submit(job())              # notified while nobody waits
+        finish.set()
+        returned = time.monotonic()
+        assert pending.done.wait(5)
+        assert answered[0] - returned < 0.5         # the idle wait is a second
+    finally:
+        worker.close(1.0)
+
+
 def test_close_returns_every_lease_not_yet_released(store):
     worker = LookupWorker(store.lookup, store.release)
     pending = worker.submit(job())
