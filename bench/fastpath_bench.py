@@ -3,7 +3,9 @@
 Each run measures, against one real kvstore-server on loopback and in turn:
 - get and put of 1 MiB pages (`--mib` MiB a call), byte-checked: fast path over one
   connection and striped over `--connections`, gRPC, and a raw TCP socket moving the same
-  bytes between two processes (send from a buffer, recv_into another: the ceiling);
+  bytes between two processes (send from a buffer, recv_into another), and, where it
+  is installed, iperf3's one loopback stream (bench/iperf.py: the machine's ceiling for
+  a program in C);
 - one 64 KiB page get, p50 and p99: fast path, gRPC, and a raw request/answer of 64 KiB;
 - a lookup of 16 keys, p50: fast path (TCP and the Unix socket), gRPC (the client's
   LookupStream and unary Lookup), and a raw 64-byte request/answer;
@@ -36,6 +38,7 @@ from kvstore_client.fastpath import FastPath
 from kvstore_client.malloc import keep_freed_buffers
 
 from kvstore_testing.serverproc import ServerProcess
+from .iperf import iperf3_gbps
 from .store_bench import put_get_gbps, raw_socket_gbps
 
 MiB = 1 << 20
@@ -321,6 +324,9 @@ def one_run(srv: ServerProcess, total: int, reps: int, iters: int, connections: 
     r: dict = {}
     raw_recv, raw_send = raw_socket_gbps(total, reps)
     r["raw"] = {"get_gbps": raw_recv, "put_gbps": raw_send}
+    iperf = iperf3_gbps()
+    if iperf is not None:
+        r["iperf3"] = {"get_gbps": iperf}
     kinds = {
         "fast": dict(data_plane=True, data_connections=1),
         f"fast x{connections}": dict(data_plane=True, data_connections=connections),
@@ -382,6 +388,9 @@ def one_run(srv: ServerProcess, total: int, reps: int, iters: int, connections: 
         "64 KiB p50, gRPC / fast": grpc_["get64k_p50_us"] / fast["get64k_p50_us"],
         "lookup p50, gRPC / fast": grpc_["lookup_p50_us"] / fast["lookup_p50_us"],
     }
+    if iperf is not None:
+        r["ratios"]["get vs iperf3"] = fast["get_gbps"] / iperf
+        r["ratios"]["gRPC x 2.5 vs iperf3"] = 2.5 * grpc_["get_gbps"] / iperf
     return r
 
 
@@ -410,13 +419,17 @@ def report(r: dict) -> str:
     n = len(runs)
     c = r["connections"]
     kinds = ["fast", f"fast x{c}", "fast unix", "grpc", "grpc unary", "raw"]
+    if any("iperf3" in run_ for run_ in runs):
+        kinds.append("iperf3")
     fields = [("get_gbps", "get 1 MiB pages GB/s"), ("put_gbps", "put 1 MiB pages GB/s"),
               ("get64k_p50_us", "one 64 KiB page p50 us"),
               ("get64k_p99_us", "one 64 KiB page p99 us"),
               ("lookup_p50_us", "lookup 16 keys p50 us"),
               ("acquire_release_p50_us", "acquire+release 1 page p50 us")]
     lines = [f"medians of {n} runs, {r['total_mib']} MiB a call; raw = a plain TCP socket "
-             "between two processes in the same run", "",
+             "between two processes in the same run"
+             + ("; iperf3 = one loopback TCP stream of iperf3 (C, 1 MiB writes), same run"
+                if "iperf3" in kinds else ""), "",
              "| | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
     for field, label in fields:
         cells = []
@@ -428,7 +441,7 @@ def report(r: dict) -> str:
     lines += ["", "| ratio (per run) | " + " | ".join(f"run {i + 1}" for i in range(n))
               + " | median |", "|---" * (n + 2) + "|"]
     for name in runs[0]["ratios"]:
-        values = [run_["ratios"][name] for run_ in runs]
+        values = [run_["ratios"][name] for run_ in runs if name in run_["ratios"]]
         lines.append(f"| {name} | " + " | ".join(f"{v:.2f}" for v in values)
                      + f" | {statistics.median(values):.2f} |")
     if "send_modes" in r:
