@@ -4,12 +4,11 @@ Per step, in the order engines call it (docs/dev/vllm-0.33-connector-api.md, sec
 
     bind(meta)             ask for store slots for every save of the step in one call
                            (Reserve) on the reserve thread, and return without its
-                           answer (a step with layer-wise loads leaves it to
-                           start_load);
+                           answer;
                            finish earlier steps' saves whose copies have landed
     start_load(meta)       pin every page the step loads in one call (Acquire) and start
                            copying them, every layer on a side stream with one event per
-                           layer; then make the step's Reserve and take its answer
+                           layer; then take the Reserve's answer
     wait_for_layer(name)   the compute stream waits for that layer's copies only
     save_layer(name)       that layer's pages to save are gathered and copied out (D2H);
                            while the Reserve is unanswered the layer is owed instead, and
@@ -27,12 +26,12 @@ Per step, in the order engines call it (docs/dev/vllm-0.33-connector-api.md, sec
 The Reserve runs beside the forward (connector.reserving says why and why a copy
 launched after its layer's hook is still right): made in bind, its round trip delayed
 the forward by all of it. Only the shared pool's saves need it; without the pool a save
-goes to a pinned buffer and makes no call until its Put. A step with layer-wise loads
-makes its Reserve after its Acquire and load launches and takes the answer there
-(start_load), so the copies never wait for it; a step whose loads are all async (they
-start after the forward) takes the bind's Reserve answer before its Acquire. Either
-way the two never race for the fast path's lease connection. A Reserve whose answer no hook took by the next bind belongs
-to a step that never reached wait_for_save: its slots are given back, nothing stored.
+goes to a pinned buffer and makes no call until its Put. The Reserve and the step's
+Acquire go over two connections of the fast path (kvstore_client.fastpath's lease
+lanes), so neither waits for the other, and start_load takes the Reserve's answer once
+its loads are launched, before the forward. A Reserve whose answer no hook took by the
+next bind belongs to a step that never reached wait_for_save: its slots are given
+back, nothing stored.
 
 Saves are asynchronous: the step that produced pages never waits for their copies or
 their Commit. The copies run on the save stream beside the next steps; a later step
@@ -167,9 +166,6 @@ class WorkerHalf:
         self._async: dict[str, _Load] = {}         # loads reported when done
         self._saves = SaveQueue()                  # reserved, copying, waiting to commit
         self._reserving = StepReserve()            # the step's Reserve, until answered
-        # The saves of a step with layer-wise loads: reserved in start_load once its loads
-        # are launched (bind leaves them here).
-        self._deferred: list[SaveSpec] | None = None
         self._errors: set[int] = set()
         self._failed_async: set[str] = set()
         self._outcomes = LoadOutcomes()            # of the loads saves name (after)
@@ -211,29 +207,16 @@ class WorkerHalf:
     def start_load(self, meta: StepMeta) -> None:
         if not meta.loads:
             return
-        # A step with layer-wise loads reserves for its saves once they are launched, and
-        # waits for that Reserve here, before the forward. Asked for in bind on the
-        # reserve thread, the Reserve went first and the Acquire waited behind it (the
-        # fast path makes lease calls one at a time): H200, 8B, a 32k-token DRAM hit,
-        # timing the worker's calls over six hits, the Acquire waited 0.4-2.5 ms for it
-        # while no copy had begun. Left to the thread during the forward instead (likely
-        # contending for the GIL with the forward's launches; not measured directly), the
-        # 1k-token hit took 11.8, 15.4 and 16.2 ms in three e2e runs (two beside a change
-        # to short loads since undone), against 11.1 here and 12.0 before. Here the copies
-        # already run while it is answered (e2e at 32k: 19.5x recompute, as before within
-        # the runs' spread of 19.2-19.9x). A store that does not answer costs the step one
-        # timeout: the Acquire's opens the breaker, and the Reserve is then not asked for.
-        # Async loads start after the forward (vLLM's model runner), whose save hooks need
-        # the reservation first: bind asks for a step's Reserve at once when none of its
-        # loads is layer-wise, and its answer is taken here before the Acquire, so that a
-        # store that does not answer costs one timeout there too. The Reserve made here is
-        # waited for at once, so it is made on this thread, not handed to the reserve
-        # thread and back.
-        self._take_reserve()
+        # The step's Reserve, asked for in bind, runs beside the Acquire (on a lane of
+        # its own); its answer is taken here, once the loads are launched, before the
+        # forward. Left to the save hooks during the forward instead (likely contending
+        # for the GIL with the forward's launches; not measured directly), the 1k-token
+        # hit took 11.8, 15.4 and 16.2 ms in three e2e runs against 11.1-12.0 taken
+        # here (H200, 8B). A store that does not answer costs the step one timeout: the
+        # Acquire and the Reserve wait for it side by side.
         try:
             self._start_loads(meta)
         finally:
-            self._start_deferred(inline=True)
             self._take_reserve()
 
     def _start_loads(self, meta: StepMeta) -> None:
@@ -375,10 +358,7 @@ class WorkerHalf:
             log.warning("not saving this step's pages: %s", exc)
             return
         if shared:
-            if any(not spec.is_async for spec in meta.loads):
-                self._deferred = specs        # start_load reserves, after its loads
-            else:
-                self._start_reserve(specs)
+            self._start_reserve(specs)
             return
         # No shared pool: one buffer each, filled by the copies and sent by a Put at
         # commit; no call to the store here.
@@ -395,25 +375,17 @@ class WorkerHalf:
         log.warning("not saving %d pages of %s: %s", sum(len(s.keys) for s in specs),
                     ", ".join(s.req_id for s in specs), exc)
 
-    def _start_reserve(self, specs: list[SaveSpec], inline: bool = False) -> None:
+    def _start_reserve(self, specs: list[SaveSpec]) -> None:
         """The step's saves in one reservation (one Reserve), asked for on the reserve
-        thread (connector.reserving), or inline by a caller that takes it at once; the
-        step takes it in a save hook or at its end."""
+        thread (connector.reserving); the step takes it in start_load, a save hook or
+        at its end."""
         try:
             ns = self.ns                  # registered on first use, here as for loads
         except (KVStoreError, OSError, RuntimeError) as exc:
             self._reserve_failed(specs, exc)
             return
         keys = [key for spec in specs for key in spec.keys]
-        self._reserving.start(lambda: self.client.reserve(ns, keys), specs, inline=inline)
-
-    def _start_deferred(self, inline: bool = False) -> None:
-        """Ask for the Reserve bind left to start_load (start_load, or the first save hook
-        or wait_for_save of a step that skipped it; the store may have stopped answering
-        meanwhile: then the step's pages are not saved)."""
-        specs, self._deferred = self._deferred, None
-        if specs and self._may_call():
-            self._start_reserve(specs, inline)
+        self._reserving.start(lambda: self.client.reserve(ns, keys), specs)
 
     def _take_reserve(self) -> None:
         """The step's reservation, once its Reserve has answered (waited for if need be:
@@ -436,9 +408,7 @@ class WorkerHalf:
     def _drop_unfinished_reserve(self) -> None:
         """A Reserve not taken by the start of a step (or by close) is of a step that never
         reached wait_for_save: none of its layers was copied and its blocks may be reused
-        now, so it saves nothing and its slots are given back (one bind left to
-        start_load was never asked for)."""
-        self._deferred = None
+        now, so it saves nothing and its slots are given back."""
         answer = self._reserving.take()
         if answer is None:
             return
@@ -526,7 +496,6 @@ class WorkerHalf:
         unanswered the layer is owed instead (copied when it is answered), so no hook
         waits for the store."""
         layer = self._index[name]
-        self._start_deferred()                # start_load was skipped: ask now
         if self._reserving.pending:
             if self._reserving.ready():
                 self._take_reserve()
@@ -542,7 +511,6 @@ class WorkerHalf:
         """Take the step's reservation (waiting for its Reserve if it is still out) and
         copy the layers it owes; check the step's loads; hand the step's save copies to
         the poll, unwaited."""
-        self._start_deferred(inline=True)     # start_load was skipped: ask now
         self._take_reserve()
         self._check_loads()
         if self._saves.step:

@@ -250,23 +250,30 @@ def load_and_save(engine, cached, fresh):
     return meta, blocks
 
 
-def test_a_step_that_loads_reserves_after_its_acquire_and_before_its_forward(srv):
-    """The loads gate the first layer: the Acquire goes first, the Reserve once the loads
-    are launched, answered before the forward's hooks; loaded and saved pages are exact."""
+def test_a_step_that_loads_asks_its_reserve_at_bind_and_takes_it_before_its_forward(srv):
+    """The Reserve is asked for at bind and runs beside the Acquire; start_load takes its
+    answer once the loads are launched, before the forward's hooks; loaded and saved
+    pages are exact."""
     seed = Engine(srv.address)
     cached, fresh = prompt(64, 16), prompt(64, 17)
     seed.run_prompt("seed", cached[:49])            # pages 0-2 stored
     e = Engine(srv.address)
     warm(e)
-    calls, hooks = lease_calls(e.worker.client), []
+    calls, hooks, bound = lease_calls(e.worker.client), [], []
+
+    def bind(meta, _bind=e.worker.bind):
+        _bind(meta)
+        bound.append(e.worker._reserving.pending)
+    e.worker.bind = bind
 
     def hook(name, _save_layer=e.worker.save_layer):
-        hooks.append((tuple(calls), e.worker._reserving.pending))
+        hooks.append((tuple(sorted(calls)), e.worker._reserving.pending))
         _save_layer(name)
     e.worker.save_layer = hook
     meta, blocks = load_and_save(e, cached, fresh)
     _, _, errors = e.run(meta, [(blocks["load"], cached, 48, 64),
                                 (blocks["save"], fresh, 0, 64)])
+    assert bound == [True]                               # asked for at bind
     assert hooks[0] == (("acquire", "reserve"), False)   # both made, the answer taken
     assert errors == set()
     e.expect_kv(blocks["load"], cached, 64)
@@ -278,10 +285,9 @@ def test_a_step_that_loads_reserves_after_its_acquire_and_before_its_forward(srv
         x.close()
 
 
-def test_a_step_whose_loads_are_async_reserves_at_bind_and_before_its_acquire(srv):
+def test_a_step_whose_loads_are_async_reserves_at_bind(srv):
     """Async loads start after the forward (vLLM's model runner), whose save hooks need
-    the reservation: the Reserve is asked for at bind, and its answer is taken before the
-    step's Acquire."""
+    the reservation: the Reserve is asked for at bind."""
     seed = Engine(srv.address)
     cached, fresh = prompt(64, 18), prompt(64, 19)
     seed.run_prompt("seed", cached[:49])            # pages 0-2 stored
@@ -300,7 +306,8 @@ def test_a_step_whose_loads_are_async_reserves_at_bind_and_before_its_acquire(sr
     for layer in range(len(NAMES)):
         compute(e, layer, blocks["save"], fresh)
     e.worker.start_load(meta)                   # after the forward, as vLLM does
-    assert calls == ["reserve", "acquire"]
+    assert sorted(calls) == ["acquire", "reserve"]
+    assert not e.worker._reserving.pending
     e.worker.wait_for_save()
     wait_for(lambda: "load" in e.worker.finished(), "the async load landed")
     assert e.worker.load_errors() == set()
@@ -310,9 +317,9 @@ def test_a_step_whose_loads_are_async_reserves_at_bind_and_before_its_acquire(sr
 
 
 def test_a_hung_store_costs_a_step_that_loads_and_saves_one_timeout(srv):
-    """The step's Acquire goes first (its Reserve waits for the loads to be launched), so
-    the Acquire's timeout opens the breaker and the Reserve is then not asked for: one
-    timeout for the step, not two."""
+    """The step's Acquire and its Reserve (asked for at bind) wait for the store side by
+    side, on two connections: one timeout for the step, not two. The Acquire's opens
+    the breaker."""
     timeout = 0.3
     seed = Engine(srv.address)
     cached = prompt(64, 6)

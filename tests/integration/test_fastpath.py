@@ -807,3 +807,72 @@ def test_a_stalled_server_is_a_deadline_not_a_hang(fresh_server):
         c.timeout = 10.0
         assert c.lookup(ns, ks) == 2          # a fresh connection
         assert np.array_equal(c.get(ns, ks), pages(2, ns.page_bytes))
+
+
+def test_an_acquire_does_not_wait_behind_a_reserve_in_flight(srv, monkeypatch):
+    """Acquires and Reserves go over two connections (the lease lanes): an engine's
+    Acquire is answered while its step's Reserve is still out."""
+    with KVStoreClient(srv.address, data_plane=True) as c:
+        ns = c.register_layout(LAYOUTS["odd"])
+        stored, fresh = keys("lane-stored", 3), keys("lane-fresh", 3)
+        data = pages(3, ns.page_bytes, seed=21)
+        c.put(ns, stored, data)
+        in_flight, go_on = threading.Event(), threading.Event()
+        simple = FastPath._simple
+
+        def held(conn, op, body, method):
+            if op == fw.Op.RESERVE:         # the Reserve is sent; its answer waits here
+                conn.send(op, body)
+                in_flight.set()
+                go_on.wait(10)
+                conn.settle()
+                return conn.answer(op, method)[1]
+            return simple(conn, op, body, method)
+        monkeypatch.setattr(FastPath, "_simple", staticmethod(held))
+        reserved = []
+        reserver = threading.Thread(target=lambda: reserved.append(c.reserve(ns, fresh)))
+        reserver.start()
+        try:
+            assert in_flight.wait(10)
+            start = time.monotonic()
+            with c.acquire(ns, stored) as acq:
+                took = time.monotonic() - start
+                assert all(np.array_equal(v, p) for v, p in zip(acq.views, data, strict=True))
+            assert reserver.is_alive()          # the Reserve is still out
+            assert took < 5.0
+        finally:
+            go_on.set()
+            reserver.join(10)
+        (res,) = reserved
+        new = pages(3, ns.page_bytes, seed=22)
+        for view, page in zip(res.views, new, strict=True):
+            view[:] = page
+        res.commit()
+        assert np.array_equal(c.get(ns, fresh), new)
+        assert np.array_equal(c.get(ns, stored), data)
+
+
+def test_a_new_connection_to_a_stalled_server_is_a_deadline_not_a_fallback(fresh_server):
+    """A connection opened for a call on a fast path already in use, to a server that
+    accepts it but does not answer its HELLO, costs the call its timeout once; it is not
+    taken for an unreachable fast path and tried again over gRPC (a second timeout).
+    Finding the path, the same silence means "unavailable"."""
+    srv = fresh_server()
+    fast = FastPath(fast_address(srv), timeout=0.3)
+    fast.check()
+    held = fast.take()                       # no idle connection left: the next call opens one
+    os.kill(srv.proc.pid, signal.SIGSTOP)
+    wait_for(lambda: open(f"/proc/{srv.proc.pid}/stat").read().split(")")[1].split()[0]
+             == "T", "the server to stop")
+    try:
+        start = time.monotonic()
+        with pytest.raises(KVStoreError) as info:
+            fast.exists(b"\0" * 16, 4, b"abcd")
+        assert info.value.code.name == "DEADLINE_EXCEEDED"
+        assert time.monotonic() - start < 2.0
+        with pytest.raises(FastPathUnavailable):
+            FastPath(fast_address(srv), timeout=0.3).check()
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+    held.close()
+    fast.close()
