@@ -18,7 +18,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from kvstore_testing.serverproc import ServerProcess, free_port
+from kvstore_testing.serverproc import ServerProcess, free_port, sigstop
 
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
 from kvstore_client import fastwire as fw
@@ -792,10 +792,7 @@ def test_a_stalled_server_is_a_deadline_not_a_hang(fresh_server):
         ks = keys("stall", 2)
         c.put(ns, ks, pages(2, ns.page_bytes))
         c.timeout = 0.3                      # obeyed at once, as gRPC calls obey it
-        os.kill(srv.proc.pid, signal.SIGSTOP)
-        # kill() only queues the signal: wait until the server is stopped indeed.
-        wait_for(lambda: open(f"/proc/{srv.proc.pid}/stat").read().split(")")[1].split()[0]
-                 == "T", "the server to stop")
+        sigstop(srv.proc.pid)
         try:
             start = time.monotonic()
             with pytest.raises(KVStoreError) as info:
@@ -861,9 +858,7 @@ def test_a_new_connection_to_a_stalled_server_is_a_deadline_not_a_fallback(fresh
     fast = FastPath(fast_address(srv), timeout=0.3)
     fast.check()
     held = fast.take()                       # no idle connection left: the next call opens one
-    os.kill(srv.proc.pid, signal.SIGSTOP)
-    wait_for(lambda: open(f"/proc/{srv.proc.pid}/stat").read().split(")")[1].split()[0]
-             == "T", "the server to stop")
+    sigstop(srv.proc.pid)
     try:
         start = time.monotonic()
         with pytest.raises(KVStoreError) as info:
