@@ -77,11 +77,6 @@ def keys_body(layout_id: bytes, key_size: int, packed: bytes) -> bytes:
     return fw.LAYOUT_HEAD.pack(layout_id) + fw.encode_keys(key_size, packed)
 
 
-# The lease lanes (FastPath._lanes).
-_READS = "reads"
-_WRITES = "writes"
-
-
 class _Lane:
     """One lease lane: its connection, opened on first use, and the lock of its calls."""
 
@@ -117,7 +112,8 @@ class FastPath:
         # reads (Acquire, Release, leased Lookup) and writes (Reserve, Commit, Abort).
         # On one lane, an engine's Acquire waited behind its step's Reserve: 0.4-2.5 ms
         # on the H200 host (8B, 32k-token hits), the copies not yet begun.
-        self._lanes = {_READS: _Lane(), _WRITES: _Lane()}
+        self._reads = _Lane()
+        self._writes = _Lane()
         self._stripes: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
         self.tenant = ""
@@ -202,7 +198,7 @@ class FastPath:
                 self._idle.pop().close()
             except IndexError:
                 break
-        for lane in self._lanes.values():
+        for lane in (self._reads, self._writes):
             with lane.lock:
                 if lane.conn is not None:
                     lane.conn.close()
@@ -240,9 +236,9 @@ class FastPath:
             return result
         raise AssertionError("unreachable")
 
-    def _leased(self, method: str, fn: Callable[[Conn], T], lane_name: str = _READS) -> T:
-        """fn on a lease lane's connection, under its lock."""
-        lane = self._lanes[lane_name]
+    def _leased(self, method: str, fn: Callable[[Conn], T], lane: _Lane | None = None) -> T:
+        """fn on a lease lane's connection (the reads lane by default), under its lock."""
+        lane = lane or self._reads
         with lane.lock:
             for attempt in (0, 1):
                 if lane.conn is None:
@@ -314,30 +310,30 @@ class FastPath:
         body = fw.LEASED_HEAD.pack(layout_id, region_token, lease_ms) + fw.encode_keys(
             key_size, packed)
         answer = self._leased("Reserve", lambda c: self._simple(c, fw.Op.RESERVE, body,
-                                                                "Reserve"), _WRITES)
+                                                                "Reserve"), self._writes)
         lease_id, skipped, in_flight = fw.RESERVED.unpack_from(answer)
         return FastLease(lease_id, fw.unpack_u64(answer[fw.RESERVED.size:]).copy(), skipped,
                          in_flight)
 
-    def _end(self, op: fw.Op, method: str, lease_id: int, lane: str) -> int:
+    def _end(self, op: fw.Op, method: str, lease_id: int, lane: _Lane) -> int:
         answer = self._leased(method, lambda c: self._simple(c, op, fw.LEASE.pack(lease_id),
                                                              method), lane)
         return fw.LEASE.unpack_from(answer)[0]
 
     def commit(self, lease_id: int) -> int:
-        return self._end(fw.Op.COMMIT, "Commit", lease_id, _WRITES)
+        return self._end(fw.Op.COMMIT, "Commit", lease_id, self._writes)
 
     def abort(self, lease_id: int) -> bool:
-        return bool(self._end(fw.Op.ABORT, "Abort", lease_id, _WRITES))
+        return bool(self._end(fw.Op.ABORT, "Abort", lease_id, self._writes))
 
     def release(self, lease_id: int) -> bool:
-        return bool(self._end(fw.Op.RELEASE, "ReleaseLease", lease_id, _READS))
+        return bool(self._end(fw.Op.RELEASE, "ReleaseLease", lease_id, self._reads))
 
     def release_later(self, lease_id: int) -> None:
         """Release without waiting for the answer: it is read before the next call on
         its lane. Nothing is lost if the connection breaks first: the
         server releases a closed connection's leases itself."""
-        lane = self._lanes[_READS]
+        lane = self._reads
         with lane.lock:
             conn = lane.conn
             if conn is not None:
