@@ -31,7 +31,7 @@ def test_kill_a_master_under_load(fresh_cluster):
 
     stop = threading.Event()
     problems: list[str] = []
-    rounds = {"calls": 0, "misses": 0, "foreign_misses": 0}
+    rounds = {"calls": 0, "misses": 0, "foreign_misses": 0, "calls_missing_foreign": 0}
     victim = cluster.master_nodes()[0]
     victim_slots = cluster.slots_of(victim)
     on_victim = {k for k in keys if key_slot(page_key("kvstore", layout, k)) in victim_slots}
@@ -47,11 +47,14 @@ def test_kill_a_master_under_load(fresh_cluster):
             except Exception as exc:  # noqa: BLE001 - the client must never raise
                 problems.append(repr(exc))
                 return
+            foreign = 0
             for key, page, bit in zip(batch, got, bits):
                 if page is not None and bytes(page) != pages[key]:
                     problems.append("wrong bytes")
                 rounds["misses"] += page is None
-                rounds["foreign_misses"] += page is None and key not in on_victim
+                foreign += page is None and key not in on_victim
+            rounds["foreign_misses"] += foreign
+            rounds["calls_missing_foreign"] += foreign > 0
             rounds["calls"] += 1
 
     threads = [threading.Thread(target=load, args=(i,)) for i in range(2)]
@@ -80,6 +83,7 @@ def test_kill_a_master_under_load(fresh_cluster):
     # The other masters' pages stayed hits while the victim's slots failed over (with
     # cluster-require-full-coverage no, as docs/far.md advises), a handful of calls
     # aside: glide refreshes its slot map when a node drops, and calls that land in it
-    # may fail whole.
-    assert rounds["foreign_misses"] <= 0.05 * rounds["misses"], rounds
+    # may fail whole. Counted in calls, not pages: one call that failed whole misses
+    # ~21 other masters' pages of its 32, which was 5% of all misses in one CI run.
+    assert rounds["calls_missing_foreign"] <= 5, rounds
     assert client.counters.skipped == 0, "one dead shard opened the breaker"
