@@ -260,6 +260,11 @@ def test_stalled_streams_on_every_stream_thread_end(fresh_server):
             assert time.monotonic() - t0 < 6
             for _, future in puts:
                 assert future.exception(10).code() == grpc.StatusCode.CANCELLED
+            # Each stream's second of silence starts at its own last message, and the
+            # watchdog looks every 0.25 s: the Gets' cancellations may come after the
+            # Put's (a CI run once closed the channels between the two).
+            wait_for(lambda: srv.log().count("cancelled a stalled stream") >= 3,
+                     "the three stalled streams cancelled", timeout=10)
             wait_for(lambda: c.stats().leases == 0, "stalled leases released", timeout=5)
             assert c.stats().tiers[0].used_bytes == 32 * BIG.page_bytes
         finally:
