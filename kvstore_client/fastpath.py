@@ -206,13 +206,18 @@ class FastPath:
         if self._stripes is not None:
             self._stripes.shutdown(wait=False)
 
+    def _open(self, method: str, fresh: bool) -> Conn:
+        """An idle pooled connection (it is authenticated), or a new one if fresh or
+        none is idle; a server that accepts but does not answer is method's deadline."""
+        try:
+            return self._connect() if fresh else self._take()
+        except HelloTimedOut as exc:
+            raise deadline(method, exc) from None
+
     def _run(self, method: str, fn: Callable[[Conn], T]) -> T:
         """fn on a pooled connection; once more on a fresh one if it broke."""
         for attempt in (0, 1):
-            try:
-                conn = self._take() if attempt == 0 else self._connect()
-            except HelloTimedOut as exc:
-                raise deadline(method, exc) from None
+            conn = self._open(method, fresh=attempt > 0)
             try:
                 conn.use_timeout(self._timeout())
                 result = fn(conn)
@@ -242,11 +247,7 @@ class FastPath:
         with lane.lock:
             for attempt in (0, 1):
                 if lane.conn is None:
-                    # An idle pooled connection if there is one: it is authenticated.
-                    try:
-                        lane.conn = self._take() if attempt == 0 else self._connect()
-                    except HelloTimedOut as exc:
-                        raise deadline(method, exc) from None
+                    lane.conn = self._open(method, fresh=attempt > 0)
                 try:
                     lane.conn.use_timeout(self._timeout())
                     return fn(lane.conn)     # _simple reads owed answers first
