@@ -16,8 +16,16 @@ Per layer two graphs, captured once per bucket of token counts::
 
 A step of T tokens runs in the smallest bucket >= T: rows past T hold stale finite values,
 are never written into the cache and never read back. The residual stream ping-pongs between
-two buffers, so no copies stand between the layers. Steps longer than the largest bucket run
-eagerly: they are compute-bound and launch costs hide behind their GEMMs.
+two buffers, so no copies stand between the layers.
+
+The buckets reach past vLLM's default capture sizes (512) to 2,048 tokens. Above 512 vLLM
+runs its torch.compile'd model, whose fused kernels cost few launches; this model's eager
+ops do not fuse, and on the H200 host an eager 8B step of 1,024 tokens took 30.7 ms of host
+enqueue for 27.4 ms on the device: host-bound, so every microsecond a connector hook spent
+on the host was added to the step (a miss that saves read 1.12-1.24x a recompute). Buckets
+step by 128 tokens to 1,024 and by 256 to 2,048, so padding costs at most a sixth of a
+step's GEMMs there. Steps longer than the largest bucket run eagerly: at 4,096 tokens and up
+an 8B step is compute-bound and launch costs hide behind its GEMMs.
 """
 
 from __future__ import annotations
@@ -28,8 +36,9 @@ import torch
 
 __all__ = ["BUCKETS", "GraphedLayers"]
 
-# Token counts captured, as vLLM's default capture sizes go (1, 2, 4, 8, then steps).
-BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# Token counts captured: powers of two to 512, then steps of 128 and 256 (see above).
+BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 640, 768, 896, 1024,
+                            1280, 1536, 1792, 2048)
 
 # pre(x, cos, sin) -> (q, k, v); post(x, attn) -> next x; attend(i, q, k, v) -> attn
 PreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor],

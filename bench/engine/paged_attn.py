@@ -17,9 +17,9 @@ among SPLITS programs, each writing an unnormalised partial result, and a second
 combines them (the split-K of FlashDecoding). Splits are fixed per step, so two runs of
 the same step add in the same order: results are deterministic.
 
-Used for steps whose every request adds at most MAX_QUERY tokens (the graph buckets:
-decodes and the remainder of a hit); larger prefills keep FlashAttention, which is faster
-there and whose gather is small against the attention itself.
+Used for steps whose every request adds at most MAX_QUERY tokens (decodes and the
+remainder of a hit); larger prefills keep FlashAttention, which is faster there and whose
+gather is small against the attention itself.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ except ImportError:                   # pragma: no cover - depends on the instal
 
 __all__ = ["MAX_QUERY", "PagedPlan", "available", "paged_attention_triton", "plan"]
 
-MAX_QUERY = 512        # the largest graph bucket (graphs.BUCKETS)
+MAX_QUERY = 512        # longer steps attend through FlashAttention (see above)
 _BLOCK_M = 16          # query rows per tile
 _BLOCK_N = 64          # keys per iteration
 _TARGET_PROGRAMS = 256  # about two programs per SM on an H100/H200 (132 SMs)

@@ -32,7 +32,7 @@ def _run(model, prompt, split, caches):
     return model([SeqStep(prompt[split:], split, blocks)], caches, all_logits=True)
 
 
-@pytest.mark.parametrize("new_tokens", [1, 7, 16, 100, 512, 700])
+@pytest.mark.parametrize("new_tokens", [1, 7, 16, 100, 512, 700, 1024, 2100])
 def test_graphed_steps_match_eager_steps(new_tokens):
     graphed, eager = _models()
     gen = torch.Generator().manual_seed(new_tokens)
