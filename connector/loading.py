@@ -10,6 +10,11 @@ run on one stream, in order, so the last to land is the last enqueued).
 
 A page missing at the Acquire (NOT_FOUND) fails the whole call, so the step's loads are
 then acquired one by one and only the load missing a page fails.
+
+No Acquire at all for a layer-wise load whose pages the scheduler's lookup lease already
+pins in the very pool this worker maps (LoadSpec.pins, checked by the caller's `pinned`):
+those go as one transfer of their own from the lookup's offsets, and end no lease (the
+scheduler releases its own once the load's outcome is known).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from kvstore_client import KVStoreError
 
 from .meta import LoadSpec
 
-__all__ = ["Started", "start_step_loads"]
+__all__ = ["Started", "no_release", "start_step_loads"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -48,13 +53,44 @@ def _counted_release(release: Callable[[], None], users: int) -> Callable[[], No
     return one
 
 
-def start_step_loads(specs: list[LoadSpec], acquire, mem, load
+def no_release() -> None:
+    """Loads from the lookup's pins: the scheduler half holds and releases that lease."""
+
+
+def start_step_loads(specs: list[LoadSpec], acquire, mem, load, pinned=None
                      ) -> tuple[list[Started], list[tuple[LoadSpec, Exception]]]:
-    """Start every load of `specs` under one Acquire; (started, failed with why).
+    """Start every load of `specs`, under one Acquire or the lookup's pins; (started,
+    failed with why).
 
     acquire(keys) -> kvstore_client Acquired; mem(region) -> the mapping's bytes (registered
-    with CUDA); load(pool, offsets, block_ids) -> a transfer.LoadHandle.
+    with CUDA); load(pool, offsets, block_ids) -> a transfer.LoadHandle; pinned(spec) ->
+    (region, offsets) where the spec's pins may be used, else None.
     """
+    direct = [(spec, got) for spec in specs if pinned is not None
+              and not spec.is_async and (got := pinned(spec)) is not None]
+    if not direct:
+        return _acquired(specs, acquire, mem, load)
+    region = direct[0][1][0]
+    try:
+        pool = mem(region)
+        handle = load(pool, np.concatenate([offsets for _, (_, offsets) in direct]),
+                      np.concatenate([spec.block_ids.reshape(len(spec.keys), -1)
+                                      for spec, _ in direct]))
+    except (OSError, RuntimeError, ValueError):
+        # Nothing was enqueued: the same loads go the usual way, under an Acquire.
+        return _acquired(specs, acquire, mem, load)
+    started = [Started(spec, handle, no_release, region) for spec, _ in direct]
+    done = {id(spec) for spec, _ in direct}
+    rest = [spec for spec in specs if id(spec) not in done]
+    if not rest:
+        return started, []
+    more, failed = _acquired(rest, acquire, mem, load)
+    return started + more, failed
+
+
+def _acquired(specs: list[LoadSpec], acquire, mem, load
+              ) -> tuple[list[Started], list[tuple[LoadSpec, Exception]]]:
+    """Every load of `specs` under one Acquire (see start_step_loads)."""
     keys = [key for spec in specs for key in spec.keys]
     try:
         acquired = acquire(keys)
@@ -62,7 +98,7 @@ def start_step_loads(specs: list[LoadSpec], acquire, mem, load
         if exc.code == grpc.StatusCode.NOT_FOUND and len(specs) > 1:
             started, failed = [], []
             for spec in specs:
-                s, f = start_step_loads([spec], acquire, mem, load)
+                s, f = _acquired([spec], acquire, mem, load)
                 started += s
                 failed += f
             return started, failed

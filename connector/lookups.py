@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import grpc
 
 from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
+from kvstore_client.handles import Pins
 from kvstore_client.keys import Packed
 
 from .breaker import Breaker
@@ -47,6 +48,8 @@ class Counted:
     count: int                  # leading pages present on every rank; DOWN: not answered
     lease_id: int = 0           # pins the counted pages; 0 = none
     timed_out: bool = False     # DOWN because the call ran out of time (maybe a stall)
+    pins: Pins | None = None    # where the leased pages lie in the shared pool
+    use_by: float = 0.0         # time.time() until which the pins may be used (meta.PagePins)
 
 
 class StoreLookups:
@@ -77,10 +80,15 @@ class StoreLookups:
         if not self.breaker.allow():
             return Counted(DOWN)
         began = time.monotonic()
+        sent = time.time()
         try:
             if self.config.lease_ms:
-                lease = self.client.lookup_lease(self.handles(), keys, self.config.lease_ms)
-                counted = Counted(lease.count, lease.lease_id)
+                # Pins, for workers that map the pool: not with shared memory turned off.
+                lease = self.client.lookup_lease(self.handles(), keys, self.config.lease_ms,
+                                                 pins=self.config.shared_memory is not False)
+                pins = lease.pins
+                counted = Counted(lease.count, lease.lease_id, pins=pins,
+                                  use_by=sent + pins.ttl_s / 2 if pins else 0.0)
             else:
                 counted = Counted(self.client.lookup(self.handles(), keys))
         except KVStoreError as exc:

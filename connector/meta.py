@@ -7,10 +7,28 @@ are small, immutable and picklable (vLLM sends them to worker processes every st
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import numpy as np
 
-__all__ = ["LoadSpec", "SaveSpec", "StepMeta"]
+__all__ = ["LoadSpec", "PagePins", "SaveSpec", "StepMeta"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PagePins:
+    """Where a layer-wise load's pages lie in the store's shared pool, as the scheduler's
+    lookup answered (kvstore_client.Pins). The lookup's lease pins them until the load's
+    outcome is known (connector.unconfirmed), so a worker that maps this very pool copies
+    from these offsets without an Acquire of its own: one round trip less on the hit's
+    critical path. A worker that maps another pool (a restart, another host), or finds
+    `use_by` passed, acquires as before."""
+
+    region_id: int                        # the pool's public name (kvstore_client.shm)
+    # time.time() after which the lease may run out before the copies end: half the
+    # lease's ttl after the lookup was sent. A wall clock, not a monotonic one: the
+    # scheduler may run on another host than the worker.
+    use_by: float
+    offsets: Mapping[bytes, np.ndarray]   # layout id -> offset of each page of the load
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -22,6 +40,7 @@ class LoadSpec:
     block_ids: np.ndarray          # (pages, blocks_per_page) int64
     is_async: bool                 # True: report in finished_recving when done
     load_id: int = 0               # unique per scheduler: what a SaveSpec's `after` names
+    pins: PagePins | None = None   # layer-wise loads: where the lookup found the pages
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

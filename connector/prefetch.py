@@ -36,6 +36,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from kvstore_client.handles import Pins
+
 __all__ = ["Answer", "Job", "LookupWorker", "Pending", "DOWN"]
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,8 @@ class Answer:
     count: int                     # leading pages present; DOWN: store not answering
     lease_id: int = 0              # pins the counted pages; 0 = none
     error: Exception | None = None  # a refusal the caller must see (raised on its thread)
+    pins: Pins | None = None       # lookups.Counted.pins and .use_by, as counted
+    use_by: float = 0.0
 
 
 @dataclasses.dataclass(slots=True, eq=False)

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvstore_client.handles import Pins
+
 from .hashing import page_keys
 
 __all__ = ["RequestState", "new_keys"]
@@ -32,6 +34,8 @@ class RequestState:
     block_ids: list[int] = dataclasses.field(default_factory=list)
     local_tokens: int = 0                  # the engine's own prefix-cache hit
     lease_id: int = 0                      # pins the counted pages until allocated
+    pins: Pins | None = None               # where they lie, while the lease is held
+    pins_use_by: float = 0.0
     saved_pages: int = 0                   # leading pages known stored (hit or saved)
     load_failed: bool = False              # its own load failed: recompute, no new hit
     tainted: bool = False                  # read blocks of another's failed load

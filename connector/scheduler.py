@@ -50,7 +50,7 @@ from .breaker import Breaker
 from .config import ConnectorConfig, LookupMode, SavePolicy, open_client
 from .hashing import KEY_BYTES
 from .lookups import StoreLookups
-from .meta import LoadSpec, SaveSpec, StepMeta
+from .meta import LoadSpec, PagePins, SaveSpec, StepMeta
 from .prefetch import DOWN, Answer, Job, LookupWorker, Pending
 from .requests import RequestState, new_keys
 from .unconfirmed import UnconfirmedLoads
@@ -165,12 +165,15 @@ class SchedulerHalf:
                 state.asked_again += 1
                 return None   # maybe a moment's stall: the engine asks again next step
             return 0          # the store is not answering: no hit, no wait
-        return self._counted(state, counted.count, counted.lease_id, usable)
+        return self._counted(state, counted.count, counted.lease_id, usable, counted.pins,
+                             counted.use_by)
 
-    def _counted(self, state: RequestState, count: int, lease_id: int, usable: int) -> int:
-        """The store holds `count` leading pages (leased by lease_id), of which `usable`
-        may be loaded: the hit to report."""
+    def _counted(self, state: RequestState, count: int, lease_id: int, usable: int,
+                 pins=None, use_by: float = 0.0) -> int:
+        """The store holds `count` leading pages (leased by lease_id, lying where `pins`
+        says), of which `usable` may be loaded: the hit to report."""
         state.lease_id = lease_id
+        state.pins, state.pins_use_by = (pins, use_by) if lease_id else (None, 0.0)
         state.saved_pages = max(state.saved_pages, count)
         first = state.local_tokens // self.page_tokens
         hit = (min(count, usable) - first) * self.page_tokens
@@ -233,7 +236,8 @@ class SchedulerHalf:
             raise answer.error
         if answer.count == DOWN:
             return 0
-        return self._counted(state, answer.count, answer.lease_id, usable)
+        return self._counted(state, answer.count, answer.lease_id, usable, answer.pins,
+                             answer.use_by)
 
     def _prefetcher(self) -> LookupWorker:
         """The lookup worker (only called in LookupMode.PREFETCH, where it exists)."""
@@ -249,7 +253,8 @@ class SchedulerHalf:
         new = new_keys(tokens, job.keys, job.pages, self.page_tokens, self.seed)
         keys, packed = job.keys + tuple(new), job.packed + b"".join(new)
         counted = self.store.lookup(Packed(packed[:job.pages * KEY_BYTES], KEY_BYTES))
-        return Answer(tokens, keys, packed, counted.count, counted.lease_id)
+        return Answer(tokens, keys, packed, counted.count, counted.lease_id,
+                      pins=counted.pins, use_by=counted.use_by)
 
     def _abandon(self, req_id: str) -> None:
         pending = self._pending.pop(req_id, None)
@@ -260,6 +265,7 @@ class SchedulerHalf:
         if state.lease_id:
             self._leases_to_release.append(state.lease_id)
             state.lease_id = 0
+        state.pins = None
 
     # -- blocks, plans and outcomes -------------------------------------------------------
     def allocated(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
@@ -281,10 +287,17 @@ class SchedulerHalf:
         # The lease moves to the load: it is held until the load's outcome is known.
         load_id = self._unconfirmed.add(req_id, first, blocks.tolist(), state.lease_id,
                                         is_async)
-        state.lease_id = 0
+        # Its pins go with it, for a layer-wise load only: its copies end within its own
+        # step, and the lease outlives that step (unconfirmed.py). An async load's may
+        # outlast a request that finishes first, so its worker pins the pages itself.
+        pins = None
+        if state.pins is not None and not is_async:
+            pins = PagePins(state.pins.region_id, state.pins_use_by,
+                            {lid: offs[first:last] for lid, offs in state.pins.offsets.items()})
+        state.lease_id, state.pins = 0, None
         self._loads.append(LoadSpec(req_id, tuple(keys),
                                     blocks.reshape(len(keys), self.blocks_per_page),
-                                    is_async, load_id))
+                                    is_async, load_id, pins))
 
     def scheduled(self, req_id: str, tokens, num_computed_tokens: int, num_new_tokens: int,
                   block_ids: Sequence[int] | None = None, new_block_ids: Sequence[int] = (),

@@ -88,7 +88,7 @@ from kvstore_client.shm import Reservation
 from .breaker import Breaker
 from .config import ConnectorConfig, open_client
 from .hostmem import Mappings
-from .loading import start_step_loads
+from .loading import no_release, start_step_loads
 from .meta import LoadSpec, SaveSpec, StepMeta
 from .outcomes import LoadOutcomes, Verdict
 from .pending import Part, PendingSave, SaveQueue, Settle
@@ -123,6 +123,7 @@ class WorkerStats:
     load_failures: int = 0
     pages_saved: int = 0
     bytes_saved: int = 0
+    loads_pinned: int = 0         # loads that copied under the lookup's lease, no Acquire
 
 
 @dataclasses.dataclass(slots=True)
@@ -256,7 +257,9 @@ class WorkerHalf:
         began = time.monotonic()
         started, failed = start_step_loads(
             specs, lambda keys: self.client.acquire(self.ns, keys), self._mem,
-            lambda pool, offsets, blocks: self.transfer.load(pool, offsets, lb, blocks))
+            lambda pool, offsets, blocks: self.transfer.load(pool, offsets, lb, blocks),
+            self._pinned)
+        self._stats.loads_pinned += sum(x.release is no_release for x in started)
         tripped = False
         for spec, exc in failed:
             tripped |= self._trip(exc)
@@ -264,6 +267,23 @@ class WorkerHalf:
         if not tripped:
             self.breaker.succeeded(began)
         self._started([_Load(x.spec, x.handle, x.release, x.region) for x in started])
+
+    def _pinned(self, spec: LoadSpec):
+        """(region, offsets) when the scheduler's lookup lease pins the spec's pages in
+        the pool this worker maps, in time; else None (the load acquires them)."""
+        pins = spec.pins
+        if pins is None or time.time() >= pins.use_by:
+            return None
+        region = self.client.region()
+        offsets = pins.offsets.get(self.ns.layout_id)
+        if region is None or region.id != pins.region_id or offsets is None:
+            return None                   # another pool (a restart, another host)
+        if len(offsets) != len(spec.keys) or not len(offsets):
+            return None
+        # -1: a page the lookup counted on the tier below; Acquire reads it back.
+        if offsets.min() < 0 or offsets.max() + self.ns.page_bytes > region.size:
+            return None
+        return region, offsets
 
     def _start_remote(self, specs: list[LoadSpec]) -> None:
         """No shared pool: one pipelined Get for the step's layer-wise loads, one for each

@@ -32,7 +32,7 @@ from .convert import layout_to_proto
 from .dataplane import USE_GRPC, DataPlane, packed_keys, tls_context
 from .errors import KVStoreError, PagesMissing, from_rpc_error
 from .fastpath import FastPathUnavailable
-from .handles import LayoutHandle, Lease, PutResult
+from .handles import LayoutHandle, Lease, Pins, PutResult
 from .keys import Packed
 from .layerget import Dest, LayerGet
 from .layout import PageLayout
@@ -175,23 +175,29 @@ class KVStoreClient:
     def lookup(self, ns: LayoutHandle | Sequence[LayoutHandle],
                keys: Sequence[bytes] | Packed) -> int:
         """How many leading keys are stored (in every layout, when several are given)."""
-        return self._lookup_call(ns, keys, 0).count
+        return self._lookup_call(ns, keys, 0)[0].count
 
     def lookup_lease(self, ns: LayoutHandle | Sequence[LayoutHandle],
                      keys: Sequence[bytes] | Packed,
-                     lease_ms: int) -> Lease:
-        """Like lookup, and pin the counted pages for lease_ms (release_lease to end)."""
+                     lease_ms: int, pins: bool = False) -> Lease:
+        """Like lookup, and pin the counted pages for lease_ms (release_lease to end).
+
+        pins: also ask where the pages lie in the server's shared pool (Lease.pins), for
+        a process on the server's host to read them under this lease. Answered over the
+        fast path to a tenant that may map the pool, else None. A lease with pins is not
+        ended by the connection closing: release it, or it lasts its ttl."""
         if lease_ms <= 0:
             raise ValueError("lease_ms must be positive")
-        resp = self._lookup_call(ns, keys, lease_ms)
-        return Lease(resp.lease_id, resp.count)
+        resp, got_pins = self._lookup_call(ns, keys, lease_ms, pins)
+        return Lease(resp.lease_id, resp.count, got_pins)
 
-    def _lookup_call(self, ns, keys, lease_ms: int) -> pb.LookupResponse:
+    def _lookup_call(self, ns, keys, lease_ms: int, pins: bool = False
+                     ) -> tuple[pb.LookupResponse, Pins | None]:
         handles = [ns] if isinstance(ns, LayoutHandle) else list(ns)
         got = self._data.call("Lookup", handles[0], lambda f: f.lookup(
-            [h.layout_id for h in handles], *packed_keys(keys), lease_ms))
+            [h.layout_id for h in handles], *packed_keys(keys), lease_ms, pins))
         if got is not USE_GRPC:
-            return pb.LookupResponse(count=got[0], lease_id=got[1])
+            return pb.LookupResponse(count=got[0], lease_id=got[1]), got[2]
         req = pb.LookupRequest(layout_ids=[h.layout_id for h in handles],
                                keys=packed(keys), lease_ms=lease_ms)
 
@@ -200,7 +206,7 @@ class KVStoreClient:
             response = None if self._lookups is None else self._lookups.ask(req, self.timeout)
             return response if response is not None else self._rpc.lookup(req, timeout=self.timeout)
 
-        return self._rpc.call("Lookup", call, handles[0])
+        return self._rpc.call("Lookup", call, handles[0]), None
 
     def release_lease(self, lease: Lease | int) -> bool:
         lease_id = lease.lease_id if isinstance(lease, Lease) else lease

@@ -37,6 +37,7 @@ import numpy as np
 
 from . import fastwire as fw
 from .errors import KVStoreError
+from .handles import Pins
 from .fastconn import Broken, Conn, Timeout, deadline
 
 __all__ = ["FastPath", "FastPathUnavailable", "FastLease", "keys_body"]
@@ -57,6 +58,25 @@ class HelloTimedOut(FastPathUnavailable):
     by the check that picks a path, the fast path is unavailable (gRPC then); met by
     a call on a path already in use, the server is not answering: the call's deadline,
     not a second try over gRPC that would cost another timeout."""
+
+
+def _pins(answer: memoryview, count: int, layout_ids: list[bytes]) -> Pins:
+    """The pins after a LOOKUP answer's count and lease: one row of offsets per distinct
+    layout id, in the order first named (as the server dedupes them)."""
+    pos = fw.COUNT_LEASE.size
+    if len(answer) < pos + fw.PINS_HEAD.size:
+        raise KVStoreError(grpc.StatusCode.INTERNAL, "LOOKUP answer ends inside its pins",
+                           "Lookup")
+    region, ttl_ms, n = fw.PINS_HEAD.unpack_from(answer, pos)
+    ids = list(dict.fromkeys(layout_ids))
+    # A copy: the answer is a view of the connection's buffer, which the next call reuses.
+    offsets = fw.unpack_u64(answer[pos + fw.PINS_HEAD.size:]).copy()
+    if n != len(ids) or len(offsets) != n * count:
+        raise KVStoreError(grpc.StatusCode.INTERNAL,
+                           f"LOOKUP pins hold {len(offsets)} offsets for {n} layouts of "
+                           f"{count} pages; asked over {len(ids)} layouts", "Lookup")
+    rows = offsets.reshape(n, count)
+    return Pins(region, ttl_ms / 1000.0, {lid: rows[i] for i, lid in enumerate(ids)})
 
 
 class FastLease:
@@ -276,13 +296,23 @@ class FastPath:
 
     # -- control ------------------------------------------------------------------------
     def lookup(self, layout_ids: list[bytes], key_size: int, packed: bytes,
-               lease_ms: int = 0) -> tuple[int, int]:
-        """(leading keys present in every layout, lease id or 0)."""
+               lease_ms: int = 0, pins: bool = False) -> tuple[int, int, Pins | None]:
+        """(leading keys present in every layout, lease id or 0, where the pages lie or
+        None). pins: ask for where they lie (fastwire.PINS; a leased lookup only)."""
         body = (fw.LOOKUP_HEAD.pack(lease_ms, len(layout_ids)) + b"".join(layout_ids)
                 + fw.encode_keys(key_size, packed))
-        run = self._leased if lease_ms else self._run
-        answer = run("Lookup", lambda c: self._simple(c, fw.Op.LOOKUP, body, "Lookup"))
-        return fw.COUNT_LEASE.unpack_from(answer)
+        flags = fw.PINS if pins and lease_ms else 0
+
+        def call(c: Conn) -> memoryview:
+            c.send(fw.Op.LOOKUP, body, flags=flags)
+            c.settle()
+            return c.answer(fw.Op.LOOKUP, "Lookup")[1]
+
+        answer = (self._leased if lease_ms else self._run)("Lookup", call)
+        count, lease_id = fw.COUNT_LEASE.unpack_from(answer)
+        if len(answer) == fw.COUNT_LEASE.size or not flags:
+            return count, lease_id, None
+        return count, lease_id, _pins(answer, count, layout_ids)
 
     def exists(self, layout_id: bytes, key_size: int, packed: bytes) -> list[bool]:
         answer = self._run("Exists", lambda c: self._simple(

@@ -4,10 +4,13 @@ a lookup's lease."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+
+import numpy as np
 
 from .layout import PageLayout
 
-__all__ = ["Lease", "LayoutHandle", "PutResult"]
+__all__ = ["Lease", "LayoutHandle", "Pins", "PutResult"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -30,8 +33,19 @@ class PutResult:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Pins:
+    """Where a leased lookup's pages lie in the server's shared pool (fastwire.PINS)."""
+
+    region_id: int                       # the pool's public name (shm.region_id)
+    ttl_s: float                         # the lease's life, as the server granted it
+    offsets: Mapping[bytes, np.ndarray]  # layout id -> byte offset of each counted page,
+    #                                      -1 for one not in the pool (on the tier below)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Lease:
     """Pages pinned by a lookup: they cannot be evicted until released or expired."""
 
     lease_id: int
     count: int
+    pins: Pins | None = None      # asked for and answered: where the pages lie

@@ -26,11 +26,12 @@ from typing import TYPE_CHECKING, cast
 from collections.abc import Callable, Iterator
 
 import numpy as np
+import xxhash
 
 if TYPE_CHECKING:
     from .client import LayoutHandle
 
-__all__ = ["SharedRegion", "Reservation", "Acquired", "copy_layer", "copy_pages"]
+__all__ = ["SharedRegion", "Reservation", "Acquired", "copy_layer", "copy_pages", "region_id"]
 
 TOKEN_BYTES = 16
 PAGE = 4096
@@ -97,6 +98,13 @@ def _runs(offsets: np.ndarray, page_bytes: int, join: bool = True
         i = j
 
 
+def region_id(token: bytes) -> int:
+    """A public name of the region whose secret token this is: what a lookup's pins
+    (fastwire.PINS) say their offsets belong to. A hash, so that saying it over any
+    connection gives nobody the token that proves a mapping."""
+    return xxhash.xxh3_64_intdigest(b"kvstore.region.v1" + token)
+
+
 class SharedRegion:
     """The server's region mapped read-write; `mem` is a flat uint8 view of it."""
 
@@ -112,6 +120,7 @@ class SharedRegion:
         self.size = size
         self.mem = np.frombuffer(self._mmap, dtype=np.uint8)
         self.token = self.mem[token_offset:token_offset + TOKEN_BYTES].tobytes()
+        self.id = region_id(self.token)
 
     def pages(self, offsets: np.ndarray, page_bytes: int) -> list[np.ndarray | None]:
         """A view of each page (None where the offset is -1)."""

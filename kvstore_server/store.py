@@ -136,6 +136,14 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
     def lookup(self, layout_ids: Sequence[bytes], keys: Packed | Sequence[bytes],
                lease_ttl: float = 0.0) -> tuple[int, int]:
         """(leading keys present in every layout, lease id or 0)."""
+        count, lease_id, _ = self.lookup_pinned(layout_ids, keys, lease_ttl)
+        return count, lease_id
+
+    def lookup_pinned(self, layout_ids: Sequence[bytes], keys: Packed | Sequence[bytes],
+                      lease_ttl: float = 0.0) -> tuple[int, int, list[np.ndarray]]:
+        """Like lookup, and where the counted pages lie: per distinct layout (in the order
+        first named) the pool byte offset of each of the `count` pages, -1 for one on the
+        tier below (counted, not leased: Acquire reads it back)."""
         keys = Packed.of(keys)
         if not layout_ids:
             raise StoreError(Outcome.INVALID, "lookup needs at least one layout_id")
@@ -164,22 +172,24 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
             return self._count_and_lease(infos, keys, found, count, lease_ttl)
 
     def _count_and_lease(self, infos: list[LayoutInfo], keys: Packed, found: list[np.ndarray],
-                         count: int, lease_ttl: float) -> tuple[int, int]:
+                         count: int, lease_ttl: float) -> tuple[int, int, list[np.ndarray]]:
         """Count the hits, touch the run's DRAM pages, and lease them if asked: the
-        pages of the tier below are counted, not leased; Acquire reads them back."""
-        dram = [slots[:count][slots[:count] >= 0] for slots in found]
+        pages of the tier below are counted, not leased; Acquire reads them back.
+        Returns (count, lease id or 0, offsets per layout: see lookup_pinned)."""
+        run = [slots[:count] for slots in found]
+        dram = [slots[slots >= 0] for slots in run]
         for info, run_slots in zip(infos, dram):
             info.hits += count
             info.misses += len(keys) - count
             self._touch(run_slots)
-        if lease_ttl <= 0:
-            return count, 0
         pinned = np.concatenate(dram)
-        if not pinned.size:
-            return count, 0
+        if lease_ttl <= 0 or not pinned.size:
+            return count, 0, []
         np.add.at(self._slots.pins, pinned, 1)    # add.at: a key may repeat
-        return count, self._leases.grant(LeaseKind.READ, pinned, lease_ttl,
-                                         owner=infos[0].tenant).lease_id
+        lease_id = self._leases.grant(LeaseKind.READ, pinned, lease_ttl,
+                                      owner=infos[0].tenant).lease_id
+        offset = self.pool.offset
+        return count, lease_id, [np.where(s >= 0, offset[np.maximum(s, 0)], -1) for s in run]
 
     def exists(self, layout_id: bytes, keys: Packed | Sequence[bytes]) -> np.ndarray:
         """One bool per key: stored in this layout, in DRAM or on the tier below."""

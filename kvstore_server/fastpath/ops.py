@@ -21,6 +21,7 @@ import numpy as np
 
 from kvstore_client import fastwire as fw
 from kvstore_client.keys import Packed
+from kvstore_client.shm import region_id
 
 from ..access import caller_layout, check_region_token, may_map
 from ..auth import Principal
@@ -59,6 +60,10 @@ class Session:
                 del self.leases[next(iter(self.leases))]
 
 
+# The largest pins a LOOKUP answers (fastwire.PINS): beyond, it answers the count alone
+# and the worker acquires. 2 MiB is 32 ranks of a 128k-token prompt in 16-token pages.
+_MAX_PINS_BYTES = 2 << 20
+
 # Leases a connection remembers; the oldest beyond this have long expired by their ttl.
 MAX_TRACKED = 65536
 
@@ -80,6 +85,7 @@ class Ops:
         # Our own descriptor of the pool, for sendfile: a duplicate of the region's, since
         # with --shm-group the pool is a memfd and its path is the hand-out socket.
         self.pool_fd = store.region.dup_fd()
+        self.region_id = region_id(store.region.token)
 
     def close(self) -> None:
         if self.pool_fd >= 0:
@@ -108,10 +114,20 @@ class Ops:
         keys = self._keys(block, "Lookup")
         self.limits.lookup(n_layouts, len(keys))
         layouts = [self._layout(s, layout_id) for layout_id in ids]
-        count, lease_id = self.store.lookup(layouts, keys,
-                                            self._ttl(lease_ms) if lease_ms else 0.0)
-        s.took(lease_id)
-        return fw.COUNT_LEASE.pack(count, lease_id)
+        ttl = self._ttl(lease_ms) if lease_ms else 0.0
+        if not (h.flags & fw.PINS and ttl and s.who.shared_memory):
+            count, lease_id = self.store.lookup(layouts, keys, ttl)
+            s.took(lease_id)
+            return fw.COUNT_LEASE.pack(count, lease_id)
+        count, lease_id, offsets = self.store.lookup_pinned(layouts, keys, ttl)
+        answer = fw.COUNT_LEASE.pack(count, lease_id)
+        if not offsets or len(offsets) * count * 8 > _MAX_PINS_BYTES:
+            s.took(lease_id)              # no pins answered: the lease is this caller's
+            return answer
+        # Not s.took: the pins are for a worker in another process, which reads the pages
+        # under this lease after this connection may have closed (fastwire.PINS).
+        return (answer + fw.PINS_HEAD.pack(self.region_id, int(ttl * 1000), len(offsets))
+                + b"".join(fw.u64(o) for o in offsets))
 
     def exists(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
         layout, keys = self._layout_keys(s, body, "Exists")

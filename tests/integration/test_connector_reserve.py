@@ -2,6 +2,7 @@
 not wait for its answer, the layers they owed are copied once it is in, and a Reserve that
 fails or outlives its step stores nothing and leaves nothing behind."""
 
+import dataclasses
 import os
 import signal
 import threading
@@ -251,9 +252,9 @@ def load_and_save(engine, cached, fresh):
 
 
 def test_a_step_that_loads_asks_its_reserve_at_bind_and_takes_it_before_its_forward(srv):
-    """The Reserve is asked for at bind and runs beside the Acquire; start_load takes its
-    answer once the loads are launched, before the forward's hooks; loaded and saved
-    pages are exact."""
+    """The Reserve is asked for at bind; start_load takes its answer once the loads are
+    launched (from the lookup's pins: no Acquire), before the forward's hooks; loaded and
+    saved pages are exact."""
     seed = Engine(srv.address)
     cached, fresh = prompt(64, 16), prompt(64, 17)
     seed.run_prompt("seed", cached[:49])            # pages 0-2 stored
@@ -274,7 +275,8 @@ def test_a_step_that_loads_asks_its_reserve_at_bind_and_takes_it_before_its_forw
     _, _, errors = e.run(meta, [(blocks["load"], cached, 48, 64),
                                 (blocks["save"], fresh, 0, 64)])
     assert bound == [True]                               # asked for at bind
-    assert hooks[0] == (("acquire", "reserve"), False)   # both made, the answer taken
+    assert hooks[0] == (("reserve",), False)             # made, the answer taken
+    assert e.worker.take_stats().loads_pinned == 1
     assert errors == set()
     e.expect_kv(blocks["load"], cached, 64)
     saved = keys_of(e, "save", 4)
@@ -316,10 +318,13 @@ def test_a_step_whose_loads_are_async_reserves_at_bind(srv):
         x.close()
 
 
-def test_a_hung_store_costs_a_step_that_loads_and_saves_one_timeout(srv):
+@pytest.mark.parametrize("pins", [False, True])
+def test_a_hung_store_costs_a_step_that_loads_and_saves_one_timeout(srv, pins):
     """The step's Acquire and its Reserve (asked for at bind) wait for the store side by
     side, on two connections: one timeout for the step, not two. The Acquire's opens
-    the breaker."""
+    the breaker. A load the lookup's pins serve needs no call: its pages, pinned by the
+    lookup's lease, are read from the pool although the store hangs; the Reserve alone
+    waits."""
     timeout = 0.3
     seed = Engine(srv.address)
     cached = prompt(64, 6)
@@ -328,6 +333,10 @@ def test_a_hung_store_costs_a_step_that_loads_and_saves_one_timeout(srv):
     warm(e)
     fresh = prompt(64, 7)
     meta, blocks = load_and_save(e, cached, fresh)
+    assert all(spec.pins is not None for spec in meta.loads)
+    if not pins:
+        meta = dataclasses.replace(meta, loads=tuple(
+            dataclasses.replace(spec, pins=None) for spec in meta.loads))
     sigstop(srv.proc.pid)
     try:
         start = time.monotonic()
@@ -337,8 +346,12 @@ def test_a_hung_store_costs_a_step_that_loads_and_saves_one_timeout(srv):
     finally:
         os.kill(srv.proc.pid, signal.SIGCONT)
     assert step < 2 * timeout, step
-    assert errors == set(blocks["load"][:3])   # the engine recomputes the loaded pages
-    assert e.worker.breaker.open
+    if pins:
+        assert errors == set()
+        e.expect_kv(blocks["load"], cached, 48)
+    else:
+        assert errors == set(blocks["load"][:3])   # the engine recomputes those pages
+        assert e.worker.breaker.open
     assert in_store(srv.address, e.layout, keys_of(e, "save", 4)) == [False] * 4
     for x in (seed, e):
         x.close()

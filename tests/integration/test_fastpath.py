@@ -533,7 +533,7 @@ def test_64_concurrent_clients_every_byte_checked(srv):
                 f.get_into(ns.layout_id, 20, packed, memoryview(out.reshape(-1)),
                            ns.page_bytes)
                 assert np.array_equal(out, data), f"client {i} read other bytes"
-                assert f.lookup([ns.layout_id], 20, packed) == (20, 0)
+                assert f.lookup([ns.layout_id], 20, packed) == (20, 0, None)
             f.close()
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
