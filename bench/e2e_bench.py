@@ -39,7 +39,8 @@ all submitted at once; throughput with and without the store.
 
     python -m kvstore_bench.e2e_bench [--device cuda] [--preset 1b,8b]
         [--prompt-lens 1024,4096,16384,32768] [--server ADDR | --dram 6GiB]
-        [--load-mode layerwise|async] [--out DIR] [--json] [--check]
+        [--load-mode layerwise|async] [--lookups prefetch|sync] [--out DIR] [--json]
+        [--check]
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class _Bench:
         from kvstore_bench.engine.model import LlamaModel, ModelConfig
         from kvstore_bench.engine.paged_cache import allocate_kv_caches
 
-        from kvstore_connector.config import ConnectorConfig, LoadMode
+        from kvstore_connector.config import ConnectorConfig, LoadMode, LookupMode
 
         self.torch, self.args, self.preset = torch, args, preset
         self.cuda = args.device == "cuda"
@@ -106,6 +107,7 @@ class _Bench:
             # --remote: the shared pool off, so every page crosses TCP (the fast path, or
             # gRPC where it cannot be reached), as for an engine on another host.
             ConnectorConfig(server=address, load_mode=LoadMode(args.load_mode),
+                            lookups=LookupMode(args.lookups),
                             shared_memory=False if args.remote else None),
             self.layout, self.caches, bs)
         self.client = KVStoreClient(address)        # deletes; clears an embedded one
@@ -619,6 +621,7 @@ def _multi_row(m: dict) -> str:
 def report(r: dict) -> str:
     lines = [(f"device {r['device']}, {r['dtype']}"
               f"{', CUDA graphs' if r.get('cuda_graphs') else ''}; {r['load_mode']} loads"
+              f"{', sync lookups' if r.get('lookups') == 'sync' else ''}"
               f"{' over TCP (--remote: no shared pool)' if r.get('remote') else ''}; token budget "
               f"{r['max_batched_tokens']}; {r['page_tokens']}-token pages; server "
               f"{r['server']}"), "", _TTFT_NOTE, "", _TTFT_HEAD, "|" + "---|" * 9]
@@ -753,7 +756,8 @@ def run(args) -> dict:
     import torch
     r = {"device": args.device, "dtype": args.dtype or ("bfloat16" if args.device == "cuda"
                                                        else "float32"),
-         "load_mode": args.load_mode, "max_batched_tokens": args.max_batched_tokens,
+         "load_mode": args.load_mode, "lookups": args.lookups,
+         "max_batched_tokens": args.max_batched_tokens,
          "remote": args.remote,
          "page_tokens": args.page_tokens or args.block_size, "reps": args.reps,
          "cuda_graphs": args.device == "cuda" and not args.no_cuda_graphs,
@@ -812,6 +816,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="disk tier of the embedded server, for the disk-hit mode; 0 = none")
     p.add_argument("--disk-dir", default=None, help="where its slot files go (default: tmp)")
     p.add_argument("--load-mode", choices=["layerwise", "async"], default="layerwise")
+    p.add_argument("--lookups", choices=["prefetch", "sync"], default="prefetch",
+                   help="the connector's lookups: on its lookup thread, or the loop's")
     p.add_argument("--remote", action="store_true",
                    help="the engine reaches the store only over TCP (no shared pool), as "
                         "from another host")

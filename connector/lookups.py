@@ -55,9 +55,9 @@ class Counted:
 class StoreLookups:
     """Lookups and lease releases for the scheduler half, behind one breaker.
 
-    Called from one thread at a time: the scheduler's loop (sync lookups) or the lookup
-    worker (connector.prefetch); the breaker's probe, on its own thread, only registers
-    the layouts again.
+    Called from the scheduler's loop and the lookup worker (connector.prefetch), at times
+    both at once: the client's lease lane takes one call at a time. The breaker's probe,
+    on its own thread, only registers the layouts again.
     """
 
     def __init__(self, config: ConnectorConfig, layouts: Sequence[PageLayout],

@@ -118,6 +118,12 @@ class LookupWorker:
             self._lock.notify()
         return pending
 
+    def idle(self) -> bool:
+        """Whether the thread has nothing queued and no call in flight: a lookup made on
+        the caller's thread now would wait behind nothing of ours."""
+        with self._lock:
+            return not self._jobs and not self._releases and self._calling_since is None
+
     def stalled(self, seconds: float) -> bool:
         """Whether the lookup in flight has taken longer than `seconds` so far."""
         since = self._calling_since
