@@ -31,7 +31,7 @@ _DMA_MIN_LAYER_BYTES = 8 << 20
 # against 50.5.
 _DMA_MIN_UNIT = 256
 # Saves go by the copy engine on CUDA when their pages form runs of this many on average
-# and a layer of the save is at least _DMA_MIN_LAYER_BYTES (dma.DmaSaver says why: the
+# and a layer of the save is at least _DMA_SAVE_MIN_LAYER_BYTES (dma.DmaSaver says why: the
 # kernel's PCIe writes hold SMs beside the forward). H200, 8B, in one run each, saves by
 # DMA against the kernel: e2e miss+save / recompute at 4,096 tokens 1.02 and 1.02 against
 # 1.05 and 1.05; at 1,024 tokens 1.00 and 1.07 against 1.07 and 1.17 (noisy), but
@@ -39,6 +39,7 @@ _DMA_MIN_UNIT = 256
 # against 86% (a group's fixed costs: two streams, a gather, events), so short saves stay
 # on the kernel. At 16,384 tokens: 92% against 94%.
 _DMA_SAVE_MIN_RUN = 4
+_DMA_SAVE_MIN_LAYER_BYTES = _DMA_MIN_LAYER_BYTES
 # Layers one kernel launch covers (loads and saves by the kernel): at least _GROUP, and
 # more while a launch would move under _LAUNCH_BYTES. Each launch costs ~40 us of host
 # time on the H200 host (plus its stream switch and event), as much as the bytes of a
@@ -271,7 +272,8 @@ class KVTransfer:
                 runs = page_runs(plan.offsets, len(self.layers) * self.geo.layer_bytes)
                 if runs and (self.method is CopyMethod.DMA or (
                         len(plan.offsets) >= _DMA_SAVE_MIN_RUN * len(runs)
-                        and len(plan.offsets) * self.geo.layer_bytes >= _DMA_MIN_LAYER_BYTES)):
+                        and len(plan.offsets) * self.geo.layer_bytes
+                        >= _DMA_SAVE_MIN_LAYER_BYTES)):
                     self._save_dma[key] = runs
         if self.method is CopyMethod.COPIES:
             with on_stream(self._save_stream, self.device):
