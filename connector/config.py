@@ -79,9 +79,9 @@ class ConnectorConfig:
     # lookup_timeout after it was first asked, then counts as "no hit".
     lookup_wait_ms: float = 2.0
     # Hits shorter than this many tokens are reported as no hit (recomputed). 0 = every
-    # hit counts: on the H200 (8B, bf16, CUDA graphs) a 256-token hit measured 0.8x of
-    # recomputing in the run docs/performance.md records and 1.1x in another, a tie
-    # within noise, and from 1k tokens 2-2.5x faster (docs/connector.md says more).
+    # hit counts: on the H200 (8B, bf16, CUDA graphs) a 256-token hit was 1.1x faster than
+    # recomputing in the run docs/performance.md records, 2.3x at 1k tokens; a 1B model's
+    # hit was slower below ~2k tokens (0.7x at 256, 0.9x at 1k): docs/connector.md.
     min_hit_tokens: int = 0
     role: Role = Role.BOTH
     load_mode: LoadMode = LoadMode.LAYERWISE
