@@ -77,7 +77,8 @@ def start_step_loads(specs: list[LoadSpec], acquire, mem, load, pinned=None
                       np.concatenate([spec.block_ids.reshape(len(spec.keys), -1)
                                       for spec, _ in direct]))
     except (OSError, RuntimeError, ValueError):
-        # Nothing was enqueued: the same loads go the usual way, under an Acquire.
+        # The same loads go the usual way, under an Acquire: a copy the failed launch may
+        # have enqueued writes the same pages' bytes into the same blocks before it.
         return _acquired(specs, acquire, mem, load)
     started = [Started(spec, handle, no_release, region) for spec, _ in direct]
     done = {id(spec) for spec, _ in direct}

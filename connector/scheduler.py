@@ -23,8 +23,8 @@ Lookup per request as the engine asks. "prefetch" (the default): a request seen 
 first time is looked up on the caller's thread while the worker thread (connector.prefetch)
 is idle and the step's lookup_wait_ms is not spent; else it is handed to the worker, which
 hashes it and looks it up, and the caller waits for that answer only while the step's
-lookup_wait_ms lasts, else hears "ask again". A later ask takes the answer if it has come, else hears "ask again"
-while the worker gets through its queue, up to lookup_timeout after the first ask (then
+lookup_wait_ms lasts, else hears "ask again". A later ask takes the answer if it has come,
+else hears "ask again" while the worker gets through its queue, up to lookup_timeout after the first ask (then
 "no hit"). An ask that finds the worker's call in flight past lookup_wait_ms (at least
 2 ms: the store may hang) waits for its answer until that deadline instead, so a hung
 store costs one step one timeout and then opens the breaker. Lease releases go through the
@@ -45,6 +45,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvstore_client import KVStoreClient, PageLayout
+from kvstore_client.handles import Pins
 from kvstore_client.keys import Packed
 
 from .breaker import Breaker
@@ -170,7 +171,7 @@ class SchedulerHalf:
                              counted.use_by)
 
     def _counted(self, state: RequestState, count: int, lease_id: int, usable: int,
-                 pins=None, use_by: float = 0.0) -> int:
+                 pins: Pins | None = None, use_by: float = 0.0) -> int:
         """The store holds `count` leading pages (leased by lease_id, lying where `pins`
         says), of which `usable` may be loaded: the hit to report."""
         state.lease_id = lease_id
@@ -242,7 +243,7 @@ class SchedulerHalf:
         return self._counted(state, answer.count, answer.lease_id, usable, answer.pins,
                              answer.use_by)
 
-    def _hit_inline(self, state: RequestState, tokens, pages: int, usable: int) -> int | None:
+    def _hit_inline(self, state: RequestState, tokens, pages: int, usable: int) -> int:
         """A prefetch-mode lookup made on the caller's thread: the worker has nothing to
         do, and this step has not spent its lookup_wait_ms. Handing a lone request to the
         worker and waiting for its answer cost two thread wake-ups: in the 8B e2e bench on
