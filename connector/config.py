@@ -143,12 +143,13 @@ class ConnectorConfig:
 
 
 def open_client(config: ConnectorConfig, timeout: float, *, retries: int = 3,
-                shared_memory: bool | None = None, data_connections: int = 4
-                ) -> KVStoreClient:
+                shared_memory: bool | None = None, data_connections: int = 4,
+                local_socket: bool = False) -> KVStoreClient:
     """A client of config.server with the config's credentials (token, TLS);
-    data_connections: most connections one Get is striped over."""
+    data_connections: most connections one Get is striped over; local_socket: see
+    KVStoreClient."""
     return KVStoreClient(config.server, timeout=timeout, retries=retries,
                          shared_memory=shared_memory, token=config.token or None,
                          tls_ca=config.tls_ca or None, tls_cert=config.tls_cert or None,
                          tls_key=config.tls_key or None,
-                         data_connections=data_connections)
+                         data_connections=data_connections, local_socket=local_socket)

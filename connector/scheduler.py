@@ -81,10 +81,12 @@ class SchedulerHalf:
         self.block_size = block_size
         self.blocks_per_page = self.page_tokens // block_size
         self.seed = layouts[0].chain_seed
-        # The scheduler only asks and leases: no page bytes, so no shared memory; and a
+        # The scheduler only asks and leases: no page bytes, so no shared memory (but the
+        # Unix socket beside the pool, on its host, unless shared memory is off); and a
         # lookup must answer within lookup_timeout, so no retries either.
         self.store = StoreLookups(config, layouts, client or open_client(
-            config, config.lookup_timeout, retries=0, shared_memory=False))
+            config, config.lookup_timeout, retries=0, shared_memory=False,
+            local_socket=config.shared_memory is not False))
         self._requests: dict[str, RequestState] = {}
         self._loads: list[LoadSpec] = []          # the next build's plan so far
         self._saves: list[SaveSpec] = []

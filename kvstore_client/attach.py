@@ -9,6 +9,8 @@ offset is used with the mapping of the server that issued it.
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import threading
 
 import grpc
@@ -73,6 +75,25 @@ class RegionAttachment:
             finally:
                 if old is not None:
                     old.close()
+
+    def local_socket(self) -> str | None:
+        """The fast path's Unix socket beside the pool, when this host has it, found
+        without mapping the pool: for a client that only asks and leases (the connector's
+        scheduler half). Over a Unix socket a leased lookup took 91-132 us p50 on the dev
+        VM against 113-162 over loopback TCP (scratch runs, two of each). None: another
+        host, a tenant that may not map the pool, or no answer (asked again when the fast
+        path is next opened)."""
+        try:
+            resp = self._rpc.call("Attach", lambda: self._rpc.attach(
+                pb.AttachRequest(), timeout=self._rpc.timeout))
+        except KVStoreError as exc:
+            log.debug("no Unix socket for the fast path: %s", exc)
+            return None
+        path = resp.path + ".sock"             # kvstore_server.fastpath.socket_path
+        try:
+            return path if stat.S_ISSOCK(os.stat(path).st_mode) else None
+        except OSError:
+            return None                        # not on this host (or not visible here)
 
     def close(self) -> None:
         if self._region is not None:

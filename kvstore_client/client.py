@@ -62,6 +62,8 @@ class KVStoreClient:
     it can be reached, True = require it, False = gRPC only. data_address: its HOST:PORT
     or Unix socket path (None = the server's: the socket beside the pool on this host,
     else the gRPC port + 1); data_connections: most connections one Get is striped over.
+    local_socket: with shared_memory=False, still reach the fast path over the Unix socket
+    beside the pool when this host has it (a client that only asks and leases).
     """
 
     def __init__(self, address: str, *, timeout: float = 10.0, retries: int = 3,
@@ -69,7 +71,8 @@ class KVStoreClient:
                  tls_ca: PEM | None = None, tls_cert: PEM | None = None,
                  tls_key: PEM | None = None, lookup_stream: bool = True,
                  channel: grpc.Channel | None = None, data_plane: bool | None = None,
-                 data_address: str | None = None, data_connections: int = 4) -> None:
+                 data_address: str | None = None, data_connections: int = 4,
+                 local_socket: bool = False) -> None:
         self.address = address
         self._releases: set[grpc.Future] = set()   # lease releases still in flight
         self._channel = (with_token(channel, token) if channel is not None else
@@ -92,7 +95,8 @@ class KVStoreClient:
             tls=tls_context(tls_ca, tls_cert, tls_key), timeout=lambda: self.timeout,
             connections=data_connections, region=self.region,
             reregister=lambda handle: self.register_layout(handle.layout),
-            reattach=lambda: self._shm.attach(force=True))
+            reattach=lambda: self._shm.attach(force=True),
+            locate=self._shm.local_socket if local_socket else None)
 
     # Settings that may be changed at any time, kept where they are used.
     @property

@@ -91,8 +91,11 @@ class DataPlane:
                  timeout: Callable[[], float],
                  connections: int, region: Callable[[], SharedRegion | None],
                  reregister: Callable[[LayoutHandle], object],
-                 reattach: Callable[[], None]) -> None:
-        """enabled: None = use it when reachable, True = require it, False = never."""
+                 reattach: Callable[[], None],
+                 locate: Callable[[], str | None] | None = None) -> None:
+        """enabled: None = use it when reachable, True = require it, False = never.
+        locate: where the server's Unix socket is on this host when no pool is mapped
+        (RegionAttachment.local_socket), or None not to look for it."""
         self.enabled = enabled
         self._grpc_address = address
         self._data_address = data_address
@@ -103,6 +106,7 @@ class DataPlane:
         self._region = region
         self._reregister = reregister
         self._reattach = reattach
+        self._locate = locate
         self._lock = threading.Lock()      # guards opening and dropping _fast
         self._fast: FastPath | None = None
         self._retry_at = 0.0
@@ -115,6 +119,10 @@ class DataPlane:
         region = self._region() if self.enabled is not False else None
         if region is not None:
             out.append(region.path + ".sock")       # kvstore_server.fastpath.socket_path
+        elif self._locate is not None and self.enabled is not False:
+            path = self._locate()
+            if path:
+                out.append(path)
         host, _, port = self._grpc_address.rpartition(":")
         if port.isdigit():
             out.append(f"{host}:{int(port) + 1}")

@@ -230,6 +230,20 @@ def test_same_host_control_goes_over_the_unix_socket(srv):
         assert np.array_equal(c.get(ns, ks), data)
 
 
+def test_a_client_that_maps_nothing_finds_the_unix_socket_when_asked(srv):
+    """local_socket: the connector's scheduler half maps no pool but still reaches the
+    fast path over the Unix socket beside it; without the flag it goes over TCP."""
+    with KVStoreClient(srv.address, shared_memory=False, local_socket=True) as c:
+        ns = c.register_layout(LAYOUTS["odd"])
+        assert c.lookup(ns, keys("uds", 2)) == 0
+        assert c._data.fast().address.endswith(".sock")
+        assert c.region() is None                    # nothing mapped
+    with KVStoreClient(srv.address, shared_memory=False) as c:
+        ns = c.register_layout(LAYOUTS["odd"])
+        assert c.lookup(ns, keys("uds", 2)) == 0
+        assert not c._data.fast().address.endswith(".sock")
+
+
 def test_acquire_and_release_on_a_raw_connection(srv):
     with KVStoreClient(srv.address, data_plane=False) as c:
         ns = c.register_layout(LAYOUTS["tiny"])

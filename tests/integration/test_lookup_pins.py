@@ -92,6 +92,16 @@ def test_a_tenant_that_may_not_map_the_pool_gets_no_pins(fresh_server, tmp_path)
         assert lease.count == 3 and lease.lease_id and lease.pins is None
 
 
+@pytest.mark.parametrize("shared_memory", [None, False])
+def test_the_scheduler_asks_over_the_unix_socket_unless_shared_memory_is_off(srv,
+                                                                            shared_memory):
+    e = Engine(srv.address, shared_memory=shared_memory)
+    assert e.sched.hit("r", prompt(64, 23), 0) == 0
+    address = e.sched.client._data.fast().address
+    assert address.endswith(".sock") == (shared_memory is None)
+    e.close()
+
+
 def _hit(e: Engine, cached):
     """A step that loads the first three pages of `cached` (stored by another engine)."""
     assert e.sched.hit("load", cached, 0) == 48
