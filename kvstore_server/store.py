@@ -136,14 +136,18 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
     def lookup(self, layout_ids: Sequence[bytes], keys: Packed | Sequence[bytes],
                lease_ttl: float = 0.0) -> tuple[int, int]:
         """(leading keys present in every layout, lease id or 0)."""
-        count, lease_id, _ = self.lookup_pinned(layout_ids, keys, lease_ttl)
+        count, lease_id, _ = self._lookup(layout_ids, keys, lease_ttl, offsets=False)
         return count, lease_id
 
     def lookup_pinned(self, layout_ids: Sequence[bytes], keys: Packed | Sequence[bytes],
                       lease_ttl: float = 0.0) -> tuple[int, int, list[np.ndarray]]:
         """Like lookup, and where the counted pages lie: per distinct layout (in the order
         first named) the pool byte offset of each of the `count` pages, -1 for one on the
-        tier below (counted, not leased: Acquire reads it back)."""
+        tier below (counted, not leased: Acquire reads it back). [] without a lease."""
+        return self._lookup(layout_ids, keys, lease_ttl, offsets=True)
+
+    def _lookup(self, layout_ids: Sequence[bytes], keys: Packed | Sequence[bytes],
+                lease_ttl: float, offsets: bool) -> tuple[int, int, list[np.ndarray]]:
         keys = Packed.of(keys)
         if not layout_ids:
             raise StoreError(Outcome.INVALID, "lookup needs at least one layout_id")
@@ -159,7 +163,7 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
             if not self.lower.holds_pages:
                 count = min(int(np.argmin(f >= 0)) if (f < 0).any() else len(keys)
                             for f in found)
-                return self._count_and_lease(infos, keys, found, count, lease_ttl)
+                return self._count_and_lease(infos, keys, found, count, lease_ttl, offsets)
         # The tier below is asked outside the store's lock: it has its own, and its probe
         # costs a dict lookup a key (a Lookup of 60 M keys held the store's lock 11.5 s).
         count = min(self._reach(info, keys, slots) for info, slots in zip(infos, found))
@@ -169,13 +173,14 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
             # may have moved down meanwhile (it is then read back by Acquire, like any
             # page of the run on the tier below).
             found = [self._find(info, run) for info in infos]
-            return self._count_and_lease(infos, keys, found, count, lease_ttl)
+            return self._count_and_lease(infos, keys, found, count, lease_ttl, offsets)
 
     def _count_and_lease(self, infos: list[LayoutInfo], keys: Packed, found: list[np.ndarray],
-                         count: int, lease_ttl: float) -> tuple[int, int, list[np.ndarray]]:
+                         count: int, lease_ttl: float, offsets: bool
+                         ) -> tuple[int, int, list[np.ndarray]]:
         """Count the hits, touch the run's DRAM pages, and lease them if asked: the
         pages of the tier below are counted, not leased; Acquire reads them back.
-        Returns (count, lease id or 0, offsets per layout: see lookup_pinned)."""
+        Returns (count, lease id or 0, offsets per layout if asked: see lookup_pinned)."""
         run = [slots[:count] for slots in found]
         dram = [slots[slots >= 0] for slots in run]
         for info, run_slots in zip(infos, dram):
@@ -188,6 +193,8 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
         np.add.at(self._slots.pins, pinned, 1)    # add.at: a key may repeat
         lease_id = self._leases.grant(LeaseKind.READ, pinned, lease_ttl,
                                       owner=infos[0].tenant).lease_id
+        if not offsets:
+            return count, lease_id, []
         offset = self.pool.offset
         return count, lease_id, [np.where(s >= 0, offset[np.maximum(s, 0)], -1) for s in run]
 
