@@ -9,6 +9,7 @@ tokens changed, too short a hit, closed), and a hung store costs one ask at most
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -107,6 +108,30 @@ def test_a_lone_request_is_answered_in_its_own_step(srv):
     try:
         assert sched.hit("warm", prompt(50, 3), 0) == 0   # connects, registers
         assert sched.hit("r", tokens, 0) == 96
+    finally:
+        sched.close()
+
+
+def test_while_the_worker_is_idle_the_loop_asks_itself_then_hands_the_rest_over(srv):
+    """A lone request costs no hand-over between threads: asked on the loop while the
+    worker is idle and the step's lookup_wait_ms lasts. Past that, requests go to the
+    worker and hear "ask again" (the burst's bound on the loop)."""
+    system = prompt(160, 4)
+    store(srv, system)
+    sched = sched_of(srv, lookup_wait_ms=2000)
+    try:
+        assert sched.hit("warm", prompt(40, 5), 0) == 0
+        assert sched.hit("lone", system, 0) == 144     # answered on the loop
+        assert sched._worker.looked_up == 0
+        sched.build()
+        sched.config = dataclasses.replace(sched.config, lookup_wait_ms=0.0)
+        got = [sched.hit(f"b{i}", np.concatenate([system, prompt(40, 10 + i)]), 0)
+               for i in range(4)]
+        assert set(got) <= {None, 160}               # the step's time is spent: handed over
+        sched.build()
+        assert [answer(sched, f"b{i}", np.concatenate([system, prompt(40, 10 + i)]))
+                for i in range(4)] == [160] * 4
+        assert sched._worker.looked_up == 4
     finally:
         sched.close()
 
