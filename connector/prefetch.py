@@ -103,6 +103,10 @@ class LookupWorker:
         # When the lookup in flight began (None: none is): a call in flight for longer
         # than a healthy one takes means the store may hang. Written by the worker only.
         self._calling_since: float | None = None
+        # Work taken off the queues and not finished yet (releases or lookups): a release
+        # to a hung store holds the client's lease lane for its timeout, so the thread is
+        # not idle then either.
+        self._busy = False
         self.looked_up = 0                     # lookups made (for tests and benchmarks)
 
     def submit(self, job: Job) -> Pending:
@@ -122,7 +126,7 @@ class LookupWorker:
         """Whether the thread has nothing queued and no call in flight: a lookup made on
         the caller's thread now would wait behind nothing of ours."""
         with self._lock:
-            return not self._jobs and not self._releases and self._calling_since is None
+            return not self._jobs and not self._releases and not self._busy
 
     def stalled(self, seconds: float) -> bool:
         """Whether the lookup in flight has taken longer than `seconds` so far."""
@@ -153,6 +157,7 @@ class LookupWorker:
     def _run(self) -> None:
         while True:
             with self._lock:
+                self._busy = False
                 while not self._jobs and not self._releases and not self._closed:
                     self._lock.wait()
                 if self._closed:
@@ -160,6 +165,7 @@ class LookupWorker:
                 jobs = list(self._jobs)
                 self._jobs.clear()
                 releases, self._releases = self._releases, []
+                self._busy = True
             if releases:
                 # Releases first: they unpin pages the lookups after them may count.
                 kept = self._release(releases)

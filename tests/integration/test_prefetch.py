@@ -282,3 +282,32 @@ def test_a_hung_store_costs_one_ask_one_timeout_then_nothing(srv):
         assert met < timeout + 0.25 and after < 0.05, (met, after)
     finally:
         sched.close()
+
+
+def test_a_release_in_flight_keeps_the_loop_from_asking_the_store_itself(srv):
+    """A release the lookup thread sends to a hung store holds the client's lease lane for
+    its timeout: the loop must not ask the store itself then (it would wait for the lane,
+    then for its own call's timeout: two timeouts in one step). The request goes to the
+    thread and hears "ask again"."""
+    tokens = prompt(100, 15)
+    store(srv, tokens)
+    timeout = 0.5
+    sched = sched_of(srv, lookup_timeout=timeout, probe_interval=60.0)
+    try:
+        assert answer(sched, "a", tokens) == 96           # its answer holds a lease
+        sched.finished("a")
+        sigstop(srv.proc.pid)
+        try:
+            sched.build()                                 # the release goes to the thread
+            deadline = time.monotonic() + 2
+            while sched._worker._releases and time.monotonic() < deadline:
+                time.sleep(0.005)
+            time.sleep(0.05)                              # in its call, meeting the hang
+            started = time.monotonic()
+            got = sched.hit("b", prompt(100, 16), 0)
+            took = time.monotonic() - started
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        assert got is None and took < 0.25, (got, took)
+    finally:
+        sched.close()
