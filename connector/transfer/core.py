@@ -31,18 +31,27 @@ _DMA_MIN_LAYER_BYTES = 8 << 20
 # against 50.5.
 _DMA_MIN_UNIT = 256
 # Saves go by the copy engine on CUDA when their pages form runs of this many on average
-# and a layer of the save is at least _DMA_SAVE_MIN_LAYER_BYTES (dma.DmaSaver says why: the
-# kernel's PCIe writes hold SMs beside the forward). H200, 8B, in one run each, saves by
-# DMA against the kernel: e2e miss+save / recompute at 4,096 tokens 1.02 and 1.02 against
-# 1.05 and 1.05; at 1,024 tokens 1.00 and 1.07 against 1.07 and 1.17 (noisy), but
-# `kvstore-bench load` saves of 1,024 tokens alone reached 61-65% of a pinned copy
-# against 86% (a group's fixed costs: two streams, a gather, events), so short saves stay
-# on the kernel. At 16,384 tokens: 92% against 94%. Measured again with 1,024-token saves
-# by DMA (_DMA_SAVE_MIN_LAYER_BYTES = 4 MiB) against the kernel, two runs each: e2e
-# miss+save / recompute 1.05 and 1.09 against 1.12 and 1.12, but `load` saves of 1,024
-# tokens 62% of a pinned copy against 80%: neither wins both, so the threshold stays.
+# and a layer of the save is at least _DMA_SAVE_MIN_LAYER_BYTES (dma.DmaSaver says why). A
+# kernel save holds SMs for as long as its bytes take on PCIe, and the forward's GEMMs are
+# persistent kernels that want every SM: in a torch.profiler trace of an 8B 1,024-token
+# miss on the H200 the two saves by the kernel (1.3 ms each) made the forward's GPU span
+# 3.0 ms longer than a recompute's, where saves by DMA made it 1.3 ms longer (their D2H
+# copies on the copy engine, the gathers 14-56 us each). But a DMA piece costs the host
+# more, and a short prompt's forward is bound by the host. Interleaved runs (15 rounds,
+# miss+save / recompute of the same round, medians; one run each): 256 tokens (1 MiB a
+# layer) 1.20 by the kernel against 1.29 by DMA; 1,024 tokens (4 MiB) 1.10 against 1.04;
+# 4,096 tokens 1.04 against 1.01.
 _DMA_SAVE_MIN_RUN = 4
-_DMA_SAVE_MIN_LAYER_BYTES = _DMA_MIN_LAYER_BYTES
+_DMA_SAVE_MIN_LAYER_BYTES = 4 << 20
+# A DMA save goes out in pieces of about this many bytes, each launched by the hook of its
+# last layer: the pieces' copies trail the forward by one piece, so the step's first token
+# (whose D2H copy queues behind them on the copy engine) waits for at most one. In the
+# trace above, pieces of 16 layers left 1.0 ms of copies after the forward's last layer.
+# Pieces cost the host (a gather, two events, a 2D copy each): at 1,024 tokens, 16 pieces,
+# the host enqueued the forward in 18.8 ms against 9.2 without saves (still well ahead of
+# the device's 30). Miss+save / recompute there, one interleaved run: pieces of 4, 8 and
+# 16 MiB 1.079, 1.064 and 1.067.
+_DMA_SAVE_PIECE_BYTES = 8 << 20
 # Layers one kernel launch covers (loads and saves by the kernel): at least _GROUP, and
 # more while a launch would move under _LAUNCH_BYTES. Each launch costs ~40 us of host
 # time on the H200 host (plus its stream switch and event), as much as the bytes of a
@@ -60,6 +69,9 @@ _LAUNCH_BYTES = 16 << 20
 _SAVE_LAUNCH_BYTES = 64 << 20
 # Programs of a DMA load's scatter (staging -> blocks, on the device): 0 = one per tile.
 _SCATTER_CTAS = 0
+# Programs of a DMA save's gather (blocks -> staging, on the device): 0 = one per tile, so
+# the gather is over in microseconds and holds no SM for long (see DmaSaver).
+_GATHER_CTAS = 0
 
 
 class KVTransfer:
@@ -122,6 +134,7 @@ class KVTransfer:
         self._save_dma: dict = {}         # plan key -> its runs when it goes by DMA
         self._dma_saved = False           # a DMA save since the last finish_save
         self._last_save = None            # the newest save event (fence_saves)
+        self._mark = None                 # the current stream where behind() last looked
 
     # -- loads ---------------------------------------------------------------------------
     def load(self, host: np.ndarray, offsets: np.ndarray, layer_bytes: int,
@@ -226,9 +239,17 @@ class KVTransfer:
         need = -(-launch_bytes // max(1, pages * self.geo.layer_bytes))
         return min(len(self.layers), max(self._group, need))
 
-    def _save_group(self, plan: Plan) -> int:
-        """Layers one kernel launch of a save covers (_SAVE_LAUNCH_BYTES)."""
-        return self._layers_per_launch(len(plan.offsets), _SAVE_LAUNCH_BYTES)
+    def _save_group(self, key) -> int:
+        """Layers one kernel launch of a save covers (_SAVE_LAUNCH_BYTES), or one piece
+        of a DMA save (_DMA_SAVE_PIECE_BYTES; one layer where the layers' caches do not
+        share a table, as the gather reads one table)."""
+        pages = len(self._save_plans[key].offsets)
+        if key not in self._save_dma:
+            return self._layers_per_launch(pages, _SAVE_LAUNCH_BYTES)
+        if len(self._tables) != 1:
+            return 1
+        need = -(-_DMA_SAVE_PIECE_BYTES // max(1, pages * self.geo.layer_bytes))
+        return min(len(self.layers), need)
 
     def _table(self, layer: int) -> tuple[kernel.LayerTable, int]:
         """The layer table holding `layer`, and the layer's index in it."""
@@ -291,14 +312,14 @@ class KVTransfer:
         if run is None:
             run = self._save_runs[key] = [layer, layer]
         run[1] = layer
-        if layer - run[0] + 1 >= self._save_group(plan) or layer == len(self.layers) - 1:
+        if layer - run[0] + 1 >= self._save_group(key) or layer == len(self.layers) - 1:
             self._flush_save(key)
 
     def _flush_save(self, key) -> None:
         first, last = self._save_runs.pop(key)
         plan = self._save_plans[key]
         runs = self._save_dma.get(key)
-        group = self._group if runs is not None else self._save_group(plan)
+        group = self._save_group(key)
         with on_stream(self._save_stream, self.device):
             for at in range(first, last + 1, group):
                 count = min(last + 1 - at, group)
@@ -315,7 +336,7 @@ class KVTransfer:
                 offs: torch.Tensor, blocks: torch.Tensor, align: int) -> None:
         table, at = self._table(first)
         kernel.launch(self.geo, table, at, count, staging, pages, offs, blocks,
-                      self.geo.layer_bytes, align, False, self.save_ctas)
+                      self.geo.layer_bytes, align, False, _GATHER_CTAS)
 
     def _saved(self, plan: Plan) -> None:
         # No event per launch: one stream runs the saves in order, so the one event
@@ -353,6 +374,18 @@ class KVTransfer:
         at the start of a step while saves are in flight (nothing on CPU)."""
         if self._last_save is not None:
             torch.cuda.current_stream(self.device).wait_event(self._last_save)
+
+    def behind(self) -> bool:
+        """Whether the device has not yet reached the current stream's position at the
+        previous call (then the host runs ahead of it, and host work now delays no kernel);
+        True off CUDA. Marks the position for the next call; forget_mark() starts over."""
+        if not self.cuda:
+            return True
+        previous, self._mark = self._mark, record(torch.cuda.current_stream(self.device))
+        return previous is not None and not previous.query()
+
+    def forget_mark(self) -> None:
+        self._mark = None
 
     # -- shared ----------------------------------------------------------------------------
     def _plan(self, host: np.ndarray, offsets, block_ids, *, save: bool) -> Plan:

@@ -235,13 +235,16 @@ def test_an_async_save_is_polled_and_the_fence_keeps_its_blocks(server):
     assert np.array_equal(host.reshape(4, -1), np.stack(want))
 
 
-@pytest.mark.parametrize("n_pages,launches,save_launches", [(4, 1, 1), (64, 8, 2)])
+@pytest.mark.parametrize("n_pages,launches,save_launches,dma_pieces",
+                         [(4, 1, 1, 1), (64, 8, 2, 16)])
 def test_short_loads_and_saves_take_fewer_launches_and_stay_exact(fresh_server, monkeypatch,
                                                                    n_pages, launches,
-                                                                   save_launches):
+                                                                   save_launches, dma_pieces):
     """A load or save of few pages covers more layers per kernel launch (4 pages of 64 KiB
-    a layer: every layer in one; 64 pages: four layers a load's launch, sixteen a save's),
-    byte-exact both ways, and every layer's wait gates on its launch's event."""
+    a layer: every layer in one; 64 pages: four layers a load's launch, sixteen a save's by
+    the kernel); the default save of 64 pages (4 MiB a layer) goes by DMA in pieces of
+    about 8 MiB (two layers a piece, one gather each), of 4 pages by the kernel;
+    byte-exact every way, and every layer's wait gates on its launch's event."""
     from kvstore_connector.transfer import core
     counted = []
     real = core.kernel.launch
@@ -274,11 +277,14 @@ def test_short_loads_and_saves_take_fewer_launches_and_stay_exact(fresh_server, 
                 assert np.array_equal(got.view(torch.uint8).reshape(n_pages, -1).cpu().numpy(),
                                       pages[:, lo:hi])
             assert torch.equal(stamped, torch.stack([t.view(torch.int16).sum() for t in caches]))
-            counted.clear()
-            out = torch.zeros(pages.size, dtype=torch.uint8, pin_memory=True).numpy()
             offsets = np.arange(n_pages) * ns.page_bytes
-            for layer in range(LAYOUT_8B.num_layers):
-                xfer.save_layer(layer, out, offsets, block_ids)
-            xfer.finish_save()
-            assert len(counted) == save_launches
-            assert np.array_equal(out.reshape(n_pages, -1), pages)
+            by_kernel = KVTransfer([kv5(t, KVKind.VLLM_4D) for t in caches], 16, "cuda",
+                                   method=CopyMethod.KERNEL)
+            for x, want in ((by_kernel, save_launches), (xfer, dma_pieces)):
+                counted.clear()
+                out = torch.zeros(pages.size, dtype=torch.uint8, pin_memory=True).numpy()
+                for layer in range(LAYOUT_8B.num_layers):
+                    x.save_layer(layer, out, offsets, block_ids)
+                x.finish_save()
+                assert len(counted) == want
+                assert np.array_equal(out.reshape(n_pages, -1), pages)
