@@ -15,10 +15,10 @@ Per step, in the order engines call it (docs/dev/vllm-0.33-connector-api.md, sec
                            waits for a later hook; while the Reserve is unanswered the
                            layer is owed instead, and copied (in order) by the first hook
                            that finds the answer in
-    wait_for_save()        the hooks put off are run; the Reserve's answer is waited for if
-                           still out, the layers owed are copied; the step's save copies are recorded, not
-                           waited for; the step's loads are checked (a failed one is
-                           reported this step)
+    wait_for_save()        the hooks put off are run; the Reserve's answer is waited for
+                           if still out, the layers owed are copied; the step's save
+                           copies are recorded, not waited for; the step's loads are
+                           checked (a failed one is reported this step)
     finished(ids)          loads whose copies are done release their pins; async loads are
                            reported as received
     sent(ids)              finished requests none of whose save copies is still running:
@@ -520,7 +520,7 @@ class WorkerHalf:
         """Copy the layer's pages of the step's saves out, unless the device has caught up
         with the host: then the layer waits for a later hook (or the end of the step), as
         the host work of a save (taking the Reserve's answer, a first plan, a piece's
-        launches: 0.1-0.5 ms on the H200 host) would hold the next layer's launch back.
+        launches) would hold the next layer's launch back.
         In a torch.profiler trace of an 8B 1,024-token miss on the H200 the forward's first
         layers waited 0.46-0.60 ms on the host there, where a recompute's did not; put
         off, that miss took 1.042x a recompute's time to first token against 1.050x (one

@@ -135,8 +135,7 @@ class DmaSaver:
     def _staged_offsets(self, pages: int, width: int, shift: int) -> torch.Tensor:
         """Where the gather puts each page in a buffer, less `shift` (on the current stream,
         the save stream, which alone reads it). Kept: a step's pieces repeat from step to
-        step, and making it anew cost three small launches (~15 us of host time each on the
-        H200 host) a piece."""
+        step, and making it anew cost three small launches a piece."""
         key = (pages, width, shift)
         staged = self._staged.get(key)
         if staged is None:
