@@ -41,8 +41,8 @@ _DMA_MIN_UNIT = 256
 # miss+save / recompute of the same round, medians), by the kernel against by DMA: 1,024
 # tokens (4 MiB a layer) 1.10 against 1.06, 1.12 against 1.06 and 1.10 against 1.04 in
 # three runs; 4,096 tokens 1.004 against 1.003, 1.04 against 1.01 and 1.04 against 1.01;
-# 256 tokens (1 MiB) 1.20 against 1.15 in one run and 1.20 against 1.29 in another, so
-# saves that short stay on the kernel.
+# 256 tokens (1 MiB) 1.14 against 1.13, 1.20 against 1.15 and 1.20 against 1.29: no clear
+# winner, so saves that short stay on the kernel.
 _DMA_SAVE_MIN_RUN = 4
 _DMA_SAVE_MIN_LAYER_BYTES = 4 << 20
 # A DMA save goes out in pieces of about this many bytes, each launched by the hook of its
