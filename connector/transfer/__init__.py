@@ -58,9 +58,11 @@ wall-clock medians of 5 including launches, against one pinned cudaMemcpy of the
 
 The ~9% left on loads is the SMs' own PCIe reads against the copy engine's DMA (DESIGN.md
 measured the same kernel idea at 51.3 of 55.5 on contiguous pages). The kernel is capped
-at a number of persistent programs so that a copy beside the model leaves most SMs free:
-32 for saves and for loads of rows of 256 bytes or more, more for shorter rows, whose
-reads move less a program (kernel.load_ctas).
+at a number of persistent programs: 32 for saves and for loads of rows of 256 bytes or
+more, more for shorter rows, whose reads move less a program (kernel.load_ctas). Few as
+they are, they hold their SMs for as long as the bytes take on PCIe, and the model's GEMMs
+(persistent kernels that want every SM) wait behind them: a copy by the kernel does not
+overlap the forward (core._DMA_SAVE_MIN_RUN has the trace).
 
 So a load whose pages lie in runs of adjacent slots (the usual case: a request's pages
 are reserved together) goes by the copy engine instead (CopyMethod.DMA): per layer, one
@@ -74,10 +76,11 @@ device, on a second stream while the next piece copies. Same bench, same run, H2
     16k     53.9       97%
     32k     54.4       98%
 
-Saves of large layers whose pages lie in runs go the same way in reverse: the kernel
-gathers a group of layers into a device staging buffer, and a 2D copy per run writes it to
-the pool, so the bytes cross PCIe without holding the SMs the forward is using
-(core._DMA_SAVE_MIN_RUN has the figures that set when).
+Saves of layers of 4 MiB and up whose pages lie in runs go the same way in reverse, in
+pieces of ~8 MiB launched as their layers are computed: the kernel gathers a piece's
+layers into a device staging buffer (microseconds, device to device), and a 2D copy per
+run writes it to the pool, so the bytes cross PCIe without holding the SMs the forward is
+using (core._DMA_SAVE_MIN_RUN has the figures that set when).
 
 On CPU tensors (CI) and with CopyMethod.COPIES the same API runs torch copies: per
 slab `copy_` into a staging tensor and one indexed write per layer (and the reverse);
