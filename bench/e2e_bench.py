@@ -289,8 +289,7 @@ class _Bench:
         args, reps, pt = self.args, self.args.reps, self.page_tokens
         tokens = self.prompt(n)
         store = self.engine(True)
-        point = self.rounds(tokens, reps)
-        ref = point.pop("_ref")
+        point, ref = self.rounds(tokens, reps, store)
         if n > args.max_batched_tokens:
             point["recompute_one_step_s"], _ = self.ttft(self.engine(False, n), tokens, reps)
         hit = point["hit_tokens"]
@@ -331,15 +330,16 @@ class _Bench:
         self.clear()
         return point
 
-    def rounds(self, tokens: np.ndarray, reps: int) -> dict:
+    def rounds(self, tokens: np.ndarray, reps: int, store):
         """Recompute, miss+save and DRAM hit in rounds of one each: recompute, then the
         store emptied and a miss that saves every page, then a hit of what it saved. Each
         round's ratios are taken side by side and the figures are medians of the rounds'
         (the first round warms up): on the H200 host a run's figures drift over its
         seconds by more than the effects measured (pinned copies moved 40.7-55.3 GB/s
         within one run), and figures measured one mode after the other took that drift
-        for a difference between the modes. Leaves every page of the prompt stored."""
-        recompute, store = self.engine(False), self.engine(True)
+        for a difference between the modes. Leaves every page of the prompt stored.
+        Returns the point and the last recompute's output (the logits' reference)."""
+        recompute = self.engine(False)
         want = (len(tokens) - 1) // self.page_tokens * self.page_tokens
         rounds = []
         for i in range(reps + 1):
@@ -364,7 +364,7 @@ class _Bench:
                 "miss_save_ratio": statistics.median(r["miss_save_s"] / r["recompute_s"]
                                                      for r in rounds),
                 "max_abs_logit_diff": (out.logits - ref.logits).abs().max().item(),
-                "rounds": rounds, "_ref": ref}
+                "rounds": rounds}, ref
 
     def breakdown(self, store, tokens: np.ndarray, hit: int, point: dict) -> dict:
         """Median ms of each part of a DRAM hit and of a recompute (see ``_BREAKDOWN_NOTE``)."""
