@@ -23,6 +23,7 @@ from kvstore_server.far.keys import BUCKETS, page_key
 from kvstore_server.far.metrics import FarCollector
 from kvstore_server.far.settings import parse_far
 from kvstore_server.far.writer import WriteBehind
+from kvstore_testing.serverproc import sigstop
 
 from .delayproxy import DelayProxies
 
@@ -200,7 +201,7 @@ def test_a_dead_cluster_answers_misses_in_time_and_opens_the_breaker(fresh_clust
         if how == "killed":
             cluster.kill(node)
         else:
-            node.proc.send_signal(signal.SIGSTOP)
+            sigstop(node.proc.pid)                    # delivered once it returns
     try:
         times = []
         for _ in range(6):

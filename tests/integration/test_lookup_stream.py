@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore_testing.serverproc import free_port
+from kvstore_testing.serverproc import free_port, sigstop
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
 from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client.keys import Packed
@@ -113,7 +113,9 @@ def test_a_lookup_on_the_stream_keeps_its_deadline(fresh_server):
         _stored(c, ns, keys)
         assert c.lookup(ns, keys) == 4                 # the stream is open
         c.timeout = 0.4
-        os.kill(srv.proc.pid, signal.SIGSTOP)          # stopped, not gone: no reset
+        # Stopped, not gone: no reset. Waited for: the signal is delivered asynchronously,
+        # and a lookup sent at once was answered before the stop in a CI run.
+        sigstop(srv.proc.pid)
         try:
             start = time.monotonic()
             with pytest.raises(KVStoreError) as err:
