@@ -12,7 +12,7 @@ from . import copies, kernel
 from .dma import DEFAULT_STAGING_BYTES, DmaLoader, DmaSaver
 from .handles import LoadHandle, SaveHandle
 from .plan import CopyMethod, Plan, as_tensor, check_pages, geometry, page_runs
-from .runtime import on_device, on_stream, record
+from .runtime import on_device, on_stream, query, record
 
 __all__ = ["KVTransfer"]
 
@@ -71,6 +71,12 @@ _LAUNCH_BYTES = 16 << 20
 _SAVE_LAUNCH_BYTES = 64 << 20
 # Programs of a DMA load's scatter (staging -> blocks, on the device): 0 = one per tile.
 _SCATTER_CTAS = 0
+# A DMA load goes in pieces of about this many bytes: a piece's layers of a run of adjacent
+# pages in one 2D copy, scattered by one launch (each piece costs the host a 2D copy per
+# run, a launch and two events). A layer's wait is for its piece. Not measured yet against
+# one layer a piece, the earlier way: 1,024-token loads (4 MiB a layer) by DMA one layer a
+# piece reached 94% of a pinned copy on the device but 42% timed on the host.
+_DMA_LOAD_PIECE_BYTES = 8 << 20
 # Programs of a DMA save's gather (blocks -> staging, on the device): 0 = one per tile, so
 # the gather is over in microseconds and holds no SM for long (see DmaSaver).
 _GATHER_CTAS = 0
@@ -136,7 +142,11 @@ class KVTransfer:
         self._save_dma: dict = {}         # plan key -> its runs when it goes by DMA
         self._dma_saved = False           # a DMA save since the last finish_save
         self._last_save = None            # the newest save event (fence_saves)
-        self._mark = None                 # the current stream where behind() last looked
+        # behind(): two events, recorded in turn where the current stream was at its last
+        # two calls (kept, not made anew: an event made and destroyed per call is two more
+        # driver calls per layer), and whether the newest one marks this step.
+        self._marks: list = []
+        self._marked = False
 
     # -- loads ---------------------------------------------------------------------------
     def load(self, host: np.ndarray, offsets: np.ndarray, layer_bytes: int,
@@ -161,9 +171,10 @@ class KVTransfer:
                     and self.geo.unit >= _DMA_MIN_UNIT):
                 runs = page_runs(plan.offsets, len(self.layers) * self.geo.layer_bytes)
                 if self.method is CopyMethod.DMA or (runs and pages >= _DMA_MIN_RUN * len(runs)):
-                    events = self._dma.load(self.geo, len(self.layers), plan, runs,
-                                            self._load_stream, self._cache_align,
-                                            self._scatter)
+                    events = self._dma.load(
+                        self.geo, len(self.layers), plan, runs, self._load_stream,
+                        self._cache_align, self._scatter, self._dma_load_group(pages),
+                        lambda first: self._table(first)[1] * self.geo.layer_bytes)
                     return LoadHandle(self.device, events, (plan,))
             if self.method is CopyMethod.COPIES:
                 for layer in range(len(self.layers)):
@@ -225,14 +236,22 @@ class KVTransfer:
                 view[c][blocks] = kv[:, c]
             return record(self._load_stream)
 
-    def _scatter(self, staging: torch.Tensor, layer: int, pages: int, offs: torch.Tensor,
-                 blocks: torch.Tensor, align: int) -> None:
+    def _scatter(self, staging: torch.Tensor, first: int, count: int, pages: int,
+                 offs: torch.Tensor, blocks: torch.Tensor, align: int) -> None:
         # From device memory: no PCIe to share, so no cap on the programs (the load cap is
         # for reads over PCIe). The last layer's scatter is on a hit's critical path: at
         # 32k tokens of the 8B preset (128 MiB a layer) it took 0.37 ms with 32 programs.
-        table, first = self._table(layer)
-        kernel.launch(self.geo, table, first, 1, staging, pages, offs, blocks, 0, align, True,
-                      _SCATTER_CTAS)
+        table, at = self._table(first)
+        kernel.launch(self.geo, table, at, count, staging, pages, offs, blocks,
+                      self.geo.layer_bytes, align, True, _SCATTER_CTAS)
+
+    def _dma_load_group(self, pages: int) -> int:
+        """Layers one piece of a DMA load covers (_DMA_LOAD_PIECE_BYTES; one layer where
+        the layers' caches do not share a table, as a scatter writes one table)."""
+        if len(self._tables) != 1:
+            return 1
+        need = -(-_DMA_LOAD_PIECE_BYTES // max(1, pages * self.geo.layer_bytes))
+        return min(len(self.layers), need)
 
     def _layers_per_launch(self, pages: int, launch_bytes: int = _LAUNCH_BYTES) -> int:
         """Layers one kernel launch of `pages` pages covers (_GROUP, _LAUNCH_BYTES)."""
@@ -383,11 +402,17 @@ class KVTransfer:
         True off CUDA. Marks the position for the next call; forget_mark() starts over."""
         if not self.cuda:
             return True
-        previous, self._mark = self._mark, record(torch.cuda.current_stream(self.device))
-        return previous is not None and not previous.query()
+        if not self._marks:
+            self._marks = [torch.cuda.Event(), torch.cuda.Event()]
+        previous = self._marks[0] if self._marked else None
+        behind = previous is not None and not query(previous)
+        self._marks.reverse()
+        self._marks[0].record(torch.cuda.current_stream(self.device))
+        self._marked = True
+        return behind
 
     def forget_mark(self) -> None:
-        self._mark = None
+        self._marked = False
 
     # -- shared ----------------------------------------------------------------------------
     def _plan(self, host: np.ndarray, offsets, block_ids, *, save: bool) -> Plan:

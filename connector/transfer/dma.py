@@ -28,9 +28,9 @@ _CUDA_MEMCPY_DEFAULT = 4                      # cudaMemcpyDefault: direction fro
 # Gather offset tensors a DmaSaver keeps (a few hundred bytes of device memory each).
 _STAGED_KEPT = 256
 
-# scatter(staging, layer, pages, staged_offsets, block_ids, align): the kernel from a
-# device buffer into one layer's blocks, on the current stream.
-Scatter = Callable[[torch.Tensor, int, int, torch.Tensor, torch.Tensor, int], None]
+# scatter(staging, first, count, pages, staged_offsets, block_ids, align): the kernel from a
+# device buffer into layers [first, first + count)'s blocks, on the current stream.
+Scatter = Callable[[torch.Tensor, int, int, int, torch.Tensor, torch.Tensor, int], None]
 # gather(staging, first, count, pages, staged_offsets, block_ids, align): the kernel from
 # layers [first, first + count)'s blocks into a device buffer, on the current stream.
 Gather = Callable[[torch.Tensor, int, int, int, torch.Tensor, torch.Tensor, int], None]
@@ -46,44 +46,67 @@ class DmaLoader:
         self._free: list = [None, None]     # event: the buffer's last scatter is done
         self._scatter_stream: Any = None   # torch.cuda.Stream, made at first use
         self._lib: Any = None              # the CUDA runtime (cudart), loaded at first use
+        self._piece = 0                    # pieces copied so far: picks the buffer
+        self._staged: dict = {}            # (pages, width, shift) -> the scatter's offsets
 
-    def _setup(self, layer_bytes: int) -> None:
+    def _setup(self, width: int) -> None:
         self._lib = cudart()
-        per = max(layer_bytes, self.staging_bytes // layer_bytes * layer_bytes)
+        per = max(width, self.staging_bytes)
         self._staging = [torch.empty(per, dtype=torch.uint8, device=self.device)
                          for _ in range(2)]
         self._scatter_stream = torch.cuda.Stream(self.device, priority=-1)
 
+    def _staged_offsets(self, pages: int, width: int, shift: int) -> torch.Tensor:
+        """Where each page lies in a buffer, less `shift`, for the scatter: made on the load
+        stream once, kept (a load's pieces repeat from load to load), read on the scatter
+        stream, so marked as used there: freed, its memory waits for those reads."""
+        key = (pages, width, shift)
+        staged = self._staged.get(key)
+        if staged is None:
+            if len(self._staged) >= _STAGED_KEPT:
+                self._staged.clear()
+            staged = self._staged[key] = (torch.arange(pages, dtype=torch.int64,
+                                                       device=self.device) * width - shift)
+            staged.record_stream(self._scatter_stream)
+        return staged
+
     def load(self, geo: Geometry, num_layers: int, plan: Plan, runs: list[tuple[int, int]],
-             load, cache_align: int, scatter: Scatter) -> list:
+             load, cache_align: int, scatter: Scatter, group: int = 1,
+             shift: Callable[[int], int] = lambda layer: 0) -> list:
         """Every layer by the copy engine into a staging buffer (on `load`, the load
-        stream), scattered into the blocks by the kernel (scatter stream); the two buffers
-        alternate, so the copy of one piece runs while the previous one scatters. One
-        event per layer, on the scatter stream, recorded once the layer is in its blocks."""
+        stream), scattered into the blocks by the kernel (scatter stream), `group` layers
+        a piece: one 2D copy per run of adjacent pages moves the piece's layers of each
+        page at once (they lie back to back in a pool page), one launch scatters them.
+        The two buffers alternate, so the copy of one piece runs while the previous one
+        scatters. One event per layer, on the scatter stream, recorded once the layer's
+        piece is in its blocks. shift(first): the piece's first layer's index in its
+        layer table times layer_bytes (the scatter counts layers in the table)."""
         lb, pages = geo.layer_bytes, len(plan.offsets)
         if not pages:
             return [record(load) for _ in range(num_layers)]
+        group = max(1, min(group, num_layers))
         if not self._staging:
-            self._setup(lb)
-        chunk = self._staging[0].numel() // lb          # pages a buffer holds
+            self._setup(group * lb)
         extent = num_layers * lb
         base = int(plan.host.ctypes.data)
         stream = self._scatter_stream
         meta = plan.meta
         assert meta is not None             # the plan makes it for every device copy
-        staged = torch.arange(min(chunk, pages), dtype=torch.int64, device=self.device) * lb
         # Made on the load stream, read on the scatter stream: the allocator must not hand
-        # their memory out again before the scatters are done.
-        staged.record_stream(stream)
+        # its memory out again before the scatters are done.
         meta.record_stream(stream)
         align = math.gcd(cache_align, lb, 16)
-        events, piece = [], 0
+        events: list = []
         with torch.cuda.device(self.device):
-            for layer in range(num_layers):
+            for first in range(0, num_layers, group):
+                count = min(group, num_layers - first)
+                width = count * lb
+                chunk = max(1, self._staging[0].numel() // width)      # pages a buffer holds
+                staged = self._staged_offsets(min(chunk, pages), width, shift(first))
                 for p0 in range(0, pages, chunk):
                     p1 = min(pages, p0 + chunk)
-                    b = piece % 2
-                    piece += 1
+                    b = self._piece % 2
+                    self._piece += 1
                     buf = self._staging[b]
                     if self._free[b] is not None:
                         load.wait_event(self._free[b])
@@ -92,19 +115,20 @@ class DmaLoader:
                         if r0 >= r1:
                             continue
                         rc = self._lib.cudaMemcpy2DAsync(
-                            buf.data_ptr() + (r0 - p0) * lb, lb,
-                            base + int(plan.offsets[r0]) + layer * lb, extent, lb, r1 - r0,
+                            buf.data_ptr() + (r0 - p0) * width, width,
+                            base + int(plan.offsets[r0]) + first * lb, extent, width, r1 - r0,
                             _CUDA_MEMCPY_DEFAULT, load.cuda_stream)
                         if rc:
                             clear_cuda_error()
-                            raise TransferError(f"cudaMemcpy2DAsync of layer {layer} "
-                                                f"failed with CUDA error {rc}")
+                            raise TransferError(f"cudaMemcpy2DAsync of layers {first}.."
+                                                f"{first + count - 1} failed with CUDA "
+                                                f"error {rc}")
                     stream.wait_event(record(load))
                     with torch.cuda.stream(stream):
-                        scatter(buf, layer, p1 - p0, staged[:p1 - p0],
+                        scatter(buf, first, count, p1 - p0, staged[:p1 - p0],
                                 meta[pages + p0 * geo.k:pages + p1 * geo.k], align)
                     self._free[b] = record(stream)
-                events.append(self._free[(piece - 1) % 2])
+                events += [self._free[(self._piece - 1) % 2]] * count
         return events
 
 
