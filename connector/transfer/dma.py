@@ -50,11 +50,18 @@ class DmaLoader:
         self._staged: dict = {}            # (pages, width, shift) -> the scatter's offsets
 
     def _setup(self, width: int) -> None:
+        """Buffers that hold at least one page's piece (`width` bytes); buffers made
+        earlier are first waited for, as copies may still use them."""
+        for event in self._free:
+            if event is not None:
+                event.synchronize()
+        self._free = [None, None]
         self._lib = cudart()
         per = max(width, self.staging_bytes)
         self._staging = [torch.empty(per, dtype=torch.uint8, device=self.device)
                          for _ in range(2)]
-        self._scatter_stream = torch.cuda.Stream(self.device, priority=-1)
+        if self._scatter_stream is None:
+            self._scatter_stream = torch.cuda.Stream(self.device, priority=-1)
 
     def _staged_offsets(self, pages: int, width: int, shift: int) -> torch.Tensor:
         """Where each page lies in a buffer, less `shift`, for the scatter: made on the load
@@ -85,7 +92,7 @@ class DmaLoader:
         if not pages:
             return [record(load) for _ in range(num_layers)]
         group = max(1, min(group, num_layers))
-        if not self._staging:
+        if not self._staging or self._staging[0].numel() < group * lb:
             self._setup(group * lb)
         extent = num_layers * lb
         base = int(plan.host.ctypes.data)
@@ -181,12 +188,19 @@ class DmaSaver:
         if not pages:
             return
         width = count * lb
-        if not self._staging:
+        if not self._staging or self._staging[0].numel() < width:
+            # Buffers too small for one page's piece (a staging size under a page): made
+            # anew once the copies out of the old ones are done.
+            for event in self._free:
+                if event is not None:
+                    event.synchronize()
+            self._free = [None, None]
             self._lib = cudart()
             per = max(width, self.staging_bytes)
             self._staging = [torch.empty(per, dtype=torch.uint8, device=self.device)
                              for _ in range(2)]
-            self._copy_stream = torch.cuda.Stream(self.device)
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(self.device)
         chunk = max(1, self._staging[0].numel() // width)      # pages a buffer holds
         extent = num_layers * lb
         base = int(plan.host.ctypes.data)
