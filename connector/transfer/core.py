@@ -19,12 +19,13 @@ __all__ = ["KVTransfer"]
 # When a load goes by the copy engine (dma.py). A lone 64 KiB slab copies at ~11.5 GB/s,
 # so only when the load's pages form runs of at least this many on average ...
 _DMA_MIN_RUN = 8
-# ... and only when a layer of the load is this large. The DMA path costs the host more per
-# layer (a 2D copy per run, two streams, events between them): in the 8B e2e bench on the
-# H200 a 1,024-token load (4 MiB a layer) went from 88% to 94% of a pinned copy on the
-# device but from 66% to 42% timed on the host, its hit TTFT no better; from 4,096 tokens
-# (16 MiB a layer) both gained (device 91 -> 97%, host 82 -> 86%).
-_DMA_MIN_LAYER_BYTES = 8 << 20
+# ... and only when a layer of the load is this large. The DMA path costs the host a 2D copy
+# per run, a scatter launch and events per piece (_DMA_LOAD_PIECE_BYTES). One layer a
+# piece, a 1,024-token load of the 8B preset (4 MiB a layer) reached 94% of a pinned copy
+# on the device but 42% timed on the host. In pieces of ~8 MiB, `kvstore-bench load` on the
+# H200 (one run, medians of 7): 1,024 tokens 90% by DMA from 4 MiB a layer against 77% by
+# the kernel; 16k and 32k tokens 96% and 97-99% either way.
+_DMA_MIN_LAYER_BYTES = 4 << 20
 # ... and only for rows of at least this many bytes. The 1B preset's 128-byte rows (32 KiB
 # layer slabs) loaded 16k tokens at 39.0 GB/s by DMA against 45.7 by the kernel alone
 # (H200, `kvstore-bench load --layout 1b`, one run); the 8B's 256-byte rows 53.5 by DMA
