@@ -74,9 +74,11 @@ _SAVE_LAUNCH_BYTES = 64 << 20
 _SCATTER_CTAS = 0
 # A DMA load goes in pieces of about this many bytes: a piece's layers of a run of adjacent
 # pages in one 2D copy, scattered by one launch (each piece costs the host a 2D copy per
-# run, a launch and two events). A layer's wait is for its piece. Not measured yet against
-# one layer a piece, the earlier way: 1,024-token loads (4 MiB a layer) by DMA one layer a
-# piece reached 94% of a pinned copy on the device but 42% timed on the host.
+# run, a launch and two events, ~0.1 ms on the H200 host). A layer's wait is for its piece.
+# Larger pieces cost fewer launches but hold the forward longer at its first layers: in
+# the 8B e2e bench's rounds (H200, medians of 6) 8 MiB pieces against 32 MiB gave hits of
+# 13.3 against 14.4 ms at 1,024 tokens and 15.6 against 20.9 ms at 4,096; `kvstore-bench
+# load` at 1,024 tokens gave 90% of a pinned copy with 8 MiB, 85% with 32 MiB (two runs).
 _DMA_LOAD_PIECE_BYTES = 8 << 20
 # Programs of a DMA save's gather (blocks -> staging, on the device): 0 = one per tile, so
 # the gather is over in microseconds and holds no SM for long (see DmaSaver).

@@ -236,15 +236,15 @@ def test_an_async_save_is_polled_and_the_fence_keeps_its_blocks(server):
 
 
 @pytest.mark.parametrize("n_pages,launches,save_launches,dma_pieces",
-                         [(4, 1, 1, 1), (64, 8, 2, 16)])
+                         [(4, 1, 1, 1), (64, 16, 2, 16)])
 def test_short_loads_and_saves_take_fewer_launches_and_stay_exact(fresh_server, monkeypatch,
                                                                    n_pages, launches,
                                                                    save_launches, dma_pieces):
     """A load or save of few pages covers more layers per kernel launch (4 pages of 64 KiB
-    a layer: every layer in one; 64 pages: four layers a load's launch, sixteen a save's by
-    the kernel); the default save of 64 pages (4 MiB a layer) goes by DMA in pieces of
-    about 8 MiB (two layers a piece, one gather each), of 4 pages by the kernel;
-    byte-exact every way, and every layer's wait gates on its launch's event."""
+    a layer: every layer in one; 64 pages saved by the kernel: sixteen layers a launch);
+    loads and saves of 64 pages (4 MiB a layer) go by DMA in pieces of about 8 MiB (two
+    layers a piece, one scatter or gather each), of 4 pages by the kernel; byte-exact
+    every way, and every layer's wait gates on its launch's event."""
     from kvstore_connector.transfer import core
     counted = []
     real = core.kernel.launch
