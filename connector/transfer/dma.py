@@ -36,22 +36,27 @@ Scatter = Callable[[torch.Tensor, int, int, int, torch.Tensor, torch.Tensor, int
 Gather = Callable[[torch.Tensor, int, int, int, torch.Tensor, torch.Tensor, int], None]
 
 
-class DmaLoader:
-    """Two device staging buffers and a scatter stream, made on first use."""
+class _Staging:
+    """Two device staging buffers used in turn, each with the event after which it is free
+    again, a stream of the path's own, and the offsets of pages in a buffer per piece
+    shape; made on first use."""
 
-    def __init__(self, device: torch.device, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+    def __init__(self, device: torch.device, staging_bytes: int, priority: int) -> None:
         self.device = device
         self.staging_bytes = staging_bytes
+        self._priority = priority           # of the stream
         self._staging: list[torch.Tensor] = []
-        self._free: list = [None, None]     # event: the buffer's last scatter is done
-        self._scatter_stream: Any = None   # torch.cuda.Stream, made at first use
-        self._lib: Any = None              # the CUDA runtime (cudart), loaded at first use
-        self._piece = 0                    # pieces copied so far: picks the buffer
-        self._staged: dict = {}            # (pages, width, shift) -> the scatter's offsets
+        self._free: list = [None, None]     # event: the buffer's last use is done
+        self._stream: Any = None            # torch.cuda.Stream, made at first use
+        self._lib: Any = None               # the CUDA runtime (cudart), loaded at first use
+        self._piece = 0                     # pieces so far: picks the buffer
+        self._staged: dict = {}             # (pages, width, shift) -> offsets in a buffer
 
-    def _setup(self, width: int) -> None:
-        """Buffers that hold at least one page's piece (`width` bytes); buffers made
-        earlier are first waited for, as copies may still use them."""
+    def _reserve(self, width: int) -> None:
+        """Buffers that hold at least one page's piece (`width` bytes). Buffers too small
+        (a staging size under a page) are made anew once the device is done with them."""
+        if self._staging and self._staging[0].numel() >= width:
+            return
         for event in self._free:
             if event is not None:
                 event.synchronize()
@@ -60,14 +65,22 @@ class DmaLoader:
         per = max(width, self.staging_bytes)
         self._staging = [torch.empty(per, dtype=torch.uint8, device=self.device)
                          for _ in range(2)]
-        if self._scatter_stream is None:
-            self._scatter_stream = torch.cuda.Stream(self.device, priority=-1)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device, priority=self._priority)
+
+    def _take(self, stream) -> tuple[int, torch.Tensor]:
+        """The next buffer in turn, once `stream` has waited for its last use. Counted
+        across calls: a call of one piece must not take the buffer the previous one did."""
+        b = self._piece % 2
+        self._piece += 1
+        if self._free[b] is not None:
+            stream.wait_event(self._free[b])
+        return b, self._staging[b]
 
     def _staged_offsets(self, pages: int, width: int, shift: int) -> torch.Tensor:
-        """Where each page lies in a buffer, less `shift`, for the scatter: made once on the
-        current stream (load() runs on the scatter stream), kept, as a load's pieces repeat
-        from load to load; marked as used on the scatter stream, so that freed, its memory
-        waits for the scatters' reads whichever stream made it."""
+        """Where each page lies in a buffer, less `shift`, for the kernel, made on the
+        current stream, which alone reads it. Kept: a step's pieces repeat from step to
+        step, and making it anew cost three small launches a piece."""
         key = (pages, width, shift)
         staged = self._staged.get(key)
         if staged is None:
@@ -75,8 +88,15 @@ class DmaLoader:
                 self._staged.clear()
             staged = self._staged[key] = (torch.arange(pages, dtype=torch.int64,
                                                        device=self.device) * width - shift)
-            staged.record_stream(self._scatter_stream)
         return staged
+
+
+class DmaLoader(_Staging):
+    """Loads by the copy engine into staging, scattered on a stream of high priority (a
+    layer's scatter is on the forward's path)."""
+
+    def __init__(self, device: torch.device, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+        super().__init__(device, staging_bytes, priority=-1)
 
     def load(self, geo: Geometry, num_layers: int, plan: Plan, runs: list[tuple[int, int]],
              load, cache_align: int, scatter: Scatter, group: int = 1,
@@ -93,11 +113,10 @@ class DmaLoader:
         if not pages:
             return [record(load) for _ in range(num_layers)]
         group = max(1, min(group, num_layers))
-        if not self._staging or self._staging[0].numel() < group * lb:
-            self._setup(group * lb)
+        self._reserve(group * lb)
         extent = num_layers * lb
         base = int(plan.host.ctypes.data)
-        stream = self._scatter_stream
+        stream = self._stream
         meta = plan.meta
         assert meta is not None             # the plan makes it for every device copy
         # Made on the load stream, read on the scatter stream: the allocator must not hand
@@ -115,11 +134,7 @@ class DmaLoader:
                 staged = self._staged_offsets(min(chunk, pages), width, shift(first))
                 for p0 in range(0, pages, chunk):
                     p1 = min(pages, p0 + chunk)
-                    b = self._piece % 2
-                    self._piece += 1
-                    buf = self._staging[b]
-                    if self._free[b] is not None:
-                        load.wait_event(self._free[b])
+                    b, buf = self._take(load)
                     for r0, r1 in runs:
                         r0, r1 = max(r0, p0), min(r1, p1)
                         if r0 >= r1:
@@ -141,7 +156,7 @@ class DmaLoader:
         return events
 
 
-class DmaSaver:
+class DmaSaver(_Staging):
     """Saves by the copy engine: the kernel gathers a group of layers' blocks into a device
     staging buffer laid out as the pool lays out a page (the group's layers back to back),
     then one cudaMemcpy2DAsync per run of adjacent pool slots writes the rows out (width
@@ -155,28 +170,8 @@ class DmaSaver:
     """
 
     def __init__(self, device: torch.device, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
-        self.device = device
-        self.staging_bytes = staging_bytes
-        self._staging: list[torch.Tensor] = []
-        self._free: list = [None, None]     # event: the buffer's last copy out is done
-        self._copy_stream: Any = None       # torch.cuda.Stream, made at first use
-        self._lib: Any = None
-        self._piece = 0                     # pieces gathered so far: picks the buffer
-        self._staged: dict = {}             # (pages, width, shift) -> the gather's offsets
+        super().__init__(device, staging_bytes, priority=0)
         self.last = None                    # event: the newest copy out (finish_save)
-
-    def _staged_offsets(self, pages: int, width: int, shift: int) -> torch.Tensor:
-        """Where the gather puts each page in a buffer, less `shift` (on the current stream,
-        the save stream, which alone reads it). Kept: a step's pieces repeat from step to
-        step, and making it anew cost three small launches a piece."""
-        key = (pages, width, shift)
-        staged = self._staged.get(key)
-        if staged is None:
-            if len(self._staged) >= _STAGED_KEPT:
-                self._staged.clear()
-            staged = self._staged[key] = (torch.arange(pages, dtype=torch.int64,
-                                                       device=self.device) * width - shift)
-        return staged
 
     def save(self, geo: Geometry, num_layers: int, plan: Plan, runs: list[tuple[int, int]],
              first: int, count: int, shift: int, save, cache_align: int,
@@ -190,19 +185,7 @@ class DmaSaver:
         if not pages:
             return
         width = count * lb
-        if not self._staging or self._staging[0].numel() < width:
-            # Buffers too small for one page's piece (a staging size under a page): made
-            # anew once the copies out of the old ones are done.
-            for event in self._free:
-                if event is not None:
-                    event.synchronize()
-            self._free = [None, None]
-            self._lib = cudart()
-            per = max(width, self.staging_bytes)
-            self._staging = [torch.empty(per, dtype=torch.uint8, device=self.device)
-                             for _ in range(2)]
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(self.device)
+        self._reserve(width)
         chunk = max(1, self._staging[0].numel() // width)      # pages a buffer holds
         extent = num_layers * lb
         base = int(plan.host.ctypes.data)
@@ -210,17 +193,11 @@ class DmaSaver:
         assert meta is not None             # the plan makes it for every device copy
         staged = self._staged_offsets(min(chunk, pages), width, shift)
         align = math.gcd(cache_align, lb, 16)
-        copy = self._copy_stream
+        copy = self._stream
         with torch.cuda.device(self.device):
             for p0 in range(0, pages, chunk):
                 p1 = min(pages, p0 + chunk)
-                # Counted across calls: a group that fits one piece must not wait for the
-                # previous group's copy out of the same buffer.
-                b = self._piece % 2
-                self._piece += 1
-                buf = self._staging[b]
-                if self._free[b] is not None:
-                    save.wait_event(self._free[b])
+                b, buf = self._take(save)
                 with torch.cuda.stream(save):
                     gather(buf, first, count, p1 - p0, staged[:p1 - p0],
                            meta[pages + p0 * geo.k:pages + p1 * geo.k], align)
