@@ -240,13 +240,13 @@ class KVTransfer:
             return record(self._load_stream)
 
     def _scatter(self, staging: torch.Tensor, first: int, count: int, pages: int,
-                 offs: torch.Tensor, blocks: torch.Tensor, align: int) -> None:
+                 offs: torch.Tensor, blocks: torch.Tensor, align: int, stream: int) -> None:
         # From device memory: no PCIe to share, so no cap on the programs (the load cap is
         # for reads over PCIe). The last layer's scatter is on a hit's critical path: at
         # 32k tokens of the 8B preset (128 MiB a layer) it took 0.37 ms with 32 programs.
         table, at = self._table(first)
         kernel.launch(self.geo, table, at, count, staging, pages, offs, blocks,
-                      self.geo.layer_bytes, align, True, _SCATTER_CTAS)
+                      self.geo.layer_bytes, align, True, _SCATTER_CTAS, stream)
 
     def _dma_load_group(self, pages: int) -> int:
         """Layers one piece of a DMA load covers (_DMA_LOAD_PIECE_BYTES; one layer where
