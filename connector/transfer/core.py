@@ -24,7 +24,7 @@ _DMA_MIN_RUN = 8
 # piece, a 1,024-token load of the 8B preset (4 MiB a layer) reached 94% of a pinned copy
 # on the device but 42% timed on the host. In pieces of ~8 MiB, `kvstore-bench load` on the
 # H200 (one run, medians of 7): 1,024 tokens 90% by DMA from 4 MiB a layer against 77% by
-# the kernel; 16k and 32k tokens 96% and 97-99% either way.
+# the kernel (three later runs by DMA: 80-85%); 16k and 32k tokens 96% and 97-99% either way.
 _DMA_MIN_LAYER_BYTES = 4 << 20
 # ... and only for rows of at least this many bytes. The 1B preset's 128-byte rows (32 KiB
 # layer slabs) loaded 16k tokens at 39.0 GB/s by DMA against 45.7 by the kernel alone

@@ -25,7 +25,7 @@ __all__ = ["DEFAULT_STAGING_BYTES", "DmaLoader", "DmaSaver"]
 # (a layer larger than one is moved in pieces).
 DEFAULT_STAGING_BYTES = 64 << 20
 _CUDA_MEMCPY_DEFAULT = 4                      # cudaMemcpyDefault: direction from UVA
-# Gather offset tensors a DmaSaver keeps (a few hundred bytes of device memory each).
+# Offset tensors a DmaLoader or DmaSaver keeps (a few hundred bytes of device memory each).
 _STAGED_KEPT = 256
 
 # scatter(staging, first, count, pages, staged_offsets, block_ids, align, stream): the kernel
