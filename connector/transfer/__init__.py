@@ -65,9 +65,10 @@ they are, they hold their SMs for as long as the bytes take on PCIe, and the mod
 overlap the forward (core._DMA_SAVE_MIN_RUN has the trace).
 
 So a load whose pages lie in runs of adjacent slots (the usual case: a request's pages
-are reserved together) goes by the copy engine instead (CopyMethod.DMA): per layer, one
-cudaMemcpy2DAsync per run (rows of layer_bytes, pitch page_bytes) into a device staging
-buffer, then the same kernel scatters the staging buffer into the blocks, device to
+are reserved together) and whose layers reach 4 MiB goes by the copy engine instead
+(CopyMethod.DMA), in pieces of ~8 MiB: per piece, one cudaMemcpy2DAsync per run (rows of
+the piece's layers of one page, back to back in the pool; pitch page_bytes) into a device
+staging buffer, then the same kernel scatters the buffer into the blocks, device to
 device, on a second stream while the next piece copies. Same bench, same run, H200:
 
     tokens  load GB/s  of H2D    (kernel alone at 16k: 50.1 GB/s)
