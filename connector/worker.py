@@ -11,10 +11,10 @@ Per step, in the order engines call it (docs/dev/vllm-0.33-connector-api.md, sec
                            layer; then take the Reserve's answer
     wait_for_layer(name)   the compute stream waits for that layer's copies only
     save_layer(name)       that layer's pages to save are gathered and copied out (D2H),
-                           or, while the device has caught up with the host, the layer
-                           waits for a later hook; while the Reserve is unanswered the
-                           layer is owed instead, and copied (in order) by the first hook
-                           that finds the answer in
+                           or, while the device is less than two hooks behind the
+                           host, the layer waits for a later hook; while the Reserve
+                           is unanswered the layer is owed instead, and copied (in
+                           order) by the first hook that finds the answer in
     wait_for_save()        the hooks put off are run; the Reserve's answer is waited for
                            if still out, the layers owed are copied; the step's save
                            copies are recorded, not waited for; the step's loads are
@@ -104,6 +104,10 @@ log = logging.getLogger(__name__)
 
 # Errors that mean the store is not answering (as opposed to a missing page).
 _NOT_ANSWERING = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+# A layer's save hook copies the layers held so far out only while the device is still
+# short of where the engine's stream was this many hooks before (save_layer says why:
+# measured against 1 and 3).
+_SAVE_LEAD_HOOKS = 2
 
 
 def layer_order(names: Sequence[str]) -> list[str]:
@@ -517,21 +521,24 @@ class WorkerHalf:
                         len(save.offsets), ", ".join(sorted(save.req_ids)), exc)
 
     def save_layer(self, name: str) -> None:
-        """Copy the layer's pages of the step's saves out, unless the device has caught up
-        with the host: then the layer waits for a later hook (or the end of the step), as
-        the host work of a save (taking the Reserve's answer, a first plan, a piece's
-        launches) would hold the next layer's launch back.
-        In a torch.profiler trace of an 8B 1,024-token miss on the H200 the forward's first
-        layers waited 0.46-0.60 ms on the host there, where a recompute's did not; put
-        off, that miss took 1.042x a recompute's time to first token against 1.050x (one
-        interleaved run of 15 rounds, medians).
+        """Copy the layer's pages of the step's saves out, unless the device is less than
+        _SAVE_LEAD_HOOKS hooks behind the host: then the layer waits for a later hook (or
+        the end of the step), as the host work of a save (taking the Reserve's answer, a
+        first plan, a piece's launches) would hold the next layer's launch back.
+        In a torch.profiler trace of an 8B 1,024-token miss on the H200, a lead of one hook
+        still left the forward's stream idle 0.6-1.1 ms at the first save (the host spent
+        1.6 ms between two layers' launches there). Miss+save against recompute, one
+        interleaved run of 8 rounds, medians, for a lead of 1 / 2 / 3 hooks: 256 tokens
+        1.167 / 1.132 / 1.118, 1,024 tokens 1.056 / 1.045 / 1.048, 4,096 tokens
+        1.004 / 0.999 / 1.006. Held layers go out together at a later hook, so a deeper
+        lead costs no copy time, only a later start.
         transfer.save_layer orders a copy after the engine's stream as it is at the copy's
         launch, past the layer's compute, and a layer's KV is not rewritten within a step."""
         if not self._saves.step and not self._reserving.pending:
             return                        # nothing to save this step
         layer = self._index[name]
         self._unsaved.append(layer)
-        if self.transfer.behind() or layer == len(self._index) - 1:
+        if self.transfer.behind(_SAVE_LEAD_HOOKS) or layer == len(self._index) - 1:
             self._save_unsaved()
 
     def _save_unsaved(self) -> None:

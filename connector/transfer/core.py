@@ -145,11 +145,11 @@ class KVTransfer:
         self._save_dma: dict = {}         # plan key -> its runs when it goes by DMA
         self._dma_saved = False           # a DMA save since the last finish_save
         self._last_save = None            # the newest save event (fence_saves)
-        # behind(): two events, recorded in turn where the current stream was at its last
-        # two calls (kept, not made anew: an event made and destroyed per call is two more
-        # driver calls per layer), and whether the newest one marks this step.
+        # behind(): events recorded in turn where the current stream was at its last calls
+        # (kept, not made anew: an event made and destroyed per call is two more driver
+        # calls per layer), and how many calls of this step they mark.
         self._marks: list = []
-        self._marked = False
+        self._marked = 0
 
     # -- loads ---------------------------------------------------------------------------
     def load(self, host: np.ndarray, offsets: np.ndarray, layer_bytes: int,
@@ -399,23 +399,26 @@ class KVTransfer:
         if self._last_save is not None:
             torch.cuda.current_stream(self.device).wait_event(self._last_save)
 
-    def behind(self) -> bool:
-        """Whether the device has not yet reached the current stream's position at the
-        previous call (then the host runs ahead of it, and host work now delays no kernel);
-        True off CUDA. Marks the position for the next call; forget_mark() starts over."""
+    def behind(self, depth: int = 1) -> bool:
+        """Whether the device has not yet reached where the current stream was `depth`
+        calls ago (then the host runs at least that far ahead of it, and host work now
+        delays no kernel); True off CUDA. Marks the position for later calls;
+        forget_mark() starts over. A call `depth` deep before that many marks: False."""
         if not self.cuda:
             return True
-        if not self._marks:
-            self._marks = [torch.cuda.Event(), torch.cuda.Event()]
-        previous = self._marks[0] if self._marked else None
-        behind = previous is not None and not query(previous)
-        self._marks.reverse()
-        self._marks[0].record(torch.cuda.current_stream(self.device))
-        self._marked = True
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        n = depth + 1                       # the marks a ring of this depth needs
+        if len(self._marks) < n:
+            self._marks += [torch.cuda.Event() for _ in range(n - len(self._marks))]
+        ring = self._marks[:n]
+        behind = self._marked >= depth and not query(ring[(self._marked - depth) % n])
+        ring[self._marked % n].record(torch.cuda.current_stream(self.device))
+        self._marked += 1
         return behind
 
     def forget_mark(self) -> None:
-        self._marked = False
+        self._marked = 0
 
     # -- shared ----------------------------------------------------------------------------
     def _plan(self, host: np.ndarray, offsets, block_ids, *, save: bool) -> Plan:

@@ -288,3 +288,23 @@ def test_short_loads_and_saves_take_fewer_launches_and_stay_exact(fresh_server, 
                 x.finish_save()
                 assert len(counted) == want
                 assert np.array_equal(out.reshape(n_pages, -1), pages)
+
+
+def test_behind_looks_depth_calls_back():
+    """behind(depth) answers whether the device is short of the stream's position `depth`
+    calls ago: False until that many calls are marked, True while the GPU is still busy
+    with work queued before that mark, False once it has caught up."""
+    kind, block_size = KVKind.FLASH_NHD, 4
+    xfer = KVTransfer([kv5(cases.make_cache(kind, block_size, device="cuda"), kind)],
+                      block_size, "cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)                       # ~0.1 s of GPU time
+    assert [xfer.behind(2) for _ in range(4)] == [False, False, True, True]
+    torch.cuda.synchronize()
+    assert xfer.behind(2) is False                       # the mark 2 calls back was reached
+    xfer.forget_mark()
+    torch.cuda._sleep(200_000_000)
+    assert [xfer.behind(1) for _ in range(3)] == [False, True, True]
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError):
+        xfer.behind(0)
