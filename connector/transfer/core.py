@@ -411,9 +411,9 @@ class KVTransfer:
         n = depth + 1                       # the marks a ring of this depth needs
         if len(self._marks) < n:
             self._marks += [torch.cuda.Event() for _ in range(n - len(self._marks))]
-        marks = self._marks                 # a ring: its first n, in turn
-        behind = self._marked >= depth and not query(marks[(self._marked - depth) % n])
-        marks[self._marked % n].record(torch.cuda.current_stream(self.device))
+        ring = self._marks[:n]
+        behind = self._marked >= depth and not query(ring[(self._marked - depth) % n])
+        ring[self._marked % n].record(torch.cuda.current_stream(self.device))
         self._marked += 1
         return behind
 
