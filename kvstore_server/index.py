@@ -124,6 +124,15 @@ class KeyIndex:
             return np.array([self._find_one(words[0].tolist())], dtype=np.int64)
         return self._find(words, self._home(_hash(words, self._seed)))
 
+    def find_one(self, key: bytes) -> int:
+        """One key's slot, -1 if absent, with no numpy call on the way in (see
+        _find_one): Store's lookup asks it for a prefix's first key."""
+        if len(key) != self.key_size:
+            raise ValueError(f"key of {len(key)} bytes, expected {self.key_size}")
+        padded = bytes(key).ljust(8 * self._nw, b"\0")
+        return self._find_one([int.from_bytes(padded[i:i + 8], sys.byteorder)
+                               for i in range(0, len(padded), 8)])
+
     def leading(self, keys) -> int:
         """How many leading keys are present (stops at the first absent one)."""
         absent = self.find(keys) < 0

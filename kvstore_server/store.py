@@ -159,6 +159,8 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
         layout_ids = list(dict.fromkeys(layout_ids))     # a repeated id counts once
         with self._lock:
             infos = [self.info(layout_id) for layout_id in layout_ids]
+            if not self.lower.holds_pages and self._first_absent(infos, keys):
+                return self._missed(infos, len(keys))
             found = [self._find(info, keys) for info in infos]
             if not self.lower.holds_pages:
                 count = min(int(np.argmin(f >= 0)) if (f < 0).any() else len(keys)
@@ -174,6 +176,30 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
             # page of the run on the tier below).
             found = [self._find(info, run) for info in infos]
             return self._count_and_lease(infos, keys, found, count, lease_ttl, offsets)
+
+    # A prefix whose first key is absent counts 0, found from that key alone. The batch
+    # path's ~25 numpy calls cost little warm but much with the caches cold, as a request
+    # after idle finds them. A 64-key lookup that hits nothing (dev VM, in-process, the
+    # CPU caches evicted between calls; five runs side by side, medians): 144-178 us
+    # through the batch, 42-58 us here; warm, 34 against 3.4 us.
+    @staticmethod
+    def _first_absent(infos: list[LayoutInfo], keys: Packed) -> bool:
+        """Whether some layout lacks the first key in DRAM (False for no keys)."""
+        if not len(keys):
+            return False
+        first = keys.data[:keys.size]
+        for info in infos:
+            index = info.ready.get(keys.size)
+            if index is None or index.find_one(first) < 0:
+                return True
+        return False
+
+    @staticmethod
+    def _missed(infos: list[LayoutInfo], n: int) -> tuple[int, int, list[np.ndarray]]:
+        """A lookup of n keys that counted none: its misses, no touch, no lease."""
+        for info in infos:
+            info.misses += n
+        return 0, 0, []
 
     def _count_and_lease(self, infos: list[LayoutInfo], keys: Packed, found: list[np.ndarray],
                          count: int, lease_ttl: float, offsets: bool

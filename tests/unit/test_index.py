@@ -245,3 +245,7 @@ def test_one_key_finds_what_a_batch_finds(key_size):
     one = [int(index.find(everything[i:i + 1])[0]) for i in range(len(everything))]
     assert one == batch.tolist()
     assert index.find(stored[1].tobytes()).tolist() == [1]
+    # find_one takes bytes and makes its words without numpy: the same answers.
+    assert [index.find_one(row.tobytes()) for row in everything] == batch.tolist()
+    with pytest.raises(ValueError, match="expected"):
+        index.find_one(bytes(key_size + 1))

@@ -96,6 +96,26 @@ def test_lookup_over_several_layouts_is_the_minimum(store):
     assert store.lookup([a.layout_id, b.layout_id], ks)[0] == 3
 
 
+def test_a_lookup_that_misses_its_first_key_counts_its_misses_and_leases_nothing(store):
+    """A prefix whose first key is absent is answered from that key alone: the same
+    count, misses and (no) lease as the batch path, in every layout named."""
+    a = store.register_layout(LAYOUT)
+    b = store.register_layout(PageLayout(**{**_fields(LAYOUT), "tp_rank": 1, "tp_size": 2}))
+    ks = keys("m", 4)
+    put(store, a, ks)
+    put(store, b, ks[1:])                       # b lacks the first key only
+    assert store.lookup_pinned([a.layout_id, b.layout_id], ks, 5.0) == (0, 0, [])
+    assert store.lookup([a.layout_id], [b"?" * 16] + ks, 5.0) == (0, 0)
+    assert store.lookup([a.layout_id], [k + b"+" for k in ks]) == (0, 0)   # no such index
+    assert store.lookup([a.layout_id], []) == (0, 0)
+    stats = store.stats()
+    layouts = {x.info.layout_id: x for x in stats.layouts}
+    assert (layouts[a.layout_id].misses, layouts[b.layout_id].misses) == (4 + 5 + 4, 4)
+    assert stats.leases == 0 and stats.leased_pages == 0
+    count, lease_id = store.lookup([a.layout_id], ks, 5.0)   # present: the batch path
+    assert count == 4 and lease_id and store.stats().leased_pages == 4
+
+
 def _fields(layout):
     import dataclasses
     return {f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)}
