@@ -78,7 +78,7 @@ device, on a second stream while the next piece copies. Same bench, same run, H2
     32k     54.4       98%
 
 Saves of layers of 4 MiB and up whose pages lie in runs go the same way in reverse, in
-pieces of ~16 MiB launched as their layers are computed: the kernel gathers a piece's
+pieces of ~8 MiB launched as their layers are computed: the kernel gathers a piece's
 layers into a device staging buffer (microseconds, device to device), and a 2D copy per
 run writes it to the pool, so the bytes cross PCIe without holding the SMs the forward is
 using (core._DMA_SAVE_MIN_RUN has the figures that set when).

@@ -53,12 +53,8 @@ _DMA_SAVE_MIN_LAYER_BYTES = 4 << 20
 # Pieces cost the host (a gather, two events, a 2D copy each): at 1,024 tokens, 16 pieces,
 # the host enqueued the forward in 18.8 ms against 9.2 without saves (still well ahead of
 # the device's 30). Miss+save / recompute there, one interleaved run: pieces of 4, 8 and
-# 16 MiB 1.079, 1.064 and 1.067. A save alone is bound by that host cost where its bytes
-# are few: `kvstore-bench load`'s 1,024-token save (4 MiB a layer) against the pinned
-# copy, three alternating runs on the H200, medians of 9 each: pieces of 4 MiB 0.47,
-# 0.36, 0.39; 8 MiB 0.77, 0.67, 0.64; 16 MiB 0.84, 0.75, 0.83 (~170 us of host a piece
-# and ~30 a layer); at 4,096 tokens 0.88-0.92 for all three.
-_DMA_SAVE_PIECE_BYTES = 16 << 20
+# 16 MiB 1.079, 1.064 and 1.067.
+_DMA_SAVE_PIECE_BYTES = 8 << 20
 # Layers one kernel launch covers (loads and saves by the kernel): at least _GROUP, and
 # more while a launch would move under _LAUNCH_BYTES. Each launch costs ~40 us of host
 # time on the H200 host (plus its stream switch and event), as much as the bytes of a
