@@ -357,10 +357,10 @@ class KVTransfer:
         self._saved(plan)
 
     def _gather(self, staging: torch.Tensor, first: int, count: int, pages: int,
-                offs: torch.Tensor, blocks: torch.Tensor, align: int) -> None:
+                offs: torch.Tensor, blocks: torch.Tensor, align: int, stream: int) -> None:
         table, at = self._table(first)
         kernel.launch(self.geo, table, at, count, staging, pages, offs, blocks,
-                      self.geo.layer_bytes, align, False, _GATHER_CTAS)
+                      self.geo.layer_bytes, align, False, _GATHER_CTAS, stream)
 
     def _saved(self, plan: Plan) -> None:
         # No event per launch: one stream runs the saves in order, so the one event
