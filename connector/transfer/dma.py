@@ -217,7 +217,9 @@ class DmaSaver(_Staging):
         copy in three runs on the H200, and 0.36-0.47 in pieces of 4 MiB, ~170 us of host
         a piece. So a piece enters no stream or device context of its own (the caller's
         are in force; a `with` cost ~15 us in the load path), makes no event for the
-        handoff, and names its stream to the launch (a lookup costs ~10 us)."""
+        handoff, and names its stream to the launch (a lookup costs ~10 us). Without them
+        the 1,024-token save went from 70% to 85% of the pinned copy (one run of each,
+        side by side, H200; 89% in the record run after)."""
         lb, pages = geo.layer_bytes, len(plan.offsets)
         if not pages:
             return
