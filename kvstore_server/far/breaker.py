@@ -3,7 +3,15 @@
 A dead or partitioned cluster costs every call its full `--far-timeout`; a lookup that
 waits 50 ms for nothing on every step is worse than no far tier. So after `threshold`
 calls in a row fail (a timeout, no connection, every command refused) the breaker opens:
-calls answer "miss" at once without touching the network. Every `probe_interval`
+calls answer "miss" at once without touching the network.
+
+Calls that were in flight together count once: a failed call that started before the
+streak's last counted failure ended adds nothing to it. Why: calls in flight when one
+master dies can all time out whole, together (glide answers them at their deadline; the
+calls after them get per-command errors for the dead shard and answers from the others).
+Counted one each, three such calls opened the breaker, and every page of the live masters
+missed until a probe closed it: 114 calls of one failover test run (most runs had no
+whole failure, or two). A cluster that stays down fails the calls made after them too. Every `probe_interval`
 seconds one call goes through as a probe (half-open); its success closes the breaker,
 its failure keeps it open. One log line per change of state, nothing per call.
 
@@ -50,6 +58,7 @@ class FarBreaker:
         self._open = False
         self._next_probe = 0.0                  # when open: clock time of the next probe
         self._failures = 0                      # calls failed in a row while closed
+        self._counted_at = 0.0                  # clock time the last counted one ended
         self._probing = False                   # a probe is out (half-open)
 
     @property
@@ -69,7 +78,12 @@ class FarBreaker:
         log.debug("far tier: breaker half-open, probing the cluster")
         return True
 
-    def record(self, ok: bool, why: str = "") -> None:
+    def now(self) -> float:
+        """The breaker's clock: what a call passes back to record() as `started`."""
+        return self._clock()
+
+    def record(self, ok: bool, why: str = "", started: float | None = None) -> None:
+        """A call's outcome; `started`: now() when it began (None: counts alone)."""
         with self._lock:
             was_open, probing = self._open, self._probing
             self._probing = False
@@ -78,11 +92,15 @@ class FarBreaker:
                 self._failures = 0
                 self._open = False
             else:
-                self._failures += 1
+                now = self._clock()
+                if not (self._failures and started is not None
+                        and started < self._counted_at):
+                    self._failures += 1
+                    self._counted_at = now
                 if was_open or self._failures >= self.threshold:
                     opened = not was_open
                     self._open = True
-                    self._next_probe = self._clock() + self.probe_interval
+                    self._next_probe = now + self.probe_interval
         # Closed -> open and open -> closed are what an operator needs to see; a failed
         # probe (half-open -> open again, once per probe interval) only at DEBUG.
         if ok and was_open:

@@ -150,6 +150,7 @@ class FarClient:
             self.counters.add(skipped=1)
             return None, _nothing
         client = None
+        started = self.breaker.now()
         try:
             client = self._glide()
             ms = max(1, int(timeout * 1000))
@@ -159,14 +160,15 @@ class FarClient:
                 out, free = _exec(client, commands, ms), _nothing
         except glide.GlideError as exc:
             self.counters.add(errors=1)
-            self.breaker.record(False, type(exc).__name__)
+            self.breaker.record(False, type(exc).__name__, started)
             if client is not None and isinstance(exc, glide.ClosingError):
                 self._drop(client)
             return None, _nothing
         failed = sum(isinstance(r, Exception) for r in out)
         if failed:
             self.counters.add(errors=failed)
-        self.breaker.record(failed < len(out), f"{failed} of {len(out)} commands failed")
+        self.breaker.record(failed < len(out), f"{failed} of {len(out)} commands failed",
+                            started)
         return out, free
 
     def exists(self, layout_id: bytes, keys: Sequence[bytes],

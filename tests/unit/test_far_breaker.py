@@ -49,3 +49,27 @@ def test_a_success_resets_the_count():
     b.record(True)
     b.record(False)
     assert b.state is BreakerState.CLOSED
+
+
+def test_calls_in_flight_together_count_once():
+    """Calls in flight when one master dies time out together: those that started before
+    the streak's last counted failure ended add nothing, so they do not open the breaker;
+    calls made after a failure (a cluster that stays down) do."""
+    clock = Clock()
+    b = FarBreaker(threshold=3, clock=clock)
+    started = [b.now() for _ in range(5)]      # five calls out at once
+    clock.now += 0.5                           # their deadline
+    for t in started:
+        b.record(False, "TimeoutError", t)
+        clock.now += 0.001
+    assert b.state is BreakerState.CLOSED and b.allow()
+    b.record(True, "", b.now())                # the next call: the other shards answer
+    for _ in range(2):                         # a cluster that stays down: one after another
+        t = b.now()
+        clock.now += 0.5
+        b.record(False, "TimeoutError", t)
+    assert b.state is BreakerState.CLOSED
+    t = b.now()
+    clock.now += 0.5
+    b.record(False, "TimeoutError", t)         # the third in a row: open
+    assert b.state is BreakerState.OPEN and not b.allow()
