@@ -3,7 +3,9 @@
 A dead or partitioned cluster costs every call its full `--far-timeout`; a lookup that
 waits 50 ms for nothing on every step is worse than no far tier. So after `threshold`
 calls in a row fail (a timeout, no connection, every command refused) the breaker opens:
-calls answer "miss" at once without touching the network.
+calls answer "miss" at once without touching the network. Every `probe_interval`
+seconds one call goes through as a probe (half-open); its success closes the breaker,
+its failure keeps it open. One log line per change of state, nothing per call.
 
 Calls that were in flight together count once: a failed call that started before the
 streak's last counted failure ended adds nothing to it. Why: calls in flight when one
@@ -11,9 +13,7 @@ master dies can all time out whole, together (glide answers them at their deadli
 calls after them get per-command errors for the dead shard and answers from the others).
 Counted one each, three such calls opened the breaker, and every page of the live masters
 missed until a probe closed it: 114 calls of one failover test run (most runs had no
-whole failure, or two). A cluster that stays down fails the calls made after them too. Every `probe_interval`
-seconds one call goes through as a probe (half-open); its success closes the breaker,
-its failure keeps it open. One log line per change of state, nothing per call.
+whole failure, or two). A cluster that stays down fails the calls made after them too.
 
     CLOSED --threshold failures--> OPEN --probe_interval--> HALF_OPEN --ok--> CLOSED
                                      ^                          |
