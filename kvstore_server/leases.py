@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import heapq
-import itertools
 import math
+import secrets
 import time
 from collections.abc import Callable
 
@@ -44,8 +44,8 @@ class Lease:
     expires_at: float
     layout: int = -1         # layout index, for RESERVE (its keys go with the slots)
     keys: list[bytes] = dataclasses.field(default_factory=list)
-    # The tenant whose request took it: lease ids are guessable, so only the owner may
-    # commit, abort or release one (store.py checks; "" in tests that do not care).
+    # The tenant whose request took it: only the owner may commit, abort or release one
+    # (store_leases.owns checks; "" in tests that do not care).
     owner: str = ""
 
 
@@ -56,16 +56,13 @@ class LeaseTable:
         self.clock = clock
         self._leases: dict[int, Lease] = {}
         self._expiry: list[tuple[float, int]] = []   # heap of (expires_at, lease_id)
-        # Ids start at a random-looking offset so a stale id from a previous server
-        # process is unlikely to name a live lease of this one.
-        self._ids = itertools.count(int(time.time_ns() & 0xFFFFFFFF) << 20 | 1)
 
     def __len__(self) -> int:
         return len(self._leases)
 
     def grant(self, kind: LeaseKind, slots: np.ndarray, ttl: float, layout: int = -1,
               keys: list[bytes] | None = None, owner: str = "") -> Lease:
-        lease = Lease(next(self._ids), kind, slots, self.clock() + ttl, layout, keys or [],
+        lease = Lease(self._new_id(), kind, slots, self.clock() + ttl, layout, keys or [],
                       owner)
         self._leases[lease.lease_id] = lease
         # A lease that never expires (a Put or Get stream's, released in a `finally`) has
@@ -79,6 +76,18 @@ class LeaseTable:
                                 if x.expires_at != math.inf]
                 heapq.heapify(self._expiry)
         return lease
+
+    # A lease's id is all that proves its holder: without an auth file every client is
+    # one tenant. Ids were counted, and a client that took one lease could name its
+    # neighbours: it aborted another client's reservation mid-write, so that the freed
+    # slot went to a third client's page and the writer's bytes landed in it (found by
+    # a probe against a real server). Random 63-bit ids cannot be guessed, and a stale id
+    # of an earlier server process names nothing here.
+    def _new_id(self) -> int:
+        while True:
+            lease_id = secrets.randbits(63)
+            if lease_id and lease_id not in self._leases:
+                return lease_id
 
     def get(self, lease_id: int) -> Lease | None:
         return self._leases.get(lease_id)

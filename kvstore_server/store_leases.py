@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .errors import Outcome, StoreError
-from .leases import Lease, LeaseKind, LeaseTable
+from .leases import FOREVER, Lease, LeaseKind, LeaseTable
 from .slots import SlotState, SlotTable
 from .timed_lock import TimedLock
 
@@ -25,8 +25,11 @@ DOOMED = SlotState.DOOMED
 
 
 def owns(tenant: str | None, lease: Lease) -> bool:
-    """May this caller end the lease? None is the server itself, which may end any."""
-    return tenant is None or lease.owner == tenant
+    """May this caller end the lease? None is the server itself, which may end any. A
+    client may end its tenant's leases, but never one that does not expire: a Put or Get
+    stream in the server holds it while its copy runs and ends it itself (a client that
+    ended one let the slot be reused under the copy)."""
+    return tenant is None or (lease.owner == tenant and lease.expires_at != FOREVER)
 
 
 

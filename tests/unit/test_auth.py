@@ -13,7 +13,7 @@ from kvstore_server.config import ConfigError, is_loopback, load_config
 from kvstore_server.errors import Outcome, StoreError
 from kvstore_server.region import Region
 from kvstore_server.stats import TenantStats
-from kvstore_server.store import Store
+from kvstore_server.store import FOREVER, Store
 from kvstore_server.tenants import DEFAULT_TENANT, scoped_layout_id
 
 MiB = 1 << 20
@@ -275,6 +275,30 @@ def test_leases_belong_to_their_tenant(store):
     assert not store.abort(res.lease_id, "b")
     assert store.commit(res.lease_id, "a") == 1
     assert np.all(store.exists(a.layout_id, keys("n", 1)))
+
+
+def test_a_stream_lease_is_out_of_every_clients_reach(store):
+    """A Put or Get stream's lease (it never expires) is ended by the server alone, not by
+    a client of its tenant: a client that aborted one let the slot be reused mid-write."""
+    a = store.register_layout(LAYOUT, "a")
+    res = store.reserve(a.layout_id, keys("w", 1), ttl=FOREVER)
+    with pytest.raises(StoreError, match="unknown or has expired"):
+        store.commit(res.lease_id, "a")
+    assert not store.abort(res.lease_id, "a") and not store.release(res.lease_id, "a")
+    put(store, a.layout_id, keys("r", 1))
+    pinned = store.acquire(a.layout_id, keys("r", 1), ttl=FOREVER)
+    assert not store.release(pinned.lease_id, "a")
+    assert store.commit(res.lease_id) == 1 and store.release(pinned.lease_id)
+
+
+def test_lease_ids_cannot_be_guessed_from_one_another(store):
+    a = store.register_layout(LAYOUT, "a")
+    put(store, a.layout_id, keys("k", 1))
+    ids = [store.lookup([a.layout_id], keys("k", 1), lease_ttl=5.0)[1] for _ in range(200)]
+    assert len(set(ids)) == 200 and all(0 < i < 1 << 63 for i in ids)
+    # Counted ids were one apart; random 63-bit ones this close happen once in ~2^40.
+    gaps = np.abs(np.diff(np.array(ids, dtype=np.float64)))
+    assert gaps.min() > 1 << 20
 
 
 # -- client certificates as identities --------------------------------------------------
