@@ -14,6 +14,7 @@ from kvstore_client.units import parse_duration, parse_size
 
 from . import __version__
 from .far.settings import from_config
+from .leases import DEFAULT_LEASE_MEMORY
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -42,6 +43,10 @@ class ServerConfig:
     flush_timeout: float = 60.0     # ... for at most this many seconds
     metrics_port: int = 0           # Prometheus /metrics on 127.0.0.1:port; 0 = off
     lease_ttl: float = 30.0         # seconds a lease or reservation lives unless released
+    # Bytes of memory the leases clients hold may take; past it a leased Lookup answers
+    # without a lease, Acquire and Reserve RESOURCE_EXHAUSTED (kvstore_server.leases);
+    # 0 = unlimited
+    lease_memory: int = DEFAULT_LEASE_MEMORY
     high_watermark: float = 0.95    # background eviction starts above this share of the pool
     low_watermark: float = 0.85     # ... and stops below this one
     # Which pages DRAM and the disk tier evict first: a module of kvstore_server ("lru")
@@ -108,6 +113,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "flush_timeout": parse_duration,
     "metrics_port": int,
     "lease_ttl": parse_duration,
+    "lease_memory": parse_size,
     "high_watermark": float,
     "low_watermark": float,
     "eviction_policy": str,
@@ -167,6 +173,9 @@ def argument_parser() -> argparse.ArgumentParser:
                    help="longest that flush may take (default 60s)")
     p.add_argument("--metrics-port", metavar="N", help="Prometheus port on 127.0.0.1; 0 = off")
     p.add_argument("--lease-ttl", metavar="DURATION", help="lease lifetime, e.g. 30s (default 30s)")
+    p.add_argument("--lease-memory", metavar="SIZE",
+                   help="memory the leases clients hold may take; 0 = unlimited "
+                        "(default 256MiB)")
     p.add_argument("--high-watermark", metavar="F", help="evict above this pool share (0.95)")
     p.add_argument("--low-watermark", metavar="F", help="evict down to this pool share (0.85)")
     p.add_argument("--eviction-policy", metavar="NAME",
@@ -269,6 +278,8 @@ def _check(c: ServerConfig) -> None:
                           f"low={c.low_watermark} high={c.high_watermark}")
     if c.lease_ttl <= 0:
         raise ConfigError("lease_ttl must be positive")
+    if c.lease_memory < 0:
+        raise ConfigError("lease_memory must be >= 0 (0 = unlimited)")
     if c.disk and not c.disk_dir:
         raise ConfigError("disk tier needs disk_dir (--disk-dir) when disk > 0")
     if c.workers < 1:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["FOREVER", "LeaseKind", "Lease", "LeaseTable"]
+__all__ = ["DEFAULT_LEASE_MEMORY", "FOREVER", "LeaseKind", "Lease", "LeaseTable", "footprint"]
 
 Clock = Callable[[], float]  # seconds, monotonic; tests pass one they can advance
 
@@ -29,6 +29,26 @@ Clock = Callable[[], float]  # seconds, monotonic; tests pass one they can advan
 # the server's process, a read-back): it never expires, since expiring it would let the
 # slot be reused under a live copy.
 FOREVER = math.inf
+
+# Bytes of server memory the leases clients hold may take (the store's lease_memory).
+# A leased Lookup of one stored key named 16,384 times (a 16 KiB request) keeps a
+# 128 KiB slot array for the lease's life: one client grew a server by 1.3 GB in 24 s
+# so, with the pin counts on their way to overflowing. 256 MiB is ~30 million leased
+# pages: a thousand requests in flight, each leasing 2,048 pages on 8 ranks, take 131 MiB.
+DEFAULT_LEASE_MEMORY = 256 << 20
+
+
+# What a live lease costs the server's memory, about (tracemalloc, CPython 3.11): 298
+# bytes for the Lease with its dict and heap entries, 129 for a one-slot id array, then 8
+# a slot; a reservation keeps its keys too, 58 bytes for a 16-byte key in a list, 106 at
+# the longest (64 bytes).
+_LEASE_BYTES = 450
+_KEY_BYTES = 110
+
+
+def footprint(slots: int, keys: int = 0) -> int:
+    """Bytes of server memory a lease of `slots` slots and `keys` keys holds, about."""
+    return _LEASE_BYTES + 8 * slots + _KEY_BYTES * keys
 
 
 class LeaseKind(enum.Enum):
@@ -50,11 +70,15 @@ class Lease:
 
 
 class LeaseTable:
-    """Live leases by id, with the earliest expiry found in O(log n)."""
+    """Live leases by id, with the earliest expiry found in O(log n), and the memory the
+    ones clients hold take (`held`)."""
 
     def __init__(self, clock: Clock = time.monotonic) -> None:
         self.clock = clock
         self._leases: dict[int, Lease] = {}
+        # footprint() of every lease that expires: those clients hold, which only the
+        # store's lease_memory bounds (a stream's lease lives as long as its handler)
+        self.held = 0
         self._expiry: list[tuple[float, int]] = []   # heap of (expires_at, lease_id)
 
     def __len__(self) -> int:
@@ -65,6 +89,7 @@ class LeaseTable:
         lease = Lease(self._new_id(), kind, slots, self.clock() + ttl, layout, keys or [],
                       owner)
         self._leases[lease.lease_id] = lease
+        self.held += self._held(lease)
         # A lease that never expires (a Put or Get stream's, released in a `finally`) has
         # no heap entry: one (inf, id) pushed per stream was never popped, 100 bytes a
         # stream for ever. Entries of leases released early wait for their expiry; when
@@ -94,7 +119,17 @@ class LeaseTable:
 
     def pop(self, lease_id: int) -> Lease | None:
         """Remove and return the lease (None if unknown or already gone)."""
-        return self._leases.pop(lease_id, None)
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            self.held -= self._held(lease)
+        return lease
+
+    @staticmethod
+    def _held(lease: Lease) -> int:
+        """What the lease counts in `held`: 0 for one that never expires."""
+        if lease.expires_at == math.inf:
+            return 0
+        return footprint(len(lease.slots), len(lease.keys))
 
     def expired(self) -> list[Lease]:
         """Remove and return every lease whose expiry has passed."""
@@ -104,7 +139,8 @@ class LeaseTable:
             _, lease_id = heapq.heappop(self._expiry)
             lease = self._leases.get(lease_id)
             if lease is not None and lease.expires_at <= now:
-                out.append(self._leases.pop(lease_id))
+                self.pop(lease_id)
+                out.append(lease)
         return out
 
     def take_breakable(self) -> list[Lease]:
@@ -113,8 +149,6 @@ class LeaseTable:
         let its slots be reused under the copy still running)."""
         out = [lease for lease in self._leases.values() if lease.expires_at != math.inf]
         for lease in out:
-            del self._leases[lease.lease_id]
+            self.pop(lease.lease_id)
         return out
 
-    def pinned_slots(self) -> int:
-        return sum(len(lease.slots) for lease in self._leases.values())

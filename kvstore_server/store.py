@@ -38,7 +38,7 @@ from kvstore_client.layout import PageLayout
 from .errors import Outcome, Reason, StoreError
 from .eviction import PolicyFactory, make_policy
 from .layouts import LayoutInfo, LayoutRegistry
-from .leases import FOREVER, Lease, LeaseKind, LeaseTable
+from .leases import DEFAULT_LEASE_MEMORY, FOREVER, Lease, LeaseKind, LeaseTable
 from .pool import Pool
 from .quota import TenantLedger
 from .region import HEADER_BYTES, Region
@@ -65,6 +65,7 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
     """Pages of every layout in one shared region, with leases and policy eviction."""
 
     def __init__(self, region: Region, *, lease_ttl: float = 30.0,
+                 lease_memory: int = DEFAULT_LEASE_MEMORY,
                  high_watermark: float = 0.95, low_watermark: float = 0.85,
                  clock: Callable[[], float] = time.monotonic,
                  lower: Tier | None = None,
@@ -79,6 +80,7 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
         self.mem = region.mem
         self.pool = Pool(region.size - HEADER_BYTES, base=HEADER_BYTES)
         self.lease_ttl = lease_ttl
+        self.lease_memory = lease_memory     # bytes clients' leases may take (store_leases)
         self.high_watermark = high_watermark
         self.low_watermark = low_watermark
         self.clock = clock
@@ -216,6 +218,9 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
         pinned = np.concatenate(dram)
         if lease_ttl <= 0 or not pinned.size:
             return count, 0, []
+        if not self._may_lease(pinned.size):
+            self._leases_full("a leased Lookup answered without a lease")
+            return count, 0, []
         np.add.at(self._slots.pins, pinned, 1)    # add.at: a key may repeat
         lease_id = self._leases.grant(LeaseKind.READ, pinned, lease_ttl,
                                       owner=infos[0].tenant).lease_id
@@ -255,6 +260,9 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
                 elif key not in seen:
                     wanted.append(i)
                     seen.add(key)
+            if ttl != FOREVER and not self._may_lease(len(wanted), len(wanted)):
+                raise StoreError(Outcome.EXHAUSTED,
+                                 self._leases_full(f"Reserve of {len(wanted)} pages refused"))
             if quota:
                 self._room_for(info, len(wanted), quota)
             got = self._alloc(info.cls, len(wanted))
@@ -363,6 +371,9 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
                 else:
                     missing = np.flatnonzero(slots < 0)
                 if not missing.size:
+                    if ttl != FOREVER and not self._may_lease(len(slots)):
+                        raise StoreError(Outcome.EXHAUSTED, self._leases_full(
+                            f"Acquire of {len(slots)} pages refused"))
                     self._pin(slots)
                     self._touch(slots)
                     info.bytes_out += len(keys) * info.page_bytes

@@ -1,19 +1,27 @@
-"""Store's leases ending: released by their client, expired, or broken by an admin.
+"""Store's leases: the memory clients' leases may take, and their ending (released by
+their client, expired, or broken by an admin).
 
 A mixin of Store (store.py), which owns the lock and the lease table; a READ lease's end
 unpins its pages (a DOOMED page is freed with its last pin), a RESERVE lease's end undoes
 the reservation as abort does.
+
+The leases clients hold are bounded in bytes (lease_memory; leases.DEFAULT_LEASE_MEMORY
+says why): past it a leased Lookup answers its count without a lease (as it does for
+pages on the tier below: the client acquires them when it reads), and Acquire and
+Reserve are refused with RESOURCE_EXHAUSTED. A Put or Get stream's own lease is not
+counted: the handler threads bound those.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .errors import Outcome, StoreError
-from .leases import FOREVER, Lease, LeaseKind, LeaseTable
+from .leases import FOREVER, Lease, LeaseKind, LeaseTable, footprint
 from .slots import SlotState, SlotTable
 from .timed_lock import TimedLock
 
@@ -39,10 +47,29 @@ class StoreLeases:
     _lock: TimedLock
     _slots: SlotTable
     _leases: LeaseTable
+    lease_memory: int               # bytes clients' leases may take; 0 = unlimited
+    _lease_warned = float("-inf")   # time.monotonic() of the last "leases full" warning
 
     if TYPE_CHECKING:               # Store's own, used here
         def _undo_reservation(self, lease: Lease) -> None: ...
         def _free(self, slots) -> None: ...
+
+    def _may_lease(self, slots: int, keys: int = 0) -> bool:
+        """Whether a client's lease of `slots` slots and `keys` keys fits lease_memory
+        (under the lock)."""
+        return (not self.lease_memory
+                or self._leases.held + footprint(slots, keys) <= self.lease_memory)
+
+    def _leases_full(self, what: str) -> str:
+        """Why a lease was not given (logged once a minute): for the refusal's message."""
+        why = (f"{what}: the leases clients hold take {self._leases.held} bytes of the "
+               f"server's memory, the most it allows ({self.lease_memory}, --lease-memory); "
+               "release leases, or wait for them to expire (--lease-ttl)")
+        now = time.monotonic()
+        if now - self._lease_warned > 60:
+            self._lease_warned = now
+            log.warning("%s (%d leases)", why, len(self._leases))
+        return why
 
     def release(self, lease_id: int, tenant: str | None = None) -> bool:
         """End a lease: a READ lease unpins its pages; a RESERVE lease is undone, as abort

@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kvstore_client import KVStoreClient, PageLayout, PutResult
+from kvstore_client import KVStoreClient, KVStoreError, PageLayout, PutResult
 
 from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client._proto.kvstore.v1 import kvstore_pb2_grpc
@@ -191,3 +191,30 @@ def test_a_put_of_keys_another_client_is_writing_says_in_flight(server):
                 again.abort()
         finally:
             res.abort()
+
+
+@pytest.mark.parametrize("small", [{"lease_memory": "1MiB"}], indirect=True, ids=["leases"])
+def test_leases_past_lease_memory_are_not_given(small):
+    """A leased Lookup naming one page 16,384 times keeps a 128 KiB lease: unbounded, a
+    client grew a server by 1.3 GB in 24 s so. Past --lease-memory a leased Lookup
+    answers its count without a lease, Acquire is refused, and room comes back as leases
+    end."""
+    srv, client, ns, stub = small
+    key = b"flood-key-000000"
+    client.put(ns, [key], np.zeros((1, ns.page_bytes), np.uint8))
+    flood = pb.LookupRequest(layout_ids=[ns.layout_id], keys=pb.PackedKeys(
+        data=key * 16_384, key_size=len(key)), lease_ms=30_000)
+    answers = [stub.Lookup(flood, timeout=30) for _ in range(40)]
+    assert all(a.count == 16_384 for a in answers)
+    held = [a.lease_id for a in answers if a.lease_id]
+    assert 1 <= len(held) <= 8, f"{len(held)} leases of 128 KiB under 1 MiB"
+    assert client.stats().leases == len(held)
+    with pytest.raises(KVStoreError) as refused:
+        client.acquire(ns, [key] * 16_384)
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--lease-memory" in refused.value.message
+    assert "leased Lookup answered without a lease" in srv.log()
+    for lease_id in held:
+        assert stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease_id)).released
+    client.acquire(ns, [key] * 16_384).release()
+    assert client.stats().leases == 0

@@ -13,6 +13,7 @@ from kvstore_server.config import ConfigError, is_loopback, load_config
 from kvstore_server.errors import Outcome, StoreError
 from kvstore_server.region import Region
 from kvstore_server.stats import TenantStats
+from kvstore_server.leases import footprint
 from kvstore_server.store import FOREVER, Store
 from kvstore_server.tenants import DEFAULT_TENANT, scoped_layout_id
 
@@ -289,6 +290,27 @@ def test_a_stream_lease_is_out_of_every_clients_reach(store):
     pinned = store.acquire(a.layout_id, keys("r", 1), ttl=FOREVER)
     assert not store.release(pinned.lease_id, "a")
     assert store.commit(res.lease_id) == 1 and store.release(pinned.lease_id)
+
+
+def test_leases_past_lease_memory_are_not_given(store):
+    """Past lease_memory a leased lookup counts without a lease, Acquire and Reserve are
+    refused; a stream's lease still goes, and an ended lease makes room again."""
+    a = store.register_layout(LAYOUT, "a")
+    put(store, a.layout_id, keys("k", 1))
+    store.lease_memory = footprint(40) * 3 // 2      # room for one lease of 40
+    one = keys("k", 1) * 40                     # one page named 40 times
+    count, first = store.lookup([a.layout_id], one, lease_ttl=5.0)
+    assert count == 40 and first
+    assert store.lookup([a.layout_id], one, lease_ttl=5.0) == (40, 0)
+    with pytest.raises(StoreError, match="--lease-memory") as refused:
+        store.acquire(a.layout_id, one)
+    assert refused.value.outcome is Outcome.EXHAUSTED
+    with pytest.raises(StoreError, match="--lease-memory"):
+        store.reserve(a.layout_id, keys("n", 40))
+    streamed = store.acquire(a.layout_id, one, ttl=FOREVER)
+    assert store.release(streamed.lease_id) and store.release(first, "a")
+    assert store.lookup([a.layout_id], one, lease_ttl=5.0)[1]
+    assert int(store._slots.pins.max()) == 40    # nothing pinned by the refusals
 
 
 def test_lease_ids_cannot_be_guessed_from_one_another(store):

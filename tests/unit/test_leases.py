@@ -1,6 +1,6 @@
 import numpy as np
 
-from kvstore_server.leases import LeaseKind, LeaseTable
+from kvstore_server.leases import LeaseKind, LeaseTable, footprint
 
 
 class Clock:
@@ -36,3 +36,21 @@ def test_released_leases_leave_nothing_behind():
     assert len(table) == 1 and len(table._expiry) <= 1024 + 3
     clock.now += 2
     assert table.expired() == [kept]
+
+
+def test_held_counts_the_leases_clients_hold_until_they_end():
+    clock = Clock()
+    table = LeaseTable(clock)
+    stream = table.grant(LeaseKind.READ, np.arange(1000), ttl=float("inf"))
+    assert table.held == 0                       # a stream's lease: its handler bounds it
+    read = table.grant(LeaseKind.READ, np.arange(1000), ttl=1.0)
+    res = table.grant(LeaseKind.RESERVE, np.arange(3), ttl=5.0, layout=0,
+                      keys=[b"a", b"b", b"c"])
+    assert table.held == footprint(1000) + footprint(3, 3)
+    table.pop(res.lease_id)
+    assert table.held == footprint(1000)
+    clock.now += 2
+    assert table.expired() == [read] and table.held == 0
+    broken = table.grant(LeaseKind.READ, np.arange(7), ttl=5.0)
+    assert table.take_breakable() == [broken] and table.held == 0
+    assert table.pop(stream.lease_id) is stream and table.held == 0
