@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .auth import Principal
 from .errors import Outcome, Reason, StoreError
+from .layouts import unknown_layout
 from .store import Store
 from .tenants import scoped_layout_id
 
@@ -28,9 +29,7 @@ def caller_layout(store: Store, auth_on: bool, caller: Principal, layout_id: byt
         except StoreError:
             owner = None
         if owner != caller.name:
-            raise StoreError(Outcome.INVALID, f"unknown layout {layout_id.hex() or '(empty)'}"
-                                              ": call RegisterLayout first",
-                             reason=Reason.LAYOUT_UNKNOWN)
+            raise unknown_layout(layout_id)
     return scoped
 
 

@@ -15,9 +15,24 @@ from .errors import Outcome, Reason, StoreError
 from .index import KeyIndex
 from .tenants import DEFAULT_TENANT, scoped_layout_id
 
-__all__ = ["LayoutInfo", "LayoutRegistry"]
+__all__ = ["LAYOUT_ID_BYTES", "LayoutInfo", "LayoutRegistry", "unknown_layout"]
 
 log = logging.getLogger(__name__)
+
+LAYOUT_ID_BYTES = 16        # PageLayout.layout_id: xxh3-128 of the canonical encoding
+
+
+def unknown_layout(layout_id: bytes) -> StoreError:
+    """INVALID with reason LAYOUT_UNKNOWN (a client that sees it after a restart registers
+    again). The id is echoed only as long as an id is: one of 8,000 bytes echoed whole
+    made a status message past gRPC's 16 KiB metadata limit, and the client got a
+    transport error (RESOURCE_EXHAUSTED) in place of this one."""
+    if len(layout_id) != LAYOUT_ID_BYTES:
+        what = f"{len(layout_id)} bytes, not a layout id (those are {LAYOUT_ID_BYTES})"
+    else:
+        what = layout_id.hex()
+    return StoreError(Outcome.INVALID, f"unknown layout {what}: call RegisterLayout first",
+                      reason=Reason.LAYOUT_UNKNOWN)
 
 
 @dataclasses.dataclass(slots=True)
@@ -89,9 +104,7 @@ class LayoutRegistry:
         client that sees it after a restart registers again)."""
         info = self._by_id.get(layout_id)
         if info is None:
-            raise StoreError(Outcome.INVALID, f"unknown layout {layout_id.hex() or '(empty)'}: "
-                                              "call RegisterLayout first",
-                             reason=Reason.LAYOUT_UNKNOWN)
+            raise unknown_layout(layout_id)
         return info
 
     def of_tenant(self, tenant: str, cls: int | None = None) -> list[int]:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvstore_client.keys import Packed
+from kvstore_client.keys import MAX_KEY_BYTES, Packed
 
 from .errors import Outcome, Reason, StoreError
 from .eviction import EvictionPolicy, enough
@@ -176,6 +176,9 @@ class StoreAdmin:
 
     # -- introspection ----------------------------------------------------------------
     def inspect(self, layout_id: bytes, key: bytes) -> PageInfo:
+        if not 1 <= len(key) <= MAX_KEY_BYTES:
+            raise StoreError(Outcome.INVALID, f"a key is 1 to {MAX_KEY_BYTES} bytes, got "
+                                              f"{len(key)}")
         with self._lock:
             info = self._layouts.info(layout_id)
             index = info.ready.get(len(key))

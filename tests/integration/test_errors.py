@@ -69,6 +69,29 @@ def test_unknown_layout_and_missing_layout_ids(setup):
     assert code == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_a_long_layout_id_or_key_is_named_by_its_length(setup):
+    """An id is echoed only as long as ids are: an 8,000-byte one echoed as hex made a
+    status message past gRPC's 16 KiB metadata limit, and the caller got a transport
+    error (RESOURCE_EXHAUSTED) in place of "unknown layout"."""
+    stub, admin, _, ns, _ = setup
+    long_id, key = b"\x07" * 8000, packed(GOOD_KEYS[0], 16)
+    for call, request in [
+            (stub.Lookup, pb.LookupRequest(layout_ids=[long_id], keys=key)),
+            (stub.Exists, pb.ExistsRequest(layout_id=long_id, keys=key)),
+            (stub.Delete, pb.DeleteRequest(layout_id=long_id, keys=key)),
+            (stub.Get, pb.GetRequest(layout_id=long_id, keys=key)),
+            (admin.Evict, apb.EvictRequest(layout_id=long_id)),
+            (admin.Inspect, apb.InspectRequest(layout_id=long_id, key=GOOD_KEYS[0]))]:
+        code, details = status_of(call, request)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (call, code, details[:200])
+        assert details == ("unknown layout 8000 bytes, not a layout id (those are 16): "
+                           "call RegisterLayout first")
+    code, details = status_of(admin.Inspect, apb.InspectRequest(layout_id=ns.layout_id,
+                                                                key=b"k" * 8000))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details == \
+        "a key is 1 to 64 bytes, got 8000"
+
+
 def test_lookup_layout_ids_are_capped_and_counted_once(setup):
     stub, _, _, ns, _ = setup
     keys = packed(b"".join(GOOD_KEYS), 16)
