@@ -14,6 +14,7 @@ from kvstore_client.units import parse_duration, parse_size
 
 from . import __version__
 from .far.settings import from_config
+from .layouts import DEFAULT_MAX_LAYOUTS
 from .leases import DEFAULT_LEASE_MEMORY
 
 if sys.version_info >= (3, 11):
@@ -47,6 +48,7 @@ class ServerConfig:
     # without a lease, Acquire and Reserve RESOURCE_EXHAUSTED (kvstore_server.leases);
     # 0 = unlimited
     lease_memory: int = DEFAULT_LEASE_MEMORY
+    max_layouts: int = DEFAULT_MAX_LAYOUTS    # layouts kept; past it RegisterLayout is refused
     high_watermark: float = 0.95    # background eviction starts above this share of the pool
     low_watermark: float = 0.85     # ... and stops below this one
     # Which pages DRAM and the disk tier evict first: a module of kvstore_server ("lru")
@@ -114,6 +116,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "metrics_port": int,
     "lease_ttl": parse_duration,
     "lease_memory": parse_size,
+    "max_layouts": int,
     "high_watermark": float,
     "low_watermark": float,
     "eviction_policy": str,
@@ -193,6 +196,8 @@ def argument_parser() -> argparse.ArgumentParser:
                         "0 = none, clients use Lookup (default 32)")
     p.add_argument("--max-keys-per-request", metavar="N",
                    help="keys one request may name (default 16384)")
+    p.add_argument("--max-layouts", metavar="N",
+                   help="layouts the server keeps, all tenants together (default 4096)")
     p.add_argument("--log-level", metavar="LEVEL",
                    help="DEBUG, INFO, WARNING, ERROR (default INFO)")
     s = p.add_argument_group("security (see SECURITY.md)")
@@ -280,6 +285,8 @@ def _check(c: ServerConfig) -> None:
         raise ConfigError("lease_ttl must be positive")
     if c.lease_memory < 0:
         raise ConfigError("lease_memory must be >= 0 (0 = unlimited)")
+    if c.max_layouts < 1:
+        raise ConfigError("max_layouts must be >= 1")
     if c.disk and not c.disk_dir:
         raise ConfigError("disk tier needs disk_dir (--disk-dir) when disk > 0")
     if c.workers < 1:

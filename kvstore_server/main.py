@@ -163,6 +163,7 @@ class Server:
         log.info("pool ready in %.1fs", time.monotonic() - started)
         self.store = Store(self.region, lease_ttl=config.lease_ttl,
                            lease_memory=config.lease_memory,
+                           max_layouts=config.max_layouts,
                            high_watermark=config.high_watermark,
                            low_watermark=config.low_watermark,
                            lower=TierChain([t for t in (self.disk, self.far) if t is not None]),

@@ -37,7 +37,7 @@ from kvstore_client.layout import PageLayout
 
 from .errors import Outcome, Reason, StoreError
 from .eviction import PolicyFactory, make_policy
-from .layouts import LayoutInfo, LayoutRegistry
+from .layouts import DEFAULT_MAX_LAYOUTS, LayoutInfo, LayoutRegistry
 from .leases import DEFAULT_LEASE_MEMORY, FOREVER, Lease, LeaseKind, LeaseTable
 from .pool import Pool
 from .quota import TenantLedger
@@ -66,6 +66,7 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
 
     def __init__(self, region: Region, *, lease_ttl: float = 30.0,
                  lease_memory: int = DEFAULT_LEASE_MEMORY,
+                 max_layouts: int = DEFAULT_MAX_LAYOUTS,
                  high_watermark: float = 0.95, low_watermark: float = 0.85,
                  clock: Callable[[], float] = time.monotonic,
                  lower: Tier | None = None,
@@ -95,7 +96,7 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
         self.promotions = 0                    # pages read back from the tier below
         self.evictions = 0
         self._tenants = TenantLedger()
-        self._layouts = LayoutRegistry()
+        self._layouts = LayoutRegistry(max_layouts)
         self._policy = make_policy(policy)
         self._leases = LeaseTable(clock)
         self._slots = SlotTable()

@@ -1,5 +1,6 @@
 """Bad input gets a clear gRPC status and never hurts the server or stored pages."""
 
+import dataclasses
 import threading
 
 import grpc
@@ -316,3 +317,21 @@ def test_server_survives_and_data_is_intact(setup, server):
     _, _, client, ns, pages = setup
     assert server.proc.poll() is None
     assert np.array_equal(client.get(ns, GOOD_KEYS), pages)
+
+
+def test_layouts_past_max_layouts_are_refused(fresh_server):
+    """Any client makes a new layout by changing its salt, and each is kept until the
+    server restarts: past --max-layouts a new one is RESOURCE_EXHAUSTED, the ones held
+    still serve."""
+    srv = fresh_server(max_layouts=3)
+    with KVStoreClient(srv.address) as client:
+        salted = [dataclasses.replace(LAYOUT, salt=f"s{i}") for i in range(4)]
+        handles = [client.register_layout(layout) for layout in salted[:3]]
+        assert client.register_layout(salted[0]).layout_id == handles[0].layout_id
+        with pytest.raises(KVStoreError) as err:
+            client.register_layout(salted[3])
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-layouts" in err.value.message
+        client.put(handles[2], GOOD_KEYS[:1], np.zeros(handles[2].page_bytes, np.uint8))
+        assert client.lookup(handles[2], GOOD_KEYS[:1]) == 1
+    assert "RegisterLayout of err (tenant 'default') refused" in srv.log()

@@ -1,6 +1,8 @@
 """The storage engine in-process: states, leases, eviction order. The RPC layer is
 tested against a real server process in tests/integration."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -117,7 +119,6 @@ def test_a_lookup_that_misses_its_first_key_counts_its_misses_and_leases_nothing
 
 
 def _fields(layout):
-    import dataclasses
     return {f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)}
 
 
@@ -202,6 +203,21 @@ def test_unknown_layout_and_oversized_page(store):
     with pytest.raises(StoreError) as err:
         store.register_layout(huge)
     assert err.value.outcome is Outcome.INVALID
+
+
+def test_layouts_past_max_layouts_are_refused(store):
+    """Layouts are kept for the store's life, so their number is capped: a known one is
+    still answered, a new one past the cap is EXHAUSTED, naming the setting."""
+    store._layouts.max_layouts = 3
+    salted = [dataclasses.replace(LAYOUT, salt=f"s{i}") for i in range(4)]
+    infos = [store.register_layout(layout) for layout in salted[:3]]
+    assert store.register_layout(salted[1]) is infos[1]
+    with pytest.raises(StoreError, match="--max-layouts") as err:
+        store.register_layout(salted[3])
+    assert err.value.outcome is Outcome.EXHAUSTED
+    with pytest.raises(StoreError, match="--max-layouts"):
+        store.register_layout(salted[0], "another-tenant")     # a new one of its own
+    assert store.lookup([infos[2].layout_id], keys("a", 1)) == (0, 0)
 
 
 def test_admin_evict_by_bytes_layout_and_all(store):
