@@ -7,6 +7,7 @@ from typing import Any
 import argparse
 import dataclasses
 import ipaddress
+import math
 import os
 import sys
 
@@ -16,6 +17,7 @@ from . import __version__
 from .far.settings import from_config
 from .layouts import DEFAULT_MAX_LAYOUTS
 from .leases import DEFAULT_LEASE_MEMORY
+from .limits import MAX_KEYS_LIMIT
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -150,10 +152,20 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
 def _parse(source: str, key: str, value: object) -> object:
     if key not in _PARSERS:
         raise ConfigError(f"{source}: unknown setting {key!r} (known: {', '.join(sorted(_PARSERS))})")
+    parser = _PARSERS[key]
+    # TOML's true is a Python int and 0.9 truncates to one: `workers = true` ran one
+    # worker and `metrics_port = 0.9` turned metrics off, silently.
+    if isinstance(value, bool) and parser is not _bool:
+        raise ConfigError(f"{source}: bad value for {key!r}: {value!r} is a boolean")
+    if isinstance(value, float) and parser is int and not value.is_integer():
+        raise ConfigError(f"{source}: bad value for {key!r}: {value!r} is not a whole number")
     try:
-        return _PARSERS[key](value)
-    except (TypeError, ValueError) as exc:
+        parsed = parser(value)
+    except (TypeError, ValueError, OverflowError) as exc:
         raise ConfigError(f"{source}: bad value for {key!r}: {exc}") from None
+    if isinstance(parsed, float) and not math.isfinite(parsed):
+        raise ConfigError(f"{source}: bad value for {key!r}: {value!r} is not a finite number")
+    return parsed
 
 
 def argument_parser() -> argparse.ArgumentParser:
@@ -258,7 +270,7 @@ def load_config(argv: list[str] | None = None,
         try:
             with open(config_file, "rb") as f:
                 table = tomllib.load(f)
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"cannot read config file {config_file}: {exc}") from None
         for key, value in table.items():
             values[key.replace("-", "_")] = _parse(config_file, key.replace("-", "_"), value)
@@ -293,8 +305,11 @@ def _check(c: ServerConfig) -> None:
         raise ConfigError("workers must be >= 1")
     if c.stream_timeout < 0:
         raise ConfigError("stream_timeout must be >= 0 (0 = never)")
-    if c.max_keys_per_request < 1:
-        raise ConfigError("max_keys_per_request must be >= 1")
+    if not 1 <= c.max_keys_per_request <= MAX_KEYS_LIMIT:
+        # Past it the message limit it implies overflowed gRPC's int32 option, and one
+        # request's work under the store's lock would be seconds (kvstore_server.limits).
+        raise ConfigError(f"max_keys_per_request must be 1 to {MAX_KEYS_LIMIT}, got "
+                          f"{c.max_keys_per_request}")
     if c.lookup_streams < 0:
         raise ConfigError("lookup_streams must be >= 0 (0 = none)")
     host, sep, port = c.listen.rpartition(":")

@@ -49,13 +49,26 @@ Sizes = Callable[[np.ndarray], np.ndarray]      # bytes each of these ids frees
 
 def load_policy(name: str) -> PolicyFactory:
     """The policy class a setting names; ValueError saying why if it names none."""
+    # A module's dotted name and nothing else: a path (../x) made import_module raise
+    # TypeError, which stopped the server's start with a traceback.
+    if not name or not all(part.isidentifier() for part in name.split(".")):
+        raise ValueError(f"eviction policy {name!r} is not a module name (lru, or a "
+                         "dotted module path such as mypkg.policy)")
     module_name = name if "." in name else f"{__package__}.{name}"
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ValueError(f"no eviction policy {name!r}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the module's own code failed: say so
+        raise ValueError(f"eviction policy {name!r}: importing {module_name} failed: "
+                         f"{type(exc).__name__}: {exc}") from None
     factory = getattr(module, "POLICY", None)
-    if factory is None or not isinstance(factory(), EvictionPolicy):
+    try:
+        made = factory() if callable(factory) else None
+    except Exception as exc:  # noqa: BLE001 - as above
+        raise ValueError(f"eviction policy {name!r}: {module_name}.POLICY() failed: "
+                         f"{type(exc).__name__}: {exc}") from None
+    if made is None or not isinstance(made, EvictionPolicy):
         raise ValueError(f"eviction policy {name!r}: module {module_name} defines no POLICY "
                          "with touch, remove and victims")
     return factory

@@ -38,9 +38,12 @@ from kvstore_client.keys import MAX_KEY_BYTES, Packed
 
 from .errors import Outcome, StoreError
 
-__all__ = ["DEFAULT_MAX_KEYS", "RequestLimits", "request_message_bytes"]
+__all__ = ["DEFAULT_MAX_KEYS", "MAX_KEYS_LIMIT", "RequestLimits", "request_message_bytes"]
 
 DEFAULT_MAX_KEYS = 16_384
+# The most max_keys may be set to: 64 times the default, a 4M-token prompt; a commit of
+# that many keys would hold the store's lock for seconds.
+MAX_KEYS_LIMIT = 1 << 20
 LOOKUP_FACTOR = 4           # layouts x keys of one Lookup, in units of max_keys
 
 

@@ -206,6 +206,7 @@ class Region:
 
 # A region's name, or the fast path's Unix socket beside it (kvstore_server.fastpath).
 _NAME = re.compile(r"kvstore-(\d+)-[0-9a-f]{8}(?:\.sock)?")
+_PID_MAX = 1 << 22          # Linux's PID_MAX_LIMIT: no pid is larger
 
 
 def remove_own(directory: str) -> None:
@@ -259,13 +260,18 @@ def remove_stale(directory: str, min_age: float = 60.0) -> list[tuple[str, int]]
             except OSError:
                 pass
             continue
+        # Only a regular file of the name is a pool: anyone may write in /dev/shm, and
+        # opening a FIFO put there blocked the start for ever (O_NONBLOCK, and the type
+        # checked on the open file), a symlink must not lead the unlink elsewhere.
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
         except OSError:
             continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             head = os.pread(fd, len(MAGIC), 0)
             if head != MAGIC and time.time() - st.st_mtime < min_age:
                 continue
@@ -296,6 +302,11 @@ def _dead_socket(path: str) -> bool:
 
 
 def _running(pid: int) -> bool:
+    """Whether a process of this pid runs here; a pid no process can have (a name put in
+    the folder by hand: os.kill raised OverflowError and the server did not start) runs
+    nowhere."""
+    if not 0 < pid <= _PID_MAX:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -119,3 +119,24 @@ def test_socket_of_a_killed_server_is_removed_at_the_next_start(tmp_path):
     with ServerProcess(dram="64MiB", shm_dir=shm) as again:
         assert not os.path.exists(path)         # ...until the next server starts there
         assert "removed " + path in again.log()
+
+
+def test_odd_names_in_the_shm_dir_do_not_stop_a_start(tmp_path):
+    """Anyone may write in /dev/shm. A FIFO under a pool's name blocked the start for
+    ever in open(), a pid past any pid's range made os.kill raise OverflowError (the
+    start failed: a crash loop under systemd), and a symlink must lead nowhere."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    os.mkfifo(shm / "kvstore-4000000-deadbeef")
+    (shm / "kvstore-99999999999999999999-deadbeef").write_bytes(b"")
+    os.symlink(victim, shm / "kvstore-4000001-deadbeef")
+    os.utime(shm / "kvstore-99999999999999999999-deadbeef", (0, 0))   # old: removable
+    with ServerProcess(dram="64MiB", shm_dir=str(shm)).start(wait=30) as srv:
+        put_one(srv)
+        assert serves(srv)
+    assert stat.S_ISFIFO(os.lstat(shm / "kvstore-4000000-deadbeef").st_mode)
+    assert os.path.islink(shm / "kvstore-4000001-deadbeef")
+    assert victim.read_bytes() == b"keep"
+    assert not (shm / "kvstore-99999999999999999999-deadbeef").exists()

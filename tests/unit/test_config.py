@@ -46,6 +46,9 @@ def test_file_then_environment_then_flags(tmp_path):
     (["--disk", "1GiB"], "disk_dir"),
     (["--listen", "nowhere"], "HOST:PORT"),
     (["--high-watermark", "0.5", "--low-watermark", "0.9"], "watermarks"),
+    (["--max-keys-per-request", "100000000000"], "max_keys_per_request must be 1 to"),
+    (["--lease-memory=-1"], "lease_memory"),
+    (["--max-layouts", "0"], "max_layouts"),
 ])
 def test_bad_values_name_the_setting(argv, words):
     with pytest.raises(ConfigError, match=words):
@@ -59,6 +62,30 @@ def test_bad_file(tmp_path):
         load_config(["--config", str(path)], environ={})
     path.write_text('colour = "blue"\n')
     with pytest.raises(ConfigError, match="unknown setting 'colour'"):
+        load_config(["--config", str(path)], environ={})
+
+
+@pytest.mark.parametrize("line,words", [
+    ("workers = true", "True is a boolean"),             # TOML's true is an int to Python
+    ("disk = true", "True is a boolean"),
+    ("metrics_port = 0.9", "0.9 is not a whole number"),  # it truncated to 0: metrics off
+    ("lease_ttl = inf", "not a finite number"),           # a client lease never expiring
+    ("stream_timeout = nan", "not a finite number"),      # the watchdog off
+    ("high_watermark = nan", "not a finite number"),
+])
+def test_values_a_file_may_not_hold(tmp_path, line, words):
+    path = tmp_path / "kvstore.toml"
+    path.write_text(line + "\n")
+    with pytest.raises(ConfigError, match=words):
+        load_config(["--config", str(path)], environ={})
+    path.write_text("workers = 4.0\n")                    # a whole number is one
+    assert load_config(["--config", str(path)], environ={}).workers == 4
+
+
+def test_a_file_that_is_not_utf8_is_a_config_error(tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes('log_level = "INFO" # caf\xe9\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match="cannot read config file .*utf-8"):
         load_config(["--config", str(path)], environ={})
 
 

@@ -40,6 +40,10 @@ def test_policies_load_by_name_and_bad_names_say_why():
         load_policy("nope")
     with pytest.raises(ValueError, match="defines no POLICY"):
         load_policy("kvstore_server.errors")
+    # A path is no module name: import_module raised TypeError and the start crashed.
+    for bad in ("../../etc/passwd", "", "a..b", "/abs"):
+        with pytest.raises(ValueError, match="is not a module name"):
+            load_policy(bad)
 
 
 def test_fifo_orders_both_tiers_when_configured(tmp_path):
