@@ -63,12 +63,15 @@ def load_policy(name: str) -> PolicyFactory:
         raise ValueError(f"eviction policy {name!r}: importing {module_name} failed: "
                          f"{type(exc).__name__}: {exc}") from None
     factory = getattr(module, "POLICY", None)
+    if not callable(factory):
+        raise ValueError(f"eviction policy {name!r}: module {module_name} defines no POLICY "
+                         "with touch, remove and victims")
     try:
-        made = factory() if callable(factory) else None
+        made = factory()
     except Exception as exc:  # noqa: BLE001 - as above
         raise ValueError(f"eviction policy {name!r}: {module_name}.POLICY() failed: "
                          f"{type(exc).__name__}: {exc}") from None
-    if made is None or not isinstance(made, EvictionPolicy):
+    if not isinstance(made, EvictionPolicy):
         raise ValueError(f"eviction policy {name!r}: module {module_name} defines no POLICY "
                          "with touch, remove and victims")
     return factory
