@@ -45,6 +45,7 @@ times it).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import threading
@@ -56,7 +57,8 @@ import numpy as np
 from .disk_slots import DiskSlots
 from .eviction import PolicyFactory, make_policy
 from .disk_stats import DiskCounters, DiskStats
-from .slot_io import SlotRead, SlotWrite, lock_folder, read_slots, runs_of, write_slots
+from .slot_io import (SlotRead, SlotWrite, folder_gone, lock_folder, read_slots, runs_of,
+                      write_slots)
 from .slotfile import (ALIGN, MAX_KEY, SlotFile, SlotHeader, aligned_buffer, probe_direct, seal,
                        slot_bytes_for)
 from .slots import SlotState
@@ -428,6 +430,9 @@ class DiskTier:
                 self._wake.notify_all()
 
     def _write(self, batch: list[Pending]) -> None:
+        if folder_gone(self._folder_lock):
+            raise OSError(errno.ENOENT, "the folder was removed while the server ran "
+                                        "(its lock file is gone)", self.directory)
         for sb in {e.slot_bytes for e in batch} - self._slots.files.keys():
             file = SlotFile(self.directory, sb, self.direct)    # opened outside the lock
             with self._lock:

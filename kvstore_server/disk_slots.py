@@ -8,6 +8,7 @@ slot table (slots.py), and its state is the same SlotState.
 from __future__ import annotations
 
 import heapq
+import logging
 import os
 from typing import cast
 from collections.abc import Callable
@@ -15,10 +16,12 @@ from collections.abc import Callable
 import numpy as np
 
 from .eviction import EvictionPolicy, enough
-from .slotfile import CORRUPT, VALID, SlotFile
+from .slotfile import CORRUPT, SUFFIX, VALID, SlotFile
 from .slots import SlotState, grown
 
 __all__ = ["DiskSlots"]
+
+log = logging.getLogger("kvstore_server.disk")
 
 FREE, WRITING, READY, DOOMED = SlotState
 
@@ -143,8 +146,17 @@ class DiskSlots:
         for name in sorted(os.listdir(directory)):
             slot_bytes = SlotFile.slot_bytes_of(name)
             if slot_bytes is None:
+                if name.endswith(SUFFIX):
+                    log.warning("disk tier: ignoring %s in %s: not the name of a slot file "
+                                "(the tier names them <slot bytes>.slots)", name, directory)
                 continue
-            file = self.files[slot_bytes] = SlotFile(directory, slot_bytes, direct)
+            try:
+                file = SlotFile(directory, slot_bytes, direct)
+            except OSError as exc:
+                raise RuntimeError(f"disk tier: cannot open {name} in {directory}: "
+                                   f"{exc.strerror or exc}; slot files must be regular files "
+                                   "in the folder (not symlinks)") from None
+            self.files[slot_bytes] = file
             scan = file.scan()
             ids = self.new_ids(file, 0, file.n_slots)
             self.gen[ids], self.plen[ids] = scan.generation, scan.payload_len

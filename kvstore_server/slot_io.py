@@ -26,7 +26,8 @@ from .slotfile import (
     unpack_header,
 )
 
-__all__ = ["SlotRead", "SlotWrite", "lock_folder", "read_slots", "runs_of", "write_slots"]
+__all__ = ["SlotRead", "SlotWrite", "folder_gone", "lock_folder", "read_slots", "runs_of",
+           "write_slots"]
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 # Bytes per preadv/pwritev. Longer calls were slower, not faster: on the H200 machine's
@@ -137,7 +138,8 @@ def runs_of(slots: list[tuple[SlotFile, int]]) -> list[tuple[SlotFile, int, int]
 def lock_folder(directory: str) -> int:
     """An exclusive lock on the folder for the tier's life: two tiers writing one set of
     slot files would overwrite each other's pages."""
-    fd = os.open(os.path.join(directory, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(os.path.join(directory, "lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW,
+                 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -145,3 +147,10 @@ def lock_folder(directory: str) -> int:
         raise RuntimeError(f"disk tier folder {directory} is in use by another disk tier "
                            "(another kvstore-server?)") from None
     return fd
+
+
+def folder_gone(lock_fd: int) -> bool:
+    """Whether the folder whose lock_folder() descriptor this is was removed meanwhile:
+    its lock file then has no name left. Writes went on into unlinked files, a stop's
+    flush said every page was written, and the restart found none."""
+    return os.fstat(lock_fd).st_nlink == 0

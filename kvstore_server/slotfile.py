@@ -47,6 +47,7 @@ import dataclasses
 import errno
 import mmap
 import os
+import stat
 import struct
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -153,8 +154,17 @@ def probe_direct(directory: str) -> bool:
         return False
     path = os.path.join(directory, ".direct-probe")
     buf = aligned_buffer(ALIGN)
+    # A file of our own, made anew: one left there (a symlink to another file, say) is
+    # removed, not followed; O_TRUNC through a symlink zeroed its target at every start.
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_DIRECT,
+                     0o600)
     except OSError:
         return False
     try:
@@ -191,8 +201,14 @@ class SlotFile:
             raise ValueError(f"slot size {slot_bytes} is not a multiple of {ALIGN}")
         self.slot_bytes = slot_bytes
         self.path = os.path.join(directory, f"{slot_bytes}{SUFFIX}")
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        self.dfd = os.open(self.path, os.O_RDWR | os.O_DIRECT) if direct else -1
+        # Not through a symlink: pages spilled through one were written into whatever
+        # file it named. ELOOP then, which the caller reports with the file's name.
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        if not stat.S_ISREG(os.fstat(self.fd).st_mode):
+            os.close(self.fd)
+            raise OSError(errno.EINVAL, "not a regular file", self.path)
+        self.dfd = (os.open(self.path, os.O_RDWR | os.O_DIRECT | os.O_NOFOLLOW) if direct
+                    else -1)
         size = os.fstat(self.fd).st_size
         self.n_slots = size // slot_bytes       # whole slots in the file now
         self.torn_tail = size % slot_bytes != 0
@@ -200,9 +216,15 @@ class SlotFile:
 
     @staticmethod
     def slot_bytes_of(name: str) -> int | None:
-        """The slot size a file name stands for, or None if it is not a slot file."""
+        """The slot size a file name stands for, or None if it is not a slot file: only
+        the name the tier makes for a size. `069632.slots` (or Arabic-Indic digits) read
+        as 69632 too, so the one file was indexed twice, and each page's second sighting,
+        taken for an older copy, was blanked: a stray name wiped the tier."""
         stem = name[: -len(SUFFIX)] if name.endswith(SUFFIX) else ""
-        return int(stem) if stem.isdigit() and int(stem) % ALIGN == 0 else None
+        if not (stem.isascii() and stem.isdigit()) or stem != str(int(stem)):
+            return None
+        size = int(stem)
+        return size if size % ALIGN == 0 and size > HEADER_BYTES else None
 
     def offset(self, idx: int) -> int:
         return idx * self.slot_bytes

@@ -1,6 +1,7 @@
 """The disk tier inside a real server: spill, read-back, restarts, corruption, disk full."""
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -171,3 +172,54 @@ def test_admin_evicts_the_disk_tier(tmp_path):
         resp = c.evict(everything=True, tier="all")
         assert resp.pages > 0
         assert c.lookup(ns, ks) == 0 and disk_stats(c).pages == 0
+
+
+def test_stray_names_in_the_disk_folder_lose_nothing(tmp_path):
+    """Only the names the tier makes are slot files: `069632.slots` beside the real file
+    was read as the same size, the file was indexed twice, and every page's second
+    sighting, taken for an older copy, was blanked. A symlink is never followed: pages
+    were spilled into the file it named."""
+    disk = tmp_path / "disk"
+    srv = ServerProcess(dram="32MiB", disk="512MiB", disk_dir=str(disk)).start()
+    with KVStoreClient(srv.address) as client:
+        ns = client.register_layout(LAYOUT)
+        ks = fill(client, ns, 60)
+    assert srv.stop(signal.SIGTERM) == 0
+    (slots,) = [p for p in disk.iterdir() if p.suffix == ".slots"]
+    os.link(slots, disk / ("0" + slots.name))
+    arabic_indic = str.maketrans("0123456789", "٠١٢٣٤٥٦٧٨٩")
+    os.link(slots, disk / (slots.stem.translate(arabic_indic) + ".slots"))
+    (disk / "0.slots").write_bytes(b"")
+    with ServerProcess(dram="32MiB", disk="512MiB", disk_dir=str(disk)) as again, \
+            KVStoreClient(again.address) as client:
+        assert len(served(client, client.register_layout(LAYOUT), ks)) == 60
+        assert disk_stats(client).corrupt == 0 and disk_stats(client).pages == 60
+        assert f"ignoring 0{slots.name}" in again.log()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    os.symlink(victim, disk / ".direct-probe")
+    os.symlink(victim, disk / f"{int(slots.stem) * 4}.slots")
+    refused = ServerProcess(dram="32MiB", disk="512MiB", disk_dir=str(disk))
+    with pytest.raises(RuntimeError):
+        refused.start(wait=30)
+    assert "not symlinks" in refused.log()
+    assert victim.read_bytes() == b"keep"
+
+
+def test_a_disk_folder_removed_under_the_server_fails_the_tier(tmp_path):
+    """Writes went on into unlinked files, a stop's flush said every page was written,
+    and the restart found none, with no word anywhere."""
+    disk = tmp_path / "disk"
+    with ServerProcess(dram="32MiB", disk="512MiB", disk_dir=str(disk)) as srv, \
+            KVStoreClient(srv.address) as client:
+        ns = client.register_layout(LAYOUT)
+        fill(client, ns, 60)
+        shutil.rmtree(disk)
+        more = keys(60, "after")
+        for start in range(0, 60, 10):
+            client.put(ns, more[start:start + 10], np.stack([page(i) for i in range(10)]))
+        deadline = time.monotonic() + 20
+        while not disk_stats(client).failed:
+            assert time.monotonic() < deadline, "the tier never noticed its folder was gone"
+            time.sleep(0.05)
+        assert "the folder was removed while the server ran" in srv.log()
