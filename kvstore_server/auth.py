@@ -42,7 +42,6 @@ import enum
 import hashlib
 import logging
 import re
-import sys
 import threading
 from collections.abc import Callable, Iterable
 
@@ -50,16 +49,11 @@ import grpc
 
 from kvstore_client.units import format_size, parse_size
 
-from .config import ConfigError
+from .config import ConfigError, read_toml
 from .errors import Outcome, StoreError
 from .peercert import Digest, grpc_peer_digest, parse_fingerprint
 from .status import CODES
 from .tenants import DEFAULT_TENANT
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised only on 3.10
-    import tomli as tomllib
 
 __all__ = ["ANONYMOUS", "Authenticator", "Credentials", "Principal", "Role",
            "parse_auth_file", "token_digest", "tls_server_credentials"]
@@ -111,11 +105,7 @@ def token_digest(token: str) -> Digest:
 
 def parse_auth_file(path: str) -> Credentials:
     """ConfigError names the file, the entry and the problem."""
-    try:
-        with open(path, "rb") as f:
-            table = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"cannot read auth file {path}: {exc}") from None
+    table = read_toml(path, "auth file")
     unknown = set(table) - set(_KEYS)
     if unknown:
         raise ConfigError(f"auth file {path}: unknown table(s) {sorted(unknown)} "
@@ -278,7 +268,7 @@ class Authenticator:
         with self._reload_lock:
             try:
                 creds = parse_auth_file(self.path)
-            except ConfigError as exc:
+            except Exception as exc:  # noqa: BLE001 - any problem: the old ones stay
                 tenants, admins = self.counts()
                 log.error("auth reload failed, keeping the %d tenants and %d admins in "
                           "force: %s", tenants, admins, exc)

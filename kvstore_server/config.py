@@ -9,6 +9,7 @@ import dataclasses
 import ipaddress
 import math
 import os
+import stat
 import sys
 
 from kvstore_client.units import parse_duration, parse_size
@@ -25,7 +26,7 @@ else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
 
 __all__ = ["ConfigError", "LOG_LEVELS", "ServerConfig", "data_address", "is_loopback",
-           "load_config"]
+           "load_config", "read_toml"]
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -259,6 +260,32 @@ def argument_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Settings files are small; one bigger than this is not one.
+_TOML_MAX_BYTES = 1 << 20
+
+
+def read_toml(path: str, what: str) -> dict[str, Any]:
+    """A TOML file's table; ConfigError naming `what` and the path on any problem. Only
+    a regular file is read: a FIFO in its place blocked the start (or a SIGHUP's
+    reload, which then held its lock for good) in open(), and a file that is not UTF-8
+    raised UnicodeDecodeError past the handlers."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ConfigError(f"cannot read {what} {path}: not a regular file")
+            if st.st_size > _TOML_MAX_BYTES:
+                raise ConfigError(f"cannot read {what} {path}: {st.st_size} bytes, more "
+                                  f"than a settings file holds ({_TOML_MAX_BYTES})")
+            return tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read {what} {path}: {exc}") from None
+
+
 def load_config(argv: list[str] | None = None,
                 environ: Mapping[str, str] | None = None) -> ServerConfig:
     """Build the config; later sources override earlier ones: file < environment < flags."""
@@ -267,11 +294,7 @@ def load_config(argv: list[str] | None = None,
     values: dict[str, Any] = {}
     config_file = args.config or env.get("KVSTORE_CONFIG")
     if config_file:
-        try:
-            with open(config_file, "rb") as f:
-                table = tomllib.load(f)
-        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read config file {config_file}: {exc}") from None
+        table = read_toml(config_file, "config file")
         for key, value in table.items():
             values[key.replace("-", "_")] = _parse(config_file, key.replace("-", "_"), value)
     for key in _PARSERS:

@@ -399,7 +399,7 @@ def _run(argv: list[str] | None) -> int:
         raise
     # Reload in a thread: the handler runs on the main thread between its waits.
     signal.signal(signal.SIGHUP, lambda _s, _f: threading.Thread(
-        target=server.reload, name="reloader").start())
+        target=server.reload, name="reloader", daemon=True).start())
     notifier.notify(READY=1, STATUS=f"serving on {config.listen}", MAINPID=os.getpid())
     server.wait()
     server.stop()

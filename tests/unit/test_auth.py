@@ -3,6 +3,8 @@ The same behaviour over gRPC against a real server: tests/integration/test_auth.
 
 import hashlib
 import logging
+import os
+import threading
 
 import numpy as np
 import pytest
@@ -125,6 +127,28 @@ def test_reload_swaps_or_keeps(auth_file, caplog):
         assert not auth.reload()
     assert "keeping the 1 tenants and 0 admins" in caplog.text and "cannot read" in caplog.text
     assert auth.principal(bearer("tok-c")).name == "team-c"
+
+
+def test_reload_of_a_file_that_cannot_be_read_keeps_the_old_one(auth_file, caplog):
+    """Not UTF-8: a traceback from the reloader and no "reload failed" line. A FIFO: each
+    SIGHUP's reload blocked in open() holding the reload lock, so no later good file was
+    ever read, and the stop hung on the reloader threads."""
+    auth = Authenticator(str(auth_file))
+    good = auth_file.read_bytes()
+    auth_file.write_bytes(b'[tenants.caf\xe9]\ntoken_sha256 = "00"\n')
+    with caplog.at_level(logging.INFO, logger="kvstore_server.auth"):
+        assert not auth.reload()
+    assert "auth reload failed" in caplog.text and "utf-8" in caplog.text
+    auth_file.unlink()
+    os.mkfifo(auth_file)
+    done = threading.Event()
+    threading.Thread(target=lambda: (auth.reload(), done.set()), daemon=True).start()
+    assert done.wait(5), "the reload of a FIFO blocked"
+    assert "not a regular file" in caplog.text
+    assert auth.principal(bearer("tok-a")).name == "team-a"
+    auth_file.unlink()
+    auth_file.write_bytes(good)
+    assert auth.reload()
 
 
 def test_scoped_layout_ids():
