@@ -48,8 +48,10 @@ class _Fail(Exception):
 
 
 # -- parsing and formatting ---------------------------------------------------------
-def _positive(parse, what: str):
-    """An argparse type: parse(text), which must give a number above zero."""
+def _positive(parse, what: str, least: float = 0.0, most: float = 86_400.0):
+    """An argparse type: parse(text), which must give a number above zero, at least
+    `least` and at most `most` (a day): a timeout of 1e300 s overflowed gRPC's deadline
+    and failed at once, a --watch of 1e-300 s asked the server in a busy loop."""
     def check(text: str):
         try:
             value = parse(text)
@@ -57,6 +59,10 @@ def _positive(parse, what: str):
             raise argparse.ArgumentTypeError(str(exc)) from None
         if not 0 < value < float("inf"):
             raise argparse.ArgumentTypeError(f"{what} must be above zero, got {text!r}")
+        if not least <= value <= most:
+            low = f"at least {least:g}" if least else "above zero"
+            raise argparse.ArgumentTypeError(f"{what} must be {low} and at most {most:g}, "
+                                             f"got {text!r}")
         return value
     return check
 
@@ -265,7 +271,7 @@ def _parser() -> argparse.ArgumentParser:
         return s
 
     s = command("stats", cmd_stats, "tiers, layouts, leases and uptime")
-    s.add_argument("--watch", type=_positive(float, "SECONDS"), metavar="SECONDS",
+    s.add_argument("--watch", type=_positive(float, "SECONDS", least=0.1), metavar="SECONDS",
                    help="print again every SECONDS until Ctrl-C")
     command("layouts", cmd_layouts, "registered layouts")
     s = command("evict", cmd_evict, "evict unleased pages (DRAM pages move to disk, if any)")

@@ -13,6 +13,7 @@ fine on loopback, not across a network (SECURITY.md).
 from __future__ import annotations
 
 import collections
+import re
 from collections.abc import Sequence
 
 import grpc
@@ -34,7 +35,9 @@ def _pem(value: PEM | None) -> bytes | None:
 def open_channel(address: str, *, token: str | None = None, tls_ca: PEM | None = None,
                  tls_cert: PEM | None = None, tls_key: PEM | None = None,
                  options: Sequence[tuple[str, object]] = CHANNEL_OPTIONS) -> grpc.Channel:
-    """A channel to address; OSError if a PEM file cannot be read."""
+    """A channel to address; OSError if a PEM file cannot be read, ValueError for a port
+    out of range."""
+    _check_port(address)
     if (tls_cert is None) != (tls_key is None):
         raise ValueError("a client certificate needs both tls_cert and tls_key")
     if tls_ca is None and tls_cert is None:
@@ -45,6 +48,16 @@ def open_channel(address: str, *, token: str | None = None, tls_ca: PEM | None =
                                              certificate_chain=_pem(tls_cert))
         channel = grpc.secure_channel(address, creds, options=list(options))
     return with_token(channel, token)
+
+
+def _check_port(address: str) -> None:
+    """gRPC takes a port past 65535 modulo 2**16: `host:115587` reached port 50051, and
+    `kvstore-admin --server` so cleared a server other than the one it named."""
+    if address.startswith("unix"):
+        return
+    match = re.search(r":(\d+)$", address)
+    if match is not None and not 1 <= int(match.group(1)) <= 65535:
+        raise ValueError(f"{address}: the port must be 1 to 65535")
 
 
 def with_token(channel: grpc.Channel, token: str | None) -> grpc.Channel:

@@ -302,6 +302,16 @@ def test_stats_of_dead_port():
     assert_one_line_error(admin(address, "stats"), f"cannot reach {address}")
 
 
+def test_a_port_past_65535_is_refused_not_wrapped(shared):
+    """gRPC takes a port modulo 2**16: `clear` through host:(port + 65536) cleared the
+    server at port."""
+    host, port = shared.address.rsplit(":", 1)
+    proc = admin(f"{host}:{int(port) + 65536}", "clear", "--yes")
+    assert proc.returncode == 2 and "the port must be 1 to 65535" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert admin_json(shared.address, "stats")["tiers"][0]["pages"] > 0
+
+
 def test_server_address_from_environment(shared):
     proc = admin(None, "layouts", "--json", env={"KVSTORE_SERVER": shared.address})
     assert proc.returncode == 0, proc.stderr
@@ -315,6 +325,8 @@ def test_server_address_from_environment(shared):
     (["inspect", "--layout", "xyz", "00"], "hex digits"),
     (["inspect", "--layout", "ab", "abc"], "hex digits"),
     (["stats", "--watch", "-1"], "above zero"),
+    (["stats", "--watch", "1e-300"], "at least 0.1"),          # a busy loop on the server
+    (["--timeout", "1e300", "stats"], "at most 86400"),         # gRPC's deadline overflowed
 ])
 def test_bad_arguments(argv, message):
     proc = admin("127.0.0.1:1", *argv)
