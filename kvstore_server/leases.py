@@ -105,9 +105,9 @@ class LeaseTable:
     # A lease's id is all that proves its holder: without an auth file every client is
     # one tenant. Ids were counted, and a client that took one lease could name its
     # neighbours: it aborted another client's reservation mid-write, so that the freed
-    # slot went to a third client's page and the writer's bytes landed in it (found by
-    # a probe against a real server). Random 63-bit ids cannot be guessed, and a stale id
-    # of an earlier server process names nothing here.
+    # slot went to a third client's page and the writer's bytes landed in it
+    # (tests/integration/test_lease_ids.py). Random 63-bit ids cannot be guessed, and a
+    # stale id of an earlier server process names nothing here.
     def _new_id(self) -> int:
         while True:
             lease_id = secrets.randbits(63)
