@@ -31,6 +31,7 @@ from kvstore_client.keys import KeyError_
 
 from ..auth import ANONYMOUS, Authenticator, Principal, Role, token_digest
 from ..errors import Outcome, StoreError
+from ..limits import MAX_KEYS_LIMIT
 from ..peercert import Digest, der_digest
 from .io import ClientGone, Reader, set_timeouts
 from .ops import Ops, Session, status_of, table
@@ -41,6 +42,10 @@ log = logging.getLogger(__name__)
 
 _NAMES: dict[int, str] = {op: "Fast" + op.name.title() for op in fw.Op}
 SCRATCH_BYTES = 256 << 10      # per connection: where a refused Put's data is dropped
+# A request body up to this long that is over the server's limit is read past and refused
+# (the connection goes on); a longer one is taken for a malformed frame: the connection
+# closes. The largest limit a server may be set to (limits.MAX_KEYS_LIMIT) is under it.
+_SKIPPABLE_BODY = fw.request_body_bytes(MAX_KEYS_LIMIT)
 
 
 def _quiet(op: int, body: bytes, status: fw.Status = fw.Status.OK, flags: int = 0) -> None:
@@ -116,7 +121,7 @@ class Connection:
         head = self._reader.head(fw.HEADER.size)
         if head is None:
             return None
-        return fw.decode_header(head, request=True, max_body=self.ops.max_body)
+        return fw.decode_header(head, request=True, max_body=_SKIPPABLE_BODY)
 
     def _read_body(self, h: fw.Header) -> memoryview:
         """The body: a view valid until the next read (ops copy what they keep); its
@@ -145,6 +150,9 @@ class Connection:
                     return
                 if h.op == fw.Op.HELLO:
                     raise fw.WireError("HELLO comes once, first")
+                if h.body_len > self.ops.max_body:
+                    self._refuse_body(session, h)
+                    continue
                 body = self._read_body(h)
                 self._call(session, h, body)
         except Refused as exc:
@@ -201,6 +209,20 @@ class Connection:
         finally:
             self._observe(_NAMES[op], time.perf_counter() - start,
                           grpc.StatusCode.CANCELLED if gone else fw.GRPC_CODES[status])
+
+    def _refuse_body(self, s: Session, h: fw.Header) -> None:
+        """A request over the body limit (more keys than the server takes): its bytes are
+        read past and it is refused, and the connection goes on. Closing it, as for a
+        malformed frame, ended every lease the connection held, and a client's lease
+        lane carries the leases of all its threads: one thread's oversized Acquire let
+        another's pinned pages be reused while it read them."""
+        s.reader.skip(h.body_len + h.data_len, s.scratch)
+        message = (f"body of {h.body_len} bytes is over the limit of {self.ops.max_body} "
+                   f"(at most {self.ops.limits.max_keys} keys per request, "
+                   "--max-keys-per-request): split it")
+        if not (h.op == fw.Op.RELEASE and h.flags & fw.QUIET):
+            self._reply(h.op, message.encode(), fw.Status.INVALID)
+        self._observe(_NAMES[h.op], 0.0, fw.GRPC_CODES[fw.Status.INVALID])
 
     def _try_reply(self, op: int, message: str, status: fw.Status) -> None:
         try:
