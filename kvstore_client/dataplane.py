@@ -29,6 +29,7 @@ import grpc
 
 from .errors import KVStoreError, Reason
 from .fastpath import FastPath, FastPathUnavailable
+from .holdings import Holdings
 from .keys import Packed, pack_keys
 
 if TYPE_CHECKING:
@@ -109,6 +110,9 @@ class DataPlane:
         self._locate = locate
         self._lock = threading.Lock()      # guards opening and dropping _fast
         self._fast: FastPath | None = None
+        # Which fast-path connection holds each lease, across the fast paths opened one
+        # after another: one dropped keeps a connection its leases would end with.
+        self._holdings = Holdings()
         self._retry_at = 0.0
         self._warned = False
 
@@ -142,7 +146,8 @@ class DataPlane:
             for address in self._addresses():
                 candidate = FastPath(address, token=self._token,
                                      tls=None if "/" in address else self._tls,
-                                     timeout=self._timeout, connections=self._connections)
+                                     timeout=self._timeout, connections=self._connections,
+                                     holdings=self._holdings)
                 try:
                     candidate.check()
                 except FastPathUnavailable as exc:
@@ -162,11 +167,14 @@ class DataPlane:
             return None
 
     def drop(self, fast: FastPath) -> None:
+        """Stop using `fast` (it failed): its connections close, but a lease lane's that
+        holds leases stays open until they end (kvstore_client.holdings): other threads
+        are reading or writing under them."""
         with self._lock:
             if self._fast is fast:
                 self._fast = None
                 self._retry_at = time.monotonic() + 1.0
-        fast.close()
+        fast.close(keep_leased=True)
 
     def call(self, method: str, handle: LayoutHandle | None,
              fn: Callable[[FastPath], T]) -> T | Literal[_UseGrpc.USE_GRPC]:
@@ -198,3 +206,4 @@ class DataPlane:
             fast, self._fast = self._fast, None
         if fast is not None:
             fast.close()
+        self._holdings.close()

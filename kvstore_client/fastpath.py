@@ -39,6 +39,7 @@ from . import fastwire as fw
 from .errors import KVStoreError
 from .handles import Pins
 from .fastconn import Broken, Conn, Timeout, deadline
+from .holdings import Holdings
 
 __all__ = ["FastPath", "FastPathUnavailable", "FastLease", "keys_body"]
 
@@ -113,11 +114,15 @@ class FastPath:
     def __init__(self, address: str, *, token: str | None = None,
                  tls: ssl.SSLContext | None = None,
                  timeout: float | Callable[[], float] = 10.0,
-                 connections: int = 4) -> None:
+                 connections: int = 4, holdings: Holdings | None = None) -> None:
         """address: HOST:PORT, or a path (with a '/') of a Unix socket. tls: wrap TCP
         connections (the server name is the host of address). connections: most
-        connections one Get is striped over."""
+        connections one Get is striped over. holdings: which connection holds each
+        lease, shared by the fast paths of one client (kvstore_client.holdings); None:
+        one of its own, closed with this."""
         self.address = address
+        self._own_holdings = holdings is None
+        self._holdings = holdings if holdings is not None else Holdings()
         self.token = token or ""
         self.tls = tls
         # Seconds a call may wait for progress; a callable is asked at every call, so a
@@ -211,7 +216,9 @@ class FastPath:
         """Open (and keep) one connection now; FastPathUnavailable if none can be."""
         self._give(self._take())
 
-    def close(self) -> None:
+    def close(self, keep_leased: bool = False) -> None:
+        """Close every connection. keep_leased: a lane's connection that holds leases
+        is retired instead (Holdings), so that they do not end with it."""
         self._closed = True
         while True:
             try:
@@ -221,8 +228,13 @@ class FastPath:
         for lane in (self._reads, self._writes):
             with lane.lock:
                 if lane.conn is not None:
-                    lane.conn.close()
+                    if keep_leased:
+                        self._holdings.let_go(lane.conn)
+                    else:
+                        self._holdings.lost(lane.conn)
                     lane.conn = None
+        if self._own_holdings and not keep_leased:
+            self._holdings.close()
         if self._stripes is not None:
             self._stripes.shutdown(wait=False)
 
@@ -272,11 +284,12 @@ class FastPath:
                     lane.conn.use_timeout(self._timeout())
                     return fn(lane.conn)     # _simple reads owed answers first
                 except Timeout as exc:
-                    lane.conn.close()
+                    # Out of step: not used again, but kept while it holds leases.
+                    self._holdings.let_go(lane.conn)
                     lane.conn = None
                     raise deadline(method, exc) from None
                 except Broken as exc:
-                    lane.conn.close()
+                    self._holdings.lost(lane.conn)
                     lane.conn = None
                     if attempt:
                         raise KVStoreError(grpc.StatusCode.UNAVAILABLE,
@@ -303,8 +316,16 @@ class FastPath:
         body = (fw.LOOKUP_HEAD.pack(lease_ms, len(layout_ids)) + b"".join(layout_ids)
                 + fw.encode_keys(key_size, packed))
         flags = fw.PINS if pins and lease_ms else 0
-        answer = (self._leased if lease_ms else self._run)("Lookup", lambda c: self._simple(
-            c, fw.Op.LOOKUP, body, "Lookup", flags))
+
+        def call(c: Conn) -> memoryview:
+            answer = self._simple(c, fw.Op.LOOKUP, body, "Lookup", flags)
+            if lease_ms and len(answer) == fw.COUNT_LEASE.size:
+                # Without pins the lease is the connection's (with them it ends only by
+                # RELEASE or its ttl: another process reads under it).
+                self._holdings.took(c, fw.COUNT_LEASE.unpack_from(answer)[1])
+            return answer
+
+        answer = (self._leased if lease_ms else self._run)("Lookup", call)
         count, lease_id = fw.COUNT_LEASE.unpack_from(answer)
         if len(answer) == fw.COUNT_LEASE.size or not flags:
             return count, lease_id, None
@@ -327,8 +348,8 @@ class FastPath:
                 lease_ms: int = 0) -> FastLease:
         body = fw.LEASED_HEAD.pack(layout_id, region_token, lease_ms) + fw.encode_keys(
             key_size, packed)
-        answer = self._leased("Acquire", lambda c: self._simple(c, fw.Op.ACQUIRE, body,
-                                                                "Acquire"))
+        answer = self._leased("Acquire", lambda c: self._took(
+            c, self._simple(c, fw.Op.ACQUIRE, body, "Acquire")))
         (lease_id,) = fw.LEASE.unpack_from(answer)
         return FastLease(lease_id, fw.unpack_u64(answer[fw.LEASE.size:]).copy())
 
@@ -336,15 +357,25 @@ class FastPath:
                 lease_ms: int = 0) -> FastLease:
         body = fw.LEASED_HEAD.pack(layout_id, region_token, lease_ms) + fw.encode_keys(
             key_size, packed)
-        answer = self._leased("Reserve", lambda c: self._simple(c, fw.Op.RESERVE, body,
-                                                                "Reserve"), self._writes)
+        answer = self._leased("Reserve", lambda c: self._took(
+            c, self._simple(c, fw.Op.RESERVE, body, "Reserve")), self._writes)
         lease_id, skipped, in_flight = fw.RESERVED.unpack_from(answer)
         return FastLease(lease_id, fw.unpack_u64(answer[fw.RESERVED.size:]).copy(), skipped,
                          in_flight)
 
+    def _took(self, conn: Conn, answer: memoryview) -> memoryview:
+        """An ACQUIRE's or RESERVE's answer, its lease (first in it) held by conn."""
+        self._holdings.took(conn, fw.LEASE.unpack_from(answer)[0])
+        return answer
+
     def _end(self, op: fw.Op, method: str, lease_id: int, lane: _Lane) -> int:
-        answer = self._leased(method, lambda c: self._simple(c, op, fw.LEASE.pack(lease_id),
-                                                             method), lane)
+        try:
+            answer = self._leased(method, lambda c: self._simple(
+                c, op, fw.LEASE.pack(lease_id), method), lane)
+        finally:
+            # Ended, refused or timed out: its connection no longer keeps it (a retired
+            # one holding nothing else closes, which ends it on the server at the latest).
+            self._holdings.ended(lease_id)
         return fw.LEASE.unpack_from(answer)[0]
 
     def commit(self, lease_id: int) -> int:
@@ -358,8 +389,7 @@ class FastPath:
 
     def release_later(self, lease_id: int) -> None:
         """Release without waiting for the answer: it is read before the next call on
-        its lane. Nothing is lost if the connection breaks first: the
-        server releases a closed connection's leases itself."""
+        its lane. If the connection broke, the server has released its leases."""
         lane = self._reads
         with lane.lock:
             conn = lane.conn
@@ -370,13 +400,17 @@ class FastPath:
                     else:
                         conn.send(fw.Op.RELEASE, fw.LEASE.pack(lease_id))
                         conn.owed += 1
+                    self._holdings.ended(lease_id)
                     return
-                except (Broken, Timeout):
-                    conn.close()
+                except Broken:
+                    self._holdings.lost(conn)
                     lane.conn = None
-                    return       # its leases go with it; any other at its ttl
-        # No connection on the lane: the lease was taken elsewhere (over gRPC while the fast
-        # path was down, or by a connection that has since closed): end it by waiting.
+                except Timeout:
+                    self._holdings.let_go(conn)
+                    lane.conn = None
+        # No connection on the lane, or its send failed: the lease was taken elsewhere
+        # (over gRPC while the fast path was down, or on a connection since retired or
+        # closed): end it by waiting, on a connection of its own.
         self.release(lease_id)
 
     # -- page bytes ---------------------------------------------------------------------

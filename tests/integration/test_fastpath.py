@@ -394,6 +394,81 @@ else:
             assert c.delete(ns, ks) == n
 
 
+# -- one thread's failure never ends another thread's leases ----------------------------------
+def _held_by_a_and_b_fails(srv, failure, what: str) -> None:
+    """Thread A holds an acquire or a reservation over the fast path; B's call on the
+    same client fails; A's lease must still be the server's, and its bytes A's. The
+    server ends a connection's leases when it closes, and one lane carries the leases of
+    all a client's threads: closing it on B's failure let A's slots be reused under it."""
+    with KVStoreClient(srv.address, shared_memory=True, timeout=30) as c, \
+            KVStoreClient(srv.address, data_plane=False) as other:
+        ns = c.register_layout(LAYOUTS["tiny"])
+        mine = keys(f"held-{what}", 8)
+        data = pages(8, ns.page_bytes, seed=7)
+        if what == "acquire":
+            c.put(ns, mine, data)
+            held = c.acquire(ns, mine)
+        else:
+            held = c.reserve(ns, mine)
+        before = other.stats().leases
+        failure(c, ns)
+        # At least A's: a Reserve that timed out on B's side may have been answered
+        # after, on the connection set aside; that lease ends when the connection closes.
+        assert other.stats().leases >= before, "B's failure ended A's lease"
+        o = other.register_layout(LAYOUTS["tiny"])
+        other.evict(everything=True)                       # unleased pages only
+        other.put(o, keys(f"filler-{what}", 512), pages(512, o.page_bytes, seed=8))
+        if what == "acquire":
+            assert np.array_equal(np.stack([v.copy() for v in held.views]), data)
+            held.release()
+        else:
+            for view, page in zip(held.views, data):
+                view[:] = page
+            assert held.commit() == 8
+            assert np.array_equal(other.get(o, mine), data)
+        wait_for(lambda: other.stats().leases == 0, "every lease to end")
+
+
+@pytest.mark.parametrize("what", ["acquire", "reserve"])
+def test_a_lane_call_that_times_out_keeps_the_other_threads_leases(fresh_server, what):
+    srv = fresh_server(dram="64MiB")
+
+    def b_times_out(c, ns):
+        c.timeout = 0.5
+        sigstop(srv.proc.pid)                   # a stall longer than B's timeout
+        try:
+            with pytest.raises(KVStoreError) as err:
+                if what == "acquire":
+                    c.acquire(ns, keys("b", 1))
+                else:
+                    c.reserve(ns, keys("b", 1))
+            assert err.value.code.name == "DEADLINE_EXCEEDED"
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+            c.timeout = 30
+        c.exists(ns, keys("b", 1))               # the lane goes on, on a new connection
+
+    _held_by_a_and_b_fails(srv, b_times_out, what)
+
+
+@pytest.mark.parametrize("what", ["acquire", "reserve"])
+def test_a_dropped_fast_path_keeps_the_other_threads_leases(fresh_server, what):
+    """B's pooled call finds the server's fast-path connections all taken (BUSY): the
+    client drops its fast path and B goes on over gRPC, with no error anywhere."""
+    srv = fresh_server(dram="64MiB", data_connections=3)
+
+    def b_meets_busy(c, ns):
+        hogs = [socket.create_connection(("127.0.0.1", srv.port + 1)) for _ in range(3)]
+        try:
+            time.sleep(0.2)
+            assert c.exists(ns, keys("b", 1)) == [False]      # over gRPC
+        finally:
+            for hog in hogs:
+                hog.close()
+
+    _held_by_a_and_b_fails(srv, b_meets_busy, what)
+
+
 # -- bounds and malformed frames ----------------------------------------------------------------
 @pytest.mark.parametrize("frame, words", [
     (b"\x16\x03\x01\x02\x00" + bytes(200), b"not a kvstore fast-path frame"),
@@ -492,14 +567,22 @@ def test_the_same_request_limits_as_grpc(fresh_server):
         raw.sock.sendall(bytes(1001 * ns.page_bytes))
         status, message, _ = raw.answer()
         assert status == fw.Status.INVALID and b"1001 keys; at most 1000" in message
-        # The limit itself is fine, and a body past what 1000 keys can fill is a frame
-        # this server does not read at all.
+        # The limit itself is fine. A body past what 1000 keys can fill is read past and
+        # refused, and the connection goes on with its leases: closing it ended the
+        # leases of every thread whose lane it was. Past what any server's limit allows,
+        # it is a malformed frame (test_malformed_frames_get_an_error_and_close).
         status, _ = raw.call(fw.Op.EXISTS, fw.LAYOUT_HEAD.pack(lid)
                              + fw.encode_keys(20, over[:20_000]))
         assert status == 0
-        raw.sock.sendall(fw.encode_header(fw.Op.EXISTS, fw.request_body_bytes(1000) + 1))
-        status, message, _ = raw.answer()
-        assert status == fw.Status.PROTOCOL and b"over the limit" in message
+        status, message = raw.call(fw.Op.ACQUIRE, fw.LEASED_HEAD.pack(lid, token, 60_000)
+                                   + fw.encode_keys(20, keys("limit", 1)[0]))
+        assert status == 0
+        held = fw.LEASE.unpack_from(message)[0]
+        status, message = raw.call(fw.Op.EXISTS, bytes(fw.request_body_bytes(1000) + 1))
+        assert status == fw.Status.INVALID and b"over the limit" in message
+        assert b"at most 1000 keys per request" in message
+        status, message = raw.call(fw.Op.RELEASE, fw.LEASE.pack(held))
+        assert status == 0 and fw.LEASE.unpack_from(message)[0] == 1   # it was still held
         raw.close()
 
 
