@@ -9,7 +9,8 @@ page's bytes, and nothing said so), and a writer's reserved slots went to anothe
 whose committed page it then overwrote. So a connection that still holds leases is not
 closed but retired: no call uses it again, and it is closed when its last lease ends
 (ended on any connection of the client: the server ends a lease by its id) or when the
-client closes. A connection that broke has lost its leases on the server already.
+client closes; at most MAX_RETIRED are kept. A connection that broke has lost its leases
+on the server already.
 
     took(conn, id) ─► held ─► ended(id) ─► (conn retired and holds none) ─► closed
                               let_go(conn): closed if it holds none, else retired
@@ -21,11 +22,19 @@ opens, so a lease taken before a fast path was dropped is ended through the next
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from .fastconn import Conn
 
-__all__ = ["Holdings"]
+__all__ = ["MAX_RETIRED", "Holdings"]
+
+log = logging.getLogger(__name__)
+
+# Retired connections kept at once. Each holds a thread of the server's (its connection
+# limit is shared by every client), and a client that lets its leases run out instead of
+# ending them would keep them all until it closes: past this many, the oldest is closed.
+MAX_RETIRED = 8
 
 
 class Holdings:
@@ -35,7 +44,8 @@ class Holdings:
         self._lock = threading.Lock()        # guards everything below
         self._holder: dict[int, Conn] = {}   # lease id -> the connection that took it
         self._held: dict[Conn, set[int]] = {}  # connection -> the lease ids it holds
-        self._retired: set[Conn] = set()     # out of use, open while they hold leases
+        # out of use, open while they hold leases; oldest first (a dict: insertion order)
+        self._retired: dict[Conn, None] = {}
 
     def took(self, conn: Conn, lease_id: int) -> None:
         """conn's call took the lease: the server ends it when conn closes."""
@@ -59,17 +69,27 @@ class Holdings:
                 del self._held[conn]
             if conn not in self._retired:
                 return
-            self._retired.discard(conn)
+            del self._retired[conn]
         conn.close()
 
     def let_go(self, conn: Conn) -> None:
         """conn is not to be used again (out of step): closed, or kept while it holds
         leases."""
+        oldest = None
         with self._lock:
             if self._held.get(conn):
-                self._retired.add(conn)
-                return
-            self._held.pop(conn, None)
+                self._retired[conn] = None
+                if len(self._retired) <= MAX_RETIRED:
+                    return
+                conn = oldest = next(iter(self._retired))
+                del self._retired[conn]
+                for lease_id in self._held.pop(conn, ()):
+                    self._holder.pop(lease_id, None)
+            else:
+                self._held.pop(conn, None)
+        if oldest is not None:
+            log.warning("fast path: %d connections kept open for their leases; closing the "
+                        "oldest, which ends the leases it still holds", MAX_RETIRED + 1)
         conn.close()
 
     def lost(self, conn: Conn) -> None:
@@ -77,7 +97,7 @@ class Holdings:
         with self._lock:
             for lease_id in self._held.pop(conn, ()):
                 self._holder.pop(lease_id, None)
-            self._retired.discard(conn)
+            self._retired.pop(conn, None)
         conn.close()
 
     def holds(self, conn: Conn) -> bool:
@@ -87,7 +107,7 @@ class Holdings:
     def close(self) -> None:
         """The client closes: every retired connection goes (their leases with them)."""
         with self._lock:
-            retired, self._retired = self._retired, set()
+            retired, self._retired = list(self._retired), {}
             for conn in retired:
                 for lease_id in self._held.pop(conn, ()):
                     self._holder.pop(lease_id, None)

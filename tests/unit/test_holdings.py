@@ -44,3 +44,18 @@ def test_a_lane_in_use_is_not_closed_when_its_leases_end_and_close_ends_the_rest
     h.let_go(retired)
     h.close()                           # the client closes
     assert retired.closed and not lane.closed
+
+
+def test_past_max_retired_the_oldest_is_closed():
+    from kvstore_client.holdings import MAX_RETIRED
+
+    h = Holdings()
+    conns = [FakeConn() for _ in range(MAX_RETIRED + 1)]
+    for i, conn in enumerate(conns):
+        h.took(conn, i + 1)
+        h.let_go(conn)
+    assert conns[0].closed and not h.holds(conns[0])
+    assert not any(conn.closed for conn in conns[1:])
+    h.ended(1)                          # the closed one's lease: already forgotten
+    h.ended(2)
+    assert conns[1].closed
