@@ -57,6 +57,7 @@ import numpy as np
 from .disk_slots import DiskSlots
 from .eviction import PolicyFactory, make_policy
 from .disk_stats import DiskCounters, DiskStats
+from .layouts import LAYOUT_ID_BYTES
 from .slot_io import (SlotRead, SlotWrite, folder_gone, lock_folder, read_slots, runs_of,
                       write_slots)
 from .slotfile import (ALIGN, MAX_KEY, SlotFile, SlotHeader, aligned_buffer, probe_direct, seal,
@@ -72,7 +73,6 @@ log = logging.getLogger(__name__)
 # os.pwritev's signature: the seam through which tests inject ENOSPC and EIO.
 PwriteV = Callable[[int, Sequence[memoryview], int], int]
 
-LAYOUT_ID_BYTES = 16
 # Longest a delete waits for its slots to be blanked (_durable): reads in flight on them,
 # the writer's round in progress, the blanking. Past it the delete returns, not durable.
 DURABLE_WAIT = 10.0
