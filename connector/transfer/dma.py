@@ -14,6 +14,7 @@ import math
 from typing import Any
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from .plan import Geometry, Plan
@@ -104,30 +105,30 @@ class DmaLoader(_Staging):
         # so one event serves every piece (one made per piece cost the host a creation).
         self._handoff: Any = None
 
-    def load(self, geo: Geometry, num_layers: int, plan: Plan, runs: list[tuple[int, int]],
-             load, cache_align: int, scatter: Scatter, group: int = 1,
-             shift: Callable[[int], int] = lambda layer: 0) -> list:
-        """Every layer by the copy engine into a staging buffer (on `load`, the load
-        stream), scattered into the blocks by the kernel (scatter stream), `group` layers
-        a piece: one 2D copy per run of adjacent pages moves the piece's layers of each
-        page at once (they lie back to back in a pool page), one launch scatters them.
-        The two buffers alternate, so the copy of one piece runs while the previous one
-        scatters. One event per layer, on the scatter stream, recorded once the layer's
-        piece is in its blocks. shift(first): the piece's first layer's index in its
-        layer table times layer_bytes (the scatter counts layers in the table)."""
-        lb, pages = geo.layer_bytes, len(plan.offsets)
+    def load(self, geo: Geometry, num_layers: int, host: np.ndarray, offsets: np.ndarray,
+             runs: list[tuple[int, int]],
+             upload: Callable[[], torch.Tensor], load, cache_align: int, scatter: Scatter,
+             group: int = 1, shift: Callable[[int], int] = lambda layer: 0,
+             ) -> tuple[list, torch.Tensor | None]:
+        """Every layer of the pages at `offsets` in `host` (checked) by the copy engine
+        into a staging buffer (on `load`, the load stream), scattered into the blocks by
+        the kernel (scatter stream), `group` layers a piece: one 2D copy per run of
+        adjacent pages moves the piece's layers of each page at once (they lie back to
+        back in a pool page), one launch scatters them. The two buffers alternate, so the
+        copy of one piece runs while the previous one scatters. upload(): the pages' block
+        ids on the device (current stream), called once the first piece's copies are
+        enqueued. Returns one event per layer, on the scatter stream, recorded once the
+        layer's piece is in its blocks, and the block ids (keep them until the last).
+        shift(first): the piece's first layer's index in its layer table times
+        layer_bytes (the scatter counts layers in the table)."""
+        lb, pages, k = geo.layer_bytes, len(offsets), geo.k
         if not pages:
-            return [record(load) for _ in range(num_layers)]
+            return [record(load) for _ in range(num_layers)], None
         group = max(1, min(group, num_layers))
         self._reserve(group * lb)
         extent = num_layers * lb
-        base = int(plan.host.ctypes.data)
+        base = int(host.ctypes.data)
         stream = self._stream
-        meta = plan.meta
-        assert meta is not None             # the plan makes it for every device copy
-        # Made on the load stream, read on the scatter stream: the allocator must not hand
-        # its memory out again before the scatters are done.
-        meta.record_stream(stream)
         align = math.gcd(cache_align, lb, 16)
         events: list = []
         if self._handoff is None:
@@ -135,8 +136,8 @@ class DmaLoader(_Staging):
         handoff, lib, to = self._handoff, self._lib, load.cuda_stream
         # A piece's host work is what bounds a short load (1,024 tokens of the 8B preset:
         # 16 pieces of 8 MiB, each ~0.15 ms of PCIe), so what repeats from piece to piece
-        # is worked out once a load: per buffer-full of pages, its block ids and its runs
-        # (row in the buffer, byte address of the run's first page, rows).
+        # is worked out once a load: per buffer-full of pages, its runs (row in the
+        # buffer, byte address of the run's first page, rows).
         chunks: dict[int, list] = {}
 
         def pieces(chunk: int) -> list:
@@ -145,41 +146,64 @@ class DmaLoader(_Staging):
                 got = chunks[chunk] = []
                 for p0 in range(0, pages, chunk):
                     p1 = min(pages, p0 + chunk)
-                    rows = [(max(r0, p0) - p0, base + int(plan.offsets[max(r0, p0)]),
+                    rows = [(max(r0, p0) - p0, base + int(offsets[max(r0, p0)]),
                              min(r1, p1) - max(r0, p0))
                             for r0, r1 in runs if max(r0, p0) < min(r1, p1)]
-                    got.append((p1 - p0, meta[pages + p0 * geo.k:pages + p1 * geo.k], rows))
+                    got.append((p0, p1, rows))
             return got
 
-        # The whole loop on the scatter stream: the scatters launch on the current stream,
-        # and the copies and events name their streams. A `with` per piece cost ~15 us.
+        def copy(first: int, width: int, rows: list) -> tuple[int, torch.Tensor]:
+            """The next buffer, with one piece's copies into it enqueued on `load`."""
+            b, buf = self._take(load)
+            dst = buf.data_ptr()
+            for row, src, nrows in rows:
+                rc = lib.cudaMemcpy2DAsync(dst + row * width, width, src + first * lb, extent,
+                                           width, nrows, _CUDA_MEMCPY_DEFAULT, to)
+                if rc:
+                    clear_cuda_error()
+                    raise TransferError(f"cudaMemcpy2DAsync of layers {first}.."
+                                        f"{first + width // lb - 1} failed with CUDA error {rc}")
+            return b, buf
+
+        # Every piece in order: (first layer, layers, pages a buffer holds, p0, p1, rows,
+        # whether it is its layers' last).
+        order = []
+        for first in range(0, num_layers, group):
+            count = min(group, num_layers - first)
+            chunk = max(1, self._staging[0].numel() // (count * lb))   # pages a buffer holds
+            got = pieces(chunk)
+            order += [(first, count, min(chunk, pages), p0, p1, rows, j == len(got) - 1)
+                      for j, (p0, p1, rows) in enumerate(got)]
+        # The first piece's copies go out before anything else, contexts included: the
+        # copy engine idles until then, and a short load has nothing to hide it behind.
+        taken = copy(order[0][0], order[0][1] * lb, order[0][5])
+        cuts: dict[tuple[int, int], torch.Tensor] = {}      # block ids of each piece's pages
+
+        # The rest on the scatter stream: the scatters launch on the current stream, and
+        # the copies and events name their streams. A `with` per piece cost ~15 us.
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             on = stream.cuda_stream
-            for first in range(0, num_layers, group):
-                count = min(group, num_layers - first)
+            blocks = upload()          # on this stream, which alone reads them
+            # Where each page lies in a buffer, for the layers starting at staged_for.
+            first, count, held = order[0][:3]
+            staged, staged_for = self._staged_offsets(held, count * lb, shift(first)), first
+            for i, (first, count, held, p0, p1, rows, last) in enumerate(order):
                 width = count * lb
-                chunk = max(1, self._staging[0].numel() // width)      # pages a buffer holds
-                held = min(chunk, pages)
-                staged = self._staged_offsets(held, width, shift(first))
-                for n, blocks, rows in pieces(chunk):
-                    b, buf = self._take(load)
-                    dst = buf.data_ptr()
-                    for row, src, nrows in rows:
-                        rc = lib.cudaMemcpy2DAsync(dst + row * width, width, src + first * lb,
-                                                   extent, width, nrows,
-                                                   _CUDA_MEMCPY_DEFAULT, to)
-                        if rc:
-                            clear_cuda_error()
-                            raise TransferError(f"cudaMemcpy2DAsync of layers {first}.."
-                                                f"{first + count - 1} failed with CUDA "
-                                                f"error {rc}")
-                    handoff.record(load)
-                    stream.wait_event(handoff)
-                    scatter(buf, first, count, n, staged if n == held else staged[:n], blocks,
-                            align, on)
-                    self._free[b] = record(stream)
-                events += [self._free[(self._piece - 1) % 2]] * count
-        return events
+                b, buf = copy(first, width, rows) if i else taken
+                handoff.record(load)
+                stream.wait_event(handoff)
+                if staged_for != first:
+                    staged, staged_for = self._staged_offsets(held, width, shift(first)), first
+                cut = cuts.get((p0, p1))
+                if cut is None:
+                    cut = cuts[p0, p1] = blocks[p0 * k:p1 * k]
+                n = p1 - p0
+                scatter(buf, first, count, n, staged if n == held else staged[:n], cut,
+                        align, on)
+                self._free[b] = record(stream)
+                if last:
+                    events += [self._free[b]] * count
+        return events, blocks
 
 
 class DmaSaver(_Staging):

@@ -126,7 +126,10 @@ def page_runs(offsets: np.ndarray, extent: int) -> list[tuple[int, int]]:
     """[start, end) ranges of page indices whose pages lie back to back in the pool."""
     if not len(offsets):
         return []
-    breaks = np.flatnonzero(np.diff(offsets) != extent) + 1
+    steps = np.diff(offsets)
+    if (steps == extent).all():         # one run: a load's usual case, on its critical path
+        return [(0, len(offsets))]
+    breaks = np.flatnonzero(steps != extent) + 1
     edges = [0, *breaks.tolist(), len(offsets)]
     return list(zip(edges[:-1], edges[1:]))
 
