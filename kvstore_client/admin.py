@@ -74,10 +74,11 @@ class Stats:
     tiers: tuple[TierStats, ...] = ()
     layouts: tuple[LayoutStats, ...] = ()
     leases: int = 0             # live leases
-    leased_pages: int = 0       # pages pinned by a lease now
+    leased_pages: int = 0       # pages pinned by a lease now, or held back after one
     uptime_seconds: float = 0.0
     version: str = ""
     tenants: tuple[TenantStats, ...] = ()
+    held_back_pages: int = 0    # pinned a while after their lease expired (slow clients)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -123,7 +123,9 @@ def _render_stats(resp) -> str:
     show_tenants = len(resp.tenants) > 1 or any(t.quota_bytes for t in resp.tenants)
     return "\n\n".join(part for part in (
         (f"kvstore-server {resp.version}   uptime {_duration(resp.uptime_seconds)}   "
-         f"leases {resp.leases}   leased pages {resp.leased_pages}"),
+         f"leases {resp.leases}   leased pages {resp.leased_pages}"
+         + (f" ({resp.held_back_pages} held back after their leases expired)"
+            if resp.held_back_pages else "")),
         _table(tiers, ["tier", "state", "capacity", "used", "use %", "pages", "hits",
                        "misses", "hit rate", "evictions", "bytes in", "bytes out"], 2),
         "\n".join(f"far tier: {t.reads} pages read, {t.writes} written, {t.drops} dropped "

@@ -61,7 +61,7 @@ class AdminService:
                    for t in s.tenants]
         return apb.StatsResponse(
             tiers=tiers, layouts=[_layout_stats(e) for e in s.layouts], tenants=tenants,
-            leases=s.leases, leased_pages=s.leased_pages,
+            leases=s.leases, leased_pages=s.leased_pages, held_back_pages=s.held_back_pages,
             uptime_seconds=s.uptime_seconds, version=__version__)
 
     def Evict(self, request, context):

@@ -34,7 +34,10 @@ class _StoreCollector:
         yield _gauge("kvstore_used_bytes", "Bytes of slots in use per tier", tier, s.used_bytes)
         yield _gauge("kvstore_pages", "Pages stored per tier", tier, s.pages)
         yield _gauge("kvstore_leases", "Live leases", None, s.leases)
-        yield _gauge("kvstore_leased_pages", "Pages pinned by a lease", None, s.leased_pages)
+        yield _gauge("kvstore_leased_pages", "Pages pinned by a lease, or held back after one",
+                     None, s.leased_pages)
+        yield _gauge("kvstore_held_back_pages", "Pages pinned a while after their lease "
+                     "expired, in case its client is only slow", None, s.held_back_pages)
         yield _counter("kvstore_hits", "Pages found by lookups", tier, s.hits)
         yield _counter("kvstore_misses", "Pages a lookup asked for and did not find", tier, s.misses)
         yield _counter("kvstore_evictions", "Pages evicted", tier, s.evictions)

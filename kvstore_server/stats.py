@@ -44,6 +44,7 @@ class StoreStats:
     bytes_out: int
     leases: int
     leased_pages: int
+    held_back_pages: int            # pinned a while after their lease expired (holdback.py)
     uptime_seconds: float
     promotions: int                 # pages read back from the tiers below
     layouts: tuple[LayoutStats, ...]

@@ -37,6 +37,7 @@ from kvstore_client.layout import PageLayout
 
 from .errors import Outcome, Reason, StoreError
 from .eviction import PolicyFactory, make_policy
+from .holdback import HoldBack
 from .layouts import DEFAULT_MAX_LAYOUTS, LayoutInfo, LayoutRegistry
 from .leases import DEFAULT_LEASE_MEMORY, FOREVER, Lease, LeaseKind, LeaseTable
 from .pool import Pool
@@ -99,6 +100,7 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
         self._layouts = LayoutRegistry(max_layouts)
         self._policy = make_policy(policy)
         self._leases = LeaseTable(clock)
+        self._held_back = HoldBack()           # slots of expired leases (store_leases)
         self._slots = SlotTable()
         self.started_at = clock()
         self.pressure = threading.Event()      # set when usage crosses the high watermark
@@ -345,15 +347,19 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
             return True
 
     def _undo_reservation(self, lease: Lease) -> None:
+        """A reservation's keys never become visible; its slots go free now, or at their
+        last unpin."""
+        self._forget_reservation(lease)
+        self._unpin(lease.slots)
+
+    def _forget_reservation(self, lease: Lease) -> None:
+        """A reservation's keys never become visible; its slots are DOOMED, freed at the
+        unpin that ends the reservation's own pin (held back: store_leases)."""
         info = self._layouts.by_idx[lease.layout]
-        self._slots.pins[lease.slots] -= 1
         for key, slot in zip(lease.keys, lease.slots.tolist()):
             if info.writing.get(key) == slot:
                 del info.writing[key]
-            if self._slots.pins[slot] == 0:
-                self._free([slot])
-            else:
-                self._slots.state[slot] = DOOMED
+        self._slots.state[lease.slots] = DOOMED
 
     # -- gets -----------------------------------------------------------------------
     def acquire(self, layout_id: bytes, keys: Packed | Sequence[bytes],

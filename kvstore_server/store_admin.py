@@ -18,6 +18,7 @@ from kvstore_client.keys import MAX_KEY_BYTES, Packed
 from .errors import Outcome, Reason, StoreError
 from .eviction import EvictionPolicy, enough
 from .layouts import LayoutInfo, LayoutRegistry
+from .holdback import HoldBack
 from .leases import LeaseTable
 from .pool import Pool
 from .quota import TenantLedger
@@ -49,6 +50,7 @@ class StoreAdmin:
     _layouts: LayoutRegistry
     _policy: EvictionPolicy
     _leases: LeaseTable
+    _held_back: HoldBack
     _tenants: TenantLedger
 
     if TYPE_CHECKING:               # Store's own, used here
@@ -224,6 +226,7 @@ class StoreAdmin:
                 bytes_out=sum(i.bytes_out for i in by_idx),
                 leases=len(self._leases),
                 leased_pages=int(np.count_nonzero(self._slots.pins[:n] > 0)),
+                held_back_pages=self._held_back.pages,
                 uptime_seconds=self.clock() - self.started_at, promotions=self.promotions,
                 layouts=tuple(layouts),
                 tenants=tuple(TenantStats(name, pages, self._tenants.bytes.get(name, 0))

@@ -3,24 +3,29 @@ their client, expired, or broken by an admin).
 
 A mixin of Store (store.py), which owns the lock and the lease table; a READ lease's end
 unpins its pages (a DOOMED page is freed with its last pin), a RESERVE lease's end undoes
-the reservation as abort does.
+the reservation as abort does. A lease that expires ends in two steps: at once it is
+gone (a reservation's keys never become visible, a commit or release of it is refused),
+but its slots stay pinned for as long again as it was granted for, since its client may
+be only slow and still copying (holdback.py says why); then they are unpinned as above.
 
 The leases clients hold are bounded in bytes (lease_memory; leases.DEFAULT_LEASE_MEMORY
-says why): past it a leased Lookup answers its count without a lease (as it does for
-pages on the tier below: the client acquires them when it reads), and Acquire and
-Reserve are refused with RESOURCE_EXHAUSTED. A Put or Get stream's own lease is not
-counted: the handler threads bound those.
+says why), slots held back counted with them: past it a leased Lookup answers its count
+without a lease (as it does for pages on the tier below: the client acquires them when
+it reads), and Acquire and Reserve are refused with RESOURCE_EXHAUSTED. A Put or Get
+stream's own lease is not counted: the handler threads bound those.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .errors import Outcome, StoreError
+from .holdback import HoldBack
 from .leases import FOREVER, Lease, LeaseKind, LeaseTable, footprint
 from .slots import SlotState, SlotTable
 from .timed_lock import TimedLock
@@ -47,24 +52,29 @@ class StoreLeases:
     _lock: TimedLock
     _slots: SlotTable
     _leases: LeaseTable
+    _held_back: HoldBack            # slots of expired leases, pinned a while longer
+    clock: Callable[[], float]      # the lease table's
     lease_memory: int               # bytes clients' leases may take; 0 = unlimited
     _lease_warned = float("-inf")   # time.monotonic() of the last "leases full" warning
 
     if TYPE_CHECKING:               # Store's own, used here
         def _undo_reservation(self, lease: Lease) -> None: ...
+        def _forget_reservation(self, lease: Lease) -> None: ...
         def _free(self, slots) -> None: ...
 
     def _may_lease(self, slots: int, keys: int = 0) -> bool:
         """Whether a client's lease of `slots` slots and `keys` keys fits lease_memory
         (under the lock)."""
         return (not self.lease_memory
-                or self._leases.held + footprint(slots, keys) <= self.lease_memory)
+                or self._leases.held + self._held_back.held + footprint(slots, keys)
+                <= self.lease_memory)
 
     def _leases_full(self, what: str) -> str:
         """Why a lease was not given (logged once a minute): for the refusal's message."""
         why = (f"{what}: the leases clients hold take {self._leases.held} bytes of the "
-               f"server's memory, the most it allows ({self.lease_memory}, --lease-memory); "
-               "release leases, or wait for them to expire (--lease-ttl)")
+               f"server's memory and the slots held back after theirs expired "
+               f"{self._held_back.held}, the most it allows ({self.lease_memory}, "
+               "--lease-memory); release leases, or wait for them to expire (--lease-ttl)")
         now = time.monotonic()
         if now - self._lease_warned > 60:
             self._lease_warned = now
@@ -121,31 +131,42 @@ class StoreLeases:
         return lease
 
     def expire_leases(self) -> int:
-        """Undo every lease past its expiry (a client that died holding it)."""
+        """End every lease past its expiry (a client that died holding it, or one that is
+        slow) and hold its slots back as long again; unpin the slots held back long
+        enough. Returns the leases ended."""
         with self._lock:
             gone = self._leases.expired()
-            self._undo_leases(gone)
+            for lease in gone:
+                if lease.kind is LeaseKind.RESERVE:
+                    self._forget_reservation(lease)
+                self._held_back.add(lease.expires_at + lease.ttl, lease.slots)
+            for slots in self._held_back.due(self.clock()):
+                self._unpin(slots)
             if gone:
-                log.info("expired %d leases (%d pages) not released in time", len(gone),
-                         sum(len(lease.slots) for lease in gone))
+                log.info("expired %d leases (%d pages) not released in time; their slots "
+                         "are held back as long again, in case a client is only slow",
+                         len(gone), sum(len(lease.slots) for lease in gone))
             return len(gone)
 
     def break_leases(self) -> int:
         """Admin --force: undo every lease and reservation a client holds now, as if it
         had expired (a client that died holding them, before --lease-ttl ends them). A
         client still copying from a page so released may read a reused slot: for an
-        operator who knows its clients are gone. Put and Get streams are never broken."""
+        operator who knows its clients are gone; the slots held back after leases expired
+        go too. Put and Get streams are never broken."""
         with self._lock:
             gone = self._leases.take_breakable()
-            self._undo_leases(gone)
-        if gone:
-            log.warning("admin broke %d leases (%d pages)", len(gone),
-                        sum(len(lease.slots) for lease in gone))
+            for lease in gone:
+                if lease.kind is LeaseKind.RESERVE:
+                    self._undo_reservation(lease)
+                else:
+                    self._unpin(lease.slots)
+            held = self._held_back.take_all()
+            for slots in held:
+                self._unpin(slots)
+        if gone or held:
+            log.warning("admin broke %d leases (%d pages) and let go of %d pages held back "
+                        "after their leases expired", len(gone),
+                        sum(len(lease.slots) for lease in gone),
+                        sum(len(slots) for slots in held))
         return len(gone)
-
-    def _undo_leases(self, leases: list[Lease]) -> None:
-        for lease in leases:
-            if lease.kind is LeaseKind.RESERVE:
-                self._undo_reservation(lease)
-            else:
-                self._unpin(lease.slots)

@@ -12,14 +12,16 @@ The whole life of a page, across the tiers:
       ─────────────────────────                          ─────────────────
       reserve ──► WRITING: a RESERVE lease owns the slot, the key is invisible
          │  │        the client writes the bytes into the slot, outside the lock
-         │  └─ abort / the reservation expires ──► slot FREE, key never visible
+         │  └─ abort ──► slot FREE, key never visible; the reservation expires ──► key
+         │     never visible, the slot held back as long again, then FREE (holdback.py)
          ▼
       commit ──► READY: in the layout's index; touched by lookup and get; a write-through
          │       tier (the far tier under --far-write through) is offered a copy now,
          │       outside the lock, the slots pinned while it copies
          │
          ├─ lease (Lookup with a lease, Get, Acquire): a READ lease pins the DRAM pages
-         │     while a client copies them out; release (or expiry) unpins them
+         │     while a client copies them out; release unpins them (expiry after as
+         │     long again: holdback.py)
          │
          ├─ evict (watermark, a quota, an admin): unleased READY pages, in the order of
          │     the eviction policy ──── spill ──► offer(page): the tier copies it into

@@ -57,17 +57,97 @@ def test_writing_pages_are_invisible_until_commit(store):
 
 
 def test_abort_and_expiry_free_reservations(store):
+    """Abort frees a reservation's slots at once; expiry ends it at once (no commit, no
+    key visible) but holds its slots back for as long again as it was granted for."""
     info = store.register_layout(LAYOUT)
     res = store.reserve(info.layout_id, keys("a", 4))
     store.abort(res.lease_id)
     assert store.pool.used_bytes == 0
-    res = store.reserve(info.layout_id, keys("b", 4))
+    res = store.reserve(info.layout_id, keys("b", 4))      # the store's ttl: 5 s
     store.test_clock.now += 6
     assert store.expire_leases() == 1
-    assert store.pool.used_bytes == 0 and store.lookup([info.layout_id], keys("b", 4))[0] == 0
+    assert store.lookup([info.layout_id], keys("b", 4))[0] == 0
     with pytest.raises(StoreError) as err:
         store.commit(res.lease_id)
     assert err.value.outcome is Outcome.EXPIRED
+    assert store.pool.used_bytes == 4 * store.pool.slot_bytes(info.cls)
+    assert store.stats().held_back_pages == 4 and store.stats().leases == 0
+    store.test_clock.now += 3.9                             # 9.9 s: 10 s is its end
+    store.expire_leases()
+    assert store.pool.used_bytes > 0
+    store.test_clock.now += 0.2
+    assert store.expire_leases() == 0
+    assert store.pool.used_bytes == 0 and store.stats().held_back_pages == 0
+    assert store.stats().leased_pages == 0
+
+
+def test_a_slow_writer_past_its_lease_never_writes_into_another_page(store):
+    """A reservation that ran out while its client was only slow: the slots it named go
+    to no other page until it has been held back as long again, so a late write lands
+    where nobody reads. Puts of twice the pool's pages, evicting, never get them."""
+    info = store.register_layout(LAYOUT)
+    capacity = store.pool.capacity_bytes // store.pool.slot_bytes(info.cls)
+    slow = store.reserve(info.layout_id, keys("slow", 2), ttl=2.0)
+    store.test_clock.now += 2.5
+    assert store.expire_leases() == 1
+    given = set()
+    for r in range(2 * capacity):
+        res = store.reserve(info.layout_id, keys(f"other{r}", 1))
+        given |= set(res.offsets.tolist())
+        store.mem[res.offsets[0]:res.offsets[0] + info.page_bytes] = r % 256
+        store.commit(res.lease_id)
+    assert given.isdisjoint(slow.offsets.tolist()) and len(given) == capacity - 2
+    for off in slow.offsets.tolist():                       # the late write lands
+        store.mem[off:off + info.page_bytes] = 0xAA
+    for r in range(capacity + 2, 2 * capacity):             # the newest pages, unharmed
+        got = store.acquire(info.layout_id, keys(f"other{r}", 1))
+        off = int(got.offsets[0])
+        assert (store.mem[off:off + info.page_bytes] == r % 256).all()
+        store.release(got.lease_id)
+    store.test_clock.now += 2.0                             # held 2 s, as granted
+    store.expire_leases()
+    assert store.pool.used_bytes == capacity * store.pool.slot_bytes(info.cls) - 2 * \
+        store.pool.slot_bytes(info.cls)                     # the two slots are free again
+
+
+def test_an_acquire_past_its_lease_keeps_its_pages_a_while_longer(store):
+    """An expired READ lease's pages stay pinned (not evicted, and a delete waits) until
+    held back as long again; then they go as after a release."""
+    info = store.register_layout(LAYOUT)
+    capacity = store.pool.capacity_bytes // store.pool.slot_bytes(info.cls)
+    held = keys("held", 3)
+    put(store, info, held, fill=3)
+    late = store.acquire(info.layout_id, held, ttl=1.0)
+    store.test_clock.now += 1.5
+    assert store.expire_leases() == 1 and not store.release(late.lease_id)
+    assert store.delete(info.layout_id, held) == 3          # invisible now, freed later
+    put(store, info, keys("fill", capacity - 3), fill=4)
+    for off in late.offsets.tolist():                       # the late reader's bytes
+        assert (store.mem[off:off + info.page_bytes] == 3).all()
+    store.test_clock.now += 1.0
+    store.expire_leases()
+    assert store.stats().held_back_pages == 0
+    assert put(store, info, keys("new", 3)) == 3            # their slots, free again
+
+
+def test_held_back_slots_count_in_lease_memory_and_go_with_force(store):
+    """What is held back counts against --lease-memory with the live leases (so a client
+    that lets leases expire cannot grow the server past it), and an admin's --force lets
+    it go with them."""
+    info = store.register_layout(LAYOUT)
+    put(store, info, keys("k", 8))
+    store.acquire(info.layout_id, keys("k", 8), ttl=1.0)
+    store.test_clock.now += 1.5
+    store.expire_leases()
+    held = store._held_back.held
+    assert held > 0 and store._leases.held == 0
+    store.lease_memory = held                               # exactly what is held back
+    with pytest.raises(StoreError) as err:
+        store.acquire(info.layout_id, keys("k", 1))
+    assert err.value.outcome is Outcome.EXHAUSTED and "held back" in err.value.message
+    assert store.break_leases() == 0                        # no live lease to break ...
+    assert store.stats().held_back_pages == 0 and store.stats().leased_pages == 0
+    assert store.acquire(info.layout_id, keys("k", 1)).lease_id   # ... but room again
 
 
 def test_present_keys_are_skipped_not_stored_twice(store):

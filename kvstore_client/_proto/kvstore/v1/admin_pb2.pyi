@@ -86,7 +86,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "layouts", "leases", "leased_pages", "uptime_seconds", "version", "tenants")
+    __slots__ = ("tiers", "layouts", "leases", "leased_pages", "uptime_seconds", "version", "tenants", "held_back_pages")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LAYOUTS_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class StatsResponse(_message.Message):
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    HELD_BACK_PAGES_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     layouts: _containers.RepeatedCompositeFieldContainer[LayoutStats]
     leases: int
@@ -101,7 +102,8 @@ class StatsResponse(_message.Message):
     uptime_seconds: float
     version: str
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., layouts: _Optional[_Iterable[_Union[LayoutStats, _Mapping]]] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+    held_back_pages: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., layouts: _Optional[_Iterable[_Union[LayoutStats, _Mapping]]] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., held_back_pages: _Optional[int] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("layout_id", "bytes", "all", "tier", "force")

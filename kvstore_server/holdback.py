@@ -1,0 +1,67 @@
+"""Slots held back after their lease expired, until a later time. A pure table, not
+thread-safe (the store's lock guards it).
+
+Why: a lease that runs out is usually a client that died (one on the fast path ends its
+leases as its connection closes, and holds nothing back), but it may be one that is only
+slow (a process stopped for a while, a DMA write still in flight into a reserved slot, a
+copy still reading an acquired one). Reused at once, such a slot takes another key's page,
+and the late write lands in it, or the late read returns it: wrong bytes, no error. So
+the store keeps an expired lease's slots pinned for as long again as the lease was
+granted for (store_leases.StoreLeases.expire_leases), then lets them go. A lease its
+client releases, aborts or commits goes free at once, and an admin's --force ends holds
+too (the operator knows the clients are gone).
+
+The time held back is the lease's own ttl, not the server's: a client that asks for
+leases of 1 ms holds nothing back for long, so what is held stays within about twice the
+leases clients may hold (store_leases counts it in lease_memory, with them).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+import numpy as np
+
+from .leases import footprint
+
+__all__ = ["HoldBack"]
+
+
+class HoldBack:
+    """Slot arrays held back, each until its own time, the earliest found in O(log n)."""
+
+    def __init__(self) -> None:
+        # heap of (until, order held, slots); the order breaks ties (arrays don't compare)
+        self._heap: list[tuple[float, int, np.ndarray]] = []
+        self._order = itertools.count()
+        self.held = 0           # footprint() of what is held, counted with the leases
+        self.pages = 0          # slots held, with repeats
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def add(self, until: float, slots: np.ndarray) -> None:
+        """Hold `slots` (pinned once each by the caller) until the clock reads `until`."""
+        if len(slots):
+            heapq.heappush(self._heap, (until, next(self._order), slots))
+            self.held += footprint(len(slots))
+            self.pages += len(slots)
+
+    def due(self, now: float) -> list[np.ndarray]:
+        """Remove and return the slot arrays whose time has come."""
+        out = []
+        while self._heap and self._heap[0][0] <= now:
+            out.append(self._drop(heapq.heappop(self._heap)[2]))
+        return out
+
+    def take_all(self) -> list[np.ndarray]:
+        """Remove and return every slot array held (an admin's --force)."""
+        out = [self._drop(slots) for _, _, slots in self._heap]
+        self._heap = []
+        return out
+
+    def _drop(self, slots: np.ndarray) -> np.ndarray:
+        self.held -= footprint(len(slots))
+        self.pages -= len(slots)
+        return slots
