@@ -15,6 +15,7 @@ BENCHES = {
     "fastpath-netns": "netns_bench",
     "hash": "hash_bench",
     "index": "index_bench",
+    "pins": "pins_bench",
     "shm": "shm_bench",
     "load": "load_bench",
     "e2e": "e2e_bench",

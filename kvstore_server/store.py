@@ -224,7 +224,7 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
         if not self._may_lease(pinned.size):
             self._leases_full("a leased Lookup answered without a lease")
             return count, 0, []
-        np.add.at(self._slots.pins, pinned, 1)    # add.at: a key may repeat
+        self._pin(pinned)                           # a key may repeat: pinned as often
         lease_id = self._leases.grant(LeaseKind.READ, pinned, lease_ttl,
                                       owner=infos[0].tenant).lease_id
         if not offsets:
@@ -322,7 +322,7 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
             # Offered outside the lock (each offer copies a page into the tier's queue:
             # 64 pages of 1 MiB would hold the lock for milliseconds), the slots pinned
             # meanwhile so that no eviction or delete reuses them under the copy.
-            np.add.at(self._slots.pins, live_arr, 1)
+            self._pin(live_arr)
             offsets = self.pool.offset[live_arr].tolist()
         pb = info.page_bytes
         try:

@@ -155,7 +155,7 @@ class StoreAdmin:
                 todo += [(info, k.tobytes(), int(self.pool.offset[m]))
                          for k, m in zip(keys, members.tolist())]
             # The pages stay pinned while offered: no request may reuse their slots.
-            np.add.at(self._slots.pins, slots, 1)
+            self._slots.add_pins(slots, 1)
         offered = 0
         try:
             for info, key, off in todo:

@@ -99,14 +99,14 @@ class StoreLeases:
     # One page is the common acquire of a same-host engine's hot path, and numpy's
     # ufunc.at and fancy indexing on arrays of one element cost ~1.5 us a call each:
     # pin + unpin of one slot took 7.9 us that way, 1.3 as scalar reads and writes
-    # (dev VM). Many slots keep the vector form (add.at: a key may repeat). A numpy
-    # scalar compared with an IntEnum asks the enum for numpy's dunders (3 us): int().
+    # (dev VM). Many slots keep the vector form (SlotTable.add_pins: a key may repeat).
+    # A numpy scalar compared with an IntEnum asks the enum for numpy's dunders (3 us):
+    # int().
     def _pin(self, slots: np.ndarray) -> None:
-        pins = self._slots.pins
         if len(slots) == 1:
-            pins[slots[0]] += 1
+            self._slots.pins[slots[0]] += 1
         else:
-            np.add.at(pins, slots, 1)
+            self._slots.add_pins(slots, 1)
 
     def _unpin(self, slots: np.ndarray) -> None:
         pins = self._slots.pins
@@ -116,7 +116,7 @@ class StoreLeases:
             if pins[slot] == 0 and int(self._slots.state[slot]) == DOOMED:   # int: see above
                 self._free(slots.copy())
             return
-        np.subtract.at(pins, slots, 1)
+        self._slots.add_pins(slots, -1)
         doomed = slots[(self._slots.state[slots] == DOOMED) & (self._slots.pins[slots] == 0)]
         if doomed.size:
             self._free(np.unique(doomed))
