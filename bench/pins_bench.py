@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if not sizes or min(sizes) < 1 or args.runs < 1:
         parser.error("--pages and --runs must be positive")
     print("leased Lookup + release in the store, medians of "
-          f"{args.runs} interleaved rounds (us):")
+          f"{args.runs} interleaved rounds (us):\n")
     print("| pages | add_pins | np.add.at | ratio |")
     print("|---|---|---|---|")
     for pages in sizes:
