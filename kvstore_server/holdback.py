@@ -12,8 +12,9 @@ client releases, aborts or commits goes free at once, and an admin's --force end
 too (the operator knows the clients are gone).
 
 The time held back is the lease's own ttl, not the server's: a client that asks for
-leases of 1 ms holds nothing back for long, so what is held stays within about twice the
-leases clients may hold (store_leases counts it in lease_memory, with them).
+leases of 1 ms holds nothing back for long. What is held counts in lease_memory with the
+live leases (store_leases), and a lease's expiry moves its footprint from one to the
+other, never adding to it.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def _fill_twice_over(client, ns, pool_pages):
 def test_a_late_write_past_the_reservations_ttl_lands_in_no_other_page(small):
     client, ns = small
     slow = client.reserve(ns, keys("slow", 2))
-    wait_for(lambda: client.stats().leases == 0, 5.0)       # expired: the client is slow
+    wait_for(lambda: client.stats().leases == 0, "the reservation to expire", timeout=5)
     assert client.stats().held_back_pages == 2
     pool_pages = client.stats().tiers[0].capacity_bytes // LAYOUT.page_bytes
     stored = _fill_twice_over(client, ns, pool_pages)
@@ -56,8 +56,8 @@ def test_a_late_write_past_the_reservations_ttl_lands_in_no_other_page(small):
     for row, (_, fill) in zip(got, stored):
         assert (row == fill).all()
     assert client.lookup(ns, keys("slow", 2)) == 0
-    # Held back as long again as granted, then free: the pool's use drops by two pages.
-    wait_for(lambda: client.stats().held_back_pages == 0, 5.0)
+    # Held back as long again as it was granted for, then let go.
+    wait_for(lambda: client.stats().held_back_pages == 0, "the slots let go", timeout=5)
     assert client.stats().leased_pages == 0
 
 
@@ -67,12 +67,12 @@ def test_a_late_read_past_the_acquires_ttl_still_reads_its_own_pages(small):
     data = np.random.default_rng(1).integers(0, 256, (3, LAYOUT.page_bytes), dtype=np.uint8)
     client.put(ns, held, data)
     late = client.acquire(ns, held, lease_ms=TTL_MS)
-    wait_for(lambda: client.stats().leases == 0, 5.0)       # expired under its reader
+    wait_for(lambda: client.stats().leases == 0, "the acquire to expire", timeout=5)
     assert client.delete(ns, held) == 3                      # invisible now, freed later
     pool_pages = client.stats().tiers[0].capacity_bytes // LAYOUT.page_bytes
     _fill_twice_over(client, ns, pool_pages)
     for view, page in zip(late.views, data):                 # the late copy out
         assert np.array_equal(np.asarray(view), page)
-    wait_for(lambda: client.stats().held_back_pages == 0, 5.0)
+    wait_for(lambda: client.stats().held_back_pages == 0, "the pages let go", timeout=5)
     s = client.stats()
     assert s.leased_pages == 0 and s.leases == 0
