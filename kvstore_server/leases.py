@@ -67,9 +67,6 @@ class Lease:
     # The tenant whose request took it: only the owner may commit, abort or release one
     # (store_leases.owns checks; "" in tests that do not care).
     owner: str = ""
-    # Seconds it was granted for: once it expires, its slots are held back as long again
-    # (holdback.py).
-    ttl: float = 0.0
 
 
 class LeaseTable:
@@ -90,7 +87,7 @@ class LeaseTable:
     def grant(self, kind: LeaseKind, slots: np.ndarray, ttl: float, layout: int = -1,
               keys: list[bytes] | None = None, owner: str = "") -> Lease:
         lease = Lease(self._new_id(), kind, slots, self.clock() + ttl, layout, keys or [],
-                      owner, ttl)
+                      owner)
         self._leases[lease.lease_id] = lease
         self.held += self._held(lease)
         # A lease that never expires (a Put or Get stream's, released in a `finally`) has

@@ -5,8 +5,8 @@ A mixin of Store (store.py), which owns the lock and the lease table; a READ lea
 unpins its pages (a DOOMED page is freed with its last pin), a RESERVE lease's end undoes
 the reservation as abort does. A lease that expires ends in two steps: at once it is
 gone (a reservation's keys never become visible, a commit or release of it is refused),
-but its slots stay pinned for as long again as it was granted for, since its client may
-be only slow and still copying (holdback.py says why); then they are unpinned as above.
+but its slots stay pinned for another lease_ttl (--lease-ttl), since its client may be
+only slow and still copying (holdback.py says why); then they are unpinned as above.
 
 The leases clients hold are bounded in bytes (lease_memory; leases.DEFAULT_LEASE_MEMORY
 says why), slots held back counted with them: past it a leased Lookup answers its count
@@ -54,6 +54,7 @@ class StoreLeases:
     _leases: LeaseTable
     _held_back: HoldBack            # slots of expired leases, pinned a while longer
     clock: Callable[[], float]      # the lease table's
+    lease_ttl: float                # the longest lease a client gets, and the hold-back
     lease_memory: int               # bytes clients' leases may take; 0 = unlimited
     _lease_warned = float("-inf")   # time.monotonic() of the last "leases full" warning
 
@@ -132,20 +133,20 @@ class StoreLeases:
 
     def expire_leases(self) -> int:
         """End every lease past its expiry (a client that died holding it, or one that is
-        slow) and hold its slots back as long again; unpin the slots held back long
-        enough. Returns the leases ended."""
+        slow) and hold its slots back for another lease_ttl; unpin the slots held back
+        long enough. Returns the leases ended."""
         with self._lock:
             gone = self._leases.expired()
             for lease in gone:
                 if lease.kind is LeaseKind.RESERVE:
                     self._forget_reservation(lease)
-                self._held_back.add(lease.expires_at + lease.ttl, lease.slots)
+                self._held_back.add(lease.expires_at + self.lease_ttl, lease.slots)
             for slots in self._held_back.due(self.clock()):
                 self._unpin(slots)
             if gone:
                 log.info("expired %d leases (%d pages) not released in time; their slots "
-                         "are held back as long again, in case a client is only slow",
-                         len(gone), sum(len(lease.slots) for lease in gone))
+                         "are held back for another %.1f s, in case a client is only slow",
+                         len(gone), sum(len(lease.slots) for lease in gone), self.lease_ttl)
             return len(gone)
 
     def break_leases(self) -> int:

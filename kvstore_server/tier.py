@@ -13,15 +13,15 @@ The whole life of a page, across the tiers:
       reserve ──► WRITING: a RESERVE lease owns the slot, the key is invisible
          │  │        the client writes the bytes into the slot, outside the lock
          │  └─ abort ──► slot FREE, key never visible; the reservation expires ──► key
-         │     never visible, the slot held back as long again, then FREE (holdback.py)
+         │     never visible, the slot held back another --lease-ttl, then FREE (holdback)
          ▼
       commit ──► READY: in the layout's index; touched by lookup and get; a write-through
          │       tier (the far tier under --far-write through) is offered a copy now,
          │       outside the lock, the slots pinned while it copies
          │
          ├─ lease (Lookup with a lease, Get, Acquire): a READ lease pins the DRAM pages
-         │     while a client copies them out; release unpins them (expiry after as
-         │     long again: holdback.py)
+         │     while a client copies them out; release unpins them (expiry another
+         │     --lease-ttl later: holdback.py)
          │
          ├─ evict (watermark, a quota, an admin): unleased READY pages, in the order of
          │     the eviction policy ──── spill ──► offer(page): the tier copies it into

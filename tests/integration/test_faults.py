@@ -204,7 +204,7 @@ def test_client_killed_mid_streams(fresh_server):
         assert c.lookup(ns, keys("half-put", 8)) == 0         # and it never became visible
         # ...and the lookup lease, which no connection holds, at its expiry.
         wait_for(lambda: c.stats().leases == 0, "lookup lease expired", timeout=10)
-        # Its pages stay pinned as long again (5 s), in case its client was only slow.
+        # Its pages stay pinned another --lease-ttl (5 s), in case its client was slow.
         wait_for(lambda: c.stats().held_back_pages == 0, "held-back pages let go", timeout=10)
         assert c.evict(everything=True).pages == 64 and c.stats().tiers[0].used_bytes == 0
 

@@ -96,7 +96,7 @@ def test_reservation_lease_expires(fresh_server):
         ks = keys("expire", 4)
         res = c.reserve(ns, ks, lease_ms=200)
         wait_for(lambda: c.stats().leases == 0, "the reservation to expire")
-        # Its slots are held back as long again (200 ms), in case the client is slow.
+        # Its slots are held back another --lease-ttl (1 s), in case the client is slow.
         wait_for(lambda: c.stats().tiers[0].used_bytes == 0, "the slots to go free")
         assert c.stats().held_back_pages == 0
         with pytest.raises(KVStoreError) as err:

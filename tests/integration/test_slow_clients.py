@@ -1,7 +1,7 @@
 """Clients that are slow, not dead, past their lease: against a real server, over the
-same-host data plane. An expired lease ends at once, but its slots are held back for as
-long again as it was granted for (kvstore_server/holdback.py), so a late write into a
-reserved slot, or a late read of an acquired one, never meets another key's page."""
+same-host data plane. An expired lease ends at once, but its slots are held back for
+another --lease-ttl (kvstore_server/holdback.py), so a late write into a reserved slot,
+or a late read of an acquired one, never meets another key's page."""
 
 import numpy as np
 import pytest
@@ -56,7 +56,7 @@ def test_a_late_write_past_the_reservations_ttl_lands_in_no_other_page(small):
     for row, (_, fill) in zip(got, stored):
         assert (row == fill).all()
     assert client.lookup(ns, keys("slow", 2)) == 0
-    # Held back as long again as it was granted for, then let go.
+    # Held back another --lease-ttl, then let go.
     wait_for(lambda: client.stats().held_back_pages == 0, "the slots let go", timeout=5)
     assert client.stats().leased_pages == 0
 

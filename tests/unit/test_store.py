@@ -58,7 +58,7 @@ def test_writing_pages_are_invisible_until_commit(store):
 
 def test_abort_and_expiry_free_reservations(store):
     """Abort frees a reservation's slots at once; expiry ends it at once (no commit, no
-    key visible) but holds its slots back for as long again as it was granted for."""
+    key visible) but holds its slots back for another lease_ttl."""
     info = store.register_layout(LAYOUT)
     res = store.reserve(info.layout_id, keys("a", 4))
     store.abort(res.lease_id)
@@ -83,7 +83,7 @@ def test_abort_and_expiry_free_reservations(store):
 
 def test_a_slow_writer_past_its_lease_never_writes_into_another_page(store):
     """A reservation that ran out while its client was only slow: the slots it named go
-    to no other page until it has been held back as long again, so a late write lands
+    to no other page until it has been held back another lease_ttl, so a late write lands
     where nobody reads. Puts of twice the pool's pages, evicting, never get them."""
     info = store.register_layout(LAYOUT)
     capacity = store.pool.capacity_bytes // store.pool.slot_bytes(info.cls)
@@ -104,7 +104,10 @@ def test_a_slow_writer_past_its_lease_never_writes_into_another_page(store):
         off = int(got.offsets[0])
         assert (store.mem[off:off + info.page_bytes] == r % 256).all()
         store.release(got.lease_id)
-    store.test_clock.now += 2.0                             # held 2 s, as granted
+    store.test_clock.now += 4.4                             # 4.9 s after expiry: held ...
+    store.expire_leases()
+    assert store.stats().held_back_pages == 2
+    store.test_clock.now += 0.2                             # ... and no longer
     store.expire_leases()
     assert store.pool.used_bytes == capacity * store.pool.slot_bytes(info.cls) - 2 * \
         store.pool.slot_bytes(info.cls)                     # the two slots are free again
@@ -112,7 +115,8 @@ def test_a_slow_writer_past_its_lease_never_writes_into_another_page(store):
 
 def test_an_acquire_past_its_lease_keeps_its_pages_a_while_longer(store):
     """An expired READ lease's pages stay pinned (not evicted, and a delete waits) until
-    held back as long again; then they go as after a release."""
+    held back another lease_ttl (the store's 5 s, not the lease's 1 s); then they go as
+    after a release."""
     info = store.register_layout(LAYOUT)
     capacity = store.pool.capacity_bytes // store.pool.slot_bytes(info.cls)
     held = keys("held", 3)
@@ -124,7 +128,10 @@ def test_an_acquire_past_its_lease_keeps_its_pages_a_while_longer(store):
     put(store, info, keys("fill", capacity - 3), fill=4)
     for off in late.offsets.tolist():                       # the late reader's bytes
         assert (store.mem[off:off + info.page_bytes] == 3).all()
-    store.test_clock.now += 1.0
+    store.test_clock.now += 3.0                             # the lease's own ttl, twice over
+    store.expire_leases()
+    assert store.stats().held_back_pages == 3
+    store.test_clock.now += 2.1                             # 1 + 5 s after the acquire
     store.expire_leases()
     assert store.stats().held_back_pages == 0
     assert put(store, info, keys("new", 3)) == 3            # their slots, free again
