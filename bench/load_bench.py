@@ -9,7 +9,8 @@ view of an LBNHC buffer per layer) at random block ids, every layer its own kern
 event; saves copy the same blocks back into reserved pool slots. The baselines move the
 same total bytes as one copy between a cudaHostAlloc buffer and one GPU buffer. Times are
 host wall-clock from a synchronized start to the last byte (medians of --reps, after one
-warm-up), so launch costs count. Acceptance: at 16k tokens load >= 93% and save >= 90%
+warm-up), so launch costs count; each size's load, save and their baselines are timed in
+turn, round after round. Acceptance: at 16k tokens load >= 93% and save >= 90%
 of the pinned copy, at 1k tokens both >= 85% (--check exits 1 otherwise).
 
     python -m kvstore_bench.load_bench [--tokens 1024,4096,16384,32768] [--reps 5]
@@ -57,6 +58,23 @@ def _timed(fn, reps: int) -> float:
         if rep:                                   # the first run warms up
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _rounds(fns: dict, reps: int) -> dict:
+    """Median seconds of each of fns (name -> fn), timed as _timed does but in turn, round
+    after round (the first a warm-up): the H200 host's pace drifts, and a figure timed
+    beside its baseline in each round moves with it."""
+    import torch
+    times: dict = {name: [] for name in fns}
+    for rep in range(reps + 1):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in times.items()}
 
 
 def _caches(num_blocks: int):
@@ -130,18 +148,26 @@ def run(tokens: list[int], reps: int, sweep_ctas: list[int], copies: bool) -> di
         try:
             xfer = KVTransfer(views, LAYOUT.page_tokens, "cuda")
 
-            def measure(x: KVTransfer, n_pages: int, check: bool) -> tuple[float, float]:
+            def copies_of(x: KVTransfer, n_pages: int):
+                """(load, save, offsets, save offsets, block ids) of n_pages pages."""
                 offsets = acq.offsets[:n_pages]
                 save_offsets = saves.offsets[:n_pages]
                 block_ids = rng.permutation(num_blocks)[:n_pages].reshape(n_pages, 1)
-                load_s = _timed(lambda: x.load(mem, offsets, lb, block_ids).synchronize(), reps)
-                if check:
-                    _check(mem, views, offsets, block_ids, "load")
+
+                def load():
+                    x.load(mem, offsets, lb, block_ids).synchronize()
 
                 def save():
                     for layer in range(L):
                         x.save_layer(layer, mem, save_offsets, block_ids)
                     x.finish_save()
+                return load, save, offsets, save_offsets, block_ids
+
+            def measure(x: KVTransfer, n_pages: int, check: bool) -> tuple[float, float]:
+                load, save, offsets, save_offsets, block_ids = copies_of(x, n_pages)
+                load_s = _timed(load, reps)
+                if check:
+                    _check(mem, views, offsets, block_ids, "load")
                 save_s = _timed(save, reps)
                 if check:
                     _check(mem, views, save_offsets, block_ids, "save")
@@ -150,10 +176,16 @@ def run(tokens: list[int], reps: int, sweep_ctas: list[int], copies: bool) -> di
             for n_tokens in tokens:
                 n_pages = n_tokens // LAYOUT.page_tokens
                 nbytes = n_pages * pb
-                load_s, save_s = measure(xfer, n_pages, check=True)
+                load, save, offsets, save_offsets, block_ids = copies_of(xfer, n_pages)
                 dev, host = device_buf[:nbytes], pinned[:nbytes]
-                h2d_s = _timed(lambda d=dev, h=host: d.copy_(h, non_blocking=True), reps)
-                d2h_s = _timed(lambda d=dev, h=host: h.copy_(d, non_blocking=True), reps)
+                # Loads before saves in a round: the saves copy out the blocks just loaded.
+                t = _rounds({"h2d": lambda d=dev, h=host: d.copy_(h, non_blocking=True),
+                             "load": load,
+                             "d2h": lambda d=dev, h=host: h.copy_(d, non_blocking=True),
+                             "save": save}, reps)
+                _check(mem, views, offsets, block_ids, "load")
+                _check(mem, views, save_offsets, block_ids, "save")
+                load_s, save_s, h2d_s, d2h_s = t["load"], t["save"], t["h2d"], t["d2h"]
                 gb = nbytes / 1e9
                 out["sizes"].append({
                     "tokens": n_tokens, "mib": nbytes >> 20,
