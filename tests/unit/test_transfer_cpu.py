@@ -263,6 +263,8 @@ def test_bad_inputs_raise_and_write_nothing():
         (np.array([0, extent]), np.array([[0, 1], [1, 3]]), lb),        # block twice
         (np.array([0, extent]), np.array([0, 1]), lb),                  # not (pages, k)
         (np.array([0, extent]), ok_blocks, lb + 2),                     # wrong layer size
+        (np.array([2 * extent, 3 * extent]), ok_blocks, lb),  # back to back, past the end
+        (np.array([-extent, 0]), ok_blocks, lb),              # back to back, from before
     ]
     for offsets, blocks, layer_bytes in bad:
         with pytest.raises(ValueError):
@@ -280,6 +282,22 @@ def test_bad_inputs_raise_and_write_nothing():
     assert not host.any()
     for t in caches:
         assert bool((t.view(torch.int16) == POISON).all())
+
+
+def test_long_block_id_lists_are_checked_too():
+    """Past plan._IDS_IN_PYTHON ids the checks go by numpy: the same errors."""
+    xfer, layout, _ = _xfer()
+    pages = 600                                          # 1,200 ids at k = 2
+    host = np.zeros(pages * layout.page_bytes, dtype=np.uint8)
+    offsets = np.arange(pages) * layout.page_bytes
+    in_range = np.arange(2 * pages).reshape(pages, 2) % BLOCKS      # repeats, in range
+    with pytest.raises(ValueError, match="repeat a block"):
+        xfer.load(host, offsets, layout.layer_bytes, in_range)
+    with pytest.raises(ValueError, match="block ids must be in"):
+        xfer.load(host, offsets, layout.layer_bytes, in_range + BLOCKS)
+    with pytest.raises(ValueError, match="overlap"):
+        xfer.save_layer(0, host, offsets[::-1] // 2, in_range)
+    assert not host.any()
 
 
 def test_geometry_is_checked():
