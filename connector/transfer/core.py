@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 
@@ -13,6 +14,7 @@ from .dma import DEFAULT_STAGING_BYTES, DmaLoader, DmaSaver
 from .handles import LoadHandle, SaveHandle
 from .plan import CopyMethod, Plan, as_tensor, check_pages, geometry, page_runs
 from .runtime import on_device, on_stream, query, record
+from .uploads import IndexUploads
 
 __all__ = ["KVTransfer"]
 
@@ -139,12 +141,22 @@ class KVTransfer:
             # scheduled ahead of queued compute work. Saves have slack until finish_save.
             self._load_stream = torch.cuda.Stream(self.device, priority=-1)
             self._save_stream = torch.cuda.Stream(self.device)
+        # The kernel's page offsets and block ids, on the stream that reads them.
+        self._load_uploads = IndexUploads(self.device, self._load_stream) if self.cuda \
+            else None
+        self._save_uploads = IndexUploads(self.device, self._save_stream) if self.cuda \
+            else None
+        self._host: tuple | None = None   # (the last host array, it as a tensor)
         self._pending_saves = False       # save_layer since the last finish_save
         self._pending_keep: list = []     # what those saves read or write
         self._save_plans: dict = {}       # checked save pages, until finish_save
         self._save_dma: dict = {}         # plan key -> its runs when it goes by DMA
         self._dma_saved = False           # a DMA save since the last finish_save
         self._last_save = None            # the newest save event (fence_saves)
+        # Recorded on the engine's stream and waited for at once by the load stream
+        # (loads) and the save stream (save flushes): _after_current.
+        self._load_mark = torch.cuda.Event() if self.cuda else None
+        self._save_mark = torch.cuda.Event() if self.cuda else None
         # behind(): events recorded in turn where the current stream was at its last calls
         # (kept, not made anew: an event made and destroyed per call is two more driver
         # calls per layer), and how many calls of this step they mark.
@@ -171,24 +183,28 @@ class KVTransfer:
         if runs is not None:
             # Host work before the first copy is on a short load's critical path (the
             # device has nothing else to do): the load stream waits for the current one
-            # without becoming current, and the copy engine's first piece goes out before
-            # the block ids go up and before any context (dma.DmaLoader.load). 1,024
+            # without becoming current, and the copy engine's first two pieces go out
+            # before the block ids go up and before any context (dma.DmaLoader.load). 1,024
             # tokens of the 8B preset on the H200, four processes each way, alternating,
             # medians of 30 loads: host time to the first copy 0.12, 0.17, 0.33 and 0.38 ms
             # against 0.28, 0.29, 0.32 and 0.57 ms with the plan built first. The host's
             # speed varied ~2x from process to process there, and moved the load's share
-            # of a pinned copy (78-93% either way) more than the change did.
+            # of a pinned copy (78-93% either way) more than the change did; so the next
+            # steps (two pieces first, uploads.py, fewer numpy calls in check_pages) were
+            # timed against the code before them in one process, turn by turn: see dma.py.
             assert self._load_stream is not None     # DMA is for CUDA alone
-            self._load_stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._after_current(self._load_stream, self._load_mark)
             layer_events, blocks = self._dma.load(
-                self.geo, len(self.layers), host, offsets, runs,
-                lambda: self._upload(block_ids), self._load_stream, self._cache_align,
+                self.geo, len(self.layers), self._host_tensor(host).data_ptr(), offsets, runs,
+                block_ids, self._load_stream, self._cache_align,
                 self._scatter, self._dma_load_group(len(offsets)),
                 lambda first: self._table(first)[1] * self.geo.layer_bytes)
             return LoadHandle(self.device, layer_events, (host, blocks))
         events: list = []
         with on_stream(self._load_stream, self.device):
-            plan = self._checked_plan(host, offsets, block_ids)
+            if self._load_uploads is not None:
+                self._load_uploads.reset()    # the last load's launches are all queued
+            plan = self._checked_plan(host, offsets, block_ids, self._load_uploads)
             if self.method is CopyMethod.COPIES:
                 for layer in range(len(self.layers)):
                     copies.copy_layer(self.geo, self.layers[layer], layer, plan,
@@ -207,7 +223,7 @@ class KVTransfer:
         so that copies enqueued later by load_layer, from another thread, land in blocks
         the engine is done with. Call it on the engine's thread; nothing on CPU."""
         if self._load_stream is not None:
-            self._load_stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._after_current(self._load_stream, self._load_mark)
 
     def load_blocks(self, block_ids: np.ndarray) -> torch.Tensor:
         """block_ids (pages, k) checked as a load's are (plan.check_pages), on the device,
@@ -303,8 +319,10 @@ class KVTransfer:
             return self._tables[0], layer
         return self._tables[layer], 0
 
-    def _launch(self, first: int, count: int, plan: Plan, *, to_cache: bool) -> None:
-        """The kernel over layers [first, first + count) of the plan's pages."""
+    def _launch(self, first: int, count: int, plan: Plan, *, to_cache: bool,
+                stream=None) -> None:
+        """The kernel over layers [first, first + count) of the plan's pages, on `stream`
+        (a torch.cuda.Stream; None: the current stream)."""
         pages = len(plan.offsets)
         if not pages:
             return
@@ -313,7 +331,8 @@ class KVTransfer:
         assert meta is not None             # the plan makes it for the kernel path
         kernel.launch(self.geo, table, at, count, plan.host_t, pages, meta[:pages],
                       meta[pages:], self.geo.layer_bytes, plan.align, to_cache,
-                      self.load_ctas if to_cache else self.save_ctas)
+                      self.load_ctas if to_cache else self.save_ctas,
+                      None if stream is None else stream.cuda_stream)
 
     # -- saves ---------------------------------------------------------------------------
     def save_layer(self, layer: int, host: np.ndarray, offsets: np.ndarray,
@@ -335,8 +354,8 @@ class KVTransfer:
         key = (id(host), offsets.tobytes(), block_ids.tobytes(), block_ids.shape)
         plan = self._save_plans.get(key)
         if plan is None or plan.host is not host:
-            with on_stream(self._save_stream, self.device):
-                plan = self._save_plans[key] = self._plan(host, offsets, block_ids, save=True)
+            plan = self._save_plans[key] = self._plan(host, offsets, block_ids, save=True,
+                                                      uploads=self._save_uploads)
             self._save_dma.pop(key, None)
             if self.method is CopyMethod.DMA or self._dma_auto:
                 runs = page_runs(plan.offsets, len(self.layers) * self.geo.layer_bytes)
@@ -366,17 +385,28 @@ class KVTransfer:
         plan = self._save_plans[key]
         runs = self._save_dma.get(key)
         group = self._save_group(key)
-        with on_stream(self._save_stream, self.device):
+        save = self._save_stream
+        assert save is not None             # COPIES saves never get here
+        # A flush is a save piece's fixed host cost, once per piece, and a short save is
+        # bound by it: no stream context (every launch and copy below names its stream)
+        # and one kept event for the wait.
+        self._after_current(save, self._save_mark)
+        with on_device(self.device) if self._other_device() else contextlib.nullcontext():
             for at in range(first, last + 1, group):
                 count = min(last + 1 - at, group)
                 if runs is None:
-                    self._launch(at, count, plan, to_cache=False)
+                    self._launch(at, count, plan, to_cache=False, stream=save)
                     continue
                 self._dma_saver.save(self.geo, len(self.layers), plan, runs, at, count,
                                      self._table(at)[1] * self.geo.layer_bytes,
-                                     self._save_stream, self._cache_align, self._gather)
+                                     save, self._cache_align, self._gather)
                 self._dma_saved = True
         self._saved(plan)
+
+    def _other_device(self) -> bool:
+        """Whether this thread's current CUDA device is not the caches' (then the launches
+        need a device context)."""
+        return torch.cuda.current_device() != self.device.index
 
     def _gather(self, staging: torch.Tensor, first: int, count: int, pages: int,
                 offs: torch.Tensor, blocks: torch.Tensor, align: int, stream: int) -> None:
@@ -407,6 +437,8 @@ class KVTransfer:
             self._last_save = events[0]
         self._pending_saves, self._pending_keep = False, []
         self._save_plans, self._save_dma = {}, {}
+        if self._save_uploads is not None:
+            self._save_uploads.reset()        # every save that reads them is queued
         handle = SaveHandle(self.device, events if (self.cuda and events) else None, keep)
         if wait:
             handle.synchronize()
@@ -443,31 +475,38 @@ class KVTransfer:
         self._marked = 0
 
     # -- shared ----------------------------------------------------------------------------
-    def _plan(self, host: np.ndarray, offsets, block_ids, *, save: bool) -> Plan:
-        """Checked pages of one load or save, with the index uploaded to the device
-        (current stream)."""
+    def _after_current(self, stream, mark) -> None:
+        """`stream` waits, on the device, for the current stream's work so far, by way of
+        a kept event: a wait takes the event's newest record when it is made, so one event
+        serves every call (wait_stream makes and destroys one a call)."""
+        mark.record(torch.cuda.current_stream(self.device))
+        stream.wait_event(mark)
+
+    def _plan(self, host: np.ndarray, offsets, block_ids, *, save: bool,
+              uploads: IndexUploads | None) -> Plan:
+        """Checked pages of one load or save, with the index uploaded to the device."""
         offsets, block_ids = check_pages(self.geo, len(self.layers), host, offsets,
                                          block_ids, save=save)
-        return self._checked_plan(host, offsets, block_ids)
+        return self._checked_plan(host, offsets, block_ids, uploads)
 
-    def _checked_plan(self, host: np.ndarray, offsets: np.ndarray,
-                      block_ids: np.ndarray) -> Plan:
-        """_plan of pages check_pages has passed."""
-        host_t = as_tensor(host)
+    def _host_tensor(self, host: np.ndarray) -> torch.Tensor:
+        """`host` as a tensor (plan.as_tensor). The pool's mapping is the host array of
+        nearly every copy, so the last one's is kept: as_tensor silences a warning for
+        read-only arrays, ~10 us a call, and a tensor's address is cheaper to read than
+        an array's (ctypes)."""
+        if self._host is None or self._host[0] is not host:
+            self._host = (host, as_tensor(host))
+        return self._host[1]
+
+    def _checked_plan(self, host: np.ndarray, offsets: np.ndarray, block_ids: np.ndarray,
+                      uploads: IndexUploads | None) -> Plan:
+        """_plan of pages check_pages has passed; the index (for the kernel: offsets then
+        block ids) goes up by `uploads`, or where there is none (no CUDA) stays here."""
+        host_t = self._host_tensor(host)
         align = math.gcd(self._cache_align, host_t.data_ptr(), self.geo.layer_bytes,
                          int(np.gcd.reduce(offsets)) if len(offsets) else 0, 16)
         meta = None
         if self.method is not CopyMethod.COPIES and len(offsets):
-            meta = self._upload(offsets, block_ids)
+            meta = uploads.put(offsets, block_ids) if uploads is not None else \
+                torch.from_numpy(np.concatenate([offsets, block_ids.reshape(-1)]))
         return Plan(host, host_t, offsets, block_ids, meta, align)
-
-    def _upload(self, *parts: np.ndarray) -> torch.Tensor:
-        """The int64 arrays `parts`, back to back, as one tensor on the device (current
-        stream), by way of pinned memory: for the kernel, offsets then block ids."""
-        staged = torch.empty(sum(p.size for p in parts), dtype=torch.int64,
-                             pin_memory=self.cuda)
-        staged_np, at = staged.numpy(), 0
-        for part in parts:
-            staged_np[at:at + part.size] = part.reshape(-1)
-            at += part.size
-        return staged.to(self.device, non_blocking=True)

@@ -14,6 +14,8 @@ rows_per_page) * U; in the cache at deltas[layer] + kv*s_kv + block_ids[p, t // 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .plan import Geometry
@@ -59,8 +61,8 @@ def launch(geo: Geometry, caches: LayerTable, layer0: int, layers: int, host_t: 
            align: int, to_cache: bool, max_ctas: int, stream: int | None = None) -> None:
     """One launch over layers [layer0, layer0 + layers): `pages` slabs at host_t + offs[p]
     + layer * host_layer_stride (host memory, or the DMA path's device staging) and their
-    blocks of each layer's cache, on the current stream (`stream`: its handle, where the
-    caller has it: looking it up costs the host ~10 us a launch)."""
+    blocks of each layer's cache, on the stream whose handle is `stream` (None: the
+    current stream; looking it up costs the host ~10 us a launch)."""
     n_rows = pages * geo.kv * geo.page_tokens * geo.heads * geo.units_per_head
     rows = max(1, _TILE_BYTES // geo.unit)
     n_tiles = -(-n_rows // rows)
@@ -127,8 +129,12 @@ class _Launcher:
         key = (consts, tuple(_spec(a) for a in args))
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = _kv_copy_kernel[grid](*args, **dict(zip(_CONSTS, consts, strict=True)),
-                                             num_warps=4)
+            # Triton launches on the current stream: make it the one named.
+            with (contextlib.nullcontext() if stream is None
+                  else torch.cuda.stream(torch.cuda.ExternalStream(stream))):
+                compiled = _kv_copy_kernel[grid](*args, **dict(zip(_CONSTS, consts,
+                                                                   strict=True)),
+                                                 num_warps=4)
             self._compiled[key] = compiled
             return
         if stream is None:

@@ -88,11 +88,16 @@ def _libcudart() -> ctypes.CDLL:
 
 
 def cudart() -> ctypes.CDLL:
-    """The CUDA runtime torch loaded, for cudaMemcpy2DAsync (torch binds no 2D copy)."""
+    """The CUDA runtime torch loaded, for cudaMemcpy2DAsync (torch binds no 2D copy) and
+    cudaMemcpyAsync between raw addresses (uploads.py)."""
     lib = _libcudart()
     fn = lib.cudaMemcpy2DAsync
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
                    ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    fn = lib.cudaMemcpyAsync
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                   ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return lib
 
