@@ -146,7 +146,6 @@ class KVTransfer:
             else None
         self._save_uploads = IndexUploads(self.device, self._save_stream) if self.cuda \
             else None
-        self._host: tuple | None = None   # (the last host array, it as a tensor)
         self._pending_saves = False       # save_layer since the last finish_save
         self._pending_keep: list = []     # what those saves read or write
         self._save_plans: dict = {}       # checked save pages, until finish_save
@@ -195,7 +194,8 @@ class KVTransfer:
             assert self._load_stream is not None     # DMA is for CUDA alone
             self._after_current(self._load_stream, self._load_mark)
             layer_events, blocks = self._dma.load(
-                self.geo, len(self.layers), self._host_tensor(host).data_ptr(), offsets, runs,
+                # A tensor's address is cheaper to read than an array's (ctypes).
+                self.geo, len(self.layers), as_tensor(host).data_ptr(), offsets, runs,
                 block_ids, self._load_stream, self._cache_align,
                 self._scatter, self._dma_load_group(len(offsets)),
                 lambda first: self._table(first)[1] * self.geo.layer_bytes)
@@ -489,20 +489,11 @@ class KVTransfer:
                                          block_ids, save=save)
         return self._checked_plan(host, offsets, block_ids, uploads)
 
-    def _host_tensor(self, host: np.ndarray) -> torch.Tensor:
-        """`host` as a tensor (plan.as_tensor). The pool's mapping is the host array of
-        nearly every copy, so the last one's is kept: as_tensor silences a warning for
-        read-only arrays, ~10 us a call, and a tensor's address is cheaper to read than
-        an array's (ctypes)."""
-        if self._host is None or self._host[0] is not host:
-            self._host = (host, as_tensor(host))
-        return self._host[1]
-
     def _checked_plan(self, host: np.ndarray, offsets: np.ndarray, block_ids: np.ndarray,
                       uploads: IndexUploads | None) -> Plan:
         """_plan of pages check_pages has passed; the index (for the kernel: offsets then
         block ids) goes up by `uploads`, or where there is none (no CUDA) stays here."""
-        host_t = self._host_tensor(host)
+        host_t = as_tensor(host)
         align = math.gcd(self._cache_align, host_t.data_ptr(), self.geo.layer_bytes,
                          int(np.gcd.reduce(offsets)) if len(offsets) else 0, 16)
         meta = None

@@ -169,7 +169,13 @@ class Plan:
 
 
 def as_tensor(host: np.ndarray) -> torch.Tensor:
-    """`host` as a CPU tensor sharing its memory (a read-only pool view is only read)."""
+    """`host` as a CPU tensor sharing its memory (a read-only pool view is only read).
+
+    On every copy's path: torch warns only for read-only arrays, and silencing the
+    warning (warnings.catch_warnings) costs more than the conversion, so a writable
+    array, the pool mapping's case, goes straight through."""
+    if host.flags.writeable:
+        return torch.from_numpy(host)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(host)
