@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -13,10 +14,31 @@ __all__ = ["IndexUploads"]
 
 _CUDA_MEMCPY_HOST_TO_DEVICE = 1
 _MIN_ELEMENTS = 4096                  # 32 KiB a buffer to start with
+# Pinned buffers kept for reuse once their copies are over (more are freed).
+_SPARES_KEPT = 4
+
+
+@dataclasses.dataclass(slots=True)
+class _Pinned:
+    """A pinned buffer and the event recorded after its newest copy out."""
+
+    tensor: torch.Tensor                 # keeps the memory alive
+    array: np.ndarray                    # the same memory, for numpy writes
+    ptr: int
+    event: Any                           # torch.cuda.Event
+
+    @classmethod
+    def make(cls, size: int) -> _Pinned:
+        tensor = torch.empty(size, dtype=torch.int64, pin_memory=True)
+        return cls(tensor, tensor.numpy(), tensor.data_ptr(), torch.cuda.Event())
+
+    def idle(self) -> bool:
+        """No copy out of it is still to run."""
+        return self.event.query()
 
 
 class IndexUploads:
-    """Small int64 arrays to the device, on one stream, through a kept pinned buffer into a
+    """Small int64 arrays to the device, on one stream, through kept pinned buffers into a
     kept device buffer.
 
     Every load and save uploads its block ids (and, by the kernel, its page offsets)
@@ -26,24 +48,26 @@ class IndexUploads:
     numpy write and one cudaMemcpyAsync.
 
     Uploads since the last reset() lie one after another, so no upload overwrites
-    another that a later copy still reads. After reset() the buffers are written again
-    from the start. That is safe because every reader of an upload runs on this same
-    stream, so it reads before the next copy lands; and the host waits for the last copy
-    out of the pinned buffer before it writes there again. The caller resets once
-    nothing it enqueues later reads what was uploaded before.
+    another that a later copy still reads. After reset() the device buffer is written
+    again from the start: safe because every reader of an upload runs on this same
+    stream, so it reads before the next copy lands. The pinned side is not ordered so:
+    a copy out of it may still be queued (behind a wait for the engine's stream, say)
+    when the host wants to write it again. Then the uploads go through another pinned
+    buffer, never waiting on the host, and the first stays kept until its copies are
+    over. The caller resets once nothing it enqueues later reads what was uploaded
+    before.
     """
 
     def __init__(self, device: torch.device, stream: Any) -> None:
         self.device = device
         self.stream = stream                # torch.cuda.Stream: the copies and readers
-        self._host: np.ndarray | None = None            # pinned, int64
-        self._host_t: torch.Tensor | None = None        # the same memory (keeps it alive)
         self._dev: torch.Tensor | None = None           # int64 on the device
-        self._ptrs = (0, 0)                 # their addresses (host, device)
+        self._dev_ptr = 0
+        self._pinned: _Pinned | None = None  # written now, as large as the device buffer
+        self._spares: list[_Pinned] = []    # others: copies out may still be queued
         self._used = 0                      # elements handed out since the last reset
-        self._done: Any = None              # event: after the newest copy
         self._fresh = True                  # reset since the last put
-        self._retired: list = []            # buffers outgrown since the reset
+        self._retired: list = []            # device buffers outgrown since the reset
         self._lib: Any = None
 
     def put(self, *parts: np.ndarray) -> torch.Tensor:
@@ -51,26 +75,29 @@ class IndexUploads:
         until the next reset()."""
         n = sum(p.size for p in parts)
         if self._fresh:
-            if self._done is not None:
-                self._done.synchronize()    # the pinned buffer's last copy out is over
-            self._retired.clear()
             self._fresh = False
+            self._retired.clear()
+            if self._pinned is not None and not self._pinned.idle():
+                self._spares.append(self._pinned)       # written again from the start
+                self._pinned = None
         if self._dev is None or self._used + n > self._dev.numel():
             self._grow(n)
-        assert self._host is not None and self._dev is not None
-        at = start = self._used
+        assert self._dev is not None
+        if self._pinned is None:
+            self._pinned = self._spare(self._dev.numel())
+        pinned, at = self._pinned, self._used
+        start = at
         for part in parts:
-            self._host[at:at + part.size] = part.reshape(-1)
+            pinned.array[at:at + part.size] = part.reshape(-1)
             at += part.size
         if n:
-            host, dev = self._ptrs
-            rc = self._lib.cudaMemcpyAsync(dev + 8 * start, host + 8 * start, 8 * n,
-                                           _CUDA_MEMCPY_HOST_TO_DEVICE,
+            rc = self._lib.cudaMemcpyAsync(self._dev_ptr + 8 * start, pinned.ptr + 8 * start,
+                                           8 * n, _CUDA_MEMCPY_HOST_TO_DEVICE,
                                            self.stream.cuda_stream)
             if rc:
                 clear_cuda_error()
                 raise TransferError(f"uploading {n} indices failed with CUDA error {rc}")
-            self._done.record(self.stream)
+            pinned.event.record(self.stream)
         self._used = at
         return self._dev[start:at]
 
@@ -80,20 +107,35 @@ class IndexUploads:
         self._fresh = True
 
     def _grow(self, n: int) -> None:
-        """Buffers for at least `n` more elements. The old ones are kept until the next
-        reset: what was put in them may still be read, and copied out."""
+        """A device buffer for at least `n` more elements, and a pinned one as large. The
+        old device buffer is kept until the next reset (what was put in it may still be
+        read), the old pinned one until its copies are over."""
         if self._dev is not None:
-            self._retired.append((self._host_t, self._dev))
+            self._retired.append(self._dev)
         size = max(_MIN_ELEMENTS, 2 * n, 2 * (self._dev.numel() if self._dev is not None
                                               else 0))
         if self._lib is None:
             self._lib = cudart()
-            self._done = torch.cuda.Event()
         # Made on the stream that reads it: the caching allocator hands its memory to
         # other work only after the stream's work that was queued before it is freed.
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             self._dev = torch.empty(size, dtype=torch.int64, device=self.device)
-        self._host_t = torch.empty(size, dtype=torch.int64, pin_memory=True)
-        self._host = self._host_t.numpy()
-        self._ptrs = (self._host_t.data_ptr(), self._dev.data_ptr())
+        self._dev_ptr = self._dev.data_ptr()
+        if self._pinned is not None:
+            self._spares.append(self._pinned)
+            self._pinned = None
         self._used = 0
+
+    def _spare(self, size: int) -> _Pinned:
+        """A pinned buffer of `size` elements with no copy out still to run: a kept one,
+        or a new one. Idle buffers beyond _SPARES_KEPT, or too small, are freed."""
+        found, keep = None, []
+        for spare in self._spares:
+            if not spare.idle():
+                keep.append(spare)          # its copies still read it
+            elif found is None and spare.array.size >= size:
+                found = spare
+            elif spare.array.size >= size and len(keep) < _SPARES_KEPT:
+                keep.append(spare)
+        self._spares = keep
+        return found if found is not None else _Pinned.make(size)

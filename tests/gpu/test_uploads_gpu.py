@@ -53,6 +53,31 @@ def test_a_reader_queued_before_a_reset_reads_the_old_values():
     assert np.array_equal(again.cpu().numpy(), -old)
 
 
+def test_a_put_after_a_reset_does_not_wait_for_a_queued_copy():
+    """The last copy out of the pinned buffer is queued behind other work on the stream
+    (a sleep here; a wait for the engine's stream in a load): the next put after a reset
+    returns at once, through another pinned buffer, and both uploads land right."""
+    stream = torch.cuda.Stream()
+    up = IndexUploads(torch.device("cuda", 0), stream)
+    values = np.arange(1000, dtype=np.int64)
+    up.put(values)                                      # buffers made
+    stream.synchronize()
+    up.reset()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)                  # ~0.1 s
+        slept = torch.cuda.Event()
+        slept.record(stream)
+    first = up.put(values)                              # its copy waits behind the sleep
+    with torch.cuda.stream(stream):
+        read = first * 1
+    up.reset()
+    again = up.put(-values)
+    assert not slept.query()                            # the host did not wait for it
+    stream.synchronize()
+    assert np.array_equal(read.cpu().numpy(), values)
+    assert np.array_equal(again.cpu().numpy(), -values)
+
+
 @pytest.mark.parametrize("method", [CopyMethod.DMA, CopyMethod.KERNEL])
 def test_two_saves_interleaved_in_one_step_are_both_exact(method):
     """Two requests' saves, layer by layer in turn (as the worker's hooks call them):
