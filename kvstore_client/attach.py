@@ -12,17 +12,21 @@ import logging
 import os
 import stat
 import threading
+import time
 
 import grpc
 
 from ._proto.kvstore.v1 import kvstore_pb2 as pb
 from .errors import KVStoreError
+from .presence import PresenceMap
 from .rpc import RETRY_CODES, Rpc
 from .shm import SharedRegion
 
 __all__ = ["RegionAttachment"]
 
 log = logging.getLogger(__name__)
+
+PRESENCE_RETRY_S = 5.0      # between attempts to (re)open the presence map
 
 
 class RegionAttachment:
@@ -35,6 +39,9 @@ class RegionAttachment:
         self._region: SharedRegion | None = None
         self._tried = False
         self._lock = threading.Lock()   # guards attaching and re-attaching
+        self._path = ""                 # the region's path, as the last Attach said
+        self._presence: PresenceMap | None = None     # the server's map, read-only
+        self._presence_at = 0.0         # time.monotonic() before which it is not reopened
 
     def region(self) -> SharedRegion | None:
         """The server's region mapped here, or None when only gRPC can be used."""
@@ -61,6 +68,7 @@ class RegionAttachment:
             try:
                 resp = self._rpc.call("Attach", lambda: self._rpc.attach(
                     pb.AttachRequest(), timeout=self._rpc.timeout))
+                self._path = resp.path
                 self._region = SharedRegion(resp.path, resp.size, resp.token_offset)
                 log.debug("mapped the server's pool %s (%d bytes)", resp.path, resp.size)
             except (OSError, KVStoreError) as exc:
@@ -89,13 +97,50 @@ class RegionAttachment:
         except KVStoreError as exc:
             log.debug("no Unix socket for the fast path: %s", exc)
             return None
+        self._path = resp.path
         path = resp.path + ".sock"             # kvstore_server.fastpath.socket_path
         try:
             return path if stat.S_ISSOCK(os.stat(path).st_mode) else None
         except OSError:
             return None                        # not on this host (or not visible here)
 
+    def presence(self) -> PresenceMap | None:
+        """The server's presence map (kvstore_client.presence) while it is live, else None.
+        A map gone stale (its server stopped or restarted) is opened again from a fresh
+        Attach, at most every PRESENCE_RETRY_S: a server that does not answer costs that
+        one call, not one per lookup."""
+        found = self._presence
+        if found is not None and found.live():
+            return found
+        now = time.monotonic()
+        if now < self._presence_at or not self._lock.acquire(blocking=False):
+            return None                        # not yet, or another thread is opening it
+        try:
+            self._presence_at = now + PRESENCE_RETRY_S
+            old, self._presence = self._presence, None
+            if old is not None:
+                old.close()
+            if old is not None or not self._path:
+                try:
+                    resp = self._rpc.call("Attach", lambda: self._rpc.attach(
+                        pb.AttachRequest(), timeout=self._rpc.timeout))
+                    self._path = resp.path
+                except KVStoreError as exc:
+                    log.debug("no presence map: %s", exc)
+                    return None
+            try:
+                self._presence = PresenceMap.open(self._path)
+            except (OSError, ValueError) as exc:
+                log.debug("no presence map at %s: %s", self._path, exc)
+            return self._presence if self._presence is not None and self._presence.live() \
+                else None
+        finally:
+            self._lock.release()
+
     def close(self) -> None:
+        if self._presence is not None:
+            self._presence.close()
+            self._presence = None
         if self._region is not None:
             self._region.close()
             self._region = None

@@ -89,6 +89,10 @@ class KVStoreClient:
             # (not at interpreter exit, where the process's end closes it anyway).
             weakref.finalize(self, self._lookups.close).atexit = False
         self._shm = RegionAttachment(self._rpc, shared_memory)
+        # Lookups may be answered from the server's presence map when this client may be
+        # on its host (kvstore_client.presence); how many were.
+        self._presence_ok = shared_memory is not False or local_socket
+        self.presence_misses = 0
         self.admin = AdminClient(self._rpc)
         self._data = DataPlane(
             address, enabled=data_plane, data_address=data_address, token=token,
@@ -198,8 +202,12 @@ class KVStoreClient:
     def _lookup_call(self, ns, keys, lease_ms: int, pins: bool = False
                      ) -> tuple[pb.LookupResponse, Pins | None]:
         handles = [ns] if isinstance(ns, LayoutHandle) else list(ns)
+        ids = [h.layout_id for h in handles]
+        key_size, data = packed_keys(keys)
+        if self._presence_ok and data and self._missed_here(ids, key_size, data):
+            return pb.LookupResponse(count=0, lease_id=0), None
         got = self._data.call("Lookup", handles[0], lambda f: f.lookup(
-            [h.layout_id for h in handles], *packed_keys(keys), lease_ms, pins))
+            ids, key_size, data, lease_ms, pins))
         if got is not USE_GRPC:
             return pb.LookupResponse(count=got[0], lease_id=got[1]), got[2]
         req = pb.LookupRequest(layout_ids=[h.layout_id for h in handles],
@@ -211,6 +219,21 @@ class KVStoreClient:
             return response if response is not None else self._rpc.lookup(req, timeout=self.timeout)
 
         return self._rpc.call("Lookup", call, handles[0]), None
+
+    def _missed_here(self, layout_ids: list[bytes], key_size: int, data: bytes) -> bool:
+        """Whether the server's presence map (kvstore_client.presence) proves the first key
+        absent, so the lookup counts 0 with no round trip; the server is still sent the
+        lookup, unanswered, for its hit and miss counts (FastPath.lookup_later)."""
+        fast = self._data.fast()
+        if fast is None:
+            return False                  # nothing to tell the server's counts by
+        presence = self._shm.presence()
+        if presence is None or not presence.absent(layout_ids, data[:key_size]):
+            return False
+        if not fast.lookup_later(layout_ids, key_size, data):
+            return False
+        self.presence_misses += 1
+        return True
 
     def release_lease(self, lease: Lease | int) -> bool:
         lease_id = lease.lease_id if isinstance(lease, Lease) else lease

@@ -169,7 +169,8 @@ class Conn:
         return h
 
     def settle(self) -> None:
-        """Read the answers owed to requests sent without waiting, before a new call."""
+        """Read the answers owed to requests sent without waiting (releases, lookups
+        answered here: FastPath.lookup_later), before a new call."""
         while self.owed:
             self.owed -= 1
             self.recv_exact(memoryview(self._head))
@@ -177,8 +178,9 @@ class Conn:
             body = memoryview(bytearray(h.body_len))
             self.recv_exact(body)
             if h.status:
-                log.warning("a release sent without waiting failed (%s); the lease "
-                            "expires by itself", bytes(body).decode(errors="replace"))
+                log.warning("a release or lookup sent without waiting failed (%s); a "
+                            "lease it would have ended expires by itself",
+                            bytes(body).decode(errors="replace"))
 
     def answer(self, op: int, method: str) -> tuple[fw.Header, memoryview]:
         """The header and body of the answer; KVStoreError if it is an error frame.

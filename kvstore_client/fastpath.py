@@ -50,6 +50,10 @@ T = TypeVar("T")
 STRIPE_MIN_BYTES = 16 << 20
 
 
+# Answers to lookups sent without waiting that a reads lane leaves unread (lookup_later).
+_OWED_MAX = 32
+
+
 class FastPathUnavailable(ConnectionError):
     """No fast-path connection could be opened (port closed, refused, busy)."""
 
@@ -412,6 +416,38 @@ class FastPath:
         # (over gRPC while the fast path was down, or on a connection since retired or
         # closed): end it by waiting, on a connection of its own.
         self.release(lease_id)
+
+    def lookup_later(self, layout_ids: list[bytes], key_size: int, packed: bytes) -> bool:
+        """A LOOKUP flagged MISSED whose answer is read before the next call on the reads
+        lane, not waited for: a miss answered on this host from the presence map
+        (kvstore_client.presence) still reaches the server's counts, at the cost of one
+        send. False if it could not be sent (the counts then miss it; nothing else)."""
+        body = (fw.LOOKUP_HEAD.pack(0, len(layout_ids)) + b"".join(layout_ids)
+                + fw.encode_keys(key_size, packed))
+        lane = self._reads
+        with lane.lock:
+            try:
+                if lane.conn is None:
+                    lane.conn = self._open("Lookup", fresh=False)
+                elif lane.conn.owed >= _OWED_MAX:
+                    # Read the answers now and then: unread, they would fill the socket
+                    # and stall the server's sends (and then this one).
+                    lane.conn.settle()
+                lane.conn.send(fw.Op.LOOKUP, body, flags=fw.MISSED)
+                lane.conn.owed += 1
+                return True
+            except (KVStoreError, FastPathUnavailable):
+                return False
+            except Broken:
+                if lane.conn is not None:
+                    self._holdings.lost(lane.conn)
+                    lane.conn = None
+                return False
+            except Timeout:
+                if lane.conn is not None:
+                    self._holdings.let_go(lane.conn)
+                    lane.conn = None
+                return False
 
     # -- page bytes ---------------------------------------------------------------------
     def put(self, layout_id: bytes, key_size: int, packed: bytes, data: memoryview

@@ -43,7 +43,7 @@ __all__ = [
     "REASON_FLAGS", "reason_flags", "reason_of_flags",
     "MAX_BODY", "MAX_ANSWER_BODY", "request_body_bytes", "MAX_DATA", "MAX_LAYOUTS",
     "LAYOUT_ID_BYTES", "REGION_TOKEN_BYTES",
-    "PAGE_MAJOR", "LAYER_MAJOR", "QUIET", "PINS", "KeysBlock", "encode_header", "decode_header",
+    "PAGE_MAJOR", "LAYER_MAJOR", "QUIET", "PINS", "MISSED", "KeysBlock", "encode_header", "decode_header",
     "encode_keys", "decode_keys", "u64", "unpack_u64", "LOOKUP_HEAD", "LAYOUT_HEAD",
     "LEASED_HEAD", "LEASE", "COUNT_LEASE", "PINS_HEAD", "PUT_DONE", "RESERVED", "COUNT",
 ]
@@ -98,6 +98,13 @@ QUIET = 1
 # map the pool; a lease so answered is not released when the connection closes (the
 # pages may be read by another process), only by RELEASE or its ttl.
 PINS = 1
+
+# LOOKUP flag: the client already answered this lookup 0 from the server's presence map
+# (kvstore_client.presence) and does not wait for this answer: the server only counts the
+# keys as misses of each of the caller's layouts it knows, and answers 0. The lookup is
+# sent at all so that the server's hit and miss counts stay whole; looked up instead, a
+# page stored meanwhile would have been counted as a hit the client never had.
+MISSED = 2
 
 
 # An error answer's flags: why it failed where the client must react (errors.Reason): it

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import secrets
 import sys
+from collections.abc import Callable
 
 import numpy as np
 
@@ -107,6 +108,9 @@ class KeyIndex:
         self._new_table(self._min_buckets)
         self._pos = np.full(max(capacity, 8), -1, dtype=np.int64)  # slot -> bucket, -1 none
         self._live = 0                                 # live entries
+        # Told of every key that comes or goes, as (words, +1 or -1): the presence map
+        # (kvstore_server.presence). None: nobody is told.
+        self.watch: Callable[[np.ndarray, int], None] | None = None
 
     def __len__(self) -> int:
         return self._live
@@ -182,12 +186,16 @@ class KeyIndex:
         rows[:, self._nw] = (slots + _LIVE).astype(np.uint64) << _SHIFT
         self._live += len(words)
         self._place(rows, h)
+        if self.watch is not None:
+            self.watch(words, 1)
 
     def remove_slots(self, slots) -> None:
         """Remove the entries held by slots (a slot repeated is removed once); KeyError
         if one holds none, and then nothing is removed."""
         slots = np.unique(np.asarray(slots, dtype=np.int64))
         buckets = self._buckets_of(slots)
+        if self.watch is not None:
+            self.watch(self._table[buckets, : self._nw], -1)
         metas = self._table[:, self._nw]
         metas[buckets] = (metas[buckets] & _REACH) | _TOMB_META
         self._pos[slots] = -1

@@ -11,11 +11,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
+
+import numpy as np
 
 from kvstore_client.layout import PageLayout
 
 from .errors import Outcome, Reason, StoreError
 from .index import KeyIndex
+from .presence import Presence
 from .tenants import DEFAULT_TENANT, scoped_layout_id
 
 __all__ = ["DEFAULT_MAX_LAYOUTS", "LAYOUT_ID_BYTES", "LayoutInfo", "LayoutRegistry",
@@ -57,6 +61,9 @@ class LayoutInfo:
     # key -> slot id of pages being written (reserved, not yet committed); small and
     # short-lived, so a dict
     writing: dict[bytes, int] = dataclasses.field(default_factory=dict)
+    # Told of every key that enters or leaves `ready` (KeyIndex.watch): the presence map's
+    # (kvstore_server.presence), or None
+    watch: Callable[[np.ndarray, int], None] | None = None
     hits: int = 0
     misses: int = 0
     evictions: int = 0
@@ -76,6 +83,7 @@ class LayoutInfo:
         index = self.ready.get(key_size)
         if index is None:
             index = self.ready[key_size] = KeyIndex(key_size)
+            index.watch = self.watch
         return index
 
 
@@ -87,6 +95,8 @@ class LayoutRegistry:
         self._refused_at = float("-inf")        # time.monotonic() of the last warning
         self._by_id: dict[bytes, LayoutInfo] = {}
         self.by_idx: list[LayoutInfo] = []      # idx -> info; only appended to
+        # The presence map new layouts report their keys to (the store sets it), or None
+        self.presence: Presence | None = None
 
     def __len__(self) -> int:
         return len(self.by_idx)
@@ -106,7 +116,9 @@ class LayoutRegistry:
                 log.warning("RegisterLayout of %s (tenant %r) refused: %s", layout.model,
                             tenant, why)
             raise StoreError(Outcome.EXHAUSTED, why)
-        info = LayoutInfo(len(self.by_idx), layout, layout_id, cls, tenant)
+        info = LayoutInfo(len(self.by_idx), layout, layout_id, cls, tenant,
+                          watch=None if self.presence is None
+                          else self.presence.watch(layout.layout_id))
         self._by_id[layout_id] = info
         self.by_idx.append(info)
         log.info("registered layout %s: %s, %d layers, %d tokens/page, %d bytes/page",

@@ -50,6 +50,7 @@ from .eviction import load_policy
 from .far import wiring as far_wiring
 from .limits import RequestLimits, request_message_bytes
 from kvstore_client.malloc import keep_freed_buffers, limit_arenas
+from kvstore_client.presence import BEAT_SECONDS
 from .metrics import Metrics
 from .preflight import check_host
 from .region import Progress, Region, region_bytes, remove_own, remove_stale
@@ -167,7 +168,11 @@ class Server:
                            high_watermark=config.high_watermark,
                            low_watermark=config.low_watermark,
                            lower=TierChain([t for t in (self.disk, self.far) if t is not None]),
-                           policy=policy, through=far_wiring.through(self.far))
+                           policy=policy, through=far_wiring.through(self.far),
+                           presence=True)
+        log.info("presence map: %s", "on (same-host clients answer misses without a call)"
+                 if self.store.presence is not None else
+                 "off (a tier below DRAM holds pages the map cannot see)")
         self.metrics.watch_store(self.store.stats, lambda: {"kvstore_lookup_streams": (
             "gauge", "Open LookupStream calls", self.lookups.open_streams())})
         self.streams = StreamWatchdog(config.stream_timeout)
@@ -213,6 +218,8 @@ class Server:
         for name in ("", *SERVICES):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         workers = [(self._evictor, "evictor"), (self._reaper, "lease-reaper")]
+        if self.store.presence is not None:
+            workers.append((self._beat, "presence-beat"))
         if self.disk is not None:
             self.health.set(DISK_HEALTH, health_pb2.HealthCheckResponse.SERVING)
             workers.append((self._watch_disk, "disk-health"))
@@ -288,6 +295,13 @@ class Server:
             except Exception:  # noqa: BLE001
                 log.exception("lease expiry failed")
 
+    def _beat(self) -> None:
+        # Same-host clients trust the presence map only while this beats
+        # (kvstore_client.presence.LIVE_SECONDS).
+        presence = self.store.presence
+        while presence is not None and not self._stopping.wait(BEAT_SECONDS):
+            presence.beat()
+
     def _watch_disk(self) -> None:
         # The tier only ever fails one way (writes stop, for good): report it once.
         disk = self.disk
@@ -304,6 +318,8 @@ class Server:
         for name in ("", *SERVICES, *((DISK_HEALTH,) if self.disk is not None else ())):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._stopping.set()
+        if self.store.presence is not None:
+            self.store.presence.stop()    # clients ask the server again from now on
         self.store.pressure.set()
         self.lookups.stop()
         if self.fast is not None:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .handout import Handout
+from .presence import AREA_BYTES
 
 __all__ = ["Region", "region_bytes", "HEADER_BYTES", "TOKEN_OFFSET", "TOKEN_BYTES", "MAGIC",
            "remove_stale"]
@@ -32,10 +33,11 @@ log = logging.getLogger(__name__)
 # socket that hands out a memfd sealed against shrinking, so the group's members, who are
 # other users, cannot stop the server by truncating its pool (see _sealed_memfd).
 #
-# The first 4 KiB are a header; pages start after it:
+# The first 4 KiB are a header; pages start after it, and the presence map's counters
+# (kvstore_server.presence, 4 MiB) take the region's end when the server keeps one:
 #
-#     0               16              32                      4096
-#     | magic (16 B)  | token (16 B)  | zero ...              | pool slots ...
+#     0              16             32              64         4096            end - 4 MiB
+#     | magic (16 B) | token (16 B) | presence (32 B) | zero ... | pool slots ... | counters |
 #
 # The token is random per region. A client proves it mapped this very region (so it is
 # on this host and may read the file) by sending the token back with every data-plane
@@ -54,9 +56,9 @@ Progress = Callable[[int, int], None]
 
 def region_bytes(dram: int) -> int:
     """The region's file size for a pool of `dram` bytes: the header, then whole 4 KiB
-    pages, rounded up to 2 MiB so the region can live on hugetlbfs, whose files must be a
-    whole number of huge pages."""
-    return -(-(dram // _PAGE * _PAGE + HEADER_BYTES) // _HUGE) * _HUGE
+    pages, then the presence map's area (kvstore_server.presence), rounded up to 2 MiB so
+    the region can live on hugetlbfs, whose files must be a whole number of huge pages."""
+    return -(-(dram // _PAGE * _PAGE + HEADER_BYTES + AREA_BYTES) // _HUGE) * _HUGE
 
 
 class Region:

@@ -42,6 +42,7 @@ from .layouts import DEFAULT_MAX_LAYOUTS, LayoutInfo, LayoutRegistry
 from .leases import DEFAULT_LEASE_MEMORY, FOREVER, Lease, LeaseKind, LeaseTable
 from .pool import Pool
 from .quota import TenantLedger
+from .presence import AREA_BYTES, Presence
 from .region import HEADER_BYTES, Region
 from .slots import SlotState, SlotTable
 from .store_admin import StoreAdmin
@@ -72,15 +73,18 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
                  clock: Callable[[], float] = time.monotonic,
                  lower: Tier | None = None,
                  policy: PolicyFactory | str | None = None,
-                 through: Tier | None = None) -> None:
+                 through: Tier | None = None, presence: bool = False) -> None:
         """lower: the tier below DRAM (tier.py); evicted pages are offered to it, and a
         lookup, exists or acquire that misses in DRAM asks it. policy: the eviction
         policy, or the name of one (eviction.make_policy). through: a tier that is
         offered every page at commit as well (the far tier under --far-write through, so
-        other hosts see a page at once), not only when it leaves DRAM."""
+        other hosts see a page at once), not only when it leaves DRAM. presence: keep the
+        presence map in the region's last AREA_BYTES (kvstore_server.presence), while no
+        tier below DRAM holds pages (the area is set aside either way)."""
         self.region = region
         self.mem = region.mem
-        self.pool = Pool(region.size - HEADER_BYTES, base=HEADER_BYTES)
+        area = AREA_BYTES if presence else 0
+        self.pool = Pool(region.size - HEADER_BYTES - area, base=HEADER_BYTES)
         self.lease_ttl = lease_ttl
         self.lease_memory = lease_memory     # bytes clients' leases may take (store_leases)
         self.high_watermark = high_watermark
@@ -98,6 +102,13 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
         self.evictions = 0
         self._tenants = TenantLedger()
         self._layouts = LayoutRegistry(max_layouts)
+        # Same-host clients answer misses from it (None: off); the store's lock guards it.
+        self.presence: Presence | None = None
+        if presence and not self.lower.holds_pages:
+            at = region.size - area
+            self.presence = self._layouts.presence = Presence(
+                region.mem[:HEADER_BYTES], region.mem[at:], at)
+            self.presence.start()
         self._policy = make_policy(policy)
         self._leases = LeaseTable(clock)
         self._held_back = HoldBack()           # slots of expired leases (store_leases)
@@ -181,6 +192,13 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
             # page of the run on the tier below).
             found = [self._find(info, run) for info in infos]
             return self._count_and_lease(infos, keys, found, count, lease_ttl, offsets)
+
+    def count_misses(self, layout_ids: Sequence[bytes], n: int) -> None:
+        """n keys a client counted as missed on its own, from the presence map
+        (kvstore_server.presence): misses of each of these layouts registered here."""
+        with self._lock:
+            self._missed([info for layout_id in dict.fromkeys(layout_ids)
+                          if (info := self._layouts.get(layout_id)) is not None], n)
 
     # A prefix whose first key is absent counts 0, found from that key alone. The batch
     # path's ~25 numpy calls cost little warm but much with the caches cold, as a request

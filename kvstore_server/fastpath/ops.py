@@ -113,6 +113,18 @@ class Ops:
         block, _ = fw.decode_keys(body, end)
         keys = self._keys(block, "Lookup")
         self.limits.lookup(n_layouts, len(keys))
+        if h.flags & fw.MISSED:
+            # Answered 0 by the client itself (fastwire.MISSED): only counted. A layout
+            # this server does not know (it restarted) has nothing to count, and an error
+            # would only be logged by a client that does not wait for the answer.
+            known = []
+            for layout_id in ids:
+                try:
+                    known.append(self._layout(s, layout_id))
+                except StoreError:
+                    pass
+            self.store.count_misses(known, len(keys))
+            return fw.COUNT_LEASE.pack(0, 0)
         layouts = [self._layout(s, layout_id) for layout_id in ids]
         ttl = self._ttl(lease_ms) if lease_ms else 0.0
         if not (h.flags & fw.PINS and ttl and s.who.shared_memory):

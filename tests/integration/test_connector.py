@@ -272,12 +272,17 @@ def test_a_prompt_stored_to_its_last_page_does_not_save_that_page_again(srv):
 def test_lookup_timeout_answers_ask_again(srv):
     a = Engine(srv.address, lookup_timeout=5.0)
     assert a.sched.hit("warm", prompt(64, 13), 0) == 0    # connected, layout registered
+    # Stored, so that only the server can answer (a miss would be answered on this host
+    # from the presence map, kvstore_client.presence, which a stopped server leaves live
+    # for a moment).
+    tokens = prompt(64, 14)
+    a.run_prompt("store", tokens)
     # A server that cannot answer in time (stopped, not gone: the connection stays up).
     # A tiny deadline instead is a race: a fast loopback answer can beat its timer.
     a.sched.client.timeout = 0.3
     sigstop(srv.proc.pid)
     try:
-        assert a.sched.hit("t", prompt(64, 14), 0) is None
+        assert a.sched.hit("t", tokens, 0) is None
     finally:
         os.kill(srv.proc.pid, signal.SIGCONT)
 

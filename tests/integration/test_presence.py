@@ -1,0 +1,137 @@
+"""The presence map against a real server: a client on its host answers misses without a
+round trip, the server still counts them, and a map that cannot be trusted (a tier below
+DRAM, a stopped or killed server) answers nothing."""
+
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+
+from kvstore_client import KVStoreClient, KVStoreError, PageLayout
+from kvstore_client.attach import PRESENCE_RETRY_S
+from kvstore_client.presence import LIVE_SECONDS
+
+LAYOUT = PageLayout(model="presence", num_layers=2, page_tokens=16, num_kv_heads=2,
+                    head_size=64, dtype="bfloat16")
+KEYS = [f"key-{i:012d}".encode() for i in range(8)]
+
+
+def _layout_stats(client, ns, want_misses, within=5.0):
+    """The layout's (hits, misses), once the misses sent without waiting are counted."""
+    deadline = time.monotonic() + within
+    while True:
+        got = next(s for s in client.stats().layouts if s.layout_id == ns.layout_id)
+        if got.misses >= want_misses or time.monotonic() > deadline:
+            return got.hits, got.misses
+        time.sleep(0.05)
+
+
+def _salted(salt):
+    return dataclasses.replace(LAYOUT, salt=salt)
+
+
+def _pages(ns, n):
+    return np.full((n, ns.page_bytes), 7, dtype=np.uint8)
+
+
+def test_misses_are_answered_here_and_still_counted_by_the_server(server):
+    with KVStoreClient(server.address) as client:
+        ns = client.register_layout(_salted("misses"))
+        assert client.lookup(ns, KEYS) == 0
+        assert client.presence_misses == 1
+        client.put(ns, KEYS[:3], _pages(ns, 3))
+        assert client.lookup(ns, KEYS) == 3                 # a hit: asked of the server
+        assert client.presence_misses == 1
+        lease = client.lookup_lease(ns, KEYS[3:], lease_ms=5000)
+        assert (lease.count, lease.lease_id) == (0, 0)       # a miss takes no lease
+        assert client.presence_misses == 2
+        client.delete(ns, KEYS[:3])
+        assert client.lookup(ns, KEYS) == 0                 # gone from the map too
+        assert client.presence_misses == 3
+        # 8 + (8 - 3) + 5 + 8 keys missed, 3 hit: the same counts as without the map.
+        assert _layout_stats(client, ns, 26) == (3, 26)
+
+
+def test_a_miss_told_for_a_layout_the_server_does_not_know_counts_nothing(server):
+    """After a restart the server may not know a client's layout yet: the miss it is told
+    of is dropped quietly, and the lane's next call is answered as usual."""
+    with KVStoreClient(server.address) as client:
+        ns = client.register_layout(_salted("known"))
+        fast = client._data.fast()
+        assert fast is not None
+        assert fast.lookup_later([b"\x01" * 16, ns.layout_id], len(KEYS[0]), b"".join(KEYS))
+        client.put(ns, KEYS[:1], _pages(ns, 1))
+        assert client.lookup_lease(ns, KEYS, lease_ms=5000).count == 1   # the same lane
+        assert _layout_stats(client, ns, 15) == (1, 15)
+
+
+def test_a_lookup_over_layouts_counts_zero_when_one_lacks_the_first_key(server):
+    with KVStoreClient(server.address) as client:
+        a = client.register_layout(_salted("rank0"))
+        b = client.register_layout(_salted("rank1"))
+        client.put(a, KEYS, _pages(a, len(KEYS)))
+        assert client.lookup(a, KEYS) == len(KEYS)
+        assert client.lookup([a, b], KEYS) == 0
+        assert client.presence_misses == 1
+        client.put(b, KEYS[:2], _pages(b, 2))
+        assert client.lookup([a, b], KEYS) == 2
+
+
+def test_a_scheduler_style_client_uses_the_map_over_the_unix_socket(server):
+    with KVStoreClient(server.address, shared_memory=False, local_socket=True) as client:
+        ns = client.register_layout(_salted("scheduler"))
+        assert client.lookup_lease(ns, KEYS, lease_ms=5000).count == 0
+        assert client.presence_misses == 1
+    with KVStoreClient(server.address, shared_memory=False) as remote:
+        ns = remote.register_layout(_salted("scheduler"))
+        assert remote.lookup(ns, KEYS) == 0
+        assert remote.presence_misses == 0                  # as another host would
+
+
+def test_no_map_where_a_disk_tier_may_hold_pages(fresh_server, tmp_path):
+    srv = fresh_server(disk="64MiB", disk_dir=str(tmp_path))
+    with KVStoreClient(srv.address) as client:
+        ns = client.register_layout(LAYOUT)
+        assert client.lookup(ns, KEYS) == 0
+        client.put(ns, KEYS[:2], _pages(ns, 2))
+        assert client.lookup(ns, KEYS) == 2
+        assert client.presence_misses == 0
+
+
+def test_a_stopped_or_killed_servers_map_answers_nothing(fresh_server):
+    srv = fresh_server()
+    client = KVStoreClient(srv.address, timeout=2.0, retries=0)
+    try:
+        ns = client.register_layout(LAYOUT)
+        assert client.lookup(ns, KEYS) == 0 and client.presence_misses == 1
+        srv.proc.kill()
+        srv.proc.wait()
+        # Killed, it beats no more: once LIVE_SECONDS pass, a lookup asks the server (and
+        # meets that it is gone) instead of reading the stale map.
+        time.sleep(LIVE_SECONDS + 0.5)
+        with pytest.raises(KVStoreError):
+            client.lookup(ns, KEYS)
+        assert client.presence_misses == 1
+        again = fresh_server(port=srv.port)
+        # The restarted server holds pages the old map never saw: counted right at once
+        # (asked of the server), and its own map is found within PRESENCE_RETRY_S.
+        with KVStoreClient(again.address) as other:
+            other.put(other.register_layout(LAYOUT), KEYS[:4], _pages(ns, 4))
+        deadline = time.monotonic() + 10.0
+        while True:
+            try:
+                assert client.lookup(ns, KEYS) == 4
+                break
+            except KVStoreError:
+                assert time.monotonic() < deadline, "the old client never reached the new server"
+                time.sleep(0.2)
+        deadline = time.monotonic() + PRESENCE_RETRY_S + 3.0
+        while client.lookup(ns, KEYS[4:]) == 0 and client.presence_misses == 1:
+            assert time.monotonic() < deadline, "the new server's map was never used"
+            time.sleep(0.2)
+        again.stop()                                     # graceful: the map is off at once
+        with pytest.raises(KVStoreError):
+            client.lookup(ns, KEYS[4:])
+    finally:
+        client.close()
