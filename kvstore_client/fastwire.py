@@ -43,7 +43,8 @@ __all__ = [
     "REASON_FLAGS", "reason_flags", "reason_of_flags",
     "MAX_BODY", "MAX_ANSWER_BODY", "request_body_bytes", "MAX_DATA", "MAX_LAYOUTS",
     "LAYOUT_ID_BYTES", "REGION_TOKEN_BYTES",
-    "PAGE_MAJOR", "LAYER_MAJOR", "QUIET", "PINS", "MISSED", "KeysBlock", "encode_header", "decode_header",
+    "PAGE_MAJOR", "LAYER_MAJOR", "QUIET", "PINS", "MISSED", "KeysBlock", "encode_header",
+    "decode_header",
     "encode_keys", "decode_keys", "u64", "unpack_u64", "LOOKUP_HEAD", "LAYOUT_HEAD",
     "LEASED_HEAD", "LEASE", "COUNT_LEASE", "PINS_HEAD", "PUT_DONE", "RESERVED", "COUNT",
 ]

@@ -10,7 +10,6 @@ just before a commit lands is the miss the client would have seen a moment earli
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 
@@ -20,8 +19,6 @@ from kvstore_client.presence import (AREA_BYTES, BEAT_AT, BITS, HEADER, HEADER_A
                                      MIX, salt)
 
 __all__ = ["AREA_BYTES", "Presence"]
-
-log = logging.getLogger(__name__)
 
 _MIX = np.uint64(MIX)
 _SHIFT = np.uint64(64 - BITS)
@@ -45,7 +42,6 @@ class Presence:
         self._clock = clock          # CLOCK_MONOTONIC: the clock clients compare with
         # The heartbeat as one aligned float64: written by one store, never read torn.
         self._beat = header[BEAT_AT:BEAT_AT + 8].view(np.float64)
-        self.saturated = 0           # counters that reached _STUCK (each may only cost a call)
 
     def watch(self, layout_id: bytes) -> Watch:
         """The KeyIndex watch of one layout's keys (layout_id: the id clients send)."""
@@ -65,7 +61,6 @@ class Presence:
         old = self._counts[at].astype(np.int64)
         new = np.clip(old + delta * times, 0, _STUCK)
         new[old == _STUCK] = _STUCK
-        self.saturated += int(np.count_nonzero((new == _STUCK) & (old != _STUCK)))
         self._counts[at] = new.astype(np.uint8)
 
     def start(self) -> None:
