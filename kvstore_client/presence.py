@@ -109,21 +109,26 @@ class PresenceMap:
         return cls(head, area, bits, offset - start)
 
     def live(self, now: float | None = None) -> bool:
-        """Whether the server wrote its heartbeat within LIVE_SECONDS."""
-        beat = struct.unpack_from("<d", self._head, BEAT_AT)[0]
+        """Whether the server wrote its heartbeat within LIVE_SECONDS (False once closed,
+        which another thread may do at any time: a restarted server's map)."""
+        try:
+            beat = struct.unpack_from("<d", self._head, BEAT_AT)[0]
+        except ValueError:                # closed
+            return False
         now = time.monotonic() if now is None else now
         return 0.0 < beat and now - LIVE_SECONDS < beat <= now + 1.0
 
     def absent(self, layout_ids: Sequence[bytes], first_key: bytes) -> bool:
         """True only if some layout surely lacks first_key in the server's DRAM (then a
         prefix starting there counts 0); False when unsure or the map is not live."""
-        if not self.live():
+        counts = self._counts            # kept: another thread may close() meanwhile
+        if not counts.size or not self.live():
             return False
         for layout_id in layout_ids:
             s = self._salts.get(layout_id)
             if s is None:
                 s = self._salts[layout_id] = salt(layout_id)
-            if not self._counts[bucket(s, bytes(first_key), self._bits)]:
+            if not counts[bucket(s, bytes(first_key), self._bits)]:
                 return True
         return False
 

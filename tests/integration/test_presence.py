@@ -135,3 +135,15 @@ def test_a_stopped_or_killed_servers_map_answers_nothing(fresh_server):
             client.lookup(ns, KEYS[4:])
     finally:
         client.close()
+
+
+def test_a_map_closed_by_another_thread_answers_nothing(server):
+    """A restarted server's old map is closed by the thread that reopens it while another
+    may still hold it: that one's questions are answered "unsure", never an error."""
+    with KVStoreClient(server.address) as client:
+        ns = client.register_layout(_salted("closed"))
+        assert client.lookup(ns, KEYS) == 0
+        held = client._shm.presence()
+        assert held is not None and held.absent([ns.layout_id], KEYS[0])
+        held.close()
+        assert not held.absent([ns.layout_id], KEYS[0])
