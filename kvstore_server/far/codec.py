@@ -28,12 +28,16 @@ from dataclasses import dataclass
 
 import xxhash
 
-__all__ = ["HEADER_BYTES", "Decoded", "Reason", "decode", "encode"]
+__all__ = ["HEADER_BYTES", "MAX_PAGE", "Decoded", "Reason", "decode", "encode", "value_bytes"]
 
 MAGIC = b"KVFP"
 VERSION = 1
 _HEADER = struct.Struct("<4sBBH16sQQ")
 HEADER_BYTES = _HEADER.size          # 40, then the key, then the payload
+
+# The largest payload a read accepts when the caller names no page size: a Redis string
+# is at most 512 MB (proto-max-bulk-len). The server's reads always name their page size.
+MAX_PAGE = 512 << 20
 
 
 class Reason(enum.Enum):
@@ -45,6 +49,7 @@ class Reason(enum.Enum):
     WRONG_KEY = "wrong_key"      # ours, but for another layout or key
     TRUNCATED = "truncated"      # shorter or longer than its header says
     CORRUPT = "corrupt"          # checksum mismatch
+    OVERSIZED = "oversized"      # longer than the page asked for: refused unfetched
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +67,12 @@ def _checksum(key: bytes, payload) -> int:
     h = xxhash.xxh3_64(key)
     h.update(payload)
     return h.intdigest()
+
+
+def value_bytes(key_bytes: int, page_bytes: int) -> int:
+    """The length of the value that holds a page of `page_bytes` under a key of
+    `key_bytes`: what a read may fetch for it, and no more."""
+    return HEADER_BYTES + key_bytes + page_bytes
 
 
 def encode(layout_id: bytes, key: bytes, payload) -> bytes:

@@ -47,6 +47,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Protocol
 
 __all__ = ["PARALLEL", "PART_BYTES", "WORKERS", "ParallelReader", "split"]
 
@@ -55,7 +56,13 @@ PARALLEL = 16               # parts of one request in flight: 16 MiB at most
 WORKERS = 16                # threads the server's far reads share
 
 Land = Callable[[int, object], None]
-Fetch = Callable[[bytes, list[bytes], float, Land], None]    # FarClient.read's shape
+
+
+class Fetch(Protocol):
+    """FarClient.read's shape: max_page bounds what the cluster may send for a key."""
+
+    def __call__(self, layout_id: bytes, keys: list[bytes], timeout: float, land: Land, *,
+                 max_page: int) -> None: ...
 
 
 def split(sizes: Sequence[int], part_bytes: int) -> list[tuple[int, int]]:
@@ -123,8 +130,10 @@ class ParallelReader:
               part: tuple[int, int], window: int, land: Land) -> None:
         start, end = part
         in_flight = sum(sizes[start:end]) * window
+        # A value longer than the part's largest page is refused in the cluster, so a
+        # planted oversized value costs no bytes here and the bound above holds.
         self._fetch(layout_id, list(keys[start:end]), self._timeout + in_flight / 1e9,
-                    lambda i, page: land(start + i, page))
+                    lambda i, page: land(start + i, page), max_page=max(sizes[start:end]))
 
     def close(self) -> None:
         with self._lock:

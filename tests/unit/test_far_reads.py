@@ -21,7 +21,7 @@ def test_split_bounds_each_part_by_bytes_one_item_at_least():
 
 def test_every_page_lands_once_in_its_place_and_a_failed_part_is_misses(monkeypatch):
     monkeypatch.setattr(reads, "PART_BYTES", 4 << 20)         # 4 pages a part
-    def fetch(layout_id, keys, timeout, land):
+    def fetch(layout_id, keys, timeout, land, max_page):
         for i, k in enumerate(keys):           # a failed call: every page a miss
             land(i, None if b"k3" in keys else memoryview(k))
 
@@ -43,7 +43,7 @@ def test_a_read_that_raises_has_no_part_running_when_it_returns(monkeypatch):
     monkeypatch.setattr(reads, "PARALLEL", 4)
     running, lock = [0], threading.Lock()
 
-    def fetch(layout_id, keys, timeout, land):
+    def fetch(layout_id, keys, timeout, land, max_page):
         with lock:
             running[0] += 1
         try:
