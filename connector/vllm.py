@@ -2,6 +2,7 @@
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector":"KVStoreConnector",
         "kv_connector_module_path":"kvstore_connector.vllm","kv_role":"kv_both",
+        "kv_load_failure_policy":"recompute",
         "kv_connector_extra_config":{"server":"127.0.0.1:50051"}}'
 
 `kv_connector_extra_config` takes every field of connector.config.ConnectorConfig;
@@ -110,6 +111,23 @@ def _tp_rank() -> int:
         return 0    # not initialised: a single process (tests, CPU harness)
 
 
+def _warn_on_fail_policy(transfer: Any) -> None:
+    """Say at start, loudly, that vLLM will fail requests whose load from the store fails.
+
+    vLLM's kv_load_failure_policy defaults to "fail": a load the connector reports failed
+    (the store restarted, timed out or lost the pages) then ends its request with an error
+    instead of recomputing the blocks, so a store fault becomes a failed request (HTTP 500
+    from `vllm serve`). "recompute" is what makes the store a cache. Only a connector that
+    loads (kv_both, kv_consumer) is concerned.
+    """
+    policy = getattr(transfer, "kv_load_failure_policy", None)
+    if policy == "fail" and transfer.kv_role != "kv_producer":
+        log.warning('kvstore connector: kv_load_failure_policy is "fail": a load from the '
+                    "store that fails (a store restart, a timeout) fails its request with "
+                    "an error instead of recomputing it; add "
+                    '"kv_load_failure_policy":"recompute" to --kv-transfer-config')
+
+
 class KVStoreConnector(KVConnectorBase_V1):
     """kvstore as vLLM's KV connector: prefix hits from the store, layer-wise loads."""
 
@@ -141,6 +159,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         # report the save copies landed (finished_sending), as saves are asynchronous.
         self._saving: set[str] = set()
         if role == KVConnectorRole.SCHEDULER:
+            _warn_on_fail_policy(transfer)
             # A step's outcome comes back max_concurrent_batches builds later (2 under
             # AsyncScheduler): until then its loads count as unconfirmed.
             self._scheduler = SchedulerHalf(self.config, self.layouts, self.block_size,

@@ -195,9 +195,10 @@ def test_image_sets_no_kvstore_settings():
 
 def test_image_copies_every_package_folder():
     """The build stage copies folders one by one (so a change to tests or docs does not
-    rebuild it): a package added to pyproject.toml must be copied too."""
-    project = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
-    folders = {project.get("package-dir", {}).get(p.split(".")[0], p.split(".")[0])
-               for p in project["packages"]}
+    rebuild it): a package folder added to setup.py's ROOTS must be copied too."""
+    setup = ast.parse((DEPLOY.parent / "setup.py").read_text())
+    roots = next(ast.literal_eval(node.value) for node in setup.body
+                 if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "ROOTS")
+    folders = set(roots.values())
     copied = {rest.split()[0] for word, rest in dockerfile() if word == "COPY"}
     assert folders <= copied, f"deploy/Dockerfile does not copy {sorted(folders - copied)}"

@@ -12,6 +12,7 @@ so nothing is downloaded), and run from there.
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -72,10 +73,10 @@ def _sh(argv: list[str], **kw) -> subprocess.CompletedProcess:
 def _package_folders(src: Path) -> set[str]:
     """Every folder of the source that holds Python modules, as the wheel should name it."""
     # the import name of each folder: setup.py's ROOTS, read without running setup()
-    namespace: dict = {}
-    text = (src / "setup.py").read_text()
-    exec(compile(text.split("\nsetup(", 1)[0], "setup.py", "exec"), namespace)
-    roots: dict[str, str] = namespace["ROOTS"]
+    setup = ast.parse((src / "setup.py").read_text())
+    roots: dict[str, str] = next(
+        ast.literal_eval(node.value) for node in setup.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "ROOTS")
     names = set()
     for name, folder in roots.items():
         for module in (src / folder).rglob("*.py"):
