@@ -202,6 +202,7 @@ class Server:
         make = lambda tcp: FastPathServer(  # noqa: E731
             self.store, self.metrics, self.auth, tcp=tcp, unix=config.data_socket, tls=tls,
             max_connections=config.data_connections, stream_timeout=config.stream_timeout,
+            hello_connections=config.data_hello_connections,
             limits=self.limits)
         try:
             return make(tcp)

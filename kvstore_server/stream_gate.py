@@ -24,7 +24,13 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-__all__ = ["StreamGate", "gated_stream", "gated_requests"]
+__all__ = ["StreamGate", "gated_stream", "gated_requests", "tenant_share"]
+
+
+def tenant_share(limit: int, per_tenant: bool) -> int:
+    """What one tenant may hold of `limit` places: half (at least one) when there is more
+    than one tenant (an auth file), else all. The fast path's connections use it too."""
+    return max(1, limit // 2) if per_tenant else limit
 
 
 class StreamGate:
@@ -33,7 +39,7 @@ class StreamGate:
     def __init__(self, workers: int, per_tenant: bool) -> None:
         """per_tenant: hold each tenant to half the limit (there is more than one)."""
         self.limit = max(1, workers - max(1, workers // 4))
-        self.tenant_limit = max(1, self.limit // 2) if per_tenant else self.limit
+        self.tenant_limit = tenant_share(self.limit, per_tenant)
         self._lock = threading.Lock()          # guards the counts
         self._open = 0
         self._by_tenant: collections.Counter[str] = collections.Counter()

@@ -13,7 +13,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-__all__ = ["ServerProcess", "free_port", "free_port_pair", "sigstop"]
+__all__ = ["ServerProcess", "fleet_secret_file", "free_port", "free_port_pair", "sigstop"]
 
 
 def free_port() -> int:
@@ -38,6 +38,22 @@ def free_port_pair() -> int:
     return free_port()
 
 
+def fleet_secret_file() -> str:
+    """A far-tier secret file shared by every server these helpers start (one fleet), so
+    servers with --far and no secret of their own start, and read each other's pages."""
+    path = os.path.join(tempfile.gettempdir(), f"kvstore-test-far-secret-{os.getuid()}")
+    if not os.path.exists(path):
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
+        with os.fdopen(fd, "w") as f:
+            f.write(os.urandom(32).hex() + "\n")
+        try:
+            os.link(tmp, path)          # atomic and first wins: one secret, one whole file
+        except FileExistsError:
+            pass
+        os.unlink(tmp)
+    return path
+
+
 class ServerProcess:
     """`kvstore-server` as a child process; `with ServerProcess(dram="64MiB") as srv:`.
 
@@ -57,6 +73,8 @@ class ServerProcess:
         self.prefix = list(prefix)
         self.args = list(args)
         flags.setdefault("dram", "64MiB")
+        if flags.get("far") and "far_secret_file" not in flags and "far_insecure" not in flags:
+            flags["far_secret_file"] = fleet_secret_file()    # one fleet: every test server
         for name, value in flags.items():
             self.args += ["--" + name.replace("_", "-"), str(value)]
         self.env = {**os.environ, **(env or {})}

@@ -236,7 +236,7 @@ class FarClient:
                         self.counters.reject(codec.Reason.OVERSIZED if value > 0
                                              else codec.Reason.FOREIGN)
                         continue
-                    decoded = codec.decode(value, layout_id, keys[i])
+                    decoded = codec.decode(value, layout_id, keys[i], self.settings.keys)
                     if decoded.payload is None:
                         self.counters.reject(decoded.reason)
                         continue
@@ -254,7 +254,8 @@ class FarClient:
         """Store (key, payload) pages; returns how many the cluster took."""
         ttl_ms = int(self.settings.ttl * 1000)
         expiry = ["PX", str(ttl_ms)] if ttl_ms else []
-        values = [codec.encode(layout_id, key, payload) for key, payload in items]
+        values = [codec.encode(layout_id, key, payload, self.settings.keys)
+                  for key, payload in items]
         out = self._run([["SET", page_key(self.settings.namespace, layout_id, key), value,
                           *expiry] for (key, _), value in zip(items, values)], timeout)
         stored = [len(v) - codec.HEADER_BYTES - len(key)

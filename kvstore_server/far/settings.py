@@ -21,6 +21,16 @@ Redis >= 6) comes from the URL only: it is not a secret.
     --far-namespace  prefix of every key this server writes: servers of one fleet share
                      it, and admin clear/evict reach only it
     --far-queue      bytes the write-behind queue may hold; past it pages are dropped
+    --far-secret-file  the fleet's secrets, one a line (secret.py): the first signs every
+                     value written, all are accepted when reading; re-read on change
+    --far-insecure   run the far tier without a secret: values are checked for damage
+                     but anyone who can write the cluster can forge them
+
+A server refuses to start a far tier with neither of the last two: the MAC is what makes
+"a page served from the far tier is the page stored under that key" true against anyone
+who holds the cluster's password (every server of the fleet does), so running without
+it must be a choice written in the config, not an oversight. (A FarSettings made in
+code, by a bench or a test, defaults to the insecure key.)
 """
 
 from __future__ import annotations
@@ -28,6 +38,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
+
+from .codec import Keys
+from .secret import INSECURE, SecretFile
 
 __all__ = ["ClusterMode", "FarSettings", "WritePolicy", "from_config", "parse_far"]
 
@@ -61,6 +74,8 @@ class FarSettings:
     namespace: str = "kvstore"
     queue_bytes: int = 256 << 20
     ca_pem: bytes | None = field(default=None, repr=False)  # TLS roots; None: the system's
+    keys: Keys = field(default=INSECURE, repr=False)   # sign and check values (codec.py)
+    signed: bool = False                    # keys come from a secret file, not INSECURE
 
 
 def _node(url: str) -> tuple[str, int, bool, str | None, str | None]:
@@ -83,7 +98,8 @@ def _node(url: str) -> tuple[str, int, bool, str | None, str | None]:
 
 def parse_far(urls: str, *, cluster: str = "auto", password_file: str = "", ttl: float = 0.0,
               timeout: float = 0.05, write: str = "evict", namespace: str = "kvstore",
-              queue_bytes: int = 256 << 20, ca_file: str = "") -> FarSettings | None:
+              queue_bytes: int = 256 << 20, ca_file: str = "",
+              secret_file: str = "") -> FarSettings | None:
     """FarSettings from the flags' values; None when `urls` is empty (no far tier).
     ValueError says what is wrong."""
     if not urls.strip():
@@ -126,14 +142,25 @@ def parse_far(urls: str, *, cluster: str = "auto", password_file: str = "", ttl:
                          f"got {namespace!r}")
     if queue_bytes < (1 << 20):
         raise ValueError("far_queue must be at least 1MiB")
+    keys = SecretFile(secret_file) if secret_file else INSECURE
     return FarSettings(tuple((h, p) for h, p, *_ in nodes), tls, username, password, mode,
-                       ttl, timeout, policy, namespace, queue_bytes, ca_pem)
+                       ttl, timeout, policy, namespace, queue_bytes, ca_pem, keys,
+                       bool(secret_file))
 
 
 def from_config(config) -> FarSettings | None:
-    """The far tier's settings of a ServerConfig (kvstore_server.config); None: no far tier."""
-    return parse_far(config.far, cluster=config.far_cluster,
-                     password_file=config.far_password_file, ttl=config.far_ttl,
-                     timeout=config.far_timeout, write=config.far_write,
-                     namespace=config.far_namespace, queue_bytes=config.far_queue,
-                     ca_file=config.far_ca_file)
+    """The far tier's settings of a ServerConfig (kvstore_server.config); None: no far tier.
+    ValueError when --far has neither a secret file nor --far-insecure."""
+    settings = parse_far(config.far, cluster=config.far_cluster,
+                         password_file=config.far_password_file, ttl=config.far_ttl,
+                         timeout=config.far_timeout, write=config.far_write,
+                         namespace=config.far_namespace, queue_bytes=config.far_queue,
+                         ca_file=config.far_ca_file, secret_file=config.far_secret_file)
+    if settings is not None and config.far_secret_file and config.far_insecure:
+        raise ValueError("far_secret_file and far_insecure contradict each other: choose one")
+    if settings is not None and not settings.signed and not config.far_insecure:
+        raise ValueError("the far tier needs --far-secret-file (the fleet's secret, e.g. "
+                         "`openssl rand -hex 32`): without it anyone who can write the "
+                         "cluster can make servers serve pages of their choosing; "
+                         "--far-insecure runs it without one")
+    return settings

@@ -43,6 +43,12 @@ def open_far(config, registry=None) -> FarTier | None:
     if registry is not None:
         registry.register(FarCollector(tier.client.counters, tier.writer.depth,
                                        lambda: tier.client.breaker.state))
+    if settings.signed:
+        log.info("far tier: values signed with key id %s (%s)",
+                 settings.keys.keyring().writing.key_id.hex(), config.far_secret_file)
+    else:
+        log.warning("far tier WITHOUT a secret (--far-insecure): anyone who can write the "
+                    "cluster can make this server serve pages of their choosing")
     log.info("far tier: %s at %s, namespace %s, write %s, timeout %.0fms",
              f"cluster={settings.cluster.value}",
              ",".join(f"{h}:{p}" for h, p in settings.nodes), settings.namespace,

@@ -14,6 +14,17 @@ HELLO) and its TLS client certificate are checked by the same Authenticator.iden
 a gRPC call's, and looked up again before every request (two dict gets of their
 SHA-256s, hashed once at HELLO), so a token or certificate revoked by SIGHUP stops
 working on open connections too and a changed quota applies at once.
+
+Deadlines (docs/fastpath.md, "Bounds"). Before it is authenticated a connection may cost
+the server little and not for long: its HELLO body is at most MAX_HELLO_BODY bytes (a
+longer one is refused before a byte of it is read or allocated), and the TLS handshake
+and the whole HELLO must be done by one deadline set at accept (server.py), however the
+bytes trickle in. After HELLO, waiting for the next frame is bounded by the idle timeout
+(300 s: a pooled connection may rest) and everything inside a frame (its body, a Put's
+pages, the answer, a Get's pages) by --stream-timeout per receive or send, so a peer that
+stops reading a Get, or stops sending a Put, loses its pins and reservations within it,
+as a stalled gRPC stream does. Over TLS these are Python timeouts (sock.settimeout): a
+blocking SSL socket whose SO_RCVTIMEO fires retries the read without end.
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ from ..auth import ANONYMOUS, Authenticator, Principal, Role, token_digest
 from ..errors import Outcome, StoreError
 from ..limits import MAX_KEYS_LIMIT
 from ..peercert import Digest, der_digest
-from .io import ClientGone, Reader, set_timeouts
+from .io import ClientGone, Reader, set_recv_timeout, set_timeouts
 from .ops import Ops, Session, status_of, table
 
 __all__ = ["Connection"]
@@ -46,6 +57,10 @@ SCRATCH_BYTES = 256 << 10      # per connection: where a refused Put's data is d
 # (the connection goes on); a longer one is taken for a malformed frame: the connection
 # closes. The largest limit a server may be set to (limits.MAX_KEYS_LIMIT) is under it.
 _SKIPPABLE_BODY = fw.request_body_bytes(MAX_KEYS_LIMIT)
+# The longest HELLO body read: a token (a bearer token is tens of bytes; 4 KiB leaves room
+# for any a deployment makes). A HELLO that declares more is refused before its body is
+# read: nothing is allocated for a length an unauthenticated peer declares.
+MAX_HELLO_BODY = 4096
 
 
 def _quiet(op: int, body: bytes, status: fw.Status = fw.Status.OK, flags: int = 0) -> None:
@@ -68,13 +83,20 @@ class Connection:
     def __init__(self, sock: socket.socket, ops: Ops, auth: Authenticator | None, *,
                  idle_timeout: float, stream_timeout: float, plain: bool,
                  observe: Callable[[str, float, grpc.StatusCode], None],
-                 refused: Callable[[str], None]) -> None:
+                 refused: Callable[[str], None], hello_deadline: float,
+                 admit: Callable[[str], str | None]) -> None:
+        """hello_deadline: time.monotonic() by which HELLO must have come whole. admit:
+        called with the tenant once HELLO is accepted; None admits the connection, a
+        message refuses it BUSY (admission.py)."""
         self.sock = sock
         self.ops = ops
         self.auth = auth
         self.idle_timeout = idle_timeout
-        self.stream_timeout = stream_timeout
+        # Inside a frame: --stream-timeout, or the idle timeout where that is 0 (never).
+        self.stream_timeout = stream_timeout or idle_timeout
         self.plain = plain
+        self.hello_deadline = hello_deadline
+        self._admit = admit
         self._observe = observe
         self._refused = refused
         self._table = table(ops)
@@ -94,13 +116,18 @@ class Connection:
         return principal
 
     def _hello(self) -> None:
-        set_timeouts(self.sock, self.stream_timeout)        # HELLO comes at once
+        self._reader.deadline = self.hello_deadline
         h = self._read_header()
         if h is None:
             raise ClientGone("closed before HELLO")
-        body = self._read_body(h)
         if h.op != fw.Op.HELLO:
             raise fw.WireError(f"the first frame must be HELLO, got op {h.op}")
+        if h.body_len > MAX_HELLO_BODY or h.data_len:
+            raise fw.WireError(f"a HELLO body of {h.body_len} bytes (and {h.data_len} of "
+                               f"data) is over the limit of {MAX_HELLO_BODY} bytes: it "
+                               "holds a token and nothing else")
+        body = self._read_body(h)
+        self._reader.deadline = 0.0
         try:
             token = bytes(body).decode().strip()
         except UnicodeDecodeError:
@@ -112,6 +139,15 @@ class Connection:
             principal = self._principal()
         except StoreError as exc:
             raise Refused(status_of(exc), exc.message) from None
+        busy = self._admit(principal.name)
+        if busy is not None:
+            raise Refused(fw.Status.BUSY, busy)
+        # From here on: idle between frames, --stream-timeout inside one (module doc).
+        if self.plain:
+            self.sock.settimeout(None)       # blocking again (the deadline set a timeout)
+            set_timeouts(self.sock, self.idle_timeout, send=self.stream_timeout)
+        else:
+            self.sock.settimeout(self.stream_timeout or None)
         # A client that offers quiet releases gets them (fastwire.QUIET).
         self._reply(fw.Op.HELLO, principal.name.encode(), flags=h.flags & fw.QUIET)
 
@@ -139,19 +175,29 @@ class Connection:
             self._hello()
             session = Session(self.sock, self._reader, self.plain,
                               memoryview(bytearray(SCRATCH_BYTES)), ANONYMOUS)
-            # One timeout for the connection's life, set once (a setsockopt pair per
-            # request cost ~3 us of a ~100 us call): a connection silent that long, between
-            # frames or inside one, is closed. Slow senders that trickle bytes are bounded
-            # by the connection limit, not by a timeout.
-            set_timeouts(self.sock, self.idle_timeout)
+            # A plain socket's timeouts are set once (a setsockopt pair per request cost
+            # ~3 us of a ~100 us call): receives wait the idle timeout, sends
+            # --stream-timeout; only a frame that carries pages (a Put) switches receives
+            # to --stream-timeout while they come. Over TLS a Python timeout is one value
+            # for both, switched around the wait for each header.
             while True:
+                if not self.plain:
+                    self.sock.settimeout(self.idle_timeout or None)
                 h = self._read_header()
                 if h is None:
                     return
+                if not self.plain:
+                    self.sock.settimeout(self.stream_timeout or None)
                 if h.op == fw.Op.HELLO:
                     raise fw.WireError("HELLO comes once, first")
                 if h.body_len > self.ops.max_body:
                     self._refuse_body(session, h)
+                    continue
+                if h.data_len and self.plain:
+                    set_recv_timeout(self.sock, self.stream_timeout)
+                    body = self._read_body(h)
+                    self._call(session, h, body)
+                    set_recv_timeout(self.sock, self.idle_timeout)
                     continue
                 body = self._read_body(h)
                 self._call(session, h, body)
@@ -163,6 +209,14 @@ class Connection:
             self._refused("protocol")
             log.info("fast path: closing a connection after a malformed frame: %s", exc)
             self._try_reply(0, str(exc), exc.status)
+        except TimeoutError as exc:
+            if session is None:                 # the HELLO's deadline passed
+                self._refused("deadline")
+                log.debug("fast path: no HELLO in time: %s", exc)
+                self._try_reply(fw.Op.HELLO, "no HELLO within the deadline of a connection "
+                                "not yet authenticated: closed", fw.Status.UNAUTHENTICATED)
+            else:
+                log.info("fast path: closing a connection that stalled: %s", exc)
         except (ClientGone, OSError) as exc:
             log.debug("fast path: connection ended: %s", exc)
         except Exception:  # noqa: BLE001 - the server must survive any connection
@@ -226,7 +280,7 @@ class Connection:
 
     def _try_reply(self, op: int, message: str, status: fw.Status) -> None:
         try:
-            set_timeouts(self.sock, 1.0)
+            self.sock.settimeout(1.0)
             self._reply(op, message.encode(), status)
         except OSError:
             pass

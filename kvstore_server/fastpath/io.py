@@ -12,12 +12,13 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 from collections.abc import Iterator
 
 import numpy as np
 
 __all__ = ["ClientGone", "Reader", "recv_exact", "drain", "runs", "send_views",
-           "send_file", "set_timeouts", "IOV_BATCH"]
+           "send_file", "set_timeouts", "set_recv_timeout", "IOV_BATCH"]
 
 # A sendmsg takes at most IOV_MAX (1024 on Linux) buffers.
 IOV_BATCH = 1024
@@ -32,15 +33,26 @@ class ClientGone(ConnectionError):
     """The peer closed the connection (or it broke) in the middle of a frame."""
 
 
-def set_timeouts(sock: socket.socket, seconds: float) -> None:
-    """Blocking socket whose every recv/send gives up after `seconds` (0 = never).
+def set_timeouts(sock: socket.socket, seconds: float, send: float | None = None) -> None:
+    """Blocking socket whose every recv gives up after `seconds` and every send after
+    `send` (default: the same; 0 = never). A plain socket only: over TLS these make
+    Python's SSL layer retry without end (see Connection).
 
     SO_RCVTIMEO/SO_SNDTIMEO rather than settimeout(): a Python timeout makes the socket
     non-blocking underneath, and os.sendfile on it then fails with EAGAIN at once."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                    _timeval(seconds if send is None else send))
+
+
+def set_recv_timeout(sock: socket.socket, seconds: float) -> None:
+    """A plain socket's every recv gives up after `seconds` (0 = never)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+
+
+def _timeval(seconds: float) -> bytes:
     sec = int(seconds)
-    tv = struct.pack("ll", sec, int((seconds - sec) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+    return struct.pack("ll", sec, int((seconds - sec) * 1e6))
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -79,6 +91,11 @@ class Reader:
         self._view = memoryview(bytearray(self.BUFFER))
         self._start = 0          # buffered bytes are _view[_start:_end]
         self._end = 0
+        # time.monotonic() by which every byte asked for must have come (the HELLO's one
+        # deadline): each receive waits only what is left of it (sock.settimeout, which
+        # Python's SSL layer honours too), so a peer that trickles a byte at a time is
+        # cut off all the same. 0 = none: the socket's own timeouts apply.
+        self.deadline = 0.0
 
     def _fill(self, n: int) -> bool:
         """Have at least n (<= BUFFER) bytes buffered; False if the peer closed before
@@ -88,6 +105,12 @@ class Reader:
             self._view[:have] = self._view[self._start:self._end]
             self._start, self._end = 0, have
         while self._end - self._start < n:
+            if self.deadline:
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"deadline passed with {self._end - self._start} "
+                                       f"of {n} bytes come")
+                self.sock.settimeout(left)
             got = self.sock.recv_into(self._view[self._end:])
             if not got:
                 if self._end == self._start:

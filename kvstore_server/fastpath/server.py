@@ -1,8 +1,10 @@
 """The fast path's listeners: TCP for remote clients, a Unix socket beside the pool.
 
 One thread per connection, each blocked in recv_into, sendfile or sendmsg with the GIL
-released, up to `max_connections` at once (a connection past the limit gets a BUSY
-frame and is closed; its client uses gRPC). Threads rather than an event loop because
+released: up to `hello_connections` not yet authenticated, each for at most
+`hello_timeout`, and `max_connections` authenticated, a tenant at most its share of them
+(admission.py; a connection past a limit gets a BUSY frame and is closed; its client
+uses gRPC). Threads rather than an event loop because
 every step of a call is one blocking system call that releases the GIL, and because a
 Get of 192 MiB is then one sendfile, not a loop of partial non-blocking sends; the
 measurements behind it are in docs/fastpath.md.
@@ -19,6 +21,7 @@ import os
 import socket
 import ssl
 import threading
+import time
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -28,12 +31,18 @@ from ..auth import Authenticator
 from ..limits import RequestLimits
 from ..metrics import Metrics
 from ..store import Store
+from .admission import Admission, Ticket
 from .connection import Connection
 from .ops import SEND_SENDMSG, Ops
 
 __all__ = ["FastPathServer", "socket_path"]
 
 log = logging.getLogger(__name__)
+
+# The longest a connection may take from accept to the end of its HELLO (TLS handshake
+# included): --stream-timeout where that is shorter. A client sends HELLO at once, and a
+# TLS handshake takes a few round trips; an unauthenticated place is held no longer.
+HELLO_TIMEOUT = 10.0
 
 
 def socket_path(pool_path: str) -> str:
@@ -48,11 +57,14 @@ class FastPathServer:
                  tcp: tuple[str, int] | None, unix: bool, tls: ssl.SSLContext | None = None,
                  max_connections: int = 256, idle_timeout: float = 300.0,
                  stream_timeout: float = 30.0, send_mode: str = SEND_SENDMSG,
-                 limits: RequestLimits | None = None) -> None:
+                 limits: RequestLimits | None = None, hello_connections: int = 64) -> None:
         """tcp: (host, port) to listen on, port 0 = any; None = no TCP. unix: listen on
         socket_path(pool) too. tls: wraps TCP connections (never the Unix socket).
         limits: what one request may ask for; pass the gRPC service's, so that both paths
-        refuse the same requests (None = the defaults)."""
+        refuse the same requests (None = the defaults). max_connections: authenticated
+        connections; hello_connections: connections not yet authenticated (admission.py).
+        stream_timeout: the longest one receive or send inside a frame waits (0 = the
+        idle timeout)."""
         self.store = store
         self.metrics = metrics
         self.auth = auth
@@ -60,6 +72,9 @@ class FastPathServer:
         self.max_connections = max_connections
         self.idle_timeout = idle_timeout
         self.stream_timeout = stream_timeout
+        self.hello_timeout = min(stream_timeout or HELLO_TIMEOUT, HELLO_TIMEOUT)
+        self.admission = Admission(max_connections, hello_connections,
+                                   per_tenant=auth is not None)
         self.ops = Ops(store, auth is not None, send_mode, limits)
         self._lock = threading.Lock()          # guards the fields below
         self._open: set[socket.socket] = set()
@@ -153,37 +168,43 @@ class FastPathServer:
                     return
                 log.exception("fast path: accept failed")
                 continue
-            with self._lock:
-                busy = len(self._open) >= self.max_connections
-                if not busy:
-                    self._open.add(sock)
-                    self.accepted += 1
-            if busy:
+            ticket = self.admission.arrive()
+            if ticket is None:
                 self._count_refused("busy")
-                _refuse_busy(sock, self.max_connections)
+                _refuse_busy(sock, self.admission.hello_limit)
                 continue
-            thread = threading.Thread(target=self._serve, args=(sock, tcp), daemon=True,
-                                      name="fast-conn")
+            with self._lock:
+                self._open.add(sock)
+                self.accepted += 1
+            thread = threading.Thread(target=self._serve, args=(sock, tcp, ticket),
+                                      daemon=True, name="fast-conn")
             thread.start()
 
-    def _serve(self, sock: socket.socket, tcp: bool) -> None:
+    def _serve(self, sock: socket.socket, tcp: bool, ticket: Ticket) -> None:
         raw = sock
+        deadline = time.monotonic() + self.hello_timeout      # TLS handshake and HELLO
         try:
             if tcp:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if tcp and self.tls is not None:
-                sock.settimeout(self.stream_timeout or None)
                 try:
-                    sock = self.tls.wrap_socket(sock, server_side=True)
+                    sock = self.tls.wrap_socket(sock, server_side=True,
+                                                do_handshake_on_connect=False)
+                    # One deadline for the whole handshake: CPython's SSL layer waits at
+                    # most the socket's timeout over all of do_handshake's reads.
+                    sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                    sock.do_handshake()
                 except (ssl.SSLError, OSError) as exc:
                     self._count_refused("tls")
                     log.debug("fast path: TLS handshake failed: %s", exc)
                     return
-                sock.settimeout(None)
             Connection(sock, self.ops, self.auth, idle_timeout=self.idle_timeout,
                        stream_timeout=self.stream_timeout, plain=sock is raw,
-                       observe=self.metrics.observe, refused=self._count_refused).run()
+                       observe=self.metrics.observe, refused=self._count_refused,
+                       hello_deadline=deadline,
+                       admit=lambda tenant: self.admission.authenticate(ticket, tenant)).run()
         finally:
+            self.admission.leave(ticket)
             with self._lock:
                 self._open.discard(raw)
             try:
@@ -197,8 +218,8 @@ class FastPathServer:
 
 
 def _refuse_busy(sock: socket.socket, limit: int) -> None:
-    message = (f"the server has {limit} fast-path connections open, its limit "
-               "(--data-connections): use gRPC or try again").encode()
+    message = (f"the server has {limit} fast-path connections not yet authenticated, its "
+               "limit (--data-hello-connections): use gRPC or try again").encode()
     try:
         sock.settimeout(1.0)
         sock.sendall(fw.encode_header(fw.Op.HELLO, len(message), 0, fw.Status.BUSY) + message)
@@ -220,6 +241,10 @@ class _Collector:
         g = GaugeMetricFamily("kvstore_fast_connections", "Open fast-path connections")
         g.add_metric([], s.open_connections())
         yield g
+        h = GaugeMetricFamily("kvstore_fast_hello_connections",
+                              "Fast-path connections not yet authenticated")
+        h.add_metric([], s.admission.counts()[0])
+        yield h
         c = CounterMetricFamily("kvstore_fast_accepted", "Fast-path connections accepted")
         c.add_metric([], s.accepted)
         yield c

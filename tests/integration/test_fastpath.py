@@ -789,7 +789,7 @@ def test_a_server_at_its_connection_limit_says_busy(fresh_server):
     srv = fresh_server(data_connections=2)
     held = [Raw(fast_address(srv)), Raw(fast_address(srv))]
     raw = Raw(fast_address(srv), hello=False)
-    status, body, _ = raw.answer()
+    status, body = raw.call(fw.Op.HELLO)          # the place is taken after HELLO
     assert status == fw.Status.BUSY and b"--data-connections" in body
     raw.close()
     with KVStoreClient(srv.address, shared_memory=False) as c:       # gRPC instead

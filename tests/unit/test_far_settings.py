@@ -16,7 +16,8 @@ def test_no_far_by_default():
 def test_flags():
     c = load_config(["--far", "redis://a:7000,redis://b:7001", "--far-cluster", "on",
                      "--far-ttl", "10m", "--far-timeout", "20ms", "--far-write", "through",
-                     "--far-namespace", "fleet1", "--far-queue", "64MiB"], environ={})
+                     "--far-namespace", "fleet1", "--far-queue", "64MiB",
+                     "--far-insecure"], environ={})
     s = from_config(c)
     assert s.nodes == (("a", 7000), ("b", 7001)) and not s.tls
     assert s.cluster is ClusterMode.ON and s.write is WritePolicy.THROUGH
@@ -31,7 +32,7 @@ def test_defaults_are_tens_of_ms_and_evict():
 
 def test_environment_and_toml(tmp_path):
     toml = tmp_path / "kv.toml"
-    toml.write_text('far = "rediss://h:7000"\nfar-write = "off"\n')
+    toml.write_text('far = "rediss://h:7000"\nfar-write = "off"\nfar-insecure = true\n')
     s = from_config(load_config(["--config", str(toml)],
                                 environ={"KVSTORE_FAR_TIMEOUT": "30ms"}))
     assert s.tls and s.write is WritePolicy.OFF and s.timeout == 0.03
@@ -78,3 +79,32 @@ def test_a_server_without_far_needs_no_far_client_library():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=False)
     assert out.returncode == 0, out.stderr
+
+
+def test_a_far_tier_without_a_secret_is_refused_unless_insecure_is_chosen(tmp_path):
+    with pytest.raises(ConfigError, match="needs --far-secret-file"):
+        load_config(["--far", "redis://h"], environ={})
+    s = from_config(load_config(["--far", "redis://h", "--far-insecure"], environ={}))
+    assert not s.signed
+    path = tmp_path / "secret"
+    path.write_text("# the fleet's\n" + "ab" * 32 + "\n\n" + "cd" * 32 + "\n")
+    s = from_config(load_config(["--far", "redis://h", "--far-secret-file", str(path)],
+                                environ={}))
+    assert s.signed and len(s.keys.keyring().by_id) == 2
+    assert "ab" * 32 not in repr(s)
+    with pytest.raises(ConfigError, match="contradict"):
+        load_config(["--far", "redis://h", "--far-secret-file", str(path),
+                     "--far-insecure"], environ={})
+
+
+@pytest.mark.parametrize("text, words", [
+    ("", "holds no secret"), ("# only a comment\n", "holds no secret"),
+    ("short\n", "at least 32 bytes")])
+def test_a_bad_secret_file_is_a_clear_error(tmp_path, text, words):
+    path = tmp_path / "secret"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=words):
+        load_config(["--far", "redis://h", "--far-secret-file", str(path)], environ={})
+    with pytest.raises(ConfigError, match="No such file"):
+        load_config(["--far", "redis://h", "--far-secret-file", str(tmp_path / "none")],
+                    environ={})
