@@ -83,6 +83,8 @@ class ServerConfig:
     data_listen: str = "auto"
     data_socket: bool = True        # also a Unix socket beside the pool, for local clients
     data_connections: int = 256     # fast-path connections open at once, one thread each
+    # fast-path connections not yet authenticated (TLS handshake, HELLO), apart from those
+    data_hello_connections: int = 64
     # The shared far tier on a Valkey/Redis Cluster (kvstore_server.far.settings says
     # what each means); far = "" means none
     far: str = ""                   # redis:// rediss:// valkey:// URLs, comma-separated
@@ -94,8 +96,6 @@ class ServerConfig:
     far_write: str = "evict"        # evict / through / off
     far_namespace: str = "kvstore"  # key prefix shared by one fleet's servers
     far_queue: int = 256 << 20      # bytes the write-behind queue may hold
-    far_secret_file: str = ""       # the fleet's secrets, one a line: sign and check values
-    far_insecure: bool = False      # run the far tier without a secret (values forgeable)
 
 
 def _bool(value: object) -> bool:
@@ -140,6 +140,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "data_listen": str,
     "data_socket": _bool,
     "data_connections": int,
+    "data_hello_connections": int,
     "far": str,
     "far_cluster": str,
     "far_password_file": str,
@@ -149,8 +150,6 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "far_write": str,
     "far_namespace": str,
     "far_queue": parse_size,
-    "far_secret_file": str,
-    "far_insecure": _bool,
 }
 
 
@@ -238,6 +237,9 @@ def argument_parser() -> argparse.ArgumentParser:
                         "(default true)")
     f.add_argument("--data-connections", metavar="N",
                    help="fast-path connections open at once (default 256)")
+    f.add_argument("--data-hello-connections", metavar="N",
+                   help="fast-path connections not yet authenticated, apart from "
+                        "--data-connections (default 64)")
     r = p.add_argument_group("far tier on a Valkey/Redis Cluster (docs/far.md)")
     r.add_argument("--far", metavar="URL[,URL...]",
                    help="nodes of the cluster: redis://, rediss:// (TLS), valkey://, "
@@ -261,12 +263,6 @@ def argument_parser() -> argparse.ArgumentParser:
     r.add_argument("--far-queue", metavar="SIZE",
                    help="bytes the write-behind queue may hold; past it pages are "
                         "dropped (default 256MiB)")
-    r.add_argument("--far-secret-file", metavar="FILE",
-                   help="the fleet's secrets, one a line (the first signs, all are "
-                        "accepted), re-read on change; needed unless --far-insecure")
-    r.add_argument("--far-insecure", nargs="?", const="true", metavar="BOOL",
-                   help="run the far tier without a secret: anyone who can write the "
-                        "cluster can forge pages (default false)")
     return p
 
 
@@ -359,6 +355,8 @@ def _check(c: ServerConfig) -> None:
                           f"got {c.log_level!r}")
     if c.data_connections < 1:
         raise ConfigError("data_connections must be >= 1")
+    if c.data_hello_connections < 1:
+        raise ConfigError("data_hello_connections must be >= 1")
     data = data_address(c)
     if data is not None and not (c.auth_file or c.tls_client_ca or c.insecure_listen
                                  or is_loopback(data[0])):
