@@ -96,6 +96,8 @@ class ServerConfig:
     far_write: str = "evict"        # evict / through / off
     far_namespace: str = "kvstore"  # key prefix shared by one fleet's servers
     far_queue: int = 256 << 20      # bytes the write-behind queue may hold
+    far_secret_file: str = ""       # the fleet's secrets, one a line: sign and check values
+    far_insecure: bool = False      # run the far tier without a secret (values forgeable)
 
 
 def _bool(value: object) -> bool:
@@ -150,6 +152,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "far_write": str,
     "far_namespace": str,
     "far_queue": parse_size,
+    "far_secret_file": str,
+    "far_insecure": _bool,
 }
 
 
@@ -263,6 +267,12 @@ def argument_parser() -> argparse.ArgumentParser:
     r.add_argument("--far-queue", metavar="SIZE",
                    help="bytes the write-behind queue may hold; past it pages are "
                         "dropped (default 256MiB)")
+    r.add_argument("--far-secret-file", metavar="FILE",
+                   help="the fleet's secrets, one a line (the first signs, all are "
+                        "accepted), re-read on change; needed unless --far-insecure")
+    r.add_argument("--far-insecure", nargs="?", const="true", metavar="BOOL",
+                   help="run the far tier without a secret: anyone who can write the "
+                        "cluster can forge pages (default false)")
     return p
 
 
