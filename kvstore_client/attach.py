@@ -2,8 +2,14 @@
 
 A client on the server's host maps the region once (Attach gives its path, size and
 token) and moves page bytes through it. A server that restarted made a new region: the
-client maps it again when the server says the old token is stale (rpc.py), and every
-offset is used with the mapping of the server that issued it.
+client maps it again when the server says the old token is stale (rpc.py), or when its
+fast path dropped (dataplane.py), and every offset is used with the mapping of the server
+that issued it.
+
+Attach also says where the fast path's Unix socket is and who the server runs as
+(unixpeer.ServerIdentity): the fast path sends a token over that socket only to a process
+of that uid. Each Attach replaces what the last one said; nothing is derived from an old
+path (a name in a shared folder may belong to someone else once its server is gone).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from .errors import KVStoreError
 from .presence import PresenceMap
 from .rpc import RETRY_CODES, Rpc
 from .shm import SharedRegion
+from .unixpeer import ServerIdentity
 
 __all__ = ["RegionAttachment"]
 
@@ -40,6 +47,7 @@ class RegionAttachment:
         self._tried = False
         self._lock = threading.Lock()   # guards attaching and re-attaching
         self._path = ""                 # the region's path, as the last Attach said
+        self._identity: ServerIdentity | None = None    # the last Attach's; None = no socket
         self._presence: PresenceMap | None = None     # the server's map, read-only
         self._presence_at = 0.0         # time.monotonic() before which it is not reopened
 
@@ -65,12 +73,17 @@ class RegionAttachment:
                 return
             self._tried = True
             old, self._region = self._region, None
+            self._identity = None
             try:
-                resp = self._rpc.call("Attach", lambda: self._rpc.attach(
-                    pb.AttachRequest(), timeout=self._rpc.timeout))
-                self._path = resp.path
-                self._region = SharedRegion(resp.path, resp.size, resp.token_offset)
-                log.debug("mapped the server's pool %s (%d bytes)", resp.path, resp.size)
+                resp = self._attach()
+                if old is not None and old.path == resp.path and old.size == resp.size:
+                    # The same region (a fast path dropped, the server did not restart):
+                    # keep the mapping, which an engine registered with CUDA.
+                    self._region, old = old, None
+                else:
+                    self._region = SharedRegion(resp.path, resp.size, resp.token_offset)
+                    log.debug("mapped the server's pool %s (%d bytes)", resp.path,
+                              resp.size)
             except (OSError, KVStoreError) as exc:
                 if isinstance(exc, KVStoreError) and exc.code in RETRY_CODES:
                     self._tried = False           # the server is down: ask again later
@@ -84,23 +97,37 @@ class RegionAttachment:
                 if old is not None:
                     old.close()
 
-    def local_socket(self) -> str | None:
-        """The fast path's Unix socket beside the pool, when this host has it, found
+    def _attach(self) -> pb.AttachResponse:
+        """One Attach call; what it says replaces what the last one said."""
+        resp = self._rpc.call("Attach", lambda: self._rpc.attach(
+            pb.AttachRequest(), timeout=self._rpc.timeout))
+        self._path = resp.path
+        self._identity = (ServerIdentity(resp.socket_path, resp.uid, resp.gid, resp.pid)
+                          if resp.socket_path else None)
+        return resp
+
+    def identity(self) -> ServerIdentity | None:
+        """Where the fast path's Unix socket is and who must listen there, as the last
+        Attach said (None: no socket, or an older server that does not say who it is)."""
+        return self._identity
+
+    def local_socket(self) -> ServerIdentity | None:
+        """The fast path's Unix socket, when this host has it, found by a fresh Attach
         without mapping the pool: for a client that only asks and leases (the connector's
         scheduler half). Over a Unix socket a leased lookup took 91-132 us p50 on the dev
         VM against 113-162 over loopback TCP (scratch runs, two of each). None: another
         host, a tenant that may not map the pool, or no answer (asked again when the fast
         path is next opened)."""
+        self._identity = None
         try:
-            resp = self._rpc.call("Attach", lambda: self._rpc.attach(
-                pb.AttachRequest(), timeout=self._rpc.timeout))
+            self._attach()
         except KVStoreError as exc:
             log.debug("no Unix socket for the fast path: %s", exc)
             return None
-        self._path = resp.path
-        path = resp.path + ".sock"             # kvstore_server.fastpath.socket_path
+        found = self._identity
         try:
-            return path if stat.S_ISSOCK(os.stat(path).st_mode) else None
+            return found if found is not None and stat.S_ISSOCK(
+                os.stat(found.socket_path).st_mode) else None
         except OSError:
             return None                        # not on this host (or not visible here)
 
@@ -120,16 +147,19 @@ class RegionAttachment:
             old, self._presence = self._presence, None
             if old is not None:
                 old.close()
-            if old is not None or not self._path:
-                try:
-                    resp = self._rpc.call("Attach", lambda: self._rpc.attach(
-                        pb.AttachRequest(), timeout=self._rpc.timeout))
-                    self._path = resp.path
-                except KVStoreError as exc:
-                    log.debug("no presence map: %s", exc)
-                    return None
+            # Always from a fresh Attach: a path an earlier one gave may, once its server
+            # is gone, name another user's file, whose map would answer false misses.
             try:
-                self._presence = PresenceMap.open(self._path)
+                resp = self._attach()
+            except KVStoreError as exc:
+                log.debug("no presence map: %s", exc)
+                return None
+            try:
+                if os.stat(resp.path).st_uid != resp.uid:
+                    log.warning("not reading the presence map of %s: it does not belong "
+                                "to the server's uid %d", resp.path, resp.uid)
+                    return None
+                self._presence = PresenceMap.open(resp.path)
             except (OSError, ValueError) as exc:
                 log.debug("no presence map at %s: %s", self._path, exc)
             return self._presence if self._presence is not None and self._presence.live() \

@@ -11,6 +11,11 @@ the gRPC call instead. It also mends what a server restart breaks, as the gRPC p
 (rpc.py): by the reason in the error answer's flags (fastwire.REASON_FLAGS), never its
 message, Reason.LAYOUT_UNKNOWN registers the layout again and Reason.SHM_TOKEN_STALE maps
 the new region, each once.
+
+The Unix socket is the one the latest Attach named, used only after its listener proved
+to be the server's user (kvstore_client.unixpeer). A fast path that dropped (the server
+may have restarted) is opened again only after a fresh Attach: new socket path, new
+region and token, so the old mapping's offsets are never taken from a new peer.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from .keys import Packed, pack_keys
 if TYPE_CHECKING:
     from .handles import LayoutHandle
     from .shm import SharedRegion
+    from .unixpeer import ServerIdentity
 
 __all__ = ["DataPlane", "USE_GRPC", "packed_keys", "tls_context"]
 
@@ -93,10 +99,14 @@ class DataPlane:
                  connections: int, region: Callable[[], SharedRegion | None],
                  reregister: Callable[[LayoutHandle], object],
                  reattach: Callable[[], None],
-                 locate: Callable[[], str | None] | None = None) -> None:
+                 identity: Callable[[], ServerIdentity | None] = lambda: None,
+                 locate: Callable[[], ServerIdentity | None] | None = None) -> None:
         """enabled: None = use it when reachable, True = require it, False = never.
-        locate: where the server's Unix socket is on this host when no pool is mapped
-        (RegionAttachment.local_socket), or None not to look for it."""
+        reattach: Attach again and map what it names (RegionAttachment.attach(force)).
+        identity: the server's Unix socket and user as the last Attach said, for a client
+        that maps the pool (RegionAttachment.identity). locate: the same from a fresh
+        Attach when no pool is mapped (RegionAttachment.local_socket), or None not to look
+        for the socket then."""
         self.enabled = enabled
         self._grpc_address = address
         self._data_address = data_address
@@ -107,7 +117,10 @@ class DataPlane:
         self._region = region
         self._reregister = reregister
         self._reattach = reattach
+        self._identity = identity
         self._locate = locate
+        # A fast path dropped since the last Attach: Attach again before the next opens.
+        self._dropped = False
         self._lock = threading.Lock()      # guards opening and dropping _fast
         self._fast: FastPath | None = None
         # Which fast-path connection holds each lease, across the fast paths opened one
@@ -116,20 +129,29 @@ class DataPlane:
         self._retry_at = 0.0
         self._warned = False
 
-    def _addresses(self) -> list[str]:
+    def _server(self) -> ServerIdentity | None:
+        """The server's Unix socket and user from an Attach made since the last drop."""
+        if self._dropped:
+            self._dropped = False
+            try:
+                self._reattach()                    # maps the region it names, if new
+            except KVStoreError as exc:
+                log.debug("fast path: no Attach (%s)", exc)
+        if self._region() is not None:
+            return self._identity()
+        return self._locate() if self._locate is not None else None
+
+    def _addresses(self) -> list[tuple[str, ServerIdentity | None]]:
         if self._data_address:
-            return [self._data_address]
-        out = []
-        region = self._region() if self.enabled is not False else None
-        if region is not None:
-            out.append(region.path + ".sock")       # kvstore_server.fastpath.socket_path
-        elif self._locate is not None and self.enabled is not False:
-            path = self._locate()
-            if path:
-                out.append(path)
+            unix = "/" in self._data_address
+            return [(self._data_address, self._server() if unix else None)]
+        out: list[tuple[str, ServerIdentity | None]] = []
+        server = self._server()
+        if server is not None:
+            out.append((server.socket_path, server))
         host, _, port = self._grpc_address.rpartition(":")
         if port.isdigit():
-            out.append(f"{host}:{int(port) + 1}")
+            out.append((f"{host}:{int(port) + 1}", None))
         return out
 
     def fast(self) -> FastPath | None:
@@ -143,11 +165,11 @@ class DataPlane:
             if self._fast is not None:
                 return self._fast
             problems = []
-            for address in self._addresses():
+            for address, server in self._addresses():
                 candidate = FastPath(address, token=self._token,
                                      tls=None if "/" in address else self._tls,
                                      timeout=self._timeout, connections=self._connections,
-                                     holdings=self._holdings)
+                                     holdings=self._holdings, identity=server)
                 try:
                     candidate.check()
                 except FastPathUnavailable as exc:
@@ -174,6 +196,7 @@ class DataPlane:
             if self._fast is fast:
                 self._fast = None
                 self._retry_at = time.monotonic() + 1.0
+                self._dropped = True
         fast.close(keep_leased=True)
 
     def call(self, method: str, handle: LayoutHandle | None,

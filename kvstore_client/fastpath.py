@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import logging
 import socket
 import ssl
 import threading
@@ -40,10 +41,13 @@ from .errors import KVStoreError
 from .handles import Pins
 from .fastconn import Broken, Conn, Timeout, deadline
 from .holdings import Holdings
+from .unixpeer import ServerIdentity, UntrustedSocket, check_path, check_peer
 
 __all__ = ["FastPath", "FastPathUnavailable", "FastLease", "keys_body"]
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 # A Get is striped over several connections only when each gets at least this much:
 # below it, the extra round trips and thread hand-offs cost more than they bring.
@@ -118,13 +122,16 @@ class FastPath:
     def __init__(self, address: str, *, token: str | None = None,
                  tls: ssl.SSLContext | None = None,
                  timeout: float | Callable[[], float] = 10.0,
-                 connections: int = 4, holdings: Holdings | None = None) -> None:
-        """address: HOST:PORT, or a path (with a '/') of a Unix socket. tls: wrap TCP
+                 connections: int = 4, holdings: Holdings | None = None,
+                 identity: ServerIdentity | None = None) -> None:
+        """address: HOST:PORT, or a path (with a '/') of a Unix socket, which is used only
+        when identity (from Attach) says who must listen there (kvstore_client.unixpeer). tls: wrap TCP
         connections (the server name is the host of address). connections: most
         connections one Get is striped over. holdings: which connection holds each
         lease, shared by the fast paths of one client (kvstore_client.holdings); None:
         one of its own, closed with this."""
         self.address = address
+        self.identity = identity
         self._own_holdings = holdings is None
         self._holdings = holdings if holdings is not None else Holdings()
         self.token = token or ""
@@ -151,9 +158,7 @@ class FastPath:
     def _connect(self) -> Conn:
         try:
             if "/" in self.address:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(self._timeout())
-                sock.connect(self.address)
+                sock = self._connect_unix()
             else:
                 host, _, port = self.address.rpartition(":")
                 host = host.strip("[]")
@@ -161,6 +166,12 @@ class FastPath:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 if self.tls is not None:
                     sock = self.tls.wrap_socket(sock, server_hostname=host)
+        except UntrustedSocket as exc:
+            # Someone else's socket, or one we cannot vouch for: the token stays here.
+            log.warning("fast path: not using the Unix socket %s, no token sent (%s); "
+                        "gRPC instead", self.address, exc)
+            raise FastPathUnavailable(f"untrusted Unix socket {self.address}: {exc}") \
+                from None
         except (OSError, ValueError) as exc:
             raise FastPathUnavailable(f"cannot connect to the fast path at "
                                       f"{self.address}: {exc}") from None
@@ -186,6 +197,25 @@ class FastPath:
             raise
         self.tenant = bytes(body).decode()
         return conn
+
+    def _connect_unix(self) -> socket.socket:
+        """A connected Unix socket whose listener is the server Attach named (unixpeer):
+        checked before the token is sent, on every connection, so one made after the
+        server went away never reaches whoever bound the name since."""
+        who = self.identity
+        if who is None:
+            raise UntrustedSocket(f"{self.address}: no server identity (Attach) to check "
+                                  "the socket against")
+        check_path(self.address, who)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self._timeout())
+            sock.connect(self.address)
+            check_peer(sock, self.address, who)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
     def _take(self) -> Conn:
         try:

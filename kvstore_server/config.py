@@ -82,6 +82,9 @@ class ServerConfig:
     # + 1 (skipped with a warning if that port is taken); "off"; or HOST:PORT
     data_listen: str = "auto"
     data_socket: bool = True        # also a Unix socket beside the pool, for local clients
+    # Where the server makes the private folder (0750) that holds its Unix sockets
+    # (kvstore_server.fastpath.unixsock); "" = shm_dir, where clients already see the pool
+    socket_dir: str = ""
     data_connections: int = 256     # fast-path connections open at once, one thread each
     # fast-path connections not yet authenticated (TLS handshake, HELLO), apart from those
     data_hello_connections: int = 64
@@ -141,6 +144,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "tls_client_ca": str,
     "data_listen": str,
     "data_socket": _bool,
+    "socket_dir": str,
     "data_connections": int,
     "data_hello_connections": int,
     "far": str,
@@ -239,6 +243,9 @@ def argument_parser() -> argparse.ArgumentParser:
     f.add_argument("--data-socket", metavar="BOOL",
                    help="also serve the fast path on a Unix socket beside the pool "
                         "(default true)")
+    f.add_argument("--socket-dir", metavar="PATH",
+                   help="folder in which the server makes a private folder for its Unix "
+                        "sockets (default: --shm-dir)")
     f.add_argument("--data-connections", metavar="N",
                    help="fast-path connections open at once (default 256)")
     f.add_argument("--data-hello-connections", metavar="N",

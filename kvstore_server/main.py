@@ -43,7 +43,7 @@ from .admin_service import AdminService, add_admin_service
 from .auth import Authenticator, tls_server_credentials
 from .config import (ConfigError, ServerConfig, argument_parser, data_address, is_loopback,
                      load_config)
-from .fastpath import FastPathServer
+from .fastpath import FastPathServer, SocketFolder, remove_stale_folders, socket_path
 from .fastpath.tls import fast_tls_context
 from .disk import DiskTier
 from .eviction import load_policy
@@ -148,6 +148,20 @@ class Server:
             raise ConfigError(str(exc)) from None
         if self.far is not None:
             undo.callback(self.far.close)
+        # The Unix socket's private folder, before the pool: the pool's name is visible
+        # for the seconds its allocation takes, and a name derived from it in a folder
+        # anyone may write could be taken or blocked by another user meanwhile
+        # (kvstore_server.fastpath.unixsock).
+        self.sockets: SocketFolder | None = None
+        if config.data_socket:
+            base = config.socket_dir or config.shm_dir
+            remove_stale_folders(base)
+            try:
+                self.sockets = SocketFolder(base, _group_id(config.shm_group))
+            except (OSError, KeyError) as exc:
+                raise ConfigError(f"socket_dir: cannot make a folder for the Unix socket "
+                                  f"in {base}: {exc}") from None
+            undo.callback(self.sockets.close)
         size = region_bytes(config.dram)
         log.info("allocating and pre-faulting the pool: %s in %s", format_size(size),
                  config.shm_dir)
@@ -178,8 +192,11 @@ class Server:
         self.streams = StreamWatchdog(config.stream_timeout)
         # One limits object for both paths: they refuse the same requests alike.
         self.limits = RequestLimits(config.max_keys_per_request)
+        # Where the fast path's Unix socket will be, for Attach to report ("" = none).
+        self.unix_socket = socket_path(self.sockets.path) if self.sockets is not None else ""
         self.lookups = add_kvstore_service(
-            self.grpc, KVStoreService(self.store, self.metrics, self.auth, self.limits),
+            self.grpc, KVStoreService(self.store, self.metrics, self.auth, self.limits,
+                                      self.unix_socket),
             self.streams,
             config.lookup_streams, config.workers)
         add_admin_service(self.grpc, AdminService(self.store, self.metrics, self.auth))
@@ -196,11 +213,11 @@ class Server:
     def _fast_path(self, config: ServerConfig) -> FastPathServer | None:
         """The fast path beside gRPC (kvstore_server.fastpath), or None when off."""
         tcp = data_address(config)
-        if tcp is None and not config.data_socket:
+        if tcp is None and not self.unix_socket:
             return None
         tls = fast_tls_context(config.tls_cert, config.tls_key, config.tls_client_ca)
         make = lambda tcp: FastPathServer(  # noqa: E731
-            self.store, self.metrics, self.auth, tcp=tcp, unix=config.data_socket, tls=tls,
+            self.store, self.metrics, self.auth, tcp=tcp, unix=self.unix_socket, tls=tls,
             max_connections=config.data_connections, stream_timeout=config.stream_timeout,
             hello_connections=config.data_hello_connections,
             limits=self.limits)
@@ -212,7 +229,7 @@ class Server:
                                   f"{exc}") from None
             log.warning("fast path: port %s:%d is taken (%s); serving it on the Unix "
                         "socket only, remote clients use gRPC", *(tcp or ("", 0)), exc)
-            return make(None) if config.data_socket else None
+            return make(None) if self.unix_socket else None
 
     def start(self) -> None:
         self.grpc.start()
@@ -342,10 +359,20 @@ class Server:
         if self.far is not None:
             self.far.close()
         self.region.close()
+        if self.sockets is not None:
+            self.sockets.close()
         log.info("stopped")
 
     def wait(self) -> None:
         self.grpc.wait_for_termination()
+
+
+def _group_id(name: str) -> int:
+    """The gid of group name; -1 for "" (this process's own group)."""
+    if not name:
+        return -1
+    import grp
+    return grp.getgrnam(name).gr_gid
 
 
 class _StopDuringStartUp(BaseException):

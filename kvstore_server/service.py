@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -104,10 +105,12 @@ class KVStoreService:
 
     def __init__(self, store: Store, metrics: Metrics,
                  auth: Authenticator | None = None,
-                 limits: RequestLimits | None = None) -> None:
+                 limits: RequestLimits | None = None, unix_socket: str = "") -> None:
         """auth: who may call, from --auth-file; None = everyone is ANONYMOUS.
-        limits: what one request may ask for (limits.py)."""
+        limits: what one request may ask for (limits.py). unix_socket: the fast path's
+        Unix socket, which Attach reports ("" = none)."""
         self.store = store
+        self.unix_socket = unix_socket
         self.metrics = metrics
         self.auth = auth
         self.limits = limits or RequestLimits()
@@ -144,8 +147,11 @@ class KVStoreService:
     def Attach(self, request, context):
         self._may_map(self._caller(context))
         region = self.store.region
+        # Who we are, so that a client can tell this server's socket from another
+        # user's before it sends a token (kvstore_server.fastpath.unixsock).
         return pb.AttachResponse(path=region.path, size=region.size,
-                                 token_offset=TOKEN_OFFSET)
+                                 token_offset=TOKEN_OFFSET, socket_path=self.unix_socket,
+                                 uid=os.geteuid(), gid=os.getegid(), pid=os.getpid())
 
     def Reserve(self, request, context):
         caller = self._caller(context)

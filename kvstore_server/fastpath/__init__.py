@@ -1,10 +1,11 @@
 """The fast path beside gRPC: a lean framed protocol for the hot calls (docs/fastpath.md).
 
-server.py listens (TCP and a Unix socket beside the pool), connection.py serves one
-connection, ops.py holds the calls, io.py the socket I/O. The wire format itself lives
-in kvstore_client.fastwire, which both ends import.
+server.py listens (TCP, and a Unix socket in a folder of its own: unixsock.py),
+connection.py serves one connection, ops.py holds the calls, io.py the socket I/O.
+The wire format itself lives in kvstore_client.fastwire, which both ends import.
 """
 
-from .server import FastPathServer, socket_path
+from .server import FastPathServer
+from .unixsock import SocketFolder, remove_stale_folders, socket_path
 
-__all__ = ["FastPathServer", "socket_path"]
+__all__ = ["FastPathServer", "SocketFolder", "remove_stale_folders", "socket_path"]

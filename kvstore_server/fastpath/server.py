@@ -9,9 +9,9 @@ every step of a call is one blocking system call that releases the GIL, and beca
 Get of 192 MiB is then one sendfile, not a loop of partial non-blocking sends; the
 measurements behind it are in docs/fastpath.md.
 
-The Unix socket lies next to the pool's file, named after it (`<pool>.sock`), with the
-pool's mode and group, so exactly the users who may map the pool may connect; a client
-finds it from Attach's path. It is removed at stop.
+The Unix socket lies in a folder only the server's user may write, with the pool's mode
+and group, so exactly the users who may map the pool may connect (unixsock.py says why
+and how); a client finds it from Attach. It is removed at stop.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ from ..store import Store
 from .admission import Admission, Ticket
 from .connection import Connection
 from .ops import SEND_SENDMSG, Ops
+from .unixsock import unix_listener
 
-__all__ = ["FastPathServer", "socket_path"]
+__all__ = ["FastPathServer"]
 
 log = logging.getLogger(__name__)
 
@@ -45,21 +46,17 @@ log = logging.getLogger(__name__)
 HELLO_TIMEOUT = 10.0
 
 
-def socket_path(pool_path: str) -> str:
-    """Where the Unix socket of the pool at pool_path lives."""
-    return pool_path + ".sock"
-
-
 class FastPathServer:
     """Accepts fast-path connections on TCP and a Unix socket; `start()`, `stop()`."""
 
     def __init__(self, store: Store, metrics: Metrics, auth: Authenticator | None, *,
-                 tcp: tuple[str, int] | None, unix: bool, tls: ssl.SSLContext | None = None,
+                 tcp: tuple[str, int] | None, unix: str, tls: ssl.SSLContext | None = None,
                  max_connections: int = 256, idle_timeout: float = 300.0,
                  stream_timeout: float = 30.0, send_mode: str = SEND_SENDMSG,
                  limits: RequestLimits | None = None, hello_connections: int = 64) -> None:
-        """tcp: (host, port) to listen on, port 0 = any; None = no TCP. unix: listen on
-        socket_path(pool) too. tls: wraps TCP connections (never the Unix socket).
+        """tcp: (host, port) to listen on, port 0 = any; None = no TCP. unix: the path of
+        a Unix socket to listen on too (unixsock.socket_path), "" = none. tls: wraps TCP
+        connections (never the Unix socket).
         limits: what one request may ask for; pass the gRPC service's, so that both paths
         refuse the same requests (None = the defaults). max_connections: authenticated
         connections; hello_connections: connections not yet authenticated (admission.py).
@@ -99,27 +96,15 @@ class FastPathServer:
             self.port = lsock.getsockname()[1]
             self._listeners.append((lsock, True))
         if unix:
-            self.unix_path = socket_path(store.region.path)
-            self._listeners.append((self._unix_listener(self.unix_path), False))
+            try:
+                self._listeners.append((unix_listener(unix, store.region.path), False))
+            except OSError:
+                for lsock, _ in self._listeners:
+                    lsock.close()
+                self.ops.close()
+                raise
+            self.unix_path = unix
         metrics.registry.register(_Collector(self))
-
-    def _unix_listener(self, path: str) -> socket.socket:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        # Mode and group of the pool: whoever may map it may connect, nobody else.
-        old = os.umask(0o177)
-        try:
-            lsock.bind(path)
-        finally:
-            os.umask(old)
-        st = os.stat(self.store.region.path)
-        os.chown(path, -1, st.st_gid)
-        os.chmod(path, st.st_mode & 0o660)
-        lsock.listen(128)
-        return lsock
 
     # -- life -------------------------------------------------------------------------
     def start(self) -> None:

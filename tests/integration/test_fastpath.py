@@ -802,13 +802,17 @@ def test_a_server_at_its_connection_limit_says_busy(fresh_server):
 
 def test_the_unix_socket_is_as_private_as_the_pool(srv):
     path = unix_path(srv)
-    pool = path.removesuffix(".sock")
+    with KVStoreClient(srv.address) as c:
+        pool = c.region().path
     assert os.stat(path).st_mode & 0o777 == os.stat(pool).st_mode & 0o777 & 0o660
+    # ... in a folder of the server's own that nobody else may write (unixsock.py)
+    folder = os.lstat(os.path.dirname(path))
+    assert folder.st_uid == os.geteuid() and folder.st_mode & 0o777 == 0o750
 
 
 def test_a_stale_socket_after_sigkill_does_not_stop_a_restart(tmp_path):
-    """SIGKILL leaves the pool and its <pool>.sock behind; the next start removes both
-    and serves the fast path on its own socket."""
+    """SIGKILL leaves the pool and its socket's folder behind; the next start removes
+    both and serves the fast path on its own socket."""
     with ServerProcess(shm_dir=tmp_path) as first:
         first_sock = unix_path(first)
         assert os.path.exists(first_sock)
@@ -816,10 +820,12 @@ def test_a_stale_socket_after_sigkill_does_not_stop_a_restart(tmp_path):
         first.proc.wait(10)
         assert os.path.exists(first_sock)
         with ServerProcess(shm_dir=tmp_path) as second:
-            assert not os.path.exists(first_sock)
+            assert not os.path.exists(os.path.dirname(first_sock))
+            sock = unix_path(second)
+            with KVStoreClient(second.address) as probe:
+                pool = probe.region().path
             assert sorted(os.listdir(tmp_path)) == sorted(
-                os.path.basename(p) for p in (unix_path(second),
-                                              unix_path(second).removesuffix(".sock")))
+                [os.path.basename(os.path.dirname(sock)), os.path.basename(pool)])
             with KVStoreClient(second.address, data_plane=True) as c:
                 assert c._data.fast().address == unix_path(second)
                 ns = c.register_layout(LAYOUTS["tiny"])

@@ -161,14 +161,22 @@ class AttachRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("path", "size", "token_offset")
+    __slots__ = ("path", "size", "token_offset", "socket_path", "uid", "gid", "pid")
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_PATH_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    GID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     path: str
     size: int
     token_offset: int
-    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., token_offset: _Optional[int] = ...) -> None: ...
+    socket_path: str
+    uid: int
+    gid: int
+    pid: int
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., token_offset: _Optional[int] = ..., socket_path: _Optional[str] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("layout_id", "keys", "token", "lease_ms")

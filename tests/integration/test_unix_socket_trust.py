@@ -1,0 +1,295 @@
+"""Another local user against the fast path's Unix socket (SECURITY.md, "The Unix socket
+and the pool"): it can neither stand in for the server after a restart nor keep the
+server from starting.
+
+Before, the socket was `<pool>.sock` in the pool's folder, which anyone may write: after
+a graceful stop another user bound that name and received the tenant's token from every
+client that reconnected (and answered their Acquires with offsets of its choosing); and a
+folder made at the name while the pool was being allocated made start-up exit 78. The
+second user is made here with useradd and removed after; its processes are this test's
+children that drop to it with setuid."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pwd
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+
+import numpy as np
+import pytest
+from kvstore_testing.serverproc import ServerProcess, free_port_pair
+
+from kvstore_client import KVStoreClient, KVStoreError, PageLayout
+from kvstore_client import dataplane
+from kvstore_client import fastwire as fw
+from kvstore_client.unixpeer import ServerIdentity, UntrustedSocket, check_peer
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0,
+                                reason="needs root to create a second local user and act as it")
+
+LAYOUT = PageLayout(model="unix-trust", num_layers=2, page_tokens=16, num_kv_heads=2,
+                    head_size=64)
+TOKEN = "tok-trust-5f1e"
+
+
+@pytest.fixture(scope="module")
+def stranger():
+    """(uid, gid) of a local user made for this module, removed after it."""
+    if shutil.which("useradd") is None or shutil.which("userdel") is None:
+        pytest.skip("needs useradd and userdel to make a second local user")
+    name = f"kvst{secrets.token_hex(3)}"
+    subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell",
+                    "/usr/sbin/nologin", name], check=True, capture_output=True)
+    try:
+        pw = pwd.getpwnam(name)
+        yield pw.pw_uid, pw.pw_gid
+    finally:
+        subprocess.run(["userdel", name], check=False, capture_output=True)
+
+
+@pytest.fixture
+def shared_dir():
+    """A folder anyone may write, sticky, as /dev/shm is: the pool's folder here."""
+    path = tempfile.mkdtemp(prefix="kvstore-trust-")
+    os.chmod(path, 0o1777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def auth_file(tmp_path):
+    path = tmp_path / "auth.toml"
+    path.write_text(f'[tenants.a]\ntoken_sha256 = "{hashlib.sha256(TOKEN.encode()).hexdigest()}"'
+                    '\nshared_memory = true\n')
+    return str(path)
+
+
+class Impostor:
+    """A child process running as another user: told a path, it binds a listening Unix
+    socket there (making the folders on the way, as that user may), answers HELLO with
+    OK, as a server would, and writes every byte it receives to `received`."""
+
+    def __init__(self, uid: int, gid: int, folder: str) -> None:
+        self.received = os.path.join(folder, "impostor-received")
+        self._cmd_r, self._cmd_w = os.pipe()
+        self._out_r, self._out_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:                               # the child: never returns
+            try:
+                os.close(self._cmd_w)
+                os.close(self._out_r)
+                os.setgroups([])
+                os.setgid(gid)
+                os.setuid(uid)
+                self._child()
+            finally:
+                os._exit(0)
+        os.close(self._cmd_r)
+        os.close(self._out_w)
+        self._out = os.fdopen(self._out_r)
+
+    def bind(self, path: str) -> str:
+        """'ok', or the class name of the OSError that stopped the bind."""
+        os.write(self._cmd_w, f"bind {path}\n".encode())
+        return self._out.readline().strip()
+
+    def block(self, shm_dir: str) -> None:
+        """Watch shm_dir for a server's pool file and make a folder at `<pool>.sock` the
+        moment it appears (what `answer()` then returns: the name made)."""
+        os.write(self._cmd_w, f"block {shm_dir}\n".encode())
+
+    def answer(self) -> str:
+        return self._out.readline().strip()
+
+    def got(self) -> bytes:
+        try:
+            with open(self.received, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return b""
+
+    def close(self) -> None:
+        os.close(self._cmd_w)
+        self._out.close()
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(self.pid, 0)
+
+    # -- in the child -----------------------------------------------------------------------
+    def _child(self) -> None:
+        out = os.fdopen(self._out_w, "w", buffering=1)
+        with os.fdopen(self._cmd_r) as commands:
+            for line in commands:
+                verb, _, arg = line.strip().partition(" ")
+                if verb == "bind":
+                    out.write(self._bind(arg) + "\n")
+                elif verb == "block":
+                    out.write(self._block(arg) + "\n")
+
+    def _bind(self, path: str) -> str:
+        try:
+            os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+            lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            lsock.bind(path)
+            os.chmod(path, 0o777)
+            lsock.listen(16)
+        except OSError as exc:
+            return type(exc).__name__
+        threading.Thread(target=self._serve, args=(lsock,), daemon=True).start()
+        return "ok"
+
+    def _serve(self, lsock: socket.socket) -> None:
+        while True:
+            conn, _ = lsock.accept()
+            conn.settimeout(5.0)
+            try:
+                while True:
+                    data = conn.recv(65536)
+                    if not data:
+                        break
+                    with open(self.received, "ab") as f:
+                        f.write(data)
+                    if data[2] == fw.Op.HELLO:          # as a server would: OK, a tenant
+                        conn.sendall(fw.encode_header(fw.Op.HELLO, 1, 0) + b"a")
+            except OSError:
+                pass
+            finally:
+                conn.close()
+
+    @staticmethod
+    def _block(shm_dir: str) -> str:
+        pool = re.compile(r"kvstore-\d+-[0-9a-f]{8}")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            for name in os.listdir(shm_dir):
+                if pool.fullmatch(name):
+                    try:
+                        os.mkdir(os.path.join(shm_dir, name + ".sock"))
+                    except OSError as exc:
+                        return type(exc).__name__
+                    return name + ".sock"
+            time.sleep(0.001)
+        return "no pool appeared"
+
+
+@pytest.fixture
+def impostor(stranger, shared_dir):
+    imp = Impostor(*stranger, shared_dir)
+    yield imp
+    imp.close()
+
+
+def unix_socket(srv: ServerProcess) -> str:
+    wait_for(lambda: re.search(r"unix socket (\S+)", srv.log()), "the fast path's unix socket",
+             timeout=30)
+    return re.search(r"unix socket (\S+)", srv.log()).group(1)
+
+
+def pages(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, LAYOUT.page_bytes), np.uint8)
+
+
+def test_after_a_restart_no_token_goes_to_another_users_socket(impostor, shared_dir,
+                                                               auth_file, monkeypatch):
+    """The server stops; another user binds a socket at the name the client last used
+    (before: `<pool>.sock`; now: the socket in the server's folder, which that user makes
+    again once the server removed it). The client must send it nothing, not even a HELLO,
+    and once a server is back it must use that server, with the right pages."""
+    monkeypatch.setattr(dataplane, "RETRY_S", 0.2)      # back to the fast path sooner
+    port = free_port_pair()
+    keys = [f"trust-{i}".encode().ljust(16, b".") for i in range(16)]
+    first = ServerProcess(dram="64MiB", port=port, shm_dir=shared_dir,
+                          auth_file=auth_file).start()
+    try:
+        with KVStoreClient(first.address, token=TOKEN, shared_memory=True, retries=1,
+                           timeout=3) as c:
+            ns = c.register_layout(LAYOUT)
+            old = pages(16, seed=1)
+            c.put(ns, keys, old)
+            assert np.array_equal(c.get(ns, keys), old)
+            old_socket = c._data.fast().address
+            assert old_socket == unix_socket(first)
+            # While the server runs, its socket's folder is closed to the other user.
+            if os.path.dirname(old_socket) != shared_dir:
+                assert impostor.bind(os.path.join(os.path.dirname(old_socket),
+                                                  "x.sock")) == "PermissionError"
+
+            assert first.stop() == 0                    # graceful: the socket is removed
+            assert not os.path.exists(old_socket)
+            assert impostor.bind(old_socket) == "ok"
+            for _ in range(3):                          # the server is down: errors, no hits
+                with pytest.raises(KVStoreError):
+                    c.get(ns, keys)
+                time.sleep(0.3)
+            assert impostor.got() == b"", "the client sent the impostor its HELLO (token)"
+
+            with ServerProcess(dram="64MiB", port=port, shm_dir=shared_dir,
+                               auth_file=auth_file) as second:
+                new = pages(16, seed=2)
+
+                def put() -> bool:        # gRPC's channel may still be in its backoff
+                    try:
+                        c.put(ns, keys, new)
+                    except KVStoreError:
+                        return False
+                    return True
+                wait_for(put, "a put to the restarted server", timeout=20, interval=0.2)
+                assert np.array_equal(c.get(ns, keys), new)
+                wait_for(lambda: c._data.fast() is not None, "the fast path again", timeout=10)
+                assert c._data.fast().address == unix_socket(second)
+                assert np.array_equal(c.get(ns, keys), new)
+                assert c.lookup(ns, keys) == 16
+            assert impostor.got() == b"", "the client sent the impostor its HELLO (token)"
+            assert TOKEN.encode() not in impostor.got()
+    finally:
+        first.stop()
+
+
+def test_the_kernel_says_who_listens(impostor, shared_dir):
+    """SO_PEERCRED: a socket bound by another user is refused even where its name and
+    folder would pass (the check that cannot be faked)."""
+    path = os.path.join(shared_dir, "own", "s.sock")
+    assert impostor.bind(path) == "ok"
+    me = ServerIdentity(path, os.geteuid(), os.getegid(), os.getpid())
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(path)
+        with pytest.raises(UntrustedSocket, match="runs as uid"):
+            check_peer(s, path, me)
+    assert impostor.got() == b""
+
+
+def test_another_user_cannot_keep_the_server_from_starting(impostor, shared_dir):
+    """The other user makes a folder at `<pool>.sock` the moment the pool's file appears
+    (before, the socket's name: start-up exited 78, which systemd does not restart). The
+    server starts and serves the fast path on its own socket."""
+    impostor.block(shared_dir)
+    srv = ServerProcess(dram="256MiB", shm_dir=shared_dir)
+    try:
+        srv.start(wait=60)                  # raises, with the log, if the server exited
+        made = impostor.answer()
+        assert made.endswith(".sock"), made
+        assert os.path.isdir(os.path.join(shared_dir, made))
+        path = unix_socket(srv)
+        assert os.path.dirname(path) != shared_dir
+        with KVStoreClient(srv.address, data_plane=True) as c:
+            assert c._data.fast().address == path
+            ns = c.register_layout(LAYOUT)
+            data = pages(4, seed=3)
+            keys = [f"start-{i}".encode().ljust(16, b".") for i in range(4)]
+            c.put(ns, keys, data)
+            assert np.array_equal(c.get(ns, keys), data)
+    finally:
+        code = srv.stop()
+    assert code == 0
