@@ -9,8 +9,12 @@ A page's life here (the DRAM side is in store.py; the bytes on disk in slotfile.
     READY ◄──touch── read_into, and an offer of a page already here (no second write)
        ├─ evicted when a write needs room, or by evict(): its slot is rewritten, or blanked
        │   (a punched hole) in the writer's next round. A kill before that round ends
-       │   can bring an evicted page back at restart, with its right bytes (a key names
-       │   its contents); the rebuild then evicts down to the capacity
+       │   can bring a page evicted for room back at restart, and that is allowed: it is
+       │   still the right page for its key (the slot's header names layout and key, its
+       │   checksum is checked before it is served, and a key names its contents: the
+       │   store never stores a key twice), an eviction for room promises nothing, and
+       │   the rebuild evicts down to the capacity. An eviction of a layout or of
+       │   everything (admin evict, clear) is durable, as a delete is
        └─ delete: the same, and it returns only once the slot is blank or rewritten, even
            for a page evicted just before it (_durable): a deleted key never comes back.
            A slot being read is freed only when the read ends
