@@ -275,3 +275,41 @@ def test_the_default_key_limit_is_the_servers_on_the_fast_path():
         assert status == 0 and fw.COUNT.unpack_from(answer) == (16_384,)
         assert not np.any(np.frombuffer(answer[fw.COUNT.size:], dtype=np.uint8))
         raw.close()
+
+
+# -- whose reservation -----------------------------------------------------------------------
+def test_a_reservation_is_its_tenants_to_end_on_any_of_its_connections(tmp_path):
+    """Settled: a lease (a reservation too) belongs to its tenant, not to the connection
+    that took it, and is ended by its id on any of the tenant's connections. The client
+    library relies on it: a lease lane whose call timed out is retired with its leases,
+    and they are ended over the lane that replaced it (kvstore_client/holdings.py).
+    Another tenant's COMMIT reads as one of an unknown id and leaves the reservation be."""
+    import hashlib
+    path = tmp_path / "auth.toml"
+    path.write_text("".join(
+        f'[tenants.{name}]\ntoken_sha256 = "{hashlib.sha256(TOKENS[name].encode()).hexdigest()}"'
+        "\nshared_memory = true\n" for name in ("a", "b")))
+    srv = ServerProcess(auth_file=str(path)).start()
+    try:
+        with KVStoreClient(srv.address, token=TOKENS["a"], data_plane=False) as c:
+            ns = c.register_layout(LAYOUTS["tiny"])
+            region = c.region().token
+            ks = keys("owned", 2)
+            a1, a2 = Raw(fast_address(srv), TOKENS["a"]), Raw(fast_address(srv), TOKENS["a"])
+            b = Raw(fast_address(srv), TOKENS["b"])
+            status, answer = a1.call(fw.Op.RESERVE, fw.LEASED_HEAD.pack(
+                ns.layout_id, region, 60_000) + fw.encode_keys(20, b"".join(ks)))
+            assert status == 0, answer
+            lease = fw.RESERVED.unpack_from(answer)[0]
+            status, answer = b.call(fw.Op.COMMIT, fw.LEASE.pack(lease))
+            assert status == fw.Status.EXPIRED and b"unknown" in answer, answer
+            assert c.lookup(ns, ks) == 0
+            status, answer = a2.call(fw.Op.COMMIT, fw.LEASE.pack(lease))
+            assert status == 0 and fw.LEASE.unpack_from(answer)[0] == 2, answer
+            assert c.lookup(ns, ks) == 2
+            status, _ = a1.call(fw.Op.COMMIT, fw.LEASE.pack(lease))      # ended once
+            assert status == fw.Status.EXPIRED
+            for raw in (a1, a2, b):
+                raw.close()
+    finally:
+        srv.stop()
