@@ -6,15 +6,17 @@ existing cluster whose sharding, replication and failover are the cluster's, not
 
     put on host A --(--far-write through: on commit; evict: when it leaves A)-->
       WriteBehind.offer (bounded queue, drops when full) --> thread --> FarClient.put
-      (SET, value = codec header + page, one pipelined batch per layout)
+      (SET, value = codec header signed with the fleet's secret + page, one pipelined
+      batch per layout)
     lookup on host B, missed locally --> FarClient.exists (one EVAL_RO per bucket,
       one round trip per shard, deadline --far-timeout) --> hit or miss
-    get on host B --> FarClient.get (MGET per bucket) --> codec.decode: served only if
-      magic, layout, key, length and checksum all match; else a counted miss
+    get on host B --> FarClient.read (one EVAL_RO per bucket, a value no longer than
+      its page) --> codec.decode: served only if magic, version, layout, key, length and
+      MAC all match; else a counted miss
     expiry: --far-ttl, or the cluster's own maxmemory eviction
 
 Modules, one idea each: settings (the --far* flags), keys (Redis key names and hash
-tags), codec (the value header), client (pipelined calls with a deadline, errors as
+tags), codec (the value header and its MAC), secret (the fleet's keys), client (pipelined calls with a deadline, errors as
 misses), writer (write-behind queue and thread), breaker (stop asking a dead cluster),
 metrics (kvstore_far_*).
 """

@@ -129,6 +129,11 @@ class SecretFile:
         self._lock = threading.Lock()       # guards the three below: one reloader at a time
         self._stamp = _stamp(path)
         self._current = load(path)          # raises: a bad file at start refuses to start
+        mode = os.stat(path).st_mode
+        if mode & 0o077:
+            log.warning("far secret file %s is readable or writable by others (mode %o): "
+                        "whoever reads it can sign pages every server serves; chmod 0400",
+                        path, mode & 0o777)
         self._next_check = clock() + CHECK_INTERVAL
 
     def keyring(self) -> Keyring:
