@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 import grpc
 
 from .errors import KVStoreError, Reason
-from .fastpath import FastPath, FastPathUnavailable
+from .fastpath import FastPath, FastPathUnavailable, UntrustedPeer
 from .holdings import Holdings
 from .keys import Packed, pack_keys
 
@@ -172,6 +172,11 @@ class DataPlane:
                                      holdings=self._holdings, identity=server)
                 try:
                     candidate.check()
+                except UntrustedPeer as exc:
+                    # Someone stands where the server said its socket is: no fast path
+                    # at all for now (its TCP port may be theirs as well), gRPC instead.
+                    problems.append(str(exc))
+                    break
                 except FastPathUnavailable as exc:
                     problems.append(str(exc))
                     continue

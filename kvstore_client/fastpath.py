@@ -43,7 +43,7 @@ from .fastconn import Broken, Conn, Timeout, deadline
 from .holdings import Holdings
 from .unixpeer import ServerIdentity, UntrustedSocket, check_path, check_peer
 
-__all__ = ["FastPath", "FastPathUnavailable", "FastLease", "keys_body"]
+__all__ = ["FastPath", "FastPathUnavailable", "FastLease", "UntrustedPeer", "keys_body"]
 
 T = TypeVar("T")
 
@@ -60,6 +60,11 @@ _OWED_MAX = 32
 
 class FastPathUnavailable(ConnectionError):
     """No fast-path connection could be opened (port closed, refused, busy)."""
+
+
+class UntrustedPeer(FastPathUnavailable):
+    """The Unix socket Attach named is not the server's (kvstore_client.unixpeer): no
+    token was sent, and no other fast-path address is tried (gRPC instead)."""
 
 
 class HelloTimedOut(FastPathUnavailable):
@@ -170,8 +175,7 @@ class FastPath:
             # Someone else's socket, or one we cannot vouch for: the token stays here.
             log.warning("fast path: not using the Unix socket %s, no token sent (%s); "
                         "gRPC instead", self.address, exc)
-            raise FastPathUnavailable(f"untrusted Unix socket {self.address}: {exc}") \
-                from None
+            raise UntrustedPeer(f"untrusted Unix socket {self.address}: {exc}") from None
         except (OSError, ValueError) as exc:
             raise FastPathUnavailable(f"cannot connect to the fast path at "
                                       f"{self.address}: {exc}") from None
