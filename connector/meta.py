@@ -41,6 +41,11 @@ class LoadSpec:
     is_async: bool                 # True: report in finished_recving when done
     load_id: int = 0               # unique per scheduler: what a SaveSpec's `after` names
     pins: PagePins | None = None   # layer-wise loads: where the lookup found the pages
+    first_page: int = 0            # the prefix page keys[0] is (a window counts from it)
+    # A hybrid engine's blocks, one (pages, blocks_per_page) array per KV-cache group
+    # (connector.groups; block_ids is group 0's); empty for one group. The adapter hands
+    # each group's worker its own rows (connector.groups.for_group).
+    group_blocks: tuple[np.ndarray, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -54,6 +59,7 @@ class SaveSpec:
     # one of them failed (this step, or a step the worker saw earlier), these pages were
     # computed over KV that never arrived and must not be stored.
     after: tuple[int, ...] = ()
+    group_blocks: tuple[np.ndarray, ...] = ()    # as LoadSpec's
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

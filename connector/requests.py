@@ -9,6 +9,7 @@ import numpy as np
 
 from kvstore_client.handles import Pins
 
+from .groups import NULL_BLOCK
 from .hashing import page_keys
 
 __all__ = ["RequestState", "new_keys"]
@@ -31,7 +32,8 @@ class RequestState:
     prompt_len: int
     keys: list[bytes] = dataclasses.field(default_factory=list)  # keys of full pages
     packed: bytes = b""                    # the same keys back to back, for lookups
-    block_ids: list[int] = dataclasses.field(default_factory=list)
+    # The engine's blocks, one list per KV-cache group (connector.groups), in page order.
+    block_ids: list[list[int]] = dataclasses.field(default_factory=lambda: [[]])
     local_tokens: int = 0                  # the engine's own prefix-cache hit
     lease_id: int = 0                      # pins the counted pages until allocated
     pins: Pins | None = None               # where they lie, while the lease is held
@@ -40,6 +42,10 @@ class RequestState:
     load_failed: bool = False              # its own load failed: recompute, no new hit
     tainted: bool = False                  # read blocks of another's failed load
     asked_again: int = 0                   # "ask again" answers given so far
+
+    def all_blocks(self, upto: int | None = None) -> list[int]:
+        """Every group's block ids (the first `upto` of each), the null block left out."""
+        return [b for blocks in self.block_ids for b in blocks[:upto] if b != NULL_BLOCK]
 
     def keys_upto(self, pages: int, page_tokens: int, seed: bytes) -> list[bytes]:
         """Keys of the first `pages` pages, hashing only pages not hashed before."""

@@ -50,6 +50,7 @@ from kvstore_client.keys import Packed
 
 from .breaker import Breaker
 from .config import ConnectorConfig, LookupMode, SavePolicy, open_client
+from .groups import NULL_BLOCK, CacheGroup, GroupKind
 from .hashing import KEY_BYTES
 from .lookups import StoreLookups
 from .meta import LoadSpec, PagePins, SaveSpec, StepMeta
@@ -68,9 +69,13 @@ class SchedulerHalf:
     """Engine-agnostic scheduler logic; adapters translate engine objects into calls."""
 
     def __init__(self, config: ConnectorConfig, layouts: Sequence[PageLayout], block_size: int,
-                 client: KVStoreClient | None = None, *, lag: int = 1) -> None:
+                 client: KVStoreClient | None = None, *, lag: int = 1,
+                 groups: Sequence[CacheGroup] = ()) -> None:
         """lag: how many builds later a step's outcome is known (the engine's number of
-        batches in flight: vLLM's max_concurrent_batches)."""
+        batches in flight: vLLM's max_concurrent_batches). layouts: every rank's layout
+        of every group; one Lookup over them all answers what every group holds.
+        groups: a hybrid engine's KV-cache groups (connector.groups); none = one group,
+        full attention. Block ids then come one list per group."""
         if not layouts:
             raise ValueError("the scheduler half needs at least one layout (one per rank)")
         self.config = config
@@ -81,6 +86,11 @@ class SchedulerHalf:
         self.block_size = block_size
         self.blocks_per_page = self.page_tokens // block_size
         self.seed = layouts[0].chain_seed
+        self.groups = tuple(groups)
+        # A drafter's KV at a position reads the token after it: with a draft group, a
+        # page is saved (in every group, so their counts stay aligned) only once the
+        # engine has computed a token past its end (connector.groups).
+        self._volatile_tail = any(g.kind is GroupKind.DRAFT for g in self.groups)
         # The scheduler only asks and leases: no page bytes, so no shared memory (but the
         # Unix socket beside the pool, on its host, unless shared memory is off); and a
         # lookup must answer within lookup_timeout, so no retries either.
@@ -121,7 +131,8 @@ class SchedulerHalf:
         # when the request grew.
         if state is None:
             arr = np.asarray(tokens, dtype=np.int32) if convert else np.zeros(0, np.int32)
-            state = RequestState(arr, len(tokens) if prompt_len is None else prompt_len)
+            state = RequestState(arr, len(tokens) if prompt_len is None else prompt_len,
+                                 block_ids=[[] for _ in range(max(1, len(self.groups)))])
             self._requests[req_id] = state
         elif len(tokens) > len(state.tokens) and convert:
             state.tokens = np.asarray(tokens, dtype=np.int32)
@@ -295,12 +306,20 @@ class SchedulerHalf:
         state.pins = None
 
     # -- blocks, plans and outcomes -------------------------------------------------------
-    def allocated(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        """The engine gave the request blocks (all of them) for local + external tokens."""
+    def _per_group(self, block_ids) -> list[list[int]]:
+        """Block ids as one list per group: one engine group may pass a flat list."""
+        if len(self.groups) <= 1 and (not len(block_ids)
+                                      or not isinstance(block_ids[0], (list, tuple))):
+            return [list(block_ids)]
+        return [list(blocks) for blocks in block_ids]
+
+    def allocated(self, req_id: str, block_ids, num_external_tokens: int) -> None:
+        """The engine gave the request blocks (all of them) for local + external tokens:
+        a list, or one list per group."""
         state = self._requests.get(req_id)
         if state is None:
             return
-        state.block_ids = list(block_ids)
+        state.block_ids = self._per_group(block_ids)
         if num_external_tokens <= 0:
             self._drop_lease(state)       # the engine loads nothing: nothing to pin
             return
@@ -308,12 +327,14 @@ class SchedulerHalf:
         first = state.local_tokens // t
         last = first + num_external_tokens // t
         keys = state.keys[first:last]
-        blocks = np.asarray(state.block_ids[first * self.blocks_per_page:
-                                            last * self.blocks_per_page], dtype=np.int64)
+        k = self.blocks_per_page
+        rows = [np.asarray(blocks[first * k:last * k], dtype=np.int64).reshape(len(keys), k)
+                for blocks in state.block_ids]
         is_async = self.config.load_mode.value == "async"
         # The lease moves to the load: it is held until the load's outcome is known.
-        load_id = self._unconfirmed.add(req_id, first, blocks.tolist(), state.lease_id,
-                                        is_async)
+        load_id = self._unconfirmed.add(
+            req_id, first, [int(b) for r in rows for b in r.reshape(-1) if b != NULL_BLOCK],
+            state.lease_id, is_async)
         # Its pins go with it, for a layer-wise load only: its copies end within its own
         # step, and the lease outlives that step (unconfirmed.py). An async load's may
         # outlast a request that finishes first, so its worker pins the pages itself.
@@ -322,36 +343,40 @@ class SchedulerHalf:
             pins = PagePins(state.pins.region_id, state.pins_use_by,
                             {lid: offs[first:last] for lid, offs in state.pins.offsets.items()})
         state.lease_id, state.pins = 0, None
-        self._loads.append(LoadSpec(req_id, tuple(keys),
-                                    blocks.reshape(len(keys), self.blocks_per_page),
-                                    is_async, load_id, pins))
+        self._loads.append(LoadSpec(req_id, tuple(keys), rows[0], is_async, load_id, pins,
+                                    first, tuple(rows) if len(rows) > 1 else ()))
 
     def scheduled(self, req_id: str, tokens, num_computed_tokens: int, num_new_tokens: int,
-                  block_ids: Sequence[int] | None = None, new_block_ids: Sequence[int] = (),
+                  block_ids: Sequence | None = None, new_block_ids: Sequence = (),
                   prompt_len: int | None = None) -> None:
         """The engine runs num_new_tokens after num_computed_tokens this step; pages that
-        become full are saved (layer by layer, as the engine writes their KV)."""
+        become full are saved (layer by layer, as the engine writes their KV). Block ids:
+        a list, or one list per group."""
         state = self._state(req_id, tokens, prompt_len)
         if block_ids is not None:
-            state.block_ids = list(block_ids)
-        elif new_block_ids:
-            state.block_ids.extend(new_block_ids)
+            state.block_ids = self._per_group(block_ids)
+        elif len(new_block_ids):
+            for have, new in zip(state.block_ids, self._per_group(new_block_ids)):
+                have.extend(new)
         if (not self.config.role.saves or self.config.save is SavePolicy.NONE
                 or state.tainted):
             return
         t = self.page_tokens
-        full = min(num_computed_tokens + num_new_tokens, len(state.tokens)) // t
+        done = min(num_computed_tokens + num_new_tokens, len(state.tokens))
+        full = (max(0, done - 1) if self._volatile_tail else done) // t
         if self.config.save is SavePolicy.PROMPT:
             full = min(full, state.prompt_len // t)
-        full = min(full, len(state.block_ids) // self.blocks_per_page)
+        k = self.blocks_per_page
+        full = min(full, *(len(blocks) // k for blocks in state.block_ids))
         start = state.saved_pages
         if full <= start:
             return
         keys = self._keys_upto(state, full)[start:full]
-        k = self.blocks_per_page
-        blocks = np.asarray(state.block_ids[start * k:full * k], dtype=np.int64)
-        self._saves.append(SaveSpec(req_id, tuple(keys), blocks.reshape(len(keys), k),
-                                    self._unconfirmed.reads(state.block_ids[:full * k])))
+        rows = [np.asarray(blocks[start * k:full * k], dtype=np.int64).reshape(len(keys), k)
+                for blocks in state.block_ids]
+        self._saves.append(SaveSpec(req_id, tuple(keys), rows[0],
+                                    self._unconfirmed.reads(state.all_blocks(full * k)),
+                                    tuple(rows) if len(rows) > 1 else ()))
         state.saved_pages = full
 
     def build(self) -> StepMeta:
@@ -392,7 +417,7 @@ class SchedulerHalf:
             state.saved_pages = min(state.saved_pages, load.first_page)
             failed.append(load.req_id)
         for req_id, state in self._requests.items():
-            if req_id not in failed and not block_ids.isdisjoint(state.block_ids):
+            if req_id not in failed and not block_ids.isdisjoint(state.all_blocks()):
                 state.tainted = True
         return failed
 

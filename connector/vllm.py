@@ -9,6 +9,12 @@
 `kv_role` is honoured (a producer only saves, a consumer only loads). This module only
 translates vLLM's objects into the engine-agnostic halves (connector.scheduler,
 connector.worker); it imports only when vLLM is installed.
+
+Hybrid models: the connector is `SupportsHMA`, so vLLM keeps its hybrid KV cache manager on
+(one block table per KV-cache group). Each group is a layout of its own and has a worker
+half of its own (connector.groups, connector.groupworkers); a model of one group keeps the
+layouts, keys and behaviour it had before. Specs the connector cannot move correctly
+(Mamba state, cross-attention, ...) stop the engine at start-up with one line.
 """
 
 from __future__ import annotations
@@ -22,12 +28,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvstore_client import PageLayout
 
 from .config import ConnectorConfig, LoadMode
+from .groups import CacheGroup, cache_groups
+from .groupworkers import GroupWorkers
 from .kvviews import detect_kind, kv5
 from .meta import StepMeta
 from .scheduler import SchedulerHalf
@@ -103,6 +112,32 @@ def _layouts(vllm_config: "VllmConfig", config: ConnectorConfig,
             for r in range(tp)], False
 
 
+def _group_layouts(vllm_config: "VllmConfig", config: ConnectorConfig, page_tokens: int,
+                   groups: list[CacheGroup]) -> tuple[list[list[PageLayout]], bool]:
+    """Every group's layouts (one per rank), and whether the model uses MLA. A model of
+    one group keeps the layouts it always had; each group of a hybrid model is its own
+    layout: its layers, heads and head size, its scope folded into the salt."""
+    if len(groups) == 1:
+        layouts, mla = _layouts(vllm_config, config, page_tokens)
+        return [layouts], mla
+    parallel = vllm_config.parallel_config
+    tp = parallel.tensor_parallel_size
+    mla = groups[0].mla
+    out = []
+    for group in groups:
+        base = PageLayout(
+            model=config.model or vllm_config.model_config.model,
+            num_layers=len(group.layer_names), page_tokens=page_tokens,
+            num_kv_heads=group.num_kv_heads, head_size=group.head_size,
+            dtype=group.dtype, kv_factor=1 if mla else 2,
+            pp_rank=getattr(parallel, "rank", 0) // max(tp, 1)
+            if parallel.pipeline_parallel_size > 1 else 0,
+            salt=f"{config.salt}#{group.scope}")
+        out.append([base] if mla else [dataclasses.replace(base, tp_rank=r, tp_size=tp)
+                                       for r in range(tp)])
+    return out, mla
+
+
 def _tp_rank() -> int:
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -128,7 +163,7 @@ def _warn_on_fail_policy(transfer: Any) -> None:
                     '"kv_load_failure_policy":"recompute" to --kv-transfer-config')
 
 
-class KVStoreConnector(KVConnectorBase_V1):
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """kvstore as vLLM's KV connector: prefix hits from the store, layer-wise loads."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
@@ -151,9 +186,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.config = dataclasses.replace(self.config, load_mode=LoadMode.ASYNC)
         self.block_size = vllm_config.cache_config.block_size
         page_tokens = self.config.page_tokens or self.block_size
-        self.layouts, self.mla = _layouts(vllm_config, self.config, page_tokens)
+        # Refused here, at start-up, with one line: a spec the connector cannot move.
+        self.groups = cache_groups(kv_cache_config)
+        self.group_layouts, self.mla = _group_layouts(vllm_config, self.config, page_tokens,
+                                                      self.groups)
+        # Group 0's layouts first: the scheduler's key chain starts from its seed.
+        self.layouts = [layout for layouts in self.group_layouts for layout in layouts]
         self._scheduler: SchedulerHalf | None = None
-        self._worker: WorkerHalf | None = None
+        self._worker: GroupWorkers | None = None
         self._requests: dict[str, "Request"] = {}     # live scheduler objects
         # Requests a save was planned for: their blocks outlive them until the workers
         # report the save copies landed (finished_sending), as saves are asynchronous.
@@ -163,10 +203,12 @@ class KVStoreConnector(KVConnectorBase_V1):
             # A step's outcome comes back max_concurrent_batches builds later (2 under
             # AsyncScheduler): until then its loads count as unconfirmed.
             self._scheduler = SchedulerHalf(self.config, self.layouts, self.block_size,
-                                            lag=vllm_config.max_concurrent_batches)
-        log.info("kvstore connector (%s) for %s: server %s, %d-token pages, %s loads",
-                 role.name.lower(), self.layouts[0].model, self.config.server, page_tokens,
-                 self.config.load_mode.value)
+                                            lag=vllm_config.max_concurrent_batches,
+                                            groups=self.groups)
+        log.info("kvstore connector (%s) for %s: server %s, %d-token pages, %s loads, "
+                 "KV-cache groups: %s", role.name.lower(), self.layouts[0].model,
+                 self.config.server, page_tokens, self.config.load_mode.value,
+                 ", ".join(f"{g.kind.value}x{len(g.layer_names)}" for g in self.groups))
 
     # -- scheduler side -------------------------------------------------------------------
     @property
@@ -186,8 +228,12 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: "Request", blocks: Any,
                                  num_external_tokens: int) -> None:
-        (block_ids, *_) = blocks.get_block_ids()
-        self._sched.allocated(request.request_id, block_ids, num_external_tokens)
+        self._sched.allocated(request.request_id, self._blocks(blocks.get_block_ids()),
+                              num_external_tokens)
+
+    def _blocks(self, per_group):
+        """vLLM's block ids (one list per group) as the scheduler half takes them."""
+        return per_group[0] if len(self.groups) == 1 else per_group
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         sched = self._sched
@@ -196,7 +242,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             request = self._requests.get(new.req_id)
             tokens = request.all_token_ids if request is not None else new.prompt_token_ids
             sched.scheduled(new.req_id, tokens, new.num_computed_tokens,
-                            counts.get(new.req_id, 0), block_ids=new.block_ids[0],
+                            counts.get(new.req_id, 0), block_ids=self._blocks(new.block_ids),
                             prompt_len=len(new.prompt_token_ids or tokens))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -204,7 +250,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             if request is None:
                 continue
             new_blocks = cached.new_block_ids[i]
-            blocks = list(new_blocks[0]) if new_blocks is not None else []
+            blocks = ([list(b) for b in new_blocks] if new_blocks is not None
+                      else [[] for _ in self.groups])
+            blocks = self._blocks(blocks)
             resumed = req_id in cached.resumed_req_ids
             sched.scheduled(req_id, request.all_token_ids, cached.num_computed_tokens[i],
                             counts.get(req_id, 0), block_ids=blocks if resumed else None,
@@ -235,6 +283,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._saving.discard(request.request_id)
         return delay, None
 
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        # As request_finished: every group's blocks are held until the saves planned
+        # for the request have landed in every group's worker (GroupWorkers.sent).
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False          # a store is a best-effort cache: a lost save is a miss
@@ -245,12 +299,16 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     # -- worker side ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layout = self.layouts[0] if self.mla else self.layouts[_tp_rank()]
-        views = {}
-        for name, tensor in kv_caches.items():
-            views[name] = kv5(tensor, detect_kind(tensor, mla=self.mla))
         saves = not self.mla or _tp_rank() == 0      # MLA: one rank saves for all
-        self._worker = WorkerHalf(self.config, layout, views, saves=saves)
+        workers = []
+        for group, layouts in zip(self.groups, self.group_layouts):
+            layout = layouts[0] if self.mla else layouts[_tp_rank()]
+            # A lone group takes every layer the engine registers, as it always did.
+            names = list(kv_caches) if len(self.groups) == 1 else group.layer_names
+            views = {name: kv5(kv_caches[name], detect_kind(kv_caches[name], mla=self.mla))
+                     for name in names}
+            workers.append(WorkerHalf(self.config, layout, views, saves=saves))
+        self._worker = GroupWorkers(self.groups, workers, self.layouts[0].page_tokens)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -233,7 +233,7 @@ class Fault:
         self.kind, self.at, self.server, self.engine = kind, at, server, engine
         self.exact = exact
         self.fired_at = 0
-        self._transfer = engine.worker.connector._worker.transfer
+        self._transfer = engine.worker.connector._worker.workers[0].transfer
         self._real_load = self._transfer.load
 
     def before_schedule(self, step: int) -> None:
@@ -377,7 +377,7 @@ def check_run(engine: Engine, server: ServerProcess, ids: list[str],
     assert wait_for(lambda: not sched_half.breaker.open, 5.0), "the store never came back"
     sched_half.build()
     assert not sched_half._requests and not sched_half._unconfirmed
-    worker_half = engine.worker.connector._worker
+    worker_half = engine.worker.connector._worker.workers[0]
     assert not worker_half._async and not worker_half._saves and not worker_half._loads
     engine.worker.connector.shutdown()
     engine.connector.shutdown()

@@ -244,7 +244,7 @@ class SaveGate:
 
 def test_a_finished_requests_blocks_wait_for_its_saves_to_land(model_dir, store):
     driver = engine(model_dir, store.address)
-    gate = SaveGate(driver.worker.connector._worker.transfer)
+    gate = SaveGate(driver.worker.connector._worker.workers[0].transfer)
     pool = driver.scheduler.kv_cache_manager.block_pool
     free = pool.get_num_free_blocks()
     driver.add(make_request("a", PROMPT, max_tokens=1))

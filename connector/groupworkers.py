@@ -1,0 +1,115 @@
+"""One worker half per KV-cache group, seen by the engine as one worker.
+
+Each group of a hybrid model (connector.groups) is its own layout with its own layers, so
+each gets a WorkerHalf of its own: its own client and breaker, its own loads, saves and
+failure handling, exactly as for a model of one group. This class hands each the part of
+a step's plan that is its group's (connector.groups.for_group), routes a layer's hooks to
+the worker that owns the layer, and merges what they report:
+
+    finished()  a request's async load is received once every group that loads pages for
+                it has reported it (a failed one is reported too, as vLLM expects)
+    sent(ids)   a finished request's blocks may be freed once every group that planned
+                saves for it has reported its copies landed
+    errors, stats: the union and the sum
+
+With one group the plan goes to its worker as is: a model of one group behaves exactly as
+it did before groups existed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+from .groups import CacheGroup, for_group
+from .meta import StepMeta
+from .worker import WorkerHalf, WorkerStats
+
+__all__ = ["GroupWorkers"]
+
+
+class GroupWorkers:
+    """Worker halves by group; the calls an engine makes on one worker."""
+
+    def __init__(self, groups: Sequence[CacheGroup], workers: Sequence[WorkerHalf],
+                 page_tokens: int) -> None:
+        if len(groups) != len(workers) or not groups:
+            raise ValueError("one worker half per KV-cache group")
+        self.groups = tuple(groups)
+        self.workers = tuple(workers)
+        self.page_tokens = page_tokens
+        self._by_layer = {name: w for g, w in zip(groups, workers) for name in g.layer_names}
+        self._metas: list[StepMeta] = []          # this step's plan, per group
+        # Request id -> the groups not yet reported (async loads received, saves landed).
+        self._recving: dict[str, set[int]] = {}
+        self._sending: dict[str, set[int]] = {}
+
+    def _split(self, step: StepMeta) -> list[StepMeta]:
+        if len(self.groups) == 1:
+            return [step]
+        return [for_group(step, g, self.page_tokens) for g in self.groups]
+
+    def bind(self, step: StepMeta) -> None:
+        self._metas = self._split(step)
+        for i, (worker, meta) in enumerate(zip(self.workers, self._metas)):
+            for load in meta.loads:
+                if load.is_async:
+                    self._recving.setdefault(load.req_id, set()).add(i)
+            for save in meta.saves:
+                self._sending.setdefault(save.req_id, set()).add(i)
+            worker.bind(meta)
+
+    def start_load(self, step: StepMeta) -> None:
+        metas = self._metas or self._split(step)
+        for worker, meta in zip(self.workers, metas):
+            worker.start_load(meta)
+
+    def wait_for_layer(self, name: str) -> None:
+        worker = self._by_layer.get(name)
+        if worker is not None:            # a layer of no group we move (none today)
+            worker.wait_for_layer(name)
+
+    def save_layer(self, name: str) -> None:
+        worker = self._by_layer.get(name)
+        if worker is not None:
+            worker.save_layer(name)
+
+    def wait_for_save(self) -> None:
+        for worker in self.workers:
+            worker.wait_for_save()
+
+    def finished(self) -> set[str]:
+        return self._merge(self._recving, [w.finished() for w in self.workers])
+
+    def sent(self, finished_req_ids: Iterable[str] = ()) -> set[str]:
+        ids = set(finished_req_ids)
+        return self._merge(self._sending, [w.sent(ids) for w in self.workers])
+
+    @staticmethod
+    def _merge(waiting: dict[str, set[int]], reports: list[set[str]]) -> set[str]:
+        done = set()
+        for i, report in enumerate(reports):
+            for req_id in report:
+                groups = waiting.get(req_id)
+                if groups is None:
+                    done.add(req_id)
+                    continue
+                groups.discard(i)
+                if not groups:
+                    del waiting[req_id]
+                    done.add(req_id)
+        return done
+
+    def take_stats(self) -> WorkerStats:
+        total = WorkerStats()
+        for worker in self.workers:
+            for field, value in dataclasses.asdict(worker.take_stats()).items():
+                setattr(total, field, getattr(total, field) + value)
+        return total
+
+    def load_errors(self) -> set[int]:
+        return set().union(*(w.load_errors() for w in self.workers))
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.close()
