@@ -206,7 +206,8 @@ class Region:
             self._fd = -1
 
 
-# A region's name, or the fast path's Unix socket beside it (kvstore_server.fastpath).
+# A region's name, or the Unix socket an older server bound beside it (now the fast
+# path's socket lies in a folder of its own: kvstore_server.fastpath.unixsock).
 _NAME = re.compile(r"kvstore-(\d+)-[0-9a-f]{8}(?:\.sock)?")
 _PID_MAX = 1 << 22          # Linux's PID_MAX_LIMIT: no pid is larger
 
