@@ -17,12 +17,16 @@ is a success, so one dead shard among three does not stop the other two being as
 
 Lookups ask with one EVAL_RO per bucket (keys.py) that returns one EXISTS bit per key:
 EXISTS with many keys answers only a count, and one EXISTS per key costs the client
-~2.6x more time for 4,096 keys (docs/far.md). Gets use one EVAL_RO of GET_SCRIPT per
-bucket, which returns a value only when it is no longer than the caller's bound (its
-STRLEN, else that length as a marker): a value planted under a page's name is refused
-in the cluster, never fetched whole (MGET fetched a planted 48 MiB value for a 32 KiB
-page). The server's reads (read) verify and copy each value where glide's reply holds
-it (inplace.py).
+~2.6x more time for 4,096 keys (docs/far.md). Gets send one GETRANGE per key that asks
+for at most one byte more than the key's value can be (codec.value_bytes): a value
+planted under a page's name is refused after that many bytes, never fetched whole (an
+MGET fetched four planted 48 MiB values for a 32 KiB page's names whole). Why not a
+read-only script per bucket that returns a value only when its STRLEN allows: the
+script copies each value into Lua before replying; on the 2-core development VM (3-master
+loopback cluster, medians of 11, a loaded machine) 64 x 1 MiB took 256 ms through the
+script against 103 ms by MGET, and GETRANGE ran at MGET's speed (313 / 318 ms, and
+512 x 64 KiB 69 / 61 ms, in a more loaded run). The server's reads (read) verify and
+copy each value where glide's reply holds it (inplace.py).
 """
 
 from __future__ import annotations
@@ -40,23 +44,13 @@ from .keys import group_by_bucket, namespace_pattern, page_key
 from .metrics import FarCounters
 from .settings import ClusterMode, FarSettings
 
-__all__ = ["EXISTS_SCRIPT", "GET_SCRIPT", "FarClient", "connect"]
+__all__ = ["EXISTS_SCRIPT", "FarClient", "connect"]
 
 log = logging.getLogger(__name__)
 
 # One bit per key of one slot; read-only, so EVAL_RO (Redis >= 7.0, Valkey).
 EXISTS_SCRIPT = ("local r = {} for i, k in ipairs(KEYS) do "
                  "r[i] = redis.call('EXISTS', k) end return r")
-
-# Each key's value when at most ARGV[1] bytes long; else its length (an integer: refused,
-# counted as oversized) or -1 when it is not a string (refused as foreign); nil when
-# absent. Read-only, so EVAL_RO; STRLEN costs O(1) and moves no bytes.
-GET_SCRIPT = ("local n = tonumber(ARGV[1]) local r = {} for i, k in ipairs(KEYS) do "
-              "local len = redis.pcall('STRLEN', k) "
-              "if type(len) ~= 'number' then r[i] = -1 "
-              "elseif len == 0 then r[i] = false "
-              "elseif len > n then r[i] = len "
-              "else r[i] = redis.call('GET', k) end end return r")
 
 # Writes run behind (writer.py), off every request's path: they get a longer deadline
 # than reads, enough for a batch of large pages on a busy network.
@@ -214,34 +208,31 @@ class FarClient:
              in_place: bool | None = None, max_page: int = codec.MAX_PAGE) -> None:
         """land(i, page) once for each key, page as get() answers it; but by default
         (in_place, see inplace.py) `page` is a view into glide's reply, valid only until
-        land returns: land copies what it keeps. A value longer than a page of
-        `max_page` bytes is refused in the cluster (GET_SCRIPT), never fetched."""
+        land returns: land copies what it keeps. Of a value longer than a page of
+        `max_page` bytes no more than one byte past that is fetched: refused, counted."""
         keys = list(keys)
-        groups = list(group_by_bucket(self.settings.namespace, layout_id, keys).values())
-        bound = str(codec.value_bytes(max(map(len, keys), default=1), max_page))
-        out, free = self._call([["EVAL_RO", GET_SCRIPT, str(len(g)), *(k for _, k in g),
-                                 bound] for g in groups],
+        named = [pair for group in group_by_bucket(self.settings.namespace, layout_id,
+                                                   keys).values() for pair in group]
+        limits = {i: codec.value_bytes(len(keys[i]), max_page) for i, _ in named}
+        # GETRANGE's end is inclusive: limit + 1 bytes at most, so "longer" shows.
+        out, free = self._call([["GETRANGE", name, "0", str(limits[i])] for i, name in named],
                                timeout or self.settings.timeout,
                                self.in_place if in_place is None else in_place)
         try:
             pages: dict[int, memoryview] = {}
             nbytes = 0
-            for group, reply in zip(groups, out or ()):
-                if not isinstance(reply, list):
+            for (i, _), value in zip(named, out or ()):
+                if value is None or isinstance(value, Exception) or not len(value):
+                    continue            # absent (GETRANGE answers ""), or failed: counted
+                if len(value) > limits[i]:
+                    self.counters.reject(codec.Reason.OVERSIZED)
                     continue
-                for (i, _), value in zip(group, reply):
-                    if value is None:
-                        continue
-                    if isinstance(value, int):      # GET_SCRIPT's marker: not fetched
-                        self.counters.reject(codec.Reason.OVERSIZED if value > 0
-                                             else codec.Reason.FOREIGN)
-                        continue
-                    decoded = codec.decode(value, layout_id, keys[i], self.settings.keys)
-                    if decoded.payload is None:
-                        self.counters.reject(decoded.reason)
-                        continue
-                    pages[i] = decoded.payload
-                    nbytes += decoded.payload.nbytes
+                decoded = codec.decode(value, layout_id, keys[i], self.settings.keys)
+                if decoded.payload is None:
+                    self.counters.reject(decoded.reason)
+                    continue
+                pages[i] = decoded.payload
+                nbytes += decoded.payload.nbytes
             self.counters.add(hits=len(pages), misses=len(keys) - len(pages),
                               bytes_read=nbytes, pages_read=len(pages))
             for i in range(len(keys)):

@@ -76,7 +76,7 @@ class Reason(enum.Enum):
     WRONG_KEY = "wrong_key"      # ours, but for another layout or key
     TRUNCATED = "truncated"      # shorter or longer than its header says
     CORRUPT = "corrupt"          # MAC mismatch: altered, forged or damaged
-    OVERSIZED = "oversized"      # longer than the page asked for: refused unfetched
+    OVERSIZED = "oversized"      # longer than the page asked for: refused, not fetched whole
     UNSIGNED = "unsigned"        # version 1: an unkeyed checksum proves no writer
     UNKNOWN_KEY = "unknown_key"  # signed with a secret this server does not hold
 

@@ -130,8 +130,9 @@ class ParallelReader:
               part: tuple[int, int], window: int, land: Land) -> None:
         start, end = part
         in_flight = sum(sizes[start:end]) * window
-        # A value longer than the part's largest page is refused in the cluster, so a
-        # planted oversized value costs no bytes here and the bound above holds.
+        # Of a value longer than the part's largest page at most one byte more is
+        # fetched (client.py, GETRANGE), so a planted oversized value cannot break the
+        # bound above.
         self._fetch(layout_id, list(keys[start:end]), self._timeout + in_flight / 1e9,
                     lambda i, page: land(start + i, page), max_page=max(sizes[start:end]))
 
