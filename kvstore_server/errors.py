@@ -16,6 +16,7 @@ class Outcome(enum.Enum):
     EXPIRED = "expired"          # the lease or reservation named is gone
     UNAUTHENTICATED = "unauthenticated"  # no credentials, or ones the server does not know
     DENIED = "denied"            # known caller, not allowed this (a tenant on Admin, ...)
+    UNFINISHED = "unfinished"    # done in part (a far-tier clear a shard kept from ending)
 
 
 class StoreError(Exception):

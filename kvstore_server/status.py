@@ -3,6 +3,7 @@
     Outcome.INVALID   -> INVALID_ARGUMENT      Outcome.EXHAUSTED -> RESOURCE_EXHAUSTED
     Outcome.NOT_FOUND -> NOT_FOUND             Outcome.EXPIRED   -> FAILED_PRECONDITION
     Outcome.UNAUTHENTICATED -> UNAUTHENTICATED Outcome.DENIED    -> PERMISSION_DENIED
+    Outcome.UNFINISHED -> ABORTED
     malformed input (Invalid, KeyError_, ValueError) -> INVALID_ARGUMENT
     anything else -> INTERNAL, logged with its traceback (the caller sees no internals)
 
@@ -33,6 +34,7 @@ CODES = {
     Outcome.EXPIRED: grpc.StatusCode.FAILED_PRECONDITION,
     Outcome.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     Outcome.DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    Outcome.UNFINISHED: grpc.StatusCode.ABORTED,
 }
 
 

@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["BreakerState", "FarBreaker"]
+__all__ = ["BreakerState", "FarBreaker", "ShardBreakers"]
 
 log = logging.getLogger("kvstore.far")
 
@@ -50,7 +50,8 @@ class FarBreaker:
     """allow() before a call; record(ok) after it. Thread-safe."""
 
     def __init__(self, threshold: int = 3, probe_interval: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, name: str = "") -> None:
+        self.name = name                        # in log lines: "" for the cluster, or a shard
         self.threshold = threshold
         self.probe_interval = probe_interval
         self._clock = clock
@@ -78,6 +79,10 @@ class FarBreaker:
         log.debug("far tier: breaker half-open, probing the cluster")
         return True
 
+    def like(self, name: str) -> FarBreaker:
+        """A new breaker with this one's settings and clock (one per shard)."""
+        return FarBreaker(self.threshold, self.probe_interval, self._clock, name)
+
     def now(self) -> float:
         """The breaker's clock: what a call passes back to record() as `started`."""
         return self._clock()
@@ -103,11 +108,77 @@ class FarBreaker:
                     self._next_probe = now + self.probe_interval
         # Closed -> open and open -> closed are what an operator needs to see; a failed
         # probe (half-open -> open again, once per probe interval) only at DEBUG.
+        where = f"far tier{' shard ' + self.name if self.name else ''}"
         if ok and was_open:
-            log.warning("far tier: breaker closed, the cluster answers again")
+            log.warning("%s: breaker closed, the cluster answers again", where)
         elif not ok and opened:
-            log.warning("far tier: breaker open after %d failed calls (last: %s); misses "
-                        "until a probe succeeds (every %.1fs)", self._failures,
+            log.warning("%s: breaker open after %d failed calls (last: %s); misses "
+                        "until a probe succeeds (every %.1fs)", where, self._failures,
                         why or "unknown", self.probe_interval)
         elif not ok and probing:
-            log.debug("far tier: probe failed (%s), breaker stays open", why or "unknown")
+            log.debug("%s: probe failed (%s), breaker stays open", where, why or "unknown")
+
+
+class ShardBreakers:
+    """A breaker per master of the cluster, and one for the cluster as a whole.
+
+    The far client sends each master's commands apart (shards.py), so a hung master must
+    stop only its own slots being asked: `shard(address)` is that master's breaker. The
+    cluster's own breaker (`allow`, `record`, `now`) guards what no shard answers for:
+    learning the slot map, which a server started while the cluster is down cannot do.
+    `state` is what the kvstore_far_breaker_state gauge and admin stats show: OPEN when
+    the cluster's own is, or every master of the current map asked so far is open,
+    HALF_OPEN while one such is probing, CLOSED while any is asked; `open_shards` says
+    how many masters are held back."""
+
+    def __init__(self, cluster: FarBreaker) -> None:
+        self.cluster = cluster
+        self._lock = threading.Lock()           # guards the two fields below
+        self._shards: dict[tuple[str, int], FarBreaker] = {}
+        self._current: tuple[tuple[str, int], ...] = ()     # masters of the current map
+
+    def shard(self, address: tuple[str, int]) -> FarBreaker:
+        with self._lock:
+            breaker = self._shards.get(address)
+            if breaker is None:
+                breaker = self._shards[address] = self.cluster.like(f"{address[0]}:{address[1]}")
+            return breaker
+
+    def closed(self, address: tuple[str, int]) -> bool:
+        """Whether a master is asked (one never asked is)."""
+        with self._lock:
+            breaker = self._shards.get(address)
+        return breaker is None or breaker.state is BreakerState.CLOSED
+
+    def masters(self, addresses) -> None:
+        """The masters of the slot map now in use: the ones `state` speaks for."""
+        with self._lock:
+            self._current = tuple(addresses)
+
+    def open_shards(self) -> tuple[int, int]:
+        """(masters whose breaker is not closed, masters) of the current map."""
+        with self._lock:
+            current = [self._shards.get(a) for a in self._current]
+        states = [b.state if b is not None else BreakerState.CLOSED for b in current]
+        return sum(s is not BreakerState.CLOSED for s in states), len(states)
+
+    @property
+    def state(self) -> BreakerState:
+        if self.cluster.state is not BreakerState.CLOSED:
+            return self.cluster.state
+        with self._lock:
+            current = [self._shards.get(a) for a in self._current]
+        states = [b.state for b in current if b is not None]     # masters asked so far
+        if not states or BreakerState.CLOSED in states:
+            return BreakerState.CLOSED
+        return (BreakerState.HALF_OPEN if BreakerState.HALF_OPEN in states
+                else BreakerState.OPEN)
+
+    def allow(self) -> bool:
+        return self.cluster.allow()
+
+    def record(self, ok: bool, why: str = "", started: float | None = None) -> None:
+        self.cluster.record(ok, why, started)
+
+    def now(self) -> float:
+        return self.cluster.now()

@@ -35,16 +35,21 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import TimeoutError as FuturesTimeout
+from dataclasses import dataclass
+from typing import Any
 
 import glide_sync as glide
 
 from . import codec, inplace
-from .breaker import FarBreaker
-from .keys import group_by_bucket, namespace_pattern, page_key
+from .breaker import BreakerState, FarBreaker, ShardBreakers
+from .keys import SLOTS, group_by_bucket, namespace_pattern, page_key
 from .metrics import FarCounters
 from .settings import ClusterMode, FarSettings
+from .shards import Address, SlotMap, command_slot, parse_slots
 
-__all__ = ["EXISTS_SCRIPT", "FarClient", "connect"]
+__all__ = ["EXISTS_SCRIPT", "ClearResult", "FarClient", "NotAsked", "connect"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +63,41 @@ WRITE_TIMEOUT = 2.0
 
 Commands = list[list[bytes | str]]
 
+# Connects to one node (node given) or to the whole deployment: connect() fits.
+Connect = Callable[..., object]
+
+# A call's batches for masters other than its first run on these threads, all at once
+# (the first on the caller's own): ParallelReader's 16 reads over 3 masters keep 32 of
+# them busy; the rest are for writes, deletes and the slot map's refreshes.
+SHARD_WORKERS = 48
+
+# Least time between two refreshes of the slot map (shards.py): while a master hangs,
+# every call to it fails and asks for one.
+REFRESH_INTERVAL = 0.2
+
+# How long an admin clear of the far tier (clear) may take on the request's path: within
+# kvstore-admin's default --timeout of 5 s, so the operator gets an answer that says what
+# was and was not removed; the rest goes on in the background (writer.py).
+CLEAR_BUDGET = 3.0
+
+
+class NotAsked(glide.RequestError):
+    """A command's answer when its master was not asked: its breaker is open, another
+    thread is still connecting to it, or no master serves its slot."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClearResult:
+    """What one clear removed, and the masters where it did not finish (unreachable,
+    out of time, a slot moved): their pages of the pattern may still be there."""
+
+    removed: int
+    unfinished: tuple[str, ...] = ()       # "host:port" of each
+
+    @property
+    def complete(self) -> bool:
+        return not self.unfinished
+
 
 def _cluster_enabled(settings: FarSettings, base: dict) -> bool:
     # one address: a standalone client given several masters refuses them all
@@ -70,12 +110,17 @@ def _cluster_enabled(settings: FarSettings, base: dict) -> bool:
     return b"cluster_enabled:1" in (info if isinstance(info, bytes) else str(info).encode())
 
 
-def connect(settings: FarSettings, **options):
-    """A glide client for the settings: cluster or standalone (auto: ask the first node).
-    `options` go to glide's configuration as they are (tests pass address_resolver).
-    Raises glide's errors when nothing answers."""
+def connect(settings: FarSettings, node: Address | None = None, **options):
+    """A glide client: to one node when `node` is given (a standalone client: the far
+    client keeps one per master, shards.py), else for the settings as a whole, cluster
+    or standalone (auto: ask the first node). `options` go to glide's configuration as
+    they are, but for `address_resolver`, which maps a node's announced address to the
+    one to dial (tests pass a delay proxy's). Raises glide's errors when nothing answers."""
     ms = max(1, int(settings.timeout * 1000))
-    base = dict(options, addresses=[glide.NodeAddress(h, p) for h, p in settings.nodes],
+    resolver = options.pop("address_resolver", None) if node is not None else None
+    addresses = ([node if resolver is None else resolver(*node)] if node is not None
+                 else settings.nodes)
+    base = dict(options, addresses=[glide.NodeAddress(h, p) for h, p in addresses],
                 use_tls=settings.tls, request_timeout=ms,
                 credentials=(glide.ServerCredentials(settings.password, settings.username)
                              if settings.password or settings.username else None),
@@ -84,6 +129,8 @@ def connect(settings: FarSettings, **options):
            if settings.tls and settings.ca_pem else None)
     base["advanced_config"] = glide.AdvancedGlideClientConfiguration(
         connection_timeout=ms, tls_config=tls)
+    if node is not None:
+        return glide.GlideClient.create(glide.GlideClientConfiguration(**base))
     cluster = settings.cluster is ClusterMode.ON or (
         settings.cluster is ClusterMode.AUTO and _cluster_enabled(settings, base))
     if cluster:
@@ -105,48 +152,212 @@ def _exec(client, commands: Commands, ms: int) -> list:
                             options=options) or [])
 
 
+def _free_all(frees: list[Callable[[], None]]) -> Callable[[], None]:
+    if not frees:
+        return _nothing
+    if len(frees) == 1:
+        return frees[0]
+
+    def free() -> None:
+        for f in frees:
+            f()
+    return free
+
+
+# What a shard's batch gave: its replies or the exception that ended it, a free() for
+# in-place replies, and when it started (the breaker's clock).
+_ShardOutcome = tuple[list | glide.GlideError, Callable[[], None], float]
+
+
 class FarClient:
-    """exists / get / put / delete of one layout's pages; answers, never raises."""
+    """exists / get / put / delete of one layout's pages; answers, never raises.
+
+    Each call's commands go to their slot's master, one batch per master, all at once
+    (shards.py says why); a master whose breaker is open is not asked (its keys miss)."""
 
     def __init__(self, settings: FarSettings, counters: FarCounters | None = None,
-                 breaker: FarBreaker | None = None,
-                 connect: Callable[[FarSettings], object] = connect) -> None:
+                 breaker: FarBreaker | ShardBreakers | None = None,
+                 connect: Connect = connect) -> None:
         self.settings = settings
         self.counters = counters or FarCounters()
-        self.breaker = breaker or FarBreaker()
+        self.breaker = (breaker if isinstance(breaker, ShardBreakers)
+                        else ShardBreakers(breaker or FarBreaker()))
         self._connect = connect
-        self._lock = threading.Lock()       # guards _client: made once, by one thread
-        self._client = None                 # glide client; None until the first call
+        self._lock = threading.Lock()       # guards the fields below
+        self._nodes: dict[Address, Any] = {}                # a glide client per node
+        self._dialing: dict[Address, threading.Lock] = {}   # held while connecting to it
+        self._map: SlotMap | None = None    # None until learned
+        self._standalone = settings.cluster is ClusterMode.OFF
+        self._refresh_at = 0.0              # monotonic time before which no refresh starts
+        self._refreshing = False
+        self._closed = False
+        self._pool = ThreadPoolExecutor(SHARD_WORKERS, thread_name_prefix="kvstore-far-shard")
         # read() looks at values in glide's reply (inplace.py) where glide allows it;
         # off: it copies them out through exec, as get() does (tests compare the two).
         self.in_place = True
-        self._readable_in_place = False     # whether _client allows it (inplace.supported)
+        self._readable_in_place = False     # whether the node clients allow it
 
-    def _glide(self):
+    def _submit(self, fn: Callable, *args) -> Future:
+        """fn(*args) on the pool; run here instead once the pool takes no more work
+        (the interpreter is exiting: a server's graceful stop still writes its pages)."""
+        try:
+            return self._pool.submit(fn, *args)
+        except RuntimeError:
+            done: Future = Future()
+            done.set_result(fn(*args))
+            return done
+
+    # -- connections and the slot map ----------------------------------------------
+    def _node(self, address: Address, wait: float):
+        """The glide client of one node, connected on first use. A thread that finds
+        another connecting to it waits for that at most `wait` seconds (its call's
+        deadline), then answers NotAsked: a hung node costs a connect the far timeout,
+        and callers must not queue behind one another for it."""
         with self._lock:
-            if self._client is None:
-                self._client = self._connect(self.settings)
-                self._readable_in_place = inplace.supported(self._client)
-                if self.in_place and not self._readable_in_place:
+            client = self._nodes.get(address)
+            if client is not None:
+                return client
+            if self._closed:
+                raise glide.ClosingError("the far client is closed")
+            dialing = self._dialing.setdefault(address, threading.Lock())
+        if not dialing.acquire(timeout=max(wait, 0.0)):
+            raise NotAsked(f"still connecting to {address[0]}:{address[1]}")
+        try:
+            with self._lock:
+                client = self._nodes.get(address)
+            if client is None:
+                client = self._connect(self.settings, address)
+                readable = inplace.supported(client)
+                with self._lock:
+                    first = not self._nodes
+                    self._nodes[address] = client
+                    self._readable_in_place = readable
+                if first and self.in_place and not readable:
                     log.info("far reads copy each value out of glide's reply: this "
                              "valkey-glide-sync is not a release inplace.py reads in place")
-            return self._client
+            return client
+        finally:
+            dialing.release()
 
-    def _drop(self, client) -> None:
-        """Forget a client that glide closed; the next allowed call makes a new one."""
+    def _drop(self, address: Address) -> None:
+        """Forget a node's client that glide closed; the next call makes a new one."""
         with self._lock:
-            if self._client is client:
-                self._client = None
-        try:
-            client.close()
-        except glide.GlideError:
-            pass
+            client = self._nodes.pop(address, None)
+        if client is not None:
+            try:
+                client.close()
+            except glide.GlideError:
+                pass
 
+    def _ask_slots(self, address: Address) -> SlotMap | None:
+        """The slot map as one node tells it; a node without cluster support (auto) makes
+        the client a standalone one, the node serving every slot."""
+        ms = max(1, int(self.settings.timeout * 1000))
+        replies, _, _ = self._shard_call(address, [["CLUSTER", "SLOTS"]], ms, False)
+        if isinstance(replies, BaseException) or not replies:
+            return None
+        reply = replies[0]
+        if isinstance(reply, Exception):
+            if (self.settings.cluster is ClusterMode.AUTO
+                    and "cluster support disabled" in str(reply)):
+                self._standalone = True
+                return SlotMap((0,), (SLOTS - 1,), (address,))
+            return None
+        found = parse_slots(reply, address)
+        return found if found.owners else None
+
+    def _discover(self) -> SlotMap | None:
+        """Ask every node known (masters of the map in use whose breaker is closed first,
+        then the seeds) at once; the first map that comes back wins. Within the far
+        timeout (a node that has not answered by then is left to finish on its own)."""
+        if self._standalone:
+            found: SlotMap | None = SlotMap((0,), (SLOTS - 1,), (self.settings.nodes[0],))
+        else:
+            with self._lock:
+                known = self._map.masters() if self._map is not None else []
+            healthy = [a for a in known if self.breaker.closed(a)]
+            candidates = list(dict.fromkeys([*healthy, *self.settings.nodes, *known]))
+            futures = [self._submit(self._ask_slots, a) for a in candidates]
+            found = None
+            try:
+                for future in as_completed(futures, timeout=self.settings.timeout):
+                    found = future.result()
+                    if found is not None:
+                        break
+            except FuturesTimeout:
+                pass
+        if found is not None:
+            with self._lock:
+                self._map = found
+            self.breaker.masters(found.masters())
+        return found
+
+    def _slot_map(self) -> SlotMap | None:
+        """The map to route by; None when the cluster's breaker holds calls back (no
+        node told the map lately: the whole cluster is down) or no node tells it now.
+        While that breaker is open, one call a probe interval asks again itself."""
+        with self._lock:
+            current = self._map
+        if current is not None and self.breaker.cluster.state is BreakerState.CLOSED:
+            return current
+        if not self.breaker.allow():
+            return None
+        started = self.breaker.now()
+        found = self._discover()
+        if found is None:
+            self.counters.add(errors=1)
+        self.breaker.record(found is not None, "no node told the slot map", started)
+        return found
+
+    def _refresh_soon(self) -> None:
+        """Ask for the slot map again, on a pool thread, at most every REFRESH_INTERVAL:
+        a master failed or a slot moved, and the cluster may have promoted a replica."""
+        now = time.monotonic()
+        with self._lock:
+            if (self._standalone or self._refreshing or self._closed
+                    or now < self._refresh_at):
+                return
+            self._refreshing = True
+            self._refresh_at = now + REFRESH_INTERVAL
+        try:
+            self._pool.submit(self._refresh)
+        except RuntimeError:            # the pool was shut down: closing
+            with self._lock:
+                self._refreshing = False
+
+    def _refresh(self) -> None:
+        try:
+            # a whole cluster down fails every refresh: that opens the cluster's breaker
+            started = self.breaker.now()
+            found = self._discover()
+            self.breaker.record(found is not None, "no node told the slot map", started)
+        finally:
+            with self._lock:
+                self._refreshing = False
+
+    # -- one call: a batch per master, all at once ------------------------------------
     def _run(self, commands: Commands, timeout: float) -> list | None:
-        """Run one batch; per-command results (an exception for a failed command), or
-        None when the call failed whole or was not made (breaker open)."""
+        """Run one call; per-command results (an exception for a command that failed or
+        whose master was not asked), or None when no master could be named (the
+        cluster's breaker is open, or no node told the slot map)."""
         out, _ = self._call(commands, timeout, in_place=False)
         return out
+
+    def _shard_call(self, address: Address, commands: Commands, ms: int,
+                    in_place: bool) -> _ShardOutcome:
+        started = self.breaker.now()
+        try:
+            client = self._node(address, ms / 1000)
+            # a connect made now spent part of the call's deadline
+            left = ms - int((self.breaker.now() - started) * 1000)
+            if left <= 0:
+                raise glide.TimeoutError("connecting took the call's deadline")
+            if in_place and self._readable_in_place:
+                out, free = inplace.run(client, commands, left)
+                return out, free, started
+            return _exec(client, commands, left), _nothing, started
+        except glide.GlideError as exc:
+            return exc, _nothing, started
 
     def _call(self, commands: Commands, timeout: float,
               in_place: bool) -> tuple[list | None, Callable[[], None]]:
@@ -154,30 +365,60 @@ class FarClient:
         glide that allows it) bulk strings are views into glide's reply until then."""
         if not commands:
             return [], _nothing
-        if not self.breaker.allow():
+        slots = self._slot_map()
+        if slots is None:
             self.counters.add(skipped=1)
             return None, _nothing
-        client = None
-        started = self.breaker.now()
-        try:
-            client = self._glide()
-            ms = max(1, int(timeout * 1000))
-            if in_place and self._readable_in_place:
-                out, free = inplace.run(client, commands, ms)
-            else:
-                out, free = _exec(client, commands, ms), _nothing
-        except glide.GlideError as exc:
-            self.counters.add(errors=1)
-            self.breaker.record(False, type(exc).__name__, started)
-            if client is not None and isinstance(exc, glide.ClosingError):
-                self._drop(client)
-            return None, _nothing
-        failed = sum(isinstance(r, Exception) for r in out)
-        if failed:
-            self.counters.add(errors=failed)
-        self.breaker.record(failed < len(out), f"{failed} of {len(out)} commands failed",
-                            started)
-        return out, free
+        out: list = [None] * len(commands)
+        by_master: dict[Address | None, list[int]] = {}
+        for i, command in enumerate(commands):
+            by_master.setdefault(slots.owner(command_slot(command)), []).append(i)
+        jobs: list[tuple[Address, list[int], FarBreaker]] = []
+        refresh = False
+        for address, idx in by_master.items():
+            breaker = self.breaker.shard(address) if address is not None else None
+            if address is None or breaker is None or not breaker.allow():
+                self.counters.add(skipped=1)
+                refresh = True          # the cluster may have promoted a replica
+                why = NotAsked("breaker open" if breaker else "no master serves the slot")
+                for i in idx:
+                    out[i] = why
+                continue
+            jobs.append((address, idx, breaker))
+        ms = max(1, int(timeout * 1000))
+        futures = [self._submit(self._shard_call, address, [commands[i] for i in idx],
+                                     ms, in_place) for address, idx, _ in jobs[1:]]
+        outcomes = [self._shard_call(jobs[0][0], [commands[i] for i in jobs[0][1]], ms,
+                                     in_place)] if jobs else []
+        outcomes += [f.result() for f in futures]
+        frees = []
+        for (address, idx, breaker), (replies, free, started) in zip(jobs, outcomes):
+            frees.append(free)
+            if isinstance(replies, BaseException):
+                self.counters.add(errors=1)
+                breaker.record(False, type(replies).__name__, started)
+                for i in idx:
+                    out[i] = replies
+                if isinstance(replies, glide.ClosingError):
+                    self._drop(address)
+                refresh = refresh or not isinstance(replies, NotAsked)
+                continue
+            failed = 0
+            for n, i in enumerate(idx):
+                reply = replies[n] if n < len(replies) else NotAsked("no reply")
+                out[i] = reply
+                if isinstance(reply, Exception):
+                    failed += 1
+                    # MOVED / ASK: a slot moved (failover, resharding); CLUSTERDOWN
+                    refresh = refresh or str(reply).lstrip("-").startswith(
+                        ("MOVED", "ASK", "CLUSTERDOWN"))
+            if failed:
+                self.counters.add(errors=failed)
+            breaker.record(failed < len(idx), f"{failed} of {len(idx)} commands failed",
+                           started)
+        if refresh:
+            self._refresh_soon()
+        return out, _free_all(frees)
 
     def exists(self, layout_id: bytes, keys: Sequence[bytes],
                timeout: float | None = None) -> list[bool]:
@@ -254,40 +495,90 @@ class FarClient:
         self.counters.add(pages_written=len(stored), bytes_written=sum(stored))
         return len(stored)
 
+    def unlink(self, layout_id: bytes, keys: Sequence[bytes],
+               timeout: float = WRITE_TIMEOUT) -> tuple[int, list[bytes]]:
+        """Remove pages: (how many the cluster held, the keys whose removal it did not
+        confirm: their master failed, hung, moved the slot or was not asked)."""
+        keys = list(keys)
+        groups = list(group_by_bucket(self.settings.namespace, layout_id, keys).values())
+        out = self._run([["UNLINK", *(k for _, k in g)] for g in groups], timeout)
+        held, unconfirmed = 0, list[bytes]()
+        for n, group in enumerate(groups):
+            reply = out[n] if out is not None else None
+            if isinstance(reply, int):
+                held += reply
+            else:
+                unconfirmed.extend(keys[i] for i, _ in group)
+        return held, unconfirmed
+
     def delete(self, layout_id: bytes, keys: Sequence[bytes],
                timeout: float = WRITE_TIMEOUT) -> int:
-        """Remove pages; returns how many the cluster held."""
-        groups = group_by_bucket(self.settings.namespace, layout_id, list(keys)).values()
-        out = self._run([["UNLINK", *(k for _, k in g)] for g in groups], timeout)
-        return sum(r for r in out or () if isinstance(r, int))
+        """Remove pages; returns how many the cluster held (see unlink)."""
+        return self.unlink(layout_id, keys, timeout)[0]
 
-    def clear(self, layout_id: bytes | None = None, deadline: float = 60.0) -> int:
-        """Remove every page of this namespace (of one layout if given): SCAN for the
-        prefix, UNLINK what it finds, for at most `deadline` seconds. Returns pages
-        removed. Other namespaces' keys are never named, so never touched."""
-        if not self.breaker.allow():
-            self.counters.add(skipped=1)
-            return 0
+    def clear(self, layout_id: bytes | None = None,
+              deadline: float = CLEAR_BUDGET) -> ClearResult:
+        """Remove every page of this namespace (of one layout if given): on every master
+        at once, SCAN for the prefix and UNLINK what it finds, for at most `deadline`
+        seconds; what it removed and the masters where it did not finish. Other
+        namespaces' keys are never named, so never touched. Not held back by a breaker:
+        an operator's clear is worth a try, and says what it could not reach."""
         pattern = namespace_pattern(self.settings.namespace, layout_id)
         stop = time.monotonic() + deadline
+        slots = self._slot_map()
+        if slots is None:
+            with self._lock:
+                self._map = None
+            slots = self._discover()
+        if slots is None:
+            return ClearResult(0, ("every node (none told the slot map)",))
+        masters = slots.masters()
+        done = [f.result() for f in [self._submit(self._clear_master, a, pattern, stop)
+                                     for a in masters]]
+        return ClearResult(sum(n for n, _ in done),
+                           tuple(f"{a[0]}:{a[1]}" for a, (_, ok) in zip(masters, done)
+                                 if not ok))
+
+    def _clear_master(self, address: Address, pattern: bytes, stop: float) -> tuple[int, bool]:
+        """(pages removed, finished) of one master's share of a clear."""
+        cursor: bytes | str = "0"
         removed = 0
-        try:
-            client = self._glide()
-            cluster = isinstance(client, glide.GlideClusterClient)
-            cursor = glide.ClusterScanCursor() if cluster else b"0"
-            while time.monotonic() < stop:
-                cursor, names = client.scan(cursor, match=pattern, count=1000)
-                out = self._run([["UNLINK", name] for name in names], WRITE_TIMEOUT)
-                removed += sum(r for r in out or () if isinstance(r, int))
-                if (cursor.is_finished() if cluster else cursor in (b"0", "0")):
-                    break
-        except glide.GlideError as exc:
-            self.counters.add(errors=1)
-            self.breaker.record(False, type(exc).__name__)
-        return removed
+        while True:
+            left = stop - time.monotonic()
+            if left <= 0:
+                return removed, False
+            ms = max(1, int(min(left, WRITE_TIMEOUT) * 1000))
+            replies, _, _ = self._shard_call(
+                address, [["SCAN", cursor, "MATCH", pattern, "COUNT", "1000"]], ms, False)
+            if isinstance(replies, BaseException) or not replies or not isinstance(
+                    replies[0], list):
+                self._refresh_soon()
+                return removed, False
+            cursor, names = replies[0]
+            if names:
+                replies, _, _ = self._shard_call(address, [["UNLINK", n] for n in names],
+                                                 ms, False)
+                if isinstance(replies, BaseException):
+                    self._refresh_soon()
+                    return removed, False
+                removed += sum(r for r in replies if isinstance(r, int))
+                if any(isinstance(r, Exception) for r in replies):
+                    self._refresh_soon()        # a slot moved: the new master's turn
+                    return removed, False
+            if cursor in (b"0", "0"):
+                return removed, True
+
+    def state(self) -> BreakerState:
+        """The breakers' state as the gauge shows it (ShardBreakers.state)."""
+        return self.breaker.state
 
     def close(self) -> None:
         with self._lock:
-            client, self._client = self._client, None
-        if client is not None:
-            client.close()
+            self._closed = True
+            nodes, self._nodes = list(self._nodes.values()), {}
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for client in nodes:
+            try:
+                client.close()
+            except glide.GlideError:
+                pass

@@ -22,13 +22,17 @@
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 import xxhash
 
-__all__ = ["BUCKETS", "bucket_of", "group_by_bucket", "page_key", "namespace_pattern"]
+__all__ = ["BUCKETS", "SLOTS", "bucket_of", "group_by_bucket", "page_key", "namespace_pattern",
+           "slot_of"]
 
 BUCKETS = 64
+
+SLOTS = 16384       # hash slots of a Redis/Valkey Cluster
 
 
 def bucket_of(key: bytes) -> int:
@@ -60,3 +64,34 @@ def group_by_bucket(namespace: str, layout_id: bytes,
 def namespace_pattern(namespace: str, layout_id: bytes | None = None) -> bytes:
     """A SCAN MATCH pattern for every page of the namespace, or of one layout in it."""
     return (f"{namespace}:{{{layout_id.hex()}.*" if layout_id else f"{namespace}:*").encode()
+
+
+def _crc16_table() -> list[int]:
+    table = []
+    for byte in range(256):
+        crc = byte << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021 if crc & 0x8000 else crc << 1) & 0xFFFF
+        table.append(crc)
+    return table
+
+
+_CRC16 = _crc16_table()
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def slot_of(name: bytes) -> int:
+    """The cluster's hash slot of a Redis key: CRC16 (XMODEM) of its hash tag (the
+    bytes between the first `{` and the next `}`, when not empty), else of the whole
+    name, mod 16384, as the cluster specification defines it. The far client routes
+    each command to its slot's master by it (shards.py). Cached: a layout's pages share
+    64 tags, and a key's page name differs per page, so callers pass the tag part."""
+    start = name.find(b"{")
+    if start >= 0:
+        end = name.find(b"}", start + 1)
+        if end > start + 1:
+            name = name[start + 1:end]
+    crc = 0
+    for byte in name:
+        crc = ((crc << 8) & 0xFFFF) ^ _CRC16[(crc >> 8) ^ byte]
+    return crc % SLOTS

@@ -31,6 +31,10 @@ class FarCounters:
     errors: int = 0             # commands or calls that failed (timeout, refused, down)
     skipped: int = 0            # calls not made: breaker open
     drops: int = 0              # pages not written: write queue full
+    deletes_retried: int = 0    # deleted keys sent again (the cluster had not confirmed)
+    deletes_dropped: int = 0    # deleted keys not retried: too many already waiting
+    deletes_pending: int = 0    # a gauge, set by writer.py: deleted keys and clears that
+                                # the cluster has not confirmed yet
     rejected: dict = dataclasses.field(default_factory=dict)   # Reason -> values refused
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
@@ -67,7 +71,11 @@ class FarCollector:
                  "misses)", c.errors),
                 ("kvstore_far_skipped", "Far calls not made: breaker open", c.skipped),
                 ("kvstore_far_queue_drops", "Pages not written: write-behind queue full",
-                 c.drops)):
+                 c.drops),
+                ("kvstore_far_deletes_retried", "Deleted keys sent to the cluster again: "
+                 "their first UNLINK was not confirmed", c.deletes_retried),
+                ("kvstore_far_deletes_dropped", "Deleted keys not retried: too many deletes "
+                 "already waited for the cluster", c.deletes_dropped)):
             family = CounterMetricFamily(name, doc)
             family.add_metric([], value)
             yield family
@@ -86,6 +94,11 @@ class FarCollector:
                                    "Bytes waiting in the write-behind queue")
         qbytes.add_metric([], nbytes)
         yield qbytes
+        pending = GaugeMetricFamily("kvstore_far_deletes_pending",
+                                    "Deleted keys and clears the cluster has not confirmed "
+                                    "yet (retried until it does)")
+        pending.add_metric([], c.deletes_pending)
+        yield pending
         state = GaugeMetricFamily("kvstore_far_breaker_state",
                                   "Far tier breaker: 0 closed, 1 open, 2 half-open")
         state.add_metric([], int(self._breaker_state()))

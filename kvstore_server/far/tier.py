@@ -6,21 +6,26 @@ DRAM -> disk -> far is a chain of one interface. This adapter maps it onto the f
 tier's parts:
 
     offer(layout, key, page)     -> WriteBehind.offer: a copy queued, never waits;
-                                    refused while the breaker is open (no copy made)
-                                    and under --far-write off
+                                    refused under --far-write off only
     contains(layout, keys)       -> FarClient.exists: one round trip per shard, within
                                     --far-timeout; what it cannot learn in time is a miss
     read_into(layout, keys, outs)-> FarClient.read in parts of about 1 MiB, several in
                                     flight (reads.py), each verified page copied into its
                                     out buffer from glide's reply as its part lands
-    delete(layout, keys)         -> FarClient.delete (UNLINK)
-    evict(layout / everything)   -> FarClient.clear: this namespace's keys only; a byte
-                                    amount is the cluster's own eviction's business
+    delete(layout, keys)         -> queued writes of the keys dropped, tombstones made,
+                                    FarClient.unlink within --far-timeout; what the
+                                    cluster did not confirm is retried (writer.py)
+    evict(layout / everything)   -> FarClient.clear: this namespace's keys only, within
+                                    CLEAR_BUDGET; one that did not finish is retried in
+                                    the background and fails the admin's call with what
+                                    it did and did not remove. A byte amount is the
+                                    cluster's own eviction's business
     describe(layout, key)        -> one EXISTS (admin Inspect only)
     levels()                     -> one TierStats "far" from the client's counters
     flush(timeout) / close()     -> the write-behind queue's, then glide's
 
-Every method answers; none raises on the cluster's behalf (misses, False, 0).
+Every method answers; none raises on the cluster's behalf (misses, False, 0), but for
+an admin's evict that did not reach the whole cluster: the operator must learn that.
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..errors import Outcome, StoreError
 from ..tier import PageInfo, TierStats
 from .breaker import BreakerState
-from .client import FarClient
+from .client import CLEAR_BUDGET, FarClient
 from .codec import Reason
 from .reads import ParallelReader
 from .settings import WritePolicy
@@ -62,12 +68,19 @@ class FarTier:
     def __init__(self, client: FarClient, writer: WriteBehind | None = None) -> None:
         self.client = client
         self.writes = client.settings.write is not WritePolicy.OFF
-        self.writer = writer or WriteBehind(client.put, client.settings.queue_bytes,
-                                            client.counters)
+        self.writer = writer or WriteBehind(
+            client.put, client.settings.queue_bytes, client.counters,
+            unlink=lambda layout_id, keys: client.unlink(layout_id, keys)[1],
+            clear=lambda layout_id: client.clear(layout_id).complete)
         self.reader = ParallelReader(client.read, client.settings.timeout)
 
     def offer(self, layout_id: bytes, key: bytes, page) -> bool:
-        if not self.writes or self.client.breaker.state is BreakerState.OPEN:
+        # Taken whatever the breakers say: the writer's calls are what probes a cluster
+        # that came back, on a host that only puts (a prefill host writing through). When
+        # open breakers turned pages away here, only a read could probe, and such a host
+        # wrote 0 of 64 pages put in the 6 s after the cluster came back. A batch that
+        # meets an open breaker is not sent (counted as skipped), the queue bounds the rest.
+        if not self.writes:
             return False
         return self.writer.offer(layout_id, key, page)
 
@@ -92,7 +105,18 @@ class FarTier:
         return got
 
     def delete(self, layout_id: bytes, keys: Sequence[bytes]) -> int:
-        return self.client.delete(layout_id, keys)
+        """Gone for good: queued writes of the keys dropped, UNLINK within --far-timeout
+        (it is on a request's path), and what the cluster did not confirm, or may see a
+        write of land after it, retried by the writer until it does (writer.py). Returns
+        how many the cluster said it held."""
+        keys = list(dict.fromkeys(keys))
+        if not keys:
+            return 0
+        generation, writing = self.writer.forget(layout_id, keys)
+        held, unconfirmed = self.client.unlink(layout_id, keys, self.client.settings.timeout)
+        skip = writing.union(unconfirmed)
+        self.writer.settle(layout_id, [k for k in keys if k not in skip], generation)
+        return held
 
     def describe(self, layout_id: bytes, key: bytes) -> PageInfo | None:
         """Held or not (one EXISTS); its size is not asked for: that would fetch it."""
@@ -101,9 +125,13 @@ class FarTier:
         return PageInfo("far", "HELD", 0)
 
     def state(self) -> str:
-        """What admin stats shows: reachable, or what the breaker says."""
+        """What admin stats shows: reachable, or what the breakers say."""
+        state = self.client.breaker.state
+        held_back, masters = self.client.breaker.open_shards()
+        if state is BreakerState.CLOSED and held_back:
+            return f"{held_back} of {masters} shards unreachable"
         return {BreakerState.CLOSED: "reachable", BreakerState.OPEN: "breaker open",
-                BreakerState.HALF_OPEN: "probing"}[self.client.breaker.state]
+                BreakerState.HALF_OPEN: "probing"}[state]
 
     def levels(self) -> tuple[TierStats, ...]:
         c = self.client.counters
@@ -118,13 +146,26 @@ class FarTier:
               everything: bool = False) -> tuple[int, int]:
         """A layout's pages, or all of this namespace's: (pages, 0) — the cluster does not
         say how many bytes UNLINK freed. A byte amount alone evicts nothing: the
-        cluster's maxmemory policy decides that."""
+        cluster's maxmemory policy decides that. Raises StoreError(UNFINISHED) when the
+        clear did not finish on every master within CLEAR_BUDGET (one hangs, the cluster
+        is down, too many keys): it goes on in the background until it does."""
         if layout_id is None and not everything:
             return 0, 0
-        # Pages still queued (an admin's `evict --tier all` spills DRAM first) would land
-        # after the clear: send them first, for a bounded time.
-        self.writer.flush(CLOSE_TIMEOUT)
-        return self.client.clear(layout_id if not everything else None), 0
+        target = None if everything else layout_id
+        # Pages still queued would land after the clear: they are dropped, not sent first
+        # (sending them waited up to 5 s behind a hung master, past kvstore-admin's own
+        # deadline), and the batch being written is cleared again once it has landed.
+        self.writer.forget_all(target)
+        result = self.client.clear(target)
+        if not result.complete:
+            self.writer.clear_later(target)
+            raise StoreError(
+                Outcome.UNFINISHED,
+                f"far tier: removed {result.removed} pages, but the clear did not finish "
+                f"on {', '.join(result.unfinished)} within {CLEAR_BUDGET:g}s (unreachable, "
+                f"or more keys than that allows): the rest is removed in the background, "
+                f"retried until the cluster confirms it (kvstore_far_deletes_pending)")
+        return result.removed, 0
 
     def flush(self, timeout: float) -> int:
         self.writer.flush(timeout)

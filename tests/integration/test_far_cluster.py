@@ -73,7 +73,7 @@ def test_a_read_in_glides_reply_serves_what_exec_serves(client):
     assert client.put(layout, list(zip(keys, pages))) == len(keys)
     # The release inplace.py was written against reads in place; any other through exec.
     known = metadata.version("valkey-glide-sync").startswith(inplace._RELEASES)
-    assert inplace.supported(client._glide()) == known
+    assert inplace.supported(client._node(client._slot_map().masters()[0], 5.0)) == known
     assert not inplace.supported(object())          # not glide: exec, not an error
     hits = client.counters.hits
     want = pages + [None]
@@ -97,7 +97,8 @@ def test_4096_key_lookup_is_one_round_trip_per_shard(far_cluster):
     delay = 0.2
     proxies = DelayProxies([n.port for n in far_cluster.nodes], delay)
     c = FarClient(parse_far(",".join(far_cluster.urls), timeout=5.0),
-                  connect=lambda s: connect(s, address_resolver=proxies.resolve))
+                  connect=lambda s, node=None: connect(s, node,
+                                                        address_resolver=proxies.resolve))
     try:
         layout = os.urandom(16)
         keys = [os.urandom(16) for _ in range(4096)]

@@ -61,7 +61,7 @@ def test_standalone_with_a_password_file(standalone, tmp_path, mode):
         c.read(layout, list(pages), None, lambda i, p: read.setdefault(i, bytes(p)))
         assert [read[i] for i in range(10)] == list(pages.values())
         assert c.exists(layout, list(pages)) == [True] * 10
-        assert c.clear(layout) == 10 and c.exists(layout, list(pages)) == [False] * 10
+        assert c.clear(layout).removed == 10 and c.exists(layout, list(pages)) == [False] * 10
     finally:
         c.close()
 

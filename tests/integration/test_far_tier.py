@@ -1,6 +1,6 @@
 """FarTier, the far tier in the storage engine's tier shape, on a real 3-master cluster:
 two hosts' tiers share pages byte-exact, reads are batched by bytes, evict and clear
-reach only their own namespace, an open breaker refuses spills."""
+reach only their own namespace."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from kvstore_server.far import reads
-from kvstore_server.far.breaker import BreakerState, FarBreaker
 from kvstore_server.far.client import FarClient
 from kvstore_server.far.settings import parse_far
 from kvstore_server.far.reads import ParallelReader
@@ -110,15 +109,3 @@ def test_delete_forgets(hosts):
     layout, key = os.urandom(16), os.urandom(16)
     a.client.put(layout, [(key, b"page")])
     assert b.delete(layout, [key]) == 1 and not a.contains(layout, [key]).any()
-
-
-def test_an_open_breaker_refuses_spills(far_cluster):
-    breaker = FarBreaker(threshold=1, probe_interval=60)
-    t = FarTier(FarClient(parse_far(",".join(far_cluster.urls)), breaker=breaker))
-    try:
-        breaker.record(False, "test")
-        assert breaker.state is BreakerState.OPEN
-        assert not t.offer(os.urandom(16), b"k", b"page")
-        assert t.writer.depth() == (0, 0)
-    finally:
-        t.close()
