@@ -12,6 +12,7 @@ children that drop to it with setuid."""
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import pwd
 import re
@@ -31,6 +32,7 @@ from kvstore_testing.serverproc import ServerProcess, free_port_pair
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
 from kvstore_client import dataplane
 from kvstore_client import fastwire as fw
+from kvstore_client import presence
 from kvstore_client.unixpeer import ServerIdentity, UntrustedSocket, check_peer
 from tests.waiting import wait_for
 
@@ -108,6 +110,12 @@ class Impostor:
         moment it appears (what `answer()` then returns: the name made)."""
         os.write(self._cmd_w, f"block {shm_dir}\n".encode())
 
+    def presence(self, path: str) -> str:
+        """Make a file at path that looks like a live server's presence map with every
+        counter 0 (every key absent), its heartbeat kept fresh: 'ok' or the error's name."""
+        os.write(self._cmd_w, f"presence {path}\n".encode())
+        return self._out.readline().strip()
+
     def answer(self) -> str:
         return self._out.readline().strip()
 
@@ -137,6 +145,8 @@ class Impostor:
                     out.write(self._bind(arg) + "\n")
                 elif verb == "block":
                     out.write(self._block(arg) + "\n")
+                elif verb == "presence":
+                    out.write(self._presence(arg) + "\n")
 
     def _bind(self, path: str) -> str:
         try:
@@ -167,6 +177,24 @@ class Impostor:
                 pass
             finally:
                 conn.close()
+
+    @staticmethod
+    def _presence(path: str) -> str:
+        page, bits = 4096, 12
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            os.ftruncate(fd, page + (1 << bits))
+            head = mmap.mmap(fd, page)
+        except OSError as exc:
+            return type(exc).__name__
+
+        def beat() -> None:
+            while True:
+                presence.HEADER.pack_into(head, presence.HEADER_AT, presence.MAGIC, page,
+                                          bits, 0, time.monotonic())
+                time.sleep(0.2)
+        threading.Thread(target=beat, daemon=True).start()
+        return "ok"
 
     @staticmethod
     def _block(shm_dir: str) -> str:
@@ -253,6 +281,42 @@ def test_after_a_restart_no_token_goes_to_another_users_socket(impostor, shared_
                 assert c.lookup(ns, keys) == 16
             assert impostor.got() == b"", "the client sent the impostor its HELLO (token)"
             assert TOKEN.encode() not in impostor.got()
+    finally:
+        first.stop()
+
+
+def test_after_a_restart_no_presence_map_is_read_from_another_users_file(
+        impostor, shared_dir, monkeypatch):
+    """The presence map answers misses without a call, so a map another user forged
+    (every key absent, heartbeat fresh) at the old pool's name would make every lookup a
+    miss. The client opens a map only at the path a fresh Attach names, and only a file
+    of the server's uid: after the restart it counts the restarted server's pages."""
+    monkeypatch.setattr(dataplane, "RETRY_S", 0.2)
+    port = free_port_pair()
+    keys = [f"presence-{i}".encode().ljust(16, b".") for i in range(8)]
+    data = pages(8, seed=4)
+    first = ServerProcess(dram="64MiB", port=port, shm_dir=shared_dir).start()
+    try:
+        with KVStoreClient(first.address, shared_memory=True, retries=1, timeout=3) as c:
+            ns = c.register_layout(LAYOUT)
+            c.put(ns, keys, data)                       # the pool mapped, no lookup yet
+            old_pool = c.region().path
+            assert first.stop() == 0
+            assert impostor.presence(old_pool) == "ok"
+            with ServerProcess(dram="64MiB", port=port, shm_dir=shared_dir) as second:
+                with KVStoreClient(second.address, shared_memory=False) as other:
+                    other.put(other.register_layout(LAYOUT), keys, data)
+
+                def counted() -> bool:
+                    try:
+                        return c.lookup(ns, keys) == 8 and c._data.fast() is not None
+                    except KVStoreError:
+                        return False
+                wait_for(counted, "lookups over the fast path again", timeout=20,
+                         interval=0.2)
+                for _ in range(20):                     # and they stay right
+                    assert c.lookup(ns, keys) == 8
+                assert c.presence_misses == 0
     finally:
         first.stop()
 
