@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import struct
 import urllib.request
 
@@ -160,3 +161,39 @@ def test_a_forged_value_is_a_miss_with_a_counted_reason(fleet, forge, reason):
                 cb.get(nb, [k])
         assert rejected(b, reason) == 8         # each refusal counted under its reason
         assert far_tier(cb).reads == 0
+
+
+def test_a_secret_rotates_through_a_fleet_without_a_restart(fleet, tmp_path):
+    start, raw, namespace = fleet
+    old, new = os.urandom(32).hex(), os.urandom(32).hex()
+    file_a, file_b = tmp_path / "a", tmp_path / "b"
+    file_a.write_text(old + "\n")
+    file_b.write_text(new + "\n" + old + "\n")          # step 1 on B: reads both
+    a = start("through", far_secret_file=str(file_a))
+    b = start("off", far_secret_file=str(file_b))
+    by_old, by_new = keys(4, "old"), keys(4, "new")
+    with KVStoreClient(a.address) as ca, KVStoreClient(b.address) as cb:
+        na, nb = ca.register_layout(LAYOUT), cb.register_layout(LAYOUT)
+        ca.put(na, by_old, pages(4, 10))
+        assert wait_for(lambda: far_tier(ca).writes == 4)
+        assert np.array_equal(cb.get(nb, by_old), pages(4, 10))    # old, accepted
+        replace(file_a, new + "\n" + old + "\n")                   # step 2 on A: signs new
+        time.sleep(1.5)                                             # looked at once a second
+        ca.put(na, by_new, pages(4, 11))
+        assert wait_for(lambda: far_tier(ca).writes == 8)
+        assert np.array_equal(cb.get(nb, by_new), pages(4, 11))
+        replace(file_b, new + "\n")                                # step 3 on B: old gone
+        time.sleep(1.5)
+        cb.evict(everything=True, tier="dram")
+        assert cb.lookup(nb, by_old) == 4                           # names, not pages
+        with pytest.raises(KeyError):
+            cb.get(nb, by_old[:1])
+        assert np.array_equal(cb.get(nb, by_new), pages(4, 11))
+        assert rejected(b, "unknown_key") == 1
+
+
+def replace(path, text: str) -> None:
+    """Write a secret file as an operator's tool would: a new file renamed over the old."""
+    tmp = path.with_suffix(".new")
+    tmp.write_text(text)
+    os.replace(tmp, path)
