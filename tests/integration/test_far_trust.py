@@ -75,8 +75,10 @@ class Cluster:
 
 
 @pytest.fixture
-def fleet(far_cluster):
-    """(start, cluster): start(write) -> a server of one fleet (one namespace per test)."""
+def fleet(fresh_cluster):
+    """(start, raw, namespace): start(write) -> a server of one fleet, on a cluster of 3
+    masters with a replica each, as a fleet's would be; raw plants values in it."""
+    far_cluster = fresh_cluster(3, 1)
     namespace = "t" + os.urandom(4).hex()
     servers = []
     raw = Cluster(far_cluster)
