@@ -82,9 +82,11 @@ class WriteBehind:
         self._closed = False
         self._busy = False                      # the thread is writing a batch
         self._writing: set[tuple[bytes, bytes]] = set()     # (layout, key) of that batch
-        # (layout, key) -> generation of the delete that made it; settled only by the
-        # same generation, so a delete settling late never erases a newer one's
-        self._tombstones: dict[tuple[bytes, bytes], int] = {}
+        # (layout, key) -> (generation of the delete that made it, monotonic time from
+        # which it is retried). Settled only by the same generation, so a delete settling
+        # late never erases a newer one's; retried only once its own delete has had its
+        # try (a retry racing it would take its answer: "held 0")
+        self._tombstones: dict[tuple[bytes, bytes], tuple[int, float]] = {}
         self._generation = 0
         self._clears: dict[bytes | None, None] = {}         # clears to finish, in order
         self._retry_at = 0.0                    # monotonic time of the next retry round
@@ -140,7 +142,8 @@ class WriteBehind:
         """The cluster confirmed these keys' UNLINK: their tombstones go."""
         with self._cond:
             for key in keys:
-                if self._tombstones.get((layout_id, key)) == generation:
+                entry = self._tombstones.get((layout_id, key))
+                if entry is not None and entry[0] == generation:
                     del self._tombstones[(layout_id, key)]
             self._gauge()
 
@@ -168,9 +171,10 @@ class WriteBehind:
 
     def _add_tombstones(self, names, generation: int) -> None:
         dropped = 0
+        entry = (generation, time.monotonic() + RETRY_INTERVAL)
         for name in names:
             if name in self._tombstones or len(self._tombstones) < self.max_tombstones:
-                self._tombstones[name] = generation
+                self._tombstones[name] = entry
             else:
                 dropped += 1
         if dropped:
@@ -237,7 +241,8 @@ class WriteBehind:
                 return
             self._retry_at = now + RETRY_INTERVAL
             clears = list(self._clears)
-            names = list(self._tombstones.items())[:RETRY_BATCH]
+            names = [(name, generation) for name, (generation, due)
+                     in self._tombstones.items() if due <= now or force][:RETRY_BATCH]
         for layout_id in clears:
             try:
                 finished = self._clear(layout_id)
@@ -259,8 +264,8 @@ class WriteBehind:
             self.counters.add(deletes_retried=len(keys))
             with self._cond:
                 for key, generation in entries:
-                    if key not in unconfirmed and self._tombstones.get(
-                            (layout_id, key)) == generation:
+                    entry = self._tombstones.get((layout_id, key))
+                    if key not in unconfirmed and entry is not None and entry[0] == generation:
                         del self._tombstones[(layout_id, key)]
                 self._gauge()
 

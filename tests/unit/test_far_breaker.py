@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from kvstore_server.far.breaker import BreakerState, FarBreaker
+from kvstore_server.far.breaker import BreakerState, FarBreaker, ShardBreakers
 
 
 class Clock:
@@ -73,3 +73,28 @@ def test_calls_in_flight_together_count_once():
     clock.now += 0.5
     b.record(False, "TimeoutError", t)         # the third in a row: open
     assert b.state is BreakerState.OPEN and not b.allow()
+
+
+def test_a_master_s_breaker_holds_back_its_slots_only(caplog):
+    clock = Clock()
+    breakers = ShardBreakers(FarBreaker(threshold=2, probe_interval=1.0, clock=clock))
+    a, b, c = ("10.0.0.1", 7000), ("10.0.0.2", 7000), ("10.0.0.3", 7000)
+    breakers.masters([a, b, c])
+    for address in (a, b, c):
+        breakers.shard(address).record(True)
+    with caplog.at_level(logging.INFO, logger="kvstore.far"):
+        for _ in range(2):
+            breakers.shard(a).record(False, "TimeoutError")
+    assert not breakers.shard(a).allow() and breakers.shard(b).allow()
+    assert breakers.open_shards() == (1, 3) and breakers.state is BreakerState.CLOSED
+    assert "far tier shard 10.0.0.1:7000: breaker open" in caplog.text
+    for address in (b, c):
+        for _ in range(2):
+            breakers.shard(address).record(False, "TimeoutError")
+    assert breakers.state is BreakerState.OPEN and breakers.open_shards() == (3, 3)
+    breakers.masters([a, b, ("10.0.0.4", 7000)])      # a replica took c's slots over
+    assert breakers.open_shards() == (2, 3) and breakers.state is BreakerState.OPEN
+    clock.now += 1.0
+    assert breakers.shard(a).allow()                  # a's probe
+    breakers.shard(a).record(True)
+    assert breakers.state is BreakerState.CLOSED and breakers.open_shards() == (1, 3)

@@ -75,3 +75,50 @@ def test_a_failing_put_does_not_stop_the_writer():
     assert w.flush(5)
     w.close()
     assert calls == [1, 1] and w.counters.errors == 2
+
+
+class Unlinker:
+    """An unlink function whose cluster confirms nothing until told to."""
+
+    def __init__(self) -> None:
+        self.answering = False
+        self.calls: list[list[bytes]] = []
+
+    def __call__(self, layout_id, keys):
+        self.calls.append(list(keys))
+        return [] if self.answering else list(keys)
+
+
+def test_a_delete_drops_the_queued_writes_of_its_keys():
+    sink = Sink()
+    sink.open.clear()
+    w = WriteBehind(sink, max_bytes=1 << 20)
+    lid = b"L" * 16
+    w.offer(lid, b"first", b"p")
+    wait_for(lambda: not w.depth()[0], "the writer to take the first page")
+    for k in (b"a", b"b", b"c"):
+        w.offer(lid, k, b"p")
+    generation, writing = w.forget(lid, [b"b", b"first"])
+    assert writing == {b"first"}                # being written: not to settle before it lands
+    assert w.depth() == (2, 2)
+    w.settle(lid, [b"b"], generation)
+    sink.open.set()
+    w.close()
+    assert [k for _, items in sink.calls for k, _ in items] == [b"first", b"a", b"c"]
+
+
+def test_unconfirmed_deletes_are_retried_until_the_cluster_confirms_them():
+    unlink = Unlinker()
+    w = WriteBehind(Sink(), max_bytes=1 << 20, unlink=unlink, tombstones=3)
+    lid = b"L" * 16
+    w.forget(lid, [b"a", b"b", b"c", b"d"])     # d: past the bound, counted, not kept
+    assert w.pending() == 3 and w.counters.deletes_dropped == 1
+    assert w.counters.deletes_pending == 3
+    wait_for(lambda: len(unlink.calls) >= 2, "two rounds of retries", timeout=5)
+    assert w.pending() == 3                     # still unconfirmed
+    w.offer(lid, b"c", b"page")                 # put again: the new page is the right one
+    assert w.pending() == 2
+    unlink.answering = True
+    wait_for(lambda: w.pending() == 0, "the retries to be confirmed", timeout=5)
+    assert w.counters.deletes_retried >= 6 and w.counters.deletes_pending == 0
+    w.close()
