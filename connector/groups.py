@@ -153,7 +153,7 @@ def cache_groups(kv_cache_config: Any) -> list[CacheGroup]:
             index, kind, tuple(group.layer_names), 1 if mla else spec.num_kv_heads,
             spec.head_size, _dtype(spec.dtype), mla, reach,
             "" if lone else _scope(index, kind, spec, group.layer_names)))
-    if not lone and not any(g.kind is GroupKind.FULL for g in groups):
+    if not lone and all(g.kind is GroupKind.SLIDING for g in groups):
         # Every hit is bounded by full attention's count; with none, nothing aligns it.
         raise UnsupportedCache("kvstore connector: a hybrid model without a full-attention "
                                "group is not supported")
