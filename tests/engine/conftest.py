@@ -43,11 +43,11 @@ def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _reference(model: Path) -> dict[tuple[int, ...], list[int]]:
     """Greedy tokens of every prompt of the suite from the same engine without a connector."""
     from engine import EngineProc
-    from prompts import MAX_TOKENS, ROUND, SECOND, key
+    from prompts import MAX_TOKENS, PREEMPT, ROUND, SECOND, key
 
     ref = EngineProc(model, name="reference")
     try:
-        prompts = ROUND + SECOND
+        prompts = ROUND + SECOND + PREEMPT
         outputs = ref.generate(prompts, MAX_TOKENS)
     finally:
         ref.close()

