@@ -262,9 +262,16 @@ def test_one_hung_master_of_three_costs_only_its_slots(fresh_cluster):
             deleted.extend(before)
             sigstop(victim.proc.pid)
             phase[0] = "during"
-            time.sleep(3)
+            # a server started while the master hangs serves the healthy slots' pages
+            with ServerProcess(**{**flags, "far_write": "off"}) as c, \
+                    KVStoreClient(c.address) as cc:
+                nc = cc.register_layout(LAYOUT)
+                fresh = sum(cc.exists(nc, ks[24:]))
+            time.sleep(1)
             during = ks[8:16]
+            t = time.monotonic()
             ca.delete(na, during)               # while the master hangs
+            delete_s = time.monotonic() - t
             deleted.extend(during)
             time.sleep(7)
         finally:
@@ -280,6 +287,10 @@ def test_one_hung_master_of_three_costs_only_its_slots(fresh_cluster):
     assert errors == [], errors[:5]
     assert wrong == 0
     assert served["during"] > 0, served         # the healthy slots kept serving
+    assert fresh > 0, "a server started during the hang found no page"
+    # a Delete asks the cluster twice (which keys it holds, then UNLINK), each within
+    # --far-timeout (250 ms), never the 2 s of a write
+    assert delete_s < 1.5, f"a delete during the hang took {delete_s:.2f}s"
     cluster.wait_ok()
     direct = Cluster(cluster, ns)
     try:
