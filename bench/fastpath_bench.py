@@ -467,8 +467,16 @@ def main(argv: list[str] | None = None) -> int:
                         "each over one connection, fast path and gRPC, one server")
     p.add_argument("--tls", action="store_true",
                    help="only: the fast path with and without TLS, two servers side by side")
+    p.add_argument("--sweep", action="store_true",
+                   help="only: what engines call, pages a call by page size, lookups and "
+                        "leases, against a raw TCP peer (bench/fastpath_sweep.py)")
+    p.add_argument("--rounds", type=int, default=0, help="--sweep's rounds (default 3)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.sweep:
+        from .fastpath_sweep import main_sweep
+        print(main_sweep(args.quick, args.rounds))
+        return 0
     if args.tls:
         from .fastpath_tls import tls_report
         print(tls_report(args.runs, args.mib or (32 if args.quick else 128)))

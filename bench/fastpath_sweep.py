@@ -1,0 +1,236 @@
+"""The fast path against a raw TCP peer, call pattern by call pattern: what an engine pays.
+
+An engine on another host calls the store per layer, per lookup, per lease: a few pages a
+call, not 128 MiB. `kvstore-bench fastpath --sweep` measures each pattern an engine uses
+against a raw TCP peer (bench/rawpeer.py: a 9-byte request, then the bytes, no protocol)
+in its own process, in the same run, with the same destination and source buffers:
+
+- get_into and put of N pages a call (N = 1, 8, 32, 128) of 64 KiB, 1 MiB and 4 MiB
+  pages, one connection: GB/s of the median call, and the ratio to the raw peer;
+- one page a call, p50 of the call in microseconds (1x1 latency);
+- a lookup of 16 keys, and a leased lookup of 16 keys with its release (what a remote
+  engine's hit pins and unpins), p50, against the raw peer's request and 16-byte answer;
+- where iperf3 is installed, its one loopback stream: the wire's ceiling for C.
+
+Each round measures every pattern, the raw peer and the fast path one after the other;
+a ratio is taken within a round, and the table gives the median over rounds (>= 3 by
+default), so a noisy neighbour on the shared 2-core machine moves both sides alike.
+The fast path is driven through KVStoreClient (shared_memory=False), as an engine's
+remote connector drives it: key packing and the client's own Python are in the figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kvstore_client import KVStoreClient, PageLayout
+from kvstore_client.buffers import page_aligned_empty
+from kvstore_testing.serverproc import ServerProcess
+
+from .iperf import iperf3_gbps
+from .rawpeer import RawClient
+
+__all__ = ["Sweep", "sweep", "report"]
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def _layout(page_bytes: int) -> PageLayout:
+    """A bf16 layout of exactly page_bytes: 32 layers of 16 tokens, K and V."""
+    per_layer_token = page_bytes // (32 * 16 * 2 * 2)      # heads x head_size
+    return PageLayout(model=f"sweep-{page_bytes // KiB}k", num_layers=32, page_tokens=16,
+                      num_kv_heads=max(1, per_layer_token // 64),
+                      head_size=min(64, per_layer_token))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Sweep:
+    """What one run measures. target_bytes: each pattern repeats until about this many
+    bytes moved (at least min_calls calls, at most max_calls)."""
+
+    page_sizes: tuple[int, ...] = (64 * KiB, 1 * MiB, 4 * MiB)
+    pages_a_call: tuple[int, ...] = (1, 8, 32, 128)
+    rounds: int = 3
+    target_bytes: int = 48 * MiB
+    min_calls: int = 3
+    max_calls: int = 400
+    small_calls: int = 400          # lookups and lease round trips a round
+
+    @staticmethod
+    def quick() -> Sweep:
+        return Sweep(page_sizes=(64 * KiB, 1 * MiB), pages_a_call=(1, 8), rounds=3,
+                     target_bytes=2 * MiB, max_calls=40, small_calls=40)
+
+    def calls(self, call_bytes: int) -> int:
+        return max(self.min_calls, min(self.max_calls, -(-self.target_bytes // call_bytes)))
+
+
+def _times(fn: Callable[[], object], calls: int) -> list[float]:
+    fn()                                      # warm: the first call of a pattern is not it
+    out = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+class _RawPeer:
+    """bench/rawpeer.py in a process of its own, as the server is."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore_bench.rawpeer",
+                                      "127.0.0.1", "0"], stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        self.port = int(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def _round(c: KVStoreClient, raw: RawClient, spec: Sweep, out: np.ndarray, src: np.ndarray,
+           r: int) -> dict[str, float]:
+    """One round: every pattern, raw peer then fast path. Keys name what stored pages
+    a get reads; a put writes fresh keys each call (deleted after it, untimed), so the
+    server stores each page instead of skipping it."""
+    fig: dict[str, float] = {}
+    for page in spec.page_sizes:
+        ns = c.register_layout(_layout(page))
+        assert ns.page_bytes == page, (ns.page_bytes, page)
+        stored = [f"s{page}-{i}".encode().ljust(16, b".") for i in range(max(spec.pages_a_call))]
+        for n in spec.pages_a_call:
+            nbytes = n * page
+            calls = spec.calls(nbytes)
+            dst = out.reshape(-1)[:nbytes].reshape(n, page)
+            flat = memoryview(dst.reshape(-1))
+            data = src.reshape(-1)[:nbytes].reshape(n, page)
+            t_raw = _times(lambda: raw.get(flat), calls)                        # noqa: B023
+            t_fast = _times(lambda: c.get_into(ns, stored[:n], dst), calls)     # noqa: B023
+            tag = f"{page // KiB}k x{n}"
+            fig[f"get {tag} raw"] = nbytes / statistics.median(t_raw) / 1e9
+            fig[f"get {tag} fast"] = nbytes / statistics.median(t_fast) / 1e9
+            if n == 1:
+                fig[f"get {tag} raw us"] = statistics.median(t_raw) * 1e6
+                fig[f"get {tag} fast us"] = statistics.median(t_fast) * 1e6
+            t_raw = _times(lambda: raw.put(memoryview(data.reshape(-1))), calls)  # noqa: B023
+            seq = iter(range(1 << 30))
+
+            def put_fresh() -> float:
+                call = next(seq)
+                keys = [f"p{r}.{page}.{n}.{call}.{i}".encode().ljust(32, b".")  # noqa: B023
+                        for i in range(n)]                                      # noqa: B023
+                t0 = time.perf_counter()
+                c.put(ns, keys, data)                                          # noqa: B023
+                took = time.perf_counter() - t0
+                c.delete(ns, keys)                                             # noqa: B023
+                return took
+
+            put_fresh()
+            t_fast = [put_fresh() for _ in range(calls)]
+            fig[f"put {tag} raw"] = nbytes / statistics.median(t_raw) / 1e9
+            fig[f"put {tag} fast"] = nbytes / statistics.median(t_fast) / 1e9
+    # Round trips of a few bytes: a lookup's answer is 16 bytes, the raw peer's too.
+    small = c.register_layout(_layout(64 * KiB))
+    keys16 = [f"s{64 * KiB}-{i}".encode().ljust(16, b".") for i in range(16)]
+    sixteen = memoryview(bytearray(16))
+    fig["rtt raw us"] = statistics.median(_times(lambda: raw.get(sixteen),
+                                                 spec.small_calls)) * 1e6
+    fig["lookup16 fast us"] = statistics.median(_times(lambda: c.lookup(small, keys16),
+                                                       spec.small_calls)) * 1e6
+
+    def lease_release() -> None:
+        c.release_lease(c.lookup_lease(small, keys16, 10_000))
+
+    fig["lease+release fast us"] = statistics.median(_times(lease_release,
+                                                            spec.small_calls)) * 1e6
+    return fig
+
+
+def sweep(spec: Sweep) -> list[dict[str, float]]:
+    """Rounds of every pattern, one server and one raw peer for all of them."""
+    biggest = max(spec.page_sizes) * max(spec.pages_a_call)
+    stored = sum(spec.page_sizes) * max(spec.pages_a_call)
+    dram = -(-(stored + 2 * biggest + 256 * MiB) // (256 * MiB)) * 256
+    out = page_aligned_empty((biggest,))
+    src = np.random.default_rng(7).integers(0, 256, biggest, dtype=np.uint8)
+    peer = _RawPeer()
+    figures = []
+    try:
+        with ServerProcess(dram=f"{dram}MiB").start(wait=300) as srv, \
+                KVStoreClient(srv.address, timeout=120, shared_memory=False, data_plane=True,
+                              data_connections=1) as c:
+            raw = RawClient("127.0.0.1", peer.port)
+            for page in spec.page_sizes:
+                ns = c.register_layout(_layout(page))
+                n = max(spec.pages_a_call)
+                keys = [f"s{page}-{i}".encode().ljust(16, b".") for i in range(n)]
+                pages = src.reshape(-1)[:n * page].reshape(n, page)
+                c.put(ns, keys, pages)
+                check = page_aligned_empty((n, page))
+                c.get_into(ns, keys, check)
+                if not np.array_equal(check, pages):
+                    raise SystemExit(f"{page} B pages came back different")
+            for r in range(spec.rounds):
+                figures.append(_round(c, raw, spec, out, src, r))
+            raw.close()
+    finally:
+        peer.close()
+    return figures
+
+
+def _med(rounds: list[dict[str, float]], key: str) -> float:
+    return statistics.median(f[key] for f in rounds)
+
+
+def _ratio(rounds: list[dict[str, float]], num: str, den: str) -> float:
+    """The median over rounds of a ratio taken within each round."""
+    return statistics.median(f[num] / f[den] for f in rounds)
+
+
+def report(spec: Sweep, rounds: list[dict[str, float]], iperf: float | None) -> str:
+    lines = [f"medians of {len(rounds)} rounds; raw = bench/rawpeer.py, a plain TCP peer in "
+             "its own process, same run, same call pattern and buffers; one connection each; "
+             "ratio = fast / raw within a round, then the median", "",
+             "| page | pages a call | get fast GB/s | get raw GB/s | get fast/raw | "
+             "put fast GB/s | put raw GB/s | put fast/raw |",
+             "|---|---|---|---|---|---|---|---|"]
+    for page in spec.page_sizes:
+        for n in spec.pages_a_call:
+            tag = f"{page // KiB}k x{n}"
+            size = f"{page // MiB} MiB" if page >= MiB else f"{page // KiB} KiB"
+            lines.append(
+                f"| {size} | {n} | {_med(rounds, f'get {tag} fast'):.2f} | "
+                f"{_med(rounds, f'get {tag} raw'):.2f} | "
+                f"{_ratio(rounds, f'get {tag} fast', f'get {tag} raw'):.2f} | "
+                f"{_med(rounds, f'put {tag} fast'):.2f} | "
+                f"{_med(rounds, f'put {tag} raw'):.2f} | "
+                f"{_ratio(rounds, f'put {tag} fast', f'put {tag} raw'):.2f} |")
+    lines += ["", "| one call | fast p50 us | raw p50 us | fast / raw |", "|---|---|---|---|"]
+    for page in spec.page_sizes:
+        tag = f"{page // KiB}k x1"
+        size = f"{page // MiB} MiB" if page >= MiB else f"{page // KiB} KiB"
+        lines.append(f"| get of one {size} page | {_med(rounds, f'get {tag} fast us'):.0f} | "
+                     f"{_med(rounds, f'get {tag} raw us'):.0f} | "
+                     f"{_ratio(rounds, f'get {tag} fast us', f'get {tag} raw us'):.2f} |")
+    for key, label in (("lookup16 fast us", "lookup of 16 keys"),
+                       ("lease+release fast us", "leased lookup of 16 keys + release")):
+        lines.append(f"| {label} | {_med(rounds, key):.0f} | {_med(rounds, 'rtt raw us'):.0f} | "
+                     f"{_ratio(rounds, key, 'rtt raw us'):.2f} |")
+    lines += ["", ("iperf3, one loopback stream (the wire's ceiling): "
+                   f"{iperf:.2f} GB/s" if iperf is not None else
+                   "iperf3: not installed, no ceiling measured")]
+    return "\n".join(lines)
+
+
+def main_sweep(quick: bool, rounds: int) -> str:
+    spec = Sweep.quick() if quick else Sweep()
+    spec = dataclasses.replace(spec, rounds=rounds or spec.rounds)
+    return report(spec, sweep(spec), iperf3_gbps())
