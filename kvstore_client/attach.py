@@ -81,7 +81,10 @@ class RegionAttachment:
                     # keep the mapping, which an engine registered with CUDA.
                     self._region, old = old, None
                 else:
-                    self._region = SharedRegion(resp.path, resp.size, resp.token_offset)
+                    # Checked against who Attach says the server is: a hand-out socket
+                    # (--shm-group) or a pool file of anyone else is not mapped.
+                    self._region = SharedRegion(resp.path, resp.size, resp.token_offset,
+                                                _server(resp))
                     log.debug("mapped the server's pool %s (%d bytes)", resp.path,
                               resp.size)
             except (OSError, KVStoreError) as exc:
@@ -159,7 +162,7 @@ class RegionAttachment:
                     log.warning("not reading the presence map of %s: it does not belong "
                                 "to the server's uid %d", resp.path, resp.uid)
                     return None
-                self._presence = PresenceMap.open(resp.path)
+                self._presence = PresenceMap.open(resp.path, _server(resp))
             except (OSError, ValueError) as exc:
                 log.debug("no presence map at %s: %s", self._path, exc)
             return self._presence if self._presence is not None and self._presence.live() \
@@ -174,3 +177,10 @@ class RegionAttachment:
         if self._region is not None:
             self._region.close()
             self._region = None
+
+
+def _server(resp: pb.AttachResponse) -> ServerIdentity | None:
+    """Who the server that answered Attach is, to check the pool's path against (its
+    hand-out socket, with --shm-group, or its file); None: a server that does not say
+    (pid 0), whose hand-out socket is then not used."""
+    return ServerIdentity(resp.path, resp.uid, resp.gid, resp.pid) if resp.pid else None

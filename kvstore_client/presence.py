@@ -39,13 +39,16 @@ from __future__ import annotations
 
 import mmap
 import os
-import stat
 import struct
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .unixpeer import ServerIdentity
 
 __all__ = ["AREA_BYTES", "BEAT_AT", "BEAT_SECONDS", "BITS", "HEADER", "HEADER_AT", "LIVE_SECONDS",
            "MAGIC", "MIX", "PresenceMap", "bucket", "salt"]
@@ -91,13 +94,12 @@ class PresenceMap:
         self._salts: dict[bytes, int] = {}
 
     @classmethod
-    def open(cls, path: str) -> PresenceMap | None:
+    def open(cls, path: str, server: ServerIdentity | None = None) -> PresenceMap | None:
         """The map of the region at path (a file, or the server's hand-out socket), or
         None: no map there (a tier below DRAM, an older server), or it cannot be opened
-        from here (OSError: another host, not allowed)."""
-        from .shm import _receive_fd          # the same way the pool itself is opened
-        fd = _receive_fd(path) if stat.S_ISSOCK(os.stat(path).st_mode) else \
-            os.open(path, os.O_RDONLY)
+        from here (OSError: another host, not allowed, or not server's: shm.open_pool)."""
+        from .shm import open_pool            # the same way the pool itself is opened
+        fd = open_pool(path, server, os.O_RDONLY)
         try:
             head = mmap.mmap(fd, _PAGE, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
             magic, offset, bits, _, _ = HEADER.unpack_from(head, HEADER_AT)

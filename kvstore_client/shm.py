@@ -28,10 +28,13 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import xxhash
 
+from .unixpeer import ServerIdentity, UntrustedSocket, check_path, check_peer
+
 if TYPE_CHECKING:
     from .client import LayoutHandle
 
-__all__ = ["SharedRegion", "Reservation", "Acquired", "copy_layer", "copy_pages", "region_id"]
+__all__ = ["SharedRegion", "Reservation", "Acquired", "copy_layer", "copy_pages", "open_pool",
+           "region_id"]
 
 TOKEN_BYTES = 16
 PAGE = 4096
@@ -108,9 +111,13 @@ def region_id(token: bytes) -> int:
 class SharedRegion:
     """The server's region mapped read-write; `mem` is a flat uint8 view of it."""
 
-    def __init__(self, path: str, size: int, token_offset: int) -> None:
-        fd = _receive_fd(path) if stat.S_ISSOCK(os.stat(path).st_mode) else \
-            os.open(path, os.O_RDWR)
+    def __init__(self, path: str, size: int, token_offset: int,
+                 server: ServerIdentity | None = None) -> None:
+        """Map the pool at path, as Attach named it. server: who Attach said the server
+        is; a hand-out socket (--shm-group) is used only when its folder, the socket and
+        the process listening are that uid's (UntrustedSocket otherwise, or when server
+        is None), and a pool file only when it is that uid's."""
+        fd = open_pool(path, server, os.O_RDWR)
         try:
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self._mmap = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -219,12 +226,36 @@ class Acquired:
         self.release()
 
 
-def _receive_fd(path: str, timeout: float = 10.0) -> int:
+def open_pool(path: str, server: ServerIdentity | None, flags: int) -> int:
+    """A descriptor of the pool at path, as Attach named it (the caller closes it): from
+    the hand-out socket (--shm-group) only when server, who Attach said the server is,
+    owns its folder and the socket and listens there (UntrustedSocket otherwise, and when
+    server is None); a pool file is opened with flags, and refused (UntrustedSocket)
+    when server is known and the file is not its uid's."""
+    if stat.S_ISSOCK(os.stat(path).st_mode):
+        if server is None:
+            raise UntrustedSocket(f"{path}: no server identity (Attach) to check the "
+                                  "pool's hand-out socket against")
+        return _receive_fd(path, server)
+    fd = os.open(path, flags)
+    owner = os.fstat(fd).st_uid
+    if server is not None and owner != server.uid:
+        os.close(fd)
+        raise UntrustedSocket(f"{path} belongs to uid {owner}, not the server's "
+                              f"uid {server.uid}")
+    return fd
+
+
+def _receive_fd(path: str, server: ServerIdentity, timeout: float = 10.0) -> int:
     """The pool's descriptor from the server's hand-out socket at path (the caller closes
-    it); OSError if the socket cannot be reached or sends something else."""
+    it); UntrustedSocket if the socket, its folder or the process listening is not
+    server's (a descriptor from anyone else would be a pool of theirs, which would then
+    receive our pages), OSError if it cannot be reached or sends something else."""
+    check_path(path, server)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
         s.settimeout(timeout)
         s.connect(path)
+        check_peer(s, path, server)
         msg, fds, _, _ = socket.recv_fds(s, len(HANDOUT_MAGIC), 1)
     if msg != HANDOUT_MAGIC or len(fds) != 1:
         for fd in fds:

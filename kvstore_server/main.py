@@ -152,8 +152,9 @@ class Server:
         # for the seconds its allocation takes, and a name derived from it in a folder
         # anyone may write could be taken or blocked by another user meanwhile
         # (kvstore_server.fastpath.unixsock).
+        # With --shm-group the pool's hand-out socket lies in it too (kvstore_server.region).
         self.sockets: SocketFolder | None = None
-        if config.data_socket:
+        if config.data_socket or config.shm_group:
             base = config.socket_dir or config.shm_dir
             remove_stale_folders(base)
             try:
@@ -168,7 +169,8 @@ class Server:
         started = time.monotonic()
         undo.callback(remove_own, config.shm_dir)
         try:
-            self.region = Region(size, config.shm_dir, config.shm_group, progress)
+            self.region = Region(size, config.shm_dir, config.shm_group, progress,
+                                 socket_folder=self.sockets.path if self.sockets else "")
         except OSError as exc:
             raise ConfigError(f"dram: cannot allocate {format_size(size)} in shm_dir "
                               f"{config.shm_dir}: {exc.strerror}") from None
@@ -193,7 +195,8 @@ class Server:
         # One limits object for both paths: they refuse the same requests alike.
         self.limits = RequestLimits(config.max_keys_per_request)
         # Where the fast path's Unix socket will be, for Attach to report ("" = none).
-        self.unix_socket = socket_path(self.sockets.path) if self.sockets is not None else ""
+        self.unix_socket = socket_path(self.sockets.path) \
+            if self.sockets is not None and config.data_socket else ""
         self.lookups = add_kvstore_service(
             self.grpc, KVStoreService(self.store, self.metrics, self.auth, self.limits,
                                       self.unix_socket),

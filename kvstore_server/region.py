@@ -21,7 +21,7 @@ from .handout import Handout
 from .presence import AREA_BYTES
 
 __all__ = ["Region", "region_bytes", "HEADER_BYTES", "TOKEN_OFFSET", "TOKEN_BYTES", "MAGIC",
-           "remove_stale"]
+           "HANDOUT_NAME", "remove_stale"]
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +29,15 @@ log = logging.getLogger(__name__)
 # (/dev/shm) or hugetlbfs folder rather than anonymous memory so that a client on the
 # same host can map the very same pages (the zero-copy data plane): the server owns it,
 # clients only map it. The file name carries the pid and a random part so a restarted
-# server never hands out a stale region. With --shm-group the name is instead a Unix
+# server never hands out a stale region. With --shm-group the path is instead a Unix
 # socket that hands out a memfd sealed against shrinking, so the group's members, who are
-# other users, cannot stop the server by truncating its pool (see _sealed_memfd).
+# other users, cannot stop the server by truncating its pool (see _sealed_memfd). That
+# socket lies in the server's private folder (kvstore_server.fastpath.unixsock), beside
+# the fast path's, not in --shm-dir: a name in a folder anyone may write is anyone's once
+# the server has removed it, and whoever bound it would hand clients a pool of its own
+# (they would write their pages into it). Clients check the folder, the socket and the
+# process that listens against Attach's uid and gid before they take the descriptor
+# (kvstore_client.unixpeer).
 #
 # The first 4 KiB are a header; pages start after it, and the presence map's counters
 # (kvstore_server.presence, 4 MiB) take the region's end when the server keeps one:
@@ -47,6 +53,7 @@ HEADER_BYTES = _PAGE
 MAGIC = b"kvstore-region\x00\x01"
 TOKEN_OFFSET = 16
 TOKEN_BYTES = 16
+HANDOUT_NAME = "pool.sock"   # the --shm-group hand-out socket's name in the folder
 _STEP = 256 << 20           # allocation and pre-fault step: ~0.1-0.5 s of work
 _HUGE = 2 << 20
 
@@ -65,11 +72,13 @@ class Region:
     """A MAP_SHARED byte region backed by a file in `directory`; `mem` is a uint8 view."""
 
     def __init__(self, size: int, directory: str = "/dev/shm", group: str = "",
-                 progress: Progress | None = None, allocate: bool = True) -> None:
+                 progress: Progress | None = None, allocate: bool = True,
+                 socket_folder: str = "") -> None:
         """size: bytes including the 4 KiB header. group: a group whose members' clients may
-        map the region too: then `path` is a Unix socket (mode 0660) that hands out a sealed
-        memfd (_sealed_memfd says why); empty = a file only the server's user may open
-        (mode 0600). Clients map what `path` gives either way (kvstore_client.shm).
+        map the region too: then `path` is a Unix socket (mode 0660) in socket_folder (a
+        folder of the server's own, required with a group) that hands out a sealed memfd
+        (_sealed_memfd says why); empty = a file in directory only the server's user may
+        open (mode 0600). Clients map what `path` gives either way (kvstore_client.shm).
         progress(done, total) is called between steps of the allocation and the pre-fault.
         allocate=False leaves the file sparse, for tests and benchmarks that touch little of
         a large region (a server always allocates: see _allocate).
@@ -88,6 +97,10 @@ class Region:
         self._handout: Handout | None = None
         if group:
             import grp
+            if not socket_folder:
+                raise ValueError("a pool for a group is handed out by a socket in a folder "
+                                 "of the server's own: socket_folder is required")
+            self.path = os.path.join(socket_folder, HANDOUT_NAME)
             fd = self._sealed_memfd(self.path, grp.getgrnam(group).gr_gid)
         else:
             fd = self._file(allocate)
@@ -125,7 +138,7 @@ class Region:
         member of the group is another user, who could otherwise truncate the file and so
         stop the server (SIGBUS); the server's own user can stop it anyway, and a plain
         file keeps --shm-dir's meaning (hugetlbfs, a tmpfs of its own size) for the rest.
-        The memfd lives in the kernel's internal tmpfs: --shm-dir holds only the socket."""
+        The memfd lives in the kernel's internal tmpfs: --shm-dir holds nothing of it."""
         fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             self._allocate(fd)
@@ -206,8 +219,9 @@ class Region:
             self._fd = -1
 
 
-# A region's name, or the Unix socket an older server bound beside it (now the fast
-# path's socket lies in a folder of its own: kvstore_server.fastpath.unixsock).
+# A region's name, or a Unix socket an older server bound in the folder (its fast path's
+# `<name>.sock`, or its --shm-group hand-out at the name itself): both sockets now lie in
+# a folder of the server's own (kvstore_server.fastpath.unixsock), removed with it.
 _NAME = re.compile(r"kvstore-(\d+)-[0-9a-f]{8}(?:\.sock)?")
 _PID_MAX = 1 << 22          # Linux's PID_MAX_LIMIT: no pid is larger
 

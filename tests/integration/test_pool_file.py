@@ -2,7 +2,7 @@
 "The shared-memory pool"). Truncating a tmpfs pool file takes the pages from under the
 server's mapping and kills it with SIGBUS. By default only the server's user (who could
 kill it anyway) and root can open the file; with --shm-group, other users map a memfd
-sealed against shrinking, handed out over a Unix socket."""
+sealed against shrinking, handed out over a Unix socket in the server's own folder."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import pytest
 from kvstore_testing.serverproc import ServerProcess
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_client.shm import SharedRegion, _receive_fd
+from kvstore_client.unixpeer import ServerIdentity
 
 LAYOUT = PageLayout(model="pool-file", num_layers=2, page_tokens=16, num_kv_heads=2,
                     head_size=64)
@@ -59,6 +60,12 @@ def put_one(srv: ServerProcess) -> str:
         return c.region().path
 
 
+def identity(srv: ServerProcess, path: str) -> ServerIdentity:
+    """Who the server is, as its Attach says, for a client's checks of the pool's path."""
+    assert srv.proc is not None
+    return ServerIdentity(path, os.geteuid(), os.getegid(), srv.proc.pid)
+
+
 def serves(srv: ServerProcess) -> bool:
     with KVStoreClient(srv.address, shared_memory=False) as c:
         ns = c.register_layout(LAYOUT)
@@ -86,10 +93,12 @@ def test_shm_group_member_maps_the_pool_but_cannot_shrink_it():
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
         assert os.stat(path).st_gid == grp.getgrnam("nogroup").gr_gid
 
+        server = identity(srv, path)
+
         def shrink():
-            region = SharedRegion(path, 64 << 20, 16)   # as a client maps it
+            region = SharedRegion(path, 64 << 20, 16, server)   # as a client maps it
             assert region.mem[:14].tobytes() == b"kvstore-region"
-            fd = _receive_fd(path)
+            fd = _receive_fd(path, server)
             try:
                 os.ftruncate(fd, 0)
             finally:
@@ -103,22 +112,29 @@ def test_shm_group_member_maps_the_pool_but_cannot_shrink_it():
 def test_another_user_outside_the_group_cannot_connect():
     with ServerProcess(dram="64MiB", shm_group="nogroup") as srv:
         path = put_one(srv)
-        assert as_user("nobody", "nogroup", lambda: _receive_fd(path)) == "ok"
+        server = identity(srv, path)
+        assert as_user("nobody", "nogroup", lambda: os.close(_receive_fd(path, server))) \
+            == "ok"
         other = pwd.getpwnam("nobody")
-        assert as_user(other.pw_name, "daemon", lambda: _receive_fd(path)) == \
+        # The socket's folder is the pool's group's only (0750): not even its name is seen.
+        assert as_user(other.pw_name, "daemon", lambda: _receive_fd(path, server)) == \
             "PermissionError"
         assert serves(srv)
 
 
 def test_socket_of_a_killed_server_is_removed_at_the_next_start(tmp_path):
+    """The hand-out socket lies in the server's own folder (with the fast path's), which
+    the next server removes when the one that made it was killed."""
     shm = str(tmp_path)
     srv = ServerProcess(dram="64MiB", shm_group="nogroup", shm_dir=shm).start()
     path = put_one(srv)
+    folder = os.path.dirname(path)
+    assert os.path.dirname(folder) == shm
     srv.stop(signal.SIGKILL)
     assert os.path.exists(path)                 # nobody left to remove it...
     with ServerProcess(dram="64MiB", shm_dir=shm) as again:
-        assert not os.path.exists(path)         # ...until the next server starts there
-        assert "removed " + path in again.log()
+        assert not os.path.exists(folder)       # ...until the next server starts there
+        assert "removed " + folder in again.log()
 
 
 def test_odd_names_in_the_shm_dir_do_not_stop_a_start(tmp_path):

@@ -20,6 +20,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import threading
@@ -32,7 +33,8 @@ from kvstore_testing.serverproc import ServerProcess, free_port_pair
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
 from kvstore_client import dataplane
 from kvstore_client import fastwire as fw
-from kvstore_client import presence
+from kvstore_client import attach, presence
+from kvstore_client.shm import HANDOUT_MAGIC
 from kvstore_client.unixpeer import ServerIdentity, UntrustedSocket, check_peer
 from tests.waiting import wait_for
 
@@ -42,6 +44,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0,
 LAYOUT = PageLayout(model="unix-trust", num_layers=2, page_tokens=16, num_kv_heads=2,
                     head_size=64)
 TOKEN = "tok-trust-5f1e"
+REGION_MAGIC = b"kvstore-region\x00\x01"     # kvstore_server.region.MAGIC
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +119,13 @@ class Impostor:
         os.write(self._cmd_w, f"presence {path}\n".encode())
         return self._out.readline().strip()
 
+    def handout(self, path: str, size: int) -> str:
+        """Bind a socket at path (making the folders on the way) that hands every caller
+        a pool of this user's own, as a --shm-group server hands out its memfd: 'ok' or
+        the error's name. Each caller is noted in `received`."""
+        os.write(self._cmd_w, f"handout {size} {path}\n".encode())
+        return self._out.readline().strip()
+
     def answer(self) -> str:
         return self._out.readline().strip()
 
@@ -147,6 +157,9 @@ class Impostor:
                     out.write(self._block(arg) + "\n")
                 elif verb == "presence":
                     out.write(self._presence(arg) + "\n")
+                elif verb == "handout":
+                    size, _, path = arg.partition(" ")
+                    out.write(self._handout(path, int(size)) + "\n")
 
     def _bind(self, path: str) -> str:
         try:
@@ -177,6 +190,29 @@ class Impostor:
                 pass
             finally:
                 conn.close()
+
+    def _handout(self, path: str, size: int) -> str:
+        try:
+            os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+            pool = os.memfd_create("forged-pool")
+            os.ftruncate(pool, size)
+            os.pwrite(pool, REGION_MAGIC + secrets.token_bytes(16), 0)
+            lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            lsock.bind(path)
+            os.chmod(path, 0o777)
+            lsock.listen(16)
+        except OSError as exc:
+            return type(exc).__name__
+
+        def serve() -> None:
+            while True:
+                conn, _ = lsock.accept()
+                with open(self.received, "ab") as f:
+                    f.write(b"handout\n")
+                with conn:
+                    socket.send_fds(conn, [HANDOUT_MAGIC], [pool])
+        threading.Thread(target=serve, daemon=True).start()
+        return "ok"
 
     @staticmethod
     def _presence(path: str) -> str:
@@ -357,3 +393,58 @@ def test_another_user_cannot_keep_the_server_from_starting(impostor, shared_dir)
     finally:
         code = srv.stop()
     assert code == 0
+
+
+def test_no_pool_is_taken_from_another_users_hand_out_socket(impostor, shared_dir,
+                                                             monkeypatch):
+    """With --shm-group the pool is a memfd handed out by a Unix socket at the path Attach
+    names. The server stops between the client's Attach and its connect (held open here
+    by stopping it inside the client's own Attach step), and another user binds a socket
+    at that path that hands out a pool of its own. Before, the socket lay in the pool's
+    folder, which anyone may write, and the client mapped the other user's pool without
+    asking who handed it over (its puts would have written the tenant's pages there). Now
+    it lies in the server's private folder, and the client checks folder, socket and
+    listener against Attach's uid and gid: it maps nothing and never connects."""
+    srv = ServerProcess(dram="64MiB", shm_dir=shared_dir, shm_group="nogroup").start()
+    real = attach.RegionAttachment._attach
+    bound: list[str] = []
+
+    def attach_then_stand_in(self):
+        resp = real(self)
+        if not bound:
+            assert srv.stop() == 0                      # graceful: the socket is removed
+            assert not os.path.exists(resp.path)
+            bound.append(impostor.handout(resp.path, resp.size))
+        return resp
+    monkeypatch.setattr(attach.RegionAttachment, "_attach", attach_then_stand_in)
+    try:
+        with KVStoreClient(srv.address, shared_memory=True, data_plane=False, retries=1,
+                           timeout=3) as c:
+            with pytest.raises(KVStoreError, match="cannot be mapped") as err:
+                c.region()
+        assert bound == ["ok"]
+        assert "uid" in str(err.value)
+        assert impostor.got() == b"", "the client took a pool from another user's socket"
+    finally:
+        srv.stop()
+
+
+def test_the_pool_is_handed_out_from_the_servers_own_folder(impostor, shared_dir):
+    """Where the hand-out socket lives: in the server's folder (0750, the pool's group),
+    where another user can make no name, and nothing of the pool's is left in the
+    folder anyone may write; a client of the server maps the pool through it."""
+    with ServerProcess(dram="64MiB", shm_dir=shared_dir, shm_group="nogroup") as srv:
+        with KVStoreClient(srv.address, shared_memory=True) as c:
+            path = c.region().path
+            ns = c.register_layout(LAYOUT)
+            keys = [f"handout-{i}".encode().ljust(16, b".") for i in range(4)]
+            data = pages(4, seed=5)
+            c.put(ns, keys, data)
+            assert np.array_equal(c.get(ns, keys), data)
+        folder = os.path.dirname(path)
+        assert folder != shared_dir and os.path.dirname(folder) == shared_dir
+        st = os.lstat(folder)
+        assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o750
+        assert impostor.bind(os.path.join(folder, "x.sock")) == "PermissionError"
+        assert not [n for n in os.listdir(shared_dir) if not n.endswith(".d")]
+    assert not os.path.exists(folder)
