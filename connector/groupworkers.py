@@ -107,6 +107,10 @@ class GroupWorkers:
                 setattr(total, field, getattr(total, field) + value)
         return total
 
+    def failed_recving(self) -> set[str]:
+        """Requests whose async load failed in any group since the last call."""
+        return set().union(*(w.take_failed_recving() for w in self.workers))
+
     def load_errors(self) -> set[int]:
         return set().union(*(w.load_errors() for w in self.workers))
 

@@ -421,6 +421,12 @@ class SchedulerHalf:
                 state.tainted = True
         return failed
 
+    def load_failed_requests(self, req_ids: set[str]) -> list[str]:
+        """As load_failed_blocks, told by request (a hybrid engine's failed_recving):
+        every block of their unconfirmed loads, in every group, failed."""
+        blocks = self._unconfirmed.blocks_of(req_ids)
+        return self.load_failed_blocks(blocks) if blocks else []
+
     def finished(self, req_id: str) -> None:
         """The request is done (or aborted); nothing of it is held for later."""
         state = self._requests.pop(req_id, None)

@@ -93,6 +93,11 @@ class UnconfirmedLoads:
             if load.req_id == req_id and load.confirm_at is None:
                 self._settle(load_id, ok=True)
 
+    def blocks_of(self, req_ids: set[str]) -> set[int]:
+        """The blocks of the requests' loads not confirmed yet."""
+        return {b for load in self._loads.values() if load.req_id in req_ids
+                for b in load.blocks}
+
     def fail(self, block_ids: set[int]) -> list[Load]:
         """The workers could not fill these blocks: the loads that had them failed."""
         failed = []

@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -188,6 +189,17 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         page_tokens = self.config.page_tokens or self.block_size
         # Refused here, at start-up, with one line: a spec the connector cannot move.
         self.groups = cache_groups(kv_cache_config)
+        self.hybrid = len(self.groups) > 1
+        if self.hybrid and self.config.load_mode is LoadMode.LAYERWISE:
+            # vLLM 0.33 takes block-level load failures (invalid_block_ids) from one
+            # group only (block ids repeat across groups): a hybrid engine hears of a
+            # failed load per request (failed_recving), and only of a request that waits
+            # for it (WAITING_FOR_REMOTE_KVS). A layer-wise load that failed could not be
+            # reported at all, so a hybrid model's loads run async.
+            log.info("kvstore connector: %d KV-cache groups, so loads run async "
+                     "(WAITING_FOR_REMOTE_KVS): vLLM hears of a failed load only per "
+                     "request", len(self.groups))
+            self.config = dataclasses.replace(self.config, load_mode=LoadMode.ASYNC)
         self.group_layouts, self.mla = _group_layouts(vllm_config, self.config, page_tokens,
                                                       self.groups)
         # Group 0's layouts first: the scheduler's key chain starts from its seed.
@@ -264,6 +276,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         # Failures first: a failed async load is reported as received too.
+        if connector_output.failed_recving:
+            failed = self._sched.load_failed_requests(set(connector_output.failed_recving))
+            if failed:
+                log.warning("kvstore loads failed for %s: recomputing", failed)
         if connector_output.invalid_block_ids:
             failed = self._sched.load_failed_blocks(set(connector_output.invalid_block_ids))
             if failed:
@@ -339,6 +355,16 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         sent = self._worker.sent(finished_req_ids)
         return sent or None, received or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # A hybrid model's failed loads go by request (failed_recving); each is also in
+        # finished_recving once every group's copies for it have ended.
+        sent, received = self.get_finished(finished_req_ids)
+        failed = (self._worker.failed_recving() if self.hybrid and self._worker is not None
+                  else set())
+        return KVConnectorTransferResults(finished_sending=set(sent or ()),
+                                          finished_recving=set(received or ()),
+                                          failed_recving=failed)
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is None:
             return None
@@ -350,7 +376,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return KVStoreConnectorStats(data=dict(data or {}))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.load_errors() if self._worker is not None else set()
+        if self._worker is None:
+            return set()
+        errors = self._worker.load_errors()
+        return set() if self.hybrid else errors      # hybrid: failed_recving says it
 
     def shutdown(self) -> None:
         if self._worker is not None:

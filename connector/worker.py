@@ -176,6 +176,9 @@ class WorkerHalf:
         self._unsaved: list[int] = []              # layers whose save hooks were put off
         self._errors: set[int] = set()
         self._failed_async: set[str] = set()
+        # Async loads that failed, until taken: a hybrid engine hears of a failure per
+        # request (vLLM's failed_recving), as block ids are not unique across groups.
+        self._failed_recving: set[str] = set()
         self._outcomes = LoadOutcomes()            # of the loads saves name (after)
         # Requests a save was planned for (in any plan this worker was handed): when one
         # finishes, the engine holds its blocks until `sent` names it.
@@ -315,6 +318,7 @@ class WorkerHalf:
         self._errors.update(int(b) for b in spec.block_ids.reshape(-1))
         if spec.is_async:
             self._failed_async.add(spec.req_id)
+            self._failed_recving.add(spec.req_id)
         self._outcomes.failed([spec.load_id])
         # Pages computed over blocks that were never filled may not be stored, whichever
         # request computed them (its own, or one sharing its blocks): their parts are
@@ -629,6 +633,11 @@ class WorkerHalf:
         """Counters since the last call."""
         stats, self._stats = self._stats, WorkerStats()
         return stats
+
+    def take_failed_recving(self) -> set[str]:
+        """Requests whose async load failed since the last call."""
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
 
     def load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()

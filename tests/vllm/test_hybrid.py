@@ -96,11 +96,9 @@ def store(fresh_server):
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
 def test_a_full_hit_loads_only_the_window_of_sliding_layers(tmp_path, store, shape,
                                                            async_scheduling):
-    # The store's counters see every Get and Acquire: a layer-wise load goes without the
-    # shared pool here (on the same host it would copy under the lookup's pins, no call);
-    # under AsyncScheduler loads are async, and an async load acquires its pages.
-    connector = (spec(store.address) if async_scheduling
-                 else spec(store.address, shared_memory=False))
+    # A hybrid model's loads are async (connector.vllm says why), and an async load
+    # acquires its pages: the store's counters see every byte it serves.
+    connector = spec(store.address)
     first = hybrid_engine(tmp_path, shape, connector, {"a": PROMPT},
                           async_scheduling=async_scheduling)
     assert len(first.connector.groups) == 2        # vLLM kept its hybrid manager on
@@ -237,3 +235,29 @@ def test_cross_attention_is_refused_at_start_up_with_one_line(tmp_path, store):
     cross = CrossAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=4, head_size=16,
                                dtype=torch.float32)
     assert "CrossAttentionSpec" in _refused(tmp_path, store, cross)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_a_failed_load_is_reported_per_request_and_recomputed(tmp_path, fresh_server,
+                                                            async_scheduling):
+    """vLLM 0.33 refuses block-level load failures from a model of several groups (block
+    ids repeat across groups): the connector reports the request (failed_recving), vLLM
+    recomputes it, and no read is wrong."""
+    srv = fresh_server(dram="64MiB")
+    first = hybrid_engine(tmp_path, SLIDING, spec(srv.address), {"a": PROMPT})
+    first.add(make_request("a", PROMPT, max_tokens=2))
+    run(first)
+    second = hybrid_engine(tmp_path, SLIDING, spec(srv.address, timeout=2.0),
+                           {"b": PROMPT}, async_scheduling=async_scheduling)
+    second.add(make_request("b", PROMPT, max_tokens=2))
+    planned = second.schedule()                 # the lookup found 9 pages and leased them
+    assert len(planned.kv_connector_metadata.step.loads) == 1
+    srv.stop()                                  # ... and the store is gone before the load
+    result = second.finish(planned)
+    assert result.kv_connector_output.failed_recving == {"b"}
+    assert not result.kv_connector_output.invalid_block_ids
+    srv.start()
+    run(second)
+    model = second.worker.model
+    assert model.loaded == {"b": 0}             # recomputed from the start
+    assert model.reads > 0 and not model.wrong
