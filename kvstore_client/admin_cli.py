@@ -14,7 +14,9 @@ output uses binary units (KiB, MiB); `--json` prints integers for bytes and hex 
 `stats --watch --json` prints one object per line (JSON Lines). A server with an auth
 file needs an admin token: `--token` or, better (flags show in `ps`), $KVSTORE_TOKEN.
 Exit status: 0 done,
-1 failed (server unreachable or refusing, not SERVING, clear declined), 2 bad usage.
+1 failed (server unreachable or refusing, not SERVING, clear declined, or an evict or clear
+that did not reach every master of the far tier's cluster: the message says what it
+removed, and the server finishes it in the background), 2 bad usage.
 Every failure is one line on stderr, never a traceback.
 """
 
@@ -279,7 +281,7 @@ def _parser() -> argparse.ArgumentParser:
     s = command("evict", cmd_evict, "evict unleased pages (DRAM pages move to disk, if any)")
     s.add_argument("--tier", choices=["dram", "disk", "far", "all"], default="dram",
                    help="which tier to evict from (default dram); far: this server's "
-                        "namespace only")
+                        "namespace only, exit 1 if a master of the cluster did not answer")
     what = s.add_mutually_exclusive_group(required=True)
     what.add_argument("--layout", type=_layout_prefix, metavar="ID", help="every page of a layout")
     what.add_argument("--bytes", type=_positive(parse_size, "SIZE"), metavar="SIZE",
