@@ -20,6 +20,7 @@ import dataclasses
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 from kvstore_client import PageLayout
@@ -85,6 +86,11 @@ class PageCodec:
 
 
 def layout_of(config: HiCacheStorageConfig, pool, settings: ConnectorConfig) -> PageLayout:
+    if not isinstance(pool, (MHATokenToKVPoolHost, MLATokenToKVPoolHost)):
+        # A hybrid model's host pools (sliding-window, Mamba/linear-attention state)
+        # are not pages of one token-major KV layout: refused, never stored wrongly.
+        raise ValueError(f"kvstore: SGLang host pool {type(pool).__name__} is not "
+                         f"supported: only full-attention (MHA) and MLA host pools are")
     if getattr(pool, "dcp_size", 1) != 1:
         raise ValueError("kvstore: decode context parallelism (dcp_size > 1) is not supported")
     mla = isinstance(pool, MLATokenToKVPoolHost)
