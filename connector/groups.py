@@ -85,10 +85,6 @@ class CacheGroup:
         skipped = max(0, end_page * page_tokens - self.reach)
         return min(end_page, skipped // page_tokens)
 
-    def stable_pages(self, full_pages: int) -> int:
-        """Of `full_pages` pages the engine has computed, how many this group may store."""
-        return max(0, full_pages - 1) if self.kind is GroupKind.DRAFT else full_pages
-
 
 def _dtype(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")

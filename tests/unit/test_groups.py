@@ -1,0 +1,76 @@
+"""connector.groups without an engine: a sliding group's window and each group's share of a
+step's plan (the bytes a full hit moves per group follow from it)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from kvstore_connector.groups import NULL_BLOCK, CacheGroup, GroupKind, for_group  # noqa: E402
+from kvstore_connector.meta import LoadSpec, PagePins, SaveSpec, StepMeta  # noqa: E402
+
+T = 16                                            # tokens per page
+FULL = CacheGroup(0, GroupKind.FULL, ("l0", "l2"), 4, 16, "float32", False)
+SLIDING = CacheGroup(1, GroupKind.SLIDING, ("l1", "l3"), 4, 16, "float32", False, reach=39)
+DRAFT = CacheGroup(2, GroupKind.DRAFT, ("d0",), 4, 16, "float32", False)
+
+
+def test_a_sliding_group_needs_only_the_pages_its_window_reaches():
+    # 144 tokens: the next token reads 105..143, pages 6, 7 and 8.
+    assert SLIDING.first_page(9, T) == 6
+    assert SLIDING.first_page(2, T) == 0          # the window reaches the start
+    assert FULL.first_page(9, T) == 0 and DRAFT.first_page(9, T) == 0
+    # Never more than ceil(reach / page_tokens) + 1 pages, wherever the prefix ends.
+    assert max(n - SLIDING.first_page(n, T) for n in range(1, 200)) <= -(-39 // T) + 1
+
+
+def _rows(first: int, pages: int, null_below: int = 0) -> np.ndarray:
+    ids = np.arange(first, first + pages, dtype=np.int64) + 100
+    ids[:max(0, null_below - first)] = NULL_BLOCK
+    return ids.reshape(pages, 1)
+
+
+def test_each_group_loads_its_own_blocks_and_a_sliding_one_only_its_window():
+    keys = tuple(bytes([i]) * 16 for i in range(9))
+    full_rows, sliding_rows = _rows(0, 9), _rows(0, 9, null_below=6) + 1000
+    sliding_rows[:6] = NULL_BLOCK                 # vLLM's null block outside the window
+    offsets = {b"full-layout": np.arange(9) * 10, b"sliding-layout": np.arange(9) * 20}
+    load = LoadSpec("r", keys, full_rows, True, 7, PagePins(1, 0.0, offsets), 0,
+                    (full_rows, sliding_rows))
+    step = StepMeta(loads=(load,))
+
+    full = for_group(step, FULL, T).loads[0]
+    assert full.keys == keys and full.block_ids.tolist() == full_rows.tolist()
+    assert full.group_blocks == () and full.load_id == 7
+
+    window = for_group(step, SLIDING, T).loads[0]
+    assert window.keys == keys[6:] and window.first_page == 6
+    assert window.block_ids.reshape(-1).tolist() == sliding_rows[6:].reshape(-1).tolist()
+    assert window.pins is not None
+    assert window.pins.offsets[b"sliding-layout"].tolist() == [120, 140, 160]
+    # Bytes moved for this full hit, in pages: 9 for full attention, 3 for the window.
+    assert len(full.keys) + len(window.keys) == 12 < 2 * len(keys)
+
+
+def test_a_load_that_begins_past_the_window_start_keeps_all_its_pages():
+    keys = tuple(bytes([i]) * 16 for i in range(2))
+    rows = _rows(7, 2)
+    step = StepMeta(loads=(LoadSpec("r", keys, rows, True, 1, None, 7, (rows, rows + 50)),))
+    sliding = for_group(step, SLIDING, T).loads[0]
+    assert sliding.keys == keys and sliding.first_page == 7
+
+
+def test_a_save_never_stores_a_null_block_and_a_group_with_nothing_gets_no_spec():
+    keys = tuple(bytes([i]) * 16 for i in range(4))
+    full_rows = _rows(0, 4)
+    sliding_rows = full_rows + 1000
+    sliding_rows[:2] = NULL_BLOCK                 # pages a local hit held outside the window
+    save = SaveSpec("r", keys, full_rows, (), (full_rows, sliding_rows))
+    assert for_group(StepMeta(saves=(save,)), FULL, T).saves[0].keys == keys
+    sliding = for_group(StepMeta(saves=(save,)), SLIDING, T).saves[0]
+    assert sliding.keys == keys[2:]
+    all_null = SaveSpec("r", keys[:2], full_rows[:2], (),
+                        (full_rows[:2], np.zeros((2, 1), dtype=np.int64)))
+    assert for_group(StepMeta(saves=(all_null,)), SLIDING, T).saves == ()
