@@ -1,10 +1,12 @@
 # Conveniences over scripts/; CI runs .ci/run. Each target uses .venv (made on first use),
 # not the system Python, which lacks grpcio-tools.
-.PHONY: test test-vllm test-sglang proto proto-check
+.PHONY: test test-vllm test-engine test-sglang proto proto-check
 test:
 	scripts/test -q
 test-vllm:
 	scripts/test-vllm -q
+test-engine:
+	scripts/test-engine -q
 test-sglang:
 	scripts/test-sglang -q
 proto:
