@@ -523,13 +523,15 @@ class FarClient:
         """Remove pages; returns how many the cluster held (see unlink)."""
         return self.unlink(layout_id, keys, timeout)[0]
 
-    def clear(self, layout_id: bytes | None = None,
-              deadline: float = CLEAR_BUDGET) -> ClearResult:
+    def clear(self, layout_id: bytes | None = None, deadline: float = CLEAR_BUDGET, *,
+              retry: bool = False) -> ClearResult:
         """Remove every page of this namespace (of one layout if given): on every master
         at once, SCAN for the prefix and UNLINK what it finds, for at most `deadline`
         seconds; what it removed and the masters where it did not finish. Other
         namespaces' keys are never named, so never touched. Not held back by a breaker:
-        an operator's clear is worth a try, and says what it could not reach."""
+        an operator's clear is worth a try, and says what it could not reach; but a
+        `retry` of one in the background is, and tells the breakers how it went (else a
+        hung master would hold the writer's thread for the deadline every round)."""
         pattern = namespace_pattern(self.settings.namespace, layout_id)
         stop = time.monotonic() + deadline
         slots = self._slot_map()
@@ -540,14 +542,25 @@ class FarClient:
         if slots is None:
             return ClearResult(0, ("every node (none told the slot map)",))
         masters = slots.masters()
-        done = [f.result() for f in [self._submit(self._clear_master, a, pattern, stop)
-                                     for a in masters]]
+        done = [f.result() for f in [self._submit(self._clear_master, a, pattern, stop,
+                                                  retry) for a in masters]]
         return ClearResult(sum(n for n, _ in done),
                            tuple(f"{a[0]}:{a[1]}" for a, (_, ok) in zip(masters, done)
                                  if not ok))
 
-    def _clear_master(self, address: Address, pattern: bytes, stop: float) -> tuple[int, bool]:
+    def _clear_master(self, address: Address, pattern: bytes, stop: float,
+                      retry: bool) -> tuple[int, bool]:
         """(pages removed, finished) of one master's share of a clear."""
+        breaker = self.breaker.shard(address) if retry else None
+        if breaker is not None and not breaker.allow():
+            return 0, False
+        started = self.breaker.now()
+        removed, finished = self._clear_scan(address, pattern, stop)
+        if breaker is not None:
+            breaker.record(finished or removed > 0, "a clear did not finish", started)
+        return removed, finished
+
+    def _clear_scan(self, address: Address, pattern: bytes, stop: float) -> tuple[int, bool]:
         cursor: bytes | str = "0"
         removed = 0
         while True:

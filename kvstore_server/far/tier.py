@@ -71,7 +71,7 @@ class FarTier:
         self.writer = writer or WriteBehind(
             client.put, client.settings.queue_bytes, client.counters,
             unlink=lambda layout_id, keys: client.unlink(layout_id, keys)[1],
-            clear=lambda layout_id: client.clear(layout_id).complete)
+            clear=lambda layout_id: client.clear(layout_id, retry=True).complete)
         self.reader = ParallelReader(client.read, client.settings.timeout)
 
     def offer(self, layout_id: bytes, key: bytes, page) -> bool:
