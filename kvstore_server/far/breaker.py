@@ -1,5 +1,9 @@
 """When to stop asking the far tier: the connector's breaker, shared by threads, logged.
 
+There is one per master of the cluster and one for the cluster as a whole (ShardBreakers,
+at the end): the client sends each master's commands apart, so a hung master stops only
+its own slots being asked.
+
 A dead or partitioned cluster costs every call its full `--far-timeout`; a lookup that
 waits 50 ms for nothing on every step is worse than no far tier. So after `threshold`
 calls in a row fail (a timeout, no connection, every command refused) the breaker opens:
