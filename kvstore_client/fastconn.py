@@ -81,7 +81,13 @@ class Conn:
         head = fw.encode_header(op, len(body), 0 if data is None else data.nbytes,
                                 flags=flags)
         try:
-            self.sock.sendall(head + body if len(body) < 65536 else head)
+            frame = head + body if len(body) < 65536 else head
+            if data is not None and data.nbytes <= SEND_BYTES and len(body) < 65536 \
+                    and not isinstance(self.sock, ssl.SSLSocket):
+                # A Put of a few pages: frame and pages in one sendmsg, not two sends.
+                self._sendmsg(frame, data)
+                return
+            self.sock.sendall(frame)
             if len(body) >= 65536:
                 self.sock.sendall(body)
             if data is not None:
@@ -94,11 +100,30 @@ class Conn:
         except OSError as exc:
             raise _failed(exc, "sending") from None
 
-    def recv_exact(self, view: memoryview) -> None:
+    def _sendmsg(self, frame: bytes, data: memoryview) -> None:
+        """frame then data, in one sendmsg when the kernel takes it all (a blocking
+        socket does, unless SO_SNDTIMEO cut it short: the rest goes by sendall)."""
+        if data.ndim != 1 or data.itemsize != 1:
+            data = data.cast("B")
+        sent = self.sock.sendmsg([frame, data])
+        if sent < len(frame):
+            self.sock.sendall(frame[sent:])
+            sent = len(frame)
+        if sent - len(frame) < data.nbytes:
+            self.sock.sendall(data[sent - len(frame):])
+
+    def recv_exact(self, view: memoryview, waitall: bool = False) -> None:
+        """Fill view. waitall: the bytes are sure to come (a GET's pages after its
+        header said so), so the kernel is asked to fill the whole view in one call
+        (MSG_WAITALL): it wakes for each segment but does not return to Python, drop
+        and retake the GIL and slice a view each time. A plain socket only (TLS takes
+        no flags). SO_RCVTIMEO still ends the wait: with nothing received it is a
+        Timeout, with some bytes it returns them and the loop asks again."""
         pos, n = 0, len(view)
+        flags = socket.MSG_WAITALL if waitall and not isinstance(self.sock, ssl.SSLSocket) else 0
         try:
             while pos < n:
-                got = self.sock.recv_into(view[pos:], n - pos)
+                got = self.sock.recv_into(view[pos:], n - pos, flags)
                 if not got:
                     raise Broken(f"the server closed the connection after {pos} of {n} "
                                   "bytes")
@@ -139,7 +164,7 @@ class Conn:
         if h.op != op or h.body_len or h.data_len != out.nbytes:
             raise Broken(f"answer to op {h.op} with {h.body_len} + {h.data_len} bytes, "
                           f"expected op {op} with {out.nbytes} bytes of pages")
-        self.recv_exact(out[have:])
+        self.recv_exact(out[have:], waitall=True)
 
     @staticmethod
     def _raise(h: fw.Header, body: memoryview, method: str) -> None:

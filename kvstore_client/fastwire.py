@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import struct
+import typing
 
 import grpc
 import numpy as np
@@ -183,8 +184,11 @@ class WireError(ValueError):
         self.status = status
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Header:
+class Header(typing.NamedTuple):
+    """A decoded frame header. A NamedTuple, not a frozen dataclass: every frame on both
+    ends makes one, and a frozen dataclass took 1.7 us to build where this takes 0.3 (its
+    __init__ sets each field through object.__setattr__; dev VM, timeit)."""
+
     op: int
     status: int
     flags: int
