@@ -1,0 +1,40 @@
+"""`kvstore-bench fastpath --sweep --quick`: the smallest sweep runs against the real server
+and raw peer it starts, and prints a ratio to the raw peer for every pattern it measured.
+No figure is asserted: the machine is shared, only the shape of the report is checked."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+
+import pytest
+from kvstore_bench import fastpath_bench
+from kvstore_bench.fastpath_sweep import Sweep
+
+pytestmark = pytest.mark.slow
+
+NUMBER = r"\d+(\.\d+)?"
+
+
+def test_quick_sweep_prints_a_ratio_for_every_pattern():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = fastpath_bench.main(["--sweep", "--quick"])
+    assert rc == 0
+    text = out.getvalue()
+    spec = Sweep.quick()
+    assert text.startswith(f"medians of {spec.rounds} rounds"), text
+    rows = [line.strip("|").split("|") for line in text.splitlines()
+            if line.startswith("| ") and not line.startswith(("| page", "| one call"))]
+    grid = [r for r in rows if len(r) == 8]
+    # One row per page size and pages a call, each with a get and a put ratio.
+    assert len(grid) == len(spec.page_sizes) * len(spec.pages_a_call), text
+    for row in grid:
+        assert all(re.fullmatch(NUMBER, cell.strip()) for cell in row[1:]), row
+    calls = {r[0].strip(): r for r in rows if len(r) == 4}
+    assert {"get of one 64 KiB page", "lookup of 16 keys",
+            "leased lookup of 16 keys + release"} <= set(calls), text
+    for row in calls.values():
+        assert all(re.fullmatch(NUMBER, cell.strip()) for cell in row[1:]), row
+    assert "iperf3" in text
