@@ -4,7 +4,7 @@ Run as its own process, where the server would run (`python -m kvstore_bench.raw
 HOST PORT`; it prints its port when listening). Each connection is served by a thread,
 request after request; a request is 9 bytes, `op u8 | nbytes u64` (little-endian):
 
-    G  the peer sends nbytes (from one buffer, sendall of a memoryview): a get
+    G  the peer sends nbytes (from one buffer, sendall of 1 MiB views): a get
     P  the peer receives nbytes (recv_into one buffer), then sends one byte: a put
 
 `RawClient` is the client side: get, put, and a striped get over several connections at
@@ -40,8 +40,11 @@ def _serve_conn(conn: socket.socket, data: memoryview, sink: memoryview) -> None
                 pos += got
             op, nbytes = REQUEST.unpack(head)
             if op == b"G":
+                # In pieces of CHUNK: the server sends at most 2 MiB a sendmsg, as sends
+                # of a few MiB moved more over loopback than one of 128 MiB
+                # (kvstore_server/fastpath/io.py), so a large get compares like with like.
                 while nbytes:
-                    take = min(nbytes, len(data))
+                    take = min(nbytes, CHUNK)
                     conn.sendall(data[:take])
                     nbytes -= take
             else:
