@@ -28,7 +28,7 @@ class TierStats:
     capacity_bytes: int = 0
     used_bytes: int = 0
     pages: int = 0
-    hits: int = 0
+    hits: int = 0               # lookup hits: a page looked up again counts again
     misses: int = 0
     evictions: int = 0
     bytes_in: int = 0
@@ -40,6 +40,7 @@ class TierStats:
     failed: bool = False
     state: str = ""
     errors: int = 0
+    served: int = 0             # pages served from the store (Acquire, Get); DRAM only
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -57,6 +58,7 @@ class LayoutStats:
     bytes_in: int = 0
     bytes_out: int = 0
     tenant: str = ""
+    served: int = 0             # pages handed out by Acquire or Get
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -74,11 +76,13 @@ class Stats:
     tiers: tuple[TierStats, ...] = ()
     layouts: tuple[LayoutStats, ...] = ()
     leases: int = 0             # live leases
-    leased_pages: int = 0       # pages pinned by a lease now, or held back after one
+    leased_pages: int = 0       # pages pinned by a live lease (each page once)
     uptime_seconds: float = 0.0
     version: str = ""
     tenants: tuple[TenantStats, ...] = ()
     held_back_pages: int = 0    # pinned a while after their lease expired (slow clients)
+    held_back_leases: int = 0   # the expired leases that hold them
+    pinned_pages: int = 0       # leased or held back: what eviction cannot take
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -109,15 +109,19 @@ def _table(rows: list, headers: list[str], text_columns: int) -> str:
 
 
 def _render_stats(resp) -> str:
+    # "served" is pages read from the store (Acquire, Get); "lookup hits" counts a page
+    # each time it is looked up, and an engine looks a waiting request up at every step,
+    # so the two differ many times over and only the first is a cache's hits.
     tiers = [[t.name, "FAILED" if t.failed else (t.state or "ok"),
               _human(t.capacity_bytes), _human(t.used_bytes),
-              _ratio(t.used_bytes, t.capacity_bytes), t.pages, t.hits, t.misses,
+              _ratio(t.used_bytes, t.capacity_bytes), t.pages,
+              t.served if t.name == "dram" else "-", t.hits, t.misses,
               _ratio(t.hits, t.hits + t.misses), t.evictions, _human(t.bytes_in),
               _human(t.bytes_out)] for t in resp.tiers]
     layouts = [[s.layout_id.hex(), s.layout.model, s.layout.dtype, s.layout.num_layers,
                 s.layout.page_tokens, f"{s.layout.tp_rank}/{s.layout.tp_size}",
-                _human(s.page_bytes), s.pages, _human(s.used_bytes), s.hits, s.misses,
-                s.evictions] for s in resp.layouts]
+                _human(s.page_bytes), s.pages, _human(s.used_bytes), s.served, s.hits,
+                s.misses, s.evictions] for s in resp.layouts]
     # Tenants only where there is more than the one built-in tenant of a server
     # without auth, or a quota.
     tenants = [[t.name, _human(t.used_bytes), _human(t.quota_bytes) if t.quota_bytes else "-",
@@ -126,10 +130,11 @@ def _render_stats(resp) -> str:
     return "\n\n".join(part for part in (
         (f"kvstore-server {resp.version}   uptime {_duration(resp.uptime_seconds)}   "
          f"leases {resp.leases}   leased pages {resp.leased_pages}"
-         + (f" ({resp.held_back_pages} held back after their leases expired)"
-            if resp.held_back_pages else "")),
-        _table(tiers, ["tier", "state", "capacity", "used", "use %", "pages", "hits",
-                       "misses", "hit rate", "evictions", "bytes in", "bytes out"], 2),
+         + (f"   held back {resp.held_back_pages} pages (of {resp.held_back_leases} "
+            "expired leases)" if resp.held_back_pages else "")),
+        _table(tiers, ["tier", "state", "capacity", "used", "use %", "pages", "served",
+                       "lookup hits", "lookup misses", "lookup hit rate", "evictions",
+                       "bytes in", "bytes out"], 2),
         "\n".join(f"far tier: {t.reads} pages read, {t.writes} written, {t.drops} dropped "
                   f"(queue full), {t.corrupt} values refused, {t.errors} errors"
                   for t in resp.tiers if t.name == "far"),
@@ -137,7 +142,8 @@ def _render_stats(resp) -> str:
                   "or failing; the server log says which); pages on it are still read"
                   for t in resp.tiers if t.failed),
         _table(layouts, ["layout id", "model", "dtype", "layers", "page tokens", "tp",
-                         "page bytes", "pages", "used", "hits", "misses", "evictions"], 3)
+                         "page bytes", "pages", "used", "served", "lookup hits",
+                         "lookup misses", "evictions"], 3)
         if layouts else "(no layouts registered)",
         _table(tenants, ["tenant", "used", "quota", "use %", "pages"], 1)
         if show_tenants else "") if part)

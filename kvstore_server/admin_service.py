@@ -29,7 +29,8 @@ def _layout_stats(entry: LayoutStats) -> apb.LayoutStats:
         layout_id=info.layout_id, layout=layout_to_proto(info.layout),
         page_bytes=info.page_bytes, pages=entry.pages, used_bytes=entry.used_bytes,
         hits=entry.hits, misses=entry.misses, evictions=entry.evictions,
-        bytes_in=entry.bytes_in, bytes_out=entry.bytes_out, tenant=info.tenant)
+        bytes_in=entry.bytes_in, bytes_out=entry.bytes_out, tenant=info.tenant,
+        served=entry.served)
 
 
 class AdminService:
@@ -45,7 +46,7 @@ class AdminService:
         tiers = [apb.TierStats(
             name="dram", capacity_bytes=s.capacity_bytes, used_bytes=s.used_bytes,
             pages=s.pages, hits=s.hits, misses=s.misses, evictions=s.evictions,
-            bytes_in=s.bytes_in, bytes_out=s.bytes_out)]
+            bytes_in=s.bytes_in, bytes_out=s.bytes_out, served=s.served)]
         for n, t in enumerate(s.tiers):
             # hits: pages read back into DRAM, counted for the first tier below it
             tiers.append(apb.TierStats(
@@ -62,6 +63,7 @@ class AdminService:
         return apb.StatsResponse(
             tiers=tiers, layouts=[_layout_stats(e) for e in s.layouts], tenants=tenants,
             leases=s.leases, leased_pages=s.leased_pages, held_back_pages=s.held_back_pages,
+            held_back_leases=s.held_back_leases, pinned_pages=s.pinned_pages,
             uptime_seconds=s.uptime_seconds, version=__version__)
 
     def Evict(self, request, context):

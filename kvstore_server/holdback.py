@@ -41,7 +41,12 @@ class HoldBack:
         self._heap: list[tuple[float, int, np.ndarray]] = []
         self._order = itertools.count()
         self.held = 0           # footprint() of what is held, counted with the leases
-        self.pages = 0          # slots held, with repeats
+        self.pins = 0           # slots held, with repeats: a slot of 20 expired leases
+                                # counts 20 times, so this may exceed the pool many times
+        # How often each slot id is held (grown on demand): the distinct pages held are
+        # what an operator asks about (pages()), and a live lease's pins are a slot's
+        # pins less these (store_admin.stats).
+        self.counts = np.zeros(0, dtype=np.int32)
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -51,7 +56,17 @@ class HoldBack:
         if len(slots):
             heapq.heappush(self._heap, (until, next(self._order), slots))
             self.held += footprint(len(slots))
-            self.pages += len(slots)
+            self.pins += len(slots)
+            top = int(slots.max()) + 1
+            if top > len(self.counts):
+                self.counts = np.concatenate(
+                    [self.counts, np.zeros(max(top, 2 * len(self.counts)) - len(self.counts),
+                                           dtype=np.int32)])
+            np.add.at(self.counts, slots, 1)
+
+    def pages(self) -> int:
+        """Distinct slots held (a scan of the counts: for stats, not the request path)."""
+        return int(np.count_nonzero(self.counts))
 
     def due(self, now: float) -> list[np.ndarray]:
         """Remove and return the slot arrays whose time has come."""
@@ -68,5 +83,6 @@ class HoldBack:
 
     def _drop(self, slots: np.ndarray) -> np.ndarray:
         self.held -= footprint(len(slots))
-        self.pages -= len(slots)
+        self.pins -= len(slots)
+        np.subtract.at(self.counts, slots, 1)
         return slots

@@ -69,6 +69,7 @@ class LayoutInfo:
     evictions: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
+    served: int = 0                 # pages handed out by Acquire (StoreStats.served)
 
     @property
     def page_bytes(self) -> int:

@@ -34,12 +34,22 @@ class _StoreCollector:
         yield _gauge("kvstore_used_bytes", "Bytes of slots in use per tier", tier, s.used_bytes)
         yield _gauge("kvstore_pages", "Pages stored per tier", tier, s.pages)
         yield _gauge("kvstore_leases", "Live leases", None, s.leases)
-        yield _gauge("kvstore_leased_pages", "Pages pinned by a lease, or held back after one",
-                     None, s.leased_pages)
+        # Pins as pages, each page once however many leases pin it (StoreStats).
+        yield _gauge("kvstore_leased_pages", "Pages pinned by a live lease", None,
+                     s.leased_pages)
         yield _gauge("kvstore_held_back_pages", "Pages pinned a while after their lease "
                      "expired, in case its client is only slow", None, s.held_back_pages)
-        yield _counter("kvstore_hits", "Pages found by lookups", tier, s.hits)
+        yield _gauge("kvstore_held_back_leases", "Expired leases whose pages are held back",
+                     None, s.held_back_leases)
+        yield _gauge("kvstore_pinned_pages", "Pages pinned by a live lease or held back "
+                     "after one: eviction cannot take them", None, s.pinned_pages)
+        # Lookups count a page each time it is looked up (an engine asks again for a
+        # waiting request at every step); pages served count what was read.
+        yield _counter("kvstore_hits", "Pages found by lookups (a page looked up again "
+                       "counts again; pages served: kvstore_served_pages)", tier, s.hits)
         yield _counter("kvstore_misses", "Pages a lookup asked for and did not find", tier, s.misses)
+        yield _counter("kvstore_served_pages", "Pages served from the store: handed out by "
+                       "Acquire or Get", tier, s.served)
         yield _counter("kvstore_evictions", "Pages evicted", tier, s.evictions)
         yield _counter("kvstore_bytes_in", "Page bytes stored", tier, s.bytes_in)
         yield _counter("kvstore_bytes_out", "Page bytes served", tier, s.bytes_out)

@@ -402,6 +402,7 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
                     self._pin(slots)
                     self._touch(slots)
                     info.bytes_out += len(keys) * info.page_bytes
+                    info.served += len(keys)
                     lease = self._leases.grant(LeaseKind.READ, slots,
                                                self.lease_ttl if ttl is None else ttl,
                                                owner=info.tenant)

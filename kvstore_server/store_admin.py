@@ -216,7 +216,12 @@ class StoreAdmin:
                 pages_of[info.tenant] = pages_of.get(info.tenant, 0) + pages
                 layouts.append(LayoutStats(
                     info, pages, pages * self.pool.slot_bytes(info.cls), info.hits,
-                    info.misses, info.evictions, info.bytes_in, info.bytes_out))
+                    info.misses, info.evictions, info.bytes_in, info.bytes_out, info.served))
+            # A slot's pins are its live leases' plus its held-back ones' (holdback.py).
+            pins = self._slots.pins[:n]
+            held = self._held_back.counts[:n]
+            live = pins[:len(held)] > held
+            leased = int(np.count_nonzero(live)) + int(np.count_nonzero(pins[len(held):]))
             return StoreStats(
                 capacity_bytes=self.pool.capacity_bytes, used_bytes=self.pool.used_bytes,
                 pages=int(np.count_nonzero(ready)),
@@ -224,9 +229,12 @@ class StoreAdmin:
                 evictions=self.evictions,
                 bytes_in=sum(i.bytes_in for i in by_idx),
                 bytes_out=sum(i.bytes_out for i in by_idx),
+                served=sum(i.served for i in by_idx),
                 leases=len(self._leases),
-                leased_pages=int(np.count_nonzero(self._slots.pins[:n] > 0)),
-                held_back_pages=self._held_back.pages,
+                leased_pages=leased,
+                held_back_leases=len(self._held_back),
+                held_back_pages=self._held_back.pages(),
+                pinned_pages=int(np.count_nonzero(pins)),
                 uptime_seconds=self.clock() - self.started_at, promotions=self.promotions,
                 layouts=tuple(layouts),
                 tenants=tuple(TenantStats(name, pages, self._tenants.bytes.get(name, 0))

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as kvstore_dot_v1_dot_kvstore__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvstore/v1/admin.proto\x12\nkvstore.v1\x1a\x18kvstore/v1/kvstore.proto\"\x98\x02\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\r\n\x05pages\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x08 \x01(\x04\x12\x11\n\tbytes_out\x18\t \x01(\x04\x12\r\n\x05reads\x18\n \x01(\x04\x12\x0e\n\x06writes\x18\x0b \x01(\x04\x12\r\n\x05\x64rops\x18\x0c \x01(\x04\x12\x0f\n\x07\x63orrupt\x18\r \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x0e \x01(\x08\x12\r\n\x05state\x18\x0f \x01(\t\x12\x0e\n\x06\x65rrors\x18\x10 \x01(\x04\"\xe1\x01\n\x0bLayoutStats\x12\x11\n\tlayout_id\x18\x01 \x01(\x0c\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\x12\r\n\x05pages\x18\x04 \x01(\x04\x12\x12\n\nused_bytes\x18\x05 \x01(\x04\x12\x0c\n\x04hits\x18\x06 \x01(\x04\x12\x0e\n\x06misses\x18\x07 \x01(\x04\x12\x11\n\tevictions\x18\x08 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\t \x01(\x04\x12\x11\n\tbytes_out\x18\n \x01(\x04\x12\x0e\n\x06tenant\x18\x0b \x01(\t\"S\n\x0bTenantStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bquota_bytes\x18\x03 \x01(\x04\x12\r\n\x05pages\x18\x04 \x01(\x04\"\x0e\n\x0cStatsRequest\"\xf1\x01\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12(\n\x07layouts\x18\x02 \x03(\x0b\x32\x17.kvstore.v1.LayoutStats\x12\x0e\n\x06leases\x18\x03 \x01(\x04\x12\x14\n\x0cleased_pages\x18\x04 \x01(\x04\x12\x16\n\x0euptime_seconds\x18\x05 \x01(\x01\x12\x0f\n\x07version\x18\x06 \x01(\t\x12(\n\x07tenants\x18\x07 \x03(\x0b\x32\x17.kvstore.v1.TenantStats\x12\x17\n\x0fheld_back_pages\x18\x08 \x01(\x04\"j\n\x0c\x45victRequest\x12\x13\n\tlayout_id\x18\x01 \x01(\x0cH\x00\x12\x0f\n\x05\x62ytes\x18\x02 \x01(\x04H\x00\x12\r\n\x03\x61ll\x18\x03 \x01(\x08H\x00\x12\x0c\n\x04tier\x18\x04 \x01(\t\x12\r\n\x05\x66orce\x18\x05 \x01(\x08\x42\x08\n\x06target\"\\\n\rEvictResponse\x12\r\n\x05pages\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x16\n\x0eskipped_leased\x18\x03 \x01(\x04\x12\x15\n\rleases_broken\x18\x04 \x01(\x04\"\x1d\n\x0c\x43learRequest\x12\r\n\x05\x66orce\x18\x01 \x01(\x08\"F\n\rClearResponse\x12\r\n\x05pages\x18\x01 \x01(\x04\x12\x0f\n\x07layouts\x18\x02 \x01(\x04\x12\x15\n\rleases_broken\x18\x03 \x01(\x04\"\x14\n\x12ListLayoutsRequest\"?\n\x13ListLayoutsResponse\x12(\n\x07layouts\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.LayoutStats\"0\n\x0eInspectRequest\x12\x11\n\tlayout_id\x18\x01 \x01(\x0c\x12\x0b\n\x03key\x18\x02 \x01(\x0c\"\x92\x01\n\x0fInspectResponse\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x61ge_seconds\x18\x04 \x01(\x01\x12\x14\n\x0cidle_seconds\x18\x05 \x01(\x01\x12\x0e\n\x06leases\x18\x06 \x01(\r\x12\x13\n\x0bslot_offset\x18\x07 \x01(\x04\x32\xd5\x02\n\x05\x41\x64min\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12<\n\x05\x45vict\x12\x18.kvstore.v1.EvictRequest\x1a\x19.kvstore.v1.EvictResponse\x12<\n\x05\x43lear\x12\x18.kvstore.v1.ClearRequest\x1a\x19.kvstore.v1.ClearResponse\x12N\n\x0bListLayouts\x12\x1e.kvstore.v1.ListLayoutsRequest\x1a\x1f.kvstore.v1.ListLayoutsResponse\x12\x42\n\x07Inspect\x12\x1a.kvstore.v1.InspectRequest\x1a\x1b.kvstore.v1.InspectResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvstore/v1/admin.proto\x12\nkvstore.v1\x1a\x18kvstore/v1/kvstore.proto\"\xa8\x02\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\r\n\x05pages\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x08 \x01(\x04\x12\x11\n\tbytes_out\x18\t \x01(\x04\x12\r\n\x05reads\x18\n \x01(\x04\x12\x0e\n\x06writes\x18\x0b \x01(\x04\x12\r\n\x05\x64rops\x18\x0c \x01(\x04\x12\x0f\n\x07\x63orrupt\x18\r \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x0e \x01(\x08\x12\r\n\x05state\x18\x0f \x01(\t\x12\x0e\n\x06\x65rrors\x18\x10 \x01(\x04\x12\x0e\n\x06served\x18\x11 \x01(\x04\"\xf1\x01\n\x0bLayoutStats\x12\x11\n\tlayout_id\x18\x01 \x01(\x0c\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\x12\r\n\x05pages\x18\x04 \x01(\x04\x12\x12\n\nused_bytes\x18\x05 \x01(\x04\x12\x0c\n\x04hits\x18\x06 \x01(\x04\x12\x0e\n\x06misses\x18\x07 \x01(\x04\x12\x11\n\tevictions\x18\x08 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\t \x01(\x04\x12\x11\n\tbytes_out\x18\n \x01(\x04\x12\x0e\n\x06tenant\x18\x0b \x01(\t\x12\x0e\n\x06served\x18\x0c \x01(\x04\"S\n\x0bTenantStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bquota_bytes\x18\x03 \x01(\x04\x12\r\n\x05pages\x18\x04 \x01(\x04\"\x0e\n\x0cStatsRequest\"\xa1\x02\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12(\n\x07layouts\x18\x02 \x03(\x0b\x32\x17.kvstore.v1.LayoutStats\x12\x0e\n\x06leases\x18\x03 \x01(\x04\x12\x14\n\x0cleased_pages\x18\x04 \x01(\x04\x12\x16\n\x0euptime_seconds\x18\x05 \x01(\x01\x12\x0f\n\x07version\x18\x06 \x01(\t\x12(\n\x07tenants\x18\x07 \x03(\x0b\x32\x17.kvstore.v1.TenantStats\x12\x17\n\x0fheld_back_pages\x18\x08 \x01(\x04\x12\x18\n\x10held_back_leases\x18\t \x01(\x04\x12\x14\n\x0cpinned_pages\x18\n \x01(\x04\"j\n\x0c\x45victRequest\x12\x13\n\tlayout_id\x18\x01 \x01(\x0cH\x00\x12\x0f\n\x05\x62ytes\x18\x02 \x01(\x04H\x00\x12\r\n\x03\x61ll\x18\x03 \x01(\x08H\x00\x12\x0c\n\x04tier\x18\x04 \x01(\t\x12\r\n\x05\x66orce\x18\x05 \x01(\x08\x42\x08\n\x06target\"\\\n\rEvictResponse\x12\r\n\x05pages\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x16\n\x0eskipped_leased\x18\x03 \x01(\x04\x12\x15\n\rleases_broken\x18\x04 \x01(\x04\"\x1d\n\x0c\x43learRequest\x12\r\n\x05\x66orce\x18\x01 \x01(\x08\"F\n\rClearResponse\x12\r\n\x05pages\x18\x01 \x01(\x04\x12\x0f\n\x07layouts\x18\x02 \x01(\x04\x12\x15\n\rleases_broken\x18\x03 \x01(\x04\"\x14\n\x12ListLayoutsRequest\"?\n\x13ListLayoutsResponse\x12(\n\x07layouts\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.LayoutStats\"0\n\x0eInspectRequest\x12\x11\n\tlayout_id\x18\x01 \x01(\x0c\x12\x0b\n\x03key\x18\x02 \x01(\x0c\"\x92\x01\n\x0fInspectResponse\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x61ge_seconds\x18\x04 \x01(\x01\x12\x14\n\x0cidle_seconds\x18\x05 \x01(\x01\x12\x0e\n\x06leases\x18\x06 \x01(\r\x12\x13\n\x0bslot_offset\x18\x07 \x01(\x04\x32\xd5\x02\n\x05\x41\x64min\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12<\n\x05\x45vict\x12\x18.kvstore.v1.EvictRequest\x1a\x19.kvstore.v1.EvictResponse\x12<\n\x05\x43lear\x12\x18.kvstore.v1.ClearRequest\x1a\x19.kvstore.v1.ClearResponse\x12N\n\x0bListLayouts\x12\x1e.kvstore.v1.ListLayoutsRequest\x1a\x1f.kvstore.v1.ListLayoutsResponse\x12\x42\n\x07Inspect\x12\x1a.kvstore.v1.InspectRequest\x1a\x1b.kvstore.v1.InspectResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,31 +33,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvstore.v1.admin_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TIERSTATS']._serialized_start=65
-  _globals['_TIERSTATS']._serialized_end=345
-  _globals['_LAYOUTSTATS']._serialized_start=348
-  _globals['_LAYOUTSTATS']._serialized_end=573
-  _globals['_TENANTSTATS']._serialized_start=575
-  _globals['_TENANTSTATS']._serialized_end=658
-  _globals['_STATSREQUEST']._serialized_start=660
-  _globals['_STATSREQUEST']._serialized_end=674
-  _globals['_STATSRESPONSE']._serialized_start=677
-  _globals['_STATSRESPONSE']._serialized_end=918
-  _globals['_EVICTREQUEST']._serialized_start=920
-  _globals['_EVICTREQUEST']._serialized_end=1026
-  _globals['_EVICTRESPONSE']._serialized_start=1028
-  _globals['_EVICTRESPONSE']._serialized_end=1120
-  _globals['_CLEARREQUEST']._serialized_start=1122
-  _globals['_CLEARREQUEST']._serialized_end=1151
-  _globals['_CLEARRESPONSE']._serialized_start=1153
-  _globals['_CLEARRESPONSE']._serialized_end=1223
-  _globals['_LISTLAYOUTSREQUEST']._serialized_start=1225
-  _globals['_LISTLAYOUTSREQUEST']._serialized_end=1245
-  _globals['_LISTLAYOUTSRESPONSE']._serialized_start=1247
-  _globals['_LISTLAYOUTSRESPONSE']._serialized_end=1310
-  _globals['_INSPECTREQUEST']._serialized_start=1312
-  _globals['_INSPECTREQUEST']._serialized_end=1360
-  _globals['_INSPECTRESPONSE']._serialized_start=1363
-  _globals['_INSPECTRESPONSE']._serialized_end=1509
-  _globals['_ADMIN']._serialized_start=1512
-  _globals['_ADMIN']._serialized_end=1853
+  _globals['_TIERSTATS']._serialized_end=361
+  _globals['_LAYOUTSTATS']._serialized_start=364
+  _globals['_LAYOUTSTATS']._serialized_end=605
+  _globals['_TENANTSTATS']._serialized_start=607
+  _globals['_TENANTSTATS']._serialized_end=690
+  _globals['_STATSREQUEST']._serialized_start=692
+  _globals['_STATSREQUEST']._serialized_end=706
+  _globals['_STATSRESPONSE']._serialized_start=709
+  _globals['_STATSRESPONSE']._serialized_end=998
+  _globals['_EVICTREQUEST']._serialized_start=1000
+  _globals['_EVICTREQUEST']._serialized_end=1106
+  _globals['_EVICTRESPONSE']._serialized_start=1108
+  _globals['_EVICTRESPONSE']._serialized_end=1200
+  _globals['_CLEARREQUEST']._serialized_start=1202
+  _globals['_CLEARREQUEST']._serialized_end=1231
+  _globals['_CLEARRESPONSE']._serialized_start=1233
+  _globals['_CLEARRESPONSE']._serialized_end=1303
+  _globals['_LISTLAYOUTSREQUEST']._serialized_start=1305
+  _globals['_LISTLAYOUTSREQUEST']._serialized_end=1325
+  _globals['_LISTLAYOUTSRESPONSE']._serialized_start=1327
+  _globals['_LISTLAYOUTSRESPONSE']._serialized_end=1390
+  _globals['_INSPECTREQUEST']._serialized_start=1392
+  _globals['_INSPECTREQUEST']._serialized_end=1440
+  _globals['_INSPECTRESPONSE']._serialized_start=1443
+  _globals['_INSPECTRESPONSE']._serialized_end=1589
+  _globals['_ADMIN']._serialized_start=1592
+  _globals['_ADMIN']._serialized_end=1933
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "capacity_bytes", "used_bytes", "pages", "hits", "misses", "evictions", "bytes_in", "bytes_out", "reads", "writes", "drops", "corrupt", "failed", "state", "errors")
+    __slots__ = ("name", "capacity_bytes", "used_bytes", "pages", "hits", "misses", "evictions", "bytes_in", "bytes_out", "reads", "writes", "drops", "corrupt", "failed", "state", "errors", "served")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class TierStats(_message.Message):
     FAILED_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_FIELD_NUMBER: _ClassVar[int]
     name: str
     capacity_bytes: int
     used_bytes: int
@@ -41,10 +42,11 @@ class TierStats(_message.Message):
     failed: bool
     state: str
     errors: int
-    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., reads: _Optional[int] = ..., writes: _Optional[int] = ..., drops: _Optional[int] = ..., corrupt: _Optional[int] = ..., failed: _Optional[bool] = ..., state: _Optional[str] = ..., errors: _Optional[int] = ...) -> None: ...
+    served: int
+    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., reads: _Optional[int] = ..., writes: _Optional[int] = ..., drops: _Optional[int] = ..., corrupt: _Optional[int] = ..., failed: _Optional[bool] = ..., state: _Optional[str] = ..., errors: _Optional[int] = ..., served: _Optional[int] = ...) -> None: ...
 
 class LayoutStats(_message.Message):
-    __slots__ = ("layout_id", "layout", "page_bytes", "pages", "used_bytes", "hits", "misses", "evictions", "bytes_in", "bytes_out", "tenant")
+    __slots__ = ("layout_id", "layout", "page_bytes", "pages", "used_bytes", "hits", "misses", "evictions", "bytes_in", "bytes_out", "tenant", "served")
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +58,7 @@ class LayoutStats(_message.Message):
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    SERVED_FIELD_NUMBER: _ClassVar[int]
     layout_id: bytes
     layout: _kvstore_pb2.Layout
     page_bytes: int
@@ -67,7 +70,8 @@ class LayoutStats(_message.Message):
     bytes_in: int
     bytes_out: int
     tenant: str
-    def __init__(self, layout_id: _Optional[bytes] = ..., layout: _Optional[_Union[_kvstore_pb2.Layout, _Mapping]] = ..., page_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., used_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+    served: int
+    def __init__(self, layout_id: _Optional[bytes] = ..., layout: _Optional[_Union[_kvstore_pb2.Layout, _Mapping]] = ..., page_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., used_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., tenant: _Optional[str] = ..., served: _Optional[int] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("name", "used_bytes", "quota_bytes", "pages")
@@ -86,7 +90,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "layouts", "leases", "leased_pages", "uptime_seconds", "version", "tenants", "held_back_pages")
+    __slots__ = ("tiers", "layouts", "leases", "leased_pages", "uptime_seconds", "version", "tenants", "held_back_pages", "held_back_leases", "pinned_pages")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LAYOUTS_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +99,8 @@ class StatsResponse(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
     HELD_BACK_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HELD_BACK_LEASES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_PAGES_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     layouts: _containers.RepeatedCompositeFieldContainer[LayoutStats]
     leases: int
@@ -103,7 +109,9 @@ class StatsResponse(_message.Message):
     version: str
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
     held_back_pages: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., layouts: _Optional[_Iterable[_Union[LayoutStats, _Mapping]]] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., held_back_pages: _Optional[int] = ...) -> None: ...
+    held_back_leases: int
+    pinned_pages: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., layouts: _Optional[_Iterable[_Union[LayoutStats, _Mapping]]] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., held_back_pages: _Optional[int] = ..., held_back_leases: _Optional[int] = ..., pinned_pages: _Optional[int] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("layout_id", "bytes", "all", "tier", "force")
