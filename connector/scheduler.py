@@ -92,7 +92,7 @@ class SchedulerHalf:
         # engine has computed a token past its end (connector.groups).
         self._volatile_tail = any(g.kind is GroupKind.DRAFT for g in self.groups)
         # The scheduler only asks and leases: no page bytes, so no shared memory (but the
-        # Unix socket beside the pool, on its host, unless shared memory is off); and a
+        # server's Unix socket, on its host, unless shared memory is off); and a
         # lookup must answer within lookup_timeout, so no retries either.
         self.store = StoreLookups(config, layouts, client or open_client(
             config, config.lookup_timeout, retries=0, shared_memory=False,

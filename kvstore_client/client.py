@@ -60,10 +60,10 @@ class KVStoreClient:
     mutual TLS (kvstore_client.channel).
     data_plane: the fast path beside gRPC (kvstore_client.dataplane): None = use it when
     it can be reached, True = require it, False = gRPC only. data_address: its HOST:PORT
-    or Unix socket path (None = the server's: the socket beside the pool on this host,
+    or Unix socket path (None = the server's: the Unix socket Attach names on this host,
     else the gRPC port + 1); data_connections: most connections one Get is striped over.
-    local_socket: with shared_memory=False, still reach the fast path over the Unix socket
-    beside the pool when this host has it (a client that only asks and leases).
+    local_socket: with shared_memory=False, still reach the fast path over the server's
+    Unix socket when this host has it (a client that only asks and leases).
     """
 
     def __init__(self, address: str, *, timeout: float = 10.0, retries: int = 3,

@@ -1,7 +1,7 @@
 """Which path a KVStoreClient call takes: the fast path when it can be reached, else gRPC.
 
     bytes, same host (the pool is mapped)   shared memory (kvstore_client.shm)
-    control, same host                      fast path on the Unix socket beside the pool
+    control, same host                      fast path on the server's Unix socket
     bytes and control, another host         fast path over TCP (the gRPC port + 1, or
                                             data_address)
     fast path unreachable                   gRPC: one warning, another try in RETRY_S

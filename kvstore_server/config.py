@@ -81,7 +81,7 @@ class ServerConfig:
     # The fast path beside gRPC (kvstore_server.fastpath): "auto" = the listen host, port
     # + 1 (skipped with a warning if that port is taken); "off"; or HOST:PORT
     data_listen: str = "auto"
-    data_socket: bool = True        # also a Unix socket beside the pool, for local clients
+    data_socket: bool = True        # also a Unix socket (a private folder), for local clients
     # Where the server makes the private folder (0750) that holds its Unix sockets
     # (kvstore_server.fastpath.unixsock); "" = shm_dir, where clients already see the pool
     socket_dir: str = ""
@@ -241,8 +241,8 @@ def argument_parser() -> argparse.ArgumentParser:
                    help="TCP address of the fast path; 'auto' = the --listen host, port + 1 "
                         "(default); 'off' = none")
     f.add_argument("--data-socket", metavar="BOOL",
-                   help="also serve the fast path on a Unix socket beside the pool "
-                        "(default true)")
+                   help="also serve the fast path on a Unix socket, in a private folder "
+                        "(--socket-dir; default true)")
     f.add_argument("--socket-dir", metavar="PATH",
                    help="folder in which the server makes a private folder for its Unix "
                         "sockets (default: --shm-dir)")

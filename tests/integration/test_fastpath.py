@@ -883,7 +883,7 @@ def test_tls_and_mutual_tls_on_the_tcp_port(pki, mutual):
         else:
             server_only.check()
             server_only.close()
-        # The Unix socket beside the pool stays plain: it is local and owner-only.
+        # The Unix socket stays plain: it is local and owner-only.
         raw = Raw(unix_path(srv))
         raw.close()
 
