@@ -156,3 +156,14 @@ def test_odd_names_in_the_shm_dir_do_not_stop_a_start(tmp_path):
     assert os.path.islink(shm / "kvstore-4000001-deadbeef")
     assert victim.read_bytes() == b"keep"
     assert not (shm / "kvstore-99999999999999999999-deadbeef").exists()
+
+
+def test_shm_group_without_the_fast_paths_socket_still_hands_out_the_pool():
+    """--data-socket false: the server makes its private folder for the pool's hand-out
+    socket alone, and a client maps the pool through it."""
+    with ServerProcess(dram="64MiB", shm_group="nogroup", data_socket="false") as srv:
+        path = put_one(srv)
+        assert stat.S_ISSOCK(os.stat(path).st_mode)
+        assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]
+        assert serves(srv)
+    assert not os.path.exists(os.path.dirname(path))
