@@ -276,7 +276,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         # Failures first: a failed async load is reported as received too.
-        if connector_output.failed_recving:
+        if self.hybrid and connector_output.failed_recving:
             failed = self._sched.load_failed_requests(set(connector_output.failed_recving))
             if failed:
                 log.warning("kvstore loads failed for %s: recomputing", failed)
@@ -359,8 +359,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # A hybrid model's failed loads go by request (failed_recving); each is also in
         # finished_recving once every group's copies for it have ended.
         sent, received = self.get_finished(finished_req_ids)
-        failed = (self._worker.failed_recving() if self.hybrid and self._worker is not None
-                  else set())
+        failed = self._worker.failed_recving() if self._worker is not None else set()
+        if not self.hybrid:
+            failed = set()        # told by block ids (get_block_ids_with_load_errors)
         return KVConnectorTransferResults(finished_sending=set(sent or ()),
                                           finished_recving=set(received or ()),
                                           failed_recving=failed)
