@@ -63,3 +63,9 @@ class StoreStats:
     tenants: tuple[TenantStats, ...]
     tiers: tuple[TierStats, ...]    # top first; () with no tier below
     lock: LockHolds | None             # how long the store's lock was held
+    # Sessions' retention (retention.py): pages kept in DRAM for a session's TTL (each
+    # page once; counted in pinned_pages, not in leased_pages), the sessions, and the
+    # retains refused over a tenant's quota or session cap (their requests still served).
+    retained_pages: int = 0
+    retention_sessions: int = 0
+    retention_refused: int = 0

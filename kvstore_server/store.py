@@ -2,7 +2,9 @@
 
 The whole lifecycle across the tiers is drawn in tier.py; the DRAM half lives here:
 reserve → WRITING → commit → READY → lease / release → evict (spilled to the tier below)
-→ promote (read back by acquire), and delete. Its parts, each in a module of its own:
+→ promote (read back by acquire), and delete. A READY page a session retains
+(store_retention.py) is pinned like a leased one until its TTL or release; a delete
+still removes it and ends its retention. Its parts, each in a module of its own:
 the slot table (slots.py), the layout registry (layouts.py), victim selection over an
 eviction policy (eviction.py, lru.py), tenants' quotas (quota.py), leases (leases.py),
 stats values (stats.py), and the tier below (tier.py).
@@ -21,11 +23,13 @@ except offer, which never waits.
 Store is one class over one lock, written as mixins by idea: the per-request lifecycle
 here, slots coming free and eviction in store_evict.py, lease endings in store_leases.py,
 the bulk operations an admin runs (evict, clear, spill at stop) in store_admin.py, what
-is asked of the tier below (a lookup's reach, read-backs) in store_below.py.
+is asked of the tier below (a lookup's reach, read-backs) in store_below.py, sessions'
+retention of their prefixes (a long pin that eviction respects) in store_retention.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -49,12 +53,15 @@ from .store_admin import StoreAdmin
 from .store_below import PROBE_CHUNK, StoreBelow
 from .store_evict import StoreEviction
 from .store_leases import StoreLeases, owns
+from .store_retention import Retained, StoreRetention
+from .retention import RetentionLimits, RetentionTable
 from .store_values import Pinned, Reservation
+from .stats import StoreStats
 from .tenants import DEFAULT_TENANT
 from .tier import NullTier, Tier
 from .timed_lock import TimedLock
 
-__all__ = ["FOREVER", "LayoutInfo", "Pinned", "Reservation", "Store"]
+__all__ = ["FOREVER", "LayoutInfo", "Pinned", "Reservation", "Retained", "Store"]
 
 FREE, WRITING, READY, DOOMED = SlotState
 
@@ -63,7 +70,7 @@ MAX_LOOKUP_LAYOUTS = 256
 _NONE_MISSING = np.empty(0, dtype=np.int64)      # acquire: no key is missing
 
 
-class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
+class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
     """Pages of every layout in one shared region, with leases and policy eviction."""
 
     def __init__(self, region: Region, *, lease_ttl: float = 30.0,
@@ -73,14 +80,16 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
                  clock: Callable[[], float] = time.monotonic,
                  lower: Tier | None = None,
                  policy: PolicyFactory | str | None = None,
-                 through: Tier | None = None, presence: bool = False) -> None:
+                 through: Tier | None = None, presence: bool = False,
+                 retention: RetentionLimits | None = None) -> None:
         """lower: the tier below DRAM (tier.py); evicted pages are offered to it, and a
         lookup, exists or acquire that misses in DRAM asks it. policy: the eviction
         policy, or the name of one (eviction.make_policy). through: a tier that is
         offered every page at commit as well (the far tier under --far-write through, so
         other hosts see a page at once), not only when it leaves DRAM. presence: keep the
         presence map in the region's last AREA_BYTES (kvstore_server.presence), while no
-        tier below DRAM holds pages (the area is set aside either way)."""
+        tier below DRAM holds pages (the area is set aside either way). retention: each
+        tenant's retention quota and session cap (retention.py; None: the defaults)."""
         self.region = region
         self.mem = region.mem
         area = AREA_BYTES if presence else 0
@@ -112,9 +121,28 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow):
         self._policy = make_policy(policy)
         self._leases = LeaseTable(clock)
         self._held_back = HoldBack()           # slots of expired leases (store_leases)
+        self.retention = retention or RetentionLimits()
+        self._retained = RetentionTable()      # sessions' pins (store_retention)
         self._slots = SlotTable()
         self.started_at = clock()
         self.pressure = threading.Event()      # set when usage crosses the high watermark
+
+    def stats(self) -> StoreStats:
+        """StoreAdmin's stats, with the sessions' retention: a retained page is pinned,
+        but by no lease, so it leaves leased_pages (a slot's pins are its live leases',
+        its held-back leases' and its sessions')."""
+        base = super().stats()
+        with self._lock:
+            n = self.pool.id_capacity
+            pins = self._slots.pins[:n].astype(np.int64)
+            for held in (self._held_back.counts, self._retained.count):
+                k = min(n, len(held))
+                pins[:k] -= held[:k]
+            return dataclasses.replace(
+                base, leased_pages=int(np.count_nonzero(pins > 0)),
+                retained_pages=self._retained.pages(),
+                retention_sessions=len(self._retained),
+                retention_refused=self._retained.refused())
 
     # -- layouts --------------------------------------------------------------------
     def register_layout(self, layout: PageLayout, tenant: str = DEFAULT_TENANT) -> LayoutInfo:

@@ -9,6 +9,8 @@ spilled to the tier below and their slots freed.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from .eviction import EvictionPolicy, enough
@@ -41,6 +43,9 @@ class StoreEviction:
     _policy: EvictionPolicy
     _tenants: TenantLedger
 
+    if TYPE_CHECKING:               # Store's own (store_retention), used here
+        def _forget_retained(self, slots: np.ndarray) -> None: ...
+
     def _room_for(self, info: LayoutInfo, n: int, quota: int) -> None:
         """Evict info's tenant's coldest pages so that n more fit its quota (quota.py)."""
         mine = [i for i in self._layouts.by_idx if i.tenant == info.tenant]
@@ -61,6 +66,7 @@ class StoreEviction:
         """Slots already out of the index: free them, or doom them while pinned."""
         if not slots.size:
             return
+        self._forget_retained(slots)        # a delete ends retention (store_retention)
         pinned = self._slots.pins[slots] > 0
         self._slots.state[slots[pinned]] = DOOMED
         self._policy.remove(slots[pinned])

@@ -62,6 +62,8 @@ class StoreLeases:
         def _undo_reservation(self, lease: Lease) -> None: ...
         def _forget_reservation(self, lease: Lease) -> None: ...
         def _free(self, slots) -> None: ...
+        def expire_retentions(self) -> int: ...
+        def end_retentions(self) -> int: ...
 
     def _may_lease(self, slots: int, keys: int = 0) -> bool:
         """Whether a client's lease of `slots` slots and `keys` keys fits lease_memory
@@ -143,6 +145,7 @@ class StoreLeases:
                 self._held_back.add(lease.expires_at + self.lease_ttl, lease.slots)
             for slots in self._held_back.due(self.clock()):
                 self._unpin(slots)
+            self.expire_retentions()        # sessions' TTLs, on the same turn
             if gone:
                 log.info("expired %d leases (%d pages) not released in time; their slots "
                          "are held back for another %.1f s, in case a client is only slow",
@@ -154,7 +157,7 @@ class StoreLeases:
         had expired (a client that died holding them, before --lease-ttl ends them). A
         client still copying from a page so released may read a reused slot: for an
         operator who knows its clients are gone; the slots held back after leases expired
-        go too. Put and Get streams are never broken."""
+        go too, and every session's retention ends. Put and Get streams are never broken."""
         with self._lock:
             gone = self._leases.take_breakable()
             for lease in gone:
@@ -165,6 +168,7 @@ class StoreLeases:
             held = self._held_back.take_all()
             for slots in held:
                 self._unpin(slots)
+            self.end_retentions()           # sessions' pins are the same kind of hold
         if gone or held:
             log.warning("admin broke %d leases (%d pages) and let go of %d pages held back "
                         "after their leases expired", len(gone),
