@@ -15,6 +15,7 @@ gRPC) side by side, so that a reader sees in one place which one runs and why.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import weakref
@@ -40,11 +41,24 @@ from .rpc import Rpc, packed
 from .shm import Acquired, Reservation, SharedRegion, copy_layer, copy_pages
 from .wire import PUT_DATA_TAG, frame
 
-__all__ = ["KVStoreClient", "LayoutHandle", "PutResult", "Lease"]
+__all__ = ["KVStoreClient", "LayoutHandle", "PutResult", "Lease", "Retention"]
 
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20          # Put data messages; matches the server's Get chunks
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Retention:
+    """What KVStoreClient.retain did: the prefix's leading pages in DRAM (kept, unless
+    refused) and, where the server refused (quota, session cap, retention off), why."""
+
+    pages: int
+    refused: str = ""           # "" = retained
+
+    @property
+    def retained(self) -> bool:
+        return not self.refused
 
 
 class KVStoreClient:
@@ -262,6 +276,24 @@ class KVStoreClient:
             return got
         req = pb.DeleteRequest(layout_id=ns.layout_id, keys=packed(keys))
         return self._rpc.call("Delete", lambda: self._rpc.delete(req, timeout=self.timeout), ns).deleted
+
+    # -- session retention (gRPC only: one call a turn, off the hot path) ---------------
+    def retain(self, ns: LayoutHandle, keys: Sequence[bytes], session: str,
+               ttl: float) -> Retention:
+        """Ask the server to keep the prefix `keys` (its leading run in DRAM) from
+        eviction for `session` during ttl seconds (more than 0, at most a day). Again
+        under the same session: adds pages, and the ttl starts anew. A refusal (the
+        tenant's retention quota or session cap) is an answer, not an error."""
+        req = pb.RetainRequest(layout_id=ns.layout_id, keys=packed(keys), session=session,
+                               ttl_ms=max(1, round(ttl * 1000)) if ttl > 0 else 0)
+        resp = self._rpc.call("Retain", lambda: self._rpc.retain(req, timeout=self.timeout), ns)
+        return Retention(resp.pages, resp.refused)
+
+    def release_retention(self, session: str) -> int:
+        """End a session's retention now: the pages it kept (0: no such session)."""
+        req = pb.ReleaseRetentionRequest(session=session)
+        return self._rpc.call("ReleaseRetention", lambda: self._rpc.release_retention(
+            req, timeout=self.timeout)).pages
 
     def get(self, ns: LayoutHandle, keys: Sequence[bytes]) -> np.ndarray:
         """The pages of keys as a new (N, page_bytes) uint8 array; KeyError if one is missing."""

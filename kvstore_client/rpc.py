@@ -91,6 +91,9 @@ class Rpc:
         self.commit = unary(s + "Commit", pb.CommitRequest, pb.CommitResponse)
         self.abort = unary(s + "Abort", pb.AbortRequest, pb.AbortResponse)
         self.acquire = unary(s + "Acquire", pb.AcquireRequest, pb.AcquireResponse)
+        self.retain = unary(s + "Retain", pb.RetainRequest, pb.RetainResponse)
+        self.release_retention = unary(s + "ReleaseRetention", pb.ReleaseRetentionRequest,
+                                       pb.ReleaseRetentionResponse)
         self.stats = unary(a + "Stats", apb.StatsRequest, apb.StatsResponse)
         self.evict = unary(a + "Evict", apb.EvictRequest, apb.EvictResponse)
         self.clear = unary(a + "Clear", apb.ClearRequest, apb.ClearResponse)

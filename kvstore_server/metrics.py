@@ -41,8 +41,17 @@ class _StoreCollector:
                      "expired, in case its client is only slow", None, s.held_back_pages)
         yield _gauge("kvstore_held_back_leases", "Expired leases whose pages are held back",
                      None, s.held_back_leases)
-        yield _gauge("kvstore_pinned_pages", "Pages pinned by a live lease or held back "
-                     "after one: eviction cannot take them", None, s.pinned_pages)
+        yield _gauge("kvstore_pinned_pages", "Pages pinned by a live lease, held back "
+                     "after one, or retained by a session: eviction cannot take them", None,
+                     s.pinned_pages)
+        # Sessions' retention (kvstore_server.retention)
+        yield _gauge("kvstore_retained_pages", "Pages a session keeps in DRAM for its TTL",
+                     None, s.retained_pages)
+        yield _gauge("kvstore_retention_sessions", "Retention sessions held", None,
+                     s.retention_sessions)
+        yield _counter("kvstore_retention_refused", "Retains refused: over a tenant's "
+                       "retention quota or session cap, or retention off", None,
+                       s.retention_refused)
         # Lookups count a page each time it is looked up (an engine asks again for a
         # waiting request at every step); pages served count what was read.
         yield _counter("kvstore_hits", "Pages found by lookups (a page looked up again "

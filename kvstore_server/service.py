@@ -212,6 +212,16 @@ class KVStoreService:
         layout_id = self._layout(self._caller(context), request.layout_id)
         return pb.DeleteResponse(deleted=self.store.delete(layout_id, self._keys(request.keys, "Delete")))
 
+    def Retain(self, request, context):
+        layout_id = self._layout(self._caller(context), request.layout_id)
+        kept = self.store.retain(layout_id, self._keys(request.keys, "Retain"),
+                                 request.session, request.ttl_ms / 1000.0)
+        return pb.RetainResponse(pages=kept.pages, refused=kept.refused)
+
+    def ReleaseRetention(self, request, context):
+        return pb.ReleaseRetentionResponse(pages=self.store.release_retention(
+            request.session, self._caller(context).name))
+
     def Put(self, request_iterator, context):
         first = next(request_iterator, None)
         if first is None or isinstance(first, memoryview) or not first.HasField("header"):
@@ -333,6 +343,9 @@ def add_kvstore_service(server: grpc.Server, service: KVStoreService,
         "Commit": u("Commit", pb.CommitRequest, pb.CommitResponse),
         "Abort": u("Abort", pb.AbortRequest, pb.AbortResponse),
         "Acquire": u("Acquire", pb.AcquireRequest, pb.AcquireResponse),
+        "Retain": u("Retain", pb.RetainRequest, pb.RetainResponse),
+        "ReleaseRetention": u("ReleaseRetention", pb.ReleaseRetentionRequest,
+                              pb.ReleaseRetentionResponse),
         "Put": grpc.stream_unary_rpc_method_handler(
             gated_requests(gate, tenant, watched_requests(streams, functools.partial(
                 guarded("Put", m)(KVStoreService.Put), service), "Put"), "Put"),

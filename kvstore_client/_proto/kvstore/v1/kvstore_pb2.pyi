@@ -245,3 +245,35 @@ class AcquireResponse(_message.Message):
     lease_id: int
     offsets: bytes
     def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[bytes] = ...) -> None: ...
+
+class RetainRequest(_message.Message):
+    __slots__ = ("layout_id", "keys", "session", "ttl_ms")
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    layout_id: bytes
+    keys: PackedKeys
+    session: str
+    ttl_ms: int
+    def __init__(self, layout_id: _Optional[bytes] = ..., keys: _Optional[_Union[PackedKeys, _Mapping]] = ..., session: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class RetainResponse(_message.Message):
+    __slots__ = ("pages", "refused")
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    pages: int
+    refused: str
+    def __init__(self, pages: _Optional[int] = ..., refused: _Optional[str] = ...) -> None: ...
+
+class ReleaseRetentionRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    def __init__(self, session: _Optional[str] = ...) -> None: ...
+
+class ReleaseRetentionResponse(_message.Message):
+    __slots__ = ("pages",)
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    pages: int
+    def __init__(self, pages: _Optional[int] = ...) -> None: ...

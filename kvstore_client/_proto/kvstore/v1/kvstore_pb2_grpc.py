@@ -99,6 +99,16 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.AcquireRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AcquireResponse.FromString,
                 _registered_method=True)
+        self.Retain = channel.unary_unary(
+                '/kvstore.v1.KVStore/Retain',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.RetainRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RetainResponse.FromString,
+                _registered_method=True)
+        self.ReleaseRetention = channel.unary_unary(
+                '/kvstore.v1.KVStore/ReleaseRetention',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReleaseRetentionRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReleaseRetentionResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -188,6 +198,18 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Retain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseRetention(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -255,6 +277,16 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Acquire,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AcquireRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.AcquireResponse.SerializeToString,
+            ),
+            'Retain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Retain,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RetainRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.RetainResponse.SerializeToString,
+            ),
+            'ReleaseRetention': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseRetention,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReleaseRetentionRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReleaseRetentionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -608,6 +640,60 @@ class KVStore:
             '/kvstore.v1.KVStore/Acquire',
             kvstore_dot_v1_dot_kvstore__pb2.AcquireRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.AcquireResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Retain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Retain',
+            kvstore_dot_v1_dot_kvstore__pb2.RetainRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.RetainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseRetention(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/ReleaseRetention',
+            kvstore_dot_v1_dot_kvstore__pb2.ReleaseRetentionRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.ReleaseRetentionResponse.FromString,
             options,
             channel_credentials,
             insecure,

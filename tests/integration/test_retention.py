@@ -1,0 +1,193 @@
+"""Session retention against a real server (kvstore_server.retention): a session's
+prefix outlives another tenant's eviction pressure for its TTL and not after; the
+tenant's quota is enforced (refused, counted, the call still answered); release ends
+it; a client killed holding one leaves it to its TTL; a retained page can be deleted.
+What the server holds is read from /metrics, as an operator reads it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import urllib.request
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvstore_client import KVStoreClient, KVStoreError, PageLayout
+from kvstore_testing.serverproc import free_port
+from tests.waiting import wait_for
+
+# 256 KiB pages: the 32 MiB pool holds about 120 of them; the default retention quota
+# (a tenth of the pool) about 12.
+LAYOUT = PageLayout(model="retention", num_layers=4, page_tokens=16, num_kv_heads=8,
+                    head_size=128)
+TOKENS = {"a": "tok-retain-a", "b": "tok-retain-b", "ops": "tok-retain-ops"}
+TTL = 3.0
+
+
+def sha(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@pytest.fixture
+def srv(fresh_server, tmp_path):
+    path = tmp_path / "auth.toml"
+    path.write_text("".join(
+        f'[{"admins" if name == "ops" else "tenants"}.{name}]\n'
+        f'token_sha256 = "{sha(token)}"\n\n' for name, token in TOKENS.items()))
+    port = free_port()
+    server = fresh_server(dram="32MiB", auth_file=str(path), metrics_port=port)
+    server.metrics_port = port
+    return server
+
+
+def client(srv, name: str) -> KVStoreClient:
+    return KVStoreClient(srv.address, token=TOKENS[name], shared_memory=False,
+                         data_plane=False, retries=0)
+
+
+def keys(prefix: str, n: int) -> list[bytes]:
+    return [f"{prefix}-{i}".encode().ljust(16, b"_") for i in range(n)]
+
+
+def pages(n: int, page_bytes: int) -> np.ndarray:
+    return np.random.default_rng(n).integers(0, 256, (n, page_bytes), dtype=np.uint8)
+
+
+def metric(srv, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=5).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name)
+
+
+def pressure(srv, round_: str) -> None:
+    """Tenant b fills the whole pool twice over."""
+    with client(srv, "b") as b:
+        ns = b.register_layout(LAYOUT)
+        n = 32 * (1 << 20) // ns.page_bytes
+        for part in range(4):
+            ks = keys(f"b{round_}{part}", n // 2)
+            b.put(ns, ks, pages(len(ks), ns.page_bytes))
+
+
+def stored(c: KVStoreClient, ns, ks: list[bytes]) -> int:
+    return sum(c.exists(ns, ks))
+
+
+def test_a_sessions_prefix_survives_pressure_for_its_ttl_and_not_after(srv):
+    with client(srv, "a") as a:
+        ns = a.register_layout(LAYOUT)
+        kept, other = keys("kept", 8), keys("other", 8)
+        a.put(ns, kept + other, pages(16, ns.page_bytes))
+        got = a.retain(ns, kept, "agent-1", TTL)
+        assert got.retained and got.pages == 8
+        assert metric(srv, "kvstore_retained_pages") == 8
+        assert metric(srv, "kvstore_retention_sessions") == 1
+        pressure(srv, "1")
+        assert stored(a, ns, kept) == 8
+        assert stored(a, ns, other) == 0            # the pressure was real
+        wait_for(lambda: metric(srv, "kvstore_retained_pages") == 0, "the TTL to lapse",
+                 timeout=3 * TTL)
+        assert metric(srv, "kvstore_retention_sessions") == 0
+        pressure(srv, "2")
+        assert stored(a, ns, kept) == 0
+
+
+def test_the_quota_refuses_counts_and_still_answers(srv):
+    with client(srv, "a") as a:
+        ns = a.register_layout(LAYOUT)
+        ks = keys("big", 20)                        # over a tenth of the pool
+        a.put(ns, ks, pages(20, ns.page_bytes))
+        got = a.retain(ns, ks, "greedy", TTL)
+        assert not got.retained and "quota" in got.refused and got.pages == 20
+        assert metric(srv, "kvstore_retention_refused_total") == 1
+        assert metric(srv, "kvstore_retained_pages") == 0
+        assert a.retain(ns, ks[:8], "modest", TTL).retained     # within it: kept
+        assert a.lookup(ns, ks) == 20                           # the tenant is still served
+        # Another tenant's quota is its own.
+        with client(srv, "b") as b:
+            nb = b.register_layout(LAYOUT)
+            b.put(nb, ks[:8], pages(8, nb.page_bytes))
+            assert b.retain(nb, ks[:8], "modest", TTL).retained
+        assert metric(srv, "kvstore_retained_pages") == 16
+
+
+def test_release_ends_it(srv):
+    with client(srv, "a") as a:
+        ns = a.register_layout(LAYOUT)
+        kept = keys("rel", 8)
+        a.put(ns, kept, pages(8, ns.page_bytes))
+        a.retain(ns, kept, "agent-2", 600)
+        with client(srv, "b") as b:                 # not another tenant's to end
+            assert b.release_retention("agent-2") == 0
+        assert a.release_retention("agent-2") == 8
+        assert metric(srv, "kvstore_retained_pages") == 0
+        pressure(srv, "3")
+        assert stored(a, ns, kept) == 0
+
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from kvstore_client import KVStoreClient, PageLayout
+    layout = PageLayout(model="retention", num_layers=4, page_tokens=16, num_kv_heads=8,
+                        head_size=128)
+    c = KVStoreClient(sys.argv[1], token=sys.argv[2], shared_memory=False, data_plane=False)
+    ns = c.register_layout(layout)
+    ks = [f"child-{i}".encode().ljust(16, b"_") for i in range(8)]
+    c.put(ns, ks, np.zeros((8, ns.page_bytes), np.uint8))
+    assert c.retain(ns, ks, "engine-1", float(sys.argv[3])).retained
+    print("retained", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_killed_clients_retention_ends_by_its_ttl(srv):
+    child = subprocess.Popen([sys.executable, "-c", CHILD, srv.address, TOKENS["a"],
+                              str(TTL)], stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ))
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "retained"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+    assert metric(srv, "kvstore_retained_pages") == 8
+    with client(srv, "a") as a:
+        ns = a.register_layout(LAYOUT)
+        ks = keys("child", 8)
+        pressure(srv, "4")
+        assert stored(a, ns, ks) == 8               # its client is gone; its TTL is not
+        wait_for(lambda: metric(srv, "kvstore_retained_pages") == 0, "the TTL to lapse",
+                 timeout=3 * TTL)
+        pressure(srv, "5")
+        assert stored(a, ns, ks) == 0
+
+
+def test_a_retained_page_can_be_deleted(srv):
+    with client(srv, "a") as a:
+        ns = a.register_layout(LAYOUT)
+        ks = keys("gone", 8)
+        a.put(ns, ks, pages(8, ns.page_bytes))
+        a.retain(ns, ks, "agent-3", 600)
+        assert a.delete(ns, ks[:3]) == 3
+        assert a.exists(ns, ks) == [False] * 3 + [True] * 5
+        assert metric(srv, "kvstore_retained_pages") == 5
+        assert a.release_retention("agent-3") == 5
+
+
+def test_bad_requests_get_clear_errors(srv):
+    with client(srv, "a") as a:
+        ns = a.register_layout(LAYOUT)
+        for session, ttl, words in (("", 1.0, "session"), ("x" * 129, 1.0, "session"),
+                                    ("s", 0, "ttl"), ("s", 2 * 86400, "ttl")):
+            with pytest.raises(KVStoreError) as info:
+                a.retain(ns, keys("k", 1), session, ttl)
+            assert info.value.code.name == "INVALID_ARGUMENT" and words in info.value.message
+        a.put(ns, keys("k", 1), pages(1, ns.page_bytes))
+        assert a.retain(ns, keys("k", 1), "s", 1.0).retained   # the server lives on
