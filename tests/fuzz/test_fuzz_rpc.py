@@ -83,7 +83,8 @@ SENTINEL_PAGES = np.random.default_rng(8).integers(
 KV = "/kvstore.v1.KVStore/"
 ADMIN = "/kvstore.v1.Admin/"
 UNARY = [KV + m for m in ("RegisterLayout", "Lookup", "ReleaseLease", "Exists", "Delete",
-                          "Attach", "Reserve", "Commit", "Abort", "Acquire")]
+                          "Attach", "Reserve", "Commit", "Abort", "Acquire", "Retain",
+                          "ReleaseRetention")]
 UNARY += [ADMIN + m for m in ("Stats", "Evict", "Clear", "ListLayouts", "Inspect")]
 METHODS = UNARY + [KV + "Put", KV + "Get", KV + "LookupStream"]
 STREAMED_IN = (KV + "Put", KV + "LookupStream")     # requests go as a list of messages
@@ -384,6 +385,16 @@ def test_reserve(h, layout_id, keys, token, ms):
 def test_acquire(h, layout_id, keys, token, ms):
     fuzz(h, KV + "Acquire", pb.AcquireRequest(layout_id=layout_id, token=with_token(h, token),
                                              lease_ms=ms, **keys_kw(keys)))
+
+
+@examples(500)
+@given(layout_id=layout_ids, keys=packed_keys, ms=lease_ms,
+       session=st.one_of(st.sampled_from(["", "s", "s" * 128, "s" * 129, "é" * 100]),
+                         st.text(max_size=200)))
+def test_retain_and_release(h, layout_id, keys, ms, session):
+    fuzz(h, KV + "Retain", pb.RetainRequest(layout_id=layout_id, session=session, ttl_ms=ms,
+                                           **keys_kw(keys)))
+    fuzz(h, KV + "ReleaseRetention", pb.ReleaseRetentionRequest(session=session))
 
 
 # Commit, Abort and ReleaseLease: a lease id that is random, 0, or one a request earlier
