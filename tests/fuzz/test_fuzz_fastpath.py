@@ -19,7 +19,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from kvstore_testing.serverproc import ServerProcess, free_port
 
@@ -177,3 +177,168 @@ def test_nothing_is_left_open(srv):
             time.sleep(0.1)
         assert c.stats().leases == 0
     sentinel_ok(srv)
+
+
+# -- crowds of slow, silent and hostile peers, on TCP, TLS and the Unix socket ---------------
+# Bounds of docs/fastpath.md ("Before and after HELLO") that a crowd must not pass:
+CROWD_TIMEOUT = 2.0             # --stream-timeout of the crowd's servers: the HELLO deadline
+CROWD_RSS = 32 << 20            # growth of the server's RSS while a crowd is at it
+# Every place a crowd took is free by: the HELLO deadline, or a stalled Get's send timeout
+# (at most twice --stream-timeout: the header's send, then the pages'), and some slack
+# for a loaded machine.
+CROWD_FREE_BY = 2 * CROWD_TIMEOUT + 8.0
+BIG = PageLayout(model="fuzz-crowd", num_layers=4, page_tokens=16, num_kv_heads=8,
+                 head_size=128, dtype="bfloat16")                        # 256 KiB pages
+BIG_KEYS = [b"fuzz-crowd-%06d" % i for i in range(64)]                   # 16 MiB
+BEHAVIOURS = ("silent", "trickle", "huge_hello", "garbage", "part_body", "stall_get",
+              "bare_tcp")
+
+
+@pytest.fixture(scope="module")
+def crowd_servers(tmp_path_factory):
+    """kind ("plain": TCP and the Unix socket; "tls": TLS on TCP) -> a server started on
+    first use, with a short --stream-timeout, the sentinel and 16 MiB of big pages."""
+    import shutil
+    servers: dict[str, ServerProcess] = {}
+
+    def get(kind: str) -> ServerProcess:
+        if kind in servers:
+            return servers[kind]
+        flags = {"dram": "128MiB", "stream_timeout": f"{CROWD_TIMEOUT}s",
+                 "data_hello_connections": 16, "metrics_port": free_port()}
+        tls: dict = {}
+        if kind == "tls":
+            if shutil.which("openssl") is None:
+                pytest.skip("needs the openssl command to make certificates")
+            from tests.integration import test_tls
+            pki = test_tls.pki.__wrapped__(tmp_path_factory)
+            flags |= {"tls_cert": pki / "server.pem", "tls_key": pki / "server.key"}
+            tls = {"tls_ca": str(pki / "ca.pem")}
+            server = ServerProcess(credentials=test_tls.creds(pki), **flags)
+        else:
+            server = ServerProcess(**flags)
+        server.start()
+        server.metrics_port = flags["metrics_port"]
+        server.tls = tls
+        server.good = KVStoreClient(server.address, shared_memory=False, data_plane=True,
+                                    **tls)
+        server.ns = server.good.register_layout(LAYOUT)
+        server.good.put(server.ns, KEYS, PAGES)
+        server.big = server.good.register_layout(BIG)
+        server.good.put(server.big, BIG_KEYS, np.zeros((64, BIG.page_bytes), np.uint8))
+        servers[kind] = server
+        return server
+
+    yield get
+    for server in servers.values():
+        server.good.close()
+        log = server.log()
+        server.stop()
+        assert not re.search(r" (ERROR|CRITICAL) ", log), log[-3000:]
+
+
+def _gauge(srv, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics",
+                                  timeout=5).read().decode()
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def _unix_path(srv) -> str:
+    return re.search(r"unix socket (\S+)", srv.log()).group(1)
+
+
+def _peer(srv, transport: str, behaviour: str):
+    """A connected socket as the behaviour wants it: TLS shaken hands where the transport
+    is TLS, except for bare_tcp, which never starts the handshake."""
+    import ssl
+    if transport == "unix":
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(_unix_path(srv))
+    else:
+        sock = socket.create_connection(("127.0.0.1", srv.port + 1))
+        if transport == "tls" and behaviour != "bare_tcp":
+            ctx = ssl.create_default_context(cafile=srv.tls["tls_ca"])
+            sock = ctx.wrap_socket(sock, server_hostname="127.0.0.1")
+    sock.settimeout(1.0)
+    return sock
+
+
+crowds = st.lists(st.tuples(st.sampled_from(BEHAVIOURS), st.binary(max_size=48),
+                            st.one_of(st.integers(4097, 64 << 20), st.integers(4097, 2**64 - 1))),
+                  min_size=4, max_size=12)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix", "tls"])
+def test_crowds_of_slow_silent_and_hostile_peers(crowd_servers, transport):
+    """Hypothesis makes crowds of peers that are silent, trickle a HELLO, declare a huge
+    HELLO body, send junk, send part of a body, or authenticate and stall a 16 MiB Get;
+    each crowd works at the server for 3 s while a well-behaved tenant's calls go on.
+    Every call of the tenant is served byte-exact; the server's RSS grows by less than
+    CROWD_RSS; every place and pin a crowd took is free within CROWD_FREE_BY of its
+    start, while its sockets are still open (the server cut them, nobody closed them)."""
+    import time
+    srv = crowd_servers("tls" if transport == "tls" else "plain")
+
+    # No shrinking: an example takes seconds, and the first failing crowd says enough.
+    @given(crowd=crowds)
+    @settings(FUZZ, max_examples=max(1, int(3 * SCALE)),
+              phases=[Phase.explicit, Phase.reuse, Phase.generate])
+    def run(crowd):
+        before = _rss(srv.proc.pid)
+        base = _gauge(srv, "kvstore_fast_connections")          # the good client's
+        start = time.monotonic()
+        peers = []
+        for behaviour, junk, huge in crowd:
+            sock = _peer(srv, transport, behaviour)
+            token = b""
+            if behaviour == "huge_hello":
+                sock.sendall(fw.encode_header(fw.Op.HELLO, huge) + junk)
+            elif behaviour == "garbage":
+                sock.sendall(junk or b"\xff")
+            elif behaviour == "part_body":
+                sock.sendall(fw.encode_header(fw.Op.HELLO, len(junk) + 10) + junk)
+            elif behaviour == "stall_get":
+                sock.sendall(fw.encode_header(fw.Op.HELLO, len(token)) + token)
+                sock.recv(fw.HEADER.size + 64)                  # the HELLO's answer
+                body = fw.LAYOUT_HEAD.pack(srv.big.layout_id) + fw.encode_keys(
+                    len(BIG_KEYS[0]), b"".join(BIG_KEYS))
+                sock.sendall(fw.encode_header(fw.Op.GET, len(body)) + body)
+            peers.append((behaviour, sock, bytearray(hello + junk)))
+        served = 0
+        while time.monotonic() < start + 3.0:
+            for behaviour, sock, rest in peers:
+                if behaviour == "trickle" and rest:
+                    try:
+                        sock.sendall(rest[:1])
+                    except OSError:
+                        rest.clear()
+                    del rest[:1]
+            assert np.array_equal(srv.good.get(srv.ns, KEYS), PAGES)
+            assert srv.good.lookup(srv.ns, KEYS) == len(KEYS)
+            served += 1
+            time.sleep(0.2)
+        assert served and srv.good._data.fast() is not None      # on the fast path still
+        grown = _rss(srv.proc.pid) - before
+        assert grown < CROWD_RSS, f"RSS grew {grown >> 20} MiB under a crowd of {len(crowd)}"
+        with KVStoreClient(srv.address, data_plane=False, **srv.tls) as admin:
+            while True:
+                hello_open = _gauge(srv, "kvstore_fast_hello_connections")
+                open_now = _gauge(srv, "kvstore_fast_connections")
+                leases = admin.stats().leases
+                if (hello_open == 0 and open_now <= base and leases == 0) \
+                        or time.monotonic() > start + CROWD_FREE_BY:
+                    break
+                time.sleep(0.2)
+        assert hello_open == 0, f"{hello_open} unauthenticated connections outlived the deadline"
+        assert open_now <= base, f"{open_now - base} of the crowd's connections are still open"
+        assert leases == 0, f"{leases} leases outlived --stream-timeout"
+        for _, sock, _ in peers:
+            sock.close()
+
+    run()
