@@ -19,6 +19,7 @@ from .far.settings import from_config
 from .layouts import DEFAULT_MAX_LAYOUTS
 from .leases import DEFAULT_LEASE_MEMORY
 from .limits import MAX_KEYS_LIMIT
+from .retention import DEFAULT_MAX_SESSIONS, DEFAULT_RETENTION_QUOTA
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -52,6 +53,10 @@ class ServerConfig:
     # 0 = unlimited
     lease_memory: int = DEFAULT_LEASE_MEMORY
     max_layouts: int = DEFAULT_MAX_LAYOUTS    # layouts kept; past it RegisterLayout is refused
+    # What one tenant's sessions may keep from eviction (kvstore_server.retention): a
+    # share of the pool (at most 1) or bytes; past it a retain is refused; 0 = off
+    retention_quota: float = DEFAULT_RETENTION_QUOTA
+    retention_sessions: int = DEFAULT_MAX_SESSIONS    # sessions one tenant may hold
     high_watermark: float = 0.95    # background eviction starts above this share of the pool
     low_watermark: float = 0.85     # ... and stops below this one
     # Which pages DRAM and the disk tier evict first: a module of kvstore_server ("lru")
@@ -103,6 +108,14 @@ class ServerConfig:
     far_insecure: bool = False      # run the far tier without a secret (values forgeable)
 
 
+def _share_or_size(value: object) -> float:
+    """A share of the pool (a number, at most 1) or a size with its unit (bytes)."""
+    text = str(value).strip()
+    if text and (text[-1].isalpha() or float(text) > 1):
+        return float(parse_size(text))
+    return float(text)
+
+
 def _bool(value: object) -> bool:
     if isinstance(value, bool):
         return value
@@ -127,6 +140,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "lease_ttl": parse_duration,
     "lease_memory": parse_size,
     "max_layouts": int,
+    "retention_quota": _share_or_size,
+    "retention_sessions": int,
     "high_watermark": float,
     "low_watermark": float,
     "eviction_policy": str,
@@ -222,6 +237,11 @@ def argument_parser() -> argparse.ArgumentParser:
                    help="keys one request may name (default 16384)")
     p.add_argument("--max-layouts", metavar="N",
                    help="layouts the server keeps, all tenants together (default 4096)")
+    p.add_argument("--retention-quota", metavar="SHARE|SIZE",
+                   help="what one tenant's sessions may keep from eviction: a share of "
+                        "the pool (0.1) or a size (2GiB); 0 = retention off (default 0.1)")
+    p.add_argument("--retention-sessions", metavar="N",
+                   help="retention sessions one tenant may hold at once (default 1024)")
     p.add_argument("--log-level", metavar="LEVEL",
                    help="DEBUG, INFO, WARNING, ERROR (default INFO)")
     s = p.add_argument_group("security (see SECURITY.md)")
@@ -345,6 +365,11 @@ def _check(c: ServerConfig) -> None:
         raise ConfigError("lease_memory must be >= 0 (0 = unlimited)")
     if c.max_layouts < 1:
         raise ConfigError("max_layouts must be >= 1")
+    if c.retention_quota < 0:
+        raise ConfigError("retention_quota must be >= 0 (a share of the pool, or bytes; "
+                          "0 = off)")
+    if c.retention_sessions < 1:
+        raise ConfigError("retention_sessions must be >= 1")
     if c.disk and not c.disk_dir:
         raise ConfigError("disk tier needs disk_dir (--disk-dir) when disk > 0")
     if c.workers < 1:

@@ -13,8 +13,12 @@ Bounds, since a pin is memory taken from every other tenant:
 - a tenant's retained pages may take at most its retention quota (bytes of slots; each
   page counted once, however many of its sessions retain it): past it a retain is
   refused, counted, and the tenant's request is still served;
-- a tenant may hold at most `max_sessions` sessions;
-- a request names at most RequestLimits' keys, so one retain is bounded work.
+- a tenant may hold at most `max_sessions` sessions, and its sessions may name at most
+  MAX_ENTRIES pages between them: a page is charged to the quota once however many
+  sessions keep it (agents share a system prompt), but each session's list of it costs
+  the server 16 bytes, so 1,024 sessions each naming the same 650k pages would take 10 GB;
+- a request names at most RequestLimits' keys, so one retain is bounded work (and the
+  session's own list: a set difference over it).
 
 Retention never blocks a delete: a page deleted (or invalidated, or cleared) while
 retained leaves every session that held it (forget), and its slot's generation moves on,
@@ -35,8 +39,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["DEFAULT_MAX_SESSIONS", "DEFAULT_RETENTION_QUOTA", "MAX_SESSION_NAME",
-           "MAX_TTL", "RetainOutcome", "RetentionLimits", "RetentionTable"]
+__all__ = ["DEFAULT_MAX_SESSIONS", "DEFAULT_RETENTION_QUOTA", "MAX_ENTRIES",
+           "MAX_SESSION_NAME", "MAX_TTL", "RetainOutcome", "RetentionLimits", "RetentionTable"]
 
 # A tenant's retention quota by default: a tenth of the pool. Retained pages are taken
 # out of the LRU for everyone else; a tenth leaves the other nine to the watermarks'
@@ -45,6 +49,7 @@ DEFAULT_RETENTION_QUOTA = 0.1
 DEFAULT_MAX_SESSIONS = 1024     # sessions one tenant may hold at once
 MAX_SESSION_NAME = 128          # characters of a session's name
 MAX_TTL = 24 * 3600.0           # seconds a retention may ask for at most
+MAX_ENTRIES = 4 << 20           # (session, page) pairs of one tenant: 64 MiB of lists
 
 Sizes = Callable[[np.ndarray], np.ndarray]      # bytes each of these slots takes
 
@@ -54,6 +59,7 @@ class RetainOutcome(enum.Enum):
     OFF = "retention is off on this server (--retention-quota 0)"
     OVER_QUOTA = "over the tenant's retention quota"
     TOO_MANY_SESSIONS = "the tenant holds its most sessions"
+    TOO_MANY_ENTRIES = "the tenant's sessions name their most pages"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -89,6 +95,7 @@ class RetentionTable:
         self._tenants: dict[str, int] = {}          # tenant -> index into the arrays below
         self._bytes = np.zeros(0, dtype=np.int64)   # retained bytes per tenant index
         self._count_of = np.zeros(0, dtype=np.int64)   # sessions per tenant index
+        self._entries = np.zeros(0, dtype=np.int64)    # their slots, per tenant index
         self.refused_of = np.zeros(0, dtype=np.int64)  # retains refused per tenant index
         # Per slot id (grown on demand): sessions retaining it, its generation (moved on
         # when a retained page leaves DRAM), its tenant index and the bytes charged.
@@ -116,7 +123,7 @@ class RetentionTable:
         i = self._tenants.get(name)
         if i is None:
             i = self._tenants[name] = len(self._tenants)
-            for field in ("_bytes", "_count_of", "refused_of"):
+            for field in ("_bytes", "_count_of", "_entries", "refused_of"):
                 setattr(self, field, np.append(getattr(self, field), 0))
         return i
 
@@ -153,6 +160,8 @@ class RetentionTable:
         charge = sizes(first).astype(np.int64)
         if outcome is RetainOutcome.RETAINED and self._bytes[t] + int(charge.sum()) > quota:
             outcome = RetainOutcome.OVER_QUOTA
+        elif outcome is RetainOutcome.RETAINED and self._entries[t] + len(new) > MAX_ENTRIES:
+            outcome = RetainOutcome.TOO_MANY_ENTRIES
         if outcome is not RetainOutcome.RETAINED:
             self.refused_of[t] += 1
             return outcome, slots[:0]
@@ -163,10 +172,17 @@ class RetentionTable:
         if session is None:
             self._count_of[t] += 1
             session = self._sessions[key] = _Session(t, have, have, 0.0)
+        self._entries[t] += len(have) + len(new) - len(session.slots)
         session.slots = np.concatenate([have, new])
         session.gens = self._gen[session.slots]
         session.expires_at = now + ttl
         heapq.heappush(self._heap, (session.expires_at, next(self._order), key))
+        if len(self._heap) > 2 * len(self._sessions) + 64:
+            # A session retained again each turn leaves its earlier entry behind: rebuilt
+            # from the live sessions, the heap stays within twice their number.
+            self._heap = [(s.expires_at, next(self._order), k)
+                          for k, s in self._sessions.items()]
+            heapq.heapify(self._heap)
         return outcome, new
 
     def _live(self, session: _Session) -> np.ndarray:
@@ -177,6 +193,7 @@ class RetentionTable:
         """Drop a session; returns its live slots, for the caller to unpin once each."""
         session = self._sessions.pop(key)
         self._count_of[session.tenant] -= 1
+        self._entries[session.tenant] -= len(session.slots)
         live = self._live(session)
         self.count[live] -= 1
         self._refund(live[self.count[live] == 0])

@@ -2,6 +2,7 @@
 session keeps from eviction, its quota, and how it ends. tests/integration/
 test_retention.py runs the same against a real server."""
 
+import numpy as np
 import pytest
 
 from kvstore_client.keys import Packed
@@ -188,3 +189,46 @@ def test_bad_session_or_ttl_is_refused_clearly(store):
     with pytest.raises(StoreError, match="ttl"):
         retain(store, info, keys("x", 1), ttl=float("inf"))
     assert store.stats().pinned_pages == 0
+
+
+def test_the_quota_setting_is_a_share_or_a_size():
+    from kvstore_server.config import ConfigError, load_config
+    assert load_config([], environ={}).retention_quota == 0.1
+    assert load_config(["--retention-quota", "0.25"], environ={}).retention_quota == 0.25
+    assert load_config(["--retention-quota", "2GiB"], environ={}).retention_quota == 2 << 30
+    assert load_config(["--retention-quota", "0"], environ={}).retention_quota == 0
+    assert RetentionLimits(0.25).quota_bytes(1 << 30) == 1 << 28
+    assert RetentionLimits(float(2 << 30)).quota_bytes(1 << 30) == 2 << 30
+    for bad in ("-0.5", "lots"):
+        with pytest.raises(ConfigError, match="retention_quota"):
+            load_config(["--retention-quota", bad], environ={})
+    with pytest.raises(ConfigError, match="retention_sessions"):
+        load_config(["--retention-sessions", "0"], environ={})
+
+
+def test_a_session_retained_every_turn_keeps_the_table_small():
+    from kvstore_server.retention import RetentionTable
+    table = RetentionTable()
+    sizes = lambda slots: np.full(len(slots), 1, dtype=np.int64)   # noqa: E731
+    for turn in range(1000):
+        table.retain("t", "s", np.array([1, 2, turn + 3]), sizes, float(turn), 60.0,
+                     RetentionLimits(1e9), 1 << 30)
+    assert len(table._heap) <= 2 * len(table) + 64
+    assert table.pages() == 1002
+    assert [len(s) for s in table.expired(2000.0)] == [1002] and table.pages() == 0
+
+
+def test_the_pages_sessions_name_are_bounded(monkeypatch):
+    from kvstore_server import retention
+    monkeypatch.setattr(retention, "MAX_ENTRIES", 6)
+    s, region = make()
+    try:
+        info = s.register_layout(LAYOUT)
+        ks = keys("e", 4)
+        put(s, info, ks)
+        assert retain(s, info, ks, "a").refused == ""
+        # The same pages again: charged once to the quota, but listed once more.
+        assert "most pages" in retain(s, info, ks, "b").refused
+        assert retain(s, info, ks[:2], "b").refused == ""
+    finally:
+        region.close()
