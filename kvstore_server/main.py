@@ -54,6 +54,7 @@ from kvstore_client.presence import BEAT_SECONDS
 from .metrics import Metrics
 from .preflight import check_host
 from .region import Progress, Region, region_bytes, remove_own, remove_stale
+from .retention import RetentionLimits
 from .sdnotify import Notifier
 from .service import KVStoreService, add_kvstore_service
 from .startup import EXIT_CANNOT_START, bind_grpc, check_config, progress_reporter
@@ -185,7 +186,9 @@ class Server:
                            low_watermark=config.low_watermark,
                            lower=TierChain([t for t in (self.disk, self.far) if t is not None]),
                            policy=policy, through=far_wiring.through(self.far),
-                           presence=True)
+                           presence=True,
+                           retention=RetentionLimits(config.retention_quota,
+                                                     config.retention_sessions))
         log.info("presence map: %s", "on (same-host clients answer misses without a call)"
                  if self.store.presence is not None else
                  "off (a tier below DRAM holds pages the map cannot see)")
