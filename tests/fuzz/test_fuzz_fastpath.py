@@ -7,6 +7,10 @@ followed by silence. Every answer must be a frame with a documented status (an e
 never kills the connection unless it is PROTOCOL, and then the server must close it);
 after every example the sentinel pages come back byte-exact through a well-behaved
 client, and at the end the server's log holds no error and no connection is left open.
+
+Then crowds of peers that are slow, silent or hostile before and after HELLO, on TCP, TLS
+and the Unix socket, against the bounds docs/fastpath.md states ("Before and after
+HELLO"): RSS, the HELLO deadline, a stalled Get's pins, and a tenant served throughout.
 """
 
 from __future__ import annotations
