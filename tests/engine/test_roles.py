@@ -33,9 +33,15 @@ def test_a_consumer_loads_what_a_producer_saved(llama, llama_reference, store):
     saved = _pages(store.address)
     assert saved > 0
 
-    consumer = EngineProc(llama, name="consumer",
-                          connector=connector_config(store.address, role="kv_consumer"))
+    # The consumer runs under vLLM's default load-failure policy, "fail": the connector
+    # must say at start what that means (README's configuration sets "recompute").
+    config = {**connector_config(store.address, role="kv_consumer"),
+              "kv_load_failure_policy": "fail"}
+    consumer = EngineProc(llama, name="consumer", connector=config)
     try:
+        policy = [w for w in consumer.connector_warnings() if "kv_load_failure_policy" in w]
+        assert policy, "no WARNING about the fail policy at start"
+        print(policy[0])
         before = store_hits(store.address)
         cached = assert_exact(ROUND, consumer.generate(ROUND, MAX_TOKENS), llama_reference,
                               "consumer")
