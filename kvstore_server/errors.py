@@ -6,7 +6,7 @@ import enum
 
 from kvstore_client.errors import Reason   # one definition, shared with the client
 
-__all__ = ["Outcome", "Reason", "StoreError"]
+__all__ = ["ADMIN_ONLY", "Outcome", "Reason", "StoreError"]
 
 
 class Outcome(enum.Enum):
@@ -17,6 +17,11 @@ class Outcome(enum.Enum):
     UNAUTHENTICATED = "unauthenticated"  # no credentials, or ones the server does not know
     DENIED = "denied"            # known caller, not allowed this (a tenant on Admin, ...)
     UNFINISHED = "unfinished"    # done in part (a far-tier clear a shard kept from ending)
+
+
+# Outcomes only Admin calls end with: only the gRPC path serves Admin, so the fast path's
+# wire has no status for these (fastpath/ops.py maps every other outcome).
+ADMIN_ONLY: frozenset[Outcome] = frozenset({Outcome.UNFINISHED})
 
 
 class StoreError(Exception):
