@@ -26,7 +26,7 @@ from ._proto.kvstore.v1 import kvstore_pb2 as pb
 from .errors import KVStoreError
 from .presence import PresenceMap
 from .rpc import RETRY_CODES, Rpc
-from .shm import SharedRegion
+from .shm import TOKEN_BYTES, SharedRegion
 from .unixpeer import ServerIdentity
 
 __all__ = ["RegionAttachment"]
@@ -66,8 +66,13 @@ class RegionAttachment:
                                "or shared_memory=False)")
         return region
 
-    def attach(self, force: bool = False) -> None:
-        """Map the server's region (again, with force: the server restarted)."""
+    def attach(self, force: bool = False, keep: bool = False) -> None:
+        """Map the server's region (again, with force). keep: keep the mapping when Attach
+        names the same region (a fast path dropped; the server may not have restarted);
+        never when the server said the token is stale, which is what it says once it has
+        restarted: a restarted server's pool has the same path and size (the operator's
+        --shm-dir and --dram), so those never told its new region from the old one, and a
+        mapping kept then was refused again on every call."""
         with self._lock:
             if self._tried and not force:
                 return
@@ -76,7 +81,7 @@ class RegionAttachment:
             self._identity = None
             try:
                 resp = self._attach()
-                if old is not None and old.path == resp.path and old.size == resp.size:
+                if keep and old is not None and _same_region(old, resp):
                     # The same region (a fast path dropped, the server did not restart):
                     # keep the mapping, which an engine registered with CUDA.
                     self._region, old = old, None
@@ -177,6 +182,17 @@ class RegionAttachment:
         if self._region is not None:
             self._region.close()
             self._region = None
+
+
+def _same_region(region: SharedRegion, resp: pb.AttachResponse) -> bool:
+    """Whether Attach names the region mapped: the same path and size, and the token the
+    mapping holds at Attach's offset is still the one this client sends (a server that
+    restarted onto the same file wrote a new one there)."""
+    if region.path != resp.path or region.size != resp.size:
+        return False
+    at = resp.token_offset
+    return (at + TOKEN_BYTES <= region.size
+            and region.mem[at:at + TOKEN_BYTES].tobytes() == region.token)
 
 
 def _server(resp: pb.AttachResponse) -> ServerIdentity | None:

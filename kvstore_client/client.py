@@ -113,7 +113,8 @@ class KVStoreClient:
             tls=tls_context(tls_ca, tls_cert, tls_key), timeout=lambda: self.timeout,
             connections=data_connections, region=self.region,
             reregister=lambda handle: self.register_layout(handle.layout),
-            reattach=lambda: self._shm.attach(force=True), identity=self._shm.identity,
+            reattach=lambda keep: self._shm.attach(force=True, keep=keep),
+            identity=self._shm.identity,
             locate=(self._shm.local_socket
                     if local_socket or (data_address and "/" in data_address) else None))
 

@@ -98,11 +98,13 @@ class DataPlane:
                  timeout: Callable[[], float],
                  connections: int, region: Callable[[], SharedRegion | None],
                  reregister: Callable[[LayoutHandle], object],
-                 reattach: Callable[[], None],
+                 reattach: Callable[[bool], None],
                  identity: Callable[[], ServerIdentity | None] = lambda: None,
                  locate: Callable[[], ServerIdentity | None] | None = None) -> None:
         """enabled: None = use it when reachable, True = require it, False = never.
-        reattach: Attach again and map what it names (RegionAttachment.attach(force)).
+        reattach(keep): Attach again and map what it names (RegionAttachment.attach):
+        keep=True after a drop keeps a mapping of the same region; False when the server
+        said the token is stale, as it does once it restarted.
         identity: the server's Unix socket and user as the last Attach said, for a client
         that maps the pool (RegionAttachment.identity). locate: the same from a fresh
         Attach when no pool is mapped (RegionAttachment.local_socket), or None not to look
@@ -134,7 +136,7 @@ class DataPlane:
         if self._dropped:
             self._dropped = False
             try:
-                self._reattach()                    # maps the region it names, if new
+                self._reattach(True)                # maps the region it names, if new
             except KVStoreError as exc:
                 log.debug("fast path: no Attach (%s)", exc)
         if self._region() is not None:
@@ -225,7 +227,7 @@ class DataPlane:
                     continue
                 if not reattached and exc.reason is Reason.SHM_TOKEN_STALE:
                     reattached = True
-                    self._reattach()
+                    self._reattach(False)           # the server restarted: never keep
                     continue
                 raise
 
