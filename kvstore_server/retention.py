@@ -70,8 +70,12 @@ class RetentionLimits:
     quota: float = DEFAULT_RETENTION_QUOTA
     max_sessions: int = DEFAULT_MAX_SESSIONS
 
-    def quota_bytes(self, pool_bytes: int) -> int:
-        return int(self.quota * pool_bytes) if self.quota <= 1 else int(self.quota)
+    def quota_bytes(self, pool_bytes: int, tenant_quota: int = 0) -> int:
+        """A tenant's retention quota; tenant_quota: the bytes it may store (0 =
+        unlimited), of which it retains at most half, or its retained pages could leave
+        its new ones no room (a Put at its quota evicts its own unpinned pages only)."""
+        mine = int(self.quota * pool_bytes) if self.quota <= 1 else int(self.quota)
+        return min(mine, tenant_quota // 2) if tenant_quota else mine
 
 
 @dataclasses.dataclass(slots=True)
@@ -138,7 +142,7 @@ class RetentionTable:
             setattr(self, field, new)
 
     def retain(self, tenant: str, name: str, slots: np.ndarray, sizes: Sizes, now: float,
-               ttl: float, limits: RetentionLimits, pool_bytes: int
+               ttl: float, limits: RetentionLimits, pool_bytes: int, tenant_quota: int = 0
                ) -> tuple[RetainOutcome, np.ndarray]:
         """Add slots to the session (made if new) and set its expiry to now + ttl.
         Returns the outcome and the slots newly retained by it, which the caller pins
@@ -146,9 +150,9 @@ class RetentionTable:
         t = self._tenant(tenant)
         key = (tenant, name)
         session = self._sessions.get(key)
-        quota = limits.quota_bytes(pool_bytes)
+        quota = limits.quota_bytes(pool_bytes, tenant_quota)
         outcome = RetainOutcome.RETAINED
-        if not quota:
+        if not limits.quota:
             outcome = RetainOutcome.OFF
         elif session is None and self._count_of[t] >= limits.max_sessions:
             outcome = RetainOutcome.TOO_MANY_SESSIONS

@@ -213,9 +213,11 @@ class KVStoreService:
         return pb.DeleteResponse(deleted=self.store.delete(layout_id, self._keys(request.keys, "Delete")))
 
     def Retain(self, request, context):
-        layout_id = self._layout(self._caller(context), request.layout_id)
+        caller = self._caller(context)
+        layout_id = self._layout(caller, request.layout_id)
         kept = self.store.retain(layout_id, self._keys(request.keys, "Retain"),
-                                 request.session, request.ttl_ms / 1000.0)
+                                 request.session, request.ttl_ms / 1000.0,
+                                 quota=caller.quota_bytes)
         return pb.RetainResponse(pages=kept.pages, refused=kept.refused)
 
     def ReleaseRetention(self, request, context):

@@ -59,11 +59,13 @@ class StoreRetention:
         def _pin(self, slots: np.ndarray) -> None: ...
         def _unpin(self, slots: np.ndarray) -> None: ...
 
-    def retain(self, layout_id: bytes, keys: Packed, session: str, ttl: float) -> Retained:
+    def retain(self, layout_id: bytes, keys: Packed, session: str, ttl: float,
+               quota: int = 0) -> Retained:
         """Keep the leading run of keys in DRAM for the session (its tenant: the layout's)
         until ttl seconds from now, or until released; retaining again adds pages and
         sets the session's expiry anew. Refused (nothing changes, counted) over the
-        tenant's quota or session cap, or with retention off."""
+        tenant's quota or session cap, or with retention off. quota: the bytes the
+        tenant may store (0 = unlimited); it retains at most half of them."""
         if not 1 <= len(session) <= MAX_SESSION_NAME:
             raise StoreError(Outcome.INVALID, f"a session is named by 1 to "
                                               f"{MAX_SESSION_NAME} characters, got {len(session)}")
@@ -77,7 +79,7 @@ class StoreRetention:
             run = found[:int(np.argmin(found >= 0))] if (found < 0).any() else found
             outcome, new = self._retained.retain(
                 info.tenant, session, run, self._retained_bytes, self.clock(), ttl,
-                self.retention, self.pool.capacity_bytes)
+                self.retention, self.pool.capacity_bytes, quota)
             if outcome is not RetainOutcome.RETAINED:
                 return Retained(len(run), outcome.value)
             self._pin(new)

@@ -232,3 +232,14 @@ def test_the_pages_sessions_name_are_bounded(monkeypatch):
         assert retain(s, info, ks[:2], "b").refused == ""
     finally:
         region.close()
+
+
+def test_a_tenant_with_a_storage_quota_retains_at_most_half_of_it(store):
+    info = store.register_layout(LAYOUT)
+    ks = keys("half", 4)
+    put(store, info, ks)
+    page = 256 << 10
+    assert "quota" in store.retain(info.layout_id, Packed.of(ks), "s", 10.0,
+                                   quota=4 * page).refused
+    assert store.retain(info.layout_id, Packed.of(ks[:2]), "s", 10.0,
+                        quota=4 * page).refused == ""
