@@ -191,3 +191,13 @@ def test_bad_requests_get_clear_errors(srv):
             assert info.value.code.name == "INVALID_ARGUMENT" and words in info.value.message
         a.put(ns, keys("k", 1), pages(1, ns.page_bytes))
         assert a.retain(ns, keys("k", 1), "s", 1.0).retained   # the server lives on
+
+
+def test_a_quota_of_zero_turns_retention_off(fresh_server):
+    srv = fresh_server(dram="32MiB", retention_quota="0")
+    with KVStoreClient(srv.address, shared_memory=False, data_plane=False) as c:
+        ns = c.register_layout(LAYOUT)
+        c.put(ns, keys("off", 2), pages(2, ns.page_bytes))
+        got = c.retain(ns, keys("off", 2), "s", TTL)
+        assert not got.retained and "off" in got.refused
+
