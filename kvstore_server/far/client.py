@@ -51,7 +51,8 @@ import glide_sync as glide
 
 from . import codec, inplace
 from .breaker import BreakerState, FarBreaker, ShardBreakers
-from .keys import SLOTS, group_by_bucket, namespace_pattern, page_key
+from .keys import (SLOTS, group_by_bucket, is_record, layout_of_name, namespace_pattern, page_key,
+                   record_key, record_pattern)
 from .metrics import FarCounters
 from .settings import ClusterMode, FarSettings
 from .shards import Address, SlotMap, command_slot, parse_slots
@@ -491,16 +492,28 @@ class FarClient:
     def put(self, layout_id: bytes, items: Sequence[tuple[bytes, object]],
             timeout: float = WRITE_TIMEOUT) -> int:
         """Store (key, payload) pages; returns how many the cluster took."""
+        return self.put_with_record(layout_id, items, None, timeout)[0]
+
+    def put_with_record(self, layout_id: bytes, items: Sequence[tuple[bytes, object]],
+                        record: bytes | None, timeout: float = WRITE_TIMEOUT
+                        ) -> tuple[int, bool]:
+        """put(), and the layout's record (records.py) in the same call when given: the
+        pages stored, and whether the record was (False when none was given)."""
         ttl_ms = int(self.settings.ttl * 1000)
-        expiry = ["PX", str(ttl_ms)] if ttl_ms else []
+        expiry: list[bytes | str] = ["PX", str(ttl_ms)] if ttl_ms else []
         values = [codec.encode(layout_id, key, payload, self.settings.keys)
                   for key, payload in items]
-        out = self._run([["SET", page_key(self.settings.namespace, layout_id, key), value,
-                          *expiry] for (key, _), value in zip(items, values)], timeout)
+        commands: Commands = [["SET", page_key(self.settings.namespace, layout_id, key), value,
+                     *expiry] for (key, _), value in zip(items, values)]
+        if record is not None:
+            commands.append(["SET", record_key(self.settings.namespace, layout_id), record,
+                             *expiry])
+        out = self._run(commands, timeout) or []
         stored = [len(v) - codec.HEADER_BYTES - len(key)
-                  for (key, _), v, r in zip(items, values, out or ()) if r in ("OK", b"OK")]
+                  for (key, _), v, r in zip(items, values, out) if r in ("OK", b"OK")]
         self.counters.add(pages_written=len(stored), bytes_written=sum(stored))
-        return len(stored)
+        return len(stored), record is not None and len(out) > len(items) and out[-1] in (
+            "OK", b"OK")
 
     def unlink(self, layout_id: bytes, keys: Sequence[bytes],
                timeout: float = WRITE_TIMEOUT) -> tuple[int, list[bytes]]:
@@ -532,61 +545,129 @@ class FarClient:
         an operator's clear is worth a try, and says what it could not reach; but a
         `retry` of one in the background is, and tells the breakers how it went (else a
         hung master would hold the writer's thread for the deadline every round)."""
-        pattern = namespace_pattern(self.settings.namespace, layout_id)
-        stop = time.monotonic() + deadline
+        return self._clear(namespace_pattern(self.settings.namespace, layout_id), None,
+                           deadline, retry)
+
+    def clear_layouts(self, layout_ids: Sequence[bytes], deadline: float = CLEAR_BUDGET, *,
+                      retry: bool = False) -> ClearResult:
+        """clear() of several layouts in one pass over each master (one SCAN of the
+        namespace whose names are filtered here), not one pass a layout."""
+        ids = frozenset(layout_ids)
+        if len(ids) <= 1:
+            return (self.clear(next(iter(ids)), deadline, retry=retry) if ids
+                    else ClearResult(0))
+        return self._clear(namespace_pattern(self.settings.namespace), ids, deadline, retry)
+
+    def _masters(self) -> list[Address] | None:
+        """Every master of the slot map, asked again if there is none; None if no node
+        tells it."""
         slots = self._slot_map()
         if slots is None:
             with self._lock:
                 self._map = None
             slots = self._discover()
-        if slots is None:
+        return None if slots is None else slots.masters()
+
+    def _clear(self, pattern: bytes, ids: frozenset[bytes] | None, deadline: float,
+               retry: bool) -> ClearResult:
+        stop = time.monotonic() + deadline
+        masters = self._masters()
+        if masters is None:
             return ClearResult(0, ("every node (none told the slot map)",))
-        masters = slots.masters()
-        done = [f.result() for f in [self._submit(self._clear_master, a, pattern, stop,
+        done = [f.result() for f in [self._submit(self._clear_master, a, pattern, ids, stop,
                                                   retry) for a in masters]]
         return ClearResult(sum(n for n, _ in done),
                            tuple(f"{a[0]}:{a[1]}" for a, (_, ok) in zip(masters, done)
                                  if not ok))
 
-    def _clear_master(self, address: Address, pattern: bytes, stop: float,
-                      retry: bool) -> tuple[int, bool]:
+    def _clear_master(self, address: Address, pattern: bytes, ids: frozenset[bytes] | None,
+                      stop: float, retry: bool) -> tuple[int, bool]:
         """(pages removed, finished) of one master's share of a clear."""
         breaker = self.breaker.shard(address) if retry else None
         if breaker is not None and not breaker.allow():
             return 0, False
         started = self.breaker.now()
-        removed, finished = self._clear_scan(address, pattern, stop)
+        removed, finished = self._clear_scan(address, pattern, ids, stop)
         if breaker is not None:
             breaker.record(finished or removed > 0, "a clear did not finish", started)
         return removed, finished
 
-    def _clear_scan(self, address: Address, pattern: bytes, stop: float) -> tuple[int, bool]:
+    def _scan(self, address: Address, pattern: bytes, cursor: bytes | str,
+              stop: float) -> tuple[bytes | str, list[bytes], int] | None:
+        """One SCAN step on one master: (next cursor, names, ms left for what follows),
+        or None when it failed or the time is up."""
+        left = stop - time.monotonic()
+        if left <= 0:
+            return None
+        ms = max(1, int(min(left, WRITE_TIMEOUT) * 1000))
+        replies, _, _ = self._shard_call(
+            address, [["SCAN", cursor, "MATCH", pattern, "COUNT", "1000"]], ms, False)
+        if isinstance(replies, BaseException) or not replies or not isinstance(
+                replies[0], list):
+            self._refresh_soon()
+            return None
+        cursor, names = replies[0]
+        return cursor, names, ms
+
+    def _clear_scan(self, address: Address, pattern: bytes, ids: frozenset[bytes] | None,
+                    stop: float) -> tuple[int, bool]:
         cursor: bytes | str = "0"
         removed = 0
+        namespace = self.settings.namespace
         while True:
-            left = stop - time.monotonic()
-            if left <= 0:
+            step = self._scan(address, pattern, cursor, stop)
+            if step is None:
                 return removed, False
-            ms = max(1, int(min(left, WRITE_TIMEOUT) * 1000))
-            replies, _, _ = self._shard_call(
-                address, [["SCAN", cursor, "MATCH", pattern, "COUNT", "1000"]], ms, False)
-            if isinstance(replies, BaseException) or not replies or not isinstance(
-                    replies[0], list):
-                self._refresh_soon()
-                return removed, False
-            cursor, names = replies[0]
+            cursor, names, ms = step
+            if ids is not None:
+                names = [n for n in names if layout_of_name(namespace, n) in ids]
             if names:
                 replies, _, _ = self._shard_call(address, [["UNLINK", n] for n in names],
                                                  ms, False)
                 if isinstance(replies, BaseException):
                     self._refresh_soon()
                     return removed, False
-                removed += sum(r for r in replies if isinstance(r, int))
+                # pages only: a layout's record goes with them, uncounted
+                removed += sum(r for n, r in zip(names, replies)
+                               if isinstance(r, int) and not is_record(n))
                 if any(isinstance(r, Exception) for r in replies):
                     self._refresh_soon()        # a slot moved: the new master's turn
                     return removed, False
             if cursor in (b"0", "0"):
                 return removed, True
+
+    # -- layout records (records.py) ---------------------------------------------------
+    def records(self, deadline: float = CLEAR_BUDGET) -> tuple[list[bytes], tuple[str, ...]]:
+        """Every layout record of the namespace, from every master at once within
+        `deadline` s: (their values, the masters where the scan did not finish)."""
+        stop = time.monotonic() + deadline
+        masters = self._masters()
+        if masters is None:
+            return [], ("every node (none told the slot map)",)
+        done = [f.result() for f in [self._submit(self._records_scan, a, stop)
+                                     for a in masters]]
+        return ([v for values, _ in done for v in values],
+                tuple(f"{a[0]}:{a[1]}" for a, (_, ok) in zip(masters, done) if not ok))
+
+    def _records_scan(self, address: Address, stop: float) -> tuple[list[bytes], bool]:
+        cursor: bytes | str = "0"
+        values: list[bytes] = []
+        pattern = record_pattern(self.settings.namespace)
+        while True:
+            step = self._scan(address, pattern, cursor, stop)
+            if step is None:
+                return values, False
+            cursor, names, ms = step
+            if names:
+                replies, _, _ = self._shard_call(address, [["GET", n] for n in names], ms,
+                                                 False)
+                if isinstance(replies, BaseException) or any(
+                        isinstance(r, Exception) for r in replies):
+                    self._refresh_soon()
+                    return values, False
+                values += [bytes(r) for r in replies if r is not None]
+            if cursor in (b"0", "0"):
+                return values, True
 
     def state(self) -> BreakerState:
         """The breakers' state as the gauge shows it (ShardBreakers.state)."""

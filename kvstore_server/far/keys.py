@@ -27,8 +27,8 @@ from collections import defaultdict
 
 import xxhash
 
-__all__ = ["BUCKETS", "SLOTS", "bucket_of", "group_by_bucket", "page_key", "namespace_pattern",
-           "slot_of"]
+__all__ = ["BUCKETS", "SLOTS", "bucket_of", "group_by_bucket", "layout_of_name", "page_key",
+           "is_record", "namespace_pattern", "record_key", "record_pattern", "slot_of"]
 
 BUCKETS = 64
 
@@ -64,6 +64,33 @@ def group_by_bucket(namespace: str, layout_id: bytes,
 def namespace_pattern(namespace: str, layout_id: bytes | None = None) -> bytes:
     """A SCAN MATCH pattern for every page of the namespace, or of one layout in it."""
     return (f"{namespace}:{{{layout_id.hex()}.*" if layout_id else f"{namespace}:*").encode()
+
+
+def record_key(namespace: str, layout_id: bytes) -> bytes:
+    """The name of a layout's record (records.py), in its first bucket: a page key ends
+    in hex digits, so no page is ever named so."""
+    return f"{namespace}:{{{layout_id.hex()}.00}}layout".encode()
+
+
+def is_record(name: bytes) -> bool:
+    """Whether a far key names a layout record, not a page."""
+    return name.endswith(b"}layout")
+
+
+def record_pattern(namespace: str) -> bytes:
+    """A SCAN MATCH pattern for every layout record of the namespace."""
+    return f"{namespace}:{{*.00}}layout".encode()
+
+
+def layout_of_name(namespace: str, name: bytes) -> bytes | None:
+    """The layout id a far key of the namespace names (page or record), or None."""
+    head = len(namespace) + 2                   # "<namespace>:{"
+    if name[head - 2:head] != b":{" or name[head + 32:head + 33] != b".":
+        return None
+    try:
+        return bytes.fromhex(name[head:head + 32].decode())
+    except ValueError:
+        return None
 
 
 def _crc16_table() -> list[int]:

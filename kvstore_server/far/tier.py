@@ -20,6 +20,10 @@ tier's parts:
                                     the background and fails the admin's call with what
                                     it did and did not remove. A byte amount is the
                                     cluster's own eviction's business
+    invalidate(scope, known)     -> the layouts of the scope, this server's and those
+                                    the cluster's layout records name (records.py),
+                                    cleared in one pass, as evict; the records are
+                                    written beside the pages by the writer
     describe(layout, key)        -> one EXISTS (admin Inspect only)
     levels()                     -> one TierStats "far" from the client's counters
     flush(timeout) / close()     -> the write-behind queue's, then glide's
@@ -30,8 +34,11 @@ an admin's evict that did not reach the whole cluster: the operator must learn t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -40,11 +47,12 @@ from ..tier import PageInfo, TierStats
 from .breaker import BreakerState
 from .client import CLEAR_BUDGET, FarClient
 from .codec import Reason
+from .records import REFRESH, LayoutRecord, Scope
 from .reads import ParallelReader
 from .settings import WritePolicy
 from .writer import WriteBehind
 
-__all__ = ["CLOSE_TIMEOUT", "PROBE_CHUNK", "FarTier"]
+__all__ = ["CLOSE_TIMEOUT", "PROBE_CHUNK", "FarInvalidation", "FarTier"]
 
 log = logging.getLogger("kvstore.far")
 
@@ -59,6 +67,16 @@ PROBE_CHUNK = 1 << 16
 CLOSE_TIMEOUT = 5.0
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class FarInvalidation:
+    """What an invalidation did in the far tier: the layouts of its scope, the pages it
+    removed, and why it may not be whole ("" if it is)."""
+
+    layout_ids: tuple[bytes, ...]
+    removed: int
+    failure: str = ""
+
+
 class FarTier:
     """A Valkey/Redis Cluster below the disk tier; a cache that may forget any page."""
 
@@ -68,11 +86,30 @@ class FarTier:
     def __init__(self, client: FarClient, writer: WriteBehind | None = None) -> None:
         self.client = client
         self.writes = client.settings.write is not WritePolicy.OFF
+        # The record of a layout id (records.py), or None: the store's, once wired (wiring.py)
+        self.record_of: Callable[[bytes], LayoutRecord | None] = lambda layout_id: None
+        self._recorded: dict[bytes, float] = {}     # layout id -> monotonic time written
+        self._recorded_lock = threading.Lock()
         self.writer = writer or WriteBehind(
-            client.put, client.settings.queue_bytes, client.counters,
+            self._put, client.settings.queue_bytes, client.counters,
             unlink=lambda layout_id, keys: client.unlink(layout_id, keys)[1],
             clear=lambda layout_id: client.clear(layout_id, retry=True).complete)
         self.reader = ParallelReader(client.read, client.settings.timeout)
+
+    def _put(self, layout_id: bytes, items) -> int:
+        """The writer's put: the pages, and the layout's record when it is due."""
+        now = time.monotonic()
+        with self._recorded_lock:
+            due = now - self._recorded.get(layout_id, -REFRESH) >= REFRESH
+            if due:
+                self._recorded[layout_id] = now
+        record = self.record_of(layout_id) if due else None
+        stored, recorded = self.client.put_with_record(
+            layout_id, items, None if record is None else record.encode())
+        if record is not None and not recorded:
+            with self._recorded_lock:
+                self._recorded.pop(layout_id, None)     # tried again with the next batch
+        return stored
 
     def offer(self, layout_id: bytes, key: bytes, page) -> bool:
         # Taken whatever the breakers say: the writer's calls are what probes a cluster
@@ -166,6 +203,40 @@ class FarTier:
                 f"or more keys than that allows): the rest is removed in the background, "
                 f"retried until the cluster confirms it (kvstore_far_deletes_pending)")
         return result.removed, 0
+
+    def invalidate(self, scope: Scope, known: Sequence[bytes]) -> FarInvalidation:
+        """Remove the pages of every layout of the scope in the whole cluster: `known`
+        (this server's layouts of the scope) and those the cluster's records name. The
+        records are read and the layouts cleared within half of CLEAR_BUDGET each; what was not
+        finished is retried in the background (as evict's clear) and named in
+        `failure`, as is a scan of the records that did not reach every master (layouts
+        only that master's records name may then be missed: invalidate again)."""
+        # Half the budget each, so the whole answers within CLEAR_BUDGET as a clear does
+        # (kvstore-admin waits 5 s by default)
+        half = CLEAR_BUDGET / 2
+        values, unread = self.client.records(half)
+        found = [r for r in map(LayoutRecord.decode, values) if r is not None]
+        ids = tuple(dict.fromkeys([*known, *(r.layout_id for r in found
+                                             if scope.matches(r))]))
+        with self._recorded_lock:
+            for layout_id in ids:               # written again with the next page
+                self._recorded.pop(layout_id, None)
+        for layout_id in ids:
+            self.writer.forget_all(layout_id)
+        result = self.client.clear_layouts(ids, half)
+        failure = []
+        if unread:
+            failure.append(f"the layout records could not be read on {', '.join(unread)} "
+                           f"within {half:g}s: layouts only they name were not "
+                           f"found (invalidate again once the cluster is whole)")
+        if not result.complete:
+            for layout_id in ids:
+                self.writer.clear_later(layout_id)
+            failure.append(f"the clear did not finish on {', '.join(result.unfinished)} "
+                           f"within {half:g}s: the rest is removed in the "
+                           f"background, retried until the cluster confirms it "
+                           f"(kvstore_far_deletes_pending)")
+        return FarInvalidation(ids, result.removed, "; ".join(failure))
 
     def flush(self, timeout: float) -> int:
         self.writer.flush(timeout)

@@ -21,7 +21,7 @@ from .settings import WritePolicy, from_config
 if TYPE_CHECKING:
     from .tier import FarTier
 
-__all__ = ["open_far", "through"]
+__all__ = ["know_layouts", "open_far", "through"]
 
 log = logging.getLogger("kvstore.far")
 
@@ -61,3 +61,21 @@ def through(tier: FarTier | None) -> FarTier | None:
     if tier is not None and tier.client.settings.write is WritePolicy.THROUGH:
         return tier
     return None
+
+
+def know_layouts(tier: FarTier | None, info) -> None:
+    """Let the far tier write each layout's record (records.py): info(layout_id) is the
+    store's registered LayoutInfo, or raises (an id no longer or never registered)."""
+    if tier is None:
+        return
+    from ..errors import StoreError
+    from .records import LayoutRecord
+
+    def record_of(layout_id: bytes) -> LayoutRecord | None:
+        try:
+            found = info(layout_id)
+        except StoreError:
+            return None
+        return LayoutRecord.of(layout_id, found.tenant, found.layout)
+
+    tier.record_of = record_of
