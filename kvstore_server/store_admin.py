@@ -7,6 +7,7 @@ a batch of pages at a time (ADMIN_BATCH), so requests interleave with them.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -16,6 +17,7 @@ import numpy as np
 from kvstore_client.keys import MAX_KEY_BYTES, Packed
 
 from .errors import Outcome, Reason, StoreError
+from .far.records import LayoutRecord, Scope
 from .eviction import EvictionPolicy, enough
 from .layouts import LayoutInfo, LayoutRegistry
 from .holdback import HoldBack
@@ -27,11 +29,22 @@ from .stats import LayoutStats, StoreStats, TenantStats
 from .tier import PageInfo, Tier
 from .timed_lock import TimedLock
 
-__all__ = ["ADMIN_BATCH", "StoreAdmin"]
+__all__ = ["ADMIN_BATCH", "Invalidation", "StoreAdmin"]
 
 # Pages an admin eviction or clear handles a lock hold: 256 evicted to the disk tier held
 # it about 11 ms on the dev VM (each page is offered, a copy into the write queue).
 ADMIN_BATCH = 256
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Invalidation:
+    """What one invalidation removed, per tier, and what kept it from being whole."""
+
+    layout_ids: tuple[bytes, ...]   # of the scope: this server's and the cluster's
+    dram_pages: int
+    disk_pages: int
+    far_pages: int                  # of the whole fleet
+    failure: str = ""               # "" when every tier was reached and finished
 
 
 class StoreAdmin:
@@ -117,26 +130,65 @@ class StoreAdmin:
         a batch of pages a lock hold, as admin eviction."""
         pages = touched = 0
         for info in self.layouts():
-            with self._lock:
-                n = self.pool.id_capacity
-                mine = np.flatnonzero((self._slots.layout_of[:n] == info.idx)
-                                      & (self._slots.state[:n] == SlotState.READY))
-                writing = np.array(list(info.writing.values()), dtype=np.int64)
-                info.writing.clear()
-                self._drop(writing)
-            touched += bool(mine.size or writing.size)
-            for start in range(0, len(mine), ADMIN_BATCH):
-                with self._lock:
-                    chunk = mine[start:start + ADMIN_BATCH]
-                    chunk = chunk[(self._slots.state[chunk] == SlotState.READY)
-                                  & (self._slots.layout_of[chunk] == info.idx)]
-                    for size, index in info.ready.items():
-                        index.remove_slots(chunk[self._slots.key_size[chunk] == size])
-                    self._drop(chunk)
-                    pages += len(chunk)
+            dropped, held = self._drop_layout(info)
+            pages, touched = pages + dropped, touched + held
         if self.lower.holds_pages:
             pages += self.lower.evict(everything=True)[0]
         return pages, touched
+
+    def _drop_layout(self, info: LayoutInfo) -> tuple[int, bool]:
+        """Delete every DRAM page of one layout, never spilled below (leased ones when
+        released): (pages, whether it held any, those being written included)."""
+        pages = 0
+        with self._lock:
+            n = self.pool.id_capacity
+            mine = np.flatnonzero((self._slots.layout_of[:n] == info.idx)
+                                  & (self._slots.state[:n] == SlotState.READY))
+            writing = np.array(list(info.writing.values()), dtype=np.int64)
+            info.writing.clear()
+            self._drop(writing)
+        for start in range(0, len(mine), ADMIN_BATCH):
+            with self._lock:
+                chunk = mine[start:start + ADMIN_BATCH]
+                chunk = chunk[(self._slots.state[chunk] == SlotState.READY)
+                              & (self._slots.layout_of[chunk] == info.idx)]
+                for size, index in info.ready.items():
+                    index.remove_slots(chunk[self._slots.key_size[chunk] == size])
+                self._drop(chunk)
+                pages += len(chunk)
+        return pages, bool(mine.size or writing.size)
+
+    def invalidate(self, scope: Scope) -> Invalidation:
+        """Delete every page of the scope's layouts from DRAM, disk and the far tier (of
+        the whole fleet there: far/records.py says how its layouts are found). Every
+        tier is asked whatever another answered; `failure` says which could not be
+        reached or did not finish (the far tier goes on in the background)."""
+        mine = [i for i in self.layouts()
+                if scope.matches(LayoutRecord.of(i.layout_id, i.tenant, i.layout))]
+        dram = sum(self._drop_layout(info)[0] for info in mine)
+        ids = [i.layout_id for i in mine]
+        disk = far = 0
+        failures: list[str] = []
+        tiers = [t for t in getattr(self.lower, "tiers", (self.lower,)) if t.holds_pages]
+        # The far tier first (duck-typed: importing it needs valkey-glide, which a server
+        # without --far may not have): the layouts its records name are the disk's too.
+        for below in tiers:
+            invalidate = getattr(below, "invalidate", None)
+            if invalidate is not None:
+                result = invalidate(scope, ids)
+                far += result.removed
+                ids += [i for i in result.layout_ids if i not in ids]
+                if result.failure:
+                    failures.append("far tier: " + result.failure)
+        for below in tiers:
+            if getattr(below, "invalidate", None) is not None:
+                continue
+            try:
+                for layout_id in ids:
+                    disk += below.evict(layout_id=layout_id)[0]
+            except (OSError, StoreError) as exc:
+                failures.append(f"{_tier_name(below)} tier: {exc}")
+        return Invalidation(tuple(ids), dram, disk, far, "; ".join(failures))
 
     def spill_all(self, timeout: float) -> tuple[int, int]:
         """Write every DRAM page to the tier below, for a graceful stop: (pages offered,
