@@ -81,6 +81,9 @@ ANONYMOUS = Principal(DEFAULT_TENANT, Role.TENANT, 0, shared_memory=True)
 
 # Which role each service needs; services not listed (health, reflection) are open.
 _SERVICE_ROLES = {"kvstore.v1.KVStore": Role.TENANT, "kvstore.v1.Admin": Role.ADMIN}
+# Methods either role may call; the handler narrows a tenant to its own (Invalidate:
+# admin_service.py)
+_ANY_ROLE = {"/kvstore.v1.Admin/Invalidate"}
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -311,7 +314,7 @@ class _AuthInterceptor(grpc.ServerInterceptor):
         def check(context) -> None:
             try:
                 principal = self.auth.caller(context)
-                if principal.role is not needed:
+                if principal.role is not needed and method not in _ANY_ROLE:
                     raise StoreError(Outcome.DENIED, (
                         f"{principal.role.value} {principal.name!r} may not call "
                         f"{method}: it needs a{'n' if needed is Role.ADMIN else ''} "
