@@ -98,6 +98,27 @@ def test_runs_join_adjacent_offsets_and_isolate_skipped():
     assert list(runs(np.array([], dtype=np.int64), 10)) == []
 
 
+@pytest.mark.parametrize("n", [1, 2, 8, 63, 64, 65, 200])
+def test_runs_are_the_same_walked_in_python_and_in_numpy(n):
+    """Short lists are walked in Python ints, long ones with numpy: the same runs."""
+    from kvstore_server.fastpath import io
+    rng = np.random.default_rng(n)
+    for _ in range(20):
+        offsets = np.cumsum(rng.choice([10, 10, 10, 30], n)).astype(np.int64)
+        offsets[rng.random(n) < 0.1] = -1
+        expected = []
+        i = 0
+        while i < n:                      # the definition, one entry at a time
+            j = i + 1
+            while (offsets[i] >= 0 and j < n and offsets[j] >= 0
+                   and offsets[j] == offsets[j - 1] + 10):
+                j += 1
+            expected.append((i, j, int(offsets[i])))
+            i = j
+        assert list(runs(offsets, 10)) == expected
+        assert list(io._runs_small(offsets.tolist(), 10)) == expected
+
+
 @pytest.mark.parametrize("value, expected", [
     ("auto", ("127.0.0.1", 50052)), ("off", None), ("127.0.0.1:7000", ("127.0.0.1", 7000))])
 def test_data_listen(value, expected):
