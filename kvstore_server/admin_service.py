@@ -1,4 +1,5 @@
-"""The Admin gRPC service: stats, eviction, clearing, listing layouts, inspecting a key."""
+"""The Admin gRPC service: stats, eviction, clearing, invalidating a model's, a layout's or a
+tenant's pages, listing layouts, inspecting a key."""
 
 from __future__ import annotations
 
@@ -12,11 +13,15 @@ from kvstore_client._proto.kvstore.v1 import admin_pb2 as apb
 from kvstore_client.convert import layout_to_proto
 
 from . import __version__
-from .auth import Authenticator
+from .auth import ANONYMOUS, Authenticator, Role
+from .errors import Outcome, StoreError
+from .far.records import Scope
+from .far.wiring import know_layouts
 from .parsing import parser
 from .service import guarded
 from .status import Invalid
 from .stats import LayoutStats
+from .tenants import scoped_layout_id
 from .store import Store
 from .metrics import Metrics
 
@@ -40,6 +45,11 @@ class AdminService:
         self.store = store
         self.metrics = metrics
         self.auth = auth          # for the tenants' quotas; None = no auth file
+        # The far tier writes each layout's record beside its pages, so that Invalidate
+        # finds the layouts of a model that only other servers registered (far/records.py)
+        for below in getattr(store.lower, "tiers", (store.lower,)):
+            if hasattr(below, "record_of"):
+                know_layouts(below, store.info)  # type: ignore[arg-type]
 
     def Stats(self, request, context):
         s = self.store.stats()
@@ -64,6 +74,8 @@ class AdminService:
             tiers=tiers, layouts=[_layout_stats(e) for e in s.layouts], tenants=tenants,
             leases=s.leases, leased_pages=s.leased_pages, held_back_pages=s.held_back_pages,
             held_back_leases=s.held_back_leases, pinned_pages=s.pinned_pages,
+            retained_pages=s.retained_pages, retention_sessions=s.retention_sessions,
+            retention_refused=s.retention_refused,
             uptime_seconds=s.uptime_seconds, version=__version__)
 
     def Evict(self, request, context):
@@ -88,6 +100,50 @@ class AdminService:
         pages, layouts = self.store.clear()
         return apb.ClearResponse(pages=pages, layouts=layouts, leases_broken=broken)
 
+    def Invalidate(self, request, context):
+        scope = Scope(request.model, request.revision, request.layout_id, request.tenant)
+        if scope.problems():
+            raise Invalid("; ".join(scope.problems()))
+        scope = self._own_scope(scope, context)
+        done = self.store.invalidate(scope)
+        removed = (f"removed {done.dram_pages} pages from DRAM, {done.disk_pages} from disk "
+                   f"and {done.far_pages} from the far tier, of {len(done.layout_ids)} "
+                   f"layouts ({scope.describe()})")
+        if done.failure:
+            # No partial success that looks whole: the caller learns what did not finish.
+            raise StoreError(Outcome.UNFINISHED, f"{removed}; but {done.failure}")
+        return apb.InvalidateResponse(dram_pages=done.dram_pages, disk_pages=done.disk_pages,
+                                      far_pages=done.far_pages, layout_ids=done.layout_ids)
+
+    def _own_scope(self, scope: Scope, context) -> Scope:
+        """An admin's scope as asked; a tenant's narrowed to its own layouts, DENIED
+        where it names another's (the only Admin call a tenant may make: auth.py)."""
+        caller = ANONYMOUS if self.auth is None else self.auth.caller(context)
+        if self.auth is None or caller.role is Role.ADMIN:
+            return scope
+        if scope.tenant and scope.tenant != caller.name:
+            raise StoreError(Outcome.DENIED, f"tenant {caller.name!r} may invalidate only "
+                                             f"its own layouts, not tenant {scope.tenant!r}'s")
+        layout_id = scope.layout_id
+        if layout_id:
+            # A tenant names its layouts by its client's id. The store's id of another
+            # tenant's layout is refused, never quietly read as one of the caller's.
+            mine = scoped_layout_id(caller.name, layout_id)
+            if self._tenant_of(mine) != caller.name:
+                owner = self._tenant_of(layout_id)
+                if owner is not None and owner != caller.name:
+                    raise StoreError(Outcome.DENIED, (
+                        f"tenant {caller.name!r} may invalidate only its own layouts: "
+                        f"layout {layout_id.hex()} is another tenant's"))
+            layout_id = mine
+        return dataclasses.replace(scope, layout_id=layout_id, tenant=caller.name)
+
+    def _tenant_of(self, layout_id: bytes) -> str | None:
+        try:
+            return self.store.info(layout_id).tenant
+        except StoreError:
+            return None
+
     def ListLayouts(self, request, context):
         return apb.ListLayoutsResponse(
             layouts=[_layout_stats(e) for e in self.store.stats().layouts])
@@ -106,6 +162,7 @@ def add_admin_service(server: grpc.Server, service: AdminService) -> None:
         "Clear": (apb.ClearRequest, apb.ClearResponse),
         "ListLayouts": (apb.ListLayoutsRequest, apb.ListLayoutsResponse),
         "Inspect": (apb.InspectRequest, apb.InspectResponse),
+        "Invalidate": (apb.InvalidateRequest, apb.InvalidateResponse),
     }
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(

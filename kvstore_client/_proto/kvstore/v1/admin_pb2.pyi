@@ -90,7 +90,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "layouts", "leases", "leased_pages", "uptime_seconds", "version", "tenants", "held_back_pages", "held_back_leases", "pinned_pages")
+    __slots__ = ("tiers", "layouts", "leases", "leased_pages", "uptime_seconds", "version", "tenants", "held_back_pages", "held_back_leases", "pinned_pages", "retained_pages", "retention_sessions", "retention_refused")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LAYOUTS_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,9 @@ class StatsResponse(_message.Message):
     HELD_BACK_PAGES_FIELD_NUMBER: _ClassVar[int]
     HELD_BACK_LEASES_FIELD_NUMBER: _ClassVar[int]
     PINNED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_REFUSED_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     layouts: _containers.RepeatedCompositeFieldContainer[LayoutStats]
     leases: int
@@ -111,7 +114,10 @@ class StatsResponse(_message.Message):
     held_back_pages: int
     held_back_leases: int
     pinned_pages: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., layouts: _Optional[_Iterable[_Union[LayoutStats, _Mapping]]] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., held_back_pages: _Optional[int] = ..., held_back_leases: _Optional[int] = ..., pinned_pages: _Optional[int] = ...) -> None: ...
+    retained_pages: int
+    retention_sessions: int
+    retention_refused: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., layouts: _Optional[_Iterable[_Union[LayoutStats, _Mapping]]] = ..., leases: _Optional[int] = ..., leased_pages: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., held_back_pages: _Optional[int] = ..., held_back_leases: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., retained_pages: _Optional[int] = ..., retention_sessions: _Optional[int] = ..., retention_refused: _Optional[int] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("layout_id", "bytes", "all", "tier", "force")
@@ -154,6 +160,30 @@ class ClearResponse(_message.Message):
     layouts: int
     leases_broken: int
     def __init__(self, pages: _Optional[int] = ..., layouts: _Optional[int] = ..., leases_broken: _Optional[int] = ...) -> None: ...
+
+class InvalidateRequest(_message.Message):
+    __slots__ = ("model", "revision", "layout_id", "tenant")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    revision: str
+    layout_id: bytes
+    tenant: str
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., layout_id: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class InvalidateResponse(_message.Message):
+    __slots__ = ("dram_pages", "disk_pages", "far_pages", "layout_ids")
+    DRAM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DISK_PAGES_FIELD_NUMBER: _ClassVar[int]
+    FAR_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    dram_pages: int
+    disk_pages: int
+    far_pages: int
+    layout_ids: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, dram_pages: _Optional[int] = ..., disk_pages: _Optional[int] = ..., far_pages: _Optional[int] = ..., layout_ids: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ListLayoutsRequest(_message.Message):
     __slots__ = ()

@@ -59,6 +59,11 @@ class AdminStub:
                 request_serializer=kvstore_dot_v1_dot_admin__pb2.InspectRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_admin__pb2.InspectResponse.FromString,
                 _registered_method=True)
+        self.Invalidate = channel.unary_unary(
+                '/kvstore.v1.Admin/Invalidate',
+                request_serializer=kvstore_dot_v1_dot_admin__pb2.InvalidateRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_admin__pb2.InvalidateResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -94,6 +99,15 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Invalidate(self, request, context):
+        """Delete every page of a scope from DRAM, disk and the far tier (the far tier's of the
+        whole fleet). Tenants may call it too, for their own layouts only. ABORTED when a
+        tier could not be reached or did not finish (the message says what was removed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +135,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Inspect,
                     request_deserializer=kvstore_dot_v1_dot_admin__pb2.InspectRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_admin__pb2.InspectResponse.SerializeToString,
+            ),
+            'Invalidate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Invalidate,
+                    request_deserializer=kvstore_dot_v1_dot_admin__pb2.InvalidateRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_admin__pb2.InvalidateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +277,33 @@ class Admin:
             '/kvstore.v1.Admin/Inspect',
             kvstore_dot_v1_dot_admin__pb2.InspectRequest.SerializeToString,
             kvstore_dot_v1_dot_admin__pb2.InspectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Invalidate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Admin/Invalidate',
+            kvstore_dot_v1_dot_admin__pb2.InvalidateRequest.SerializeToString,
+            kvstore_dot_v1_dot_admin__pb2.InvalidateResponse.FromString,
             options,
             channel_credentials,
             insecure,
