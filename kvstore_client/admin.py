@@ -83,6 +83,9 @@ class Stats:
     held_back_pages: int = 0    # pinned a while after their lease expired (slow clients)
     held_back_leases: int = 0   # the expired leases that hold them
     pinned_pages: int = 0       # leased or held back: what eviction cannot take
+    retained_pages: int = 0     # kept in DRAM for a session's TTL (KVStoreClient.retain)
+    retention_sessions: int = 0
+    retention_refused: int = 0  # retains refused: a tenant's quota or session cap
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -98,6 +101,16 @@ class ClearResult:
     pages: int = 0
     layouts: int = 0            # layouts that held pages; they stay registered
     leases_broken: int = 0      # with force
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class InvalidateResult:
+    """What an invalidation removed from each tier."""
+
+    dram_pages: int = 0
+    disk_pages: int = 0
+    far_pages: int = 0          # of the whole fleet
+    layout_ids: tuple[bytes, ...] = ()      # the layouts of the scope
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -176,6 +189,28 @@ class AdminClient:
         resp = rpc.call("Clear", lambda: rpc.clear(apb.ClearRequest(force=force),
                                                    timeout=rpc.timeout), retry=False)
         return _fields(ClearResult, resp)
+
+    def invalidate(self, *, model: str = "", revision: str = "", layout_id: bytes = b"",
+                   tenant: str = "") -> InvalidateResult:
+        """Delete every page of a model (of one revision, if given), a layout or a tenant
+        from DRAM, disk and the far tier (the far tier's of the whole fleet), e.g. right
+        after a weight sync. Every field given must match. A tenant's token invalidates
+        its own layouts only (a layout_id is then its client's id). KVStoreError ABORTED
+        when a tier could not be reached or did not finish: its message says what was
+        removed, and the far tier finishes in the background."""
+        if revision and not model:
+            raise ValueError("invalidate: a revision needs its model")
+        if not (model or layout_id or tenant):
+            raise ValueError("invalidate needs a model, a layout_id or a tenant")
+        rpc = self._rpc
+        call = rpc.channel.unary_unary(
+            "/kvstore.v1.Admin/Invalidate",
+            request_serializer=apb.InvalidateRequest.SerializeToString,
+            response_deserializer=apb.InvalidateResponse.FromString)
+        req = apb.InvalidateRequest(model=model, revision=revision, layout_id=layout_id,
+                                    tenant=tenant)
+        resp = rpc.call("Invalidate", lambda: call(req, timeout=rpc.timeout), retry=False)
+        return _fields(InvalidateResult, resp, layout_ids=tuple(resp.layout_ids))
 
     def inspect(self, layout_id: bytes, key: bytes) -> PageInfo:
         rpc = self._rpc

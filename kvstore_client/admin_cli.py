@@ -6,6 +6,9 @@
         layouts [--json]                      registered layouts
         evict (--layout ID | --bytes SIZE | --all) [--tier dram|disk|far|all] [--force]
         clear [--yes] [--force]               delete every page (asks first on a terminal)
+        invalidate (--model M [--revision R] | --layout ID | --tenant T)
+                                              delete a scope's pages from every tier, the
+                                              far tier's of the whole fleet
         inspect --layout ID KEYHEX            where one page is and how it is used
         health [--service disk]               grpc.health.v1 Check; exit 0 only when SERVING
 
@@ -14,9 +17,10 @@ output uses binary units (KiB, MiB); `--json` prints integers for bytes and hex 
 `stats --watch --json` prints one object per line (JSON Lines). A server with an auth
 file needs an admin token: `--token` or, better (flags show in `ps`), $KVSTORE_TOKEN.
 Exit status: 0 done,
-1 failed (server unreachable or refusing, not SERVING, clear declined, or an evict or clear
-that did not reach every master of the far tier's cluster: the message says what it
-removed, and the server finishes it in the background), 2 bad usage.
+1 failed (server unreachable or refusing, not SERVING, clear declined, or an evict, clear
+or invalidate that did not reach every tier or every master of the far tier's cluster:
+the message says what it removed, and the server finishes it in the background), 2 bad
+usage.
 Every failure is one line on stderr, never a traceback.
 """
 
@@ -131,7 +135,11 @@ def _render_stats(resp) -> str:
         (f"kvstore-server {resp.version}   uptime {_duration(resp.uptime_seconds)}   "
          f"leases {resp.leases}   leased pages {resp.leased_pages}"
          + (f"   held back {resp.held_back_pages} pages (of {resp.held_back_leases} "
-            "expired leases)" if resp.held_back_pages else "")),
+            "expired leases)" if resp.held_back_pages else "")
+         + (f"   retained {resp.retained_pages} pages (of {resp.retention_sessions} "
+            "sessions)" if resp.retention_sessions else "")
+         + (f"   retains refused {resp.retention_refused}" if resp.retention_refused
+            else "")),
         _table(tiers, ["tier", "state", "capacity", "used", "use %", "pages", "served",
                        "lookup hits", "lookup misses", "lookup hit rate", "evictions",
                        "bytes in", "bytes out"], 2),
@@ -220,6 +228,20 @@ def cmd_clear(client: KVStoreClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_invalidate(client: KVStoreClient, args: argparse.Namespace) -> int:
+    layout_id = b""
+    if args.layout is not None:
+        # A whole id may name a layout only other servers (the far tier) know of.
+        layout_id = (bytes.fromhex(args.layout) if len(args.layout) == 32
+                     else _resolve_layout(client, args.layout))
+    resp = client.admin.invalidate(model=args.model or "", revision=args.revision or "",
+                                   layout_id=layout_id, tenant=args.tenant or "")
+    _emit(args, plain(resp), f"invalidated {len(resp.layout_ids)} layouts: "
+                              f"{resp.dram_pages} pages from DRAM, {resp.disk_pages} from "
+                              f"disk, {resp.far_pages} from the far tier")
+    return 0
+
+
 def cmd_inspect(client: KVStoreClient, args: argparse.Namespace) -> int:
     layout_id = _resolve_layout(client, args.layout)
     resp = client.inspect(layout_id, args.key)
@@ -294,11 +316,24 @@ def _parser() -> argparse.ArgumentParser:
                       help="at least SIZE (e.g. 512MiB), least recently used first")
     what.add_argument("--all", action="store_true", help="every page")
     force = ("first end every lease and reservation that clients hold (clients that died "
-             "holding them); a client still copying may then read a reused slot")
+             "holding them), and every session's retention; a client still copying may "
+             "then read a reused slot")
     s.add_argument("--force", action="store_true", help=force)
     s = command("clear", cmd_clear, "delete every page of every layout")
     s.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     s.add_argument("--force", action="store_true", help=force)
+    s = command("invalidate", cmd_invalidate,
+                "delete every page of a model, layout or tenant from DRAM, disk and the "
+                "far tier (the far tier's of the whole fleet); exit 1 if a tier could not "
+                "be reached or did not finish")
+    what = s.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", metavar="M", help="every layout of this model")
+    what.add_argument("--layout", type=_layout_prefix, metavar="ID",
+                      help="one layout (a whole id, or a prefix of a layout of this server)")
+    what.add_argument("--tenant", metavar="T", help="every layout of this tenant")
+    s.add_argument("--revision", metavar="R",
+                   help="with --model: only this revision (the layout's salt until layouts "
+                        "carry a revision)")
     s = command("inspect", cmd_inspect, "where one key's page is and how it is used")
     s.add_argument("--layout", type=_layout_prefix, metavar="ID", required=True)
     s.add_argument("key", type=_key, metavar="KEYHEX")
