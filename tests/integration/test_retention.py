@@ -201,3 +201,22 @@ def test_a_quota_of_zero_turns_retention_off(fresh_server):
         got = c.retain(ns, keys("off", 2), "s", TTL)
         assert not got.retained and "off" in got.refused
 
+
+def test_kvstore_admin_stats_shows_it(srv):
+    with client(srv, "a") as a:
+        ns = a.register_layout(LAYOUT)
+        ks = keys("shown", 20)
+        a.put(ns, ks, pages(20, ns.page_bytes))
+        a.retain(ns, ks[:8], "agent-4", 600)
+        a.retain(ns, ks, "agent-5", 600)                 # over the quota: refused
+    with client(srv, "ops") as ops:
+        s = ops.stats()
+        assert (s.retained_pages, s.retention_sessions, s.retention_refused) == (8, 1, 1)
+        assert s.pinned_pages == 8 and s.leased_pages == 0
+    proc = subprocess.run([sys.executable, "-m", "kvstore_client.admin_cli", "--server",
+                           srv.address, "stats"], capture_output=True, text=True, timeout=60,
+                          check=False, stdin=subprocess.DEVNULL,
+                          env={**os.environ, "KVSTORE_TOKEN": TOKENS["ops"]})
+    assert proc.returncode == 0, proc.stderr
+    assert "retained 8 pages (of 1 sessions)" in proc.stdout
+    assert "retains refused 1" in proc.stdout
