@@ -27,6 +27,7 @@ BENCHES = {
     "admit": "admit_bench",
     "far": "far_bench",
     "far-failover": "far_failover",
+    "peers": "peers_bench",
     "report": "record",         # not a bench: renders the records (see record.py)
 }
 

@@ -1,0 +1,307 @@
+"""Our fast path beside other stores on loopback, one value a call: `kvstore-bench peers`.
+
+    kvstore-bench peers [--quick] [--rounds 3]
+
+Installs nothing. Each system runs as a server in a process of its own on 127.0.0.1,
+and is read with the same pattern an engine's remote hit of one page uses: one value a
+call, received into one reused page-sized buffer (page-aligned), for values of 64 KiB
+(p50 of the call, µs), 1 MiB and 4 MiB (GB/s of the median call):
+
+- raw: bench/rawpeer.py, a 9-byte request and then the bytes (no protocol: the floor);
+- kvstore: kvstore-server, read by KVStoreClient.get_into over the fast path
+  (shared_memory=False, one data connection), as a remote engine reads it;
+- redis, where `redis-server` is on PATH, two ways: "redis RESP" sends GET and receives
+  the bulk reply's bytes straight into the buffer (recv_into), the same work our client
+  and the raw peer do; "redis glide" is valkey-glide-sync's get (already a dependency),
+  which hands back a new bytes object that is then copied into the buffer. The first is
+  the fair comparison of the servers; the second shows what a stock client adds;
+- lmcache: where the `lmcache` package imports. It is not driven by this command yet
+  (its server's protocol differs between releases): the line says so, as it says when
+  the package is missing.
+
+A round measures every system at every size, in an order that rotates each round, so
+load from other work on the machine falls on all of them alike; figures are medians
+over rounds (>= 3 by default), ratios are taken within a round and then the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kvstore_client import KVStoreClient
+from kvstore_client.buffers import page_aligned_empty
+from kvstore_testing.serverproc import ServerProcess
+
+from .fastpath_sweep import _layout, _RawPeer, _times
+from .rawpeer import RawClient
+
+__all__ = ["RespClient", "main"]
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = (64 * KiB, 1 * MiB, 4 * MiB)
+KEY = b"peers-page"
+
+# A reader: receives the value of `size` bytes into the buffer given.
+Reader = Callable[[memoryview], object]
+
+
+def _recv_into_all(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill every view in order: one recvmsg_into for all, then the rest with WAITALL."""
+    got = sock.recvmsg_into(views)[0]
+    for view in views:
+        if got >= view.nbytes:
+            got -= view.nbytes
+            continue
+        pos = got
+        got = 0
+        while pos < view.nbytes:
+            n = sock.recv_into(view[pos:], view.nbytes - pos, socket.MSG_WAITALL)
+            if not n:
+                raise ConnectionError("the server closed the connection")
+            pos += n
+
+
+class RespClient:
+    """GET and SET over RESP on one socket; GET's bulk reply lands in the caller's buffer."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._crlf = memoryview(bytearray(2))
+
+    @staticmethod
+    def _command(*parts: bytes) -> bytes:
+        return (b"*%d\r\n" % len(parts)
+                + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts))
+
+    def call(self, *parts: bytes) -> bytes:
+        """A command whose reply is one line (+OK, :1, -ERR ...)."""
+        self.sock.sendall(self._command(*parts))
+        line = b""
+        while not line.endswith(b"\r\n"):
+            chunk = self.sock.recv(256)
+            if not chunk:
+                raise ConnectionError("redis closed the connection")
+            line += chunk
+        if line.startswith(b"-"):
+            raise RuntimeError(f"redis: {line.decode(errors='replace').strip()}")
+        return line
+
+    def set(self, key: bytes, value: memoryview) -> None:
+        head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, value.nbytes)
+        self.sock.sendall(head)
+        self.sock.sendall(value)
+        self.sock.sendall(b"\r\n")
+        line = self.sock.recv(64)
+        if not line.startswith(b"+OK"):
+            raise RuntimeError(f"redis SET answered {line!r}")
+
+    def getter(self, key: bytes, size: int) -> Reader:
+        """get(out): the value of key, `size` bytes, received into out."""
+        request = self._command(b"GET", key)
+        expected = b"$%d\r\n" % size
+        head = memoryview(bytearray(len(expected)))
+
+        def get(out: memoryview) -> None:
+            self.sock.sendall(request)
+            _recv_into_all(self.sock, [head, out, self._crlf])
+            if head != expected or self._crlf != b"\r\n":
+                raise RuntimeError(f"redis GET answered {bytes(head)!r}, expected "
+                                   f"{expected!r}")
+        return get
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class RedisServer:
+    """redis-server on a free loopback port, persisting nothing, in a folder of its own."""
+
+    def __init__(self, binary: str) -> None:
+        self.dir = tempfile.TemporaryDirectory(prefix="kvstore-peers-redis-")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.dir.name, "--daemonize", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                probe = RespClient(self.port)
+                probe.call(b"PING")
+                probe.close()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.05)
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.dir.cleanup()
+
+
+def _glide_getter(port: int, key: bytes) -> tuple[Reader, Callable[[], None]]:
+    """valkey-glide-sync's get, its bytes copied into the buffer; and its close."""
+    import glide_sync as glide
+    client = glide.GlideClient.create(glide.GlideClientConfiguration(
+        [glide.NodeAddress("127.0.0.1", port)], request_timeout=60_000))
+
+    def get(out: memoryview) -> None:
+        value = client.get(key)
+        if value is None or len(value) != out.nbytes:
+            raise RuntimeError("glide GET came back short")
+        out[:] = value
+    return get, client.close
+
+
+def _lmcache_line() -> str:
+    if importlib.util.find_spec("lmcache") is None:
+        return "lmcache: the lmcache package is not installed; skipped"
+    return ("lmcache: the package is installed, but this command does not drive its "
+            "server yet; skipped")
+
+
+def _size(size: int) -> str:
+    return f"{size // MiB} MiB" if size >= MiB else f"{size // KiB} KiB"
+
+
+def _calls(size: int, quick: bool) -> int:
+    if quick:
+        return 5
+    return {64 * KiB: 400, 1 * MiB: 150}.get(size, 50)
+
+
+def run(quick: bool, rounds: int) -> str:
+    buf = page_aligned_empty((max(SIZES),))
+    src = np.random.default_rng(7).integers(0, 256, max(SIZES), dtype=np.uint8)
+    redis_bin = shutil.which("redis-server")
+    closers: list[Callable[[], None]] = []
+    peer = _RawPeer()
+    closers.append(peer.close)
+    try:
+        raw = RawClient("127.0.0.1", peer.port)
+        closers.append(raw.close)
+        srv = ServerProcess(dram=f"{256 + 2 * sum(SIZES) // MiB}MiB").start(wait=300)
+        closers.append(srv.stop)
+        c = KVStoreClient(srv.address, timeout=120, shared_memory=False, data_plane=True,
+                          data_connections=1)
+        closers.append(c.close)
+        readers: dict[str, dict[int, Reader]] = {"raw": {}, "kvstore": {}}
+        for size in SIZES:
+            readers["raw"][size] = raw.get
+            ns = c.register_layout(_layout(size))
+            key = KEY + b"-%d" % size
+            c.put(ns, [key], src[:size].reshape(1, size))
+
+            def ours(out: memoryview, ns=ns, key=key, size=size) -> None:
+                c.get_into(ns, [key], np.frombuffer(out, dtype=np.uint8).reshape(1, size))
+            readers["kvstore"][size] = ours
+        if redis_bin is not None:
+            redis = RedisServer(redis_bin)
+            closers.append(redis.close)
+            resp = RespClient(redis.port)
+            closers.append(resp.close)
+            readers["redis RESP"], readers["redis glide"] = {}, {}
+            for size in SIZES:
+                key = KEY + b"-%d" % size
+                resp.set(key, memoryview(src[:size]))
+                readers["redis RESP"][size] = resp.getter(key, size)
+                get, close = _glide_getter(redis.port, key)
+                closers.append(close)
+                readers["redis glide"][size] = get
+        # Every reader gives back what was stored (the raw peer sends ones), before
+        # anything is timed.
+        for name, by_size in readers.items():
+            for size, read in by_size.items():
+                out = memoryview(buf[:size])
+                buf[:size] = 0
+                read(out)
+                want = np.ones(size, dtype=np.uint8) if name == "raw" else src[:size]
+                if not np.array_equal(buf[:size], want):
+                    raise SystemExit(f"{name}: the {_size(size)} value came back different")
+        names = list(readers)
+        figures: list[dict[tuple[str, int], float]] = []
+        for r in range(rounds):
+            fig: dict[tuple[str, int], float] = {}
+            for size in SIZES:
+                out = memoryview(buf[:size])
+                order = names[r % len(names):] + names[:r % len(names)]
+                for name in order:
+                    t = statistics.median(_times(lambda read=readers[name][size]: read(out),
+                                                 _calls(size, quick)))
+                    fig[(name, size)] = t * 1e6 if size < MiB else size / t / 1e9
+            figures.append(fig)
+    finally:
+        for close in reversed(closers):
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - the rest still close
+                pass
+    return _report(names, figures, redis_bin is not None)
+
+
+def _report(names: list[str], figures: list[dict[tuple[str, int], float]],
+            redis: bool) -> str:
+    def med(name: str, size: int) -> float:
+        return statistics.median(f[(name, size)] for f in figures)
+
+    def speed(name: str, size: int) -> float:
+        """kvstore's speed over name's within each round (> 1: kvstore faster)."""
+        return statistics.median(
+            (f[(name, size)] / f[("kvstore", size)]) if size < MiB
+            else (f[("kvstore", size)] / f[(name, size)]) for f in figures)
+
+    heads = [f"{_size(s)} {'p50 us' if s < MiB else 'GB/s'}" for s in SIZES]
+    lines = [f"medians of {len(figures)} rounds; one value a call into one reused "
+             "page-sized buffer; each server in its own process on 127.0.0.1", "",
+             "| system | " + " | ".join(heads) + " |", "|---" * (len(SIZES) + 1) + "|"]
+    for name in names:
+        cells = [f"{med(name, s):.0f}" if s < MiB else f"{med(name, s):.2f}" for s in SIZES]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "kvstore's speed relative to each (> 1: kvstore faster; within a round, "
+              "then the median)", "",
+              "| against | " + " | ".join(_size(s) for s in SIZES) + " |",
+              "|---" * (len(SIZES) + 1) + "|"]
+    for name in names:
+        if name != "kvstore":
+            lines.append(f"| {name} | "
+                         + " | ".join(f"{speed(name, s):.2f}" for s in SIZES) + " |")
+    lines.append("")
+    if not redis:
+        lines.append("redis: redis-server is not on PATH; skipped")
+    lines.append(_lmcache_line())
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvstore-bench peers",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true",
+                   help="one round of a few calls: checks that it runs, measures nothing")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="rounds to take medians over (default 3; --quick: 1)")
+    args = p.parse_args(argv)
+    rounds = args.rounds or (1 if args.quick else 3)
+    if rounds < 1:
+        p.error("--rounds must be at least 1")
+    print(run(args.quick, rounds))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,53 @@
+"""`kvstore-bench peers --quick`: the comparison runs against the servers it starts and
+prints a figure and a ratio for every system and size. No figure is asserted (the
+machine is shared): only that each system it can run was read, byte-exact (the bench
+checks every reader's bytes before timing), and that what it cannot run is named."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import re
+import shutil
+
+import pytest
+from kvstore_bench import cli
+
+pytestmark = pytest.mark.slow
+
+NUMBER = r"\d+(\.\d+)?"
+
+
+def test_quick_peers_prints_every_system_and_says_what_it_skipped():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = cli.main(["peers", "--quick"])
+    assert rc == 0
+    text = out.getvalue()
+    rows = {r[0].strip(): r[1:] for r in (line.strip("|").split("|")
+                                          for line in text.splitlines()
+                                          if line.startswith("| ") and "---" not in line)}
+    systems = {"raw", "kvstore"}
+    if shutil.which("redis-server"):
+        systems |= {"redis RESP", "redis glide"}
+    else:
+        assert "redis: redis-server is not on PATH; skipped" in text
+    # Each system once in the figures, and every one but ours once in the ratios.
+    assert set(rows) == systems | {"system", "against"}, text
+    for name in systems:
+        assert len(rows[name]) == 3, text
+        assert all(re.fullmatch(NUMBER, cell.strip()) for cell in rows[name]), rows[name]
+    assert text.count("| kvstore |") == 1
+    # Two headers, a figure row per system, a ratio row per system but ours.
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    assert len(table) == 2 + len(systems) + len(systems) - 1, text
+    if importlib.util.find_spec("lmcache") is None:
+        assert "lmcache: the lmcache package is not installed; skipped" in text
+
+
+def test_rounds_below_one_are_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["peers", "--rounds", "-1"])
+    assert exc.value.code == 2
+    assert "--rounds must be at least 1" in capsys.readouterr().err
