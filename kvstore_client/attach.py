@@ -68,11 +68,11 @@ class RegionAttachment:
 
     def attach(self, force: bool = False, keep: bool = False) -> None:
         """Map the server's region (again, with force). keep: keep the mapping when Attach
-        names the same region (a fast path dropped; the server may not have restarted);
-        never when the server said the token is stale, which is what it says once it has
-        restarted: a restarted server's pool has the same path and size (the operator's
-        --shm-dir and --dram), so those never told its new region from the old one, and a
-        mapping kept then was refused again on every call."""
+        names the same region (a fast path dropped; the server may not have restarted).
+        Never when the server said the token is stale: the token this client sends is then
+        not the region's, whatever path and size Attach names, and a mapping kept with it
+        (the same path and size were taken for the same region) sent that token again and
+        was refused again, on every call."""
         with self._lock:
             if self._tried and not force:
                 return
