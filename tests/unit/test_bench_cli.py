@@ -53,7 +53,7 @@ def test_bad_option_names_the_benchmark():
 
 
 # The benchmarks with a --quick smoke run; sglang's needs SGLang (make test-sglang's venv).
-QUICK = ["store", "fastpath", "shm", "disk", "sglang", "far"]
+QUICK = ["store", "fastpath", "shm", "disk", "sglang", "far", "peers"]
 
 
 @pytest.mark.slow
