@@ -33,9 +33,10 @@ def _round(seed: int) -> list[list[int]]:
 # A round, and a second with other prompts (a second engine, a fault mid-round).
 ROUND = _round(1)
 SECOND = _round(2)
-# Eight prompts of 250 tokens: 8 blocks each, and a ninth once decoding passes token 256;
-# in a KV cache of 69 blocks the ninth blocks do not all fit, and vLLM preempts.
-PREEMPT = [_tokens(random.Random(100 + i), 250) for i in range(8)]
+# Sixteen prompts of 124 tokens: 4 blocks each, and a fifth once decoding passes token 128;
+# in a KV cache of 69 blocks, 16 running requests' fifth blocks do not fit (nor 14's), and
+# vLLM preempts.
+PREEMPT = [_tokens(random.Random(100 + i), 124) for i in range(16)]
 
 
 def key(prompt: list[int]) -> tuple[int, ...]:

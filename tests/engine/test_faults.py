@@ -1,8 +1,8 @@
 """One offline engine through a store absent at its start, a KV budget small enough to
 preempt, and requests aborted in prefill and in decode: every completed answer exact.
 
-The engine's KV cache holds 69 blocks of 32 tokens: eight prompts of 8 blocks each that
-grow into a ninth while decoding do not fit, and vLLM preempts some; they resume over
+The engine's KV cache holds 69 blocks of 32 tokens: sixteen prompts of 4 blocks each that
+grow into a fifth while decoding do not fit, and vLLM preempts some; they resume over
 pages that vLLM freed and the store may hold.
 """
 
