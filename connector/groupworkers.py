@@ -1,8 +1,13 @@
 """One worker half per KV-cache group, seen by the engine as one worker.
 
 Each group of a hybrid model (connector.groups) is its own layout with its own layers, so
-each gets a WorkerHalf of its own: its own client and breaker, its own loads, saves and
-failure handling, exactly as for a model of one group. This class hands each the part of
+each gets a WorkerHalf of its own: its own layout, streams, loads, saves and failure
+handling, exactly as for a model of one group. What is the process's rather than a
+group's is made once and shared (connector.worker.SharedStore): one client (one set of
+connections, one mapping of the store's pool), one CUDA registration of each mapping
+(each would pin the whole pool again) and one breaker; this class owns it, prunes its
+registrations at step boundaries over every group's copies, and closes it after the
+workers. This class hands each the part of
 a step's plan that is its group's (connector.groups.for_group), routes a layer's hooks to
 the worker that owns the layer, and merges what they report:
 
@@ -23,7 +28,7 @@ from collections.abc import Iterable, Sequence
 
 from .groups import CacheGroup, for_group
 from .meta import StepMeta
-from .worker import WorkerHalf, WorkerStats
+from .worker import SharedStore, WorkerHalf, WorkerStats
 
 __all__ = ["GroupWorkers"]
 
@@ -32,9 +37,12 @@ class GroupWorkers:
     """Worker halves by group; the calls an engine makes on one worker."""
 
     def __init__(self, groups: Sequence[CacheGroup], workers: Sequence[WorkerHalf],
-                 page_tokens: int) -> None:
+                 page_tokens: int, shared: SharedStore | None = None) -> None:
+        """shared: what the workers were built over (closed here, after them); None
+        where each has its own (a model of one group)."""
         if len(groups) != len(workers) or not groups:
             raise ValueError("one worker half per KV-cache group")
+        self.shared = shared
         self.groups = tuple(groups)
         self.workers = tuple(workers)
         self.page_tokens = page_tokens
@@ -79,7 +87,12 @@ class GroupWorkers:
             worker.wait_for_save()
 
     def finished(self) -> set[str]:
-        return self._merge(self._recving, [w.finished() for w in self.workers])
+        done = self._merge(self._recving, [w.finished() for w in self.workers])
+        if self.shared is not None:
+            # A step boundary: a restarted server's old mapping goes once no group's
+            # copy uses it.
+            self.shared.keep_only([r for w in self.workers for r in w.regions_in_use()])
+        return done
 
     def sent(self, finished_req_ids: Iterable[str] = ()) -> set[str]:
         ids = set(finished_req_ids)
@@ -115,5 +128,9 @@ class GroupWorkers:
         return set().union(*(w.load_errors() for w in self.workers))
 
     def close(self) -> None:
-        for worker in self.workers:
-            worker.close()
+        try:
+            for worker in self.workers:
+                worker.close()
+        finally:
+            if self.shared is not None:
+                self.shared.close()

@@ -44,6 +44,10 @@ class Mappings:
             self._by_region[id(region)] = entry
         return entry[1]
 
+    def __len__(self) -> int:
+        """How many mappings are registered now."""
+        return len(self._by_region)
+
     def keep_only(self, regions) -> None:
         """Close the registrations of every mapping not in `regions` (those still in use)."""
         keep = {id(r) for r in regions}

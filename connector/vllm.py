@@ -41,7 +41,7 @@ from .groupworkers import GroupWorkers
 from .kvviews import detect_kind, kv5
 from .meta import StepMeta
 from .scheduler import SchedulerHalf
-from .worker import WorkerHalf
+from .worker import SharedStore, WorkerHalf
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -317,14 +317,18 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         saves = not self.mla or _tp_rank() == 0      # MLA: one rank saves for all
         workers = []
-        for group, layouts in zip(self.groups, self.group_layouts):
-            layout = layouts[0] if self.mla else layouts[_tp_rank()]
+        layouts_here = [ls[0] if self.mla else ls[_tp_rank()] for ls in self.group_layouts]
+        # A hybrid model's groups share one client, pool mapping and registration
+        # (connector.groupworkers); a lone group makes its own, as it always did.
+        shared = (SharedStore.open(self.config, layouts_here[0]) if len(self.groups) > 1
+                  else None)
+        for group, layout in zip(self.groups, layouts_here):
             # A lone group takes every layer the engine registers, as it always did.
             names = list(kv_caches) if len(self.groups) == 1 else group.layer_names
             views = {name: kv5(kv_caches[name], detect_kind(kv_caches[name], mla=self.mla))
                      for name in names}
-            workers.append(WorkerHalf(self.config, layout, views, saves=saves))
-        self._worker = GroupWorkers(self.groups, workers, self.layouts[0].page_tokens)
+            workers.append(WorkerHalf(self.config, layout, views, saves=saves, shared=shared))
+        self._worker = GroupWorkers(self.groups, workers, self.layouts[0].page_tokens, shared)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -98,7 +98,7 @@ from .remote import RemoteLoadFailed, RemoteLoads
 from .reserving import StepReserve
 from .transfer import KVTransfer, TransferError, pinned_empty
 
-__all__ = ["WorkerHalf", "WorkerStats", "layer_order"]
+__all__ = ["SharedStore", "WorkerHalf", "WorkerStats", "layer_order"]
 
 log = logging.getLogger(__name__)
 
@@ -144,12 +144,54 @@ class _Load:
 _Save = PendingSave.of
 
 
+def _store_answers(client: KVStoreClient, layout: PageLayout) -> bool:
+    """A breaker's probe (on its own thread): does the store answer?"""
+    try:
+        client.register_layout(layout)
+    except KVStoreError as exc:
+        return exc.code not in _NOT_ANSWERING
+    return True
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SharedStore:
+    """What the worker halves of one process share, made once for all of them: the
+    client (its connections and its mapping of the store's pool), the pool mappings
+    registered with CUDA, and the breaker (it is one store that answers or does not).
+    Each registration pins the whole pool again (cudaHostRegister, 0.2-0.8 s per GiB:
+    DESIGN.md), so a hybrid model's groups must not each make their own. Its owner
+    (connector.groupworkers) closes it after every worker half that uses it."""
+
+    client: KVStoreClient
+    mappings: Mappings
+    breaker: Breaker
+
+    @classmethod
+    def open(cls, config: ConnectorConfig, probe_layout: PageLayout) -> SharedStore:
+        client = open_client(config, config.timeout, shared_memory=config.shared_memory,
+                             data_connections=config.remote_connections)
+        return cls(client, Mappings(),
+                   Breaker(config.probe_interval, lambda: _store_answers(client, probe_layout)))
+
+    def keep_only(self, regions: Iterable[object]) -> None:
+        """Close the registrations no worker half still copies through."""
+        self.mappings.keep_only(regions)
+
+    def close(self) -> None:
+        self.mappings.close()
+        self.breaker.close()
+        self.client.close()
+
+
 class WorkerHalf:
     """Engine-agnostic worker logic over kv5 views of the engine's KV tensors."""
 
     def __init__(self, config: ConnectorConfig, layout: PageLayout, layers: Mapping[str, Any],
-                 *, saves: bool = True, client: KVStoreClient | None = None) -> None:
-        """layers: layer name -> kv5 view [kv_factor, blocks, block_size, heads, head]."""
+                 *, saves: bool = True, client: KVStoreClient | None = None,
+                 shared: SharedStore | None = None) -> None:
+        """layers: layer name -> kv5 view [kv_factor, blocks, block_size, heads, head].
+        shared: the client, mappings and breaker of every worker half of the process
+        (a hybrid model's groups); its owner closes it. Else this worker has its own."""
         names = layer_order(list(layers))
         if len(names) != layout.num_layers:
             raise ValueError(f"layout has {layout.num_layers} layers, the engine registered "
@@ -161,11 +203,16 @@ class WorkerHalf:
         self.device = views[0].device
         self.transfer = KVTransfer(views, layout.page_tokens, self.device)
         self.saves_enabled = saves and config.role.saves
-        self.client = client or open_client(config, config.timeout,
-                                            shared_memory=config.shared_memory,
-                                            data_connections=config.remote_connections)
+        self._shared_store = shared
+        if shared is not None:
+            self.client = shared.client
+        else:
+            self.client = client or open_client(config, config.timeout,
+                                                shared_memory=config.shared_memory,
+                                                data_connections=config.remote_connections)
         self._ns = None                            # registered on first use
-        self._mappings = Mappings()                # pool mappings registered with CUDA
+        # Pool mappings registered with CUDA (the process's one table when shared).
+        self._mappings = shared.mappings if shared is not None else Mappings()
         self._remote = RemoteLoads(self.client, self.transfer, config.remote_staging_bytes)
         self._last_region = None                   # the newest mapping used
         self._loads: list[_Load] = []              # this step's layer-wise loads
@@ -186,7 +233,8 @@ class WorkerHalf:
         self._finishing: set[str] = set()          # finished, a save copy still running
         # Usually the scheduler half finds a hung store first (StepMeta.store_down); a
         # call of ours that meets it opens this one, probed back on its own thread.
-        self.breaker = Breaker(config.probe_interval, self._probe)
+        self.breaker = (shared.breaker if shared is not None
+                        else Breaker(config.probe_interval, self._probe))
         self._store_down = False                   # this step's StepMeta.store_down
         self._stats = WorkerStats()
 
@@ -334,11 +382,7 @@ class WorkerHalf:
 
     def _probe(self) -> bool:
         """The breaker's probe (on its own thread): does the store answer?"""
-        try:
-            self.client.register_layout(self.layout)
-        except KVStoreError as exc:
-            return exc.code not in _NOT_ANSWERING
-        return True
+        return _store_answers(self.client, self.layout)
 
     def _may_call(self) -> bool:
         """Whether to call the store now: not while the scheduler half reports it hung,
@@ -608,10 +652,16 @@ class WorkerHalf:
                 del self._async[req_id]
                 done.add(req_id)
         self._poll_saves()
-        # A step boundary: mappings of a server that restarted can go once no copy uses them.
-        self._mappings.keep_only([self._last_region, *(x.region for x in self._async.values()),
-                                  *(x.region for x in self._saves)])
+        # A step boundary: mappings of a server that restarted can go once no copy uses
+        # them. A shared table is pruned by its owner, over every worker's regions.
+        if self._shared_store is None:
+            self._mappings.keep_only(self.regions_in_use())
         return done
+
+    def regions_in_use(self) -> list[object]:
+        """The pool mappings this worker's copies may still read or write."""
+        return [self._last_region, *(x.region for x in self._async.values()),
+                *(x.region for x in self._saves)]
 
     def sent(self, finished_req_ids: Iterable[str] = ()) -> set[str]:
         """Of the finished requests a save was planned for, those whose save copies have
@@ -660,6 +710,8 @@ class WorkerHalf:
                              else self.transfer.finish_save(wait=True))
         # Loads' outcomes not known now never come: those saves are dropped.
         self._finish_saves(self._saves.settle(self._outcomes, give_up=True))
+        if self._shared_store is not None:
+            return                # the owner closes it after every worker that uses it
         self._mappings.close()
         self.breaker.close()
         self.client.close()

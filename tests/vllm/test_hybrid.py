@@ -149,6 +149,23 @@ def test_a_shared_prefix_hits_as_far_as_every_group_holds(tmp_path, store, mode)
     assert second.worker.model.reads > 0 and not second.worker.model.wrong
 
 
+def test_the_groups_share_one_client_mapping_and_registration(tmp_path, store):
+    # Each registration pins the whole pool again and each client opens its own
+    # connections and mapping: a hybrid worker makes one of each, not one per group.
+    first = hybrid_engine(tmp_path, DRAFT, spec(store.address), {"a": PROMPT})
+    first.add(make_request("a", PROMPT, max_tokens=2))
+    run(first)
+    workers = first.worker.connector._worker.workers
+    assert len(workers) == 3
+    clients = {id(w.client): w.client for w in workers}
+    assert len(clients) == 1
+    assert next(iter(clients.values())).region() is not None    # the pool is mapped
+    tables = {id(w._mappings): w._mappings for w in workers}
+    assert sum(len(t) for t in tables.values()) == 1             # registered once
+    first.worker.connector._worker.close()
+    assert sum(len(t) for t in tables.values()) == 0
+
+
 def test_a_draft_groups_volatile_last_page_is_never_stored(tmp_path, store):
     prompt = PROMPT[:64]                                 # 4 pages exactly
     first = hybrid_engine(tmp_path, DRAFT, spec(store.address), {"a": prompt})
