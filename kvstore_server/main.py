@@ -57,7 +57,8 @@ from .region import Progress, Region, region_bytes, remove_own, remove_stale
 from .retention import RetentionLimits
 from .sdnotify import Notifier
 from .service import KVStoreService, add_kvstore_service
-from .startup import EXIT_CANNOT_START, bind_grpc, check_config, progress_reporter
+from .startup import (EXIT_CANNOT_START, EXIT_PORT_TAKEN, PortTaken, bind_grpc, check_config,
+                      listen_error, progress_reporter)
 from .store import Store
 from .tier import TierChain
 from .watchdog import StreamWatchdog
@@ -125,8 +126,8 @@ class Server:
             try:
                 self.metrics.serve(config.metrics_port)
             except OSError as exc:
-                raise ConfigError(f"metrics_port: cannot listen on 127.0.0.1:"
-                                  f"{config.metrics_port}: {exc.strerror}") from None
+                raise listen_error("metrics_port", f"127.0.0.1:{config.metrics_port}",
+                                   exc) from None
             undo.callback(self.metrics.stop)
         try:
             policy = load_policy(config.eviction_policy)
@@ -231,8 +232,7 @@ class Server:
             return make(tcp)
         except OSError as exc:
             if config.data_listen.strip().lower() != "auto":
-                raise ConfigError(f"cannot listen on data_listen {config.data_listen}: "
-                                  f"{exc}") from None
+                raise listen_error("data_listen", config.data_listen, exc) from None
             log.warning("fast path: port %s:%d is taken (%s); serving it on the Unix "
                         "socket only, remote clients use gRPC", *(tcp or ("", 0)), exc)
             return make(None) if self.unix_socket else None
@@ -433,7 +433,7 @@ def _run(argv: list[str] | None) -> int:
     except (ConfigError, OSError, ValueError, RuntimeError) as exc:
         log.error("cannot start: %s", exc)
         notifier.notify(STATUS=f"cannot start: {exc}")
-        return EXIT_CANNOT_START
+        return EXIT_PORT_TAKEN if isinstance(exc, PortTaken) else EXIT_CANNOT_START
 
     def on_signal(signum, _frame):
         log.info("received %s", signal.Signals(signum).name)

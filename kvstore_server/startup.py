@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import socket
 import sys
 import time
@@ -16,12 +17,32 @@ from .preflight import check_host
 from .region import Progress, region_bytes
 from .sdnotify import Notifier
 
-__all__ = ["EXIT_CANNOT_START", "bind_grpc", "check_config", "progress_reporter"]
+__all__ = ["EXIT_CANNOT_START", "EXIT_PORT_TAKEN", "PortTaken", "bind_grpc", "check_config",
+           "progress_reporter"]
 
 # Exit status of a start-up refused for a setting (sysexits' EX_CONFIG; 2 = bad usage):
 # distinct from 1, a crash, so a systemd unit can restart after a crash but not loop on a
 # mistake that will fail the same way every time (RestartPreventExitStatus=2 78).
 EXIT_CANNOT_START = 78
+
+# Exit status of a start-up that found a port held by another process (sysexits'
+# EX_TEMPFAIL). Not a setting that fails the same way every time: the holder may be the
+# previous server still stopping, or another local user who bound the port first, and
+# whatever another user did must not leave the unit stopped for good. So it is not 78, and
+# systemd restarts the server (RestartPreventExitStatus lists 2 and 78 only) until the
+# port is free, logging each try.
+EXIT_PORT_TAKEN = 75
+
+
+class PortTaken(ConfigError):
+    """A port the server must listen on is held by another process (EADDRINUSE)."""
+
+
+def listen_error(setting: str, address: str, exc: OSError) -> ConfigError:
+    """The error for a port that could not be bound: PortTaken when another process holds
+    it, a plain ConfigError (a setting to fix) otherwise."""
+    cls = PortTaken if exc.errno == errno.EADDRINUSE else ConfigError
+    return cls(f"{setting}: cannot listen on {address}: {exc.strerror or exc}")
 
 
 def bind_grpc(server: grpc.Server, listen: str, tls) -> int:
@@ -34,23 +55,25 @@ def bind_grpc(server: grpc.Server, listen: str, tls) -> int:
     except RuntimeError:
         port = 0
     if port == 0:
-        raise ConfigError(f"listen: cannot listen on {listen}: {bind_error(listen)}")
+        raise bind_error(listen)
     return port
 
 
-def bind_error(listen: str) -> str:
+def bind_error(listen: str) -> ConfigError:
+    """Why gRPC could not bind listen, from a plain socket's bind to the same address."""
     host, _, port = listen.rpartition(":")
     try:
         infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
-        return f"cannot resolve {host}: {exc.strerror}"
+        return ConfigError(f"listen: cannot listen on {listen}: cannot resolve {host}: "
+                           f"{exc.strerror}")
     for family, kind, proto, _, address in infos:
         try:
             with socket.socket(family, kind, proto) as probe:
                 probe.bind(address)
         except OSError as exc:
-            return exc.strerror or str(exc)
-    return "refused by gRPC"
+            return listen_error("listen", listen, exc)
+    return ConfigError(f"listen: cannot listen on {listen}: refused by gRPC")
 
 
 def check_config(config: ServerConfig) -> int:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -21,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstore_testing.serverproc import ServerProcess, free_port
 
 SERVER = [sys.executable, "-m", "kvstore_server.main"]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -153,6 +155,11 @@ def test_disk_dir_of_a_running_server(shm_dir, tmp_path):
 
 
 # -- ports: bound before the pool, so a port in use costs no pre-fault -------------------------
+# A port held by another process may be the last server still stopping or another local
+# user's: exit 75, which the systemd unit restarts, never 78, which it does not.
+PORT_TAKEN = 75
+
+
 def test_listen_port_in_use(shm_dir):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -160,7 +167,7 @@ def test_listen_port_in_use(shm_dir):
         port = taken.getsockname()[1]
         # 2 GiB would take seconds to pre-fault: the failure must come before it.
         out = start_fails(shm_dir, "--dram", "2GiB", "--listen", f"127.0.0.1:{port}",
-                          setting="listen")
+                          setting="listen", code=PORT_TAKEN)
     assert "in use" in out and "allocating" not in out
 
 
@@ -170,8 +177,25 @@ def test_metrics_port_in_use(shm_dir):
         taken.listen()
         port = taken.getsockname()[1]
         out = start_fails(shm_dir, "--dram", "2GiB", "--metrics-port", str(port),
-                          setting="metrics_port")
+                          setting="metrics_port", code=PORT_TAKEN)
     assert str(port) in out and "in use" in out and "allocating" not in out
+
+
+def test_data_port_in_use(shm_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = start_fails(shm_dir, "--data-listen", f"127.0.0.1:{port}",
+                          setting="data_listen", code=PORT_TAKEN)
+    assert str(port) in out and "in use" in out
+
+
+def test_unit_restarts_after_a_taken_port():
+    unit = (ROOT / "deploy" / "kvstore-server.service").read_text()
+    prevent = next(line for line in unit.splitlines()
+                   if line.startswith("RestartPreventExitStatus="))
+    assert str(PORT_TAKEN) not in prevent.split("=", 1)[1].split()
 
 
 # -- signals while the pool is being made ---------------------------------------------------------
