@@ -18,6 +18,7 @@ import xxhash
 
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_server.far.codec import encode
+from kvstore_server.far.keys import is_record
 from kvstore_server.far.secret import Keyring
 from kvstore_testing.serverproc import ServerProcess, free_port
 from tests.waiting import wait_for
@@ -63,10 +64,11 @@ class Cluster:
             [glide.NodeAddress("127.0.0.1", cluster.nodes[0].port)], request_timeout=30_000))
 
     def names(self, namespace: str) -> list[bytes]:
+        """The names of the namespace's pages (not the layout records beside them)."""
         cursor, found = glide.ClusterScanCursor(), []
         while True:
             cursor, names = self.client.scan(cursor, match=f"{namespace}:*", count=1000)
-            found += names
+            found += [name for name in names if not is_record(name)]
             if cursor.is_finished():
                 return sorted(found)
 
