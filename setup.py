@@ -15,6 +15,8 @@ from setuptools import find_packages, setup
 ROOTS = {
     "kvstore_server": "kvstore_server",
     "kvstore_client": "kvstore_client",
+    # What server and client agree on (the generated protobuf code among it); both import it.
+    "kvstore_protocol": "kvstore_protocol",
     # The connector/ folder, installed under our own name (connector is a name others use).
     "kvstore_connector": "connector",
     "kvstore_bench": "bench",
@@ -31,5 +33,5 @@ setup(
               for sub in ["", *find_packages(folder)]],
     package_dir=ROOTS,
     # The generated protobuf stubs (.pyi) beside their modules, for type checkers.
-    package_data={"kvstore_client._proto": ["**/*.pyi"]},
+    package_data={"kvstore_protocol._proto": ["**/*.pyi"]},
 )

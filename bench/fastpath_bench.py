@@ -35,7 +35,7 @@ import numpy as np
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_client.buffers import page_aligned_empty
 from kvstore_client.fastpath import FastPath
-from kvstore_client.malloc import keep_freed_buffers
+from kvstore_protocol.malloc import keep_freed_buffers
 
 from kvstore_testing.serverproc import ServerProcess
 from .iperf import iperf3_gbps
@@ -399,7 +399,7 @@ def run(runs: int = 5, quick: bool = False, connections: int = 4, send: bool = F
     total = (mib or (32 if quick else 128)) * MiB
     reps = 3
     iters = 200 if quick else 1000
-    keep_freed_buffers()    # this process receives pages over gRPC (kvstore_client.malloc)
+    keep_freed_buffers()    # this process receives pages over gRPC (kvstore_protocol.malloc)
     results: dict = {"runs": [], "total_mib": total // MiB, "connections": connections}
     with ServerProcess(dram="1GiB" if quick else "2GiB").start(wait=300) as srv:
         for i in range(runs):

@@ -4,7 +4,7 @@ The store's Get is a server stream of ~1 MiB messages too, so this is a referenc
 it: the server yields the same bytes object every time (no gather from a pool) and the
 client copies each message into a buffer it owns, as get_into must. A Get close to this
 figure spends its time in gRPC, not in the store. The calling process should have called
-kvstore_client.malloc.keep_freed_buffers() first, as a gRPC reader of pages should:
+kvstore_protocol.malloc.keep_freed_buffers() first, as a gRPC reader of pages should:
 without it this stream measured 0.69-0.81 GB/s on the dev VM against 0.90-1.03 for the
 store's Get (which ran after that call) in the same runs.
 """
@@ -19,8 +19,8 @@ from concurrent import futures
 import grpc
 import numpy as np
 
-from kvstore_client.malloc import keep_freed_buffers
-from kvstore_client.wire import CHANNEL_OPTIONS
+from kvstore_protocol.malloc import keep_freed_buffers
+from kvstore_protocol.grpc_frames import CHANNEL_OPTIONS
 
 MiB = 1 << 20
 _METHOD = "/bench.Baseline/Stream"

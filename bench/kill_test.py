@@ -37,7 +37,7 @@ import time
 import numpy as np
 
 from kvstore_client import KVStoreClient, PageLayout
-from kvstore_client.units import parse_size
+from kvstore_protocol.units import parse_size
 
 from .load_test import key_of, page_of
 from kvstore_testing.serverproc import ServerProcess

@@ -41,7 +41,7 @@ import numpy as np
 import xxhash
 
 from kvstore_client import KVStoreClient, PageLayout
-from kvstore_client.units import parse_size
+from kvstore_protocol.units import parse_size
 
 from kvstore_testing.serverproc import ServerProcess
 

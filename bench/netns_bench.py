@@ -33,7 +33,7 @@ import numpy as np
 
 from kvstore_client import KVStoreClient
 from kvstore_client.buffers import page_aligned_empty
-from kvstore_client.malloc import keep_freed_buffers
+from kvstore_protocol.malloc import keep_freed_buffers
 
 from .fastpath_bench import PAGE_1M, PAGE_64K, _p, _timed
 from .netns import NetPair, NetUnavailable
@@ -146,7 +146,7 @@ def report(result: dict) -> str:
 
 def run(delay_ms: float, runs: int, total: int, reps: int, iters: int,
         connections: int) -> dict:
-    keep_freed_buffers()    # gRPC gets land in fresh buffers (kvstore_client.malloc)
+    keep_freed_buffers()    # gRPC gets land in fresh buffers (kvstore_protocol.malloc)
     result = {"runs": runs, "total_mib": total // MiB, "connections": connections,
               "conditions": [], "skipped": []}
     with NetPair() as net:

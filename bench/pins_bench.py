@@ -20,7 +20,7 @@ import types
 import numpy as np
 
 from kvstore_client import PageLayout
-from kvstore_client.keys import Packed
+from kvstore_protocol.keys import Packed
 from kvstore_server.region import Region
 from kvstore_server.slots import SlotTable
 from kvstore_server.store import Store

@@ -22,7 +22,7 @@ import numpy as np
 
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_client.buffers import page_aligned_empty
-from kvstore_client.malloc import keep_freed_buffers
+from kvstore_protocol.malloc import keep_freed_buffers
 
 from kvstore_testing.serverproc import ServerProcess
 from .store_bench import put_get_gbps
@@ -119,7 +119,7 @@ def _runs(offsets: list[int], page_bytes: int) -> list[tuple[int, int, int]]:
 
 
 def run(quick: bool, gpu: bool, shm_dir: str = "/dev/shm") -> dict:
-    keep_freed_buffers()   # this process reads pages over gRPC too (see kvstore_client.malloc)
+    keep_freed_buffers()   # this process reads pages over gRPC too (see kvstore_protocol.malloc)
     reps = 3 if quick else 7
     total = 64 * MiB if quick else 192 * MiB
     results: dict = {"memcpy_gbps": memcpy_gbps(total, reps)}

@@ -25,8 +25,8 @@ import numpy as np
 
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_client.buffers import page_aligned_empty
-from kvstore_client.keys import Packed
-from kvstore_client.malloc import keep_freed_buffers
+from kvstore_protocol.keys import Packed
+from kvstore_protocol.malloc import keep_freed_buffers
 
 from .grpc_baseline import grpc_stream_gbps
 from kvstore_testing.serverproc import ServerProcess
@@ -207,7 +207,7 @@ def run(quick: bool = False) -> dict:
     results: dict = {"throughput": {}, "lookup": {}}
     raw_recv, raw_send = raw_socket_gbps(total, reps)
     results["raw_socket"] = {"recv_gbps": raw_recv, "send_gbps": raw_send}
-    keep_freed_buffers()    # this process receives pages over gRPC (kvstore_client.malloc)
+    keep_freed_buffers()    # this process receives pages over gRPC (kvstore_protocol.malloc)
     # Python gRPC alone streaming ~1 MiB messages, for reference (grpc_baseline.py).
     grpc_stream = grpc_stream_gbps(total, reps)
     results["grpc_stream_gbps"] = grpc_stream

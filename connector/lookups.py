@@ -21,7 +21,7 @@ import grpc
 
 from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
 from kvstore_client.handles import Pins
-from kvstore_client.keys import Packed
+from kvstore_protocol.keys import Packed
 
 from .breaker import Breaker
 from .config import ConnectorConfig

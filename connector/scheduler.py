@@ -46,7 +46,7 @@ import numpy as np
 
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_client.handles import Pins
-from kvstore_client.keys import Packed
+from kvstore_protocol.keys import Packed
 
 from .breaker import Breaker
 from .config import ConnectorConfig, LookupMode, SavePolicy, open_client

@@ -6,7 +6,7 @@ pages of two ranks, dtypes or models never mix (SGLang #33268 lost the dtype fro
 latent is the same on every TP rank: its layout leaves TP out (rank 0 of 1), so every
 rank reads what SGLang's one writer rank stored. Decode context parallelism is refused.
 
-Bytes. A stored page is the store's layer-major page (kvstore_client.layout): per layer
+Bytes. A stored page is the store's layer-major page (kvstore_protocol.layout): per layer
 a [kv_factor, page_tokens, heads * head_dim] slab, the same bytes vLLM's connector
 stores. Each host layout (layer_first, page_first, page_first_direct) is viewed in that
 order without a copy, so moving a page is one strided copy between the store's mapped

@@ -1,8 +1,12 @@
 """Client library for kvstore-server: register layouts, put, look up and get KV pages."""
 
+from kvstore_protocol.layout import PageLayout
+
+from . import moved
 from .client import KVStoreClient, Lease, LayoutHandle, PutResult
 from .errors import KVStoreError, PagesMissing
-from .layout import PageLayout
+
+moved.install()       # the old paths of what moved to kvstore_protocol, for one release
 
 __all__ = ["KVStoreClient", "PageLayout", "LayoutHandle", "PutResult", "Lease", "KVStoreError",
            "PagesMissing"]

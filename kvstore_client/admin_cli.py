@@ -42,7 +42,7 @@ from .admin import plain
 from .channel import open_channel
 from .client import KVStoreClient
 from .errors import KVStoreError
-from .units import format_size, parse_size
+from kvstore_protocol.units import format_size, parse_size
 
 __all__ = ["main"]
 

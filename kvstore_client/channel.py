@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from .wire import CHANNEL_OPTIONS
+from kvstore_protocol.grpc_frames import CHANNEL_OPTIONS
 
 __all__ = ["open_channel", "with_token"]
 

@@ -24,22 +24,22 @@ from collections.abc import Callable, Generator, Sequence
 import grpc
 import numpy as np
 
-from ._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
 from .admin import AdminClient, ClearResult, EvictResult, LayoutStats, PageInfo, Stats
 from .attach import RegionAttachment
 from .buffers import LayerMajorWriter, as_uint8, page_aligned_empty
 from .channel import PEM, open_channel, with_token
-from .convert import layout_to_proto
+from kvstore_protocol.convert import layout_to_proto
 from .dataplane import USE_GRPC, DataPlane, packed_keys, tls_context
 from .errors import KVStoreError, PagesMissing, from_rpc_error
 from .fastpath import FastPathUnavailable
 from .handles import LayoutHandle, Lease, Pins, PutResult
-from .keys import Packed
+from kvstore_protocol.keys import Packed
 from .layerget import Dest, LayerGet
-from .layout import PageLayout
+from kvstore_protocol.layout import PageLayout
 from .rpc import Rpc, packed
 from .shm import Acquired, Reservation, SharedRegion, copy_layer, copy_pages
-from .wire import PUT_DATA_TAG, frame
+from kvstore_protocol.grpc_frames import PUT_DATA_TAG, frame
 
 __all__ = ["KVStoreClient", "LayoutHandle", "PutResult", "Lease", "Retention"]
 

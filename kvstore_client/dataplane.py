@@ -35,7 +35,7 @@ import grpc
 from .errors import KVStoreError, Reason
 from .fastpath import FastPath, FastPathUnavailable, UntrustedPeer
 from .holdings import Holdings
-from .keys import Packed, pack_keys
+from kvstore_protocol.keys import Packed, pack_keys
 
 if TYPE_CHECKING:
     from .handles import LayoutHandle

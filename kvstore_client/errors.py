@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-import enum
-
 import grpc
+
+# Re-exported: the client's callers catch KVStoreError and read its Reason from here.
+from kvstore_protocol.reasons import REASON_KEY, Reason
 
 __all__ = ["REASON_KEY", "KVStoreError", "PagesMissing", "Reason", "from_rpc_error",
            "reason_of"]
-
-# The trailing metadata key under which the server names a Reason.
-REASON_KEY = "kvstore-reason"
-
-
-class Reason(enum.Enum):
-    """Why a call failed, where the caller must react and not only report it: the server
-    sends it beside the status; code branches on it, never on the message, which is
-    for people and may be reworded."""
-
-    LAYOUT_UNKNOWN = "layout-unknown"      # not registered (the server restarted): register again
-    SHM_TOKEN_STALE = "shm-token-stale"    # the region changed (restart): attach again
-    PAGES_MISSING = "pages-missing"        # a key asked for is stored nowhere
 
 
 class KVStoreError(Exception):

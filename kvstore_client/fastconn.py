@@ -1,4 +1,4 @@
-"""One fast-path connection: frames out, answers in (kvstore_client.fastwire).
+"""One fast-path connection: frames out, answers in (kvstore_protocol.fastwire).
 
 Not thread-safe: FastPath (kvstore_client.fastpath) lends a connection to one call at a
 time. A socket failure becomes Broken (the call is tried once more on a fresh
@@ -15,7 +15,7 @@ import struct
 
 import grpc
 
-from . import fastwire as fw
+from kvstore_protocol import fastwire as fw
 from .errors import KVStoreError
 
 __all__ = ["Conn", "Broken", "Timeout", "deadline"]

@@ -1,4 +1,4 @@
-"""The client's side of the fast path: pooled connections speaking kvstore_client.fastwire.
+"""The client's side of the fast path: pooled connections speaking kvstore_protocol.fastwire.
 
     FastPath(address, token=...)        address: "HOST:PORT" (TCP) or a Unix socket path
       .lookup / .exists / .delete       microsecond control calls
@@ -36,7 +36,7 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
-from . import fastwire as fw
+from kvstore_protocol import fastwire as fw
 from .errors import KVStoreError
 from .handles import Pins
 from .fastconn import Broken, Conn, Timeout, deadline

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .layout import PageLayout
+from kvstore_protocol.layout import PageLayout
 
 __all__ = ["Lease", "LayoutHandle", "Pins", "PutResult"]
 

@@ -5,7 +5,7 @@
         ...             buf is dest(layer), whole: every page's bytes of that layer
 
 The server answers a GET flagged LAYER_MAJOR with every page's layer 0, then every page's
-layer 1, ... (kvstore_client.fastwire). A large Get is split by pages into stripes, one
+layer 1, ... (kvstore_protocol.fastwire). A large Get is split by pages into stripes, one
 pooled connection and one thread each, so that several sockets receive at once; every
 stripe is itself layer-major, so it receives its pages' rows of layer L straight into
 layer L's buffer, then its rows of layer L+1. `dest(layer)` is called once per layer, by
@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import numpy as np
 
-from . import fastwire as fw
+from kvstore_protocol import fastwire as fw
 from .errors import KVStoreError, Reason
 from .fastconn import Broken, Conn, Timeout, deadline
 from .fastpath import STRIPE_MIN_BYTES, FastPath, keys_body

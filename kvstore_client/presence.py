@@ -12,27 +12,8 @@ map, the same probes: the miss 0.36 ms (its lookup 0.11); a miss with no saves 1
 1.011 times a recompute, one that saves 1.036 -> 1.033 (what is left there is the saves'
 own bookkeeping); the e2e record's miss breakdown, 1,024 tokens: lookup 0.39 -> 0.16 ms.
 
-The server keeps one counter per bucket: +1 when a key of a layout becomes READY in DRAM,
--1 when it leaves. A counter of 0 proves that no key of that bucket is stored, so a prefix
-whose first key's bucket reads 0 counts 0. Anything else is asked as before: the map only
-ever answers "absent", and a stale or unreadable map answers nothing. A counter that
-reaches 255 stays there (it may then only send lookups to the server, never skip one).
-
-The server keeps the map only while no tier below DRAM holds pages (a disk or far tier: a
-key there is a hit the map cannot see), and rewrites a heartbeat every BEAT_SECONDS; a
-client trusts the map only while the heartbeat is under LIVE_SECONDS old. So a server that
-stopped (or was killed, leaving its region mapped here) costs at most LIVE_SECONDS of
-misses, never a wrong count.
-
-Where it lives: the last AREA_BYTES of the region, described in the region's header:
-
-    32        40            48          52          56              64
-    | magic   | area offset | bits      | 0         | heartbeat     |
-    | 8 B     | u64         | u32       | u32       | f64, CLOCK_MONOTONIC seconds (0: off)
-
-Bucket of a key: acc = salt of the layout (its 16-byte id's first 8 bytes); for each 8-byte
-word w of the key, zero-padded, acc = (acc ^ w) * MIX mod 2**64; bucket = acc >> (64 - bits).
-The server computes it for a batch in numpy (kvstore_server.presence); here it is one key.
+The map's format (where it lives, what a counter means, the bucket formula) is both ends'
+contract: kvstore_protocol.presence_map. This module is the client's reader.
 """
 
 from __future__ import annotations
@@ -40,12 +21,14 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-import sys
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from kvstore_protocol.presence_map import (AREA_BYTES, BEAT_AT, BEAT_SECONDS, BITS, HEADER,
+                                           HEADER_AT, LIVE_SECONDS, MAGIC, MIX, bucket, salt)
 
 if TYPE_CHECKING:
     from .unixpeer import ServerIdentity
@@ -53,34 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["AREA_BYTES", "BEAT_AT", "BEAT_SECONDS", "BITS", "HEADER", "HEADER_AT", "LIVE_SECONDS",
            "MAGIC", "MIX", "PresenceMap", "bucket", "salt"]
 
-HEADER_AT = 32                       # in the region's 4 KiB header (after magic, token)
-HEADER = struct.Struct("<8sQIId")    # magic, area offset, bits, 0, heartbeat
-BEAT_AT = HEADER_AT + 24             # the heartbeat's offset
-MAGIC = b"kvpres01"
-# 4 Mi counters: with 100k pages stored (a 100 GiB pool of 1 MiB pages) 2.4% of misses
-# still ask the server; with 1M, 21%.
-BITS = 22
-AREA_BYTES = 1 << BITS
-BEAT_SECONDS = 0.5
-LIVE_SECONDS = 2.0
-MIX = 0x9E3779B97F4A7C15             # 2**64 / golden ratio, odd
-_MASK = (1 << 64) - 1
 _PAGE = 4096
-
-
-def salt(layout_id: bytes) -> int:
-    """A layout's salt: the first 8 bytes of the id the client sends (never scoped)."""
-    return int.from_bytes(layout_id[:8], sys.byteorder)
-
-
-def bucket(layout_salt: int, key: bytes, bits: int = BITS) -> int:
-    """The counter of one key (the module docstring's formula)."""
-    acc = layout_salt
-    if len(key) % 8:
-        key = key + bytes(8 - len(key) % 8)
-    for i in range(0, len(key), 8):
-        acc = ((acc ^ int.from_bytes(key[i:i + 8], sys.byteorder)) * MIX) & _MASK
-    return acc >> (64 - bits)
 
 
 class PresenceMap:

@@ -16,13 +16,13 @@ from typing import Any, TypeVar
 
 import grpc
 
-from ._proto.kvstore.v1 import admin_pb2 as apb
-from ._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore_protocol._proto.kvstore.v1 import admin_pb2 as apb
+from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
 from .errors import Reason, from_rpc_error, reason_of
 from .handles import LayoutHandle
-from .keys import Packed, pack_keys
+from kvstore_protocol.keys import Packed, pack_keys
 from .lookup_stream import LookupStream
-from .wire import GET_DATA_TAG, unframe
+from kvstore_protocol.grpc_frames import GET_DATA_TAG, unframe
 
 __all__ = ["RETRY_CODES", "Rpc", "packed"]
 
@@ -41,7 +41,7 @@ def _get_deserializer(message: bytes):
 
 
 def packed(keys) -> pb.PackedKeys:
-    """Keys for the wire; a Packed (kvstore_client.keys) passes through without the
+    """Keys for the wire; a Packed (kvstore_protocol.keys) passes through without the
     per-key checks, which cost ~0.3 ms for 4,096 keys."""
     if isinstance(keys, Packed):
         return pb.PackedKeys(data=keys.data, key_size=keys.size)

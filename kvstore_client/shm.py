@@ -26,21 +26,18 @@ from typing import TYPE_CHECKING, cast
 from collections.abc import Callable, Iterator
 
 import numpy as np
-import xxhash
+
+from kvstore_protocol.region import HANDOUT_MAGIC, TOKEN_BYTES, region_id
 
 from .unixpeer import ServerIdentity, UntrustedSocket, check_path, check_peer
 
 if TYPE_CHECKING:
-    from .client import LayoutHandle
+    from .handles import LayoutHandle
 
 __all__ = ["SharedRegion", "Reservation", "Acquired", "copy_layer", "copy_pages", "open_pool",
            "region_id"]
 
-TOKEN_BYTES = 16
 PAGE = 4096
-# A server whose pool is a sealed memfd (--shm-group) gives out its path as a Unix socket
-# that sends this, with the descriptor (kvstore_server/handout.py says why).
-HANDOUT_MAGIC = b"kvstore-handout1"
 
 
 def copy_pages(pages: np.ndarray, mem: np.ndarray, offsets: np.ndarray, *,
@@ -99,13 +96,6 @@ def _runs(offsets: np.ndarray, page_bytes: int, join: bool = True
                 j += 1
         yield i, j, offs[i]
         i = j
-
-
-def region_id(token: bytes) -> int:
-    """A public name of the region whose secret token this is: what a lookup's pins
-    (fastwire.PINS) say their offsets belong to. A hash, so that saying it over any
-    connection gives nobody the token that proves a mapping."""
-    return xxhash.xxh3_64_intdigest(b"kvstore.region.v1" + token)
 
 
 class SharedRegion:

@@ -36,7 +36,7 @@ import typing
 import grpc
 import numpy as np
 
-from .errors import Reason
+from .reasons import Reason
 from .keys import MAX_KEY_BYTES
 
 __all__ = [
@@ -109,7 +109,7 @@ PINS = 1
 MISSED = 2
 
 
-# An error answer's flags: why it failed where the client must react (errors.Reason): it
+# An error answer's flags: why it failed where the client must react (reasons.Reason): it
 # branches on these, never on the message, which is for people and may be reworded. 0 = no
 # reason; a number this end does not know reads as none. Version 3 added them: a version 2
 # server answered errors with flags 0, so its client matched message text instead.

@@ -9,8 +9,8 @@ from typing import Any
 
 import grpc
 
-from kvstore_client._proto.kvstore.v1 import admin_pb2 as apb
-from kvstore_client.convert import layout_to_proto
+from kvstore_protocol._proto.kvstore.v1 import admin_pb2 as apb
+from kvstore_protocol.convert import layout_to_proto
 
 from . import __version__
 from .auth import ANONYMOUS, Authenticator, Role

@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterable
 
 import grpc
 
-from kvstore_client.units import format_size, parse_size
+from kvstore_protocol.units import format_size, parse_size
 
 from .config import ConfigError, read_toml
 from .errors import Outcome, StoreError

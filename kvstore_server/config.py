@@ -12,7 +12,7 @@ import os
 import stat
 import sys
 
-from kvstore_client.units import parse_duration, parse_size
+from kvstore_protocol.units import parse_duration, parse_size
 
 from . import __version__
 from .far.settings import from_config

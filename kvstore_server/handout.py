@@ -19,7 +19,7 @@ import socket
 import threading
 
 # The client's side (kvstore_client.shm) receives what this sends: the magic, the fd.
-from kvstore_client.shm import HANDOUT_MAGIC as MAGIC
+from kvstore_protocol.region import HANDOUT_MAGIC as MAGIC
 
 __all__ = ["Handout"]
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvstore_client.layout import PageLayout
+from kvstore_protocol.layout import PageLayout
 
 from .errors import Outcome, Reason, StoreError
 from .index import KeyIndex

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvstore_client.keys import MAX_KEY_BYTES, Packed
+from kvstore_protocol.keys import MAX_KEY_BYTES, Packed
 
 from .errors import Outcome, StoreError
 

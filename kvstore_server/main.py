@@ -35,8 +35,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvstore_client._proto.kvstore.v1 import admin_pb2, kvstore_pb2
-from kvstore_client.wire import CHANNEL_OPTIONS
+from kvstore_protocol._proto.kvstore.v1 import admin_pb2, kvstore_pb2
+from kvstore_protocol.grpc_frames import CHANNEL_OPTIONS
 
 from . import __version__
 from .admin_service import AdminService, add_admin_service
@@ -49,8 +49,8 @@ from .disk import DiskTier
 from .eviction import load_policy
 from .far import wiring as far_wiring
 from .limits import RequestLimits, request_message_bytes
-from kvstore_client.malloc import keep_freed_buffers, limit_arenas
-from kvstore_client.presence import BEAT_SECONDS
+from kvstore_protocol.malloc import keep_freed_buffers, limit_arenas
+from kvstore_protocol.presence_map import BEAT_SECONDS
 from .metrics import Metrics
 from .preflight import check_host
 from .region import Progress, Region, region_bytes, remove_own, remove_stale
@@ -62,7 +62,7 @@ from .startup import (EXIT_CANNOT_START, EXIT_PORT_TAKEN, PortTaken, bind_grpc, 
 from .store import Store
 from .tier import TierChain
 from .watchdog import StreamWatchdog
-from kvstore_client.units import format_size
+from kvstore_protocol.units import format_size
 
 __all__ = ["Server", "main"]
 
@@ -321,7 +321,7 @@ class Server:
 
     def _beat(self) -> None:
         # Same-host clients trust the presence map only while this beats
-        # (kvstore_client.presence.LIVE_SECONDS).
+        # (kvstore_protocol.presence_map.LIVE_SECONDS).
         presence = self.store.presence
         while presence is not None and not self._stopping.wait(BEAT_SECONDS):
             presence.beat()

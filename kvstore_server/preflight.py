@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from kvstore_client.units import format_size
+from kvstore_protocol.units import format_size
 
 from .auth import Authenticator
 from .config import ConfigError, ServerConfig

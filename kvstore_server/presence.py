@@ -1,6 +1,6 @@
 """The presence map: counters in the shared region of which keys DRAM holds, so that a client
-on this host answers a miss without a round trip (kvstore_client.presence says why, and
-holds the layout and the bucket formula both ends share).
+on this host answers a miss without a round trip (kvstore_client.presence says why;
+kvstore_protocol.presence_map holds the layout and the bucket formula both ends share).
 
 The store's KeyIndex tells every key that becomes READY or leaves (KeyIndex.watch); this
 module turns those batches into buckets and counts them, under the store's lock (the
@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvstore_client.presence import (AREA_BYTES, BEAT_AT, BITS, HEADER, HEADER_AT, MAGIC,
-                                     MIX, salt)
+from kvstore_protocol.presence_map import (AREA_BYTES, BEAT_AT, BITS, HEADER, HEADER_AT, MAGIC,
+                                           MIX, salt)
 
 __all__ = ["AREA_BYTES", "Presence"]
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvstore_client.units import format_size
+from kvstore_protocol.units import format_size
 
 from .errors import Outcome, StoreError
 from .eviction import EvictionPolicy, Sizes, quota_victims

@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvstore_protocol.region import HEADER_BYTES, MAGIC, TOKEN_BYTES, TOKEN_OFFSET
+
 from .handout import Handout
 from .presence import AREA_BYTES
 
@@ -39,20 +41,9 @@ log = logging.getLogger(__name__)
 # process that listens against Attach's uid and gid before they take the descriptor
 # (kvstore_client.unixpeer).
 #
-# The first 4 KiB are a header; pages start after it, and the presence map's counters
-# (kvstore_server.presence, 4 MiB) take the region's end when the server keeps one:
-#
-#     0              16             32              64         4096            end - 4 MiB
-#     | magic (16 B) | token (16 B) | presence (32 B) | zero ... | pool slots ... | counters |
-#
-# The token is random per region. A client proves it mapped this very region (so it is
-# on this host and may read the file) by sending the token back with every data-plane
-# call; a restarted server has a new token, so a stale mapping is refused, never read.
+# The region's header (magic, token, the presence map's place) is a format clients read:
+# kvstore_protocol.region draws it and holds its constants.
 _PAGE = 4096
-HEADER_BYTES = _PAGE
-MAGIC = b"kvstore-region\x00\x01"
-TOKEN_OFFSET = 16
-TOKEN_BYTES = 16
 HANDOUT_NAME = "pool.sock"   # the --shm-group hand-out socket's name in the folder
 _STEP = 256 << 20           # allocation and pre-fault step: ~0.1-0.5 s of work
 _HUGE = 2 << 20

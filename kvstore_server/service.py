@@ -7,7 +7,7 @@ Every call acts for one tenant (auth.py): the layout ids a client sends are its 
 are scoped to its tenant here before the store sees them (tenants.py); lease ids are
 checked against the tenant that took them.
 
-Bulk bytes bypass protobuf objects (see kvstore_client.wire): Put's data messages are
+Bulk bytes bypass protobuf objects (see kvstore_protocol.grpc_frames): Put's data messages are
 read as memoryviews of the received buffer and Get's chunks are framed straight from
 the pool, one copy each way.
 """
@@ -24,10 +24,10 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 
-from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore_client.convert import layout_from_proto
-from kvstore_client.keys import Packed
-from kvstore_client.wire import GET_DATA_TAG, PUT_DATA_TAG, frame, unframe
+from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore_protocol.convert import layout_from_proto
+from kvstore_protocol.keys import Packed
+from kvstore_protocol.grpc_frames import GET_DATA_TAG, PUT_DATA_TAG, frame, unframe
 
 from .access import caller_layout, check_region_token, may_map
 from .auth import ANONYMOUS, Authenticator, Principal

@@ -10,7 +10,7 @@ import time
 
 import grpc
 
-from kvstore_client.units import format_size
+from kvstore_protocol.units import format_size
 
 from .config import ConfigError, ServerConfig
 from .preflight import check_host

@@ -36,8 +36,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvstore_client.keys import Packed
-from kvstore_client.layout import PageLayout
+from kvstore_protocol.keys import Packed
+from kvstore_protocol.layout import PageLayout
 
 from .errors import Outcome, Reason, StoreError
 from .eviction import PolicyFactory, make_policy

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvstore_client.keys import MAX_KEY_BYTES, Packed
+from kvstore_protocol.keys import MAX_KEY_BYTES, Packed
 
 from .errors import Outcome, Reason, StoreError
 from .far.records import LayoutRecord, Scope

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvstore_client.keys import Packed
+from kvstore_protocol.keys import Packed
 
 from .layouts import LayoutInfo
 from .leases import FOREVER

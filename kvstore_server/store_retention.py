@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvstore_client.keys import Packed
+from kvstore_protocol.keys import Packed
 
 from .errors import Outcome, StoreError
 from .layouts import LayoutInfo

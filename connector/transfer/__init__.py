@@ -35,7 +35,7 @@ Lifecycle (one KVTransfer per worker, used from the engine's thread; not thread-
 `block_ids` is (pages, k) int64: page p's tokens [j*block_size, (j+1)*block_size) live in
 engine block block_ids[p, j]; page_tokens = k * block_size. A page in host memory is
 num_layers slabs back to back, a slab [kv_factor, page_tokens, kv_heads, head_size]
-contiguous (kvstore_client.layout.PageLayout); the caches are kv5 views
+contiguous (kvstore_protocol.layout.PageLayout); the caches are kv5 views
 [kv_factor, blocks, block_size, kv_heads, head_size] (connector.kvviews).
 
 How a layer moves, and why (H200, PCIe Gen5 x16; DESIGN.md "Measured limits"):

@@ -2,7 +2,7 @@
 
 server.py listens (TCP, and a Unix socket in a folder of its own: unixsock.py),
 connection.py serves one connection, ops.py holds the calls, io.py the socket I/O.
-The wire format itself lives in kvstore_client.fastwire, which both ends import.
+The wire format itself lives in kvstore_protocol.fastwire, which both ends import.
 """
 
 from .server import FastPathServer

@@ -37,8 +37,8 @@ from collections.abc import Callable
 
 import grpc
 
-from kvstore_client import fastwire as fw
-from kvstore_client.keys import KeyError_
+from kvstore_protocol import fastwire as fw
+from kvstore_protocol.keys import KeyError_
 
 from ..auth import ANONYMOUS, Authenticator, Principal, Role, token_digest
 from ..errors import Outcome, StoreError

@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from kvstore_client import fastwire as fw
-from kvstore_client.keys import Packed
-from kvstore_client.shm import region_id
+from kvstore_protocol import fastwire as fw
+from kvstore_protocol.keys import Packed
+from kvstore_protocol.region import region_id
 
 from ..access import caller_layout, check_region_token, may_map
 from ..auth import Principal

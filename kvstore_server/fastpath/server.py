@@ -25,7 +25,7 @@ import time
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvstore_client import fastwire as fw
+from kvstore_protocol import fastwire as fw
 
 from ..auth import Authenticator
 from ..limits import RequestLimits

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from connector.config import ConnectorConfig
-from kvstore_client.units import parse_duration, parse_size
+from kvstore_protocol.units import parse_duration, parse_size
 from kvstore_server.auth import parse_auth_file
 from kvstore_server.config import load_config
 

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from kvstore_testing.serverproc import ServerProcess, free_port
 
 from kvstore_client import KVStoreClient, PageLayout
-from kvstore_client import fastwire as fw
+from kvstore_protocol import fastwire as fw
 
 SCALE = float(os.environ.get("KVSTORE_FUZZ_SCALE", "1"))
 FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=False,

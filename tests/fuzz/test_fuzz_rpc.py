@@ -38,10 +38,10 @@ from hypothesis import strategies as st
 
 from kvstore_testing.serverproc import ServerProcess
 from kvstore_client import PageLayout
-from kvstore_client._proto.kvstore.v1 import admin_pb2 as apb
-from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore_client.convert import layout_to_proto
-from kvstore_client.wire import CHANNEL_OPTIONS
+from kvstore_protocol._proto.kvstore.v1 import admin_pb2 as apb
+from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore_protocol.convert import layout_to_proto
+from kvstore_protocol.grpc_frames import CHANNEL_OPTIONS
 
 C = grpc.StatusCode
 DOCUMENTED = frozenset({C.OK, C.INVALID_ARGUMENT, C.NOT_FOUND, C.RESOURCE_EXHAUSTED,

@@ -19,7 +19,7 @@ from kvstore_testing.serverproc import ServerProcess, free_port
 from kvstore_connector.config import ConnectorConfig, LookupMode
 from kvstore_connector.scheduler import SchedulerHalf
 from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
-from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client.channel import open_channel
 from kvstore_server.tenants import scoped_layout_id
 from tests.waiting import wait_for

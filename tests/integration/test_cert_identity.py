@@ -17,7 +17,7 @@ import pytest
 from kvstore_testing.serverproc import ServerProcess, free_port
 
 from kvstore_client import KVStoreClient, KVStoreError
-from kvstore_client import fastwire as fw
+from kvstore_protocol import fastwire as fw
 from kvstore_client.fastpath import FastPath
 
 from .test_fastpath import (

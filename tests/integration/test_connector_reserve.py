@@ -176,7 +176,7 @@ def test_a_reserve_that_fails_saves_nothing_raises_nothing_and_costs_one_timeout
         else:
             srv.start()
             # A new client shares the killed server's connection and its reconnect
-            # backoff (up to 1 s: kvstore_client.wire), longer than its own retries.
+            # backoff (up to 1 s: kvstore_protocol.grpc_frames), longer than its own retries.
             wait_for(lambda: answers(srv.address), "the restarted store to answer",
                      timeout=5)
     # One timeout; a killed store also the client's retries on UNAVAILABLE (backoff

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
-from kvstore_client._proto.kvstore.v1 import admin_pb2 as apb
-from kvstore_client._proto.kvstore.v1 import admin_pb2_grpc
-from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore_client._proto.kvstore.v1 import kvstore_pb2_grpc
-from kvstore_client.convert import layout_to_proto
+from kvstore_protocol._proto.kvstore.v1 import admin_pb2 as apb
+from kvstore_protocol._proto.kvstore.v1 import admin_pb2_grpc
+from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2_grpc
+from kvstore_protocol.convert import layout_to_proto
 from tests.waiting import wait_for
 
 LAYOUT = PageLayout(model="err", num_layers=2, page_tokens=4, num_kv_heads=2, head_size=16,

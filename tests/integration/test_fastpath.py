@@ -1,7 +1,7 @@
 """The fast path beside gRPC against a real kvstore-server: bytes, auth, bounds, faults.
 
 Every page that comes back is compared byte for byte with what went in. The raw frames
-here are built with kvstore_client.fastwire, so a test can send what no client would.
+here are built with kvstore_protocol.fastwire, so a test can send what no client would.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 from kvstore_testing.serverproc import ServerProcess, free_port, sigstop
 
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
-from kvstore_client import fastwire as fw
+from kvstore_protocol import fastwire as fw
 from kvstore_client.fastpath import FastPath, FastPathUnavailable
 from tests.waiting import wait_for
 
@@ -512,8 +512,8 @@ def test_the_same_request_limits_as_grpc(fresh_server):
     are refused, with the same status and message (kvstore_server/limits.py)."""
     import grpc
 
-    from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
-    from kvstore_client._proto.kvstore.v1 import kvstore_pb2_grpc
+    from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
+    from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2_grpc
     srv = fresh_server(max_keys_per_request=1000, dram="64MiB")
     with KVStoreClient(srv.address, data_plane=False) as c:
         ns = c.register_layout(LAYOUTS["1MiB"])

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvstore_client import KVStoreClient                                  # noqa: E402
-from kvstore_client.shm import region_id                                  # noqa: E402
+from kvstore_protocol.region import region_id                                  # noqa: E402
 from kvstore_connector.config import LoadMode, SavePolicy                 # noqa: E402
 from tests.waiting import wait_for                                        # noqa: E402
 

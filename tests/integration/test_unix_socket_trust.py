@@ -32,9 +32,9 @@ from kvstore_testing.serverproc import ServerProcess, free_port_pair
 
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
 from kvstore_client import dataplane
-from kvstore_client import fastwire as fw
+from kvstore_protocol import fastwire as fw
 from kvstore_client import attach, presence
-from kvstore_client.shm import HANDOUT_MAGIC
+from kvstore_protocol.region import HANDOUT_MAGIC
 from kvstore_client.unixpeer import ServerIdentity, UntrustedSocket, check_peer
 from tests.waiting import wait_for
 

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvstore_client.layout import PageLayout
+from kvstore_protocol.layout import PageLayout
 from kvstore_server.auth import Authenticator, Principal, Role, parse_auth_file
 from kvstore_server.config import ConfigError, is_loopback, load_config
 from kvstore_server.errors import Outcome, StoreError

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvstore_client.layout import PageLayout
+from kvstore_protocol.layout import PageLayout
 from kvstore_server.config import load_config
 from kvstore_server.disk import DiskTier
 from kvstore_server.eviction import EvictionPolicy, load_policy

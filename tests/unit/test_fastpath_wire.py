@@ -1,4 +1,4 @@
-"""The fast path's wire format (kvstore_client.fastwire): headers, bounds, keys."""
+"""The fast path's wire format (kvstore_protocol.fastwire): headers, bounds, keys."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvstore_client import fastwire as fw
+from kvstore_protocol import fastwire as fw
 from kvstore_client.errors import Reason
 from kvstore_server.config import ConfigError, data_address, load_config
 from kvstore_server.fastpath.io import IOV_BATCH, SEND_BYTES, runs, send_views

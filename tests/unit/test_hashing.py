@@ -13,7 +13,7 @@ import pytest
 import xxhash
 
 from kvstore_connector.hashing import KEY_BYTES, page_keys
-from kvstore_client.layout import PageLayout
+from kvstore_protocol.layout import PageLayout
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SEED = bytes(range(16))
@@ -177,7 +177,7 @@ def test_keys_do_not_depend_on_hash_seed_or_process():
     ids = random_tokens(200)
     script = (
         "import sys; from kvstore_connector.hashing import page_keys;"
-        "from kvstore_client.layout import PageLayout;"
+        "from kvstore_protocol.layout import PageLayout;"
         "seed = PageLayout(model='m', num_layers=2, page_tokens=16, num_kv_heads=2,"
         " head_size=64).chain_seed;"
         "ids = [int(t) for t in sys.argv[1].split(',')];"

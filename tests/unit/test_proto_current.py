@@ -17,8 +17,8 @@ def test_generated_code_is_current():
 
 
 def test_wire_framing_matches_protobuf():
-    from kvstore_client._proto.kvstore.v1 import kvstore_pb2 as pb
-    from kvstore_client.wire import GET_DATA_TAG, PUT_DATA_TAG, frame, unframe
+    from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
+    from kvstore_protocol.grpc_frames import GET_DATA_TAG, PUT_DATA_TAG, frame, unframe
 
     for size in (0, 1, 127, 128, 300, 1 << 20):
         payload = bytes(range(256)) * (size // 256) + b"x" * (size % 256)

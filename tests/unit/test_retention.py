@@ -5,8 +5,8 @@ test_retention.py runs the same against a real server."""
 import numpy as np
 import pytest
 
-from kvstore_client.keys import Packed
-from kvstore_client.layout import PageLayout
+from kvstore_protocol.keys import Packed
+from kvstore_protocol.layout import PageLayout
 from kvstore_server.errors import StoreError
 from kvstore_server.region import Region
 from kvstore_server.retention import RetentionLimits

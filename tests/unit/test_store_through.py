@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvstore_client.layout import PageLayout
+from kvstore_protocol.layout import PageLayout
 from kvstore_server.region import Region
 from kvstore_server.store import Store
 from kvstore_server.tier import NullTier

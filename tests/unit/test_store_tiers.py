@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from kvstore_client.layout import PageLayout
+from kvstore_protocol.layout import PageLayout
 from kvstore_server.disk import DiskTier
 from kvstore_server.tier import NullTier
 from kvstore_server.errors import Outcome, StoreError
@@ -62,7 +62,7 @@ def dram_pages(store, info, ks) -> int:
 
 
 def store_keys(ks):
-    from kvstore_client.keys import Packed
+    from kvstore_protocol.keys import Packed
     return Packed.of(ks)
 
 

@@ -100,7 +100,7 @@ def test_delete_counts_a_page_once_and_forgets_it_everywhere(tiers):
 
 
 def test_a_store_over_a_chain_spills_to_the_top_and_promotes_from_below(tiers):
-    from kvstore_client.layout import PageLayout
+    from kvstore_protocol.layout import PageLayout
     from kvstore_server.region import Region
     from kvstore_server.store import Store
 

@@ -81,7 +81,7 @@ class CheckingModel:
     def expected_page(self, req_id: str, first: int, page_tokens: int, num_layers: int
                       ) -> np.ndarray:
         """The bytes the store should hold for the page at token `first`: layer-major
-        slabs [K/V, page_tokens, heads, head_size] (kvstore_client.layout)."""
+        slabs [K/V, page_tokens, heads, head_size] (kvstore_protocol.layout)."""
         positions = np.arange(first, first + page_tokens)
         slabs = []
         for layer in range(num_layers):
