@@ -166,8 +166,8 @@ class SchedulerHalf:
             return 0
         # Asked up to the last full page: one past `usable` when the prompt ends on a page
         # boundary. Held too, that page is not saved again after its compute: a Reserve
-        # that would find it stored, a round trip (0.3-0.7 ms on the H200 host) on every
-        # such hit. Its lease pins one page more until the load's outcome is known.
+        # that would find it stored, a round trip on every such hit. Its lease pins one
+        # page more until the load's outcome is known.
         pages = len(tokens) // t
         if prefetch:
             return self._hit_prefetched(req_id, state, tokens, pages, usable)
@@ -259,9 +259,8 @@ class SchedulerHalf:
     def _hit_inline(self, state: RequestState, tokens, pages: int, usable: int) -> int:
         """A prefetch-mode lookup made on the caller's thread: the worker has nothing to
         do, and this step has not spent its lookup_wait_ms. Handing a lone request to the
-        worker and waiting for its answer cost two thread wake-ups: in the 8B e2e bench on
-        the H200 host a hit's lookup took 0.73-3.89 ms so against 0.49-0.81 ms made on the
-        loop (medians of 3, two runs each, 256 and 1,024 tokens); a burst still goes to the
+        worker and waiting for its answer cost two thread wake-ups, which made a short
+        hit's lookup slower than one made on the loop; a burst still goes to the
         worker once the step's lookup_wait_ms is spent. The client's lease lanes take one
         call at a time, so a release the worker sends meanwhile only queues behind it."""
         began = time.perf_counter()

@@ -269,10 +269,9 @@ class WorkerHalf:
         # The step's Reserve, asked for in bind, runs beside the Acquire (on a lane of
         # its own); its answer is taken here, once the loads are launched, before the
         # forward. Left to the save hooks during the forward instead (likely contending
-        # for the GIL with the forward's launches; not measured directly), the 1k-token
-        # hit took 11.8, 15.4 and 16.2 ms in three e2e runs against 11.1-12.0 taken
-        # here (H200, 8B). A store that does not answer costs the step one timeout: the
-        # Acquire and the Reserve wait for it side by side.
+        # for the GIL with the forward's launches), a short hit was slower in e2e runs.
+        # A store that does not answer costs the step one timeout: the Acquire and the
+        # Reserve wait for it side by side.
         try:
             self._start_loads(meta)
         finally:
@@ -573,13 +572,10 @@ class WorkerHalf:
         _SAVE_LEAD_HOOKS hooks behind the host: then the layer waits for a later hook (or
         the end of the step), as the host work of a save (taking the Reserve's answer, a
         first plan, a piece's launches) would hold the next layer's launch back.
-        In a torch.profiler trace of an 8B 1,024-token miss on the H200, a lead of one hook
-        still left the forward's stream idle 0.6-1.1 ms at the first save (the host spent
-        1.6 ms between two layers' launches there). Miss+save against recompute, one
-        interleaved run of 8 rounds, medians, for a lead of 1 / 2 / 3 hooks: 256 tokens
-        1.167 / 1.132 / 1.118, 1,024 tokens 1.056 / 1.045 / 1.048, 4,096 tokens
-        1.004 / 0.999 / 1.006. Held layers go out together at a later hook, so a deeper
-        lead costs no copy time, only a later start.
+        A lead of one hook still left the forward's stream idle at the first save in a
+        profiler trace of a short miss; a deeper lead made short misses cheaper against a
+        recompute. Held layers go out together at a later hook, so a deeper lead costs no
+        copy time, only a later start.
         transfer.save_layer orders a copy after the engine's stream as it is at the copy's
         launch, past the layer's compute, and a layer's KV is not rewritten within a step."""
         if not self._saves.step and not self._reserving.pending:

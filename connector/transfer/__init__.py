@@ -38,50 +38,36 @@ num_layers slabs back to back, a slab [kv_factor, page_tokens, kv_heads, head_si
 contiguous (kvstore_protocol.layout.PageLayout); the caches are kv5 views
 [kv_factor, blocks, block_size, kv_heads, head_size] (connector.kvviews).
 
-How a layer moves, and why (H200, PCIe Gen5 x16; DESIGN.md "Measured limits"):
+How a layer moves, and why (docs/connector.md has the measurements):
 a layer's slabs of P pages sit at P scattered places in the pool (page p's slab at
 offsets[p] + l * layer_bytes), 64 KiB each for an 8B-shaped 16-token page. One cudaMemcpy
-per slab runs at ~11 GB/s at that size; a pinned staging copy needs the slabs contiguous
-in host memory first (a CPU gather, no faster than memcpy). So the GPU path is one Triton
+per slab is slow at that size, and a pinned staging copy needs the slabs contiguous in
+host memory first (a CPU gather, no faster than memcpy). So the GPU path is one Triton
 kernel per layer that reads the registered pool directly through its UVA address and
 writes each head straight into its engine block (for saves the reverse: reads the blocks,
-writes the pool) -- no staging buffer, no CPU copy, one launch per layer. Measured on
-the H200 by bench/load_bench.py (8B shape, vLLM 0.33 4D caches, random block ids, host
-wall-clock medians of 5 including launches, against one pinned cudaMemcpy of the bytes):
+writes the pool) -- no staging buffer, no CPU copy, one launch per layer
+(CopyMethod.KERNEL).
 
-    tokens  bytes     load GB/s  of H2D    save GB/s  of D2H
-    1k      128 MiB   44.0       80%       46.4       84%
-    4k      512 MiB   49.0       89%       49.6       90%
-    16k     2 GiB     50.3       91%       51.4       93%
-    32k     4 GiB     50.6       91%       52.0       94%      (H2D 55.1-55.5, D2H 55.0-55.3)
-    CopyMethod.COPIES at 16k: load 8.6, save 8.2 (one cudaMemcpy per 64 KiB slab)
-
-The ~9% left on loads is the SMs' own PCIe reads against the copy engine's DMA (DESIGN.md
-measured the same kernel idea at 51.3 of 55.5 on contiguous pages). The kernel is capped
-at a number of persistent programs: 32 for saves and for loads of rows of 256 bytes or
-more, more for shorter rows, whose reads move less a program (kernel.load_ctas). Few as
-they are, they hold their SMs for as long as the bytes take on PCIe, and the model's GEMMs
-(persistent kernels that want every SM) wait behind them: a copy by the kernel does not
-overlap the forward (core._DMA_SAVE_MIN_RUN has the trace).
+What the kernel leaves on loads is the SMs' own PCIe reads against the copy engine's
+DMA. The kernel is capped at a number of persistent programs: 32 for saves and for loads
+of rows of 256 bytes or more, more for shorter rows, whose reads move less a program
+(kernel.load_ctas). Few as they are, they hold their SMs for as long as the bytes take on
+PCIe, and the model's GEMMs (persistent kernels that want every SM) wait behind them: a
+copy by the kernel does not overlap the forward (core._DMA_SAVE_MIN_RUN).
 
 So a load whose pages lie in runs of adjacent slots (the usual case: a request's pages
 are reserved together) and whose layers reach 4 MiB goes by the copy engine instead
 (CopyMethod.DMA), in pieces of ~8 MiB: per piece, one cudaMemcpy2DAsync per run (rows of
 the piece's layers of one page, back to back in the pool; pitch page_bytes) into a device
 staging buffer, then the same kernel scatters the buffer into the blocks, device to
-device, on a second stream while the next piece copies. Same bench, same run, H200:
-
-    tokens  load GB/s  of H2D    (kernel alone at 16k: 50.1 GB/s)
-    1k      45.8       83%
-    4k      51.7       94%
-    16k     53.9       97%
-    32k     54.4       98%
+device, on a second stream while the next piece copies. At 16k tokens of the 8B preset a
+load so reaches 98% of a pinned cudaMemcpy (docs/perf/load-e21a8ae119.json).
 
 Saves of layers of 4 MiB and up whose pages lie in runs go the same way in reverse, in
 pieces of ~8 MiB launched as their layers are computed: the kernel gathers a piece's
 layers into a device staging buffer (microseconds, device to device), and a 2D copy per
 run writes it to the pool, so the bytes cross PCIe without holding the SMs the forward is
-using (core._DMA_SAVE_MIN_RUN has the figures that set when).
+using (core._DMA_SAVE_MIN_RUN says when).
 
 On CPU tensors (CI) and with CopyMethod.COPIES the same API runs torch copies: per
 slab `copy_` into a staging tensor and one indexed write per layer (and the reverse);

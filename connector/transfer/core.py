@@ -18,69 +18,50 @@ from .uploads import IndexUploads
 
 __all__ = ["KVTransfer"]
 
-# When a load goes by the copy engine (dma.py). A lone 64 KiB slab copies at ~11.5 GB/s,
-# so only when the load's pages form runs of at least this many on average ...
+# When a load goes by the copy engine (dma.py): only when its pages form runs of at least
+# this many on average (a lone 64 KiB slab copies too slowly by DMA to pay for it) ...
 _DMA_MIN_RUN = 8
-# ... and only when a layer of the load is this large. The DMA path costs the host a 2D copy
-# per run, a scatter launch and events per piece (_DMA_LOAD_PIECE_BYTES). One layer a
-# piece, a 1,024-token load of the 8B preset (4 MiB a layer) reached 94% of a pinned copy
-# on the device but 42% timed on the host. In pieces of ~8 MiB, `kvstore-bench load` on the
-# H200 (one run, medians of 7): 1,024 tokens 90% by DMA from 4 MiB a layer against 77% by
-# the kernel (three later runs by DMA: 80-85%); 16k and 32k tokens 96% and 97-99% either way.
+# ... and only when a layer of the load is this large: the DMA path costs the host a 2D
+# copy per run, a scatter launch and events per piece (_DMA_LOAD_PIECE_BYTES), which a
+# short load does not earn back. At 1,024 tokens of the 8B preset (4 MiB a layer) a load
+# reaches 92% of a pinned copy (docs/perf/load-e21a8ae119.json).
 _DMA_MIN_LAYER_BYTES = 4 << 20
-# ... and only for rows of at least this many bytes. The 1B preset's 128-byte rows (32 KiB
-# layer slabs) loaded 16k tokens at 39.0 GB/s by DMA against 45.7 by the kernel alone
-# (H200, `kvstore-bench load --layout 1b`, one run); the 8B's 256-byte rows 53.5 by DMA
-# against 50.5.
+# ... and only for rows of at least this many bytes: with the 1B preset's 128-byte rows the
+# kernel alone loads faster than DMA (docs/perf/load-e833749c3f.json measures that layout).
 _DMA_MIN_UNIT = 256
 # Saves go by the copy engine on CUDA when their pages form runs of this many on average
-# and a layer of the save is at least _DMA_SAVE_MIN_LAYER_BYTES (dma.DmaSaver says why). A
-# kernel save holds SMs for as long as its bytes take on PCIe, and the forward's GEMMs are
-# persistent kernels that want every SM: in a torch.profiler trace of an 8B 1,024-token
-# miss on the H200 the two saves by the kernel (1.3 ms each) made the forward's GPU span
-# 3.0 ms longer than a recompute's, where saves by DMA made it 1.3 ms longer (their D2H
-# copies on the copy engine, the gathers 14-56 us each). But a DMA piece costs the host
-# more, and a short prompt's forward is bound by the host. Interleaved runs (15 rounds,
-# miss+save / recompute of the same round, medians), by the kernel against by DMA: 1,024
-# tokens (4 MiB a layer) 1.10 against 1.06, 1.12 against 1.06 and 1.10 against 1.04 in
-# three runs; 4,096 tokens 1.004 against 1.003, 1.04 against 1.01 and 1.04 against 1.01;
-# 256 tokens (1 MiB) 1.14 against 1.13, 1.20 against 1.15 and 1.20 against 1.29: no clear
-# winner, so saves that short stay on the kernel.
+# and a layer of the save is at least _DMA_SAVE_MIN_LAYER_BYTES (dma.DmaSaver says why): a
+# kernel save holds SMs for as long as its bytes take on PCIe, while the forward's GEMMs
+# are persistent kernels that want every SM. But a DMA piece costs the host more, and a
+# short prompt's forward is bound by the host: below 4 MiB a layer neither path won
+# clearly in interleaved runs, so saves that short stay on the kernel.
 _DMA_SAVE_MIN_RUN = 4
 _DMA_SAVE_MIN_LAYER_BYTES = 4 << 20
 # A DMA save goes out in pieces of about this many bytes, each launched by the hook of its
 # last layer: the pieces' copies trail the forward by one piece, so the step's first token
-# (whose D2H copy queues behind them on the copy engine) waits for at most one. In the
-# trace above, pieces of 16 layers left 1.0 ms of copies after the forward's last layer.
-# Pieces cost the host (a gather, two events, a 2D copy each): at 1,024 tokens, 16 pieces,
-# the host enqueued the forward in 18.8 ms against 9.2 without saves (still well ahead of
-# the device's 30). Miss+save / recompute there, one interleaved run: pieces of 4, 8 and
-# 16 MiB 1.079, 1.064 and 1.067.
+# (whose D2H copy queues behind them on the copy engine) waits for at most one. Each piece
+# costs the host a gather, two events and a 2D copy, so smaller pieces trade host time for
+# a shorter tail.
 _DMA_SAVE_PIECE_BYTES = 8 << 20
 # Layers one kernel launch covers (loads and saves by the kernel): at least _GROUP, and
-# more while a launch would move under _LAUNCH_BYTES. Each launch costs ~40 us of host
-# time on the H200 host (plus its stream switch and event), as much as the bytes of a
-# layer of a short load need on PCIe, so launching per layer made short loads
-# launch-bound. A wait for layer l waits for its group: at most a launch's bytes more,
-# ~0.3 ms of PCIe, and loads large enough for a group to matter go by DMA, layer by
-# layer. On the H200, below ~3k tokens of the 8B preset a hit is bound by the host (the
-# engine's launches and the connector's calls), not by the copies: a 256-token hit's
-# 32 layer waits and 32 save hooks cost 1.8 ms of host time there (e2e --breakdown).
+# more while a launch would move under _LAUNCH_BYTES. A launch costs about as much host
+# time as a short load's layer needs on PCIe, so launching per layer made short loads
+# launch-bound. A wait for layer l waits for its group: at most a launch's bytes more, and
+# loads large enough for a group to matter go by DMA, layer by layer. Below a few thousand
+# tokens a hit is bound by the host (the engine's launches and the connector's calls), not
+# by the copies (the breakdown in docs/perf/e2e-ec25c98d81.json).
 _GROUP = 4
 _LAUNCH_BYTES = 16 << 20
 # Saves wait for nothing of theirs (the next step fences on them), so their launches may
-# be larger: a group is launched by its last layer's hook. An 8B 1,024-token miss spent
-# 2.03 ms of host time in its 32 save hooks with 16 MiB launches (H200, e2e --breakdown).
+# be larger: a group is launched by its last layer's hook.
 _SAVE_LAUNCH_BYTES = 64 << 20
 # Programs of a DMA load's scatter (staging -> blocks, on the device): 0 = one per tile.
 _SCATTER_CTAS = 0
 # A DMA load goes in pieces of about this many bytes: a piece's layers of a run of adjacent
 # pages in one 2D copy, scattered by one launch (each piece costs the host a 2D copy per
-# run, a launch and two events, ~0.1 ms on the H200 host). A layer's wait is for its piece.
-# Larger pieces cost fewer launches but hold the forward longer at its first layers: in
-# the 8B e2e bench's rounds (H200, medians of 6) 8 MiB pieces against 32 MiB gave hits of
-# 13.3 against 14.4 ms at 1,024 tokens and 15.6 against 20.9 ms at 4,096; `kvstore-bench
-# load` at 1,024 tokens gave 90% of a pinned copy with 8 MiB, 85% with 32 MiB (two runs).
+# run, a launch and two events). A layer's wait is for its piece. Larger pieces cost fewer
+# launches but hold the forward longer at its first layers; 8 MiB gave the faster hits of
+# the sizes tried at 1,024 and 4,096 tokens.
 _DMA_LOAD_PIECE_BYTES = 8 << 20
 # Programs of a DMA save's gather (blocks -> staging, on the device): 0 = one per tile, so
 # the gather is over in microseconds and holds no SM for long (see DmaSaver).
