@@ -4,8 +4,9 @@ An offset the server hands out (Reserve, Acquire) is valid only in the region th
 created: after a restart the same number points at another page, or past the end, of
 the old mapping. So the worker never keeps "the pool" of its own; it copies through the
 mapping each reservation or acquisition came with (kvstore_client.shm), and this table
-registers that mapping on its first use (cudaHostRegister costs 0.2-0.8 s per GiB:
-DESIGN.md, "Measured limits", so once per mapping, not per request).
+registers that mapping on its first use (cudaHostRegister pins every page of it, which
+takes time per GiB: docs/perf/load-e21a8ae119.json records it for an 11 GiB pool; so
+once per mapping, not per request).
 
 A restart leaves copies in flight on the old mapping (an async load, a save bound before
 the restart), so an old registration is closed only at a step boundary when no load or

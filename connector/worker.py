@@ -158,8 +158,8 @@ class SharedStore:
     """What the worker halves of one process share, made once for all of them: the
     client (its connections and its mapping of the store's pool), the pool mappings
     registered with CUDA, and the breaker (it is one store that answers or does not).
-    Each registration pins the whole pool again (cudaHostRegister, 0.2-0.8 s per GiB:
-    DESIGN.md), so a hybrid model's groups must not each make their own. Its owner
+    Each registration pins the whole pool again (cudaHostRegister takes time per GiB:
+    connector.hostmem), so a hybrid model's groups must not each make their own. Its owner
     (connector.groupworkers) closes it after every worker half that uses it."""
 
     client: KVStoreClient

@@ -1,6 +1,6 @@
 """The server's page pool, mapped into this process: the same-host data plane.
 
-Lifecycle of a put through shared memory (DESIGN.md, "Same-host data plane"):
+Lifecycle of a put through shared memory (docs/architecture.md, "Same-host data plane"):
 
     Reserve(keys) -> offsets of WRITING slots (keys already stored are skipped, -1)
     write the bytes at those offsets (a memcpy here, or a D2H copy from the GPU)

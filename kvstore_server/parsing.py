@@ -2,8 +2,8 @@
 
 gRPC Python answers INTERNAL ("Exception deserializing request!") when a request
 deserializer raises, and logs a traceback for every such request. INTERNAL means a
-server defect, and DESIGN.md promises every bad input a status that says what was
-wrong. So the deserializers made here never raise: bytes that do not parse become an
+server defect, and every bad input is promised a status that says what was wrong
+(docs/architecture.md, "Serving and running"). So the deserializers made here never raise: bytes that do not parse become an
 `Unparsed` placeholder, and `checked` (called by `service.guarded`, inside its mapping
 of exceptions to codes) turns it into `MalformedRequest`, a ValueError, hence
 INVALID_ARGUMENT with the parser's reason.

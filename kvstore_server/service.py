@@ -46,7 +46,7 @@ __all__ = ["KVStoreService", "add_kvstore_service", "guarded"]
 log = logging.getLogger(__name__)
 
 # About 1 MiB per streamed message: large enough that per-message overhead is small,
-# small enough that the first layer reaches the client early (DESIGN.md).
+# small enough that the first layer reaches the client early.
 CHUNK_BYTES = 1 << 20
 
 

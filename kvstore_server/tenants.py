@@ -1,6 +1,6 @@
 """Tenant namespaces: the store-side id of a tenant's layout.
 
-Layouts belong to a tenant (DESIGN.md, "Words"). The client names a layout by its own
+Layouts belong to a tenant (docs/architecture.md, "Words"). The client names a layout by its own
 `layout_id` (a hash of the PageLayout); the store keys it by
 
     scoped_layout_id(tenant, layout_id)

@@ -2,7 +2,7 @@
 
 Each host's server is a near cache (DRAM, then disk); the far tier below it is an
 existing cluster whose sharding, replication and failover are the cluster's, not ours
-(DESIGN.md, "Beyond one host"; docs/far.md says what it promises). A page's life there:
+(docs/far.md says why, and what it promises). A page's life there:
 
     put on host A --(--far-write through: on commit; evict: when it leaves A)-->
       WriteBehind.offer (bounded queue, drops when full) --> thread --> FarClient.put

@@ -14,7 +14,7 @@ of 5 interleaved runs of the median of 400 calls): three calls into glide's core
 hand-over to two threads, where the cluster batch made one. Why glide and not
 redis-py's cluster client: docs/far.md, "Choosing the client", has the figures.
 
-Failure, as DESIGN.md wants it ("a far tier that is slow or down means misses, never
+Failure, as docs/far.md promises it ("a slow or dead cluster means misses, never
 errors"): a master's batch that fails whole (timeout, no connection) answers its keys
 as misses and counts one error; a command that fails inside a batch (CLUSTERDOWN, MOVED
 after a failover) answers its keys as misses and counts one error each, and has the
