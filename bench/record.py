@@ -9,6 +9,8 @@ differently from a quiet one.
 
     kvstore-bench --record docs/perf shm --reps 5     # runs shm, prints as usual, records
     kvstore-bench report                              # docs/perf/*.json -> docs/performance.md
+                                                      # and the README's and docs/' figure
+                                                      # blocks (report_blocks.py)
 
 One record per (bench, machine, arguments): a later run of the same command on the same kind
 of machine replaces the earlier one.
@@ -179,17 +181,46 @@ def render(records: list[Record]) -> str:
     return "\n".join(lines)
 
 
+def _documents(root: str, records: list[Record], check: bool) -> list[str]:
+    """Fill the figure blocks of the documents under root (report_blocks.DOCS) from the
+    records; with check, only name the ones that are stale."""
+    from .report_blocks import DOCS, fill, stale_blocks
+
+    stale = []
+    for name in DOCS:
+        path = os.path.join(root, name)
+        with open(path) as f:
+            text = f.read()
+        if check:
+            stale += [f"{name} ({block})" for block in stale_blocks(text, records)]
+            continue
+        fresh = fill(text, records)
+        if fresh != text:
+            with open(path, "w") as f:
+                f.write(fresh)
+            print(f"wrote the figures in {name}")
+    return stale
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="kvstore-bench report",
-                                description="Render the benchmark records into one document.")
+                                description="Render the benchmark records into one document, "
+                                            "and the figure blocks of the README and docs/.")
     p.add_argument("--records", default=DEFAULT_DIR, help=f"default {DEFAULT_DIR}")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"default {DEFAULT_OUT}; - = stdout")
+    p.add_argument("--docs", metavar="ROOT", default=None,
+                   help="the repository root whose README and docs/ hold figure blocks "
+                        "(bench/report_blocks.py); default . with the default --records, "
+                        "else none")
     p.add_argument("--check", action="store_true",
-                   help="exit 1 if --out differs from what the records render")
+                   help="exit 1 if --out or a figure block differs from what the records "
+                        "render")
     args = p.parse_args(argv)
-    text = render(load_records(args.records))
+    records = load_records(args.records)
+    text = render(records)
+    docs = args.docs if args.docs is not None else "." if args.records == DEFAULT_DIR else ""
     if args.out == "-":
         sys.stdout.write(text)
         return 0
@@ -202,8 +233,14 @@ def main(argv: list[str] | None = None) -> int:
         if not same:
             print(f"{args.out} is not what `kvstore-bench report` renders from "
                   f"{args.records}: run it", file=sys.stderr)
-        return 0 if same else 1
+        stale = _documents(docs, records, check=True) if docs else []
+        if stale:
+            print(f"figure blocks not what `kvstore-bench report` renders from "
+                  f"{args.records}: {', '.join(stale)}: run it", file=sys.stderr)
+        return 0 if same and not stale else 1
     with open(args.out, "w") as f:
         f.write(text)
-    print(f"wrote {args.out} from {len(load_records(args.records))} records")
+    print(f"wrote {args.out} from {len(records)} records")
+    if docs:
+        _documents(docs, records, check=False)
     return 0

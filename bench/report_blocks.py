@@ -1,0 +1,192 @@
+"""Figures in the README and docs/, rendered from the records between markers.
+
+A document holds a figure as a block that `kvstore-bench report` fills from docs/perf/:
+
+    <!-- kvstore-bench report: NAME -->
+    ...what VIEWS[NAME] renders (never edited by hand)...
+    <!-- end -->
+
+so a figure in prose is always one a recorded run printed, with its machine and command
+beside it, and a new record changes the docs by `kvstore-bench report`, not by hand.
+A view picks lines of a record's output (Pick): a row of one of its tables, given by its
+first cells, with the columns named; or a line of text, given by how it starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+
+from .record import Record
+
+__all__ = ["DOCS", "VIEWS", "Pick", "Stale", "fill", "stale_blocks"]
+
+# The documents whose blocks `kvstore-bench report` fills (paths from the repository root).
+DOCS = ("README.md", "docs/connector.md", "docs/far.md", "docs/fastpath.md")
+
+_BLOCK = re.compile(r"(<!-- kvstore-bench report: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)"
+                    r"(<!-- end -->)", re.S)
+
+
+class Stale(ValueError):
+    """A block names no view, or its record is missing."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pick:
+    """One figure of a record: a table row whose first cells are `row` (with `cols`, the
+    columns to show), or else the first line that starts with `row`, cut before `cut`."""
+
+    row: str
+    cols: tuple[str, ...] = ()
+    cut: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Table:
+    header: list[str]
+    rows: list[list[str]]
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _tables(output: str) -> list[_Table]:
+    """The markdown tables of a bench's output."""
+    lines = output.splitlines()
+    tables = []
+    for i in range(len(lines) - 1):
+        if lines[i].startswith("|") and lines[i + 1].startswith("|-"):
+            rows = []
+            for line in lines[i + 2:]:
+                if not line.startswith("|"):
+                    break
+                rows.append(_cells(line))
+            tables.append(_Table(_cells(lines[i]), rows))
+    return tables
+
+
+def _pick(record: Record, pick: Pick) -> str:
+    if pick.cols:
+        for table in _tables(record.output):
+            if not all(c in table.header for c in pick.cols):
+                continue
+            for row in table.rows:
+                joined = " ".join(row)
+                if joined == pick.row or joined.startswith(pick.row + " "):
+                    shown = [f"{c} {row[table.header.index(c)]}" for c in pick.cols]
+                    return f"{pick.row}: " + ", ".join(shown)
+    else:
+        for line in record.output.splitlines():
+            if line.strip().startswith(pick.row):
+                text = line.strip()
+                return text.split(pick.cut)[0].rstrip() if pick.cut else text
+    raise Stale(f"{record.file_name()}: no {pick.row!r}"
+                + (f" with {', '.join(pick.cols)}" if pick.cols else ""))
+
+
+def machine_name(machine: str) -> str:
+    """The short name the docs use for a record's machine."""
+    if "H200" in machine:
+        return "H200"
+    if machine.startswith("2 cores") and "no GPU" in machine:
+        return "dev"
+    return machine
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Row:
+    """One row of a figures table: what was measured, the record, the figures picked."""
+
+    what: str
+    record: str                 # the record's file name in docs/perf/, without .json
+    picks: tuple[Pick, ...]
+
+
+def _table(rows: Sequence[Row]) -> Callable[[dict[str, Record]], str]:
+    def render(records: dict[str, Record]) -> str:
+        lines = ["| what | machine | command | figures |", "|---|---|---|---|"]
+        for row in rows:
+            r = records.get(row.record)
+            if r is None:
+                raise Stale(f"no record docs/perf/{row.record}.json")
+            figures = "; ".join(_pick(r, p) for p in row.picks)
+            lines.append(f"| {row.what} | {machine_name(r.machine)} | `{r.command}` "
+                         f"| {figures} |")
+        return "\n".join(lines) + "\n"
+    return render
+
+
+_E2E = ("recompute", "DRAM hit", "recompute / DRAM hit")
+_LOAD = ("load/H2D", "save/D2H")
+
+HEADLINES = (
+    Row("time to first token, recompute -> DRAM hit (ms), 8B and 1B bf16", "e2e-ec25c98d81",
+        tuple(Pick(f"{m} {n}", _E2E) for m, n in [("8b", 256), ("8b", 1024), ("8b", 4096),
+                                                    ("8b", 32768), ("1b", 256), ("1b", 4096)])),
+    Row("pool -> paged GPU cache, against a pinned `cudaMemcpy` in the same run",
+        "load-e21a8ae119",
+        (Pick("1024", _LOAD), Pick("16384", _LOAD), Pick("32768", _LOAD),
+         Pick("CopyMethod.KERNEL alone"))),
+    Row("fast-path Get of 1 MiB pages, one connection (GB/s; ratios per run, median)",
+        "fastpath-713bcc3c98",
+        (Pick("get 1 MiB pages GB/s", ("fast", "raw", "iperf3", "grpc")),
+         Pick("get vs raw", ("median",)), Pick("get x4 vs raw", ("median",)),
+         Pick("put vs raw send", ("median",)),
+         Pick("one 64 KiB page p50 us", ("fast", "grpc")),
+         Pick("acquire+release 1 page p50 us", ("fast unix", "grpc")))),
+    Row("fast path per call, as an engine calls it (fast / raw TCP peer, same run)",
+        "fastpath-3fd6c1cbbc",
+        (Pick("64 KiB 1", ("get fast/raw", "put fast/raw")),
+         Pick("64 KiB 128", ("get fast/raw", "put fast/raw")),
+         Pick("1 MiB 32", ("get fast/raw", "put fast/raw")),
+         Pick("4 MiB 32", ("get fast/raw", "put fast/raw")),
+         Pick("get of one 64 KiB page", ("fast p50 us", "raw p50 us")),
+         Pick("leased lookup of 16 keys + release", ("fast p50 us", "raw p50 us")))),
+    Row("a store in another network namespace, over a veth pair", "fastpath-netns-8c625dd33e",
+        (Pick("get 1 MiB pages, 1 connection, GB/s", ("fast path", "raw socket", "gRPC")),
+         Pick("put 1 MiB pages, 1 connection, GB/s", ("fast / raw",)),
+         Pick("one 64 KiB page p50 us", ("fast path", "raw socket", "gRPC")))),
+    Row("fast path, one server, N client processes (aggregate GB/s)", "fastpath-8eebb7bd03",
+        tuple(Pick(str(n), ("fast path GB/s (aggregate)", "gRPC GB/s (aggregate)"))
+              for n in (1, 2, 4, 8))),
+    Row("time to first token over TCP only (no shared pool), 8B (ms)", "e2e-2de04fe533",
+        (Pick("8b 1024", _E2E), Pick("8b 32768", _E2E))),
+    Row("64 new requests sharing a stored 2,048-token prompt, scheduler loop",
+        "admit-a516f10033",
+        (Pick("sync", ("loop ms", "per request us")), Pick("sync, gRPC", ("loop ms",)),
+         Pick("prefetch 1", ("loop ms",)))),
+    Row("shared-memory Get and Put, 1 MiB pages", "shm-2f6bc72e1b",
+        (Pick("get: shared memory"), Pick("put: shared memory"))),
+    Row("SIGKILLs under puts, spills and deletes", "kill-test-d0b7f9e3f9",
+        (Pick("kill test:"),)),
+    Row("8 clients for 60 s, every byte checked", "load-test-4f85f3f71f",
+        (Pick("errors 0"), Pick("server RSS:", cut=";"))),
+    Row("requests at every limit", "limits-3f4ad95abf",
+        (Pick("server RssAnon:", cut=", with"), Pick("store lock: longest hold", cut=";"))),
+)
+
+# view name -> what it renders from the records (by file name, without .json)
+VIEWS: dict[str, Callable[[dict[str, Record]], str]] = {
+    "headlines": _table(HEADLINES),
+}
+
+
+def fill(text: str, records: Sequence[Record]) -> str:
+    """text with every block rendered from the records (Stale if one cannot be)."""
+    by_name = {r.file_name().removesuffix(".json"): r for r in records}
+
+    def render(m: re.Match[str]) -> str:
+        view = VIEWS.get(m["name"])
+        if view is None:
+            raise Stale(f"no view named {m['name']!r} (bench/report_blocks.py: VIEWS)")
+        return m.group(1) + view(by_name) + m.group(4)
+    return _BLOCK.sub(render, text)
+
+
+def stale_blocks(text: str, records: Sequence[Record]) -> list[str]:
+    """The names of the blocks in text that differ from what the records render."""
+    fresh = {m["name"]: m["body"] for m in _BLOCK.finditer(fill(text, records))}
+    return [m["name"] for m in _BLOCK.finditer(text) if fresh.get(m["name"]) != m["body"]]
