@@ -168,9 +168,43 @@ HEADLINES = (
         (Pick("server RssAnon:", cut=", with"), Pick("store lock: longest hold", cut=";"))),
 )
 
+def _figures(record: str, picks: Sequence[Pick]) -> Callable[[dict[str, Record]], str]:
+    """One record's figures as a line of prose: the command, the machine, the picks."""
+    def render(records: dict[str, Record]) -> str:
+        r = records.get(record)
+        if r is None:
+            raise Stale(f"no record docs/perf/{record}.json")
+        return (f"`{r.command}` ({machine_name(r.machine)}, {r.date[:10]}): "
+                + "; ".join(_pick(r, p) for p in picks) + ".\n")
+    return render
+
+
+_TLS = ("plain", "TLS")
+
 # view name -> what it renders from the records (by file name, without .json)
 VIEWS: dict[str, Callable[[dict[str, Record]], str]] = {
     "headlines": _table(HEADLINES),
+    "fastpath-tls": _figures("fastpath-8e2f78568d", (
+        Pick("get 1 MiB pages, 1 connection, GB/s", (*_TLS, "TLS / plain (per run)")),
+        Pick("get 1 MiB pages, 4 connections, GB/s", _TLS),
+        Pick("put 1 MiB pages, 1 connection, GB/s", _TLS),
+        Pick("one 64 KiB page p50 us", _TLS))),
+    "fastpath-small-calls": _figures("fastpath-713bcc3c98", (
+        Pick("acquire+release 1 page p50 us", ("fast unix", "grpc")),
+        Pick("lookup 16 keys p50 us", ("fast", "fast unix", "grpc", "raw")),
+        Pick("one 64 KiB page p50 us", ("fast", "raw")))),
+    "fastpath-iperf": _figures("fastpath-713bcc3c98", (
+        Pick("get 1 MiB pages GB/s", ("fast", "grpc", "raw", "iperf3")),
+        Pick("get vs iperf3", ("median",)), Pick("gRPC x 2.5 vs iperf3", ("median",)))),
+    "fastpath-netns": _figures("fastpath-netns-8c625dd33e", (
+        Pick("get 1 MiB pages, 1 connection, GB/s", ("fast path", "raw socket", "fast / raw")),
+        Pick("get 1 MiB pages, 4 connections, GB/s", ("fast path", "raw socket")),
+        Pick("striped get over 4 connections / one connection"),
+        Pick("put 1 MiB pages, 1 connection, GB/s", ("fast path", "raw socket")),
+        Pick("one 64 KiB page p50 us", ("fast path", "raw socket", "gRPC")))),
+    "fastpath-vs-grpc": _figures("fastpath-713bcc3c98", (
+        Pick("get 1 MiB pages GB/s", ("fast", "grpc", "raw")),
+        Pick("one 64 KiB page p50 us", ("fast", "grpc", "raw")))),
 }
 
 
