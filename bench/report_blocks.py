@@ -168,18 +168,23 @@ HEADLINES = (
         (Pick("server RssAnon:", cut=", with"), Pick("store lock: longest hold", cut=";"))),
 )
 
-def _figures(record: str, picks: Sequence[Pick]) -> Callable[[dict[str, Record]], str]:
-    """One record's figures as a line of prose: the command, the machine, the picks."""
+def _figures(record: str, picks: Sequence[Pick],
+             *more: tuple[str, Sequence[Pick]]) -> Callable[[dict[str, Record]], str]:
+    """Records' figures as lines of prose: the command, the machine, the picks."""
     def render(records: dict[str, Record]) -> str:
-        r = records.get(record)
-        if r is None:
-            raise Stale(f"no record docs/perf/{record}.json")
-        return (f"`{r.command}` ({machine_name(r.machine)}, {r.date[:10]}): "
-                + "; ".join(_pick(r, p) for p in picks) + ".\n")
+        lines = []
+        for name, chosen in ((record, picks), *more):
+            r = records.get(name)
+            if r is None:
+                raise Stale(f"no record docs/perf/{name}.json")
+            lines.append(f"`{r.command}` ({machine_name(r.machine)}, {r.date[:10]}): "
+                         + "; ".join(_pick(r, p) for p in chosen) + ".")
+        return "\n\n".join(lines) + "\n"
     return render
 
 
 _TLS = ("plain", "TLS")
+_ADMIT = (Pick("sync", ("loop ms",)), Pick("prefetch 1", ("loop ms", "steps to answer all")))
 
 # view name -> what it renders from the records (by file name, without .json)
 VIEWS: dict[str, Callable[[dict[str, Record]], str]] = {
@@ -189,6 +194,11 @@ VIEWS: dict[str, Callable[[dict[str, Record]], str]] = {
         Pick("get 1 MiB pages, 4 connections, GB/s", _TLS),
         Pick("put 1 MiB pages, 1 connection, GB/s", _TLS),
         Pick("one 64 KiB page p50 us", _TLS))),
+    "admit": _figures("admit-a516f10033", _ADMIT, ("admit-827135c024", _ADMIT)),
+    "short-hits": _figures("e2e-ec25c98d81", (
+        *(Pick(f"{m} {n}", _E2E) for m, n in [("8b", 256), ("8b", 1024), ("1b", 256),
+                                              ("1b", 1024), ("1b", 4096)]),
+        Pick("8b 256", ("connector", "rest")))),
     "fastpath-small-calls": _figures("fastpath-713bcc3c98", (
         Pick("acquire+release 1 page p50 us", ("fast unix", "grpc")),
         Pick("lookup 16 keys p50 us", ("fast", "fast unix", "grpc", "raw")),
