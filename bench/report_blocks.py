@@ -36,11 +36,13 @@ class Stale(ValueError):
 @dataclasses.dataclass(frozen=True, slots=True)
 class Pick:
     """One figure of a record: a table row whose first cells are `row` (with `cols`, the
-    columns to show), or else the first line that starts with `row`, cut before `cut`."""
+    columns to show), or else the first line that starts with `row` (after the first line
+    that starts with `after`, if given), cut before `cut`."""
 
     row: str
     cols: tuple[str, ...] = ()
     cut: str = ""
+    after: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,9 +81,13 @@ def _pick(record: Record, pick: Pick) -> str:
                     shown = [f"{c} {row[table.header.index(c)]}" for c in pick.cols]
                     return f"{pick.row}: " + ", ".join(shown)
     else:
-        for line in record.output.splitlines():
-            if line.strip().startswith(pick.row):
-                text = line.strip()
+        lines = [line.strip() for line in record.output.splitlines()]
+        if pick.after:
+            starts = [i for i, line in enumerate(lines) if line.startswith(pick.after)]
+            lines = lines[starts[0] + 1:] if starts else []
+        for line in lines:
+            if line.startswith(pick.row):
+                text = " ".join(line.split())         # a column's padding, collapsed
                 return text.split(pick.cut)[0].rstrip() if pick.cut else text
     raise Stale(f"{record.file_name()}: no {pick.row!r}"
                 + (f" with {', '.join(pick.cols)}" if pick.cols else ""))
@@ -184,6 +190,12 @@ def _figures(record: str, picks: Sequence[Pick],
 
 
 _TLS = ("plain", "TLS")
+_FAR_CLIENTS = (
+    *(Pick(name, after="lookup of 4096 keys") for name in (
+        "glide EVAL_RO/bucket", "redis-py EVAL_RO/bucket", "glide EXISTS/key",
+        "redis-py EXISTS/key", "ours exists")),
+    *(Pick(name, after="get 64 pages of 1024 KiB") for name in ("glide MGET", "redis-py MGET",
+                                                                "ours get")))
 _ADMIT = (Pick("sync", ("loop ms",)), Pick("prefetch 1", ("loop ms", "steps to answer all")))
 
 # view name -> what it renders from the records (by file name, without .json)
@@ -199,6 +211,14 @@ VIEWS: dict[str, Callable[[dict[str, Record]], str]] = {
         *(Pick(f"{m} {n}", _E2E) for m, n in [("8b", 256), ("8b", 1024), ("1b", 256),
                                               ("1b", 1024), ("1b", 4096)]),
         Pick("8b 256", ("connector", "rest")))),
+    "far-through-server": _figures("far-4e023a4575", tuple(
+        Pick(f"{size} KiB get through kvstore ({via}) vs glide MGET{parts}")
+        for size in (1024, 64) for via, parts in [("shm", ""), ("fast path", ""), ("gRPC", ""),
+                                                  ("shm", " in parallel parts")])),
+    "far-clients": _figures("far-4e023a4575", _FAR_CLIENTS, ("far-4d2ee3a096", _FAR_CLIENTS)),
+    "far-failover": _figures("far-failover-f9354575e2", (
+        Pick("rounds"), Pick("errors returned to clients"), Pick("wrong pages"),
+        Pick("hits"), Pick("every page a hit again"))),
     "fastpath-small-calls": _figures("fastpath-713bcc3c98", (
         Pick("acquire+release 1 page p50 us", ("fast unix", "grpc")),
         Pick("lookup 16 keys p50 us", ("fast", "fast unix", "grpc", "raw")),
