@@ -211,6 +211,9 @@ VIEWS: dict[str, Callable[[dict[str, Record]], str]] = {
         *(Pick(f"{m} {n}", _E2E) for m, n in [("8b", 256), ("8b", 1024), ("1b", 256),
                                               ("1b", 1024), ("1b", 4096)]),
         Pick("8b 256", ("connector", "rest")))),
+    "lookup-stream": _figures("store-0e63aae249", (
+        Pick("1,000,000 4096 packed", ("lookup p50 ms", "p99 ms")),
+        Pick("1,000,000 4096 packed, unary", ("lookup p50 ms", "p99 ms")))),
     "far-through-server": _figures("far-4e023a4575", tuple(
         Pick(f"{size} KiB get through kvstore ({via}) vs glide MGET{parts}")
         for size in (1024, 64) for via, parts in [("shm", ""), ("fast path", ""), ("gRPC", ""),
