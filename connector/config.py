@@ -74,14 +74,13 @@ class ConnectorConfig:
     lookups: LookupMode = LookupMode.PREFETCH
     # Prefetch: how long, in total per scheduler step, the loop may wait for the answers
     # of requests it sees for the first time. A lone request is then answered in the
-    # step it arrives (a lookup takes ~0.25 ms), and a burst costs the loop at most this
+    # step it arrives, and a burst costs the loop at most this
     # before the rest hear "ask again". An answer asked for again waits at most until
     # lookup_timeout after it was first asked, then counts as "no hit".
     lookup_wait_ms: float = 2.0
     # Hits shorter than this many tokens are reported as no hit (recomputed). 0 = every
-    # hit counts: on the H200 (8B, bf16, CUDA graphs) a 256-token hit was 1.1x faster than
-    # recomputing in the run docs/performance.md records, 2.3x at 1k tokens; a 1B model's
-    # hit was slower below ~2k tokens (0.7x at 256, 0.9x at 1k): docs/connector.md.
+    # hit counts: on the H200 an 8B model's hit beats recomputing from 256 tokens, a 1B
+    # model's only from about 1k tokens (docs/connector.md renders the e2e record).
     min_hit_tokens: int = 0
     role: Role = Role.BOTH
     load_mode: LoadMode = LoadMode.LAYERWISE

@@ -41,20 +41,11 @@ Extra = bytes | Sequence[bytes | None] | None
 # The loop: the chain is sequential, so each page costs one Python-level step; the work is
 # to make that step small. The token bytes are cut into per-page `bytes` in C by viewing
 # the int32 array as one opaque numpy void ("V64") per page and calling tolist(); the loop
-# is then a comprehension that does one concatenation and one digest per page. Fastest of
-# 1000 calls (the minimum is steadier than the median on a shared 2-core machine) for 32k
-# tokens in 16-token pages, i.e. 2048 keys, on the dev machine; bench/hash_bench.py
-# measures the medians of the shipped version:
-#
-#     plain loop: tobytes(), b[i*64:(i+1)*64], append          ~450 us
-#     same with a stepped range and a prebound append          ~390 us
-#     memoryview slices instead of bytes slices                ~420 us
-#     xxh3_128 object: reset/update(key)/update(page)/digest   ~520 us
-#     one buffer with a 16-byte gap per page, key written in   ~570 us
-#     void-view pages + itertools.accumulate(lambda)           ~330 us
-#     void-view pages + for loop with prebound append          ~255 us
-#     void-view pages + comprehension  (this module)           ~245 us
-#     2048 bare xxh3_128_digest calls of 80 bytes (the floor)  ~120 us
+# is then a comprehension that does one concatenation and one digest per page. Of the
+# loops tried (bytes or memoryview slices, an xxh3 object updated per page, one buffer with
+# the key written in, itertools.accumulate, a for loop with a prebound append) this was
+# the fastest, about twice the floor of bare digest calls; `kvstore-bench hash` measures
+# the shipped version (docs/perf/hash-cb7f3fed21.json: 2048 keys in about 0.12 ms).
 #
 # A bytes extra shared by every page is appended to each page's row in numpy before the
 # cut, so that path keeps one concatenation per page; per-page extras add a second one.

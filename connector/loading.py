@@ -1,7 +1,7 @@
 """A step's loads from the store's shared pool under one Acquire.
 
-One Acquire pins every page the step loads (on the H200 an Acquire cost the hit's step
-1.5-2.2 ms of host time, one per request), and its offsets are split per load. Layer-wise
+One Acquire pins every page the step loads (an Acquire is a round trip on the hit's
+critical path: one per request would cost each), and its offsets are split per load. Layer-wise
 loads then become one transfer: one copy per layer for all of them and one event for the
 compute stream to wait on. Async loads stay one transfer each, since each request is
 reported received when its own pages have landed. The lease is one too: it ends when the

@@ -2,9 +2,8 @@
 
 vLLM asks the connector request by request inside one `schedule()` how much of each
 prompt the store holds. Asked there, every answer is a hash of the prompt's pages and a
-Lookup round trip: 64 requests sharing a 2,048-token system prompt cost the loop 16.7 ms
-on the 2-core dev VM and 11.7 ms on the H200 host (`kvstore-bench admit --mode sync`),
-while the GPU waits for the step. Here the scheduler half hands each new request to one
+Lookup round trip, while the GPU waits for the step (`kvstore-bench admit` measures a
+burst of 64 requests sharing a prompt both ways: docs/connector.md renders its records). Here the scheduler half hands each new request to one
 worker thread and answers "ask again" (None) at once; the worker hashes and looks the
 requests up one after another (the lease taken with each lookup, as on the loop) and the
 next `schedule()` reads finished answers. The loop's own part is a slice of the token

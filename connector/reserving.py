@@ -1,11 +1,10 @@
 """A step's Reserve, made on a thread of its own while the forward computes.
 
 A step's saves need store slots before their first copy. Made before the forward, the
-Reserve's round trip delayed the forward by all of it: on the H200 (8B, bf16, a
-1,024-token miss saving every page) it was 1.04 ms of the step's host time, with the
-miss at 1.12-1.13x the time to first token of a recompute. Made here, it overlaps the
-first layers' compute instead (on the dev VM, CPU, a 32-page step's bind went from
-0.175 to 0.021 ms of host time). A layer whose save hook runs before the answer is in is
+Reserve's round trip delayed the forward by all of it, a large part of what a short
+miss that saves costs over a recompute. Made here, it overlaps the first layers' compute
+instead (the miss+save breakdown in docs/perf/e2e-ec25c98d81.json shows what is left of
+it in `bind`). A layer whose save hook runs before the answer is in is
 owed: its copy is launched when a later hook, or the end of the step, takes the answer.
 
 A layer's copy launched after its own hook is still right: transfer.save_layer orders
@@ -21,9 +20,7 @@ The Reserve runs on this module's thread, everything else on the worker's thread
 KVStoreClient is thread-safe. Its fast path makes lease calls one at a time on each of
 two connections (kvstore_client.fastpath's lease lanes): Reserve, Commit and Abort on
 one, Acquire and Release on the other, so the step's Acquire does not wait behind its
-Reserve. On one connection it did: H200, 8B, a 32k-token DRAM hit, timing the worker's
-calls over six hits, the Acquire waited 0.4-2.5 ms for the Reserve while no copy had
-begun. A step with loads takes the answer once they are launched (worker.start_load).
+Reserve. On one connection it did, while no copy had begun. A step with loads takes the answer once they are launched (worker.start_load).
 """
 
 from __future__ import annotations

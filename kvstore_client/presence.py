@@ -2,15 +2,11 @@
 client on the server's host answers a miss without a round trip.
 
 Why: a request that finds nothing in the store still asks before its prefill, and that
-question is serial time before the forward. After idle (as a new request finds the host) a
-Lookup cost 0.43 ms on the H200 host, of a 0.71 ms miss, against 0.07 ms back to back
-(scratch probe, 1,024-token prompt, 30 ms between requests, medians of 140); a Unix-socket
-round trip alone went from 12 to 156 us the same way. Reading one counter costs a few
-microseconds. The 8B 1,024-token miss that saves every page read 1.036 times a recompute
-(16 rounds side by side, H200), 0.89 ms more, of which 0.54 ms was the lookup. With the
-map, the same probes: the miss 0.36 ms (its lookup 0.11); a miss with no saves 1.025 ->
-1.011 times a recompute, one that saves 1.036 -> 1.033 (what is left there is the saves'
-own bookkeeping); the e2e record's miss breakdown, 1,024 tokens: lookup 0.39 -> 0.16 ms.
+question is serial time before the forward. After idle (as a new request finds the host)
+a Lookup's round trip costs several times what it does back to back, as the wake-ups on
+both ends grow; reading one counter costs a few microseconds. The map took a 1,024-token
+miss's lookup to 0.16 ms in the H200 record's miss breakdown
+(docs/perf/e2e-ec25c98d81.json).
 
 The map's format (where it lives, what a counter means, the bucket formula) is both ends'
 contract: kvstore_protocol.presence_map. This module is the client's reader.

@@ -48,11 +48,11 @@ def copy_pages(pages: np.ndarray, mem: np.ndarray, offsets: np.ndarray, *,
     Pages that lie back to back in the pool (a put's slots are handed out in order) are
     copied with one call per run, when the buffer and the pool sit at the same offset
     within a 4 KiB page; otherwise one call per page. Why: glibc copies at least its
-    non-temporal threshold (3/4 of the L3 it is told of: 192 MiB on the dev VM) with
-    streaming stores, which do not read the destination first: a 192 MiB run out of the
-    pool ran at 8.7 GB/s against 5.6 in 1 MiB pieces. But that path slows to 2.9-4.2 GB/s
-    when the destination lies 8-256 bytes past the source modulo 4 KiB (AMD EPYC, glibc
-    2.36, measured at 13 offsets), while 1 MiB pieces run at 5.6 at any offset.
+    non-temporal threshold (3/4 of the L3 it is told of) with streaming stores, which do
+    not read the destination first, so a long run beats 1 MiB pieces. But that path slows
+    below the pieces' speed when the destination lies a few bytes to a few hundred past
+    the source modulo 4 KiB (AMD EPYC, glibc 2.36), while 1 MiB pieces run at one speed at
+    any offset.
     """
     n, page_bytes = pages.shape
     if not n:

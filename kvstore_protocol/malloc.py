@@ -2,9 +2,8 @@
 
 Each 1 MiB gRPC message is a fresh Python bytes object. By default glibc serves such a
 buffer with mmap (or trims the heap after freeing it), so the next message faults in 256
-fresh pages: on the 2-core dev machine that held a 192 MiB Get at ~0.8 GB/s against
-1.6 GB/s for a raw socket. Raising the mmap and trim thresholds lets freed buffers be
-reused from the heap: 1.1-1.2 GB/s in the same run. It matters on the receiving side
+fresh pages, which held a large Get to about half a raw socket's speed. Raising the mmap
+and trim thresholds lets freed buffers be reused from the heap. It matters on the receiving side
 (where gRPC allocates each message). The daemon calls it at start; a process that reads
 pages over gRPC (a remote client) should call it once too. It changes the allocator for
 the whole process, so the client library never calls it by itself. A no-op where

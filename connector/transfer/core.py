@@ -164,14 +164,10 @@ class KVTransfer:
             # Host work before the first copy is on a short load's critical path (the
             # device has nothing else to do): the load stream waits for the current one
             # without becoming current, and the copy engine's first two pieces go out
-            # before the block ids go up and before any context (dma.DmaLoader.load). 1,024
-            # tokens of the 8B preset on the H200, four processes each way, alternating,
-            # medians of 30 loads: host time to the first copy 0.12, 0.17, 0.33 and 0.38 ms
-            # against 0.28, 0.29, 0.32 and 0.57 ms with the plan built first. The host's
-            # speed varied ~2x from process to process there, and moved the load's share
-            # of a pinned copy (78-93% either way) more than the change did; so the next
-            # steps (two pieces first, uploads.py, fewer numpy calls in check_pages) were
-            # timed against the code before them in one process, turn by turn: see dma.py.
+            # before the block ids go up and before any context (dma.DmaLoader.load). The
+            # host's speed varies from process to process more than such a change moves a
+            # load, so changes here are timed against the code before them in one
+            # process, turn by turn (dma.py).
             assert self._load_stream is not None     # DMA is for CUDA alone
             self._after_current(self._load_stream, self._load_mark)
             layer_events, blocks = self._dma.load(
@@ -249,8 +245,8 @@ class KVTransfer:
     def _scatter(self, staging: torch.Tensor, first: int, count: int, pages: int,
                  offs: torch.Tensor, blocks: torch.Tensor, align: int, stream: int) -> None:
         # From device memory: no PCIe to share, so no cap on the programs (the load cap is
-        # for reads over PCIe). The last layer's scatter is on a hit's critical path: at
-        # 32k tokens of the 8B preset (128 MiB a layer) it took 0.37 ms with 32 programs.
+        # for reads over PCIe). The last layer's scatter is on a hit's critical path, and
+        # a long load's layers are large.
         table, at = self._table(first)
         kernel.launch(self.geo, table, at, count, staging, pages, offs, blocks,
                       self.geo.layer_bytes, align, True, _SCATTER_CTAS, stream)
@@ -397,7 +393,7 @@ class KVTransfer:
 
     def _saved(self, plan: Plan) -> None:
         # No event per launch: one stream runs the saves in order, so the one event
-        # finish_save records covers them all (an event costs the host ~5-10 us).
+        # finish_save records covers them all (an event costs the host time).
         self._pending_saves = True
         if not self._pending_keep or self._pending_keep[-1] is not plan:
             self._pending_keep.append(plan)

@@ -2,9 +2,9 @@
 adjacent pages into a device staging buffer, then the kernel scatters the buffer into the
 engine's blocks, device to device, on a second stream while the next piece copies.
 
-Why: the kernel's own PCIe reads peak at ~91% of a pinned copy, while the copy engine
-reaches ~100% on runs of adjacent pages (shm --gpu: 55.3 of 55.4 GB/s for runs of 1 MiB
-slots). A layer's slabs of a run of adjacent pages are rows of one 2D copy (width
+Why: the kernel's own PCIe reads peak short of a pinned copy, while the copy engine
+reaches a pinned copy's speed on runs of adjacent pages (docs/perf/shm-cf14367beb.json
+measures runs of 1 MiB slots). A layer's slabs of a run of adjacent pages are rows of one 2D copy (width
 layer_bytes, pitch page_bytes). When a load takes this path is KVTransfer's choice.
 """
 
@@ -139,8 +139,8 @@ class DmaLoader(_Staging):
             self._handoff = [torch.cuda.Event(), torch.cuda.Event()]
             self._uploads = IndexUploads(self.device, stream)
         handoff, lib, to = self._handoff, self._lib, load.cuda_stream
-        # A piece's host work is what bounds a short load (1,024 tokens of the 8B preset:
-        # 16 pieces of 8 MiB, each ~0.15 ms of PCIe), so what repeats from piece to piece
+        # A piece's host work is what bounds a short load (a piece's bytes take PCIe less
+        # time than the host takes to launch it), so what repeats from piece to piece
         # is worked out once a load: per buffer-full of pages, its runs (row in the
         # buffer, byte address of the run's first page, rows).
         chunks: dict[int, list] = {}
@@ -182,19 +182,17 @@ class DmaLoader(_Staging):
                       for j, (p0, p1, rows) in enumerate(got)]
         # The first two pieces' copies (one a buffer) go out before anything else,
         # contexts included: the copy engine idles until then, and a short load has
-        # nothing to hide it behind. With the first alone, a torch.profiler trace of a
-        # 1,024-token load of the 8B preset (H200) showed the second copy starting 330 us
-        # after the first ended, behind the host's upload and first scatter. With two
-        # first, uploads.py and the save flush's changes (core._flush_save), the old and
-        # new code side by side in one process, 20 rounds each, medians, share of a
-        # pinned copy in three processes: loads 83.5 -> 88.3%, 92.1 -> 92.9%,
-        # 87.7 -> 91.8%; saves 77.3 -> 86.8%, 85.4 -> 91.3%, 81.3 -> 88.9%.
+        # nothing to hide it behind. With the first alone, a profiler trace of a short
+        # load showed the second copy starting well after the first ended, behind the
+        # host's upload and first scatter; with two first (and uploads.py and the save
+        # flush's changes, core._flush_save) short loads and saves came closer to a
+        # pinned copy, side by side with the old code.
         taken = [copy(first, count * lb, rows)
                  for first, count, _, _, _, rows, _ in order[:2]]
         cuts: dict[tuple[int, int], torch.Tensor] = {}      # block ids of each piece's pages
 
         # The rest on the scatter stream: the scatters launch on the current stream, and
-        # the copies and events name their streams. A `with` per piece cost ~15 us.
+        # the copies and events name their streams. A `with` per piece costs host time.
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             on = stream.cuda_stream
             self._uploads.reset()      # the last load's scatters are all queued
@@ -252,14 +250,12 @@ class DmaSaver(_Staging):
         group's first layer's index there times layer_bytes, taken off so the group
         starts at the buffer's start.
 
-        A piece's host work is what bounds a short save: `kvstore-bench load`'s 1,024-token
-        save (16 pieces of 8 MiB, ~0.15 ms of PCIe each) reached 0.64-0.77 of a pinned
-        copy in three runs on the H200, and 0.36-0.47 in pieces of 4 MiB, ~170 us of host
-        a piece. So a piece enters no stream or device context of its own (the caller's
-        are in force; a `with` cost ~15 us in the load path), makes no event for the
-        handoff, and names its stream to the launch (a lookup costs ~10 us). Without them
-        the 1,024-token save went from 70% to 85% of the pinned copy (one run of each,
-        side by side, H200; 89% in the record run after). Each buffer keeps one event for
+        A piece's host work is what bounds a short save (smaller pieces made it slower).
+        So a piece enters no stream or device context of its own (the caller's are in
+        force), makes no event for the handoff, and names its stream to the launch (a
+        lookup costs host time); together these took a short save much closer to a pinned
+        copy (a 1,024-token save reaches 90% of one: docs/perf/load-e21a8ae119.json). Each
+        buffer keeps one event for
         when it is free, recorded anew per piece, and the flush that calls this enters no
         stream context either (core._flush_save)."""
         lb, pages = geo.layer_bytes, len(plan.offsets)

@@ -29,20 +29,20 @@ except ImportError:                   # pragma: no cover - depends on the instal
 
 __all__ = ["DEFAULT_MAX_CTAS", "LayerTable", "available", "launch", "load_ctas"]
 
-# Default cap on the kernel's programs (persistent CTAs). On the H200 16, 32, 64, 128 and
-# uncapped all moved 49.8-50.2 GB/s (load) and 50.8-51.2 GB/s (save) at 16k tokens: PCIe,
-# not the SMs, is the limit, so take few and leave the rest of the 132 SMs to the model.
+# Default cap on the kernel's programs (persistent CTAs). On the H200 every cap from 16 to
+# uncapped moved the same bytes a second at 16k tokens: PCIe, not the SMs, is the limit,
+# so take few and leave the rest of the 132 SMs to the model.
 DEFAULT_MAX_CTAS = 32
 
 
 def load_ctas(unit: int) -> int:
     """The cap on a load's programs for rows of `unit` bytes (0 = one program per tile).
 
-    A program's PCIe reads of short rows move less: the 1B preset's 128-byte rows loaded
-    at 16 KiB a page-layer with 16, 32, 64, 128 and uncapped programs moved 7.6, 14.8,
-    27.9, 45.1 and 46.4 GB/s (H200, 16k tokens), where the 8B preset's 256-byte rows reach
-    49.8 at 32. Saves write, and 16 programs already moved 48 GB/s for either; they keep
-    DEFAULT_MAX_CTAS. Rows shorter than 128 bytes were not measured: no cap."""
+    A program's PCIe reads of short rows move less: the 1B preset's 128-byte rows needed
+    128 programs to come near what the 8B preset's 256-byte rows reach with 32 (H200, 16k
+    tokens; docs/perf/load-e833749c3f.json has the 1B layout's loads). Saves write, and few
+    programs already reach PCIe's speed for either; they keep DEFAULT_MAX_CTAS. Rows
+    shorter than 128 bytes were not measured: no cap."""
     if unit >= 256:
         return DEFAULT_MAX_CTAS
     return 128 if unit >= 128 else 0
@@ -112,9 +112,8 @@ class _Launcher:
     """Launches the copy kernel without Triton's per-call argument binding.
 
     Triton's `kernel[grid](...)` binds, type-checks and specializes every argument on
-    every call: 55-59 us of host time a launch on the H200 host (39 us this way), so a
-    32-layer load launched one layer at a time spent 1.8 ms launching while its bytes
-    needed 0.6 ms (256 tokens) to 2.4 ms (1k) of PCIe. Once a specialization is compiled
+    every call, and a short load launched one layer at a time spent longer launching
+    than its bytes needed on PCIe. Once a specialization is compiled
     its launcher is called directly; the key holds every property Triton specializes on
     (_spec), so a call with other properties takes the full path and compiles or finds its
     own kernel.

@@ -28,10 +28,10 @@ class HostRegistration:
     """`mem` registered with cudaHostRegister for as long as this object is open.
 
     Registering makes the pages of the server's pool DMA-able and gives them a UVA
-    address the GPU can read and write, so copies from the pool run at PCIe speed (55 GB/s
-    on the H200, as from cudaHostAlloc memory). It costs time proportional to the size:
-    533-652 ms for an 11 GiB pool already populated by the client's MAP_POPULATE (H200,
-    bench/load_bench.py), so register once per mapping, at attach, never per request.
+    address the GPU can read and write, so copies from the pool run at PCIe speed, as from
+    cudaHostAlloc memory. It costs time proportional to the size (635 ms for an 11 GiB
+    pool: docs/perf/load-e21a8ae119.json), so register once per mapping, at attach, never
+    per request.
     Without CUDA this is a no-op object.
     Memory some other registration already covers is used as is and not unregistered.
     """
