@@ -38,6 +38,7 @@ import numpy as np
 
 from .reasons import Reason
 from .keys import MAX_KEY_BYTES
+from .layout import MAX_LOOKUP_LAYOUTS
 
 __all__ = [
     "MAGIC", "VERSION", "HEADER", "Op", "Status", "GRPC_CODES", "Header", "WireError",
@@ -61,7 +62,7 @@ assert HEADER.size == 24
 # The wire only bounds the body that holds them, before a byte of it is read: the keys
 # at their longest plus one id per layout of a Lookup. MAX_BODY is that bound at the
 # default of 16,384 keys (about 1 MiB); a server with another limit passes its own.
-MAX_LAYOUTS = 256                            # one per rank, as store.MAX_LOOKUP_LAYOUTS
+MAX_LAYOUTS = MAX_LOOKUP_LAYOUTS             # one per rank (layout.MAX_LOOKUP_LAYOUTS)
 LAYOUT_ID_BYTES = 16
 REGION_TOKEN_BYTES = 16
 

@@ -7,7 +7,11 @@ import struct
 
 import xxhash
 
-__all__ = ["PageLayout", "DTYPE_BYTES"]
+__all__ = ["PageLayout", "DTYPE_BYTES", "MAX_LOOKUP_LAYOUTS"]
+
+# Layouts one Lookup may name: one per tensor/pipeline-parallel rank of an engine. Both
+# transports and the store hold a lookup to it (fastwire.MAX_LAYOUTS bounds its body).
+MAX_LOOKUP_LAYOUTS = 256
 
 # Bytes per element of each KV dtype we accept. Names follow torch's spelling so the
 # connector can pass `str(tensor.dtype).removeprefix("torch.")` straight through.

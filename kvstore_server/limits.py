@@ -21,8 +21,8 @@ The limits (SECURITY.md and README's settings table state them too):
 - bytes of one Get's response: at most the pool's capacity. A Get may name a key more
   than once and each is sent, but the distinct pages of one Get always fit the pool, so
   only repeats can go past it: RESOURCE_EXHAUSTED, before anything is pinned.
-- layouts per Lookup: 256 (store.MAX_LOOKUP_LAYOUTS), and layouts x keys at most
-  4 x max_keys_per_request (65,536 by default: 8 tensor-parallel ranks of 8,192 keys),
+- layouts per Lookup: 256 (kvstore_protocol.layout.MAX_LOOKUP_LAYOUTS), and layouts x
+  keys at most 4 x max_keys_per_request (65,536 by default: 8 tensor-parallel ranks of 8,192 keys),
   since each layout is one more pass over the keys, under the lock: INVALID_ARGUMENT.
 
 With these, one request's memory on the server is its message (up to 8 MiB, held twice

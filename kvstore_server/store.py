@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvstore_protocol.keys import Packed
-from kvstore_protocol.layout import PageLayout
+from kvstore_protocol.layout import MAX_LOOKUP_LAYOUTS, PageLayout
 
 from .errors import Outcome, Reason, StoreError
 from .eviction import PolicyFactory, make_policy
@@ -65,8 +65,6 @@ __all__ = ["FOREVER", "LayoutInfo", "Pinned", "Reservation", "Retained", "Store"
 
 FREE, WRITING, READY, DOOMED = SlotState
 
-# Layouts one Lookup may name: one per tensor/pipeline-parallel rank of an engine.
-MAX_LOOKUP_LAYOUTS = 256
 _NONE_MISSING = np.empty(0, dtype=np.int64)      # acquire: no key is missing
 
 
