@@ -1,9 +1,8 @@
 """One long-lived LookupStream call that a client sends its lookups over.
 
 Why: a unary call's set-up and tear-down cost more than a 4,096-key lookup itself in
-Python gRPC; on an open stream a Lookup of 4,096 keys (1M pages stored) took 1.44-1.54 ms
-p50 against 1.85-2.55 ms unary, side by side; over twelve runs of the store benchmark,
-median 1.60 ms against 2.02 (kvstore_server/lookup_streams.py).
+Python gRPC, so a lookup on an open stream is faster (kvstore_server/lookup_streams.py;
+the README renders the store record's figures).
 
 The stream is an optimisation, never a second set of semantics: `ask` returns None
 whenever the stream cannot answer (another thread is using it, the server refuses or

@@ -2,22 +2,22 @@
 
 A pure data structure: no locks, no I/O. Not safe for concurrent use.
 
-Why not a dict of bytes -> int: a Lookup of 4,096 keys against 1M stored pages spent
-~0.7 ms in dict probes (each a chain of cache misses: table, entry, key object) and
-~0.15 ms splitting the packed keys into bytes objects, and a page cost ~190 bytes of
-index. Here the keys stay packed and a lookup is about 20 numpy calls over the batch,
+Why not a dict of bytes -> int: a large Lookup spent most of its time in dict probes
+(each a chain of cache misses: table, entry, key object) and in splitting the packed keys
+into bytes objects, and a page cost about as much index as this one's
+(docs/perf/store-0e63aae249.json: 172 bytes a page). Here the keys stay packed and a lookup is about 20 numpy calls over the batch,
 and about 20 more when some keys lie past their home bucket.
 
-Why so few calls: on the 2-core dev machine a numpy call costs 2 us warm and 10-20 us
-with the caches cold, as they are when a request arrives; a lookup that took 45 calls
-(the previous design: a 14-step hash, a tag compare, then a second round) spent
-0.85 ms of a 2.4 ms Lookup RPC in `find` at 1M pages; this one 0.42-0.75 ms. So:
+Why so few calls: a numpy call costs several times more with the caches cold, as they
+are when a request arrives, than warm; a lookup that took 45 calls (the previous design:
+a 14-step hash, a tag compare, then a second round) spent about twice this one's time in
+`find`. So:
 - the hash is four calls per key word (multiplicative hashing: the home bucket is the
   top bits of a product), seeded at random per index so that keys cannot be chosen to
   collide;
 - each bucket is one record, padded to 16 or 32 bytes when it fits: numpy's `take` has
-  a fast path for those item sizes (a 4,096-row gather from a 128 MB table: 86-119 us
-  for 32-byte rows, 130-255 us for 24-byte ones, same run);
+  a fast path for those item sizes (a gather of 32-byte rows beat one of 24-byte rows
+  from the same table);
 - a lookup gathers every key's home record in one `take` and compares the key words
   there: 75% of keys sit in their home bucket at a load of 0.48, ~90% at 0.24;
 - each bucket keeps a reach: how far past it the entries whose home it is may lie (an
@@ -252,8 +252,7 @@ class KeyIndex:
     def _find_one(self, words: list[int]) -> int:
         """One key's slot, -1 if absent: the same hash and probe as _find, in Python
         ints. Why: a same-host acquire or a one-page get names one key, and _find's ~20
-        numpy calls on arrays of one cost 17.7 us there where this costs 2.5 (dev VM,
-        warm, 50k keys stored; Store.acquire + release of one key: 56 -> 19 us)."""
+        numpy calls on arrays of one cost several times this."""
         h = (words[0] ^ self._seed_int) & _MASK
         h = ((h ^ (h >> 32)) * _K1_INT) & _MASK
         for word in words[1:]:

@@ -1,10 +1,9 @@
 """LookupStream: lookups over one long-lived call, admitted up to a limit, closed when idle.
 
-Why it exists. A unary call in Python gRPC costs its set-up and tear-down on both ends:
-on the 2-core dev machine an empty unary echo took 0.59-0.74 ms and 0.45-0.67 ms of the
-server's CPU, a message on an open bidirectional stream 0.43-0.55 ms and 0.27-0.36 ms.
-For a Lookup of 4,096 keys with 1M pages stored, side by side against one server: p50
-1.85-2.55 ms unary, 1.44-1.54 ms on a stream. The scheduler asks for every request it
+Why it exists. A unary call in Python gRPC costs its set-up and tear-down on both ends,
+more than a message on an open bidirectional stream, in wall time and in the server's
+CPU; a Lookup of 4,096 keys with 1M pages stored is faster on a stream
+(docs/perf/store-0e63aae249.json has both, side by side). The scheduler asks for every request it
 sees, so the connector's client keeps one stream open (kvstore_client.lookup_stream).
 
 What it costs, and the limits. The sync server runs a stream on one handler thread for

@@ -30,10 +30,8 @@ __all__ = ["SlotRead", "SlotWrite", "folder_gone", "lock_folder", "read_slots", 
            "write_slots"]
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
-# Bytes per preadv/pwritev. Longer calls were slower, not faster: on the H200 machine's
-# virtio disk, O_DIRECT reads of runs of 1 MiB slots gave 2.06 GB/s at 8 slots a call and
-# 1.65 GB/s at 64 (plain reads: 2.31 GB/s at 8 MiB, 2.13 at 64 MiB; more threads at once
-# did not help either: 1.86 GB/s for 4 x 8 MiB).
+# Bytes per preadv/pwritev. Longer calls were slower, not faster, on the H200 machine's
+# virtio disk (O_DIRECT and plain reads alike), and more threads at once did not help.
 _RUN_BYTES = 8 << 20
 
 

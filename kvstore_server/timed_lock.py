@@ -5,8 +5,8 @@ be held up by another (issue: a Lookup of 60 M keys held it 11.5 s). The limits 
 request (limits.py) bound that hold; this lock shows the bound holds in production too:
 `kvstore_store_lock_hold_seconds` (a histogram) and its maximum, on /metrics.
 
-It costs two perf_counter calls and a bucket search per hold, about 0.3 us on the dev
-machine, against 5-50 us for the work done under the lock by the cheapest call.
+It costs two perf_counter calls and a bucket search per hold, a small fraction of the
+work done under the lock by the cheapest call.
 """
 
 from __future__ import annotations

@@ -7,11 +7,9 @@ sends every master's batch at once (the first on the caller's thread, the others
 small pool), each on a standalone glide connection of its own and with the call's
 deadline, so a call costs one round trip per shard. The deadline is enforced inside
 glide's Rust core, so a hung shard costs a call at most `--far-timeout` and no thread is
-left waiting behind it. What it costs: a 64-bucket lookup over three masters took 1.27 ms
-against 1.05 ms through glide's cluster batch, a one-master lookup 0.19 ms against 0.25
-(2-core development VM under a load average of 5-7, 3-master loopback cluster, medians
-of 5 interleaved runs of the median of 400 calls): three calls into glide's core and a
-hand-over to two threads, where the cluster batch made one. Why glide and not
+left waiting behind it. What it costs: a lookup over three masters takes about as long
+as through glide's cluster batch (interleaved runs on a loopback cluster): three calls
+into glide's core and a hand-over to two threads, where the cluster batch made one. Why glide and not
 redis-py's cluster client: docs/far.md, "Choosing the client", has the figures.
 
 Failure, as docs/far.md promises it ("a slow or dead cluster means misses, never
@@ -24,15 +22,13 @@ its commands are answered NotAsked at once (misses), and the others are asked.
 
 Lookups ask with one EVAL_RO per bucket (keys.py) that returns one EXISTS bit per key:
 EXISTS with many keys answers only a count, and one EXISTS per key costs the client
-~2.6x more time for 4,096 keys (docs/far.md). Gets send one GETRANGE per key that asks
+several times more (docs/far.md renders the record). Gets send one GETRANGE per key that asks
 for at most one byte more than the key's value can be (codec.value_bytes): a value
 planted under a page's name is refused after that many bytes, never fetched whole (an
 MGET fetched four planted 48 MiB values for a 32 KiB page's names whole). Why not a
 read-only script per bucket that returns a value only when its STRLEN allows: the
-script copies each value into Lua before replying; on the 2-core development VM (3-master
-loopback cluster, medians of 11, a loaded machine) 64 x 1 MiB took 256 ms through the
-script against 103 ms by MGET, and GETRANGE ran at MGET's speed (313 / 318 ms, and
-512 x 64 KiB 69 / 61 ms, in a more loaded run). The server's reads (read) verify and
+script copies each value into Lua before replying, which took 1 MiB pages more than twice
+MGET's time on a loopback cluster, where GETRANGE runs at MGET's speed. The server's reads (read) verify and
 copy each value where glide's reply holds it (inplace.py).
 """
 

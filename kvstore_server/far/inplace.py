@@ -7,11 +7,9 @@ slot: two copies of each page after glide's core has it, and an allocation. Read
 reply in place, through cffi views of the core's own buffers, drops the middle copy and
 its allocation: verify, then copy once into the slot, then free the core's reply.
 
-Measured on the 2-core development VM (3-master loopback cluster, one process with the
-server's malloc settings, FarTier.read_into of 64 pages of 1 MiB into a buffer, 21
-interleaved rounds, medians, wall time and the process's CPU time): through exec 24.7 ms
-(27.2 ms CPU), read in place 22.7 ms (23.4 ms CPU); 512 pages of 64 KiB, 17.1 ms (17.5)
-and 17.0 ms (16.7). Through two servers, reads.py has the figures.
+Side by side in one process (FarTier.read_into of 1 MiB pages, interleaved rounds) it
+saved wall and CPU time; for 64 KiB pages it made no difference. Through two servers:
+reads.py.
 
 This leans on glide_sync's internals (the client's `_lib`, `_ffi`, `_core_client`, the
 batch and options converters `exec` uses, the CommandResponse layout of glide 2.6):

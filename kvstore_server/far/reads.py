@@ -8,25 +8,19 @@ checksum and the copy into the pool then run after it, on the request's path. Cu
 parts of about PART_BYTES, with up to PARALLEL of them in flight on a small thread pool
 (glide's FFI call releases the GIL while its Rust core waits on the sockets), the
 cluster sends part k+1 while this process verifies and copies part k, and the shards'
-replies overlap more. Measured on the 2-core development VM (3-master loopback cluster,
-medians of 9-11 interleaved rounds, fetch + verify + copy into a buffer, against glide's
-own single pipelined MGET batch, which neither verifies nor copies): 64 pages of 1 MiB,
-glide 110 ms, one batch 110, 2 parts 85, 4 parts 82, 8 parts 70, 16 parts 54 ms. On a
-machine loaded by other work (load average 9), parts of 512 KiB / 1 MiB / 2 MiB with 16
-in flight: 64 x 1 MiB 224 / 131 / 194 ms (glide 321 ms), 512 x 64 KiB 103 / 95 / 106 ms
-(glide 135 ms); 32 in flight instead of 16 changed nothing. Hence 1 MiB, 16.
+replies overlap more. Against glide's own single pipelined MGET batch (which neither
+verifies nor copies), on a loopback cluster in interleaved rounds, more parts in flight
+were faster up to 16, and 32 changed nothing; of parts of 512 KiB, 1 MiB and 2 MiB, 1 MiB
+was the fastest. Hence 1 MiB, 16 (docs/far.md renders the record of a Get through the
+server).
 
 Why the fetching thread lands its part, not the request's thread. The fetch hands each
 page over as a view into glide's reply (client.py's read, inplace.py), valid only until
 the reply is freed, so the copy into the pool has to happen in the fetch, before that;
 and a part done is then copied at once, while its bytes are still in cache, with no hop
-to the request's thread and no wait behind an earlier part still in flight. Through
-two servers on the 2-core development VM (3-master loopback cluster, B's DRAM emptied
-before each Get, the shm client, 41 interleaved rounds, medians, two runs while other
-tests ran on the machine), 64 pages of 1 MiB: parts landed by the request's thread from
-glide's exec 40.1 / 36.0 ms (server CPU 32.9 / 30.5 ms a Get), landed by the fetching
-thread 39.1 / 35.0 (32.4 / 28.3), and read in glide's reply 35.0 / 33.8 (28.8 / 27.3);
-512 pages of 64 KiB: 25.9, 26.0, 25.6 ms, no difference. Since the copies now run in
+to the request's thread and no wait behind an earlier part still in flight (through two
+servers, side by side, this and reading in glide's reply made 1 MiB pages' Gets faster;
+64 KiB pages' the same). Since the copies now run in
 pool threads, read() returns only once no part is running: a reservation aborted after a
 failed read never has a page land in a slot handed to another page.
 

@@ -73,8 +73,8 @@ def command_slot(command: list) -> int:
     """The hash slot of a command's keys (every far command names keys of one slot):
     its first key's. Page names are `<ns>:{<tag>}<key hex>`: the slot is the tag's, so
     only the part up to the tag is hashed (and cached, keys.py). Written for speed: a
-    call routes up to 64 commands; this costs about 1 us a command on the 2-core
-    development VM (a form that upper-cased the verb first, up to twice that)."""
+    call routes up to 64 commands (a form that upper-cased the verb first cost up to
+    twice this)."""
     name = command[3] if command[0] in _SCRIPTED else command[1]
     if not isinstance(name, bytes):
         name = str(name).encode()
