@@ -87,6 +87,10 @@ class ConnectorConfig:
     save: SavePolicy = SavePolicy.ALL
     salt: str = ""                  # namespace for pages (e.g. per deployment or tenant)
     model: str = ""                 # page namespace; "" = the engine's model name
+    # The weights' revision in every layout, so pages of other weights never meet; ""
+    # = the engine's revision, else a fingerprint of the weights' folder
+    # (connector.revision). Set it where weights change under one folder or name.
+    model_revision: str = ""
     token: str = ""                 # credentials for the store (bearer token)
     # TLS to a store across the network (SECURITY.md); "" = plain text, fine on loopback.
     tls_ca: str = ""                # PEM file of the CA that signed the server's certificate

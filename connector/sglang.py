@@ -53,6 +53,7 @@ from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle
 
 from .breaker import Breaker
 from .config import ConnectorConfig, open_client
+from .revision import resolve
 from .sglang_pages import PageCodec, layout_of
 
 if TYPE_CHECKING:
@@ -64,8 +65,8 @@ log = logging.getLogger(__name__)
 
 # ConnectorConfig fields that mean something to this backend; SGLang's own keys
 # (backend_name, module_path, class_name, interface_v1, ...) are left to SGLang.
-_SETTINGS = ("server", "timeout", "probe_interval", "salt", "model", "shared_memory",
-             "token", "tls_ca", "tls_cert", "tls_key")
+_SETTINGS = ("server", "timeout", "probe_interval", "salt", "model", "model_revision",
+             "shared_memory", "token", "tls_ca", "tls_cert", "tls_key")
 # Errors that mean the store is not answering, which open the breaker.
 _NOT_ANSWERING = ("DEADLINE_EXCEEDED", "UNAVAILABLE")
 
@@ -73,6 +74,18 @@ _NOT_ANSWERING = ("DEADLINE_EXCEEDED", "UNAVAILABLE")
 def store_key(key: str) -> bytes:
     """The 16-byte store key of an SGLang page hash (any string format)."""
     return xxhash.xxh3_128_digest(key.encode())
+
+
+def _revision(config: HiCacheStorageConfig, pool, settings: ConnectorConfig) -> str:
+    """The weights' revision (connector.revision): `model_revision` in the storage
+    backend's extra config, else a fingerprint of the model path's folder. SGLang hands
+    a backend its model path (tagged with the host pool's page format, if it has one),
+    not its --revision."""
+    model = config.model_name or ""
+    tag = getattr(pool, "storage_format_tag", None)
+    if tag and model.endswith(f"-{tag}"):
+        model = model[:-len(tag) - 1]
+    return resolve(settings.model_revision, None, model, "SGLang").value
 
 
 @dataclasses.dataclass(slots=True)
@@ -128,7 +141,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
     def register_mem_pool_host(self, mem_pool_host: HostKVCache):
         super().register_mem_pool_host(mem_pool_host)
-        layout = layout_of(self.storage_config, mem_pool_host, self.settings)
+        layout = layout_of(self.storage_config, mem_pool_host, self.settings,
+                           _revision(self.storage_config, mem_pool_host, self.settings))
         self.codec = PageCodec.of(mem_pool_host)
         try:
             self.handle = self.client.register_layout(layout)

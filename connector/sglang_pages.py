@@ -85,7 +85,8 @@ class PageCodec:
         return self.store_order(value.view(torch.uint8).reshape(self.page_shape))
 
 
-def layout_of(config: HiCacheStorageConfig, pool, settings: ConnectorConfig) -> PageLayout:
+def layout_of(config: HiCacheStorageConfig, pool, settings: ConnectorConfig,
+              revision: str = "") -> PageLayout:
     if not isinstance(pool, (MHATokenToKVPoolHost, MLATokenToKVPoolHost)):
         # A hybrid model's host pools (sliding-window, Mamba/linear-attention state)
         # are not pages of one token-major KV layout: refused, never stored wrongly.
@@ -112,4 +113,4 @@ def layout_of(config: HiCacheStorageConfig, pool, settings: ConnectorConfig) -> 
         num_layers=pool.layer_num, page_tokens=pool.page_size, num_kv_heads=heads,
         head_size=head_dim, dtype=str(pool.dtype).removeprefix("torch."),
         kv_factor=1 if mla else 2, tp_rank=tp_rank, tp_size=tp_size,
-        pp_rank=config.pp_rank, salt=salt)
+        pp_rank=config.pp_rank, salt=salt, revision=revision)

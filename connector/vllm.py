@@ -40,6 +40,7 @@ from .groups import CacheGroup, cache_groups
 from .groupworkers import GroupWorkers
 from .kvviews import detect_kind, kv5
 from .meta import StepMeta
+from .revision import resolve
 from .scheduler import SchedulerHalf
 from .worker import SharedStore, WorkerHalf
 
@@ -89,7 +90,7 @@ def _dtype_name(vllm_config: "VllmConfig") -> str:
 
 
 def _layouts(vllm_config: "VllmConfig", config: ConnectorConfig,
-             page_tokens: int) -> tuple[list[PageLayout], bool]:
+             page_tokens: int, revision: str) -> tuple[list[PageLayout], bool]:
     """Every tensor-parallel rank's layout, and whether the model uses MLA."""
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
@@ -103,6 +104,7 @@ def _layouts(vllm_config: "VllmConfig", config: ConnectorConfig,
         pp_rank=getattr(parallel, "rank", 0) // max(parallel.tensor_parallel_size, 1)
         if parallel.pipeline_parallel_size > 1 else 0,
         salt=config.salt,
+        revision=revision,
     )
     if mla:
         # MLA's latent KV is the same on every TP rank: one layout, loaded by all.
@@ -114,12 +116,13 @@ def _layouts(vllm_config: "VllmConfig", config: ConnectorConfig,
 
 
 def _group_layouts(vllm_config: "VllmConfig", config: ConnectorConfig, page_tokens: int,
-                   groups: list[CacheGroup]) -> tuple[list[list[PageLayout]], bool]:
+                   groups: list[CacheGroup], revision: str = ""
+                   ) -> tuple[list[list[PageLayout]], bool]:
     """Every group's layouts (one per rank), and whether the model uses MLA. A model of
     one group keeps the layouts it always had; each group of a hybrid model is its own
     layout: its layers, heads and head size, its scope folded into the salt."""
     if len(groups) == 1:
-        layouts, mla = _layouts(vllm_config, config, page_tokens)
+        layouts, mla = _layouts(vllm_config, config, page_tokens, revision)
         return [layouts], mla
     parallel = vllm_config.parallel_config
     tp = parallel.tensor_parallel_size
@@ -133,7 +136,7 @@ def _group_layouts(vllm_config: "VllmConfig", config: ConnectorConfig, page_toke
             dtype=group.dtype, kv_factor=1 if mla else 2,
             pp_rank=getattr(parallel, "rank", 0) // max(tp, 1)
             if parallel.pipeline_parallel_size > 1 else 0,
-            salt=f"{config.salt}#{group.scope}")
+            salt=f"{config.salt}#{group.scope}", revision=revision)
         out.append([base] if mla else [dataclasses.replace(base, tp_rank=r, tp_size=tp)
                                        for r in range(tp)])
     return out, mla
@@ -200,8 +203,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                      "(WAITING_FOR_REMOTE_KVS): vLLM hears of a failed load only per "
                      "request", len(self.groups))
             self.config = dataclasses.replace(self.config, load_mode=LoadMode.ASYNC)
+        # The weights' revision scopes every layout (connector.revision).
+        model_config = vllm_config.model_config
+        self.revision = resolve(self.config.model_revision, model_config.revision,
+                                model_config.model, "vLLM")
         self.group_layouts, self.mla = _group_layouts(vllm_config, self.config, page_tokens,
-                                                      self.groups)
+                                                      self.groups, self.revision.value)
         # Group 0's layouts first: the scheduler's key chain starts from its seed.
         self.layouts = [layout for layouts in self.group_layouts for layout in layouts]
         self._scheduler: SchedulerHalf | None = None

@@ -175,12 +175,12 @@ def cmd_stats(client: KVStoreClient, args: argparse.Namespace) -> int:
 
 def cmd_layouts(client: KVStoreClient, args: argparse.Namespace) -> int:
     layouts = client.list_layouts()
-    rows = [[s.layout_id.hex(), s.layout.model, s.layout.dtype, s.layout.salt,
-             s.layout.num_layers, s.layout.page_tokens, s.layout.num_kv_heads,
+    rows = [[s.layout_id.hex(), s.layout.model, s.layout.revision, s.layout.dtype,
+             s.layout.salt, s.layout.num_layers, s.layout.page_tokens, s.layout.num_kv_heads,
              s.layout.head_size, s.layout.kv_factor, f"{s.layout.tp_rank}/{s.layout.tp_size}",
              s.layout.pp_rank, _human(s.page_bytes), s.pages] for s in layouts]
     _emit(args, [plain(s) for s in layouts], _table(
-        rows, ["layout id", "model", "dtype", "salt", "layers", "page tokens", "kv heads",
+        rows, ["layout id", "model", "revision", "dtype", "salt", "layers", "page tokens", "kv heads",
                "head size", "kv factor", "tp", "pp", "page bytes", "pages"], 4)
         if rows else "(no layouts registered)")
     return 0
@@ -332,8 +332,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="one layout (a whole id, or a prefix of a layout of this server)")
     what.add_argument("--tenant", metavar="T", help="every layout of this tenant")
     s.add_argument("--revision", metavar="R",
-                   help="with --model: only this revision (the layout's salt until layouts "
-                        "carry a revision)")
+                   help="with --model: only this revision (the layouts' revision, as "
+                        "`layouts` lists it; a layout without one: its salt)")
     s = command("inspect", cmd_inspect, "where one key's page is and how it is used")
     s.add_argument("--layout", type=_layout_prefix, metavar="ID", required=True)
     s.add_argument("key", type=_key, metavar="KEYHEX")

@@ -8,7 +8,7 @@ from .layout import PageLayout
 __all__ = ["layout_to_proto", "layout_from_proto"]
 
 _FIELDS = ("model", "dtype", "num_layers", "page_tokens", "num_kv_heads", "head_size",
-           "kv_factor", "tp_rank", "tp_size", "pp_rank", "salt")
+           "kv_factor", "tp_rank", "tp_size", "pp_rank", "salt", "revision")
 
 
 def layout_to_proto(layout: PageLayout) -> pb.Layout:

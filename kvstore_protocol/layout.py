@@ -49,6 +49,10 @@ class PageLayout:
     tp_size: int = 1
     pp_rank: int = 0
     salt: str = ""  # optional namespace, e.g. per deployment or per tenant
+    # The weights' revision (a commit, a training step, a fingerprint of the weights'
+    # files): pages of two revisions of one model never meet. "" = not known; such a
+    # layout keeps the id it had before revisions existed.
+    revision: str = ""
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -64,6 +68,8 @@ class PageLayout:
             out.append("model must be at most 256 bytes")
         if len(self.salt.encode()) > 256:
             out.append("salt must be at most 256 bytes")
+        if len(self.revision.encode()) > 256:
+            out.append("revision must be at most 256 bytes")
         for name in ("num_layers", "page_tokens", "num_kv_heads", "head_size", "tp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -94,6 +100,10 @@ class PageLayout:
     def canonical(self) -> bytes:
         """A stable byte encoding: the same on every host, Python version and hash seed."""
         model, dtype, salt = (s.encode() for s in (self.model, self.dtype, self.salt))
+        # The revision comes last, length-prefixed, and only when there is one: every
+        # layout without one keeps its id (and its stored pages), and the salt's own
+        # length prefix keeps the two encodings from ever meeting.
+        revision = self.revision.encode()
         return b"".join((
             _ENCODING_TAG,
             struct.pack("<H", len(model)), model,
@@ -102,6 +112,7 @@ class PageLayout:
                         self.head_size, self.kv_factor, self.tp_rank, self.tp_size,
                         self.pp_rank),
             struct.pack("<H", len(salt)), salt,
+            struct.pack("<H", len(revision)) + revision if revision else b"",
         ))
 
     @property

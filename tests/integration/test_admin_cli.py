@@ -197,7 +197,8 @@ def test_layouts_human_and_json(shared):
     b = entries[shared.b.layout_id.hex()]
     assert b["layout"] == {"model": "mla-test", "dtype": "float16", "num_layers": 8,
                            "page_tokens": 32, "num_kv_heads": 1, "head_size": 128,
-                           "kv_factor": 1, "tp_rank": 1, "tp_size": 2, "pp_rank": 0, "salt": ""}
+                           "kv_factor": 1, "tp_rank": 1, "tp_size": 2, "pp_rank": 0, "salt": "",
+                           "revision": ""}
     assert b["page_bytes"] == LAYOUT_B.page_bytes and b["pages"] == N_B
 
 

@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Layout(_message.Message):
-    __slots__ = ("model", "dtype", "num_layers", "page_tokens", "num_kv_heads", "head_size", "kv_factor", "tp_rank", "tp_size", "pp_rank", "salt")
+    __slots__ = ("model", "dtype", "num_layers", "page_tokens", "num_kv_heads", "head_size", "kv_factor", "tp_rank", "tp_size", "pp_rank", "salt", "revision")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class Layout(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     PP_RANK_FIELD_NUMBER: _ClassVar[int]
     SALT_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     num_layers: int
@@ -33,7 +34,8 @@ class Layout(_message.Message):
     tp_size: int
     pp_rank: int
     salt: str
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_tokens: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., kv_factor: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., salt: _Optional[str] = ...) -> None: ...
+    revision: str
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_tokens: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., kv_factor: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., salt: _Optional[str] = ..., revision: _Optional[str] = ...) -> None: ...
 
 class PackedKeys(_message.Message):
     __slots__ = ("data", "key_size")
