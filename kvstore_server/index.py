@@ -60,6 +60,11 @@ _LIVE_META = np.uint64(_LIVE << 32)  # a meta at least this is a live entry
 _AHEAD = np.arange(8)          # buckets an insert reads per round
 _STEPS = np.arange(1, 1 << 14)  # 1, 2, ...: offsets past the homes in one probe
 _REACH_BYTE = 0 if sys.byteorder == "little" else 7   # the reach's byte in a meta word
+# Up to this many keys, find and insert walk Python ints, key by key (_find_one,
+# _insert_few). Why: the batch forms cost about 20 and 60 numpy calls whatever the count,
+# and an engine's remote calls name a layer's or a block's few pages; key by key is the
+# cheaper up to about 14 keys for a find (docs/fastpath.md, "Per call").
+_FEW = 8
 
 # Odd 64-bit constants (from MurmurHash3's fmix64): multiplying by one is a bijection.
 _K1 = np.uint64(0xFF51AFD7ED558CCD)
@@ -124,8 +129,8 @@ class KeyIndex:
     def find(self, keys) -> np.ndarray:
         """The slot of each key, -1 where absent. keys: (n, key_size) uint8, or bytes."""
         words = self._words(keys)
-        if len(words) == 1:
-            return np.array([self._find_one(words[0].tolist())], dtype=np.int64)
+        if len(words) <= _FEW:
+            return np.array([self._find_one(w) for w in words.tolist()], dtype=np.int64)
         return self._find(words, self._home(_hash(words, self._seed)))
 
     def find_one(self, key: bytes) -> int:
@@ -161,6 +166,9 @@ class KeyIndex:
             raise ValueError(f"{len(words)} keys but {len(slots)} slots")
         if not len(words):
             return
+        if len(words) <= _FEW:
+            self._insert_few(words, slots.tolist())
+            return
         ordered = np.sort(slots)
         if ordered[0] < 0 or ordered[-1] > MAX_SLOT:
             raise ValueError(f"slot ids must be in 0..{MAX_SLOT}")
@@ -188,6 +196,59 @@ class KeyIndex:
         self._place(rows, h)
         if self.watch is not None:
             self.watch(words, 1)
+
+    def _insert_few(self, words: np.ndarray, slots: list[int]) -> None:
+        """insert() of a few keys (_FEW), in Python ints: the same checks, then each
+        record into the first free bucket from its home, as _place does."""
+        if min(slots) < 0 or max(slots) > MAX_SLOT:
+            raise ValueError(f"slot ids must be in 0..{MAX_SLOT}")
+        if len(set(slots)) < len(slots):
+            raise ValueError("repeated slot id in one insert")
+        pos = self._pos
+        if any(slot < len(pos) and pos[slot] >= 0 for slot in slots):
+            raise ValueError("slot id already holds a key")
+        rows = words.tolist()
+        if len(set(map(tuple, rows))) < len(rows):
+            raise ValueError("repeated key in one insert")
+        if any(self._find_one(row) >= 0 for row in rows):
+            raise ValueError("key already present")
+
+        if 2 * (self._live + self._tombs + len(rows)) > len(self._table):
+            self._rehash(max(len(self._table), self._fit(len(rows))))
+        top = max(slots)
+        if top >= len(self._pos):
+            more = max(top + 1 - len(self._pos), len(self._pos))
+            self._pos = np.pad(self._pos, (0, more), constant_values=-1)
+        self._live += len(rows)
+        for row, slot in zip(rows, slots):
+            self._place_one(row, slot)
+        if self.watch is not None:
+            self.watch(words, 1)
+
+    def _place_one(self, row: list[int], slot: int) -> None:
+        """One record into the first free bucket from its home (an empty one or a
+        tombstone: the bucket keeps its reach), its home's reach raised to cover it."""
+        table = self._table
+        nw, mask = self._nw, len(table) - 1
+        home = self._hash_one(row)
+        at = home
+        while True:
+            meta = int(table[at, nw])
+            if meta >> 32 < _LIVE:
+                break
+            at = (at + 1) & mask
+        if meta >> 32 == 1:                      # a tombstone
+            self._tombs -= 1
+        table[at, :nw] = row
+        table[at, nw] = ((slot + _LIVE) << 32) | (meta & 0xFF)
+        self._pos[slot] = at
+        far = (at - home) & mask
+        if far > _MAX_REACH:                     # as _place: never seen at a load of 1/2
+            self._rehash(2 * len(table))
+            return
+        home_meta = int(table[home, nw])
+        if far > home_meta & 0xFF:
+            table[home, nw] = (home_meta & ~0xFF) | far
 
     def remove_slots(self, slots) -> None:
         """Remove the entries held by slots (a slot repeated is removed once); KeyError
@@ -249,16 +310,20 @@ class KeyIndex:
             self._probe(slot, far, words[far], home[far], reach[far])
         return slot
 
-    def _find_one(self, words: list[int]) -> int:
-        """One key's slot, -1 if absent: the same hash and probe as _find, in Python
-        ints. Why: a same-host acquire or a one-page get names one key, and _find's ~20
-        numpy calls on arrays of one cost several times this."""
+    def _hash_one(self, words: list[int]) -> int:
+        """One key's home bucket: _hash and _home in Python ints."""
         h = (words[0] ^ self._seed_int) & _MASK
         h = ((h ^ (h >> 32)) * _K1_INT) & _MASK
         for word in words[1:]:
             h ^= word
             h = ((h ^ (h >> 32)) * _K2_INT) & _MASK
-        home = h >> int(self._bits)
+        return h >> self._bits_int
+
+    def _find_one(self, words: list[int]) -> int:
+        """One key's slot, -1 if absent: the same hash and probe as _find, in Python
+        ints. Why: a same-host acquire or a one-page get names one key, and _find's ~20
+        numpy calls on arrays of one cost several times this."""
+        home = self._hash_one(words)
         nw = self._nw
         table = self._table
         row = table[home].tolist()
@@ -355,6 +420,7 @@ class KeyIndex:
     def _new_table(self, buckets: int) -> None:
         self._table = np.zeros((buckets, self._rw), dtype=np.uint64)
         self._bits = np.uint64(64 - (buckets.bit_length() - 1))   # h >> this = home
+        self._bits_int = int(self._bits)
         self._tombs = 0                                # tombstones count toward load
 
     def _rehash(self, buckets: int) -> None:

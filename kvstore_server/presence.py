@@ -23,6 +23,10 @@ __all__ = ["AREA_BYTES", "Presence"]
 _MIX = np.uint64(MIX)
 _SHIFT = np.uint64(64 - BITS)
 _STUCK = 255                         # a counter that reached it is never lowered again
+_SHIFT_INT, _MASK = 64 - BITS, (1 << 64) - 1
+# Up to this many keys a batch is counted in Python ints: the batch form's ~12 numpy calls
+# (np.unique among them) cost more than a few keys' arithmetic in Python.
+_FEW = 8
 
 # watch(words, delta): a batch of keys as (n, words) uint64, each zero-padded, +1 or -1.
 Watch = Callable[[np.ndarray, int], None]
@@ -46,9 +50,13 @@ class Presence:
     def watch(self, layout_id: bytes) -> Watch:
         """The KeyIndex watch of one layout's keys (layout_id: the id clients send)."""
         layout_salt = np.uint64(salt(layout_id))
+        layout_int = int(layout_salt)
 
         def counted(words: np.ndarray, delta: int) -> None:
             if not len(words):
+                return
+            if len(words) <= _FEW:
+                self._count_few(layout_int, words.tolist(), delta)
                 return
             acc = np.full(len(words), layout_salt, dtype=np.uint64)
             for j in range(words.shape[1]):
@@ -62,6 +70,18 @@ class Presence:
         new = np.clip(old + delta * times, 0, _STUCK)
         new[old == _STUCK] = _STUCK
         self._counts[at] = new.astype(np.uint8)
+
+    def _count_few(self, layout_salt: int, rows: list[list[int]], delta: int) -> None:
+        """counted() of a few keys in Python ints: the same buckets and counts."""
+        counts = self._counts
+        for row in rows:
+            acc = layout_salt
+            for word in row:
+                acc = ((acc ^ word) * MIX) & _MASK
+            at = acc >> _SHIFT_INT
+            old = int(counts[at])
+            if old != _STUCK:
+                counts[at] = min(max(old + delta, 0), _STUCK)
 
     def start(self) -> None:
         """Describe the map in the header and beat: clients may use it from now on (the

@@ -249,3 +249,34 @@ def test_one_key_finds_what_a_batch_finds(key_size):
     assert [index.find_one(row.tobytes()) for row in everything] == batch.tolist()
     with pytest.raises(ValueError, match="expected"):
         index.find_one(bytes(key_size + 1))
+
+
+@pytest.mark.parametrize("key_size", [2, 16, 20, 64])
+def test_few_keys_take_python_ints_and_agree_with_the_batch(key_size):
+    """insert() and find() of up to _FEW keys walk Python ints (_insert_few, _find_one):
+    keys put a few at a time, among tombstones, through growth and rehashes, must be
+    found as a dict finds them, by both paths."""
+    rng = np.random.default_rng(100 + key_size)
+    pool = key_pool(key_size, 4000, rng)
+    ix, model = KeyIndex(key_size, capacity=8), {}
+    free = list(range(len(pool)))[::-1]
+    for step in range(800):
+        absent = [k for k in pool if k not in model]
+        n = int(rng.integers(1, index_module._FEW + 1))
+        new = [absent[i] for i in rng.choice(len(absent), n, replace=False)]
+        slots = [free.pop() for _ in new]
+        ix.insert(packed(new), slots)
+        model.update(zip(new, slots))
+        if step % 3 == 0:                                  # leave tombstones behind
+            key, slot = next(iter(model.items()))
+            ix.remove_slots([slot])
+            del model[key]
+            free.append(slot)
+        query = [pool[i] for i in rng.choice(len(pool), index_module._FEW)]
+        assert ix.find(packed(query)).tolist() == [model.get(k, -1) for k in query]
+        check_load(ix)
+    assert ix.find(packed(pool)).tolist() == [model.get(k, -1) for k in pool]
+    for key, slot in list(model.items())[:50]:
+        assert ix.key_of(slot) == key
+    with pytest.raises(ValueError, match="already present"):
+        ix.insert(packed([next(iter(model))]), [free.pop()])

@@ -76,3 +76,30 @@ def test_the_header_names_the_area_and_beats_until_stopped():
 def test_the_area_must_be_its_size():
     with pytest.raises(ValueError, match="presence area"):
         Presence(np.zeros(4096, np.uint8), np.zeros(1024, np.uint8), 0)
+
+
+@pytest.mark.parametrize("key_size", [7, 16, 64])
+def test_a_few_keys_at_a_time_count_as_one_batch_does(key_size):
+    """A batch of up to _FEW keys is counted in Python ints: the map must come out as
+    when the same keys come in one batch, up and down, the stuck counter included."""
+    from kvstore_server import presence as server_side
+    rng = np.random.default_rng(key_size)
+    keys = np.unique(rng.integers(0, 256, (300, key_size), dtype=np.uint8), axis=0)
+    words = np.zeros((len(keys), -(-key_size // 8) * 8), np.uint8)
+    words[:, :key_size] = keys
+    words = words.view(np.uint64)
+    batch, _, batch_area = _map()
+    few, _, few_area = _map()
+    for p, area in ((batch, batch_area), (few, few_area)):
+        area[client_side.bucket(client_side.salt(LAYOUT), keys[0].tobytes())] = 254
+    by_batch, by_few = batch.watch(LAYOUT), few.watch(LAYOUT)
+    by_batch(np.concatenate([words, words[:1], words[:1]]), 1)
+    for lo in range(0, len(words), server_side._FEW):
+        by_few(words[lo:lo + server_side._FEW], 1)
+    by_few(words[:1], 1)
+    by_few(words[:1], 1)
+    assert np.array_equal(batch_area, few_area) and few_area.max() == 255
+    by_batch(words[::2], -1)
+    for row in words[::2]:
+        by_few(row[None, :], -1)
+    assert np.array_equal(batch_area, few_area)
