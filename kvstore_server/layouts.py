@@ -70,14 +70,13 @@ class LayoutInfo:
     bytes_in: int = 0
     bytes_out: int = 0
     served: int = 0                 # pages handed out by Acquire (StoreStats.served)
+    # The layout's, computed once: each was three property calls, on every request.
+    page_bytes: int = dataclasses.field(init=False)
+    layer_bytes: int = dataclasses.field(init=False)
 
-    @property
-    def page_bytes(self) -> int:
-        return self.layout.page_bytes
-
-    @property
-    def layer_bytes(self) -> int:
-        return self.layout.layer_bytes
+    def __post_init__(self) -> None:
+        self.page_bytes = self.layout.page_bytes
+        self.layer_bytes = self.layout.layer_bytes
 
     def index_for(self, key_size: int) -> KeyIndex:
         """The READY index of keys of this size, made on first use."""

@@ -35,6 +35,10 @@ __all__ = ["StoreLeases", "owns"]
 log = logging.getLogger("kvstore_server.store")
 
 DOOMED = SlotState.DOOMED
+# The same as a plain int, for numpy: an IntEnum compared with an array sends numpy's
+# attribute probes through the enum's metaclass (~3 us a comparison on the dev VM).
+_DOOMED = int(DOOMED)
+_FEW_PINS = 8          # up to this many slots, pins are counted one by one (see _pin)
 
 
 def owns(tenant: str | None, lease: Lease) -> bool:
@@ -99,28 +103,32 @@ class StoreLeases:
                 self._unpin(lease.slots)
             return True
 
-    # One page is the common acquire of a same-host engine's hot path, and numpy's
-    # ufunc.at and fancy indexing on arrays of one element cost ~1.5 us a call each:
-    # pin + unpin of one slot took 7.9 us that way, 1.3 as scalar reads and writes
-    # (dev VM). Many slots keep the vector form (SlotTable.add_pins: a key may repeat).
-    # A numpy scalar compared with an IntEnum asks the enum for numpy's dunders (3 us):
-    # int().
+    # A few pages (up to _FEW_PINS) are the common acquire of an engine's hot path, and
+    # numpy's ufunc.at and fancy indexing cost ~1.5 us a call each even on arrays of one:
+    # pin + unpin of one slot took 7.9 us that way, 1.3 as scalar reads and writes (dev
+    # VM). Many slots keep the vector form (SlotTable.add_pins: a key may repeat; a
+    # scalar loop counts repeats by itself).
     def _pin(self, slots: np.ndarray) -> None:
-        if len(slots) == 1:
-            self._slots.pins[slots[0]] += 1
+        if len(slots) <= _FEW_PINS:
+            pins = self._slots.pins
+            for slot in slots.tolist():
+                pins[slot] += 1
         else:
             self._slots.add_pins(slots, 1)
 
     def _unpin(self, slots: np.ndarray) -> None:
-        pins = self._slots.pins
-        if len(slots) == 1:
-            slot = slots[0]
-            pins[slot] -= 1
-            if pins[slot] == 0 and int(self._slots.state[slot]) == DOOMED:   # int: see above
-                self._free(slots.copy())
+        if len(slots) <= _FEW_PINS:
+            pins, state = self._slots.pins, self._slots.state
+            doomed = []
+            for slot in slots.tolist():
+                pins[slot] -= 1
+                if pins[slot] == 0 and state[slot] == _DOOMED:
+                    doomed.append(slot)
+            if doomed:
+                self._free(np.array(doomed, dtype=np.int64))
             return
         self._slots.add_pins(slots, -1)
-        doomed = slots[(self._slots.state[slots] == DOOMED) & (self._slots.pins[slots] == 0)]
+        doomed = slots[(self._slots.state[slots] == _DOOMED) & (self._slots.pins[slots] == 0)]
         if doomed.size:
             self._free(np.unique(doomed))
 
