@@ -149,6 +149,8 @@ class Pool:
                 c.partial.pop(self._extent_id(ext), None)
         self.used_bytes += len(out) * c.slot_bytes
         ids = np.array(out, dtype=np.int64)
+        if len(out) < 2:
+            return ids
         # In offset order, so the pages of one put lie in adjacent slots wherever the free
         # slots allow: a reader then moves a run of pages with one copy (one cudaMemcpy
         # instead of one per page; see bench/shm_bench.py, "pool runs").

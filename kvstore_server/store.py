@@ -81,6 +81,13 @@ def _leading(slots: np.ndarray) -> int:
     return int(np.argmin(slots >= 0)) if (slots < 0).any() else len(slots)
 
 
+def _absent(slots: np.ndarray) -> list[int]:
+    """Indices of the -1 entries."""
+    if len(slots) <= _FEW_LEADING:
+        return [i for i, slot in enumerate(slots.tolist()) if slot < 0]
+    return np.flatnonzero(slots < 0).tolist()
+
+
 class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
     """Pages of every layout in one shared region, with leases and policy eviction."""
 
@@ -310,11 +317,10 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
         keys = Packed.of(keys)
         with self._lock:
             info = self.info(layout_id)
-            slots = np.full(len(keys), -1, dtype=np.int64)
             wanted = []
             seen = set()
             in_flight = 0
-            for i in np.flatnonzero(self._find(info, keys) < 0).tolist():
+            for i in _absent(self._find(info, keys)):
                 key = keys.key(i)
                 if key in info.writing:
                     in_flight += 1
@@ -335,7 +341,6 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
                                  "written")
             new_keys = keys.select(wanted)
             self._slots.grow(self.pool.id_capacity)
-            slots[wanted] = got
             self._slots.take(got, info.idx, keys.size)
             for key, slot in zip(new_keys, got.tolist()):
                 info.writing[key] = slot
@@ -345,8 +350,23 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
                                        info.idx, new_keys, owner=info.tenant)
             if self.pool.used_bytes > self.high_watermark * self.pool.capacity_bytes:
                 self.pressure.set()
-            offsets = np.where(slots >= 0, self.pool.offset[np.maximum(slots, 0)], -1)
+            slots, offsets = self._placed(len(keys), wanted, got)
             return Reservation(lease.lease_id, info, slots, offsets, in_flight)
+
+    def _placed(self, n: int, wanted: list[int], got: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """(slot, pool offset) of each of n keys: got[j] for key wanted[j], -1 for the
+        rest. A few keys as Python ints (see _FEW_LEADING): the array form is 5 calls."""
+        if n <= _FEW_LEADING:
+            slot_list, off_list = [-1] * n, [-1] * n
+            offset = self.pool.offset
+            for i, slot in zip(wanted, got.tolist()):
+                slot_list[i] = slot
+                off_list[i] = int(offset[slot])
+            return np.array(slot_list, dtype=np.int64), np.array(off_list, dtype=np.int64)
+        slots = np.full(n, -1, dtype=np.int64)
+        slots[wanted] = got
+        return slots, np.where(slots >= 0, self.pool.offset[np.maximum(slots, 0)], -1)
 
     def commit(self, lease_id: int, tenant: str | None = None, *,
                write_through: bool = True) -> int:
