@@ -48,7 +48,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["MAX_SLOT", "KeyIndex"]
+__all__ = ["FEW_KEYS", "MAX_SLOT", "KeyIndex"]
 
 MAX_SLOT = (1 << 31) - 1      # slot ids fit the 32-bit ref with room for the two codes
 _LIVE = 2                     # ref of a live entry: slot + _LIVE
@@ -64,7 +64,7 @@ _REACH_BYTE = 0 if sys.byteorder == "little" else 7   # the reach's byte in a me
 # _insert_few). Why: the batch forms cost about 20 and 60 numpy calls whatever the count,
 # and an engine's remote calls name a layer's or a block's few pages; key by key is the
 # cheaper up to about 14 keys for a find (docs/fastpath.md, "Per call").
-_FEW = 8
+_FEW = FEW_KEYS = 8
 
 # Odd 64-bit constants (from MurmurHash3's fmix64): multiplying by one is a bijection.
 _K1 = np.uint64(0xFF51AFD7ED558CCD)
@@ -132,6 +132,23 @@ class KeyIndex:
         if len(words) <= _FEW:
             return np.array([self._find_one(w) for w in words.tolist()], dtype=np.int64)
         return self._find(words, self._home(_hash(words, self._seed)))
+
+    def find_few(self, data: bytes) -> list[int]:
+        """find() of up to _FEW keys given packed (n * key_size bytes), as a list: the
+        words are read from the bytes, with no numpy call at all."""
+        ks, nw = self.key_size, self._nw
+        if len(data) % ks:
+            raise ValueError(f"{len(data)} bytes is not a whole number of {ks}-byte keys")
+        if ks % 8 == 0:
+            words = memoryview(data).cast("B").cast("Q").tolist()
+            return [self._find_one(words[i:i + nw]) for i in range(0, len(words), nw)]
+        order = sys.byteorder
+        out = []
+        for at in range(0, len(data), ks):
+            padded = bytes(data[at:at + ks]).ljust(8 * nw, b"\0")
+            out.append(self._find_one([int.from_bytes(padded[i:i + 8], order)
+                                       for i in range(0, 8 * nw, 8)]))
+        return out
 
     def find_one(self, key: bytes) -> int:
         """One key's slot, -1 if absent, with no numpy call on the way in (see

@@ -48,6 +48,7 @@ from .pool import Pool
 from .quota import TenantLedger
 from .presence import AREA_BYTES, Presence
 from .region import HEADER_BYTES, Region
+from .index import FEW_KEYS
 from .slots import SlotState, SlotTable
 from .store_admin import StoreAdmin
 from .store_below import PROBE_CHUNK, StoreBelow
@@ -188,6 +189,8 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
         index = info.ready.get(keys.size)
         if index is None or not len(keys):
             return np.full(len(keys), -1, dtype=np.int64)
+        if len(keys) <= FEW_KEYS:            # no numpy call on the way (index.find_few)
+            return np.array(index.find_few(keys.data), dtype=np.int64)
         return index.find(keys.rows)
 
     def _touch(self, slots: np.ndarray) -> None:

@@ -280,3 +280,21 @@ def test_few_keys_take_python_ints_and_agree_with_the_batch(key_size):
         assert ix.key_of(slot) == key
     with pytest.raises(ValueError, match="already present"):
         ix.insert(packed([next(iter(model))]), [free.pop()])
+
+
+@pytest.mark.parametrize("key_size", [3, 8, 16, 20, 64])
+def test_find_few_reads_packed_bytes_as_find_does(key_size):
+    """find_few reads a few keys' words from their packed bytes (no numpy): the same
+    answers as find, for keys at home, past it and absent; a ragged length is refused."""
+    rng = np.random.default_rng(key_size)
+    index = KeyIndex(key_size, capacity=64, seed=key_size)
+    stored = np.unique(rng.integers(0, 256, (2000, key_size), dtype=np.uint8), axis=0)
+    index.insert(stored, np.arange(len(stored)))
+    index.remove_slots(np.arange(0, len(stored), 5))
+    absent = rng.integers(0, 256, (200, key_size), dtype=np.uint8)
+    everything = np.concatenate([stored, absent])
+    for lo in range(0, len(everything), index_module.FEW_KEYS):
+        chunk = everything[lo:lo + index_module.FEW_KEYS]
+        assert index.find_few(chunk.tobytes()) == index.find(chunk).tolist()
+    with pytest.raises(ValueError, match="whole number"):
+        index.find_few(bytes(key_size + 1))
