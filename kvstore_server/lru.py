@@ -21,7 +21,7 @@ import numpy as np
 __all__ = ["POLICY", "LRUPolicy"]
 
 # Up to this many ids a touch is scalar stores (an engine's one-page or one-block call):
-# np.arange and a fancy store cost ~2 us warm, a scalar store ~0.1.
+# np.arange and a fancy store cost many scalar stores.
 _FEW = 8
 
 

@@ -27,7 +27,7 @@ class SlotState(enum.IntEnum):
 
 
 # Plain ints for numpy stores: an IntEnum sends numpy's attribute probes through the
-# enum's metaclass, ~3 us a store on the dev VM.
+# enum's metaclass on every store.
 _FREE, _WRITING = int(SlotState.FREE), int(SlotState.WRITING)
 
 
@@ -77,7 +77,7 @@ class SlotTable:
 
     def take(self, slots: np.ndarray, layout: int, key_size: int) -> None:
         """Reserved slots: WRITING, pinned by their reservation, owned by a layout."""
-        if len(slots) <= 8:          # scalar stores: 4 fancy ones cost ~6 us (dev VM)
+        if len(slots) <= 8:          # a few: scalar stores, cheaper than 4 fancy ones
             for slot in slots.tolist():
                 self.state[slot] = _WRITING
                 self.pins[slot] += 1

@@ -36,7 +36,7 @@ log = logging.getLogger("kvstore_server.store")
 
 DOOMED = SlotState.DOOMED
 # The same as a plain int, for numpy: an IntEnum compared with an array sends numpy's
-# attribute probes through the enum's metaclass (~3 us a comparison on the dev VM).
+# attribute probes through the enum's metaclass on every comparison.
 _DOOMED = int(DOOMED)
 _FEW_PINS = 8          # up to this many slots, pins are counted one by one (see _pin)
 
@@ -104,10 +104,9 @@ class StoreLeases:
             return True
 
     # A few pages (up to _FEW_PINS) are the common acquire of an engine's hot path, and
-    # numpy's ufunc.at and fancy indexing cost ~1.5 us a call each even on arrays of one:
-    # pin + unpin of one slot took 7.9 us that way, 1.3 as scalar reads and writes (dev
-    # VM). Many slots keep the vector form (SlotTable.add_pins: a key may repeat; a
-    # scalar loop counts repeats by itself).
+    # numpy's ufunc.at and fancy indexing cost as much on an array of one as on hundreds:
+    # a few scalar reads and writes cost less. Many slots keep the vector form
+    # (SlotTable.add_pins: a key may repeat; a scalar loop counts repeats by itself).
     def _pin(self, slots: np.ndarray) -> None:
         if len(slots) <= _FEW_PINS:
             pins = self._slots.pins
