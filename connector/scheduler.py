@@ -426,6 +426,12 @@ class SchedulerHalf:
         blocks = self._unconfirmed.blocks_of(req_ids)
         return self.load_failed_blocks(blocks) if blocks else []
 
+    def stored_keys(self, req_id: str) -> list[bytes]:
+        """Keys of the request's leading pages known stored: hit, or planned for saving
+        (for session retention, connector.retention)."""
+        state = self._requests.get(req_id)
+        return [] if state is None else state.keys[:state.saved_pages]
+
     def finished(self, req_id: str) -> None:
         """The request is done (or aborted); nothing of it is held for later."""
         state = self._requests.pop(req_id, None)

@@ -40,6 +40,7 @@ from .groups import CacheGroup, cache_groups
 from .groupworkers import GroupWorkers
 from .kvviews import detect_kind, kv5
 from .meta import StepMeta
+from .retention import Retainer, RetainAsk, ask_of
 from .revision import resolve
 from .scheduler import SchedulerHalf
 from .worker import SharedStore, WorkerHalf
@@ -212,6 +213,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # Group 0's layouts first: the scheduler's key chain starts from its seed.
         self.layouts = [layout for layouts in self.group_layouts for layout in layouts]
         self._scheduler: SchedulerHalf | None = None
+        self.retainer: Retainer | None = None
+        self._retain_after_save: dict[str, tuple[RetainAsk, list[bytes]]] = {}
         self._worker: GroupWorkers | None = None
         self._requests: dict[str, "Request"] = {}     # live scheduler objects
         # Requests a save was planned for: their blocks outlive them until the workers
@@ -224,6 +227,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerHalf(self.config, self.layouts, self.block_size,
                                             lag=vllm_config.max_concurrent_batches,
                                             groups=self.groups)
+            # Session retention asked in kv_transfer_params (connector.retention): sent
+            # once a request's saves have landed, off the loop.
+            self.retainer = Retainer(self._scheduler.store)
         log.info("kvstore connector (%s) for %s: server %s, %d-token pages, %s loads, "
                  "KV-cache groups: %s", role.name.lower(), self.layouts[0].model,
                  self.config.server, page_tokens, self.config.load_mode.value,
@@ -293,6 +299,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 log.warning("kvstore loads failed for %s: recomputing", failed)
         for req_id in connector_output.finished_recving or ():
             self._sched.load_finished(req_id)
+        if self._retain_after_save and connector_output.finished_sending:
+            for req_id in connector_output.finished_sending:
+                waiting = self._retain_after_save.pop(req_id, None)
+                if waiting is not None and self.retainer is not None:
+                    self.retainer.submit(*waiting)
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -301,10 +312,30 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # once its save copies have landed. The workers track the same plans, so they
         # report exactly these requests.
         self._requests.pop(request.request_id, None)
-        self._sched.finished(request.request_id)
         delay = request.request_id in self._saving
+        if request.kv_transfer_params:
+            self._retain(request, delay)
+        self._sched.finished(request.request_id)
         self._saving.discard(request.request_id)
         return delay, None
+
+    def _retain(self, request: "Request", after_save: bool) -> None:
+        """A request's session retention (connector.retention): sent now, or once its
+        saves have landed (finished_sending)."""
+        if self.retainer is None:
+            return
+        try:
+            ask = ask_of(request.kv_transfer_params)
+        except ValueError as exc:
+            self.retainer.malformed(request.request_id, exc)
+            return
+        if ask is None:
+            return
+        waiting = (ask, self._sched.stored_keys(request.request_id))
+        if after_save:
+            self._retain_after_save[request.request_id] = waiting
+        else:
+            self.retainer.submit(*waiting)
 
     def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
@@ -397,4 +428,6 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.close()
         if self._scheduler is not None:
+            if self.retainer is not None:
+                self.retainer.close(self.config.timeout + 0.5)
             self._scheduler.close()

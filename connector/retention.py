@@ -1,0 +1,182 @@
+"""Session retention asked for by a request: its prefix kept in the store's DRAM for a TTL.
+
+An agent's session comes back turn after turn with a growing prefix; between turns other
+traffic may evict it. A request may ask, in vLLM's `kv_transfer_params`:
+
+    {"kvstore_retain": {"session": "agent-42", "ttl_s": 600}}
+    {"kvstore_retain": {"session": "agent-42", "release": true}}     # the last turn
+
+Once the request's pages are saved (vLLM's finished_sending for it; at once if nothing
+was to be saved), the connector asks the store to retain the leading pages the request
+is known to have stored (hits and saves), under that session, in every layout the engine
+writes (kvstore_client.KVStoreClient.retain); `release` ends the session instead, after the
+request's own pages are saved. The calls go on a thread of their own, never on the
+scheduler's loop, behind the scheduler half's breaker (a store that does not answer is
+not asked). A retention the store refuses (the tenant's quota or session cap) is a
+counted answer and a log line, and the request is served as ever; so is a malformed ask.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvstore_client import KVStoreError
+
+from .lookups import StoreLookups
+
+__all__ = ["PARAM", "RetainAsk", "RetentionCounts", "Retainer", "ask_of"]
+
+log = logging.getLogger(__name__)
+
+PARAM = "kvstore_retain"        # the key in a request's kv_transfer_params
+MAX_TTL_S = 86_400.0            # the store's own bound (a day)
+MAX_SESSION_BYTES = 256
+_QUEUED = 4096                  # asks waiting for the thread; past it they are dropped
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RetainAsk:
+    """What one request asked for: keep its prefix for `session`, or end the session."""
+
+    session: str
+    ttl_s: float = 0.0
+    release: bool = False
+
+
+@dataclasses.dataclass(slots=True)
+class RetentionCounts:
+    """What became of the asks since the connector started."""
+
+    asked: int = 0          # requests that asked (retain or release)
+    retained: int = 0       # retains the store kept
+    pages: int = 0          # pages those retains named, summed over layouts
+    refused: int = 0        # retains the store refused (quota, session cap)
+    released: int = 0       # releases sent
+    failed: int = 0         # calls that failed, or were not made (store not answering)
+    malformed: int = 0      # asks that did not parse (ignored, the request served)
+    dropped: int = 0        # asks past the queue's bound
+
+
+def ask_of(params: Mapping[str, Any] | None) -> RetainAsk | None:
+    """The request's ask (None: none); ValueError saying why a malformed one is ignored."""
+    if not params or PARAM not in params:
+        return None
+    value = params[PARAM]
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{PARAM} must be an object, got {type(value).__name__}")
+    unknown = set(value) - {"session", "ttl_s", "release"}
+    if unknown:
+        raise ValueError(f"{PARAM}: unknown keys {sorted(unknown)}")
+    session = value.get("session")
+    if not isinstance(session, str) or not 0 < len(session.encode()) <= MAX_SESSION_BYTES:
+        raise ValueError(f"{PARAM}: session must be a string of 1-{MAX_SESSION_BYTES} bytes")
+    if value.get("release", False) is True:
+        return RetainAsk(session, release=True)
+    ttl = value.get("ttl_s")
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= MAX_TTL_S:
+        raise ValueError(f"{PARAM}: ttl_s must be a number of seconds in (0, {MAX_TTL_S:g}]")
+    return RetainAsk(session, float(ttl))
+
+
+class Retainer:
+    """Sends the asks of finished requests to the store, on a thread of its own."""
+
+    def __init__(self, store: StoreLookups) -> None:
+        self.store = store
+        self.counts = RetentionCounts()
+        self._queue: collections.deque[tuple[RetainAsk, tuple[bytes, ...]]] = \
+            collections.deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._busy = False
+        self._warned: dict[str, float] = {}     # refusal reason -> when last logged
+        self._thread = threading.Thread(target=self._run, name="kvstore-retain", daemon=True)
+        self._thread.start()
+
+    def submit(self, ask: RetainAsk, keys: Sequence[bytes]) -> None:
+        """Queue one request's ask with the keys of its stored leading pages."""
+        with self._cv:
+            self.counts.asked += 1
+            if len(self._queue) >= _QUEUED:
+                self.counts.dropped += 1
+                return
+            self._queue.append((ask, tuple(keys)))
+            self._cv.notify()
+
+    def malformed(self, req_id: str, exc: ValueError) -> None:
+        """Count and log an ask that did not parse (the request is served as ever)."""
+        with self._cv:
+            self.counts.malformed += 1
+        log.warning("request %s: ignoring its %s (%s)", req_id, PARAM, exc)
+
+    def idle(self) -> bool:
+        """Nothing queued or in flight (for tests and shutdown)."""
+        with self._cv:
+            return not self._queue and not self._busy
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                ask, keys = self._queue.popleft()
+                self._busy = True
+            try:
+                self._send(ask, keys)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _send(self, ask: RetainAsk, keys: tuple[bytes, ...]) -> None:
+        if not self.store.breaker.allow():
+            self._count(failed=1)
+            return
+        client = self.store.client
+        try:
+            if ask.release:
+                client.release_retention(ask.session)
+                self._count(released=1)
+                return
+            if not keys:
+                return
+            for handle in self.store.handles():
+                got = client.retain(handle, keys, ask.session, ask.ttl_s)
+                if got.refused:
+                    self._count(refused=1)
+                    self._refused(ask.session, got.refused)
+                    return
+                self._count(pages=got.pages)
+            self._count(retained=1)
+        except KVStoreError as exc:
+            self._count(failed=1)
+            log.warning("retaining session %r failed: %s", ask.session, exc)
+
+    def _count(self, **add: int) -> None:
+        with self._cv:
+            for name, value in add.items():
+                setattr(self.counts, name, getattr(self.counts, name) + value)
+
+    def _refused(self, session: str, reason: str) -> None:
+        """One WARNING a minute per reason; the store counts every refusal too."""
+        now = time.monotonic()
+        if now - self._warned.get(reason, -60.0) >= 60.0:
+            self._warned[reason] = now
+            log.warning("the store refused to retain session %r (%s): its requests are "
+                        "served, its pages evictable (%d refused so far)", session, reason,
+                        self.counts.refused)
+
+    def close(self, timeout: float) -> None:
+        """Send what is queued (within timeout), then stop the thread."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
