@@ -19,8 +19,13 @@ and gaps alternate within each repetition; figures are medians. Lookups go over 
 path, and over gRPC (the lookup stream) in sync mode for reference; the hashing alone is
 timed beside them.
 
+--retain: every request also asks for session retention as it ends (a session of its own,
+5 s), as a vLLM request's `kv_transfer_params` would (connector.retention): its stored keys
+are handed to the retention thread inside "release ms", and that thread's Retain calls
+(one a request) run beside the next burst.
+
     kvstore-bench admit [--mode sync,prefetch] [--gap-ms 1,10] [--requests 64]
-        [--system-len 2048] [--user-len 128] [--reps 7]
+        [--system-len 2048] [--user-len 128] [--reps 7] [--retain]
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import time
 import numpy as np
 from kvstore_connector.config import ConnectorConfig, LookupMode
 from kvstore_connector.hashing import page_keys
+from kvstore_connector.retention import Retainer, RetainAsk
 from kvstore_connector.scheduler import SchedulerHalf
 
 from kvstore_client import KVStoreClient, PageLayout
@@ -71,7 +77,8 @@ class Burst:
     hit_tokens: int
 
 
-def _burst(sched: SchedulerHalf, prompts: list[np.ndarray], gap_s: float) -> Burst:
+def _burst(sched: SchedulerHalf, prompts: list[np.ndarray], gap_s: float,
+           retainer: Retainer | None = None) -> Burst:
     """Ask every request as consecutive schedule() calls would until all are answered."""
     ids = [f"r{next(_ids)}" for _ in prompts]
     waiting = list(zip(ids, prompts))
@@ -94,6 +101,8 @@ def _burst(sched: SchedulerHalf, prompts: list[np.ndarray], gap_s: float) -> Bur
         waiting = asked_again
     started = time.perf_counter()
     for req_id in ids:
+        if retainer is not None:        # as the vLLM adapter's request_finished does
+            retainer.submit(RetainAsk(req_id, 5.0), sched.stored_keys(req_id))
         sched.finished(req_id)
     sched.build()                       # sends (or hands over) the lease releases
     return Burst(loop, steps, time.perf_counter() - started, hit)
@@ -110,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system-len", type=int, default=2048)
     p.add_argument("--user-len", type=int, default=128)
     p.add_argument("--reps", type=int, default=7, help="bursts per case (median)")
+    p.add_argument("--retain", action="store_true",
+                   help="every request asks for session retention as it ends")
     args = p.parse_args(argv)
     modes = [LookupMode(m) for m in args.mode.split(",")]
     gaps = [float(g) / 1e3 for g in args.gap_ms.split(",")]
@@ -132,10 +143,12 @@ def main(argv: list[str] | None = None) -> int:
             scheds[case] = SchedulerHalf(config, [LAYOUT], 16, client=KVStoreClient(
                 srv.address, shared_memory=False, retries=0, timeout=5.0,
                 data_plane=case.fast))
+        retainers = {case: Retainer(sched.store) for case, sched in scheds.items()
+                     if args.retain}
         runs: dict[Case, list[Burst]] = {case: [] for case in cases}
         for rep in range(args.reps + 1):                # the first burst warms up
             for case in cases:
-                burst = _burst(scheds[case], prompts, case.gap_s)
+                burst = _burst(scheds[case], prompts, case.gap_s, retainers.get(case))
                 if rep:
                     runs[case].append(burst)
         hashing = []
@@ -144,11 +157,14 @@ def main(argv: list[str] | None = None) -> int:
             for tokens in prompts:
                 page_keys(tokens[:(len(tokens) - 1) // 16 * 16], 16, LAYOUT.chain_seed)
             hashing.append(time.perf_counter() - started)
+        for retainer in retainers.values():
+            retainer.close(10.0)
         for sched in scheds.values():
             sched.close()
     n = args.requests
     print(f"{n} new requests, {args.system_len}-token shared system prompt stored + "
-          f"{args.user_len} own tokens each; median of {args.reps} bursts")
+          f"{args.user_len} own tokens each; median of {args.reps} bursts"
+          + ("; each request asks for retention as it ends" if args.retain else ""))
     print()
     print("| lookups | step gap ms | steps to answer all | loop ms | per request us "
           "| release ms | tokens hit |")
@@ -165,6 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| hashing alone | - | - | {statistics.median(hashing) * 1e3:.2f} | "
           f"{statistics.median(hashing) / n * 1e6:.0f} | - | - |")
     print()
+    if retainers:
+        counts = [r.counts for r in retainers.values()]
+        print(f"retention asks: {sum(c.asked for c in counts)}, retained "
+              f"{sum(c.retained for c in counts)}, refused {sum(c.refused for c in counts)}, "
+              f"failed {sum(c.failed for c in counts)}, dropped "
+              f"{sum(c.dropped for c in counts)}")
+        print()
     sync = next((c for c in cases if c.mode is LookupMode.SYNC and c.fast), None)
     grpc_ = next((c for c in cases if c.mode is LookupMode.SYNC and not c.fast), None)
     if sync and grpc_:

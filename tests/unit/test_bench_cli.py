@@ -128,3 +128,13 @@ def test_admit_shows_both_lookup_modes_side_by_side():
     assert all(r.rstrip(" |").endswith("256") for k, r in rows.items()
                if k.startswith(("sync", "prefetch"))), out.stdout     # 4 x 64 tokens hit
     assert "loop ms, sync / prefetch at a 5 ms step:" in out.stdout
+
+
+@pytest.mark.slow
+def test_admit_with_retention_asks_sends_every_ask():
+    out = bench("admit", "--requests", "4", "--system-len", "64", "--user-len", "16",
+                "--reps", "1", "--gap-ms", "5", "--retain", timeout=120)
+    assert out.returncode == 0, out.stderr
+    # 4 requests x 2 bursts (one warm-up) x 3 cases, each retaining its 4 stored pages.
+    assert "retention asks: 24, retained 24, refused 0, failed 0, dropped 0" in out.stdout, \
+        out.stdout
