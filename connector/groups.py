@@ -19,6 +19,14 @@ What each kind needs for a hit that ends at page P (tokens [0, P*page_tokens)):
               is volatile: its KV at a position reads the token after it, so a page is
               stored only once the engine has computed past its end (never the trailing
               page of a prefill), and is never served as if it were stable
+    MAMBA     (Mamba / linear-attention state, vLLM's mamba_cache_mode "align") only page
+              P-1: the recurrent state at the boundary P*page_tokens, which vLLM keeps in
+              the group's block P-1. Its page is that block's bytes, under the key of page
+              P-1 in a layout of its own. The engine writes a state only at some
+              boundaries (a chunk's end, the prefill checkpoint before the prompt's end;
+              null blocks between), so these pages are sparse: connector.mamba finds the
+              longest hit whose boundary state is stored and saves a state only in the
+              step that wrote it.
 
 Alignment across groups: the hit is the leading count every group holds (the Lookup's
 minimum), cut to `usable`; a sliding group needs only its window inside that, so it never
@@ -28,8 +36,9 @@ cannot happen before the full groups' count. Saving every page of a sliding grou
 only the last window) is what lets any later prefix length hit.
 
 Refused at start-up, with one line that says what and why (`UnsupportedCache`): Mamba and
-linear-attention state (its state is one block per request, not one per page, and
-needs align-mode state pages of its own), cross-attention and encoder-only caches (not a
+linear-attention state in any cache mode but "align" (one running state per request, no
+state at a boundary to store), with speculative blocks (vLLM relocates them in place),
+or with pages of several engine blocks; cross-attention and encoder-only caches (not a
 prefix of the prompt), chunked-local and sink attention, and any spec this module does not
 know: never silently wrong.
 """
@@ -62,6 +71,7 @@ class GroupKind(enum.Enum):
     FULL = "full"
     SLIDING = "sliding"
     DRAFT = "draft"
+    MAMBA = "mamba"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -77,9 +87,13 @@ class CacheGroup:
     mla: bool                        # one latent per token (kv_factor 1)
     reach: int = 0                   # SLIDING: tokens before a position it still reads
     scope: str = ""                  # folded into the layout's salt; "" = a lone group
+    block_size: int = 0              # the group's engine block size in tokens
+    state_bytes: int = 0             # MAMBA: a layer's bytes of one state block
 
     def first_page(self, end_page: int, page_tokens: int) -> int:
         """The first page this group needs for a prefix of `end_page` pages."""
+        if self.kind is GroupKind.MAMBA:
+            return max(0, end_page - 1)
         if self.kind is not GroupKind.SLIDING:
             return 0
         skipped = max(0, end_page * page_tokens - self.reach)
@@ -115,10 +129,8 @@ def cache_groups(kv_cache_config: Any) -> list[CacheGroup]:
         where = f"kvstore connector: KV-cache group {index} ({name}, " \
                 f"{len(group.layer_names)} layers)"
         if isinstance(spec, MambaSpec):
-            raise UnsupportedCache(
-                f"{where} is Mamba/linear-attention state (mamba_cache_mode="
-                f"{spec.mamba_cache_mode!r}): its state pages are not supported yet; "
-                f"run without the connector or serve an attention-only model")
+            groups.append(_mamba_group(index, spec, group.layer_names, where))
+            continue
         draft = bool(getattr(group, "is_eagle_group", False))
         mla = isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec))
         if type(spec) in (SlidingWindowSpec, SlidingWindowMLASpec):
@@ -148,21 +160,54 @@ def cache_groups(kv_cache_config: Any) -> list[CacheGroup]:
         groups.append(CacheGroup(
             index, kind, tuple(group.layer_names), 1 if mla else spec.num_kv_heads,
             spec.head_size, _dtype(spec.dtype), mla, reach,
-            "" if lone else _scope(index, kind, spec, group.layer_names)))
-    if not lone and all(g.kind is GroupKind.SLIDING for g in groups):
+            "" if lone else _scope(index, kind, spec, group.layer_names),
+            block_size=spec.block_size))
+    if not any(g.kind in (GroupKind.FULL, GroupKind.DRAFT) for g in groups) \
+            and (not lone or groups[0].kind is GroupKind.MAMBA):
         # Every hit is bounded by full attention's count; with none, nothing aligns it.
-        raise UnsupportedCache("kvstore connector: a hybrid model without a full-attention "
-                               "group is not supported")
-    if len({g.mla for g in groups}) > 1:
-        raise UnsupportedCache("kvstore connector: MLA and non-MLA groups in one model are "
-                               "not supported")
+        raise UnsupportedCache("kvstore connector: a model without a full-attention "
+                               "group (sliding-window or Mamba layers alone) is not "
+                               "supported")
+    mamba = any(g.kind is GroupKind.MAMBA for g in groups)
+    if len({g.mla for g in groups if g.kind is not GroupKind.MAMBA}) > 1 \
+            or (mamba and any(g.mla for g in groups)):
+        raise UnsupportedCache("kvstore connector: MLA and non-MLA groups (or MLA and "
+                               "Mamba) in one model are not supported")
+    if mamba and len({g.block_size for g in groups}) > 1:
+        raise UnsupportedCache(
+            "kvstore connector: Mamba state needs every KV-cache group on one block size "
+            f"(got {sorted({g.block_size for g in groups})}): a state page is one block")
     return groups
+
+
+def _mamba_group(index: int, spec: Any, layer_names: Sequence[str], where: str) -> CacheGroup:
+    """A Mamba / linear-attention group in align mode; UnsupportedCache for the rest."""
+    if spec.mamba_cache_mode != "align":
+        raise UnsupportedCache(
+            f"{where} is Mamba/linear-attention state in mamba_cache_mode="
+            f"{spec.mamba_cache_mode!r}: only 'align' keeps a state at each block "
+            f"boundary that can be stored; start vLLM with --mamba-cache-mode align")
+    if spec.num_speculative_blocks:
+        raise UnsupportedCache(
+            f"{where}: Mamba state with speculative blocks ({spec.num_speculative_blocks}) "
+            f"is not supported (vLLM relocates those blocks in place)")
+    # vLLM 0.33 hands a Mamba layer over as its blocks' bytes, [blocks, 1, 1, content]
+    # (kv_cache_interface.create_kv_cache_views); a page is the content of one block.
+    return CacheGroup(index, GroupKind.MAMBA, tuple(layer_names), 1, 1, "uint8", False,
+                      scope=_scope(index, GroupKind.MAMBA, spec, layer_names),
+                      block_size=spec.block_size,
+                      state_bytes=spec.state_content_size_bytes)
 
 
 def _scope(index: int, kind: GroupKind, spec: Any, layer_names: Sequence[str]) -> str:
     """What sets a group's pages apart: its place, kind, window and exact layer set (a
     digest, so the salt stays short whatever the model's layer names)."""
     layers = xxhash.xxh3_64_hexdigest("\n".join(layer_names).encode())
+    if kind is GroupKind.MAMBA:
+        # The state's tensors, their dtypes and its kernel: what the bytes of a block mean.
+        state = xxhash.xxh3_64_hexdigest(repr((spec.shapes, spec.dtypes,
+                                                str(spec.mamba_type))).encode())
+        return f"hma:g{index}:{kind.value}:{state}:{layers}"
     window = getattr(spec, "sliding_window", None) or 0
     return f"hma:g{index}:{kind.value}:w{window}:{layers}"
 

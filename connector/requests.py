@@ -36,6 +36,7 @@ class RequestState:
     block_ids: list[list[int]] = dataclasses.field(default_factory=lambda: [[]])
     local_tokens: int = 0                  # the engine's own prefix-cache hit
     lease_id: int = 0                      # pins the counted pages until allocated
+    state_lease: int = 0                   # pins the hit's Mamba state page (mamba.py)
     pins: Pins | None = None               # where they lie, while the lease is held
     pins_use_by: float = 0.0
     saved_pages: int = 0                   # leading pages known stored (hit or saved)

@@ -53,6 +53,7 @@ from .config import ConnectorConfig, LookupMode, SavePolicy, open_client
 from .groups import NULL_BLOCK, CacheGroup, GroupKind
 from .hashing import KEY_BYTES
 from .lookups import StoreLookups
+from .mamba import StateLookups, saveable_rows
 from .meta import LoadSpec, PagePins, SaveSpec, StepMeta
 from .prefetch import DOWN, Answer, Job, LookupWorker, Pending
 from .requests import RequestState, new_keys
@@ -78,6 +79,14 @@ class SchedulerHalf:
         full attention. Block ids then come one list per group."""
         if not layouts:
             raise ValueError("the scheduler half needs at least one layout (one per rank)")
+        self.groups = tuple(groups)
+        # Mamba state (connector.mamba): its pages are sparse, so its layouts are not in
+        # the full groups' Lookup; a hit's end is checked against them on its own.
+        self._mamba = [g.index for g in self.groups if g.kind is GroupKind.MAMBA]
+        per_group = len(layouts) // max(1, len(self.groups))
+        state_layouts = [layouts[i * per_group + r] for i in self._mamba
+                         for r in range(per_group)]
+        layouts = [lay for lay in layouts if lay not in state_layouts]
         self.config = config
         self.page_tokens = layouts[0].page_tokens
         if self.page_tokens % block_size:
@@ -86,7 +95,6 @@ class SchedulerHalf:
         self.block_size = block_size
         self.blocks_per_page = self.page_tokens // block_size
         self.seed = layouts[0].chain_seed
-        self.groups = tuple(groups)
         # A drafter's KV at a position reads the token after it: with a draft group, a
         # page is saved (in every group, so their counts stay aligned) only once the
         # engine has computed a token past its end (connector.groups).
@@ -97,6 +105,7 @@ class SchedulerHalf:
         self.store = StoreLookups(config, layouts, client or open_client(
             config, config.lookup_timeout, retries=0, shared_memory=False,
             local_socket=config.shared_memory is not False))
+        self._states = StateLookups(self.store, state_layouts) if state_layouts else None
         self._requests: dict[str, RequestState] = {}
         self._loads: list[LoadSpec] = []          # the next build's plan so far
         self._saves: list[SaveSpec] = []
@@ -189,9 +198,18 @@ class SchedulerHalf:
         says), of which `usable` may be loaded: the hit to report."""
         state.lease_id = lease_id
         state.pins, state.pins_use_by = (pins, use_by) if lease_id else (None, 0.0)
-        state.saved_pages = max(state.saved_pages, count)
+        previous, state.saved_pages = state.saved_pages, max(state.saved_pages, count)
         first = state.local_tokens // self.page_tokens
-        hit = (min(count, usable) - first) * self.page_tokens
+        end = min(count, usable)
+        if self._states is not None:
+            # The state at the hit's end must be stored too: the hit ends at the last
+            # boundary below `end` whose state page is there (connector.mamba).
+            end, state.state_lease = self._states.longest(state.keys, first, end,
+                                                          self.config.lease_ms)
+            # States past the hit's end are computed again: save them (the full groups'
+            # pages there are found stored by the Reserve).
+            state.saved_pages = max(previous, end)
+        hit = (end - first) * self.page_tokens
         if hit <= 0 or hit < self.config.min_hit_tokens:
             self._drop_lease(state)       # too short to be worth loading: recompute
             return 0
@@ -302,6 +320,9 @@ class SchedulerHalf:
         if state.lease_id:
             self._leases_to_release.append(state.lease_id)
             state.lease_id = 0
+        if state.state_lease:
+            self._leases_to_release.append(state.state_lease)
+            state.state_lease = 0
         state.pins = None
 
     # -- blocks, plans and outcomes -------------------------------------------------------
@@ -333,7 +354,8 @@ class SchedulerHalf:
         # The lease moves to the load: it is held until the load's outcome is known.
         load_id = self._unconfirmed.add(
             req_id, first, [int(b) for r in rows for b in r.reshape(-1) if b != NULL_BLOCK],
-            state.lease_id, is_async)
+            state.lease_id, is_async, extra_leases=(state.state_lease,) if state.state_lease
+            else ())
         # Its pins go with it, for a layer-wise load only: its copies end within its own
         # step, and the lease outlives that step (unconfirmed.py). An async load's may
         # outlast a request that finishes first, so its worker pins the pages itself.
@@ -341,7 +363,7 @@ class SchedulerHalf:
         if state.pins is not None and not is_async:
             pins = PagePins(state.pins.region_id, state.pins_use_by,
                             {lid: offs[first:last] for lid, offs in state.pins.offsets.items()})
-        state.lease_id, state.pins = 0, None
+        state.lease_id, state.state_lease, state.pins = 0, 0, None
         self._loads.append(LoadSpec(req_id, tuple(keys), rows[0], is_async, load_id, pins,
                                     first, tuple(rows) if len(rows) > 1 else ()))
 
@@ -373,6 +395,9 @@ class SchedulerHalf:
         keys = self._keys_upto(state, full)[start:full]
         rows = [np.asarray(blocks[start * k:full * k], dtype=np.int64).reshape(len(keys), k)
                 for blocks in state.block_ids]
+        for g in self._mamba:
+            # Only the states this step wrote (or brought in) are in their blocks.
+            rows[g] = saveable_rows(rows[g], start, num_computed_tokens, done, t)
         self._saves.append(SaveSpec(req_id, tuple(keys), rows[0],
                                     self._unconfirmed.reads(state.all_blocks(full * k)),
                                     tuple(rows) if len(rows) > 1 else ()))

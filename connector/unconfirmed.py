@@ -42,6 +42,7 @@ class Load:
     blocks: frozenset[int]
     lease_id: int                          # the lookup lease, held until confirmed
     confirm_at: int | None                 # build number that confirms it; None: async
+    extra_leases: tuple[int, ...] = ()     # more lookup leases (a hit's Mamba state page)
 
 
 class UnconfirmedLoads:
@@ -64,11 +65,12 @@ class UnconfirmedLoads:
         return len(self._loads)
 
     def add(self, req_id: str, first_page: int, blocks: Iterable[int], lease_id: int,
-            is_async: bool) -> int:
-        """A load planned for the next build; the lease moves to it. Returns its id."""
+            is_async: bool, extra_leases: tuple[int, ...] = ()) -> int:
+        """A load planned for the next build; the leases move to it. Returns its id."""
         load_id, self._next_id = self._next_id, self._next_id + 1
         self._loads[load_id] = Load(req_id, first_page, frozenset(blocks), lease_id,
-                                    None if is_async else self._builds + 1 + self.lag)
+                                    None if is_async else self._builds + 1 + self.lag,
+                                    extra_leases)
         return load_id
 
     def reads(self, prefix_blocks: Iterable[int]) -> tuple[int, ...]:
@@ -134,4 +136,5 @@ class UnconfirmedLoads:
         load = self._loads.pop(load_id)
         if load.lease_id:
             self._leases.append(load.lease_id)
+        self._leases += load.extra_leases
         (self._ok if ok else self._failed).append(load_id)

@@ -13,8 +13,10 @@ connector.worker); it imports only when vLLM is installed.
 Hybrid models: the connector is `SupportsHMA`, so vLLM keeps its hybrid KV cache manager on
 (one block table per KV-cache group). Each group is a layout of its own and has a worker
 half of its own (connector.groups, connector.groupworkers); a model of one group keeps the
-layouts, keys and behaviour it had before. Specs the connector cannot move correctly
-(Mamba state, cross-attention, ...) stop the engine at start-up with one line.
+layouts, keys and behaviour it had before. Mamba / linear-attention state in align mode
+is a group of its own whose pages are state blocks (connector.mamba). Specs the connector
+cannot move correctly (Mamba state in other modes, cross-attention, ...) stop the engine
+at start-up with one line.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from kvstore_client import PageLayout
 
 from .config import ConnectorConfig, LoadMode
-from .groups import CacheGroup, cache_groups
+from .groups import CacheGroup, GroupKind, UnsupportedCache, cache_groups
 from .groupworkers import GroupWorkers
 from .kvviews import detect_kind, kv5
+from .mamba import mamba_view
 from .meta import StepMeta
 from .retention import Retainer, RetainAsk, ask_of
 from .revision import resolve
@@ -130,11 +133,14 @@ def _group_layouts(vllm_config: "VllmConfig", config: ConnectorConfig, page_toke
     mla = groups[0].mla
     out = []
     for group in groups:
+        # A Mamba state page is one block's bytes per layer: one "token" of them.
+        state = group.kind is GroupKind.MAMBA
         base = PageLayout(
             model=config.model or vllm_config.model_config.model,
-            num_layers=len(group.layer_names), page_tokens=page_tokens,
-            num_kv_heads=group.num_kv_heads, head_size=group.head_size,
-            dtype=group.dtype, kv_factor=1 if mla else 2,
+            num_layers=len(group.layer_names), page_tokens=1 if state else page_tokens,
+            num_kv_heads=group.num_kv_heads,
+            head_size=group.state_bytes if state else group.head_size,
+            dtype=group.dtype, kv_factor=1 if mla or state else 2,
             pp_rank=getattr(parallel, "rank", 0) // max(tp, 1)
             if parallel.pipeline_parallel_size > 1 else 0,
             salt=f"{config.salt}#{group.scope}", revision=revision)
@@ -194,6 +200,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # Refused here, at start-up, with one line: a spec the connector cannot move.
         self.groups = cache_groups(kv_cache_config)
         self.hybrid = len(self.groups) > 1
+        if any(g.kind is GroupKind.MAMBA for g in self.groups) and page_tokens != self.block_size:
+            raise UnsupportedCache(
+                f"kvstore connector: with Mamba state a page is one block: page_tokens "
+                f"{page_tokens} must equal the block size {self.block_size}")
         if self.hybrid and self.config.load_mode is LoadMode.LAYERWISE:
             # vLLM 0.33 takes block-level load failures (invalid_block_ids) from one
             # group only (block ids repeat across groups): a hybrid engine hears of a
@@ -210,8 +220,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                 model_config.model, "vLLM")
         self.group_layouts, self.mla = _group_layouts(vllm_config, self.config, page_tokens,
                                                       self.groups, self.revision.value)
-        # Group 0's layouts first: the scheduler's key chain starts from its seed.
+        # Group 0's layouts first: the scheduler's key chain starts from its seed (the
+        # first attention group's, where group 0 is Mamba state).
         self.layouts = [layout for layouts in self.group_layouts for layout in layouts]
+        self.page_tokens = page_tokens
         self._scheduler: SchedulerHalf | None = None
         self.retainer: Retainer | None = None
         self._retain_after_save: dict[str, tuple[RetainAsk, list[bytes]]] = {}
@@ -363,10 +375,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         for group, layout in zip(self.groups, layouts_here):
             # A lone group takes every layer the engine registers, as it always did.
             names = list(kv_caches) if len(self.groups) == 1 else group.layer_names
-            views = {name: kv5(kv_caches[name], detect_kind(kv_caches[name], mla=self.mla))
-                     for name in names}
+            if group.kind is GroupKind.MAMBA:
+                views = {name: mamba_view(kv_caches[name], group.state_bytes)
+                         for name in names}
+            else:
+                views = {name: kv5(kv_caches[name], detect_kind(kv_caches[name],
+                                                                mla=self.mla))
+                         for name in names}
             workers.append(WorkerHalf(self.config, layout, views, saves=saves, shared=shared))
-        self._worker = GroupWorkers(self.groups, workers, self.layouts[0].page_tokens, shared)
+        self._worker = GroupWorkers(self.groups, workers, self.page_tokens, shared)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -74,3 +74,32 @@ def test_a_save_never_stores_a_null_block_and_a_group_with_nothing_gets_no_spec(
     all_null = SaveSpec("r", keys[:2], full_rows[:2], (),
                         (full_rows[:2], np.zeros((2, 1), dtype=np.int64)))
     assert for_group(StepMeta(saves=(all_null,)), SLIDING, T).saves == ()
+
+
+MAMBA = CacheGroup(1, GroupKind.MAMBA, ("m1", "m3"), 1, 1, "uint8", False, block_size=T,
+                   state_bytes=6912)
+
+
+def test_a_mamba_group_loads_only_the_state_at_the_hits_end():
+    # vLLM's align mode: null blocks for the skipped states, a block for the hit's state.
+    keys = tuple(bytes([i]) * 16 for i in range(9))
+    full_rows = _rows(0, 9)
+    state_rows = np.full((9, 1), NULL_BLOCK, dtype=np.int64)
+    state_rows[8] = 555
+    load = LoadSpec("r", keys, full_rows, True, 3, None, 0, (full_rows, state_rows))
+    state = for_group(StepMeta(loads=(load,)), MAMBA, T).loads[0]
+    assert state.keys == keys[8:] and state.first_page == 8
+    assert state.block_ids.tolist() == [[555]]
+    assert MAMBA.first_page(9, T) == 8 and MAMBA.first_page(0, T) == 0
+
+
+def test_a_mamba_save_keeps_only_the_states_its_step_wrote():
+    from kvstore_connector.mamba import saveable_rows
+    rows = np.arange(100, 110, dtype=np.int64).reshape(10, 1)
+    # Pages 0..9 saved in a step that computed tokens 96..160: boundaries 96 (the state
+    # it started from) up to 160 are its own, pages 5..9; the rest are other steps'.
+    kept = saveable_rows(rows, 0, 96, 160, T)
+    assert kept.reshape(-1).tolist() == [NULL_BLOCK] * 5 + [105, 106, 107, 108, 109]
+    assert rows[0, 0] == 100                      # the input is left as it was
+    # A step that ends inside a page writes no boundary state past the last one.
+    assert saveable_rows(rows[:2], 8, 150, 170, T).reshape(-1).tolist() == [NULL_BLOCK, 101]

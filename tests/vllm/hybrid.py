@@ -1,6 +1,8 @@
 """Hybrid models for the vLLM harness: KV-cache groups built as vLLM builds them.
 
-A model here is a list of layer kinds (full, sliding, mla, sliding_mla, draft). vLLM's own
+A model here is a list of layer kinds (full, sliding, mla, sliding_mla, draft, mamba:
+Mamba state in vLLM's "align" cache mode, with a prefill checkpoint as vLLM's Mamba2 and
+GDN layers ask for). vLLM's own
 planner (``get_global_kv_cache_groups`` and ``get_kv_cache_configs``, as the engine core
 calls them) groups the layers and sizes the pool; the hybrid KV cache manager is on, as
 it is on a GPU or CPU platform (this machine's "unspecified" platform turns it off, so it
@@ -10,7 +12,11 @@ is set back after the config is built, before anything reads it).
 ``HybridModel`` checks every attention read: per layer and request it compares what
 attention reads (the whole prefix for full attention, the window's reach for a sliding
 layer) with the deterministic KV the model writes, a function of the prompt's prefix,
-the position and the layer. A wrong read is recorded and poisons what that step writes.
+the position and the layer. A Mamba layer reads its state as vLLM's align mode does
+(from the block of the chunk's first position - 1) and writes the state at the chunk's
+end (and at the prefill checkpoint, where vLLM gave it a block); the state is a
+deterministic function of the prefix too. A wrong read is recorded and poisons what that
+step writes.
 """
 
 from __future__ import annotations
@@ -35,12 +41,14 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import copy_kv_blocks
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+from vllm.v1.worker.utils import allocate_kv_cache
 from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
@@ -50,6 +58,10 @@ __all__ = ["HybridModel", "HybridShape", "HybridWorker", "build_hybrid"]
 
 HEADS, HEAD = 4, 16           # attention layers: 4 KV heads of 16
 MLA_HEAD = 64                 # MLA layers: one 64-wide latent (the same page size)
+# Mamba layers: a conv state and an SSM state (6,912 bytes), padded to the attention page
+# (8,192 bytes) as vLLM pads a hybrid model's state pages.
+MAMBA_SHAPES = ((3, 64), (4, 16, 24))
+MAMBA_BYTES = 4 * sum(int(np.prod(s)) for s in MAMBA_SHAPES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +91,11 @@ class HybridShape:
         if kind == "mla":
             return MLAAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1,
                                     head_size=MLA_HEAD, dtype=f32)
+        if kind == "mamba":
+            return MambaSpec(block_size=BLOCK_SIZE, shapes=MAMBA_SHAPES, dtypes=(f32, f32),
+                             page_size_padded=2 * HEADS * HEAD * BLOCK_SIZE * 4,
+                             mamba_cache_mode="align", num_prefill_checkpoint_blocks=1,
+                             prefill_checkpoint_alignment=1)
         if kind == "sliding_mla":
             return SlidingWindowMLASpec(block_size=BLOCK_SIZE, num_kv_heads=1,
                                         head_size=MLA_HEAD, dtype=f32,
@@ -97,6 +114,8 @@ def build_hybrid(tmp: Path, shape: HybridShape, connector: ConnectorSpec, *,
     model_dir = write_model_dir(tmp, ModelShape(num_layers=len(shape.kinds)))
     config = make_vllm_config(model_dir, connector, async_scheduling=async_scheduling)
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    if "mamba" in shape.kinds:
+        config.cache_config.mamba_cache_mode = "align"
     specs = specs if specs is not None else shape.specs()
     resolve_kv_cache_layout(config, [["LBNHC"]], list(specs.values()))
     groups = get_global_kv_cache_groups(config, [specs])
@@ -135,6 +154,48 @@ class HybridModel:
         base = (np.asarray(h)[positions] * 7 + layer * 13 + positions) % 60_000
         grid = torch.arange(heads * width, dtype=torch.float32).view(heads, width) / 128
         return torch.as_tensor(base, dtype=torch.float32).view(-1, 1, 1) + grid
+
+    def state(self, req_id: str, layer: int, position: int) -> torch.Tensor:
+        """The Mamba state after the first `position` tokens: MAMBA_BYTES bytes."""
+        prompt = self.prompts[req_id]
+        acc = 29 + layer
+        for i in range(position):
+            tok = prompt[i] if i < len(prompt) else -1
+            acc = (acc * 1_000_003 + tok + 7) % 2_147_483_647
+        grid = torch.arange(MAMBA_BYTES // 4, dtype=torch.float32) / 64
+        return (grid + float(acc % 60_000) + position).view(torch.int8)
+
+    def mamba(self, name: str, layer: int, cache: torch.Tensor, table,
+              chunks: dict[str, tuple[int, int]]) -> None:
+        """A Mamba layer in align mode: read the state at each chunk's start from block
+        (start-1)//block, write the state at its end (and at the prefill checkpoint)."""
+        block = BLOCK_SIZE
+        for req_id, (start, end) in chunks.items():
+            self.loaded.setdefault(req_id, start)
+            blocks = table(req_id)
+            ok = True
+            if start > 0:
+                got = cache[blocks[(start - 1) // block], 0, 0, :MAMBA_BYTES]
+                self.reads += 1
+                if blocks[(start - 1) // block] == 0 or \
+                        not torch.equal(got, self.state(req_id, layer, start)):
+                    ok = False
+                    self.wrong.append((self.step, req_id, name, start))
+            writes = [(end, (end - 1) // block)]
+            # vLLM's checkpoint block: the column before the chunk's last, where it gave
+            # the request a block of its own beyond the state it started from.
+            mark = (end + block - 1) // block - 2
+            if mark >= 0 and mark > (start - 1) // block and (mark + 1) * block > start \
+                    and mark < len(blocks) and blocks[mark] != 0:
+                writes.append(((mark + 1) * block, mark))
+            for position, col in writes:
+                state = self.state(req_id, layer, position)
+                cache[blocks[col], 0, 0, :MAMBA_BYTES] = state if ok else -state
+
+    def expected_state(self, req_id: str, layers: Sequence[int], boundary: int) -> np.ndarray:
+        """The bytes a Mamba group's page for the state at `boundary` should hold."""
+        return torch.cat([self.state(req_id, layer, boundary) for layer in layers]
+                         ).numpy().view(np.uint8)
 
     def reach(self, layer: int) -> int | None:
         kind = self.shape.kinds[layer]
@@ -198,7 +259,16 @@ class HybridWorker(WorkerDriver):
         self.group_of = {name: g for g, group in enumerate(kv_cache_config.kv_cache_groups)
                          for name in group.layer_names}
         self.kv_caches = {}
+        # Mamba layers get their caches as vLLM 0.33's worker makes them: a byte view
+        # [blocks, 1, 1, content] of the planner's tensors.
+        vllm_caches = allocate_kv_cache(
+            kv_cache_config, torch.device("cpu"),
+            vllm_config.cache_config.get_resolved_kv_cache_layout()) \
+            if "mamba" in shape.kinds else {}
         for name, kind in zip(shape.layer_names, shape.kinds):
+            if kind == "mamba":
+                self.kv_caches[name] = vllm_caches[name]
+                continue
             if kind in ("mla", "sliding_mla"):
                 heads, width = 1, MLA_HEAD
             else:
@@ -233,6 +303,14 @@ class HybridWorker(WorkerDriver):
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         for layer, name in enumerate(self.shape_h.layer_names):
             g = self.group_of[name]
+            if self.shape_h.kinds[layer] == "mamba":
+                self.connector.wait_for_layer_load(name)
+                self.model.mamba(name, layer, self.kv_caches[name],
+                                 lambda r, g=g: self.tables[r][g],
+                                 {r: (computed[r], computed[r] + n)
+                                  for r, n in so.num_scheduled_tokens.items()})
+                self.connector.save_kv_layer(name, self.kv_caches[name], None)
+                continue
             slots = []
             for req_id, count in so.num_scheduled_tokens.items():
                 table = self.tables[req_id][g]

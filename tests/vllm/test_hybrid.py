@@ -241,11 +241,18 @@ def _refused(tmp_path, store, extra_spec) -> str:
     return message
 
 
-def test_mamba_state_is_refused_at_start_up_with_one_line(tmp_path, store):
+def test_mamba_state_outside_align_mode_is_refused_at_start_up_with_one_line(tmp_path,
+                                                                             store):
+    # mamba_cache_mode "none" keeps one running state per request: nothing to store.
+    # (align mode is supported: tests/vllm/test_hybrid_mamba.py.)
     mamba = MambaSpec(block_size=BLOCK_SIZE, shapes=((4, 8),), dtypes=(torch.float32,),
-                      mamba_cache_mode="align")
+                      mamba_cache_mode="none")
     message = _refused(tmp_path, store, mamba)
-    assert "group 1" in message and "Mamba" in message and "'align'" in message
+    assert "group 1" in message and "Mamba" in message and "'none'" in message
+    assert "--mamba-cache-mode align" in message
+    speculative = MambaSpec(block_size=BLOCK_SIZE, shapes=((4, 8),), dtypes=(torch.float32,),
+                            mamba_cache_mode="align", num_speculative_blocks=2)
+    assert "speculative blocks" in _refused(tmp_path, store, speculative)
 
 
 def test_cross_attention_is_refused_at_start_up_with_one_line(tmp_path, store):
