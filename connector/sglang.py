@@ -152,6 +152,17 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             self.handle = LayoutHandle(layout, layout.layout_id, layout.page_bytes,
                                        layout.layer_bytes)
 
+    def register_mem_host_pool_v2(self, host_pool: HostKVCache, host_pool_name):
+        # SGLang's hybrid cache controller registers a hybrid model's side pools here
+        # (Mamba / linear-attention state, sliding-window KV, ...) and then moves them
+        # with the anchor's pages through batch_*_v2, which this backend does not store:
+        # refused, so that SGLang's storage attach fails at start-up instead of a
+        # hybrid model's pages being stored without their state.
+        name = getattr(host_pool_name, "value", host_pool_name)
+        raise ValueError(f"kvstore: SGLang host pool {name!r} ({type(host_pool).__name__}) "
+                         f"of a hybrid model is not supported: only full-attention (MHA) "
+                         f"and MLA models are stored")
+
     def _store_page(self, region, offset: int) -> torch.Tensor:
         """The page at a byte offset of `region`, the pool mapping whose server issued the
         offset (a reservation's or acquisition's own: after a restart, another mapping
