@@ -17,6 +17,13 @@ the worker that owns the layer, and merges what they report:
                 saves for it has reported its copies landed
     errors, stats: the union and the sum
 
+Layers the engine never hooks. vLLM 0.33 calls wait_for_layer_load and save_kv_layer
+from its attention and MLA layers only (model_executor/layers/attention/
+kv_transfer_utils.py): a Mamba / linear-attention layer never calls them. Its loads are
+async (landed before the request runs), and its saves are copied at wait_for_save, after
+the whole forward has written the step's states: every layer of a group of several that
+was not hooked in the step is saved there, before its worker's wait_for_save.
+
 With one group the plan goes to its worker as is: a model of one group behaves exactly as
 it did before groups existed.
 """
@@ -28,7 +35,7 @@ from collections.abc import Iterable, Sequence
 
 from .groups import CacheGroup, for_group
 from .meta import StepMeta
-from .worker import SharedStore, WorkerHalf, WorkerStats
+from .worker import SharedStore, WorkerHalf, WorkerStats, layer_order
 
 __all__ = ["GroupWorkers"]
 
@@ -51,6 +58,7 @@ class GroupWorkers:
         # Request id -> the groups not yet reported (async loads received, saves landed).
         self._recving: dict[str, set[int]] = {}
         self._sending: dict[str, set[int]] = {}
+        self._hooked: set[str] = set()            # layers whose save hook ran this step
 
     def _split(self, step: StepMeta) -> list[StepMeta]:
         if len(self.groups) == 1:
@@ -59,6 +67,7 @@ class GroupWorkers:
 
     def bind(self, step: StepMeta) -> None:
         self._metas = self._split(step)
+        self._hooked.clear()
         for i, (worker, meta) in enumerate(zip(self.workers, self._metas)):
             for load in meta.loads:
                 if load.is_async:
@@ -80,11 +89,19 @@ class GroupWorkers:
     def save_layer(self, name: str) -> None:
         worker = self._by_layer.get(name)
         if worker is not None:
+            self._hooked.add(name)
             worker.save_layer(name)
 
     def wait_for_save(self) -> None:
-        for worker in self.workers:
+        for group, worker in zip(self.groups, self.workers):
+            if len(self.groups) > 1:
+                # Layers the engine does not hook (Mamba state): saved now, after the
+                # forward, in the worker's layer order.
+                for name in layer_order([n for n in group.layer_names
+                                         if n not in self._hooked]):
+                    worker.save_layer(name)
             worker.wait_for_save()
+        self._hooked.clear()
 
     def finished(self) -> set[str]:
         done = self._merge(self._recving, [w.finished() for w in self.workers])

@@ -304,12 +304,12 @@ class HybridWorker(WorkerDriver):
         for layer, name in enumerate(self.shape_h.layer_names):
             g = self.group_of[name]
             if self.shape_h.kinds[layer] == "mamba":
-                self.connector.wait_for_layer_load(name)
+                # As in vLLM 0.33, a Mamba layer calls no connector hook (only attention
+                # layers do): the connector saves its states at wait_for_save.
                 self.model.mamba(name, layer, self.kv_caches[name],
                                  lambda r, g=g: self.tables[r][g],
                                  {r: (computed[r], computed[r] + n)
                                   for r, n in so.num_scheduled_tokens.items()})
-                self.connector.save_kv_layer(name, self.kv_caches[name], None)
                 continue
             slots = []
             for req_id, count in so.num_scheduled_tokens.items():
