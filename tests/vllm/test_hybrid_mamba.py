@@ -171,3 +171,26 @@ def test_a_store_restart_between_engines_is_a_miss_not_wrong_state(tmp_path, fre
     run(second)
     assert second.worker.model.loaded == {"b": 0}
     assert second.worker.model.reads > 0 and not second.worker.model.wrong
+
+
+@pytest.mark.parametrize("lookups", ["sync", "prefetch"])
+def test_a_failed_state_load_is_reported_per_request_and_recomputed(tmp_path, fresh_server,
+                                                                   lookups):
+    srv = fresh_server(dram="64MiB")
+    first = engine(tmp_path, srv.address, {"a": PROMPT})
+    first.add(make_request("a", PROMPT, max_tokens=2))
+    run(first)
+    second = hybrid_engine(tmp_path, MAMBA, spec(srv.address, "async", timeout=2.0,
+                                                 lookups=lookups), {"b": PROMPT})
+    second.add(make_request("b", PROMPT, max_tokens=2))
+    planned = second.schedule()             # 9 full pages and the state at 144, leased
+    loads = planned.kv_connector_metadata.step.loads
+    assert len(loads) == 1 and len(loads[0].keys) == 9
+    srv.stop()                              # ... and the store is gone before the load
+    result = second.finish(planned)
+    assert result.kv_connector_output.failed_recving == {"b"}
+    srv.start()
+    run(second)
+    model = second.worker.model
+    assert model.loaded == {"b": 0}         # recomputed from the start
+    assert model.reads > 0 and not model.wrong
