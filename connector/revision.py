@@ -51,6 +51,9 @@ class Revision:
 
 
 def _weight_files(folder: Path) -> list[Path]:
+    """The weight files of a folder; a single-file checkpoint (a .gguf) is its own."""
+    if folder.is_file():
+        return [folder] if folder.name.endswith(_WEIGHT_SUFFIXES) else []
     return sorted(p for p in folder.iterdir()
                   if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
 
@@ -94,12 +97,13 @@ def fingerprint(folder: str | os.PathLike[str]) -> str:
 
 
 def weights_folder(model: str, revision: str | None = None) -> Path | None:
-    """The folder a model's weights are loaded from: the path itself, or the hub cache's
-    snapshot of a model name (offline: nothing is downloaded); None if neither."""
+    """The folder a model's weights are loaded from: the path itself (a folder, or a
+    single-file checkpoint), or the hub cache's snapshot of a model name (offline:
+    nothing is downloaded); None if neither."""
     if not model:
         return None
     path = Path(model).expanduser()
-    if path.is_dir():
+    if path.exists():
         return path
     try:
         from huggingface_hub import try_to_load_from_cache  # type: ignore[import-not-found]

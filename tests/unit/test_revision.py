@@ -94,3 +94,12 @@ def test_an_engine_that_cannot_tell_gets_one_warning(tmp_path, caplog):
     assert got.value == ""
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "set model_revision" in warnings[0].getMessage()
+
+
+def test_a_single_file_checkpoint_is_fingerprinted(tmp_path):
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    first = resolve("", None, str(model)).value
+    assert first.startswith("fp-")
+    model.write_bytes(b"GGUF" + bytes(range(256)) * 63 + bytes(256))
+    assert resolve("", None, str(model)).value != first
