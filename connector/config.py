@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from typing import Any
 from collections.abc import Mapping
 
@@ -111,6 +112,10 @@ class ConnectorConfig:
     # ... over at most this many connections at once (a Get is split by pages; each
     # connection gets at least 16 MiB of it).
     remote_connections: int = 8
+    # For testing only: a regular expression; the first load of each request whose id it
+    # matches (re.search) fails as a store fault would, so a test can show what the
+    # engine's kv_load_failure_policy does with it. "" = off.
+    fail_loads: str = ""
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], role: str | None = None) -> "ConnectorConfig":
@@ -139,6 +144,10 @@ class ConnectorConfig:
                              "lookup_timeout > 0, lease_ms >= 0, probe_interval > 0, "
                              "ask_again >= 0, lookup_wait_ms >= 0, min_hit_tokens >= 0, "
                              "remote_staging_bytes > 0 and remote_connections > 0")
+        try:
+            re.compile(config.fail_loads)
+        except re.error as exc:
+            raise ValueError(f"kvstore connector config: fail_loads: {exc}") from None
         if bool(config.tls_cert) != bool(config.tls_key):
             raise ValueError("kvstore connector config: a client certificate needs both "
                              "tls_cert and tls_key")

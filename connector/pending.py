@@ -163,6 +163,17 @@ class SaveQueue:
         for save in self:
             save.drop_over(failed)
 
+    def keys(self) -> set[bytes]:
+        """Keys the saves not finished yet are to store (their live parts' rows with a
+        slot)."""
+        out: set[bytes] = set()
+        for save in self:
+            for part in save.parts:
+                if not part.dropped:
+                    rows = np.flatnonzero(save.offsets[part.lo:part.hi] >= 0).tolist()
+                    out.update(part.spec.keys[i] for i in rows)
+        return out
+
     def busy(self) -> set[str]:
         """Requests with a save whose copies may still read their blocks."""
         out: set[str] = set()

@@ -29,9 +29,10 @@ those blocks). Nothing is left: the Get's threads have ended, the slabs are back
 ring, and the store pinned the pages only while it sent them. (A thread in a call that a
 stop cannot cut -- opening the fast path, a gRPC stream -- ends at the client's timeout
 instead, and copies nothing more.) Every wait is bounded: a
-receive by the client's timeout for progress, the whole load by a deadline (the client's
-timeout plus the bytes at a pessimistic 100 MB/s, as a gRPC Get is given); past it the
-load is stopped (its sockets shut) and fails.
+receive by the client's timeout for progress, the whole load by a deadline that follows
+from its bytes, the measured link and the engine's pace and moves on as layers land
+(connector.deadline); past it the load is stopped (its sockets shut) and fails. A load
+that is slow but coming is waited for: only one that stops coming fails.
 """
 
 from __future__ import annotations
@@ -46,13 +47,13 @@ import torch
 
 from kvstore_client import KVStoreClient, KVStoreError
 
+from .deadline import Pace
 from .staging import SLABS, StagingRing, Stopped as _Stopped
 from .transfer import KVTransfer, TransferError
 
 __all__ = ["SLABS", "RemoteLoad", "RemoteLoadFailed", "RemoteLoads"]
 
 _STOP_JOIN_S = 1.0            # how long a stopped load's thread is waited for
-_SLOWEST_BYTES_PER_S = 100e6  # the deadline's pessimistic rate (kvstore_client.rpc)
 
 
 def _cancelled(exc: BaseException) -> bool:
@@ -80,7 +81,7 @@ class RemoteLoad:
 
     def __init__(self, client: KVStoreClient, ns, keys: Sequence[bytes],
                  block_ids: np.ndarray, transfer: KVTransfer, ring: StagingRing,
-                 parts: Sequence[int] = ()) -> None:
+                 parts: Sequence[int] = (), pace: Pace | None = None) -> None:
         self._client, self._ns, self._transfer, self._ring = client, ns, transfer, ring
         self._layers = ns.layout.num_layers
         self._keys = list(keys)
@@ -89,8 +90,11 @@ class RemoteLoad:
         if sum(self._sizes) != len(self._keys):
             raise ValueError(f"parts of {sum(self._sizes)} pages for {len(self._keys)} keys")
         self._chunks = self._split([(0, len(self._keys), -1)])
-        self.deadline = (time.monotonic() + client.timeout
-                         + len(self._keys) * ns.page_bytes / _SLOWEST_BYTES_PER_S)
+        self._pace = pace or Pace(client.timeout)
+        self._bytes = len(self._keys) * ns.page_bytes
+        self._began = time.monotonic()
+        # Moved on as pieces land (_landed), never earlier: connector.deadline.
+        self.deadline = self._began + self._pace.budget(self._bytes)
         self._stop = threading.Event()          # set: the load failed or was stopped
         # What each chunk's Get stops on: one event for all of the step's Get, so that a
         # chunk's failure stops the others; one per load when each is asked for alone.
@@ -131,6 +135,8 @@ class RemoteLoad:
         finally:
             with self._cond:
                 self._ended = True
+                if self._error is None and not self._failed and self._ready == self._layers:
+                    self._pace.finished(self._bytes, time.monotonic() - self._began)
                 self._cond.notify_all()
 
     def _get_all(self) -> None:
@@ -226,6 +232,9 @@ class RemoteLoad:
         if event is not None:
             self._last = event
         self._enqueued[layer] += 1
+        pieces = self._layers * len(self._chunks)
+        left = self._bytes * (pieces - sum(self._enqueued)) / pieces
+        self.deadline = max(self.deadline, time.monotonic() + self._pace.budget(int(left)))
         if self._enqueued[layer] == len(self._chunks):
             self._events[layer] = self._last
             while self._ready < self._layers and self._enqueued[self._ready] == len(self._chunks):
@@ -277,7 +286,8 @@ class RemoteLoad:
     def synchronize(self, part: int | None = None) -> None:
         """Block until the load has ended (at most until its deadline, then it is stopped)
         and its last copy has landed; RemoteLoadFailed if it, or the part, failed."""
-        self._thread.join(max(0.0, self.deadline - time.monotonic()))
+        while self._thread.is_alive() and time.monotonic() < self.deadline:
+            self._thread.join(max(0.0, self.deadline - time.monotonic()))
         if self._thread.is_alive():
             self.stop("the remote load passed its deadline")
             # A stop shuts the Get's sockets, so the thread ends at once, unless it is in
@@ -327,6 +337,7 @@ class RemoteLoads:
 
     def __init__(self, client: KVStoreClient, transfer: KVTransfer, staging_bytes: int
                  ) -> None:
+        self.pace = Pace(client.timeout)        # the worker marks its steps (bind)
         self._client = client
         self._transfer = transfer
         self._staging_bytes = staging_bytes
@@ -341,7 +352,7 @@ class RemoteLoads:
                                      self._transfer.device)
         self._loads = [x for x in self._loads if x.receiving]
         load = RemoteLoad(self._client, ns, keys, block_ids, self._transfer, self._ring,
-                          parts)
+                          parts, self.pace)
         self._loads.append(load)
         return load
 

@@ -12,6 +12,9 @@ the copy after the engine's stream as it is at the launch, which is past that la
 compute, and a layer's KV is not rewritten within a step. Several owed layers launched
 in one go form the same runs of consecutive layers as hooks one a layer.
 
+Without the shared pool the same thread asks the store which of the step's pages it holds
+(one Exists, connector.worker), so that only the others are copied out and sent.
+
 At most one Reserve is in flight, and the worker takes its answer within its step (the
 end of the step waits for it; the client's own timeout bounds that wait, as it bounded
 the call when it was made inline). The answer, good or bad, is the worker's to act on.
@@ -29,8 +32,7 @@ import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Callable
-
-from kvstore_client.shm import Reservation
+from typing import Any
 
 from .meta import SaveSpec
 
@@ -46,8 +48,9 @@ class Answer:
     owed: list[int]                # layers whose hooks ran before it, in hook order
     call: concurrent.futures.Future   # the Reserve on the thread
 
-    def reservation(self) -> Reservation:
-        """The reservation; raises what the Reserve raised."""
+    def reservation(self) -> Any:
+        """The reservation (or what the call returned: the buffer path asks an Exists
+        here instead); raises what the call raised."""
         return self.call.result()
 
 
@@ -64,7 +67,7 @@ class StepReserve:
         """A Reserve whose answer the worker has not taken."""
         return self._answer is not None
 
-    def start(self, reserve: Callable[[], Reservation], specs: list[SaveSpec]) -> None:
+    def start(self, reserve: Callable[[], Any], specs: list[SaveSpec]) -> None:
         """Ask for the Reserve on the thread."""
         if self._answer is not None:
             raise RuntimeError("the previous step's Reserve was not taken")

@@ -27,8 +27,9 @@ Per step, in the order engines call it (docs/dev/vllm-0.33-connector-api.md, sec
 
 The Reserve runs beside the forward (connector.reserving says why and why a copy
 launched after its layer's hook is still right): made in bind, its round trip delayed
-the forward by all of it. Only the shared pool's saves need it; without the pool a save
-goes to a pinned buffer and makes no call until its Put. The Reserve and the step's
+the forward by all of it. Without the pool the same thread asks which of the step's
+pages the store holds (one Exists): only the others are copied to a pinned buffer per
+request and sent by its Put, so a page crosses the network once. The Reserve and the step's
 Acquire go over two connections of the fast path (kvstore_client.fastpath's lease
 lanes), so neither waits for the other, and start_load takes the Reserve's answer once
 its loads are launched, before the forward. A Reserve whose answer no hook took by the
@@ -64,8 +65,8 @@ The breaker's probe runs on its own thread, never in a step.
 On the store's host the pages move straight between the shared pool (registered with
 CUDA once) and the GPU. Elsewhere a load is received layer by layer into a ring of
 pinned slabs and each layer copied to the GPU as it lands (connector.remote), so the
-forward's first layer waits for the first layer's bytes only; saves go through a pinned
-buffer and a Put. All CUDA work is in connector.transfer; this module only plans it.
+forward's first layer waits for the first layer's bytes only (its deadline follows its
+progress: connector.deadline); saves go through a pinned buffer and a Put. All CUDA work is in connector.transfer; this module only plans it.
 
 Over 400 lines because it is the one place that reads in the order an engine calls it
 (loads, saves, completion); each part with an idea of its own is a module beside it
@@ -84,7 +85,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvstore_client import KVStoreClient, KVStoreError, PageLayout
+from kvstore_client import KVStoreClient, KVStoreError, PageLayout, PutResult
 from kvstore_client.shm import Reservation
 
 from .breaker import Breaker
@@ -96,6 +97,7 @@ from .outcomes import LoadOutcomes, Verdict
 from .pending import Part, PendingSave, SaveQueue, Settle
 from .remote import RemoteLoadFailed, RemoteLoads
 from .reserving import StepReserve
+from .sending import Held, to_send
 from .transfer import KVTransfer, TransferError, pinned_empty
 
 __all__ = ["SharedStore", "WorkerHalf", "WorkerStats", "layer_order"]
@@ -237,6 +239,9 @@ class WorkerHalf:
                         else Breaker(config.probe_interval, self._probe))
         self._store_down = False                   # this step's StepMeta.store_down
         self._stats = WorkerStats()
+        # The testing hook (ConnectorConfig.fail_loads) and the requests it has failed.
+        self._fail_loads = re.compile(config.fail_loads) if config.fail_loads else None
+        self._hook_failed: set[str] = set()
 
     @property
     def ns(self):
@@ -278,6 +283,10 @@ class WorkerHalf:
             self._take_reserve()
 
     def _start_loads(self, meta: StepMeta) -> None:
+        specs = self._hook_failures(meta.loads)
+        if not specs:
+            return
+        meta = dataclasses.replace(meta, loads=tuple(specs))
         if not self._may_call():
             exc = KVStoreError(grpc.StatusCode.UNAVAILABLE,
                                "the store is not answering (waiting for a probe)")
@@ -295,6 +304,21 @@ class WorkerHalf:
             self._start_shared(list(meta.loads))
         else:
             self._start_remote(list(meta.loads))
+
+    def _hook_failures(self, specs: Sequence[LoadSpec]) -> list[LoadSpec]:
+        """The loads to start: the testing hook `fail_loads` fails the first load of each
+        request it names, before any call, as a store fault would (ConnectorConfig)."""
+        if not self._fail_loads:
+            return list(specs)
+        out = []
+        for spec in specs:
+            if spec.req_id not in self._hook_failed and self._fail_loads.search(spec.req_id):
+                self._hook_failed.add(spec.req_id)
+                self._load_failed(spec, KVStoreError(grpc.StatusCode.UNAVAILABLE,
+                                                     "failed by the fail_loads test hook"))
+            else:
+                out.append(spec)
+        return out
 
     def _started(self, loads: list[_Load]) -> None:
         for load in loads:
@@ -406,6 +430,7 @@ class WorkerHalf:
         so the forward does not wait for the round trip); finish earlier saves whose
         copies have landed."""
         self._store_down = meta.store_down
+        self._remote.pace.step()          # remote loads' deadlines follow the engine's pace
         self._unsaved.clear()             # put off by a step that never reached its end
         self.transfer.forget_mark()
         self._drop_unfinished_reserve()
@@ -435,16 +460,8 @@ class WorkerHalf:
             return
         if shared:
             self._start_reserve(specs)
-            return
-        # No shared pool: one buffer each, filled by the copies and sent by a Put at
-        # commit; no call to the store here.
-        for spec in specs:
-            try:
-                began = time.monotonic()
-                self._saves.step.append(self._reserve(spec))
-                self.breaker.succeeded(began)
-            except (KVStoreError, OSError, RuntimeError) as exc:
-                self._reserve_failed([spec], exc)
+        else:
+            self._start_exists(specs)
 
     def _reserve_failed(self, specs: list[SaveSpec], exc: Exception) -> None:
         self._trip(exc)
@@ -463,6 +480,19 @@ class WorkerHalf:
         keys = [key for spec in specs for key in spec.keys]
         self._reserving.start(lambda: self.client.reserve(ns, keys), specs)
 
+    def _start_exists(self, specs: list[SaveSpec]) -> None:
+        """No shared pool: which of the step's pages the store holds (one Exists, on the
+        reserve thread, as a Reserve is); only the others are copied out and sent
+        (connector.sending)."""
+        try:
+            ns = self.ns
+        except (KVStoreError, OSError, RuntimeError) as exc:
+            self._reserve_failed(specs, exc)
+            return
+        keys = [key for spec in specs for key in spec.keys]
+        sending = frozenset(self._saves.keys())
+        self._reserving.start(lambda: Held(self.client.exists(ns, keys), sending), specs)
+
     def _take_reserve(self) -> None:
         """The step's reservation, once its Reserve has answered (waited for if need be:
         the client's timeout bounds the wait), joins the step's saves and the layers it
@@ -472,14 +502,17 @@ class WorkerHalf:
         if answer is None:
             return
         try:
-            save = self._step_save(answer.specs, answer.reservation())
+            got = answer.reservation()
+            saves = ([self._reserve(spec, rows) for spec, rows in to_send(answer.specs, got)]
+                     if isinstance(got, Held) else [self._step_save(answer.specs, got)])
         except (KVStoreError, OSError, RuntimeError) as exc:
             self._reserve_failed(answer.specs, exc)
             return
         self.breaker.succeeded(answer.began)
-        self._saves.step.append(save)
+        self._saves.step += saves
         for layer in answer.owed:
-            self._save_layer(save, layer)
+            for save in saves:
+                self._save_layer(save, layer)
 
     def _drop_unfinished_reserve(self) -> None:
         """A Reserve not taken by the start of a step (or by close) is of a step that never
@@ -494,6 +527,8 @@ class WorkerHalf:
             self._reserve_failed(answer.specs, exc)
             return
         self.breaker.succeeded(answer.began)
+        if isinstance(res, Held):
+            return                        # an Exists: nothing was reserved
         log.info("not saving %d pages: their step ended before its saves",
                  sum(len(s.keys) for s in answer.specs))
         if not self._may_call():
@@ -522,13 +557,17 @@ class WorkerHalf:
         return PendingSave(parts, pool, res.offsets, blocks, res.commit, res.abort,
                            lambda dropped: self.client.delete(ns, dropped), res.region)
 
-    def _reserve(self, spec: SaveSpec) -> PendingSave:
-        host = self._buffer(len(spec.keys))
-        offsets = np.arange(len(spec.keys), dtype=np.int64) * self.ns.page_bytes
-        keys = spec.keys
+    def _reserve(self, spec: SaveSpec, rows: list[int]) -> PendingSave:
+        """A pinned buffer for the spec's pages at `rows` (the others are not copied:
+        offset -1), sent by a Put at commit."""
+        page_bytes = self.ns.page_bytes
+        host = self._buffer(len(rows))
+        offsets = np.full(len(spec.keys), -1, dtype=np.int64)
+        offsets[rows] = np.arange(len(rows), dtype=np.int64) * page_bytes
+        keys = [spec.keys[i] for i in rows]
+        ns = self.ns
         return _Save(spec, host, offsets,
-                     lambda: self.client.put(self.ns, keys,
-                                             host.reshape(len(keys), self.ns.page_bytes)),
+                     lambda: self.client.put(ns, keys, host.reshape(len(keys), page_bytes)),
                      lambda: None)
 
     def _poll_saves(self, step: bool = False) -> None:
@@ -558,8 +597,10 @@ class WorkerHalf:
             if dropped:
                 assert save.forget is not None   # PARTIAL only where parts can be forgotten
                 save.forget(dropped)          # never published: see connector.pending
-            save.commit()
-            stored = save.stored_pages()
+            got = save.commit()
+            # A Put answers what it stored (a page another engine stored meanwhile is
+            # skipped there); a Reservation's commit, the slots this save filled.
+            stored = got.stored if isinstance(got, PutResult) else save.stored_pages()
             self._stats.pages_saved += stored
             self._stats.bytes_saved += stored * self.ns.page_bytes
         except KVStoreError as exc:
