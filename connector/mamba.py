@@ -13,11 +13,15 @@ freed two steps after the engine moved past it. So:
                   layout: vLLM 0.33 hands each Mamba layer over as its blocks' bytes,
                   [blocks, 1, 1, content] (kv_cache_interface.create_kv_cache_views),
                   so a page is a one-"token" slab of `content` bytes (page_tokens 1)
-    a save        of page p is made only in the step whose computed range
-                  [num_computed, done] holds the boundary (p+1)*page_tokens and whose
-                  block p is not null (`saveable`): that is the step that wrote it (or
-                  the hit that brought it in), and the block is not freed before the
-                  save's copy has run (the next step's compute waits for it)
+    a save        of page p is made only in the step that wrote its state and only where
+                  that state is the one at p's boundary (`saveable_rows`): the chunk's
+                  end when it ends on the boundary (done == (p+1)*page_tokens, in block
+                  p), or the prefill checkpoint, in block cdiv(done, block) - 2, when
+                  vLLM's checkpoint position (`StateCheckpoints`) is that block's
+                  boundary; with hits finer than a block (hash blocks smaller than the
+                  block) the checkpoint may sit inside a block, and a partial hit's
+                  copied state too, so neither is ever saved. The block is not freed
+                  before the save's copy has run (the next step's compute waits for it)
     a hit         is only as long as the last boundary for which every group holds what
                   it needs: the full groups' leading pages (one Lookup, as ever) and the
                   state page at the hit's end. `StateLookups.longest` asks which state
@@ -32,6 +36,7 @@ prefetched.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -43,7 +48,7 @@ from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
 from .groups import NULL_BLOCK, UnsupportedCache
 from .lookups import StoreLookups, _unanswered
 
-__all__ = ["StateLookups", "mamba_view", "saveable_rows"]
+__all__ = ["StateCheckpoints", "StateLookups", "mamba_view", "saveable_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +66,39 @@ def mamba_view(tensor: torch.Tensor, state_bytes: int) -> torch.Tensor:
     return tensor.view(torch.uint8).unsqueeze(0)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class StateCheckpoints:
+    """Where vLLM 0.33 writes a prefill checkpoint state
+    (kv_cache_interface.get_mamba_prefill_checkpoint_position, without EAGLE's block
+    drop): `alignment` is the engine's hit granularity (cache_hit_alignment_tokens),
+    `lookahead` its num_hash_lookahead_tokens."""
+
+    alignment: int
+    lookahead: int = 0
+
+    def position(self, done: int) -> int:
+        """The checkpoint of a step that ends at token `done`."""
+        return max((done - max(1, self.lookahead)) // self.alignment * self.alignment, 0)
+
+
 def saveable_rows(rows: np.ndarray, first_page: int, computed: int, done: int,
-                  page_tokens: int) -> np.ndarray:
-    """A save's rows of a Mamba group with every page whose state this step did not
-    write (or bring in) set to the null block, which no worker copies."""
-    out = rows.copy()
+                  page_tokens: int, checkpoints: StateCheckpoints | None = None
+                  ) -> np.ndarray:
+    """A save's rows of a Mamba group (one block a page) with every page but those
+    whose boundary state this step wrote set to the null block, which no worker copies:
+    the page that ends at `done`, and the checkpoint's page where the checkpoint is its
+    block's boundary and lies in this step."""
+    keep = {done}
+    if checkpoints is not None:
+        mark = checkpoints.position(done)
+        column = -(-done // page_tokens) - 2           # the block vLLM reserved for it
+        if computed < mark < done and mark == (column + 1) * page_tokens:
+            keep.add(mark)
+    out = np.full_like(rows, NULL_BLOCK)
     ends = (np.arange(first_page, first_page + len(rows)) + 1) * page_tokens
-    out[(ends < computed) | (ends > done)] = NULL_BLOCK
+    for i, end in enumerate(ends.tolist()):
+        if end in keep:
+            out[i] = rows[i]
     return out
 
 

@@ -53,7 +53,7 @@ from .config import ConnectorConfig, LookupMode, SavePolicy, open_client
 from .groups import NULL_BLOCK, CacheGroup, GroupKind
 from .hashing import KEY_BYTES
 from .lookups import StoreLookups
-from .mamba import StateLookups, saveable_rows
+from .mamba import StateCheckpoints, StateLookups, saveable_rows
 from .meta import LoadSpec, PagePins, SaveSpec, StepMeta
 from .prefetch import DOWN, Answer, Job, LookupWorker, Pending
 from .requests import RequestState, new_keys
@@ -71,12 +71,15 @@ class SchedulerHalf:
 
     def __init__(self, config: ConnectorConfig, layouts: Sequence[PageLayout], block_size: int,
                  client: KVStoreClient | None = None, *, lag: int = 1,
-                 groups: Sequence[CacheGroup] = ()) -> None:
+                 groups: Sequence[CacheGroup] = (),
+                 checkpoints: StateCheckpoints | None = None) -> None:
         """lag: how many builds later a step's outcome is known (the engine's number of
         batches in flight: vLLM's max_concurrent_batches). layouts: every rank's layout
         of every group; one Lookup over them all answers what every group holds.
         groups: a hybrid engine's KV-cache groups (connector.groups); none = one group,
-        full attention. Block ids then come one list per group."""
+        full attention. Block ids then come one list per group. checkpoints: where a
+        Mamba group's prefill checkpoint states are written (connector.mamba); None:
+        none is saved."""
         if not layouts:
             raise ValueError("the scheduler half needs at least one layout (one per rank)")
         self.groups = tuple(groups)
@@ -106,6 +109,7 @@ class SchedulerHalf:
             config, config.lookup_timeout, retries=0, shared_memory=False,
             local_socket=config.shared_memory is not False))
         self._states = StateLookups(self.store, state_layouts) if state_layouts else None
+        self._checkpoints = checkpoints
         self._requests: dict[str, RequestState] = {}
         self._loads: list[LoadSpec] = []          # the next build's plan so far
         self._saves: list[SaveSpec] = []
@@ -397,7 +401,8 @@ class SchedulerHalf:
                 for blocks in state.block_ids]
         for g in self._mamba:
             # Only the states this step wrote (or brought in) are in their blocks.
-            rows[g] = saveable_rows(rows[g], start, num_computed_tokens, done, t)
+            rows[g] = saveable_rows(rows[g], start, num_computed_tokens, done, t,
+                                    self._checkpoints)
         self._saves.append(SaveSpec(req_id, tuple(keys), rows[0],
                                     self._unconfirmed.reads(state.all_blocks(full * k)),
                                     tuple(rows) if len(rows) > 1 else ()))

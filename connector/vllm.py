@@ -41,7 +41,7 @@ from .config import ConnectorConfig, LoadMode
 from .groups import CacheGroup, GroupKind, UnsupportedCache, cache_groups
 from .groupworkers import GroupWorkers
 from .kvviews import detect_kind, kv5
-from .mamba import mamba_view
+from .mamba import StateCheckpoints, mamba_view
 from .meta import StepMeta
 from .retention import Retainer, RetainAsk, ask_of
 from .revision import resolve
@@ -149,6 +149,18 @@ def _group_layouts(vllm_config: "VllmConfig", config: ConnectorConfig, page_toke
     return out, mla
 
 
+def _checkpoints(vllm_config: "VllmConfig", block_size: int) -> StateCheckpoints | None:
+    """Where vLLM writes a Mamba prefill checkpoint; None where its hits are finer than
+    a block (the checkpoint may then lie inside one: never saved as a boundary state)."""
+    cache = vllm_config.cache_config
+    alignment = getattr(cache, "cache_hit_alignment_tokens", None) or block_size
+    hashed = getattr(cache, "hash_block_size", None) or block_size
+    if alignment != block_size or hashed != block_size:
+        return None
+    return StateCheckpoints(alignment, int(getattr(vllm_config, "num_hash_lookahead_tokens",
+                                                   0) or 0))
+
+
 def _tp_rank() -> int:
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -238,7 +250,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             # AsyncScheduler): until then its loads count as unconfirmed.
             self._scheduler = SchedulerHalf(self.config, self.layouts, self.block_size,
                                             lag=vllm_config.max_concurrent_batches,
-                                            groups=self.groups)
+                                            groups=self.groups,
+                                            checkpoints=_checkpoints(vllm_config,
+                                                                     self.block_size))
             # Session retention asked in kv_transfer_params (connector.retention): sent
             # once a request's saves have landed, off the loop.
             self.retainer = Retainer(self._scheduler.store)

@@ -94,12 +94,20 @@ def test_a_mamba_group_loads_only_the_state_at_the_hits_end():
 
 
 def test_a_mamba_save_keeps_only_the_states_its_step_wrote():
-    from kvstore_connector.mamba import saveable_rows
+    from kvstore_connector.mamba import StateCheckpoints, saveable_rows
     rows = np.arange(100, 110, dtype=np.int64).reshape(10, 1)
-    # Pages 0..9 saved in a step that computed tokens 96..160: boundaries 96 (the state
-    # it started from) up to 160 are its own, pages 5..9; the rest are other steps'.
-    kept = saveable_rows(rows, 0, 96, 160, T)
-    assert kept.reshape(-1).tolist() == [NULL_BLOCK] * 5 + [105, 106, 107, 108, 109]
+    # Pages 0..9 saved in a step that computed tokens 96..160: the state at its end (160,
+    # page 9) and at vLLM's prefill checkpoint (144, page 8, in the block before).
+    kept = saveable_rows(rows, 0, 96, 160, T, StateCheckpoints(T))
+    assert kept.reshape(-1).tolist() == [NULL_BLOCK] * 8 + [108, 109]
     assert rows[0, 0] == 100                      # the input is left as it was
-    # A step that ends inside a page writes no boundary state past the last one.
-    assert saveable_rows(rows[:2], 8, 150, 170, T).reshape(-1).tolist() == [NULL_BLOCK, 101]
+    # No checkpoints known: the chunk's end only.
+    assert saveable_rows(rows, 0, 96, 160, T).reshape(-1).tolist() == [NULL_BLOCK] * 9 + [109]
+    # A step that ends inside a page writes no state at a page boundary ...
+    assert saveable_rows(rows[:2], 8, 150, 170, T).reshape(-1).tolist() == [NULL_BLOCK] * 2
+    # ... and with hits finer than a block, its checkpoint (168) lies inside block 9.
+    fine = saveable_rows(rows[:2], 8, 100, 170, T, StateCheckpoints(4))
+    assert fine.reshape(-1).tolist() == [NULL_BLOCK] * 2
+    # A checkpoint of an earlier step's range is not this step's to save.
+    assert saveable_rows(rows[8:], 8, 150, 160, T, StateCheckpoints(T)).reshape(-1).tolist() \
+        == [NULL_BLOCK, 109]
