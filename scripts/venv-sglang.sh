@@ -15,7 +15,7 @@ set -euo pipefail
 ENGINE=sglang
 STEPS=4
 TORCH="torch==2.13.0"
-# The real triton: sglang's modules import it at top level and a stub fails (ENGINES.md).
+# The real triton: sglang's modules import it at top level and a stub fails (docs/dev/engines-on-cpu.md).
 SGLANG_NO_DEPS=(sglang==0.5.23 triton==3.8.0)
 # What sglang 0.5.23's hicache_storage, storage backend factory and host pools import.
 # Nothing here may pull a CUDA build of torch.
@@ -35,7 +35,7 @@ say "      (pip then lists sglang's other declared deps as missing: expected)"
 venv_repo
 
 # Fail here, not in a test, if the install is incomplete or torch was replaced. The
-# torchvision stand-in is the one tests/sglang and the bench use (ENGINES.md: the
+# torchvision stand-in is the one tests/sglang and the bench use (docs/dev/engines-on-cpu.md: the
 # registry's torchvision does not import beside a CPU torch).
 cd "$REPO"   # so the check finds this checkout even if the editable install failed
 "$VENV/bin/python" - <<'PY'

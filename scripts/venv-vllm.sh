@@ -16,7 +16,7 @@ STEPS=5
 TORCH="torch==2.13.0"
 VLLM="vllm==0.33.0"
 # What vLLM 0.33's imports need for the scheduler, the connector factory and the
-# forward context (ENGINES.md). Nothing here may pull a CUDA build of torch.
+# forward context (docs/dev/engines-on-cpu.md). Nothing here may pull a CUDA build of torch.
 VLLM_DEPS=(
   packaging msgspec numpy pydantic regex cbor2 psutil pyzmq urllib3
   "transformers>=5.16.1,<5.21" aiohttp requests openai_harmony "openai>=2.25"
