@@ -16,10 +16,13 @@ and under vLLM's default policy so did its request. So the rule is:
           most PACE_CAP_S: an idle engine is not a slow one): a host that takes a second
           a step gives a receive as long
 
-A load's deadline is its start plus budget(all its bytes), and each layer that lands moves
-it to now + budget(the bytes still to come), never earlier: a load that keeps coming is
-waited for however slow, one that stops coming for a whole budget has stalled (the store
-hung, the link cut; a socket's own timeout in the client usually says so first) and fails.
+A load's deadline is its start plus budget(all its bytes), and each piece that lands moves
+it to now + budget(the bytes still to come), never earlier. A piece any other load of the
+worker lands counts too: loads wait for each other's slabs of the staging ring, and one
+queued behind others is not stalled while they come. So a load is waited for however slow
+while the worker's receives keep coming; when none has landed for a whole budget the store
+has hung or the link is cut (a socket's own timeout in the client usually says so first)
+and it fails.
 
 Pure arithmetic over time.monotonic(); one Pace per worker, read by its loads' threads
 (a float read or written whole is safe across threads).
@@ -49,6 +52,7 @@ class Pace:
         self._measured: float | None = None
         self.step_s = 0.0                  # the engine's step interval (EWMA)
         self._last_step: float | None = None
+        self.progressed = float("-inf")    # when a load of the worker last landed a piece
 
     def step(self, now: float | None = None) -> None:
         """A step boundary of the engine (the worker's bind)."""
@@ -66,6 +70,15 @@ class Pace:
         self._measured = (sample if self._measured is None
                           else self._measured + _EWMA * (sample - self._measured))
         self.rate = min(self._prior, self._measured)
+
+    def landed(self, now: float) -> None:
+        """A load of the worker landed a piece at `now`."""
+        self.progressed = max(self.progressed, now)
+
+    def due(self, deadline: float, nbytes: int) -> float:
+        """A load's deadline, nbytes still to come: its own, or later while the worker's
+        other loads come."""
+        return max(deadline, self.progressed + self.budget(nbytes))
 
     def budget(self, nbytes: int) -> float:
         """Seconds a load may go without landing its next layer, nbytes still to come."""

@@ -93,6 +93,7 @@ class RemoteLoad:
         self._pace = pace or Pace(client.timeout)
         self._bytes = len(self._keys) * ns.page_bytes
         self._began = time.monotonic()
+        self._left = self._bytes                # bytes not landed yet (about: by pieces)
         # Moved on as pieces land (_landed), never earlier: connector.deadline.
         self.deadline = self._began + self._pace.budget(self._bytes)
         self._stop = threading.Event()          # set: the load failed or was stopped
@@ -233,8 +234,10 @@ class RemoteLoad:
             self._last = event
         self._enqueued[layer] += 1
         pieces = self._layers * len(self._chunks)
-        left = self._bytes * (pieces - sum(self._enqueued)) / pieces
-        self.deadline = max(self.deadline, time.monotonic() + self._pace.budget(int(left)))
+        self._left = int(self._bytes * (pieces - sum(self._enqueued)) / pieces)
+        now = time.monotonic()
+        self._pace.landed(now)
+        self.deadline = max(self.deadline, now + self._pace.budget(self._left))
         if self._enqueued[layer] == len(self._chunks):
             self._events[layer] = self._last
             while self._ready < self._layers and self._enqueued[self._ready] == len(self._chunks):
@@ -264,7 +267,7 @@ class RemoteLoad:
             raise IndexError(f"layer {layer} out of range [0, {self._layers})")
         with self._cond:                        # re-entrant: stop() takes it too
             while self._ready <= layer and not self._stop.is_set() and not self._ended:
-                left = self.deadline - time.monotonic()
+                left = self._due() - time.monotonic()
                 if left <= 0:
                     self.stop("the remote load passed its deadline")
                     break
@@ -277,7 +280,7 @@ class RemoteLoad:
         """Whether the load has ended and its last copy landed (RemoteLoadFailed if it,
         or the part, failed); never waits."""
         if self._thread.is_alive():
-            if time.monotonic() > self.deadline:
+            if time.monotonic() > self._due():
                 self.stop("the remote load passed its deadline")
             return False
         self._raise(part)
@@ -286,8 +289,8 @@ class RemoteLoad:
     def synchronize(self, part: int | None = None) -> None:
         """Block until the load has ended (at most until its deadline, then it is stopped)
         and its last copy has landed; RemoteLoadFailed if it, or the part, failed."""
-        while self._thread.is_alive() and time.monotonic() < self.deadline:
-            self._thread.join(max(0.0, self.deadline - time.monotonic()))
+        while self._thread.is_alive() and time.monotonic() < self._due():
+            self._thread.join(max(0.0, self._due() - time.monotonic()))
         if self._thread.is_alive():
             self.stop("the remote load passed its deadline")
             # A stop shuts the Get's sockets, so the thread ends at once, unless it is in
@@ -298,6 +301,11 @@ class RemoteLoad:
         if self._last is not None:
             self._last.synchronize()        # copies enqueued before a failure land first
         self._raise(part)
+
+    def _due(self) -> float:
+        """When the load is late: its deadline, or later while the worker's other loads
+        land pieces (connector.deadline)."""
+        return self._pace.due(self.deadline, self._left)
 
     @property
     def receiving(self) -> bool:

@@ -36,12 +36,19 @@ def _served(address: str) -> int:
     return sum(t.get("served", 0) for t in store_stats(address)["tiers"])
 
 
-@pytest.mark.parametrize("scheduler", ["sync", "async"])
-def test_remote_loads_on_a_busy_host_never_fail_and_stay_exact(scheduler, llama,
+# A ring of 4 slabs of 4 pages' layers each (a page's layer is 16 KiB here): the
+# long prompts' loads are received in many chunks that wait for each other's slabs.
+SMALL_RING = 256 << 10
+
+
+@pytest.mark.parametrize("scheduler,staging", [("sync", None), ("async", None),
+                                               ("async", SMALL_RING)])
+def test_remote_loads_on_a_busy_host_never_fail_and_stay_exact(scheduler, staging, llama,
                                                                 llama_reference, store,
                                                                 busy_host):
+    extra = {"remote_staging_bytes": staging} if staging else {}
     eng = EngineProc(llama, name=f"remote-busy-{scheduler}",
-                     connector=connector_config(store.address, shared_memory=False),
+                     connector=connector_config(store.address, shared_memory=False, **extra),
                      async_scheduling=scheduler == "async")
     try:
         assert_exact(ROUND, eng.generate(ROUND, MAX_TOKENS), llama_reference, "cold")

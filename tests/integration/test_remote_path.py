@@ -16,7 +16,7 @@ from kvstore_client import KVStoreClient                                  # noqa
 from kvstore_connector.config import ConnectorConfig                     # noqa: E402
 
 from .test_connector import BLOCK, Engine, expected_pages, prompt, stored_pages  # noqa: E402
-from .test_remote_load import SHAPES, Rig, remote_threads                   # noqa: E402
+from .test_remote_load import SHAPES, SLABS, Rig, remote_threads                   # noqa: E402
 
 
 @pytest.fixture
@@ -128,6 +128,23 @@ def test_a_load_slow_but_coming_is_waited_for_past_the_old_bound(srv):
     assert took > 1.0, took                           # it was slow
     rig.expected(remote)
     assert remote_threads() == []
+    remote.close()
+
+
+def test_loads_queued_behind_each_other_for_slabs_are_waited_for(srv):
+    """A ring of four one-page slabs and three async loads of four pages, each layer 0.3 s
+    late with a 0.2 s timeout: a load's chunks wait for slabs the others hold, longer than
+    a budget with nothing of their own landing, while the worker's receives keep coming.
+    None fails."""
+    rig = Rig(srv.address, SHAPES["kv2-fp16-page32"], pages=12, seed=24)
+    lb = rig.layout.page_bytes // len(rig.names)
+    remote = rig.worker(srv.address, shared_memory=False, timeout=0.2,
+                        remote_staging_bytes=SLABS * lb)
+    _slowed(remote, 0.3)
+    errors = rig.step(remote, rig.specs([4, 8], is_async={0, 1, 2}))
+    assert errors == set() and remote.take_failed_recving() == set()
+    assert remote.take_stats().load_failures == 0
+    rig.expected(remote)
     remote.close()
 
 

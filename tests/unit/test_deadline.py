@@ -38,3 +38,13 @@ def test_a_measured_link_slower_than_the_prior_lengthens_the_budget_a_faster_one
     for _ in range(30):
         pace.finished(10 * RATE_MIN_BYTES, 10 * RATE_MIN_BYTES / 10e9)    # 10 GB/s
     assert pace.rate == PRIOR_BYTES_PER_S
+
+
+def test_a_load_is_due_later_while_the_workers_other_loads_land_pieces():
+    pace = Pace(0.5)
+    assert pace.due(10.0, 0) == 10.0                   # nothing landed yet: its own
+    pace.landed(50.0)
+    assert pace.due(10.0, 0) == pytest.approx(50.0 + SLACK * 0.5)
+    pace.landed(40.0)                                  # never earlier
+    assert pace.due(10.0, 0) == pytest.approx(50.0 + SLACK * 0.5)
+    assert pace.due(99.0, 0) == 99.0
