@@ -16,12 +16,12 @@ from . import __version__
 from .auth import ANONYMOUS, Authenticator, Role
 from .errors import Outcome, StoreError
 from .far.records import Scope
-from .far.wiring import know_layouts
 from .parsing import parser
 from .service import guarded
 from .status import Invalid
 from .stats import LayoutStats
 from .tenants import scoped_layout_id
+from .tier import TierName
 from .store import Store
 from .metrics import Metrics
 
@@ -45,16 +45,11 @@ class AdminService:
         self.store = store
         self.metrics = metrics
         self.auth = auth          # for the tenants' quotas; None = no auth file
-        # The far tier writes each layout's record beside its pages, so that Invalidate
-        # finds the layouts of a model that only other servers registered (far/records.py)
-        for below in getattr(store.lower, "tiers", (store.lower,)):
-            if hasattr(below, "record_of"):
-                know_layouts(below, store.info)  # type: ignore[arg-type]
 
     def Stats(self, request, context):
         s = self.store.stats()
         tiers = [apb.TierStats(
-            name="dram", capacity_bytes=s.capacity_bytes, used_bytes=s.used_bytes,
+            name=TierName.DRAM, capacity_bytes=s.capacity_bytes, used_bytes=s.used_bytes,
             pages=s.pages, hits=s.hits, misses=s.misses, evictions=s.evictions,
             bytes_in=s.bytes_in, bytes_out=s.bytes_out, served=s.served)]
         for n, t in enumerate(s.tiers):
@@ -64,8 +59,8 @@ class AdminService:
                 pages=t.pages, hits=s.promotions if n == 0 else 0, evictions=t.evictions,
                 bytes_in=t.bytes_written, bytes_out=t.bytes_read, reads=t.reads,
                 writes=t.writes, drops=t.drops, corrupt=t.corrupt_pages, failed=t.failed,
-                state=(t.error or "reachable") if t.name == "far" else "",
-                errors=t.read_errors if t.name == "far" else 0))
+                state=(t.error or "reachable") if t.name == TierName.FAR else "",
+                errors=t.read_errors if t.name == TierName.FAR else 0))
         quotas = self.auth.quotas() if self.auth is not None else {}
         tenants = [apb.TenantStats(name=t.name, used_bytes=t.used_bytes,
                                    pages=t.pages, quota_bytes=quotas.get(t.name, 0))
@@ -80,7 +75,7 @@ class AdminService:
 
     def Evict(self, request, context):
         target = request.WhichOneof("target")
-        tier = request.tier or "dram"
+        tier = request.tier or TierName.DRAM
         if target is None or (target == "all" and not request.all):
             raise Invalid("Evict needs a target: layout_id, bytes or all=true")
         broken = self.store.break_leases() if request.force else 0

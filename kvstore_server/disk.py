@@ -55,12 +55,14 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .disk_slots import DiskSlots
 from .eviction import PolicyFactory, make_policy
 from .disk_stats import DiskCounters, DiskStats
+from .errors import StoreError
 from .layouts import LAYOUT_ID_BYTES
 from .slot_io import (SlotRead, SlotWrite, folder_gone, lock_folder, read_slots, runs_of,
                       write_slots)
@@ -68,7 +70,10 @@ from .slotfile import (ALIGN, MAX_KEY, SlotFile, SlotHeader, aligned_buffer, pro
                        slot_bytes_for)
 from .slots import SlotState
 from .staging import Pending, StagingRing
-from .tier import Page, PageInfo, Tier, TierStats
+from .tier import Page, PageInfo, Tier, TierInvalidation, TierName, TierStats
+
+if TYPE_CHECKING:
+    from .far.records import Scope
 
 __all__ = ["DiskStats", "DiskTier"]
 
@@ -128,8 +133,8 @@ class DiskTier:
         self._error = ""                    # why writes stopped
         self._closing = False
         self.counters = DiskCounters()
-        # Where pages evicted to make room go (TierChain sets it: the far tier, under
-        # --far-write evict, for they are leaving the host); None: they are forgotten.
+        # Where pages evicted to make room go (link(): the chain links the far tier here,
+        # under --far-write evict, for they are leaving the host); None: they are forgotten.
         self.below: Tier | None = None
         started = clock()
         self._rebuild()
@@ -138,6 +143,16 @@ class DiskTier:
         self._writer.start()
 
     # -- the Tier interface ---------------------------------------------------------------
+    name = TierName.DISK
+    probe_chunk = 0                 # a probe is a dict lookup a key: the store's chunks
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        return (self,)
+
+    def link(self, below: Tier) -> None:
+        self.below = below
+
     def offer(self, layout_id: bytes, key: bytes, page: Page) -> bool:
         src = _as_u8(page)
         if len(layout_id) != LAYOUT_ID_BYTES or not 1 <= len(key) <= MAX_KEY:
@@ -267,12 +282,12 @@ class DiskTier:
         with self._lock:
             sid = self._slots.index.get(layout_id, {}).get(key)
             if sid is not None:
-                return PageInfo("disk", "READY", int(self._slots.plen[sid]),
+                return PageInfo(self.name, "READY", int(self._slots.plen[sid]),
                                 leases=int(self._slots.pins[sid]),
                                 slot_offset=self._slots.file_of[sid].offset(int(self._slots.idx[sid])))
             entry = self._staging.queued.get(layout_id, {}).get(key)
             if entry is not None:
-                return PageInfo("disk", "QUEUED", entry.nbytes)
+                return PageInfo(self.name, "QUEUED", entry.nbytes)
         return None
 
     def evict(self, *, nbytes: int | None = None, layout_id: bytes | None = None,
@@ -303,6 +318,16 @@ class DiskTier:
                 self._durable(victims.tolist())
             return len(victims), freed
 
+    def invalidate(self, scope: Scope, known: Sequence[bytes]) -> TierInvalidation:
+        # The disk keeps no layout records: it forgets the layouts it is told of.
+        removed = 0
+        try:
+            for layout_id in known:
+                removed += self.evict(layout_id=layout_id)[0]
+        except (OSError, StoreError) as exc:
+            return TierInvalidation(tuple(known), removed, str(exc))
+        return TierInvalidation(tuple(known), removed)
+
     def flush(self, timeout: float) -> int:
         deadline = time.monotonic() + timeout
         with self._wake:
@@ -320,7 +345,7 @@ class DiskTier:
         with self._lock:
             queued = [e for e in self._staging.ring if not e.cancelled]
             return DiskStats(
-                "disk", self.capacity_bytes, self._slots.used, self._slots.pages,
+                self.name, self.capacity_bytes, self._slots.used, self._slots.pages,
                 **dataclasses.asdict(self.counters), failed=self._failed, error=self._error,
                 pages_by_layout={lid: len(keys) for lid, keys in self._slots.index.items() if keys},
                 queued_pages=len(queued), queued_bytes=sum(e.slot_bytes for e in queued),

@@ -190,6 +190,9 @@ class Server:
                            presence=True,
                            retention=RetentionLimits(config.retention_quota,
                                                      config.retention_sessions))
+        # The far tier writes each layout's record beside its pages, so that Invalidate
+        # finds the layouts of a model that only other servers registered (far/records.py)
+        far_wiring.know_layouts(self.far, self.store.info)
         log.info("presence map: %s", "on (same-host clients answer misses without a call)"
                  if self.store.presence is not None else
                  "off (a tier below DRAM holds pages the map cannot see)")

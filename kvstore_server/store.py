@@ -122,7 +122,7 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
         self.through = through
         # Keys the tier below is asked about at once (see _reach): a far tier pays a
         # round trip per call, so it asks for bigger chunks than the disk tier's.
-        self._probe_chunk = max(PROBE_CHUNK, getattr(self.lower, "probe_chunk", 0))
+        self._probe_chunk = max(PROBE_CHUNK, self.lower.probe_chunk)
         # Guards everything below. Timed: the longest hold is the longest one call can
         # stall the others (limits.py bounds it; /metrics shows it).
         self._lock = TimedLock()

@@ -26,7 +26,7 @@ from .pool import Pool
 from .quota import TenantLedger
 from .slots import SlotState, SlotTable
 from .stats import LayoutStats, StoreStats, TenantStats
-from .tier import PageInfo, Tier
+from .tier import PageInfo, Tier, TierName
 from .timed_lock import TimedLock
 
 __all__ = ["ADMIN_BATCH", "Invalidation", "StoreAdmin"]
@@ -78,17 +78,17 @@ class StoreAdmin:
         """Admin eviction from tier "dram" (to the tiers below), "disk" or "far" (gone;
         the far tier only this server's namespace, and never by a byte amount), or "all":
         (pages, bytes, pages skipped because leased)."""
-        if tier not in ("dram", "disk", "far", "all"):
+        if tier not in (TierName.DRAM, TierName.DISK, TierName.FAR, "all"):
             raise StoreError(Outcome.INVALID,
                              f"tier must be dram, disk, far or all, got {tier!r}")
         pages = freed = leased = 0
-        if tier in ("dram", "all"):
+        if tier in (TierName.DRAM, "all"):
             pages, freed, leased = self._evict_dram(layout_id, nbytes)
-        if layout_id is not None and tier != "dram":
+        if layout_id is not None and tier != TierName.DRAM:
             self._layouts.info(layout_id)
         # The chain's tiers one by one: `--tier disk` must never reach a shared cluster.
-        for below in getattr(self.lower, "tiers", (self.lower,)):
-            if not below.holds_pages or tier not in ("all", _tier_name(below)):
+        for below in self.lower.tiers:
+            if not below.holds_pages or tier not in ("all", below.name):
                 continue
             more, more_bytes = below.evict(nbytes=nbytes, layout_id=layout_id,
                                            everything=nbytes is None and layout_id is None)
@@ -169,25 +169,16 @@ class StoreAdmin:
         ids = [i.layout_id for i in mine]
         disk = far = 0
         failures: list[str] = []
-        tiers = [t for t in getattr(self.lower, "tiers", (self.lower,)) if t.holds_pages]
-        # The far tier first (duck-typed: importing it needs valkey-glide, which a server
-        # without --far may not have): the layouts its records name are the disk's too.
-        for below in tiers:
-            invalidate = getattr(below, "invalidate", None)
-            if invalidate is not None:
-                result = invalidate(scope, ids)
+        # Bottom first (the far tier): the layouts its records name are the disk's too.
+        for below in reversed([t for t in self.lower.tiers if t.holds_pages]):
+            result = below.invalidate(scope, ids)
+            ids += [i for i in result.layout_ids if i not in ids]
+            if below.name is TierName.FAR:
                 far += result.removed
-                ids += [i for i in result.layout_ids if i not in ids]
-                if result.failure:
-                    failures.append("far tier: " + result.failure)
-        for below in tiers:
-            if getattr(below, "invalidate", None) is not None:
-                continue
-            try:
-                for layout_id in ids:
-                    disk += below.evict(layout_id=layout_id)[0]
-            except (OSError, StoreError) as exc:
-                failures.append(f"{_tier_name(below)} tier: {exc}")
+            else:
+                disk += result.removed
+            if result.failure:
+                failures.append(f"{below.name} tier: {result.failure}")
         return Invalidation(tuple(ids), dram, disk, far, "; ".join(failures))
 
     def spill_all(self, timeout: float) -> tuple[int, int]:
@@ -249,7 +240,7 @@ class StoreAdmin:
             state = SlotState(int(self._slots.state[slot]))
             ready = state is SlotState.READY
             return PageInfo(
-                "dram", state.name, info.page_bytes,
+                TierName.DRAM, state.name, info.page_bytes,
                 age_seconds=float(now - self._slots.committed_at[slot]) if ready else 0.0,
                 idle_seconds=float(now - self._slots.touched_at[slot]) if ready else 0.0,
                 leases=int(self._slots.pins[slot]), slot_offset=int(self.pool.offset[slot]))
@@ -292,8 +283,3 @@ class StoreAdmin:
                 tenants=tuple(TenantStats(name, pages, self._tenants.bytes.get(name, 0))
                               for name, pages in pages_of.items()),
                 tiers=tiers, lock=self._lock.holds())
-
-
-def _tier_name(tier) -> str:
-    levels = tier.levels()
-    return levels[0].name if levels else ""

@@ -46,21 +46,51 @@ leased; Acquire (Get) promotes them later, and may then miss (a tier may forget)
 lease pins the slots of a put until commit or abort.
 
 Rules for a tier: `offer` never waits on I/O and may be called under the store's lock;
-`read_into`, `delete`, `evict` and `flush` may block and are called with no lock held.
+`read_into`, `delete`, `evict`, `invalidate` and `flush` may block and are called with no
+lock held. Everything the store, the chain and the admin calls need of a tier is declared
+on `Tier`: its name, how it wants to be probed, the tier below it, its members; nothing
+asks a tier what it is by reflection, and the null tier answers every method.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import time
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["NullTier", "Page", "PageInfo", "Tier", "TierChain", "TierStats"]
+if TYPE_CHECKING:
+    from .far.records import Scope
+
+__all__ = ["NullTier", "Page", "PageInfo", "Tier", "TierChain", "TierInvalidation", "TierName",
+           "TierStats"]
 
 Page = memoryview | np.ndarray          # one page: contiguous bytes (any dtype, viewed as uint8)
+
+
+class TierName(enum.StrEnum):
+    """What a tier is called: by an operator (`kvstore-admin evict --tier`), in the stats
+    and in the metrics' `tier` label. A str, so it is also the name stats and Inspect show."""
+
+    DRAM = "dram"
+    DISK = "disk"
+    FAR = "far"
+    CHAIN = "chain"                 # several tiers seen as one (TierChain)
+    NONE = "none"                   # the null tier
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TierInvalidation:
+    """What an invalidation did in one tier: the layouts it covered (those it was given
+    first, then any its own records named), the pages it removed, and why it may not be
+    whole ("" if it is)."""
+
+    layout_ids: tuple[bytes, ...]
+    removed: int
+    failure: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -105,9 +135,22 @@ class Tier(Protocol):
     is a cache, and nothing assumes it is a page's only holder."""
 
     @property
+    def name(self) -> TierName:
+        """What this tier is called (TierName)."""
+    @property
+    def probe_chunk(self) -> int:
+        """Keys one contains() should be asked about at once; 0: no wish of its own (the
+        store's default). A tier that pays a round trip per call asks for more."""
+    @property
     def holds_pages(self) -> bool:
         """False only for the null tier: lets the store skip work that cannot find
         anything (a second pass of a lookup, spilling at stop)."""
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        """The single tiers this one is made of, top first: (self,) but for a chain."""
+    def link(self, below: Tier) -> None:
+        """Hand the pages this tier lets go of (evicts to make room) to `below`; a tier
+        that lets nothing go of its own accord ignores it."""
     def offer(self, layout_id: bytes, key: bytes, page: Page) -> bool:
         """Spill: take a copy of the page to store; False if not taken. Never waits on I/O."""
     def contains(self, layout_id: bytes, keys: Sequence[bytes]) -> np.ndarray:
@@ -125,6 +168,10 @@ class Tier(Protocol):
               everything: bool = False) -> tuple[int, int]:
         """Forget pages worth nbytes in the tier's eviction order (of one layout if
         given), or a whole layout's, or all: returns (pages, bytes)."""
+    def invalidate(self, scope: Scope, known: Sequence[bytes]) -> TierInvalidation:
+        """Forget every page of the scope's layouts: `known` (this server's), and those a
+        shared tier's own layout records name. Never raises: `failure` says what was not
+        done."""
     def flush(self, timeout: float) -> int:
         """Store what was offered, waiting at most timeout s; returns pages left pending."""
     def levels(self) -> tuple[TierStats, ...]:
@@ -136,7 +183,16 @@ class Tier(Protocol):
 class NullTier:
     """The null tier: holds nothing, takes nothing (a server run without --disk)."""
 
+    name = TierName.NONE
+    probe_chunk = 0
     holds_pages = False
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        return (self,)
+
+    def link(self, below: Tier) -> None:
+        pass
 
     def offer(self, layout_id: bytes, key: bytes, page: Page) -> bool:
         return False
@@ -158,6 +214,9 @@ class NullTier:
               everything: bool = False) -> tuple[int, int]:
         return 0, 0
 
+    def invalidate(self, scope: Scope, known: Sequence[bytes]) -> TierInvalidation:
+        return TierInvalidation(tuple(known), 0)
+
     def flush(self, timeout: float) -> int:
         return 0
 
@@ -174,23 +233,31 @@ class TierChain:
     A spill goes down one tier at a time: a page leaving DRAM is offered to the top tier,
     and reaches the next one when that tier lets it go, either at once (it refused or
     dropped the offer: failed, full queue, too big) or later, when it evicts the page to
-    make room (a tier with a `below` attribute, the disk tier, offers its victims to the
-    tier the chain puts there). So under --far-write evict a page goes to the far tier
+    make room (each tier is linked to the next: the disk tier offers its victims to it). So under --far-write evict a page goes to the far tier
     when it leaves this host: when it leaves the disk tier, or DRAM where there is no
     disk tier. Reads are inclusive: a read asks the tiers in order and offers a page
     found lower down to the tiers above it, so the next read of it stops higher up."""
 
+    name = TierName.CHAIN
+
     def __init__(self, tiers: Sequence[Tier]) -> None:
-        self.tiers = tuple(t for t in tiers if t.holds_pages)
-        for upper, lower in zip(self.tiers, self.tiers[1:]):
-            if hasattr(upper, "below"):
-                upper.below = lower
+        self._tiers = tuple(t for t in tiers if t.holds_pages)
+        for upper, lower in zip(self._tiers, self._tiers[1:]):
+            upper.link(lower)
         # The largest chunk of keys any tier wants to be asked about at once (store.py).
-        self.probe_chunk = max((getattr(t, "probe_chunk", 0) for t in self.tiers), default=0)
+        self.probe_chunk = max((t.probe_chunk for t in self._tiers), default=0)
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        return self._tiers
 
     @property
     def holds_pages(self) -> bool:
         return bool(self.tiers)
+
+    def link(self, below: Tier) -> None:
+        if self.tiers:
+            self.tiers[-1].link(below)
 
     def offer(self, layout_id: bytes, key: bytes, page: Page) -> bool:
         return any(tier.offer(layout_id, key, page) for tier in self.tiers)  # first taker
@@ -241,6 +308,18 @@ class TierChain:
                                           everything=everything)
             pages, freed = pages + more, freed + more_bytes
         return pages, freed
+
+    def invalidate(self, scope: Scope, known: Sequence[bytes]) -> TierInvalidation:
+        # Bottom first: a shared tier's records name layouts other servers registered,
+        # and the tiers above forget those too.
+        ids, removed, failures = list(known), 0, []
+        for tier in reversed(self.tiers):
+            result = tier.invalidate(scope, ids)
+            ids += [i for i in result.layout_ids if i not in ids]
+            removed += result.removed
+            if result.failure:
+                failures.append(f"{tier.name} tier: {result.failure}")
+        return TierInvalidation(tuple(ids), removed, "; ".join(failures))
 
     def flush(self, timeout: float) -> int:
         deadline = time.monotonic() + timeout

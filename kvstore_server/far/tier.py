@@ -34,7 +34,6 @@ an admin's evict that did not reach the whole cluster: the operator must learn t
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -43,7 +42,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ..errors import Outcome, StoreError
-from ..tier import PageInfo, TierStats
+from ..tier import PageInfo, Tier, TierInvalidation, TierName, TierStats
 from .breaker import BreakerState
 from .client import CLEAR_BUDGET, FarClient
 from .codec import Reason
@@ -52,7 +51,7 @@ from .reads import ParallelReader
 from .settings import WritePolicy
 from .writer import WriteBehind
 
-__all__ = ["CLOSE_TIMEOUT", "PROBE_CHUNK", "FarInvalidation", "FarTier"]
+__all__ = ["CLOSE_TIMEOUT", "PROBE_CHUNK", "FarTier"]
 
 log = logging.getLogger("kvstore.far")
 
@@ -67,19 +66,10 @@ PROBE_CHUNK = 1 << 16
 CLOSE_TIMEOUT = 5.0
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class FarInvalidation:
-    """What an invalidation did in the far tier: the layouts of its scope, the pages it
-    removed, and why it may not be whole ("" if it is)."""
-
-    layout_ids: tuple[bytes, ...]
-    removed: int
-    failure: str = ""
-
-
 class FarTier:
     """A Valkey/Redis Cluster below the disk tier; a cache that may forget any page."""
 
+    name = TierName.FAR
     holds_pages = True
     probe_chunk = PROBE_CHUNK
 
@@ -95,6 +85,13 @@ class FarTier:
             unlink=lambda layout_id, keys: client.unlink(layout_id, keys)[1],
             clear=lambda layout_id: client.clear(layout_id, retry=True).complete)
         self.reader = ParallelReader(client.read, client.settings.timeout)
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        return (self,)
+
+    def link(self, below: Tier) -> None:
+        pass                        # the bottom tier: what the cluster evicts is gone
 
     def _put(self, layout_id: bytes, items) -> int:
         """The writer's put: the pages, and the layout's record when it is due."""
@@ -159,7 +156,7 @@ class FarTier:
         """Held or not (one EXISTS); its size is not asked for: that would fetch it."""
         if not self.client.exists(layout_id, [key])[0]:
             return None
-        return PageInfo("far", "HELD", 0)
+        return PageInfo(self.name, "HELD", 0)
 
     def state(self) -> str:
         """What admin stats shows: reachable, or what the breakers say."""
@@ -173,7 +170,7 @@ class FarTier:
     def levels(self) -> tuple[TierStats, ...]:
         c = self.client.counters
         state = self.state()
-        return (TierStats("far", reads=c.pages_read, bytes_read=c.bytes_read,
+        return (TierStats(self.name, reads=c.pages_read, bytes_read=c.bytes_read,
                           writes=c.pages_written, bytes_written=c.bytes_written,
                           drops=c.drops, refused=c.skipped,
                           corrupt_pages=sum(c.rejected.values()), read_errors=c.errors,
@@ -204,7 +201,7 @@ class FarTier:
                 f"retried until the cluster confirms it (kvstore_far_deletes_pending)")
         return result.removed, 0
 
-    def invalidate(self, scope: Scope, known: Sequence[bytes]) -> FarInvalidation:
+    def invalidate(self, scope: Scope, known: Sequence[bytes]) -> TierInvalidation:
         """Remove the pages of every layout of the scope in the whole cluster: `known`
         (this server's layouts of the scope) and those the cluster's records name. The
         records are read and the layouts cleared within half of CLEAR_BUDGET each; what was not
@@ -236,7 +233,7 @@ class FarTier:
                            f"within {half:g}s: the rest is removed in the "
                            f"background, retried until the cluster confirms it "
                            f"(kvstore_far_deletes_pending)")
-        return FarInvalidation(ids, result.removed, "; ".join(failure))
+        return TierInvalidation(ids, result.removed, "; ".join(failure))
 
     def flush(self, timeout: float) -> int:
         self.writer.flush(timeout)
