@@ -46,6 +46,7 @@ from .config import (ConfigError, ServerConfig, argument_parser, data_address, i
 from .fastpath import FastPathServer, SocketFolder, remove_stale_folders, socket_path
 from .fastpath.tls import fast_tls_context
 from .disk import DiskTier
+from .disk_stats import DiskCollector
 from .eviction import load_policy
 from .far import wiring as far_wiring
 from .limits import RequestLimits, request_message_bytes
@@ -140,6 +141,7 @@ class Server:
             except (OSError, RuntimeError) as exc:
                 raise ConfigError(f"disk_dir: {exc}") from None
             undo.callback(self.disk.close)
+            self.metrics.registry.register(DiskCollector(self.disk.stats))
             stats = self.disk.stats()
             log.info("disk tier: %s in %s, %d pages found on disk (%.2fs), %s I/O",
                      format_size(config.disk), config.disk_dir, stats.pages,

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from .stats import StoreStats
+from .tier import TierName
 from .timed_lock import BUCKETS
 
 __all__ = ["Metrics"]
@@ -29,7 +30,7 @@ class _StoreCollector:
 
     def collect(self):
         s = self._stats()
-        tier = "dram"
+        tier = TierName.DRAM
         yield _gauge("kvstore_capacity_bytes", "Capacity of each tier", tier, s.capacity_bytes)
         yield _gauge("kvstore_used_bytes", "Bytes of slots in use per tier", tier, s.used_bytes)
         yield _gauge("kvstore_pages", "Pages stored per tier", tier, s.pages)
@@ -69,18 +70,8 @@ class _StoreCollector:
             yield _gauge("kvstore_used_bytes", "Bytes of slots in use per tier", tier,
                          lower.used_bytes)
             yield _gauge("kvstore_pages", "Pages stored per tier", tier, lower.pages)
-            if tier != "disk":
-                continue    # the series below are named for the disk tier
-            yield _counter("kvstore_disk_reads", "Pages read back from disk", None,
-                           lower.reads)
-            yield _counter("kvstore_disk_writes", "Pages written to disk", None,
-                           lower.writes)
-            yield _counter("kvstore_disk_drops", "Pages not spilled: write queue full", None,
-                           lower.drops)
-            yield _counter("kvstore_disk_corrupt_pages", "Disk pages whose checksum failed "
-                           "(dropped, never served)", None, lower.corrupt_pages)
-            yield _gauge("kvstore_disk_failed", "1 when disk writes stopped (full or failing)",
-                         None, int(lower.failed))
+        # Each tier's own series (kvstore_disk_*, kvstore_far_*) come from the collector it
+        # registered (disk_stats.DiskCollector, far/metrics.FarCollector).
         holds = s.lock
         if holds is not None:
             h = HistogramMetricFamily("kvstore_store_lock_hold_seconds",
