@@ -174,3 +174,28 @@ def test_a_page_corrupt_on_disk_is_never_handed_down(tmp_path):
         assert all(below.got[key(i)] == page(i).tobytes() for i in (0, 2, 3))
     finally:
         near.close()
+
+
+class Linked(NullTier):
+    """A tier of its own kind: it asks for big probes and learns the tier below it."""
+
+    holds_pages = True
+    probe_chunk = 4096
+
+    def __init__(self) -> None:
+        self.linked: Tier | None = None
+
+    def link(self, below: Tier) -> None:
+        self.linked = below
+
+
+def test_the_chain_links_and_probes_any_tier_through_the_protocol():
+    top, bottom, further = Linked(), Linked(), Linked()
+    chain = TierChain([top, NullTier(), bottom])
+    assert top.linked is bottom and bottom.linked is None
+    assert chain.tiers == (top, bottom) and chain.probe_chunk == 4096
+    chain.link(further)                                 # a chain below a chain
+    assert bottom.linked is further
+    null = NullTier()
+    assert isinstance(null, Tier) and null.tiers == (null,) and not null.holds_pages
+    assert null.invalidate(None, [LAYOUT]).layout_ids == (LAYOUT,)
