@@ -71,15 +71,22 @@ __all__ = ["NullTier", "Page", "PageInfo", "Tier", "TierChain", "TierInvalidatio
 Page = memoryview | np.ndarray          # one page: contiguous bytes (any dtype, viewed as uint8)
 
 
-class TierName(enum.StrEnum):
+class TierName(str, enum.Enum):
     """What a tier is called: by an operator (`kvstore-admin evict --tier`), in the stats
-    and in the metrics' `tier` label. A str, so it is also the name stats and Inspect show."""
+    and in the metrics' `tier` label. A str, so it is also the name stats and Inspect show
+    (str and format give the bare name on every Python: enum.StrEnum is 3.11+)."""
 
     DRAM = "dram"
     DISK = "disk"
     FAR = "far"
     CHAIN = "chain"                 # several tiers seen as one (TierChain)
     NONE = "none"                   # the null tier
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
