@@ -68,6 +68,13 @@ class StoreLookups:
         self._handles: list[LayoutHandle] | None = None   # registered on first use
         self._down_since = 0.0        # when the store was last found unreachable
         self.breaker = Breaker(config.probe_interval, self._probe)
+        # lease id -> pages the workers read under it from the pool (no Acquire), said
+        # at its release so the store counts them as served (connector.unconfirmed)
+        self._reads: dict[int, int] = {}
+
+    def note_reads(self, reads: dict[int, int]) -> None:
+        """Pages read under these leases, to say when each is released."""
+        self._reads.update(reads)
 
     def handles(self) -> list[LayoutHandle]:
         if self._handles is None:
@@ -107,12 +114,14 @@ class StoreLookups:
         Releases go only to a store that answers: one that hangs would cost every
         release its timeout. They wait while the breaker is open (its probe closes it);
         one never sent only costs its pages their pin until lease_ms runs out."""
+        for dropped in lease_ids[:-_RELEASES_KEPT]:
+            self._reads.pop(dropped, None)
         del lease_ids[:-_RELEASES_KEPT]
         while lease_ids and self.breaker.allow():
             lease_id = lease_ids[-1]
             began = time.monotonic()
             try:
-                self.client.release_lease(lease_id)
+                self.client.release_lease(lease_id, self._reads.pop(lease_id, 0))
                 self.breaker.succeeded(began)
             except KVStoreError as exc:
                 if _unanswered(exc):

@@ -355,11 +355,6 @@ class SchedulerHalf:
         rows = [np.asarray(blocks[first * k:last * k], dtype=np.int64).reshape(len(keys), k)
                 for blocks in state.block_ids]
         is_async = self.config.load_mode.value == "async"
-        # The lease moves to the load: it is held until the load's outcome is known.
-        load_id = self._unconfirmed.add(
-            req_id, first, [int(b) for r in rows for b in r.reshape(-1) if b != NULL_BLOCK],
-            state.lease_id, is_async, extra_leases=(state.state_lease,) if state.state_lease
-            else ())
         # Its pins go with it, for a layer-wise load only: its copies end within its own
         # step, and the lease outlives that step (unconfirmed.py). An async load's may
         # outlast a request that finishes first, so its worker pins the pages itself.
@@ -367,6 +362,16 @@ class SchedulerHalf:
         if state.pins is not None and not is_async:
             pins = PagePins(state.pins.region_id, state.pins_use_by,
                             {lid: offs[first:last] for lid, offs in state.pins.offsets.items()})
+        # The lease moves to the load: it is held until the load's outcome is known. Its
+        # release says the pages read (served) where the workers will read them from the
+        # pins: every page in the pool, in time (worker._pinned checks the same; one that
+        # runs out of time between here and the worker is acquired, and counted twice).
+        read = len(keys) if pins is not None and time.time() < pins.use_by and all(
+            len(o) and o.min() >= 0 for o in pins.offsets.values()) else 0
+        load_id = self._unconfirmed.add(
+            req_id, first, [int(b) for r in rows for b in r.reshape(-1) if b != NULL_BLOCK],
+            state.lease_id, is_async, read,
+            extra_leases=(state.state_lease,) if state.state_lease else ())
         state.lease_id, state.state_lease, state.pins = 0, 0, None
         self._loads.append(LoadSpec(req_id, tuple(keys), rows[0], is_async, load_id, pins,
                                     first, tuple(rows) if len(rows) > 1 else ()))
@@ -420,6 +425,7 @@ class SchedulerHalf:
         return meta
 
     def _release_dropped(self) -> None:
+        self.store.note_reads(self._unconfirmed.take_reads())
         self._leases_to_release += self._unconfirmed.take_leases()
         # Prefetch: the worker sends them, off the loop.
         if self._worker is not None:

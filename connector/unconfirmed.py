@@ -22,7 +22,9 @@ One load's life here:
     fail(blocks)        -> loads that read these blocks failed; returned to the caller
     request_finished(req) -> its async load is confirmed like a layer-wise one, once
                            the steps in flight have come back
-Each settled load hands its lease to `take_leases()` and its id to `take_outcomes()`.
+Each settled load hands its lease to `take_leases()` and its id to `take_outcomes()`; a
+good one whose pages the workers read under the lease's pins (no Acquire, which the store
+counts as served itself) names those pages in `take_reads()`, said at the release.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Load:
     lease_id: int                          # the lookup lease, held until confirmed
     confirm_at: int | None                 # build number that confirms it; None: async
     extra_leases: tuple[int, ...] = ()     # more lookup leases (a hit's Mamba state page)
+    read: int = 0                          # pages read under the lease's pins
 
 
 class UnconfirmedLoads:
@@ -60,17 +63,19 @@ class UnconfirmedLoads:
         self._ok: list[int] = []          # loads settled since taken: good,
         self._failed: list[int] = []      # ... and failed (StepMeta.loads_ok/_failed)
         self._leases: list[int] = []      # leases of settled loads, to release
+        self._reads: dict[int, int] = {}  # ... and pages read under their pins
 
     def __len__(self) -> int:
         return len(self._loads)
 
     def add(self, req_id: str, first_page: int, blocks: Iterable[int], lease_id: int,
-            is_async: bool, extra_leases: tuple[int, ...] = ()) -> int:
-        """A load planned for the next build; the leases move to it. Returns its id."""
+            is_async: bool, read: int = 0, extra_leases: tuple[int, ...] = ()) -> int:
+        """A load planned for the next build; the leases move to it (read: its pages, when
+        the workers read them under the lease's pins). Returns its id."""
         load_id, self._next_id = self._next_id, self._next_id + 1
         self._loads[load_id] = Load(req_id, first_page, frozenset(blocks), lease_id,
                                     None if is_async else self._builds + 1 + self.lag,
-                                    extra_leases)
+                                    extra_leases, read)
         return load_id
 
     def reads(self, prefix_blocks: Iterable[int]) -> tuple[int, ...]:
@@ -132,9 +137,16 @@ class UnconfirmedLoads:
         leases, self._leases = self._leases, []
         return leases
 
+    def take_reads(self) -> dict[int, int]:
+        """lease id -> pages read under its pins, of good loads settled since taken."""
+        reads, self._reads = self._reads, {}
+        return reads
+
     def _settle(self, load_id: int, ok: bool) -> None:
         load = self._loads.pop(load_id)
         if load.lease_id:
             self._leases.append(load.lease_id)
+            if ok and load.read:
+                self._reads[load.lease_id] = load.read
         self._leases += load.extra_leases
         (self._ok if ok else self._failed).append(load_id)

@@ -251,15 +251,18 @@ class KVStoreClient:
         self.presence_misses += 1
         return True
 
-    def release_lease(self, lease: Lease | int) -> bool:
+    def release_lease(self, lease: Lease | int, pages_read: int = 0) -> bool:
+        """End a lease. pages_read: of a leased lookup's pages, those read from the shared
+        pool with no Acquire (in each layout), for the server's served count."""
         lease_id = lease.lease_id if isinstance(lease, Lease) else lease
         if not lease_id:
             return False
-        got = self._data.call("ReleaseLease", None, lambda f: f.release(lease_id))
+        got = self._data.call("ReleaseLease", None, lambda f: f.release(lease_id, pages_read))
         if got is not USE_GRPC:
             return got
         resp = self._rpc.call("ReleaseLease", lambda: self._rpc.release(
-            pb.ReleaseLeaseRequest(lease_id=lease_id), timeout=self.timeout))
+            pb.ReleaseLeaseRequest(lease_id=lease_id, pages_read=pages_read),
+            timeout=self.timeout))
         return resp.released
 
     def exists(self, ns: LayoutHandle, keys: Sequence[bytes]) -> list[bool]:

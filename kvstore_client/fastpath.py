@@ -406,10 +406,10 @@ class FastPath:
         self._holdings.took(conn, fw.LEASE.unpack_from(answer)[0])
         return answer
 
-    def _end(self, op: fw.Op, method: str, lease_id: int, lane: _Lane) -> int:
+    def _end(self, op: fw.Op, method: str, lease_id: int, lane: _Lane, read: int = 0) -> int:
+        body = fw.LEASE.pack(lease_id) + (fw.READ.pack(read) if read else b"")
         try:
-            answer = self._leased(method, lambda c: self._simple(
-                c, op, fw.LEASE.pack(lease_id), method), lane)
+            answer = self._leased(method, lambda c: self._simple(c, op, body, method), lane)
         finally:
             # Ended, refused or timed out: its connection no longer keeps it (a retired
             # one holding nothing else closes, which ends it on the server at the latest).
@@ -422,8 +422,10 @@ class FastPath:
     def abort(self, lease_id: int) -> bool:
         return bool(self._end(fw.Op.ABORT, "Abort", lease_id, self._writes))
 
-    def release(self, lease_id: int) -> bool:
-        return bool(self._end(fw.Op.RELEASE, "ReleaseLease", lease_id, self._reads))
+    def release(self, lease_id: int, pages_read: int = 0) -> bool:
+        """pages_read: the lease's pages read from the pool, counted as served."""
+        return bool(self._end(fw.Op.RELEASE, "ReleaseLease", lease_id, self._reads,
+                              pages_read))
 
     def release_later(self, lease_id: int) -> None:
         """Release without waiting for the answer: it is read before the next call on

@@ -48,7 +48,7 @@ __all__ = [
     "PAGE_MAJOR", "LAYER_MAJOR", "QUIET", "PINS", "MISSED", "KeysBlock", "encode_header",
     "decode_header",
     "encode_keys", "decode_keys", "u64", "unpack_u64", "LOOKUP_HEAD", "LAYOUT_HEAD",
-    "LEASED_HEAD", "LEASE", "COUNT_LEASE", "PINS_HEAD", "PUT_DONE", "RESERVED", "COUNT",
+    "LEASED_HEAD", "LEASE", "READ", "COUNT_LEASE", "PINS_HEAD", "PUT_DONE", "RESERVED", "COUNT",
 ]
 
 MAGIC = b"KF"
@@ -274,6 +274,7 @@ LOOKUP_HEAD = struct.Struct("<IH")        # lease_ms, number of layout ids (16 B
 LAYOUT_HEAD = struct.Struct("<16s")       # EXISTS, GET, PUT, DELETE: layout id
 LEASED_HEAD = struct.Struct("<16s16sI")   # ACQUIRE, RESERVE: layout, region token, lease_ms
 LEASE = struct.Struct("<Q")               # COMMIT, ABORT, RELEASE: lease id; their answers
+READ = struct.Struct("<I")                # RELEASE, optionally after the lease id: pages read
 COUNT_LEASE = struct.Struct("<QQ")        # LOOKUP answer: count, lease id
 PINS_HEAD = struct.Struct("<QII")         # then, with PINS: region id, lease ttl ms, layouts;
 #                                          offsets follow (layouts x count, -1: not pinned)

@@ -59,7 +59,7 @@ class _StoreCollector:
                        "counts again; pages served: kvstore_served_pages)", tier, s.hits)
         yield _counter("kvstore_misses", "Pages a lookup asked for and did not find", tier, s.misses)
         yield _counter("kvstore_served_pages", "Pages served from the store: handed out by "
-                       "Acquire or Get", tier, s.served)
+                       "Acquire or Get, or read under a lookup's pins", tier, s.served)
         yield _counter("kvstore_evictions", "Pages evicted", tier, s.evictions)
         yield _counter("kvstore_bytes_in", "Page bytes stored", tier, s.bytes_in)
         yield _counter("kvstore_bytes_out", "Page bytes served", tier, s.bytes_out)

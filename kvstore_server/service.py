@@ -200,7 +200,7 @@ class KVStoreService:
 
     def ReleaseLease(self, request, context):
         return pb.ReleaseLeaseResponse(released=self.store.release(
-            request.lease_id, self._caller(context).name))
+            request.lease_id, self._caller(context).name, request.pages_read))
 
     def Exists(self, request, context):
         present = self.store.exists(self._layout(self._caller(context), request.layout_id),

@@ -47,9 +47,8 @@ class StoreStats:
     bytes_in: int
     bytes_out: int
     # Pages served from the store: handed out by Acquire or Get (gRPC or the fast path),
-    # each time one is. What an operator reads as "hits". A load from a lookup's own pins
-    # (fastwire.PINS) reads the pool under the lookup's lease, not through Acquire, and
-    # is not counted here.
+    # each time one is, and pages a client read under a leased lookup's pins (fastwire.PINS:
+    # no Acquire) as its release says. What an operator reads as "hits".
     served: int
     # Pins, as pages: each slot counts once however many leases pin it.
     leases: int                     # live leases

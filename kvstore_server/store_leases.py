@@ -26,6 +26,7 @@ import numpy as np
 
 from .errors import Outcome, StoreError
 from .holdback import HoldBack
+from .layouts import LayoutRegistry
 from .leases import FOREVER, Lease, LeaseKind, LeaseTable, footprint
 from .slots import SlotState, SlotTable
 from .timed_lock import TimedLock
@@ -57,6 +58,7 @@ class StoreLeases:
     _slots: SlotTable
     _leases: LeaseTable
     _held_back: HoldBack            # slots of expired leases, pinned a while longer
+    _layouts: LayoutRegistry
     clock: Callable[[], float]      # the lease table's
     lease_ttl: float                # the longest lease a client gets, and the hold-back
     lease_memory: int               # bytes clients' leases may take; 0 = unlimited
@@ -88,10 +90,12 @@ class StoreLeases:
             log.warning("%s (%d leases)", why, len(self._leases))
         return why
 
-    def release(self, lease_id: int, tenant: str | None = None) -> bool:
+    def release(self, lease_id: int, tenant: str | None = None, pages_read: int = 0) -> bool:
         """End a lease: a READ lease unpins its pages; a RESERVE lease is undone, as abort
         does. False if it was unknown, had already expired, or is another tenant's
-        (tenant None: the server itself)."""
+        (tenant None: the server itself). pages_read: of a READ lease, the pages its
+        holder read in each layout, counted as served (a same-host engine reads a leased
+        Lookup's pages from the pool with no Acquire, which counts them otherwise)."""
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None or not owns(tenant, lease):
@@ -100,8 +104,20 @@ class StoreLeases:
             if lease.kind is LeaseKind.RESERVE:
                 self._undo_reservation(lease)
             else:
+                if pages_read > 0:
+                    self._count_read(lease.slots, pages_read)
                 self._unpin(lease.slots)
             return True
+
+    def _count_read(self, slots: np.ndarray, pages_read: int) -> None:
+        """pages_read pages of each layout whose pages these leased slots are, at most as
+        many as it has among them, served (Acquire's count and bytes)."""
+        layouts, counts = np.unique(self._slots.layout_of[slots], return_counts=True)
+        for idx, count in zip(layouts.tolist(), counts.tolist()):
+            if idx >= 0:
+                info = self._layouts.by_idx[idx]
+                info.served += min(pages_read, count)
+                info.bytes_out += min(pages_read, count) * info.page_bytes
 
     # A few pages (up to _FEW_PINS) are the common acquire of an engine's hot path, and
     # numpy's ufunc.at and fancy indexing cost as much on an array of one as on hundreds:

@@ -185,8 +185,10 @@ class Ops:
 
     def release(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
         (lease_id,) = _unpack(fw.LEASE, body, 0)
+        # The pages read under it, where the client says (a longer body: fastwire.READ).
+        (read,) = _unpack(fw.READ, body, fw.LEASE.size) if len(body) > fw.LEASE.size else (0,)
         s.leases.pop(lease_id, None)
-        return fw.LEASE.pack(int(self.store.release(lease_id, s.who.name)))
+        return fw.LEASE.pack(int(self.store.release(lease_id, s.who.name, read)))
 
     def _ttl(self, lease_ms: int) -> float:
         """A client's lease_ms (0 = the server's ttl), never past the server's ttl: a

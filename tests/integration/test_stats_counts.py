@@ -119,3 +119,40 @@ def test_a_page_looked_up_again_and_again_is_served_once_when_read(fresh_server)
     assert data["tiers"][0]["hits"] == LOOKUPS * len(KEYS)
     text = admin(srv.address, "stats")
     assert "served" in text and "lookup hits" in text and "lookup hit rate" in text
+
+
+LAYOUT_RANK1 = PageLayout(model="stats-counts", num_layers=2, page_tokens=16, num_kv_heads=2,
+                          head_size=64, tp_rank=1, tp_size=2)
+
+
+def test_pages_read_under_a_leased_lookups_pins_are_served_once(fresh_server):
+    """A same-host engine reads a leased lookup's pages from the pool with no Acquire
+    (fastwire.PINS), so only its release can say they were read: pages_read counts, per
+    layout of the lease (here two TP ranks' of 10 pages), at most the lease's pages,
+    once (a second release of the lease is refused, and counts nothing); a release that
+    names no pages read counts none. Over the fast path (with pins) and over gRPC."""
+    srv = fresh_server(dram="64MiB")
+    with KVStoreClient(srv.address, shared_memory=True, data_plane=True) as fast, \
+            KVStoreClient(srv.address, shared_memory=False, data_plane=False) as rpc:
+        handles = [put_pages(fast), fast.register_layout(LAYOUT_RANK1)]
+        fast.put(handles[1], KEYS, np.zeros((len(KEYS), handles[1].page_bytes), np.uint8))
+
+        def served() -> list[int]:
+            return sorted(lay.served for lay in fast.stats().layouts)
+
+        lease = fast.lookup_lease(handles, KEYS, lease_ms=5000, pins=True)
+        assert lease.count == len(KEYS) and lease.pins is not None
+        assert fast.release_lease(lease, pages_read=6)
+        assert served() == [6, 6]
+        assert not fast.release_lease(lease, pages_read=6)       # once
+        assert served() == [6, 6]
+        lease = fast.lookup_lease(handles, KEYS, lease_ms=5000, pins=True)
+        assert fast.release_lease(lease)                           # read nothing
+        assert served() == [6, 6]
+        rpc_handles = [rpc.register_layout(LAYOUT), rpc.register_layout(LAYOUT_RANK1)]
+        lease = rpc.lookup_lease(rpc_handles, KEYS[:4], lease_ms=5000)
+        assert rpc.release_lease(lease, pages_read=100)            # at most the lease's
+        assert not rpc.release_lease(lease, pages_read=4)
+        s = fast.stats()
+    assert sorted(lay.served for lay in s.layouts) == [10, 10]
+    assert s.tiers[0].served == 20 and s.leases == 0

@@ -47,3 +47,18 @@ def test_a_failed_block_fails_the_loads_that_had_it_and_only_those():
     loads.fail_all()
     assert len(loads) == 0 and loads.take_outcomes() == ((), (b,))
     assert loads.take_leases() == []               # b held no lease
+
+
+def test_pages_read_under_pins_are_named_for_good_loads_only():
+    """A load read from its lease's pins names its pages once it is good, for the
+    release to count them as served; a failed one, or one acquired, names none."""
+    loads = UnconfirmedLoads(lag=1)
+    loads.add("good", 0, [1, 2], lease_id=1, is_async=False, read=2)
+    loads.add("bad", 0, [3], lease_id=2, is_async=False, read=1)
+    loads.add("acquired", 0, [4], lease_id=3, is_async=False)
+    loads.fail({3})
+    loads.step()
+    loads.step()
+    assert sorted(loads.take_leases()) == [1, 2, 3]
+    assert loads.take_reads() == {1: 2}
+    assert loads.take_reads() == {}

@@ -80,10 +80,12 @@ class LookupResponse(_message.Message):
     def __init__(self, count: _Optional[int] = ..., lease_id: _Optional[int] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "pages_read")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGES_READ_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
-    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+    pages_read: int
+    def __init__(self, lease_id: _Optional[int] = ..., pages_read: _Optional[int] = ...) -> None: ...
 
 class ReleaseLeaseResponse(_message.Message):
     __slots__ = ("released",)
