@@ -40,28 +40,29 @@ def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return models.write_gemma3(tmp_path_factory.mktemp("gemma3-sliding"))
 
 
-def _reference(model: Path) -> dict[tuple[int, ...], list[int]]:
-    """Greedy tokens of every prompt of the suite from the same engine without a connector."""
-    from engine import EngineProc
-    from prompts import MAX_TOKENS, PREEMPT, ROUND, SECOND, key
+def _reference(model: Path) -> dict:
+    """Greedy tokens (engine.Answer: with their logprobs) of every prompt of the suite
+    from the same engine without a connector."""
+    from engine import Answer, EngineProc
+    from prompts import MAX_TOKENS, PREEMPT, ROUND, SECOND, THIRD, key
 
     ref = EngineProc(model, name="reference")
     try:
-        prompts = ROUND + SECOND + PREEMPT
+        prompts = ROUND + SECOND + THIRD + PREEMPT
         outputs = ref.generate(prompts, MAX_TOKENS)
     finally:
         ref.close()
     assert all(len(o["tokens"]) == MAX_TOKENS for o in outputs), outputs
-    return {key(p): o["tokens"] for p, o in zip(prompts, outputs)}
+    return {key(p): Answer(o["tokens"], o["logprobs"]) for p, o in zip(prompts, outputs)}
 
 
 @pytest.fixture(scope="session")
-def llama_reference(llama) -> dict[tuple[int, ...], list[int]]:
+def llama_reference(llama) -> dict:
     return _reference(llama)
 
 
 @pytest.fixture(scope="session")
-def gemma3_reference(gemma3) -> dict[tuple[int, ...], list[int]]:
+def gemma3_reference(gemma3) -> dict:
     return _reference(gemma3)
 
 

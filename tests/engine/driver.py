@@ -9,7 +9,8 @@ small KV budget, for preemption; default 256 MiB), max_num_seqs.
 
 Each line on stdin is one request of the test, each answer one line on stdout:
   {"op": "generate", "prompts": [[ids]], "max_tokens": N, "abort": {"i": 0, "after": 3}}
-      -> {"outputs": [{"tokens": [...], "cached": n, "finished": bool}, ...]}
+      -> {"outputs": [{"tokens": [...], "logprobs": [...], "cached": n, "finished": bool}, ...]}
+         (logprobs: of each token generated, as the engine computed it)
          (abort: request i is aborted once it has `after` output tokens; 0 = in prefill)
   {"op": "metrics"} -> {"metrics": {name: value}}   (vLLM's own counters)
   {"op": "reset_prefix_cache"} -> {"reset": bool}   (vLLM's own prefix cache emptied)
@@ -59,7 +60,7 @@ def _generate(llm, request: dict) -> dict:
 
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"],
-                            ignore_eos=True)
+                            ignore_eos=True, logprobs=0)
     abort = request.get("abort")
     ids = [f"r{_generate.count}-{i}" for i in range(len(request["prompts"]))]
     _generate.count += 1
@@ -69,8 +70,9 @@ def _generate(llm, request: dict) -> dict:
     aborted = False
     while engine.has_unfinished_requests():
         for out in engine.step():
+            tokens = list(out.outputs[0].token_ids) if out.outputs else []
             results[out.request_id] = {
-                "tokens": list(out.outputs[0].token_ids) if out.outputs else [],
+                "tokens": tokens, "logprobs": _logprobs(out, tokens),
                 "cached": out.num_cached_tokens or 0, "finished": out.finished}
         if abort and not aborted:
             victim = ids[abort["i"]]
@@ -78,11 +80,18 @@ def _generate(llm, request: dict) -> dict:
             if got >= abort["after"]:
                 engine.abort_request([victim])
                 aborted = True
-    return {"outputs": [results.get(rid, {"tokens": [], "cached": 0, "finished": False})
+    return {"outputs": [results.get(rid, {"tokens": [], "logprobs": [], "cached": 0,
+                                          "finished": False})
                         for rid in ids]}
 
 
 _generate.count = 0  # type: ignore[attr-defined]
+
+
+def _logprobs(out, tokens: list[int]) -> list[float]:
+    """The logprob of each generated token (logprobs=0: the chosen token's alone)."""
+    entries = out.outputs[0].logprobs if out.outputs else None
+    return [float(entries[i][t].logprob) for i, t in enumerate(tokens)] if entries else []
 
 
 def _metrics(llm) -> dict:

