@@ -383,7 +383,10 @@ class WorkerHalf:
             self._started([_Load(s, part, lambda: None) for s, part in zip(group, load.parts())])
 
     def _load_failed(self, spec: LoadSpec, exc: Exception) -> None:
-        log.warning("load of %d pages for %s failed, the engine recomputes them: %s",
+        # What the engine does next is its kv_load_failure_policy's: "recompute" (what every
+        # configuration we show sets) recomputes these blocks, "fail" fails the request.
+        log.warning("load of %d pages for %s failed, reported to the engine (its "
+                    "kv_load_failure_policy recomputes or fails the request): %s",
                     len(spec.keys), spec.req_id, exc)
         self._stats.load_failures += 1
         self._errors.update(int(b) for b in spec.block_ids.reshape(-1))
