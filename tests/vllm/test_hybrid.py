@@ -186,26 +186,34 @@ def test_a_draft_groups_volatile_last_page_is_never_stored(tmp_path, store):
     assert second.worker.model.reads > 0 and not second.worker.model.wrong
 
 
-def test_an_abort_and_a_preemption_keep_every_read_right(tmp_path, store):
-    first = hybrid_engine(tmp_path, SLIDING, spec(store.address), {"a": PROMPT})
+def abort_and_preempt(make_engine) -> None:
+    """A first engine stores PROMPT; a second runs it beside a request that is aborted
+    after one step, then is preempted as vLLM does when it runs out of blocks and resumes
+    from the store or its own cache: every read must be right and every block freed.
+    make_engine(prompts) builds an engine of the hybrid shape under test."""
+    first = make_engine({"a": PROMPT})
     first.add(make_request("a", PROMPT, max_tokens=2))
     run(first)
     prompts = {"b": PROMPT, "c": PROMPT[:80] + list(range(7000, 7080))}
-    second = hybrid_engine(tmp_path, SLIDING, spec(store.address), prompts)
+    second = make_engine(prompts)
     second.add(make_request("b", prompts["b"], max_tokens=6),
                make_request("c", prompts["c"], max_tokens=6))
     second.step()
     second.scheduler.finish_requests("c", _aborted())
     second.step()
-    # Preempt b as vLLM does when it runs out of blocks; it resumes from the store or
-    # its own cache, and every read must still be right.
     request = second.request("b")
     second.scheduler.running.remove(request)
     second.scheduler._preempt_request(request, 0)
     run(second)
-    assert second.worker.model.reads > 0 and not second.worker.model.wrong
+    model = second.worker.model
+    assert model.reads > 0 and not model.wrong, model.wrong
     pool = second.scheduler.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == second.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
+def test_an_abort_and_a_preemption_keep_every_read_right(tmp_path, store):
+    abort_and_preempt(lambda prompts: hybrid_engine(tmp_path, SLIDING, spec(store.address),
+                                                    prompts))
 
 
 def test_a_store_restart_between_engines_is_a_miss_not_wrong_kv(tmp_path, fresh_server):

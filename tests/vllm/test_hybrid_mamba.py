@@ -15,7 +15,7 @@ pytest.importorskip("vllm", reason="needs vLLM 0.33 (scripts/venv-vllm.sh)")
 
 from harness import BLOCK_SIZE, make_request  # noqa: E402
 from hybrid import HybridShape, hybrid_engine  # noqa: E402
-from test_hybrid import PROMPT, _aborted, layout_stats, run, spec  # noqa: E402
+from test_hybrid import PROMPT, abort_and_preempt, layout_stats, run, spec  # noqa: E402
 
 from kvstore_client import KVStoreClient  # noqa: E402
 from kvstore_connector.groups import GroupKind  # noqa: E402
@@ -139,24 +139,7 @@ def test_chunked_prefill_and_decode_boundaries_store_their_states(tmp_path, stor
 
 
 def test_an_abort_and_a_preemption_keep_every_read_right(tmp_path, store):
-    first = engine(tmp_path, store.address, {"a": PROMPT})
-    first.add(make_request("a", PROMPT, max_tokens=2))
-    run(first)
-    prompts = {"b": PROMPT, "c": PROMPT[:80] + list(range(7000, 7080))}
-    second = engine(tmp_path, store.address, prompts)
-    second.add(make_request("b", prompts["b"], max_tokens=6),
-               make_request("c", prompts["c"], max_tokens=6))
-    second.step()
-    second.scheduler.finish_requests("c", _aborted())
-    second.step()
-    request = second.request("b")
-    second.scheduler.running.remove(request)
-    second.scheduler._preempt_request(request, 0)
-    run(second)
-    model = second.worker.model
-    assert model.reads > 0 and not model.wrong, model.wrong
-    pool = second.scheduler.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    abort_and_preempt(lambda prompts: engine(tmp_path, store.address, prompts))
 
 
 def test_a_store_restart_between_engines_is_a_miss_not_wrong_state(tmp_path, fresh_server):
