@@ -14,6 +14,7 @@ from typing import Any
 from kvstore_protocol._proto.kvstore.v1 import admin_pb2 as apb
 from kvstore_protocol.convert import layout_from_proto
 from kvstore_protocol.layout import PageLayout
+
 from .rpc import Rpc
 
 __all__ = ["AdminClient", "ClearResult", "EvictResult", "LayoutStats", "PageInfo", "Stats",

@@ -38,11 +38,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tabulate import tabulate
 
+from kvstore_protocol.units import format_size, parse_size
+
 from .admin import plain
 from .channel import open_channel
 from .client import KVStoreClient
 from .errors import KVStoreError
-from kvstore_protocol.units import format_size, parse_size
 
 __all__ = ["main"]
 

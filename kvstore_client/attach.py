@@ -23,6 +23,7 @@ import time
 import grpc
 
 from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
+
 from .errors import KVStoreError
 from .presence import PresenceMap
 from .rpc import RETRY_CODES, Rpc

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["as_uint8", "page_aligned_empty", "LayerMajorWriter"]
+__all__ = ["LayerMajorWriter", "as_uint8", "page_aligned_empty"]
 
 
 def as_uint8(data, nbytes: int, *, writable: bool = False, what: str = "pages") -> np.ndarray:

@@ -15,6 +15,7 @@ gRPC) side by side, so that a reader sees in one place which one runs and why.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -25,23 +26,24 @@ import grpc
 import numpy as np
 
 from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore_protocol.convert import layout_to_proto
+from kvstore_protocol.grpc_frames import PUT_DATA_TAG, frame
+from kvstore_protocol.keys import Packed
+from kvstore_protocol.layout import PageLayout
+
 from .admin import AdminClient, ClearResult, EvictResult, LayoutStats, PageInfo, Stats
 from .attach import RegionAttachment
 from .buffers import LayerMajorWriter, as_uint8, page_aligned_empty
 from .channel import PEM, open_channel, with_token
-from kvstore_protocol.convert import layout_to_proto
 from .dataplane import USE_GRPC, DataPlane, packed_keys, tls_context
 from .errors import KVStoreError, PagesMissing, from_rpc_error
 from .fastpath import FastPathUnavailable
 from .handles import LayoutHandle, Lease, Pins, PutResult
-from kvstore_protocol.keys import Packed
 from .layerget import Dest, LayerGet
-from kvstore_protocol.layout import PageLayout
 from .rpc import Rpc, packed
 from .shm import Acquired, Reservation, SharedRegion, copy_layer, copy_pages
-from kvstore_protocol.grpc_frames import PUT_DATA_TAG, frame
 
-__all__ = ["KVStoreClient", "LayoutHandle", "PutResult", "Lease", "Retention"]
+__all__ = ["KVStoreClient", "LayoutHandle", "Lease", "PutResult", "Retention"]
 
 log = logging.getLogger(__name__)
 
@@ -142,15 +144,13 @@ class KVStoreClient:
     # -- plumbing -------------------------------------------------------------------
     def close(self) -> None:
         for future in list(self._releases):     # let async releases reach the server
-            try:
+            with contextlib.suppress(grpc.RpcError, grpc.FutureTimeoutError):
                 future.result(timeout=1.0)
-            except (grpc.RpcError, grpc.FutureTimeoutError):
-                pass
         self._data.close()
         self._rpc.close()
         self._shm.close()
 
-    def __enter__(self) -> "KVStoreClient":
+    def __enter__(self) -> KVStoreClient:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -32,17 +32,18 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 
 import grpc
 
+from kvstore_protocol.keys import Packed, pack_keys
+
 from .errors import KVStoreError, Reason
 from .fastpath import FastPath, FastPathUnavailable, UntrustedPeer
 from .holdings import Holdings
-from kvstore_protocol.keys import Packed, pack_keys
 
 if TYPE_CHECKING:
     from .handles import LayoutHandle
     from .shm import SharedRegion
     from .unixpeer import ServerIdentity
 
-__all__ = ["DataPlane", "USE_GRPC", "packed_keys", "tls_context"]
+__all__ = ["USE_GRPC", "DataPlane", "packed_keys", "tls_context"]
 
 log = logging.getLogger(__name__)
 

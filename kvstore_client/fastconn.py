@@ -8,6 +8,7 @@ retried); an error frame becomes KVStoreError with the status gRPC would give.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import ssl
@@ -16,9 +17,10 @@ import struct
 import grpc
 
 from kvstore_protocol import fastwire as fw
+
 from .errors import KVStoreError
 
-__all__ = ["Conn", "Broken", "Timeout", "deadline"]
+__all__ = ["Broken", "Conn", "Timeout", "deadline"]
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +73,8 @@ class Conn:
             self.timeout = seconds
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.sock.close()
-        except OSError:
-            pass
 
     def send(self, op: int, body: bytes, data: memoryview | None = None, flags: int = 0
              ) -> None:

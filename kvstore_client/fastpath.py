@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import itertools
 import logging
 import socket
 import ssl
@@ -37,13 +38,14 @@ import grpc
 import numpy as np
 
 from kvstore_protocol import fastwire as fw
+
 from .errors import KVStoreError
-from .handles import Pins
 from .fastconn import Broken, Conn, Timeout, deadline
+from .handles import Pins
 from .holdings import Holdings
 from .unixpeer import ServerIdentity, UntrustedSocket, check_path, check_peer
 
-__all__ = ["FastPath", "FastPathUnavailable", "FastLease", "UntrustedPeer", "keys_body"]
+__all__ = ["FastLease", "FastPath", "FastPathUnavailable", "UntrustedPeer", "keys_body"]
 
 T = TypeVar("T")
 
@@ -97,7 +99,7 @@ class FastLease:
     """What acquire and reserve answer: a lease id, the pages' pool offsets, and for a
     reserve the keys already stored (skipped) and those another put is writing."""
 
-    __slots__ = ("lease_id", "offsets", "skipped", "in_flight")
+    __slots__ = ("in_flight", "lease_id", "offsets", "skipped")
 
     def __init__(self, lease_id: int, offsets: np.ndarray, skipped: int = 0,
                  in_flight: int = 0) -> None:
@@ -114,7 +116,7 @@ def keys_body(layout_id: bytes, key_size: int, packed: bytes) -> bytes:
 class _Lane:
     """One lease lane: its connection, opened on first use, and the lock of its calls."""
 
-    __slots__ = ("lock", "conn")
+    __slots__ = ("conn", "lock")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()          # guards conn and its use
@@ -513,7 +515,7 @@ class FastPath:
         bounds = np.linspace(0, n, stripes + 1).astype(int).tolist()
         parts = [self._stripes.submit(
             self._get_part, layout_id, key_size, packed[a * key_size:b * key_size],
-            out[a * page_bytes:b * page_bytes]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+            out[a * page_bytes:b * page_bytes]) for a, b in itertools.pairwise(bounds)]
         for part in parts:
             part.result()
 

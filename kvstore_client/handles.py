@@ -10,7 +10,7 @@ import numpy as np
 
 from kvstore_protocol.layout import PageLayout
 
-__all__ = ["Lease", "LayoutHandle", "Pins", "PutResult"]
+__all__ = ["LayoutHandle", "Lease", "Pins", "PutResult"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -31,6 +31,8 @@ client's timeout for progress (kvstore_client.fastconn).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import itertools
 import queue
 import socket
 import threading
@@ -40,6 +42,7 @@ import grpc
 import numpy as np
 
 from kvstore_protocol import fastwire as fw
+
 from .errors import KVStoreError, Reason
 from .fastconn import Broken, Conn, Timeout, deadline
 from .fastpath import STRIPE_MIN_BYTES, FastPath, keys_body
@@ -91,7 +94,7 @@ class LayerGet:
             return
         threads = [threading.Thread(target=self._stripe, args=(i, lo, hi), daemon=True,
                                     name=f"kvstore-layers-{i}")
-                   for i, (lo, hi) in enumerate(zip(self._bounds[:-1], self._bounds[1:]))]
+                   for i, (lo, hi) in enumerate(itertools.pairwise(self._bounds))]
         for t in threads:
             t.start()
         completed = False
@@ -235,7 +238,5 @@ class LayerGet:
         with self._lock:
             conns = list(self._conns.values())
         for conn in conns:
-            try:
+            with contextlib.suppress(OSError):
                 socket.socket.shutdown(conn.sock, socket.SHUT_RDWR)
-            except OSError:
-                pass

@@ -14,6 +14,7 @@ contract: kvstore_protocol.presence_map. This module is the client's reader.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -23,8 +24,19 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvstore_protocol.presence_map import (AREA_BYTES, BEAT_AT, BEAT_SECONDS, BITS, HEADER,
-                                           HEADER_AT, LIVE_SECONDS, MAGIC, MIX, bucket, salt)
+from kvstore_protocol.presence_map import (
+    AREA_BYTES,
+    BEAT_AT,
+    BEAT_SECONDS,
+    BITS,
+    HEADER,
+    HEADER_AT,
+    LIVE_SECONDS,
+    MAGIC,
+    MIX,
+    bucket,
+    salt,
+)
 
 if TYPE_CHECKING:
     from .unixpeer import ServerIdentity
@@ -50,7 +62,7 @@ class PresenceMap:
         """The map of the region at path (a file, or the server's hand-out socket), or
         None: no map there (a tier below DRAM, an older server), or it cannot be opened
         from here (OSError: another host, not allowed, or not server's: shm.open_pool)."""
-        from .shm import open_pool            # the same way the pool itself is opened
+        from .shm import open_pool  # the same way the pool itself is opened
         fd = open_pool(path, server, os.O_RDONLY)
         try:
             head = mmap.mmap(fd, _PAGE, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
@@ -73,7 +85,7 @@ class PresenceMap:
         except ValueError:                # closed
             return False
         now = time.monotonic() if now is None else now
-        return 0.0 < beat and now - LIVE_SECONDS < beat <= now + 1.0
+        return beat > 0.0 and now - LIVE_SECONDS < beat <= now + 1.0
 
     def absent(self, layout_ids: Sequence[bytes], first_key: bytes) -> bool:
         """True only if some layout surely lacks first_key in the server's DRAM (then a
@@ -92,7 +104,5 @@ class PresenceMap:
     def close(self) -> None:
         self._counts = np.zeros(0, dtype=np.uint8)
         for m in (self._area, self._head):
-            try:
+            with contextlib.suppress(BufferError):  # a view still lives; the mapping goes with it
                 m.close()
-            except BufferError:
-                pass                        # a view still lives; the mapping goes with it

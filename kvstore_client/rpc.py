@@ -18,11 +18,12 @@ import grpc
 
 from kvstore_protocol._proto.kvstore.v1 import admin_pb2 as apb
 from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore_protocol.grpc_frames import GET_DATA_TAG, unframe
+from kvstore_protocol.keys import Packed, pack_keys
+
 from .errors import Reason, from_rpc_error, reason_of
 from .handles import LayoutHandle
-from kvstore_protocol.keys import Packed, pack_keys
 from .lookup_stream import LookupStream
-from kvstore_protocol.grpc_frames import GET_DATA_TAG, unframe
 
 __all__ = ["RETRY_CODES", "Rpc", "packed"]
 

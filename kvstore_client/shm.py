@@ -17,13 +17,14 @@ proof that this process mapped the server's current region.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import mmap
 import os
 import socket
 import stat
-from typing import TYPE_CHECKING, cast
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -34,7 +35,7 @@ from .unixpeer import ServerIdentity, UntrustedSocket, check_path, check_peer
 if TYPE_CHECKING:
     from .handles import LayoutHandle
 
-__all__ = ["SharedRegion", "Reservation", "Acquired", "copy_layer", "copy_pages", "open_pool",
+__all__ = ["Acquired", "Reservation", "SharedRegion", "copy_layer", "copy_pages", "open_pool",
            "region_id"]
 
 PAGE = 4096
@@ -126,17 +127,16 @@ class SharedRegion:
 
     def close(self) -> None:
         self.mem = np.zeros(0, dtype=np.uint8)
-        try:
+        # A caller may still hold a view (BufferError); the mapping goes when that view does.
+        with contextlib.suppress(BufferError):
             self._mmap.close()
-        except BufferError:
-            pass  # a caller still holds a view; the mapping goes when that view does
 
 
 class Reservation:
     """WRITING slots for a put: fill `views[i]` (None: key i was already stored), then
     `commit()`. As a context manager it commits on success and aborts on an exception."""
 
-    def __init__(self, ns: "LayoutHandle", lease_id: int, offsets: np.ndarray, skipped: int,
+    def __init__(self, ns: LayoutHandle, lease_id: int, offsets: np.ndarray, skipped: int,
                  region: SharedRegion, commit: Callable[[int], int],
                  abort: Callable[[int], bool], in_flight: int = 0) -> None:
         self.ns = ns
@@ -165,7 +165,7 @@ class Reservation:
             self._done = True
             self._abort(self.lease_id)
 
-    def __enter__(self) -> "Reservation":
+    def __enter__(self) -> Reservation:
         return self
 
     def __exit__(self, exc_type, *rest) -> None:
@@ -180,7 +180,7 @@ class Reservation:
 class Acquired:
     """READY pages pinned for reading: read-only `views[i]`; `release()` when done."""
 
-    def __init__(self, ns: "LayoutHandle", lease_id: int, offsets: np.ndarray,
+    def __init__(self, ns: LayoutHandle, lease_id: int, offsets: np.ndarray,
                  region: SharedRegion, release: Callable[[int], object]) -> None:
         self.ns = ns
         self.lease_id = lease_id
@@ -209,7 +209,7 @@ class Acquired:
             self._done = True
             self._release(self.lease_id)
 
-    def __enter__(self) -> "Acquired":
+    def __enter__(self) -> Acquired:
         return self
 
     def __exit__(self, *exc) -> None:

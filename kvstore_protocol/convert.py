@@ -5,7 +5,7 @@ from __future__ import annotations
 from ._proto.kvstore.v1 import kvstore_pb2 as pb
 from .layout import PageLayout
 
-__all__ = ["layout_to_proto", "layout_from_proto"]
+__all__ = ["layout_from_proto", "layout_to_proto"]
 
 _FIELDS = ("model", "dtype", "num_layers", "page_tokens", "num_kv_heads", "head_size",
            "kv_factor", "tp_rank", "tp_size", "pp_rank", "salt", "revision")

@@ -36,20 +36,17 @@ import typing
 import grpc
 import numpy as np
 
-from .reasons import Reason
 from .keys import MAX_KEY_BYTES
 from .layout import MAX_LOOKUP_LAYOUTS
+from .reasons import Reason
 
-__all__ = [
-    "MAGIC", "VERSION", "HEADER", "Op", "Status", "GRPC_CODES", "Header", "WireError",
-    "REASON_FLAGS", "reason_flags", "reason_of_flags",
-    "MAX_BODY", "MAX_ANSWER_BODY", "request_body_bytes", "MAX_DATA", "MAX_LAYOUTS",
-    "LAYOUT_ID_BYTES", "REGION_TOKEN_BYTES",
-    "PAGE_MAJOR", "LAYER_MAJOR", "QUIET", "PINS", "MISSED", "KeysBlock", "encode_header",
-    "decode_header",
-    "encode_keys", "decode_keys", "u64", "unpack_u64", "LOOKUP_HEAD", "LAYOUT_HEAD",
-    "LEASED_HEAD", "LEASE", "READ", "COUNT_LEASE", "PINS_HEAD", "PUT_DONE", "RESERVED", "COUNT",
-]
+__all__ = ["COUNT", "COUNT_LEASE", "GRPC_CODES", "HEADER", "LAYER_MAJOR", "LAYOUT_HEAD",
+           "LAYOUT_ID_BYTES", "LEASE", "LEASED_HEAD", "LOOKUP_HEAD", "MAGIC", "MAX_ANSWER_BODY",
+           "MAX_BODY", "MAX_DATA", "MAX_LAYOUTS", "MISSED", "PAGE_MAJOR", "PINS", "PINS_HEAD",
+           "PUT_DONE", "QUIET", "READ", "REASON_FLAGS", "REGION_TOKEN_BYTES", "RESERVED", "VERSION",
+           "Header", "KeysBlock", "Op", "Status", "WireError", "decode_header", "decode_keys",
+           "encode_header", "encode_keys", "reason_flags", "reason_of_flags", "request_body_bytes",
+           "u64", "unpack_u64"]
 
 MAGIC = b"KF"
 VERSION = 3

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["frame", "unframe", "GET_DATA_TAG", "PUT_DATA_TAG", "CHANNEL_OPTIONS"]
+__all__ = ["CHANNEL_OPTIONS", "GET_DATA_TAG", "PUT_DATA_TAG", "frame", "unframe"]
 
 # gRPC channel options for bulk transfers, used by both ends. HTTP/2's default frame
 # size (16 KiB) cuts every 1 MiB message into 64 frames; raising it to 8 MiB made a

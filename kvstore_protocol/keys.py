@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["MAX_KEY_BYTES", "pack_keys", "unpack_keys", "KeyError_", "Packed"]
+__all__ = ["MAX_KEY_BYTES", "KeyError_", "Packed", "pack_keys", "unpack_keys"]
 
 MAX_KEY_BYTES = 64
 
@@ -68,23 +68,22 @@ class Packed:
     """Keys as they travel: n keys of `size` bytes back to back. `rows` views them as an
     (n, size) uint8 array without copying; `key(i)` cuts one out only when needed."""
 
-    __slots__ = ("data", "size", "n")
+    __slots__ = ("data", "n", "size")
 
     def __init__(self, data: bytes, size: int) -> None:
         # No keys may come with key_size 0 (an unset PackedKeys); any other size is
         # checked even with no keys, so the store never sees a size it cannot record.
         if data or size:
             _check_size(size)
-        if data:
-            if len(data) % size:
-                raise KeyError_(f"{len(data)} bytes of packed keys is not a multiple of "
-                                f"key_size {size}")
+        if data and len(data) % size:
+            raise KeyError_(f"{len(data)} bytes of packed keys is not a multiple of "
+                            f"key_size {size}")
         self.data = bytes(data)
         self.size = size
         self.n = len(data) // size if data else 0
 
     @classmethod
-    def of(cls, keys) -> "Packed":
+    def of(cls, keys) -> Packed:
         """From a Packed, or a sequence of equal-length bytes keys."""
         if isinstance(keys, Packed):
             return keys

@@ -7,7 +7,7 @@ import struct
 
 import xxhash
 
-__all__ = ["PageLayout", "DTYPE_BYTES", "MAX_LOOKUP_LAYOUTS"]
+__all__ = ["DTYPE_BYTES", "MAX_LOOKUP_LAYOUTS", "PageLayout"]
 
 # Layouts one Lookup may name: one per tensor/pipeline-parallel rank of an engine. Both
 # transports and the store hold a lookup to it (fastwire.MAX_LAYOUTS bounds its body).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["parse_size", "parse_duration", "format_size"]
+__all__ = ["format_size", "parse_duration", "parse_size"]
 
 _SIZE_UNITS = {
     "": 1, "b": 1,

@@ -4,5 +4,5 @@ from . import deprecated
 
 deprecated("connector.sglang", "kvstore_connector.sglang")
 
-from kvstore_connector.sglang import *  # noqa: E402,F401,F403
+from kvstore_connector.sglang import *  # noqa: E402, F403
 from kvstore_connector.sglang import __all__  # noqa: E402,F401

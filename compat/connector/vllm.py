@@ -4,5 +4,5 @@ from . import deprecated
 
 deprecated("connector.vllm", "kvstore_connector.vllm")
 
-from kvstore_connector.vllm import *  # noqa: E402,F401,F403
+from kvstore_connector.vllm import *  # noqa: E402, F403
 from kvstore_connector.vllm import __all__  # noqa: E402,F401
