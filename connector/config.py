@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
-from typing import Any
 from collections.abc import Mapping
+from typing import Any
 
 from kvstore_client import KVStoreClient
 
-__all__ = ["ConnectorConfig", "Role", "LoadMode", "LookupMode", "SavePolicy", "open_client"]
+__all__ = ["ConnectorConfig", "LoadMode", "LookupMode", "Role", "SavePolicy", "open_client"]
 
 
 class Role(enum.Enum):
@@ -118,7 +118,7 @@ class ConnectorConfig:
     fail_loads: str = ""
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any], role: str | None = None) -> "ConnectorConfig":
+    def from_mapping(cls, values: Mapping[str, Any], role: str | None = None) -> ConnectorConfig:
         """Build from a plain dict (JSON config); ValueError names a bad key or value."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(values) - known

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 
-__all__ = ["PACE_CAP_S", "PRIOR_BYTES_PER_S", "Pace", "RATE_MIN_BYTES", "SLACK"]
+__all__ = ["PACE_CAP_S", "PRIOR_BYTES_PER_S", "RATE_MIN_BYTES", "SLACK", "Pace"]
 
 PRIOR_BYTES_PER_S = 100e6     # the slowest rate a budget assumes before (and above) a measure
 RATE_MIN_BYTES = 4 << 20      # loads smaller than this measure latency, not the link

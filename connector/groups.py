@@ -243,4 +243,4 @@ def for_group(step: StepMeta, group: CacheGroup, page_tokens: int) -> StepMeta:
 
 
 def _take(keys: tuple[bytes, ...], keep: np.ndarray) -> tuple[bytes, ...]:
-    return tuple(key for key, kept in zip(keys, keep.tolist()) if kept)
+    return tuple(key for key, kept in zip(keys, keep.tolist(), strict=True) if kept)

@@ -53,7 +53,7 @@ class GroupWorkers:
         self.groups = tuple(groups)
         self.workers = tuple(workers)
         self.page_tokens = page_tokens
-        self._by_layer = {name: w for g, w in zip(groups, workers) for name in g.layer_names}
+        self._by_layer = {name: w for g, w in zip(groups, workers, strict=True) for name in g.layer_names}
         self._metas: list[StepMeta] = []          # this step's plan, per group
         # Request id -> the groups not yet reported (async loads received, saves landed).
         self._recving: dict[str, set[int]] = {}
@@ -68,7 +68,7 @@ class GroupWorkers:
     def bind(self, step: StepMeta) -> None:
         self._metas = self._split(step)
         self._hooked.clear()
-        for i, (worker, meta) in enumerate(zip(self.workers, self._metas)):
+        for i, (worker, meta) in enumerate(zip(self.workers, self._metas, strict=True)):
             for load in meta.loads:
                 if load.is_async:
                     self._recving.setdefault(load.req_id, set()).add(i)
@@ -78,7 +78,7 @@ class GroupWorkers:
 
     def start_load(self, step: StepMeta) -> None:
         metas = self._metas or self._split(step)
-        for worker, meta in zip(self.workers, metas):
+        for worker, meta in zip(self.workers, metas, strict=True):
             worker.start_load(meta)
 
     def wait_for_layer(self, name: str) -> None:
@@ -93,7 +93,7 @@ class GroupWorkers:
             worker.save_layer(name)
 
     def wait_for_save(self) -> None:
-        for group, worker in zip(self.groups, self.workers):
+        for group, worker in zip(self.groups, self.workers, strict=True):
             if len(self.groups) > 1:
                 # Layers the engine does not hook (Mamba state): saved now, after the
                 # forward, in the worker's layer order.

@@ -85,7 +85,7 @@ def page_keys(tokens, page_tokens: int, seed: bytes, *, extra: Extra = None,
     key = seed if parent is None else parent
     if per_page is None:
         return [key := digest(key + chunk) for chunk in chunks]
-    return [key := digest(key + chunk + e) for chunk, e in zip(chunks, per_page)]
+    return [key := digest(key + chunk + e) for chunk, e in zip(chunks, per_page, strict=True)]
 
 
 def _check_key(name: str, value: object) -> None:

@@ -37,7 +37,7 @@ import numpy as np
 
 from kvstore_client.handles import Pins
 
-__all__ = ["Answer", "Job", "LookupWorker", "Pending", "DOWN"]
+__all__ = ["DOWN", "Answer", "Job", "LookupWorker", "Pending"]
 
 log = logging.getLogger(__name__)
 

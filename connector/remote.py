@@ -37,6 +37,8 @@ that is slow but coming is waited for: only one that stops coming fails.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -124,7 +126,7 @@ class RemoteLoad:
         for lo, hi, part in ranges:
             chunks = -(-(hi - lo) * self._ns.layer_bytes // self._ring.slab_bytes)
             bounds = np.linspace(lo, hi, chunks + 1).astype(int).tolist()
-            out += [(a, b, part) for a, b in zip(bounds[:-1], bounds[1:])]
+            out += [(a, b, part) for a, b in itertools.pairwise(bounds)]
         return out
 
     # -- the receiving thread -------------------------------------------------------------
@@ -370,9 +372,7 @@ class RemoteLoads:
             if load.receiving:
                 load.stop("the connector is closing")
         for load in self._loads:
-            try:
+            with contextlib.suppress(RemoteLoadFailed, TransferError):
                 load.synchronize()
-            except (RemoteLoadFailed, TransferError):
-                pass
         self._loads.clear()
         self._ring = None

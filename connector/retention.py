@@ -30,7 +30,7 @@ from kvstore_client import KVStoreError
 
 from .lookups import StoreLookups
 
-__all__ = ["PARAM", "RetainAsk", "RetentionCounts", "Retainer", "ask_of"]
+__all__ = ["PARAM", "RetainAsk", "Retainer", "RetentionCounts", "ask_of"]
 
 log = logging.getLogger(__name__)
 

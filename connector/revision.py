@@ -31,7 +31,7 @@ from pathlib import Path
 
 import xxhash
 
-__all__ = ["Revision", "fingerprint", "weights_folder", "resolve"]
+__all__ = ["Revision", "fingerprint", "resolve", "weights_folder"]
 
 log = logging.getLogger(__name__)
 

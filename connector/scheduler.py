@@ -386,7 +386,7 @@ class SchedulerHalf:
         if block_ids is not None:
             state.block_ids = self._per_group(block_ids)
         elif len(new_block_ids):
-            for have, new in zip(state.block_ids, self._per_group(new_block_ids)):
+            for have, new in zip(state.block_ids, self._per_group(new_block_ids), strict=True):
                 have.extend(new)
         if (not self.config.role.saves or self.config.save is SavePolicy.NONE
                 or state.tainted):

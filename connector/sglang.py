@@ -221,7 +221,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             pages = self.client.get(self._ns, skeys)   # KeyError when one is missing
             lay = self._ns.layout
             shape = (lay.num_layers, lay.kv_factor, lay.page_tokens, -1)
-            for i, page in zip(idx, torch.from_numpy(pages)):
+            for i, page in zip(idx, torch.from_numpy(pages), strict=True):
                 dests(i).copy_(page.view(shape))
             return
         try:
@@ -231,7 +231,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                 raise KeyError(exc.message) from None
             raise
         with acq:
-            for i, offset in zip(idx, acq.offsets.tolist()):
+            for i, offset in zip(idx, acq.offsets.tolist(), strict=True):
                 dests(i).copy_(self._store_page(acq.region, offset))
 
     def _guard(self, what: str, pages: int, fallback, fn: Callable[[], Any]):
@@ -316,7 +316,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             start = time.perf_counter()
             hits = self._read(keys, lambda i: self._codec.flat(outs[i]))
             self._record("prefetch", sum(hits), start)
-            return [o if hit else None for o, hit in zip(outs, hits)]
+            return [o if hit else None for o, hit in zip(outs, hits, strict=True)]
         return self._guard("get", len(keys), [None] * len(keys), run)
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,

@@ -43,7 +43,7 @@ from .groupworkers import GroupWorkers
 from .kvviews import detect_kind, kv5
 from .mamba import StateCheckpoints, mamba_view
 from .meta import StepMeta
-from .retention import Retainer, RetainAsk, ask_of
+from .retention import RetainAsk, Retainer, ask_of
 from .revision import resolve
 from .scheduler import SchedulerHalf
 from .worker import SharedStore, WorkerHalf
@@ -85,7 +85,7 @@ class KVStoreConnectorStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-def _dtype_name(vllm_config: "VllmConfig") -> str:
+def _dtype_name(vllm_config: VllmConfig) -> str:
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype and cache_dtype != "auto":
         return {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
@@ -93,7 +93,7 @@ def _dtype_name(vllm_config: "VllmConfig") -> str:
     return str(vllm_config.model_config.dtype).removeprefix("torch.")
 
 
-def _layouts(vllm_config: "VllmConfig", config: ConnectorConfig,
+def _layouts(vllm_config: VllmConfig, config: ConnectorConfig,
              page_tokens: int, revision: str) -> tuple[list[PageLayout], bool]:
     """Every tensor-parallel rank's layout, and whether the model uses MLA."""
     model_config = vllm_config.model_config
@@ -119,7 +119,7 @@ def _layouts(vllm_config: "VllmConfig", config: ConnectorConfig,
             for r in range(tp)], False
 
 
-def _group_layouts(vllm_config: "VllmConfig", config: ConnectorConfig, page_tokens: int,
+def _group_layouts(vllm_config: VllmConfig, config: ConnectorConfig, page_tokens: int,
                    groups: list[CacheGroup], revision: str = ""
                    ) -> tuple[list[list[PageLayout]], bool]:
     """Every group's layouts (one per rank), and whether the model uses MLA. A model of
@@ -149,7 +149,7 @@ def _group_layouts(vllm_config: "VllmConfig", config: ConnectorConfig, page_toke
     return out, mla
 
 
-def _checkpoints(vllm_config: "VllmConfig", block_size: int) -> StateCheckpoints | None:
+def _checkpoints(vllm_config: VllmConfig, block_size: int) -> StateCheckpoints | None:
     """Where vLLM writes a Mamba prefill checkpoint; None where its hits are finer than
     a block (the checkpoint may then lie inside one: never saved as a boundary state)."""
     cache = vllm_config.cache_config
@@ -189,8 +189,8 @@ def _warn_on_fail_policy(transfer: Any) -> None:
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """kvstore as vLLM's KV connector: prefix hits from the store, layer-wise loads."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig") -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_mapping(
@@ -240,7 +240,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.retainer: Retainer | None = None
         self._retain_after_save: dict[str, tuple[RetainAsk, list[bytes]]] = {}
         self._worker: GroupWorkers | None = None
-        self._requests: dict[str, "Request"] = {}     # live scheduler objects
+        self._requests: dict[str, Request] = {}     # live scheduler objects
         # Requests a save was planned for: their blocks outlive them until the workers
         # report the save copies landed (finished_sending), as saves are asynchronous.
         self._saving: set[str] = set()
@@ -268,7 +268,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             raise RuntimeError("a scheduler-side call on a worker-role connector")
         return self._scheduler
 
-    def get_num_new_matched_tokens(self, request: "Request",
+    def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         self._requests[request.request_id] = request
         hit = self._sched.hit(request.request_id, request.all_token_ids,
@@ -277,7 +277,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             return None, False
         return hit, hit > 0 and self.config.load_mode is LoadMode.ASYNC
 
-    def update_state_after_alloc(self, request: "Request", blocks: Any,
+    def update_state_after_alloc(self, request: Request, blocks: Any,
                                  num_external_tokens: int) -> None:
         self._sched.allocated(request.request_id, self._blocks(blocks.get_block_ids()),
                               num_external_tokens)
@@ -286,7 +286,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         """vLLM's block ids (one list per group) as the scheduler half takes them."""
         return per_group[0] if len(self.groups) == 1 else per_group
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         sched = self._sched
         counts = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -313,7 +313,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._saving.update(save.req_id for save in step.saves)
         return KVStoreConnectorMetadata(step)
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         # Failures first: a failed async load is reported as received too.
         if self.hybrid and connector_output.failed_recving:
             failed = self._sched.load_failed_requests(set(connector_output.failed_recving))
@@ -331,7 +331,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 if waiting is not None and self.retainer is not None:
                     self.retainer.submit(*waiting)
 
-    def request_finished(self, request: "Request",
+    def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saves are asynchronous: the blocks of a request a save was planned for are
         # freed when every worker has reported it in finished_sending (get_finished),
@@ -345,7 +345,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._saving.discard(request.request_id)
         return delay, None
 
-    def _retain(self, request: "Request", after_save: bool) -> None:
+    def _retain(self, request: Request, after_save: bool) -> None:
         """A request's session retention (connector.retention): sent now, or once its
         saves have landed (finished_sending)."""
         if self.retainer is None:
@@ -363,7 +363,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self.retainer.submit(*waiting)
 
-    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         # As request_finished: every group's blocks are held until the saves planned
         # for the request have landed in every group's worker (GroupWorkers.sent).
@@ -386,7 +386,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # (connector.groupworkers); a lone group makes its own, as it always did.
         shared = (SharedStore.open(self.config, layouts_here[0]) if len(self.groups) > 1
                   else None)
-        for group, layout in zip(self.groups, layouts_here):
+        for group, layout in zip(self.groups, layouts_here, strict=True):
             # A lone group takes every layer the engine registers, as it always did.
             names = list(kv_caches) if len(self.groups) == 1 else group.layer_names
             if group.kind is GroupKind.MAMBA:

@@ -75,6 +75,7 @@ Over 400 lines because it is the one place that reads in the order an engine cal
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import re
@@ -380,7 +381,7 @@ class WorkerHalf:
                 for spec in group:
                     self._load_failed(spec, exc)
                 continue
-            self._started([_Load(s, part, lambda: None) for s, part in zip(group, load.parts())])
+            self._started([_Load(s, part, lambda: None) for s, part in zip(group, load.parts(), strict=True)])
 
     def _load_failed(self, spec: LoadSpec, exc: Exception) -> None:
         # What the engine does next is its kv_load_failure_policy's: "recompute" (what every
@@ -738,10 +739,8 @@ class WorkerHalf:
         self._reserving.close()
         self._remote.close()                       # stops receives still running
         for load in [*self._loads, *self._async.values()]:
-            try:
+            with contextlib.suppress(RemoteLoadFailed):   # stopped above: nothing to report
                 load.handle.synchronize()
-            except RemoteLoadFailed:
-                pass                               # stopped above: nothing to report
             load.release()
         self._loads.clear()
         self._async.clear()

@@ -21,7 +21,7 @@ def copy_layer(geo: Geometry, view: torch.Tensor, layer: int, plan: Plan, *,
     # [P, kv, k, N, H, D] slabs  <->  view[:, blocks]: [kv, P*k, N, H, D]
     if to_cache:
         staging = torch.empty((pages, lb), dtype=torch.uint8, device=device)
-        for row, off in zip(staging, plan.offsets.tolist()):
+        for row, off in zip(staging, plan.offsets.tolist(), strict=True):
             row.copy_(host_t[off + start:off + start + lb], non_blocking=True)
         slabs = staging.view(geo.dtype).view(pages, geo.kv, geo.page_tokens, geo.heads,
                                              geo.head)
@@ -30,5 +30,5 @@ def copy_layer(geo: Geometry, view: torch.Tensor, layer: int, plan: Plan, *,
     else:
         gathered = view[:, index].reshape(geo.kv, pages, geo.page_tokens, geo.heads, geo.head)
         slabs = gathered.transpose(0, 1).contiguous().view(torch.uint8).view(pages, lb)
-        for row, off in zip(slabs, plan.offsets.tolist()):
+        for row, off in zip(slabs, plan.offsets.tolist(), strict=True):
             host_t[off + start:off + start + lb].copy_(row, non_blocking=True)

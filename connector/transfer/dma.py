@@ -11,8 +11,8 @@ layer_bytes, pitch page_bytes). When a load takes this path is KVTransfer's choi
 from __future__ import annotations
 
 import math
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import warnings
 from collections.abc import Sequence
 
@@ -153,7 +154,7 @@ def page_runs(offsets: np.ndarray, extent: int) -> list[tuple[int, int]]:
         return [(0, len(offsets))]
     breaks = np.flatnonzero(steps != extent) + 1
     edges = [0, *breaks.tolist(), len(offsets)]
-    return list(zip(edges[:-1], edges[1:]))
+    return list(itertools.pairwise(edges))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

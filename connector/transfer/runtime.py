@@ -106,10 +106,8 @@ def clear_cuda_error() -> None:
     """Read off the runtime's "last error" after a failed call: a later unrelated check
     (torch's, after a launch) would report it otherwise. torch binds no
     cudaGetLastError, so call the runtime torch loaded."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         _libcudart().cudaGetLastError()
-    except (OSError, AttributeError):
-        pass
 
 
 # -- streams and events ----------------------------------------------------------------------
