@@ -13,7 +13,7 @@ from .layouts import unknown_layout
 from .store import Store
 from .tenants import scoped_layout_id
 
-__all__ = ["caller_layout", "may_map", "check_region_token"]
+__all__ = ["caller_layout", "check_region_token", "may_map"]
 
 
 def caller_layout(store: Store, auth_on: bool, caller: Principal, layout_id: bytes) -> bytes:

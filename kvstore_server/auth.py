@@ -55,8 +55,8 @@ from .peercert import Digest, grpc_peer_digest, parse_fingerprint
 from .status import CODES
 from .tenants import DEFAULT_TENANT
 
-__all__ = ["ANONYMOUS", "Authenticator", "Credentials", "Principal", "Role",
-           "parse_auth_file", "token_digest", "tls_server_credentials"]
+__all__ = ["ANONYMOUS", "Authenticator", "Credentials", "Principal", "Role", "parse_auth_file",
+           "tls_server_credentials", "token_digest"]
 
 log = logging.getLogger(__name__)
 

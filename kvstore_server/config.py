@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
 import argparse
 import dataclasses
 import ipaddress
@@ -11,6 +9,8 @@ import math
 import os
 import stat
 import sys
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from kvstore_protocol.units import parse_duration, parse_size
 
@@ -26,7 +26,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
 
-__all__ = ["ConfigError", "LOG_LEVELS", "ServerConfig", "data_address", "is_loopback",
+__all__ = ["LOG_LEVELS", "ConfigError", "ServerConfig", "data_address", "is_loopback",
            "load_config", "read_toml"]
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

@@ -60,14 +60,21 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .disk_slots import DiskSlots
-from .eviction import PolicyFactory, make_policy
 from .disk_stats import DiskCounters, DiskStats
 from .errors import StoreError
+from .eviction import PolicyFactory, make_policy
 from .layouts import LAYOUT_ID_BYTES
-from .slot_io import (SlotRead, SlotWrite, folder_gone, lock_folder, read_slots, runs_of,
-                      write_slots)
-from .slotfile import (ALIGN, MAX_KEY, SlotFile, SlotHeader, aligned_buffer, probe_direct, seal,
-                       slot_bytes_for)
+from .slot_io import SlotRead, SlotWrite, folder_gone, lock_folder, read_slots, runs_of, write_slots
+from .slotfile import (
+    ALIGN,
+    MAX_KEY,
+    SlotFile,
+    SlotHeader,
+    aligned_buffer,
+    probe_direct,
+    seal,
+    slot_bytes_for,
+)
 from .slots import SlotState
 from .staging import Pending, StagingRing
 from .tier import Page, PageInfo, Tier, TierInvalidation, TierName, TierStats
@@ -201,7 +208,7 @@ class DiskTier:
             index = self._slots.index.get(layout_id, {})
             queued = self._staging.queued.get(layout_id, {})
             found = [index.get(k) for k in keys]
-            for i, (key, sid, arr) in enumerate(zip(keys, found, arrs)):
+            for i, (key, sid, arr) in enumerate(zip(keys, found, arrs, strict=True)):
                 # A page of this layout is always the caller's page size: a slot whose
                 # header checks out with another length was not written for this page (a
                 # forged or stray file). Corrupt, like a checksum that fails: dropped,
@@ -222,7 +229,7 @@ class DiskTier:
                         entry.cancelled = True
                         del queued[key]
                     found[i] = None
-            for i, (key, sid) in enumerate(zip(keys, found)):
+            for i, (key, sid) in enumerate(zip(keys, found, strict=True)):
                 if sid is None:
                     entry = queued.get(key)
                     if entry is not None and entry.ready:   # not written yet: copy it now
@@ -239,7 +246,7 @@ class DiskTier:
                 self._slots.policy.touch(np.array([sid for _, sid in pinned[::-1]]))
         status = read_slots(reads) if reads else []
         with self._lock:
-            for (i, sid), ok, read in zip(pinned, status, reads):
+            for (i, sid), ok, read in zip(pinned, status, reads, strict=True):
                 self._slots.pins[sid] -= 1
                 if ok:
                     result[i] = True
@@ -486,11 +493,11 @@ class DiskTier:
         if leaving:                 # before their slots are rewritten (this thread only)
             self._spill_below(leaving)
         sums = [seal(w.image, e.layout_id, e.key, e.nbytes, gen)
-                for w, (e, _, gen) in zip(writes, plan)]
+                for w, (e, _, gen) in zip(writes, plan, strict=True)]
         written, error = write_slots(writes, self._pwritev)
         with self._lock:
             done: list[tuple[int, int, int, int]] = []   # (slot id, generation, xxh, bytes)
-            for (entry, sid, gen), pxxh, ok in zip(plan, sums, written):
+            for (entry, sid, gen), pxxh, ok in zip(plan, sums, written, strict=True):
                 if not ok or entry.cancelled:
                     self.counters.refused += not entry.cancelled   # lost to the error
                     self._slots.release(sid)      # blanked, so an old page there cannot return
@@ -499,7 +506,7 @@ class DiskTier:
                 self._slots.name_of[sid] = (entry.layout_id, entry.key)
                 self._slots.index.setdefault(entry.layout_id, {})[entry.key] = sid
             if done:
-                sids, gens, pxxhs, sizes = (np.array(col, dtype=np.uint64) for col in zip(*done))
+                sids, gens, pxxhs, sizes = (np.array(col, dtype=np.uint64) for col in zip(*done, strict=True))
                 sids = sids.astype(np.int64)
                 slots = self._slots
                 slots.gen[sids], slots.pxxh[sids], slots.plen[sids] = gens, pxxhs, sizes

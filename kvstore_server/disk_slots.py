@@ -10,8 +10,8 @@ from __future__ import annotations
 import heapq
 import logging
 import os
-from typing import cast
 from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 
@@ -173,7 +173,7 @@ class DiskSlots:
         gens = np.concatenate([np.zeros(0, np.uint64), *found_gens])
         # Oldest first, so of two slots with one key the later write wins.
         order = np.argsort(gens, kind="stable")
-        latest = dict(zip(map(found_names.__getitem__, order.tolist()), ids[order].tolist()))
+        latest = dict(zip(map(found_names.__getitem__, order.tolist()), ids[order].tolist(), strict=True))
         live = np.array(list(latest.values()), dtype=np.int64)
         live = live[np.argsort(self.gen[live], kind="stable")]
         for (layout_id, key), sid in latest.items():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from kvstore_protocol.reasons import Reason   # one definition, shared with the client
+from kvstore_protocol.reasons import Reason  # one definition, shared with the client
 
 __all__ = ["ADMIN_ONLY", "Outcome", "Reason", "StoreError"]
 

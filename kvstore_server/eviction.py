@@ -23,8 +23,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["DEFAULT_POLICY", "EvictionPolicy", "PolicyFactory", "enough", "load_policy",
-           "Sizes", "make_policy", "quota_victims"]
+__all__ = ["DEFAULT_POLICY", "EvictionPolicy", "PolicyFactory", "Sizes", "enough", "load_policy",
+           "make_policy", "quota_victims"]
 
 DEFAULT_POLICY = "lru"
 

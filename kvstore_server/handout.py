@@ -13,6 +13,7 @@ decided by the socket file's mode and group, as the file's were (0600, or 0660 f
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -77,8 +78,6 @@ class Handout:
         self._stop.set()
         self._thread.join(timeout=2)
         self._sock.close()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 

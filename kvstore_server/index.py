@@ -237,7 +237,7 @@ class KeyIndex:
             more = max(top + 1 - len(self._pos), len(self._pos))
             self._pos = np.pad(self._pos, (0, more), constant_values=-1)
         self._live += len(rows)
-        for row, slot in zip(rows, slots):
+        for row, slot in zip(rows, slots, strict=True):
             self._place_one(row, slot)
         if self.watch is not None:
             self.watch(words, 1)

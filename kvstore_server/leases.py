@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["DEFAULT_LEASE_MEMORY", "FOREVER", "LeaseKind", "Lease", "LeaseTable", "footprint"]
+__all__ = ["DEFAULT_LEASE_MEMORY", "FOREVER", "Lease", "LeaseKind", "LeaseTable", "footprint"]
 
 Clock = Callable[[], float]  # seconds, monotonic; tests pass one they can advance
 

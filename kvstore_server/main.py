@@ -37,33 +37,46 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore_protocol._proto.kvstore.v1 import admin_pb2, kvstore_pb2
 from kvstore_protocol.grpc_frames import CHANNEL_OPTIONS
+from kvstore_protocol.malloc import keep_freed_buffers, limit_arenas
+from kvstore_protocol.presence_map import BEAT_SECONDS
+from kvstore_protocol.units import format_size
 
 from . import __version__
 from .admin_service import AdminService, add_admin_service
 from .auth import Authenticator, tls_server_credentials
-from .config import (ConfigError, ServerConfig, argument_parser, data_address, is_loopback,
-                     load_config)
-from .fastpath import FastPathServer, SocketFolder, remove_stale_folders, socket_path
-from .fastpath.tls import fast_tls_context
+from .config import (
+    ConfigError,
+    ServerConfig,
+    argument_parser,
+    data_address,
+    is_loopback,
+    load_config,
+)
 from .disk import DiskTier
 from .disk_stats import DiskCollector
 from .eviction import load_policy
 from .far import wiring as far_wiring
+from .fastpath import FastPathServer, SocketFolder, remove_stale_folders, socket_path
+from .fastpath.tls import fast_tls_context
 from .limits import RequestLimits, request_message_bytes
-from kvstore_protocol.malloc import keep_freed_buffers, limit_arenas
-from kvstore_protocol.presence_map import BEAT_SECONDS
 from .metrics import Metrics
 from .preflight import check_host
 from .region import Progress, Region, region_bytes, remove_own, remove_stale
 from .retention import RetentionLimits
 from .sdnotify import Notifier
 from .service import KVStoreService, add_kvstore_service
-from .startup import (EXIT_CANNOT_START, EXIT_PORT_TAKEN, PortTaken, bind_grpc, check_config,
-                      listen_error, progress_reporter)
+from .startup import (
+    EXIT_CANNOT_START,
+    EXIT_PORT_TAKEN,
+    PortTaken,
+    bind_grpc,
+    check_config,
+    listen_error,
+    progress_reporter,
+)
 from .store import Store
 from .tier import TierChain
 from .watchdog import StreamWatchdog
-from kvstore_protocol.units import format_size
 
 __all__ = ["Server", "main"]
 
@@ -313,7 +326,7 @@ class Server:
                 evicted = self.store.evict_to_watermark()
                 if evicted:
                     log.debug("evicted %d pages to the low watermark", evicted)
-            except Exception:  # noqa: BLE001 - keep evicting whatever happened
+            except Exception:                   # keep evicting whatever happened
                 log.exception("background eviction failed")
 
     def _reaper(self) -> None:
@@ -321,7 +334,7 @@ class Server:
         while not self._stopping.wait(period):
             try:
                 self.store.expire_leases()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("lease expiry failed")
 
     def _beat(self) -> None:

@@ -9,8 +9,8 @@ global state), served on 127.0.0.1:`--metrics-port`.
 from __future__ import annotations
 
 import itertools
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -76,8 +76,9 @@ class _StoreCollector:
         if holds is not None:
             h = HistogramMetricFamily("kvstore_store_lock_hold_seconds",
                                       "How long each hold of the store's lock lasted")
+            # counts has one more entry than BUCKETS: the holds past the last, as +Inf.
             cumulative = list(itertools.accumulate(holds.counts))
-            h.add_metric([], [(str(b), c) for b, c in zip(BUCKETS, cumulative)]
+            h.add_metric([], [(str(b), c) for b, c in zip(BUCKETS, cumulative, strict=False)]
                          + [("+Inf", cumulative[-1])], holds.total_seconds)
             yield h
             yield _gauge("kvstore_store_lock_hold_max_seconds",

@@ -12,12 +12,12 @@ INVALID_ARGUMENT with the parser's reason.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from google.protobuf.message import Message
 
-__all__ = ["MalformedRequest", "Unparsed", "parser", "checked"]
+__all__ = ["MalformedRequest", "Unparsed", "checked", "parser"]
 
 
 class MalformedRequest(ValueError):

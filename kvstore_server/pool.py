@@ -22,7 +22,7 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["Pool", "SLOT_ALIGN"]
+__all__ = ["SLOT_ALIGN", "Pool"]
 
 SLOT_ALIGN = 4096           # slots start on page boundaries (O_DIRECT, DMA friendly)
 _DEFAULT_SLAB = 8 << 20

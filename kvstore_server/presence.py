@@ -15,8 +15,16 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvstore_protocol.presence_map import (AREA_BYTES, BEAT_AT, BITS, HEADER, HEADER_AT, MAGIC,
-                                           MIX, salt)
+from kvstore_protocol.presence_map import (
+    AREA_BYTES,
+    BEAT_AT,
+    BITS,
+    HEADER,
+    HEADER_AT,
+    MAGIC,
+    MIX,
+    salt,
+)
 
 __all__ = ["AREA_BYTES", "Presence"]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import fcntl
@@ -22,8 +23,8 @@ from kvstore_protocol.region import HEADER_BYTES, MAGIC, TOKEN_BYTES, TOKEN_OFFS
 from .handout import Handout
 from .presence import AREA_BYTES
 
-__all__ = ["Region", "region_bytes", "HEADER_BYTES", "TOKEN_OFFSET", "TOKEN_BYTES", "MAGIC",
-           "HANDOUT_NAME", "remove_stale"]
+__all__ = ["HANDOUT_NAME", "HEADER_BYTES", "MAGIC", "TOKEN_BYTES", "TOKEN_OFFSET", "Region",
+           "region_bytes", "remove_stale"]
 
 log = logging.getLogger(__name__)
 
@@ -192,18 +193,14 @@ class Region:
         if self._handout is not None:
             self._handout.close()           # removes the socket
         else:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-            except FileNotFoundError:
-                pass
         if self._mmap is not None:
             self.mem = np.zeros(0, dtype=np.uint8)
-            try:
+            # A view of the pool may still be referenced (e.g. a stream mid-flight at
+            # shutdown); then the mapping goes away with the process.
+            with contextlib.suppress(BufferError):
                 self._mmap.close()
-            except BufferError:
-                # A view of the pool is still referenced (e.g. a stream mid-flight at
-                # shutdown); the mapping goes away with the process.
-                pass
             self._mmap = None
         if self._fd >= 0:
             os.close(self._fd)
@@ -231,10 +228,8 @@ def remove_own(directory: str) -> None:
     for name in names:
         match = _NAME.fullmatch(name)
         if match is not None and int(match.group(1)) == os.getpid():
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join(directory, name))
-            except OSError:
-                pass
 
 
 def remove_stale(directory: str, min_age: float = 60.0) -> list[tuple[str, int]]:

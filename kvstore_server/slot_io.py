@@ -66,7 +66,7 @@ def read_slots(reads: Sequence[SlotRead]) -> list[bool | None]:
     tail_bytes = [r.file.slot_bytes - r.out.nbytes for r in reads]
     scratch = aligned_buffer(sum(tail_bytes))
     ends = np.cumsum(tail_bytes, dtype=np.int64).tolist()
-    tails = [scratch[end - n:end] for n, end in zip(tail_bytes, ends)]
+    tails = [scratch[end - n:end] for n, end in zip(tail_bytes, ends, strict=True)]
     runs = [run for flag in (True, False)
             for run in _runs([j for j in range(len(reads)) if direct[j] == flag],
                              lambda j: (reads[j].file, reads[j].idx), _IOV_MAX // 2)]

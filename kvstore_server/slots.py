@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator
+from typing import ClassVar
 
 import numpy as np
 
@@ -47,7 +48,7 @@ class SlotTable:
     """What the store knows of each slot beyond its place in the pool."""
 
     # column name -> value of an unused slot
-    _FILL = {"state": SlotState.FREE, "pins": 0, "layout_of": -1, "committed_at": 0,
+    _FILL: ClassVar[dict[str, int]] = {"state": SlotState.FREE, "pins": 0, "layout_of": -1, "committed_at": 0,
              "touched_at": 0, "key_size": 0, "mark": 0}
 
     def __init__(self, n: int = 1024) -> None:

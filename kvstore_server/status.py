@@ -18,8 +18,8 @@ import logging
 
 import grpc
 
-from kvstore_protocol.reasons import REASON_KEY
 from kvstore_protocol.keys import KeyError_
+from kvstore_protocol.reasons import REASON_KEY
 
 from .errors import Outcome, Reason, StoreError
 

@@ -42,22 +42,22 @@ from kvstore_protocol.layout import MAX_LOOKUP_LAYOUTS, PageLayout
 from .errors import Outcome, Reason, StoreError
 from .eviction import PolicyFactory, make_policy
 from .holdback import HoldBack
+from .index import FEW_KEYS
 from .layouts import DEFAULT_MAX_LAYOUTS, LayoutInfo, LayoutRegistry
 from .leases import DEFAULT_LEASE_MEMORY, FOREVER, Lease, LeaseKind, LeaseTable
 from .pool import Pool
-from .quota import TenantLedger
 from .presence import AREA_BYTES, Presence
+from .quota import TenantLedger
 from .region import HEADER_BYTES, Region
-from .index import FEW_KEYS
+from .retention import RetentionLimits, RetentionTable
 from .slots import SlotState, SlotTable
+from .stats import StoreStats
 from .store_admin import StoreAdmin
 from .store_below import PROBE_CHUNK, StoreBelow
 from .store_evict import StoreEviction
 from .store_leases import StoreLeases, owns
 from .store_retention import Retained, StoreRetention
-from .retention import RetentionLimits, RetentionTable
 from .store_values import Pinned, Reservation
-from .stats import StoreStats
 from .tenants import DEFAULT_TENANT
 from .tier import NullTier, Tier
 from .timed_lock import TimedLock
@@ -232,7 +232,7 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
                 return self._count_and_lease(infos, keys, found, count, lease_ttl, offsets)
         # The tier below is asked outside the store's lock: it has its own, and its probe
         # costs a dict lookup a key (a Lookup of 60 M keys held the store's lock 11.5 s).
-        count = min(self._reach(info, keys, slots) for info, slots in zip(infos, found))
+        count = min(self._reach(info, keys, slots) for info, slots in zip(infos, found, strict=True))
         run = keys if count == len(keys) else Packed(keys.data[:count * keys.size], keys.size)
         with self._lock:
             # Find the run's DRAM pages again, to touch and pin them in this hold: one
@@ -282,7 +282,7 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
         # Without a tier below, every page of the run is in DRAM (count stops at the
         # first one absent): no mask to take.
         dram = [slots[slots >= 0] for slots in run] if self.lower.holds_pages else run
-        for info, run_slots in zip(infos, dram):
+        for info, run_slots in zip(infos, dram, strict=True):
             info.hits += count
             info.misses += len(keys) - count
             self._touch(run_slots)
@@ -345,7 +345,7 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
             new_keys = keys.select(wanted)
             self._slots.grow(self.pool.id_capacity)
             self._slots.take(got, info.idx, keys.size)
-            for key, slot in zip(new_keys, got.tolist()):
+            for key, slot in zip(new_keys, got.tolist(), strict=True):
                 info.writing[key] = slot
             self._tenants.charge(info, len(got))
             lease = self._leases.grant(LeaseKind.RESERVE, got,
@@ -363,7 +363,7 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
         if n <= _FEW_LEADING:
             slot_list, off_list = [-1] * n, [-1] * n
             offset = self.pool.offset
-            for i, slot in zip(wanted, got.tolist()):
+            for i, slot in zip(wanted, got.tolist(), strict=True):
                 slot_list[i] = slot
                 off_list[i] = int(offset[slot])
             return np.array(slot_list, dtype=np.int64), np.array(off_list, dtype=np.int64)
@@ -384,7 +384,7 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
             live, live_keys = [], []
             # States read once as a list: a numpy scalar read a key cost half the hold.
             for key, slot, state in zip(lease.keys, slots.tolist(),
-                                        self._slots.state[slots].tolist()):
+                                        self._slots.state[slots].tolist(), strict=True):
                 if state == WRITING and info.writing.get(key) == slot:
                     del info.writing[key]
                     live.append(slot)
@@ -407,7 +407,7 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
             offsets = self.pool.offset[live_arr].tolist()
         pb = info.page_bytes
         try:
-            for key, off in zip(live_keys, offsets):
+            for key, off in zip(live_keys, offsets, strict=True):
                 self.through.offer(info.layout_id, key, self.mem[off:off + pb])
         finally:
             with self._lock:
@@ -437,7 +437,7 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
         """A reservation's keys never become visible; its slots are DOOMED, freed at the
         unpin that ends the reservation's own pin (held back: store_leases)."""
         info = self._layouts.by_idx[lease.layout]
-        for key, slot in zip(lease.keys, lease.slots.tolist()):
+        for key, slot in zip(lease.keys, lease.slots.tolist(), strict=True):
             if info.writing.get(key) == slot:
                 del info.writing[key]
         self._slots.state[lease.slots] = _DOOMED

@@ -17,10 +17,10 @@ import numpy as np
 from kvstore_protocol.keys import MAX_KEY_BYTES, Packed
 
 from .errors import Outcome, Reason, StoreError
-from .far.records import LayoutRecord, Scope
 from .eviction import EvictionPolicy, enough
-from .layouts import LayoutInfo, LayoutRegistry
+from .far.records import LayoutRecord, Scope
 from .holdback import HoldBack
+from .layouts import LayoutInfo, LayoutRegistry
 from .leases import LeaseTable
 from .pool import Pool
 from .quota import TenantLedger
@@ -196,7 +196,7 @@ class StoreAdmin:
                 info = self._layouts.by_idx[idx]
                 keys = info.ready[key_size].keys_of(members)
                 todo += [(info, k.tobytes(), int(self.pool.offset[m]))
-                         for k, m in zip(keys, members.tolist())]
+                         for k, m in zip(keys, members.tolist(), strict=True)]
             # The pages stay pinned while offered: no request may reuse their slots.
             self._slots.add_pins(slots, 1)
         offered = 0

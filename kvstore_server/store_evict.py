@@ -99,7 +99,7 @@ class StoreEviction:
             index = info.ready[key_size]
             if self.lower.holds_pages:
                 pb = info.page_bytes
-                for key, slot in zip(index.keys_of(members), members.tolist()):
+                for key, slot in zip(index.keys_of(members), members.tolist(), strict=True):
                     off = int(self.pool.offset[slot])
                     self.lower.offer(info.layout_id, key.tobytes(), self.mem[off:off + pb])
             index.remove_slots(members)

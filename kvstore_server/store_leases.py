@@ -113,7 +113,7 @@ class StoreLeases:
         """pages_read pages of each layout whose pages these leased slots are, at most as
         many as it has among them, served (Acquire's count and bytes)."""
         layouts, counts = np.unique(self._slots.layout_of[slots], return_counts=True)
-        for idx, count in zip(layouts.tolist(), counts.tolist()):
+        for idx, count in zip(layouts.tolist(), counts.tolist(), strict=True):
             if idx >= 0:
                 info = self._layouts.by_idx[idx]
                 info.served += min(pages_read, count)

@@ -23,8 +23,7 @@ from kvstore_protocol.keys import Packed
 from .errors import Outcome, StoreError
 from .layouts import LayoutInfo
 from .pool import Pool
-from .retention import (MAX_SESSION_NAME, MAX_TTL, RetainOutcome, RetentionLimits,
-                        RetentionTable)
+from .retention import MAX_SESSION_NAME, MAX_TTL, RetainOutcome, RetentionLimits, RetentionTable
 from .slots import SlotTable
 from .timed_lock import TimedLock
 

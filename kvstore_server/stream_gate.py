@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-__all__ = ["StreamGate", "gated_stream", "gated_requests", "tenant_share"]
+__all__ = ["StreamGate", "gated_requests", "gated_stream", "tenant_share"]
 
 
 def tenant_share(limit: int, per_tenant: bool) -> int:

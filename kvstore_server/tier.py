@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -249,7 +250,7 @@ class TierChain:
 
     def __init__(self, tiers: Sequence[Tier]) -> None:
         self._tiers = tuple(t for t in tiers if t.holds_pages)
-        for upper, lower in zip(self._tiers, self._tiers[1:]):
+        for upper, lower in itertools.pairwise(self._tiers):
             upper.link(lower)
         # The largest chunk of keys any tier wants to be asked about at once (store.py).
         self.probe_chunk = max((t.probe_chunk for t in self._tiers), default=0)
@@ -286,7 +287,7 @@ class TierChain:
             if not todo:
                 break
             found = tier.read_into(layout_id, [keys[i] for i in todo], [outs[i] for i in todo])
-            for i, ok in zip(todo, found):
+            for i, ok in zip(todo, found, strict=True):
                 if ok:
                     got[i] = True
                     for above in self.tiers[:level]:

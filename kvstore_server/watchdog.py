@@ -130,7 +130,7 @@ class StreamWatchdog:
         while not self._stop.wait(period):
             try:
                 self.check()
-            except Exception:  # noqa: BLE001 - the watchdog must outlive any one call
+            except Exception:                   # the watchdog must outlive any one call
                 log.exception("stream watchdog round failed")
 
 

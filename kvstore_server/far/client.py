@@ -34,12 +34,17 @@ copy each value where glide's reply holds it (inplace.py).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
-from concurrent.futures import TimeoutError as FuturesTimeout
+from concurrent.futures import (
+    Future,
+    ThreadPoolExecutor,
+    TimeoutError as FuturesTimeout,
+    as_completed,
+)
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,8 +52,16 @@ import glide_sync as glide
 
 from . import codec, inplace
 from .breaker import BreakerState, FarBreaker, ShardBreakers
-from .keys import (SLOTS, group_by_bucket, is_record, layout_of_name, namespace_pattern, page_key,
-                   record_key, record_pattern)
+from .keys import (
+    SLOTS,
+    group_by_bucket,
+    is_record,
+    layout_of_name,
+    namespace_pattern,
+    page_key,
+    record_key,
+    record_pattern,
+)
 from .metrics import FarCounters
 from .settings import ClusterMode, FarSettings
 from .shards import Address, SlotMap, command_slot, parse_slots
@@ -248,10 +261,8 @@ class FarClient:
         with self._lock:
             client = self._nodes.pop(address, None)
         if client is not None:
-            try:
+            with contextlib.suppress(glide.GlideError):
                 client.close()
-            except glide.GlideError:
-                pass
 
     def _ask_slots(self, address: Address) -> SlotMap | None:
         """The slot map as one node tells it; a node without cluster support (auto) makes
@@ -396,7 +407,7 @@ class FarClient:
                                      in_place)] if jobs else []
         outcomes += [f.result() for f in futures]
         frees = []
-        for (address, idx, breaker), (replies, free, started) in zip(jobs, outcomes):
+        for (address, idx, breaker), (replies, free, started) in zip(jobs, outcomes, strict=False):
             frees.append(free)
             if isinstance(replies, BaseException):
                 self.counters.add(errors=1)
@@ -432,9 +443,9 @@ class FarClient:
         out = self._run([["EVAL_RO", EXISTS_SCRIPT, str(len(g)), *(k for _, k in g)]
                          for g in groups], timeout or self.settings.timeout)
         bits = [False] * len(keys)
-        for group, reply in zip(groups, out or ()):
+        for group, reply in zip(groups, out or (), strict=False):
             if isinstance(reply, list):
-                for (i, _), bit in zip(group, reply):
+                for (i, _), bit in zip(group, reply, strict=False):
                     bits[i] = bit == 1
         hits = sum(bits)
         self.counters.add(hits=hits, misses=len(keys) - hits)
@@ -466,7 +477,7 @@ class FarClient:
         try:
             pages: dict[int, memoryview] = {}
             nbytes = 0
-            for (i, _), value in zip(named, out or ()):
+            for (i, _), value in zip(named, out or (), strict=False):
                 if value is None or isinstance(value, Exception) or not len(value):
                     continue            # absent (GETRANGE answers ""), or failed: counted
                 if len(value) > limits[i]:
@@ -500,13 +511,13 @@ class FarClient:
         values = [codec.encode(layout_id, key, payload, self.settings.keys)
                   for key, payload in items]
         commands: Commands = [["SET", page_key(self.settings.namespace, layout_id, key), value,
-                     *expiry] for (key, _), value in zip(items, values)]
+                     *expiry] for (key, _), value in zip(items, values, strict=False)]
         if record is not None:
             commands.append(["SET", record_key(self.settings.namespace, layout_id), record,
                              *expiry])
         out = self._run(commands, timeout) or []
         stored = [len(v) - codec.HEADER_BYTES - len(key)
-                  for (key, _), v, r in zip(items, values, out) if r in ("OK", b"OK")]
+                  for (key, _), v, r in zip(items, values, out, strict=False) if r in ("OK", b"OK")]
         self.counters.add(pages_written=len(stored), bytes_written=sum(stored))
         return len(stored), record is not None and len(out) > len(items) and out[-1] in (
             "OK", b"OK")
@@ -573,7 +584,7 @@ class FarClient:
         done = [f.result() for f in [self._submit(self._clear_master, a, pattern, ids, stop,
                                                   retry) for a in masters]]
         return ClearResult(sum(n for n, _ in done),
-                           tuple(f"{a[0]}:{a[1]}" for a, (_, ok) in zip(masters, done)
+                           tuple(f"{a[0]}:{a[1]}" for a, (_, ok) in zip(masters, done, strict=False)
                                  if not ok))
 
     def _clear_master(self, address: Address, pattern: bytes, ids: frozenset[bytes] | None,
@@ -624,7 +635,7 @@ class FarClient:
                     self._refresh_soon()
                     return removed, False
                 # pages only: a layout's record goes with them, uncounted
-                removed += sum(r for n, r in zip(names, replies)
+                removed += sum(r for n, r in zip(names, replies, strict=False)
                                if isinstance(r, int) and not is_record(n))
                 if any(isinstance(r, Exception) for r in replies):
                     self._refresh_soon()        # a slot moved: the new master's turn
@@ -643,7 +654,7 @@ class FarClient:
         done = [f.result() for f in [self._submit(self._records_scan, a, stop)
                                      for a in masters]]
         return ([v for values, _ in done for v in values],
-                tuple(f"{a[0]}:{a[1]}" for a, (_, ok) in zip(masters, done) if not ok))
+                tuple(f"{a[0]}:{a[1]}" for a, (_, ok) in zip(masters, done, strict=False) if not ok))
 
     def _records_scan(self, address: Address, stop: float) -> tuple[list[bytes], bool]:
         cursor: bytes | str = "0"
@@ -675,7 +686,5 @@ class FarClient:
             nodes, self._nodes = list(self._nodes.values()), {}
         self._pool.shutdown(wait=False, cancel_futures=True)
         for client in nodes:
-            try:
+            with contextlib.suppress(glide.GlideError):
                 client.close()
-            except glide.GlideError:
-                pass

@@ -27,8 +27,8 @@ from collections import defaultdict
 
 import xxhash
 
-__all__ = ["BUCKETS", "SLOTS", "bucket_of", "group_by_bucket", "layout_of_name", "page_key",
-           "is_record", "namespace_pattern", "record_key", "record_pattern", "slot_of"]
+__all__ = ["BUCKETS", "SLOTS", "bucket_of", "group_by_bucket", "is_record", "layout_of_name",
+           "namespace_pattern", "page_key", "record_key", "record_pattern", "slot_of"]
 
 BUCKETS = 64
 

@@ -46,8 +46,8 @@ from ..tier import PageInfo, Tier, TierInvalidation, TierName, TierStats
 from .breaker import BreakerState
 from .client import CLEAR_BUDGET, FarClient
 from .codec import Reason
-from .records import REFRESH, LayoutRecord, Scope
 from .reads import ParallelReader
+from .records import REFRESH, LayoutRecord, Scope
 from .settings import WritePolicy
 from .writer import WriteBehind
 

@@ -29,6 +29,7 @@ blocking SSL socket whose SO_RCVTIMEO fires retries the read without end.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import ssl
@@ -219,16 +220,14 @@ class Connection:
                 log.info("fast path: closing a connection that stalled: %s", exc)
         except (ClientGone, OSError) as exc:
             log.debug("fast path: connection ended: %s", exc)
-        except Exception:  # noqa: BLE001 - the server must survive any connection
+        except Exception:                   # the server must survive any connection
             log.exception("fast path: connection failed")
             self._try_reply(0, "internal error; see the server log", fw.Status.INTERNAL)
         finally:
             if session is not None:
                 self._end_leases(session)
-            try:
+            with contextlib.suppress(OSError):
                 self.sock.close()
-            except OSError:
-                pass
 
     def _call(self, s: Session, h: fw.Header, body: memoryview) -> None:
         start = time.perf_counter()
@@ -291,6 +290,6 @@ class Connection:
         for lease_id in list(s.leases):
             try:
                 store.release(lease_id)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("fast path: releasing lease %d failed", lease_id)
         s.leases.clear()

@@ -17,8 +17,8 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-__all__ = ["ClientGone", "Reader", "recv_exact", "drain", "runs", "send_views",
-           "send_file", "set_timeouts", "set_recv_timeout", "IOV_BATCH"]
+__all__ = ["IOV_BATCH", "ClientGone", "Reader", "drain", "recv_exact", "runs", "send_file",
+           "send_views", "set_recv_timeout", "set_timeouts"]
 
 # A sendmsg takes at most IOV_MAX (1024 on Linux) buffers.
 IOV_BATCH = 1024

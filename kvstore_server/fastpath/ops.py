@@ -30,7 +30,7 @@ from ..limits import RequestLimits
 from ..store import FOREVER, Store
 from .io import Reader, runs, send_file, send_views
 
-__all__ = ["Ops", "Session", "SEND_SENDFILE", "SEND_SENDMSG"]
+__all__ = ["SEND_SENDFILE", "SEND_SENDMSG", "Ops", "Session"]
 
 SEND_SENDFILE = "sendfile"
 SEND_SENDMSG = "sendmsg"
@@ -130,7 +130,7 @@ class Ops:
             # would only be logged by a client that does not wait for the answer.
             known = []
             for layout_id in ids:
-                try:
+                try:                    # noqa: SIM105 - a per-call loop: no context manager
                     known.append(self._layout(s, layout_id))
                 except StoreError:
                     pass

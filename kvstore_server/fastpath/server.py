@@ -16,6 +16,7 @@ and how); a client finds it from Attach. It is removed at stop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -118,25 +119,19 @@ class FastPathServer:
         """Stop accepting, end every open connection (their leases are released)."""
         self._stopping.set()
         for lsock, _ in self._listeners:
-            try:
+            with contextlib.suppress(OSError):
                 lsock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             lsock.close()
         with self._lock:
             open_now = list(self._open)
         for sock in open_now:
-            try:
+            with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
         for thread in self._threads:
             thread.join(timeout=2)
         if self.unix_path:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.unix_path)
-            except FileNotFoundError:
-                pass
         self.ops.close()
 
     def open_connections(self) -> int:
@@ -192,10 +187,8 @@ class FastPathServer:
             self.admission.leave(ticket)
             with self._lock:
                 self._open.discard(raw)
-            try:
+            with contextlib.suppress(OSError):
                 raw.close()
-            except OSError:
-                pass
 
     def _count_refused(self, reason: str) -> None:
         with self._lock:
