@@ -43,7 +43,8 @@ from .layerget import Dest, LayerGet
 from .rpc import Rpc, packed
 from .shm import Acquired, Reservation, SharedRegion, copy_layer, copy_pages
 
-__all__ = ["KVStoreClient", "LayoutHandle", "Lease", "PutResult", "Retention"]
+__all__ = ["KVStoreClient", "LayoutHandle", "Lease", "PutResult", "Removal", "Removals",
+           "Retention"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,27 @@ class Retention:
     @property
     def retained(self) -> bool:
         return not self.refused
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Removal:
+    """A page that left the server: key b"" means every page of the layout."""
+
+    seq: int
+    layout_id: bytes            # the client's id, as registered
+    key: bytes
+    cause: int                  # 1 evicted, 2 deleted, 3 invalidated (kvstore_server.removals)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Removals:
+    """One read of the server's removal ring (KVStoreClient.removals)."""
+
+    epoch: int
+    next_seq: int               # pass back as after_seq, with epoch
+    gap: bool                   # entries were lost: assume every page of the layouts gone
+    more: bool                  # stopped at the limit: read again at once
+    entries: tuple[Removal, ...]
 
 
 class KVStoreClient:
@@ -292,6 +314,24 @@ class KVStoreClient:
                                ttl_ms=max(1, round(ttl * 1000)) if ttl > 0 else 0)
         resp = self._rpc.call("Retain", lambda: self._rpc.retain(req, timeout=self.timeout), ns)
         return Retention(resp.pages, resp.refused)
+
+    # -- removals (gRPC only: a poll every fraction of a second, off the hot path) --------
+    def removals(self, handles: Sequence[LayoutHandle], after_seq: int = 0, epoch: int = 0,
+                 limit: int = 0) -> Removals:
+        """Pages of these layouts that left the server after the cursor (after_seq of
+        epoch); epoch 0 starts a cursor at the newest removal and returns none. limit: at
+        most this many (0 = the server's cap, 16384)."""
+        ids = [h.layout_id for h in handles]
+        req = pb.RemovalsRequest(layout_ids=ids, after_seq=after_seq, epoch=epoch,
+                                 limit=limit)
+        resp = self._rpc.call("Removals", lambda: self._rpc.removals(req, timeout=self.timeout),
+                              handles[0] if len(handles) == 1 else None)
+        entries, at = [], 0
+        for seq, index, cause, size in zip(resp.seqs, resp.layout_index, resp.causes,
+                                           resp.key_sizes):
+            entries.append(Removal(seq, ids[index], resp.keys[at:at + size], cause))
+            at += size
+        return Removals(resp.epoch, resp.next_seq, resp.gap, resp.more, tuple(entries))
 
     def release_retention(self, session: str) -> int:
         """End a session's retention now: the pages it kept (0: no such session)."""

@@ -94,6 +94,7 @@ class Rpc:
         self.retain = unary(s + "Retain", pb.RetainRequest, pb.RetainResponse)
         self.release_retention = unary(s + "ReleaseRetention", pb.ReleaseRetentionRequest,
                                        pb.ReleaseRetentionResponse)
+        self.removals = unary(s + "Removals", pb.RemovalsRequest, pb.RemovalsResponse)
         self.stats = unary(a + "Stats", apb.StatsRequest, apb.StatsResponse)
         self.evict = unary(a + "Evict", apb.EvictRequest, apb.EvictResponse)
         self.clear = unary(a + "Clear", apb.ClearRequest, apb.ClearResponse)

@@ -19,6 +19,7 @@ from .far.settings import from_config
 from .layouts import DEFAULT_MAX_LAYOUTS
 from .leases import DEFAULT_LEASE_MEMORY
 from .limits import MAX_KEYS_LIMIT
+from .removals import DEFAULT_CAPACITY as DEFAULT_REMOVAL_RING
 from .retention import DEFAULT_MAX_SESSIONS, DEFAULT_RETENTION_QUOTA
 
 if sys.version_info >= (3, 11):
@@ -57,6 +58,9 @@ class ServerConfig:
     # share of the pool (at most 1) or bytes; past it a retain is refused; 0 = off
     retention_quota: float = DEFAULT_RETENTION_QUOTA
     retention_sessions: int = DEFAULT_MAX_SESSIONS    # sessions one tenant may hold
+    # Removals kept for engines' KV-event streams (kvstore_server.removals): a reader
+    # further behind than this many entries is told of a gap
+    removal_ring: int = DEFAULT_REMOVAL_RING
     high_watermark: float = 0.95    # background eviction starts above this share of the pool
     low_watermark: float = 0.85     # ... and stops below this one
     # Which pages DRAM and the disk tier evict first: a module of kvstore_server ("lru")
@@ -142,6 +146,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "max_layouts": int,
     "retention_quota": _share_or_size,
     "retention_sessions": int,
+    "removal_ring": int,
     "high_watermark": float,
     "low_watermark": float,
     "eviction_policy": str,
@@ -242,6 +247,9 @@ def argument_parser() -> argparse.ArgumentParser:
                         "the pool (0.1) or a size (2GiB); 0 = retention off (default 0.1)")
     p.add_argument("--retention-sessions", metavar="N",
                    help="retention sessions one tenant may hold at once (default 1024)")
+    p.add_argument("--removal-ring", metavar="N",
+                   help="removals kept for KV-event streams, ~70 bytes each; a reader "
+                        f"further behind is told of a gap (default {DEFAULT_REMOVAL_RING})")
     p.add_argument("--log-level", metavar="LEVEL",
                    help="DEBUG, INFO, WARNING, ERROR (default INFO)")
     s = p.add_argument_group("security (see SECURITY.md)")
@@ -370,6 +378,8 @@ def _check(c: ServerConfig) -> None:
                           "0 = off)")
     if c.retention_sessions < 1:
         raise ConfigError("retention_sessions must be >= 1")
+    if not 1 <= c.removal_ring <= 1 << 24:
+        raise ConfigError("removal_ring must be 1 to 16777216 entries")
     if c.disk and not c.disk_dir:
         raise ConfigError("disk tier needs disk_dir (--disk-dir) when disk > 0")
     if c.workers < 1:

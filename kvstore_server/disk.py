@@ -64,6 +64,7 @@ from .disk_stats import DiskCounters, DiskStats
 from .errors import StoreError
 from .eviction import PolicyFactory, make_policy
 from .layouts import LAYOUT_ID_BYTES
+from .removals import Cause, RemovalRing
 from .slot_io import SlotRead, SlotWrite, folder_gone, lock_folder, read_slots, runs_of, write_slots
 from .slotfile import (
     ALIGN,
@@ -112,7 +113,8 @@ class DiskTier:
     def __init__(self, directory: str, capacity_bytes: int, *, queue_bytes: int = 256 << 20,
                  direct: bool | None = None, clock: Callable[[], float] = time.monotonic,
                  pwritev: PwriteV = os.pwritev,
-                 policy: PolicyFactory | str | None = None) -> None:
+                 policy: PolicyFactory | str | None = None,
+                 removals: RemovalRing | None = None) -> None:
         """queue_bytes: staging memory for pages not yet written, in slot-sized pieces
         (256 MiB holds 255 pages of 1 MiB: one eviction batch of the store); offers beyond
         it are dropped. Counted in bytes, not pages, because layouts' pages differ in size
@@ -120,7 +122,8 @@ class DiskTier:
         direct: O_DIRECT I/O, so spilled pages do not fill the page cache too (DRAM is
         the cache); None = where the file system allows it. clock: times the rebuild.
         pwritev: a seam for tests (disk full, I/O errors). policy: the eviction policy, or
-        the name of one (eviction.make_policy)."""
+        the name of one (eviction.make_policy). removals: where pages leaving this host
+        from here are recorded (the store's ring, removals.py; None: not recorded)."""
         if capacity_bytes <= 0 or queue_bytes < ALIGN:
             raise ValueError("capacity_bytes must be > 0 and queue_bytes at least 4 KiB")
         os.makedirs(directory, exist_ok=True)
@@ -143,6 +146,7 @@ class DiskTier:
         # Where pages evicted to make room go (link(): the chain links the far tier here,
         # under --far-write evict, for they are leaving the host); None: they are forgotten.
         self.below: Tier | None = None
+        self.removals = removals
         started = clock()
         self._rebuild()
         self.rebuild_seconds = clock() - started
@@ -318,12 +322,15 @@ class DiskTier:
                 victims = self._slots.policy.victims(int(np.count_nonzero(eligible)), eligible)
                 victims = victims[: self._slots.enough(victims, nbytes)]
             freed = int(self._slots.sbytes[victims].sum())
+            # A byte amount's victims are recorded here; a layout's or all, by the store.
+            gone = [self._name(sid) for sid in victims.tolist()] if nbytes is not None else []
             for sid in victims.tolist():
                 self._slots.drop(sid, self._rounds)
             self.counters.evictions += len(victims)
             if nbytes is None and (victims.size or self._slots.unblanked):   # as a delete
                 self._durable(victims.tolist())
-            return len(victims), freed
+        self._removed(gone)
+        return len(victims), freed
 
     def invalidate(self, scope: Scope, known: Sequence[bytes]) -> TierInvalidation:
         # The disk keeps no layout records: it forgets the layouts it is told of.
@@ -477,13 +484,16 @@ class DiskTier:
             live = [e for e in batch if not e.cancelled]
             need = sum(e.slot_bytes for e in live)
             leaving: list[SlotRead] = []            # victims the tier below is offered
+            gone: list[tuple[bytes, bytes]] = []    # pages leaving the host (removals.py)
             self.counters.evictions += self._slots.make_room(
-                need, self._rounds, None if self.below is None else
-                lambda sid: leaving.append(self._slot_read(sid)))
+                need, self._rounds,
+                (lambda sid: leaving.append(self._slot_read(sid))) if self.below is not None
+                else (lambda sid: gone.append(self._name(sid))))
             plan = []                               # (entry, slot id, generation)
             for entry in live:
                 if self._slots.used + entry.slot_bytes > self.capacity_bytes:
                     self.counters.refused += 1   # what is left is being read
+                    gone.append((entry.layout_id, entry.key))
                     continue
                 plan.append((entry, self._slots.alloc(entry.slot_bytes), self._slots.next_gen))
                 self._slots.next_gen += 1
@@ -491,7 +501,7 @@ class DiskTier:
             writes = [SlotWrite(slots.file_of[sid], int(slots.idx[sid]),
                                 arena[e.off:e.off + e.slot_bytes]) for e, sid, _ in plan]
         if leaving:                 # before their slots are rewritten (this thread only)
-            self._spill_below(leaving)
+            gone += self._spill_below(leaving)
         sums = [seal(w.image, e.layout_id, e.key, e.nbytes, gen)
                 for w, (e, _, gen) in zip(writes, plan, strict=True)]
         written, error = write_slots(writes, self._pwritev)
@@ -500,6 +510,8 @@ class DiskTier:
             for (entry, sid, gen), pxxh, ok in zip(plan, sums, written, strict=True):
                 if not ok or entry.cancelled:
                     self.counters.refused += not entry.cancelled   # lost to the error
+                    if not entry.cancelled:
+                        gone.append((entry.layout_id, entry.key))
                     self._slots.release(sid)      # blanked, so an old page there cannot return
                     continue
                 done.append((sid, gen, pxxh, entry.nbytes))
@@ -519,6 +531,23 @@ class DiskTier:
             if error is not None:
                 self._fail(error)
             self._wake.notify_all()
+        self._removed(gone)
+
+    def _name(self, sid: int) -> tuple[bytes, bytes]:
+        """(layout id, key) of READY slot sid."""
+        name = self._slots.name_of[sid]
+        assert name is not None               # a READY slot has a name
+        return name
+
+    def _removed(self, gone: list[tuple[bytes, bytes]]) -> None:
+        """Record pages that left the host from here (none goes to a tier below)."""
+        if self.removals is None or not gone:
+            return
+        by_layout: dict[bytes, list[bytes]] = {}
+        for layout_id, key in gone:
+            by_layout.setdefault(layout_id, []).append(key)
+        for layout_id, keys in by_layout.items():
+            self.removals.record(layout_id, keys, Cause.EVICTED)
 
     def _slot_read(self, sid: int) -> SlotRead:
         """A read of READY slot sid's page, its buffer not yet made (_spill_below)."""
@@ -530,16 +559,20 @@ class DiskTier:
                         SlotHeader(layout_id, key, int(slots.plen[sid]), int(slots.gen[sid]),
                                    int(slots.pxxh[sid])))
 
-    def _spill_below(self, leaving: list[SlotRead]) -> None:
+    def _spill_below(self, leaving: list[SlotRead]) -> list[tuple[bytes, bytes]]:
         """Offer pages this tier evicts to the tier below: they are leaving the host (the
         far tier under --far-write evict). One page at a time through one buffer, so the
         memory is one slot whatever the batch; a page that fails its checksum is not
-        offered. Runs in the writer thread, before the victims' slots are rewritten."""
+        offered. Runs in the writer thread, before the victims' slots are rewritten.
+        Returns the pages not taken below: gone from every tier of this server."""
         buf = aligned_buffer(max(r.file.slot_bytes for r in leaving))
+        lost = []
         for r in leaving:
             read = dataclasses.replace(r, out=buf[:r.expect.payload_len])
-            if read_slots([read])[0] and self.below is not None:
-                self.below.offer(r.expect.layout_id, r.expect.key, read.out)
+            if not (read_slots([read])[0] and self.below is not None
+                    and self.below.offer(r.expect.layout_id, r.expect.key, read.out)):
+                lost.append((r.expect.layout_id, r.expect.key))
+        return lost
 
     def _fail(self, exc: BaseException) -> None:
         """Stop taking pages after a write failed: drop the queue, keep serving reads."""

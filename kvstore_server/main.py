@@ -62,6 +62,7 @@ from .limits import RequestLimits, request_message_bytes
 from .metrics import Metrics
 from .preflight import check_host
 from .region import Progress, Region, region_bytes, remove_own, remove_stale
+from .removals import RemovalRing
 from .retention import RetentionLimits
 from .sdnotify import Notifier
 from .service import KVStoreService, add_kvstore_service
@@ -147,10 +148,13 @@ class Server:
             policy = load_policy(config.eviction_policy)
         except ValueError as exc:
             raise ConfigError(f"eviction_policy: {exc}") from None
+        # Pages leaving this server, for engines' KV-event streams: DRAM and disk record.
+        removals = RemovalRing(config.removal_ring)
         self.disk: DiskTier | None = None
         if config.disk:
             try:
-                self.disk = DiskTier(config.disk_dir, config.disk, policy=policy)
+                self.disk = DiskTier(config.disk_dir, config.disk, policy=policy,
+                                     removals=removals)
             except (OSError, RuntimeError) as exc:
                 raise ConfigError(f"disk_dir: {exc}") from None
             undo.callback(self.disk.close)
@@ -204,7 +208,8 @@ class Server:
                            policy=policy, through=far_wiring.through(self.far),
                            presence=True,
                            retention=RetentionLimits(config.retention_quota,
-                                                     config.retention_sessions))
+                                                     config.retention_sessions),
+                           removals=removals)
         # The far tier writes each layout's record beside its pages, so that Invalidate
         # finds the layouts of a model that only other servers registered (far/records.py)
         far_wiring.know_layouts(self.far, self.store.info)

@@ -27,6 +27,7 @@ import numpy as np
 from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_protocol.convert import layout_from_proto
 from kvstore_protocol.keys import Packed
+from kvstore_protocol.layout import MAX_LOOKUP_LAYOUTS
 from kvstore_protocol.grpc_frames import GET_DATA_TAG, PUT_DATA_TAG, frame, unframe
 
 from .access import caller_layout, check_region_token, may_map
@@ -36,6 +37,7 @@ from .lookup_streams import LookupStreams
 from .metrics import Metrics
 from .parsing import checked, parser
 from .region import TOKEN_OFFSET
+from .removals import MAX_READ
 from .store import FOREVER, Store
 from .status import Invalid, abort, code_of
 from .stream_gate import StreamGate, gated_requests, gated_stream
@@ -224,6 +226,20 @@ class KVStoreService:
         return pb.ReleaseRetentionResponse(pages=self.store.release_retention(
             request.session, self._caller(context).name))
 
+    def Removals(self, request, context):
+        if len(request.layout_ids) > MAX_LOOKUP_LAYOUTS:
+            raise Invalid(f"Removals names {len(request.layout_ids)} layouts; at most "
+                          f"{MAX_LOOKUP_LAYOUTS}")
+        caller = self._caller(context)
+        # The caller's own layouts only (access.py): another tenant's are "unknown".
+        scoped = [self._layout(caller, layout_id) for layout_id in request.layout_ids]
+        read = self.store.removals.read(scoped, request.after_seq, request.epoch,
+                                        request.limit or MAX_READ)
+        return pb.RemovalsResponse(
+            epoch=read.epoch, next_seq=read.next_seq, gap=read.gap, more=read.more,
+            seqs=read.seqs.tolist(), layout_index=read.layout_pos.tolist(),
+            causes=read.causes, key_sizes=read.key_sizes, keys=read.keys)
+
     def Put(self, request_iterator, context):
         first = next(request_iterator, None)
         if first is None or isinstance(first, memoryview) or not first.HasField("header"):
@@ -348,6 +364,7 @@ def add_kvstore_service(server: grpc.Server, service: KVStoreService,
         "Retain": u("Retain", pb.RetainRequest, pb.RetainResponse),
         "ReleaseRetention": u("ReleaseRetention", pb.ReleaseRetentionRequest,
                               pb.ReleaseRetentionResponse),
+        "Removals": u("Removals", pb.RemovalsRequest, pb.RemovalsResponse),
         "Put": grpc.stream_unary_rpc_method_handler(
             gated_requests(gate, tenant, watched_requests(streams, functools.partial(
                 guarded("Put", m)(KVStoreService.Put), service), "Put"), "Put"),

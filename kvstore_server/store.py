@@ -49,6 +49,7 @@ from .pool import Pool
 from .presence import AREA_BYTES, Presence
 from .quota import TenantLedger
 from .region import HEADER_BYTES, Region
+from .removals import Cause, RemovalRing
 from .retention import RetentionLimits, RetentionTable
 from .slots import SlotState, SlotTable
 from .stats import StoreStats
@@ -100,7 +101,8 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
                  lower: Tier | None = None,
                  policy: PolicyFactory | str | None = None,
                  through: Tier | None = None, presence: bool = False,
-                 retention: RetentionLimits | None = None) -> None:
+                 retention: RetentionLimits | None = None,
+                 removals: RemovalRing | None = None) -> None:
         """lower: the tier below DRAM (tier.py); evicted pages are offered to it, and a
         lookup, exists or acquire that misses in DRAM asks it. policy: the eviction
         policy, or the name of one (eviction.make_policy). through: a tier that is
@@ -108,7 +110,9 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
         other hosts see a page at once), not only when it leaves DRAM. presence: keep the
         presence map in the region's last AREA_BYTES (kvstore_server.presence), while no
         tier below DRAM holds pages (the area is set aside either way). retention: each
-        tenant's retention quota and session cap (retention.py; None: the defaults)."""
+        tenant's retention quota and session cap (retention.py; None: the defaults).
+        removals: where pages that leave this server are recorded (removals.py; None: a
+        ring of the default size; the disk tier records into the same one)."""
         self.region = region
         self.mem = region.mem
         area = AREA_BYTES if presence else 0
@@ -143,6 +147,7 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
         self.retention = retention or RetentionLimits()
         self._retained = RetentionTable()      # sessions' pins (store_retention)
         self._slots = SlotTable()
+        self.removals = removals if removals is not None else RemovalRing()
         self.started_at = clock()
         self.pressure = threading.Event()      # set when usage crosses the high watermark
 
@@ -497,12 +502,19 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
             self._drop(gone)
             self._drop(np.array([s for s in writing if s >= 0], dtype=np.int64))
             deleted = len(gone)
+        in_dram = list(dict.fromkeys(keys.select(np.flatnonzero(ready >= 0))))
+        removed = list(in_dram)
         if self.lower.holds_pages and len(keys):
             # A page on both tiers counts once; one only on the tier below counts too
             # (it used to answer 0 for them). The tier returns once the delete is durable.
-            in_dram = set(keys.select(np.flatnonzero(ready >= 0)))
-            self.lower.delete(layout_id, list(in_dram))
+            self.lower.delete(layout_id, in_dram)
+            held = set(in_dram)
             others = [k for k in dict.fromkeys(keys.select(np.flatnonzero(ready < 0)))
-                      if k not in in_dram]
-            deleted += self.lower.delete(layout_id, others)
+                      if k not in held]
+            below = self.lower.delete(layout_id, others)
+            deleted += below
+            if below:            # which of them the tier held it does not say: all
+                removed += others
+        # Recorded once the delete is durable (removals.py).
+        self.removals.record(layout_id, removed, Cause.DELETED)
         return deleted

@@ -24,6 +24,7 @@ from .layouts import LayoutInfo, LayoutRegistry
 from .leases import LeaseTable
 from .pool import Pool
 from .quota import TenantLedger
+from .removals import Cause, RemovalRing
 from .slots import SlotState, SlotTable
 from .stats import LayoutStats, StoreStats, TenantStats
 from .tier import PageInfo, Tier, TierName
@@ -58,6 +59,7 @@ class StoreAdmin:
     started_at: float
     evictions: int
     promotions: int
+    removals: RemovalRing
     _lock: TimedLock
     _slots: SlotTable
     _layouts: LayoutRegistry
@@ -82,6 +84,7 @@ class StoreAdmin:
             raise StoreError(Outcome.INVALID,
                              f"tier must be dram, disk, far or all, got {tier!r}")
         pages = freed = leased = 0
+        whole = False                   # a whole layout, or all, left the tiers below
         if tier in (TierName.DRAM, "all"):
             pages, freed, leased = self._evict_dram(layout_id, nbytes)
         if layout_id is not None and tier != TierName.DRAM:
@@ -93,6 +96,11 @@ class StoreAdmin:
             more, more_bytes = below.evict(nbytes=nbytes, layout_id=layout_id,
                                            everything=nbytes is None and layout_id is None)
             pages, freed = pages + more, freed + more_bytes
+            whole = nbytes is None      # a byte amount: the disk tier records its victims
+        if whole:
+            for lid in ([layout_id] if layout_id is not None
+                        else [i.layout_id for i in self.layouts()]):
+                self.removals.record_layout(lid, Cause.EVICTED)
         return pages, freed, leased
 
     def _evict_dram(self, layout_id: bytes | None, nbytes: int | None) -> tuple[int, int, int]:
@@ -134,6 +142,8 @@ class StoreAdmin:
             pages, touched = pages + dropped, touched + held
         if self.lower.holds_pages:
             pages += self.lower.evict(everything=True)[0]
+        for info in self.layouts():
+            self.removals.record_layout(info.layout_id, Cause.DELETED)
         return pages, touched
 
     def _drop_layout(self, info: LayoutInfo) -> tuple[int, bool]:
@@ -179,6 +189,10 @@ class StoreAdmin:
                 disk += result.removed
             if result.failure:
                 failures.append(f"{below.name} tier: {result.failure}")
+        # Recorded whatever failed: a removal reported for a page still held costs a
+        # router a miss, one not reported sends it requests for pages gone (removals.py).
+        for layout_id in ids:
+            self.removals.record_layout(layout_id, Cause.INVALIDATED)
         return Invalidation(tuple(ids), dram, disk, far, "; ".join(failures))
 
     def spill_all(self, timeout: float) -> tuple[int, int]:

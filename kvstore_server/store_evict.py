@@ -17,6 +17,7 @@ from .eviction import EvictionPolicy, enough
 from .layouts import LayoutInfo, LayoutRegistry
 from .pool import Pool
 from .quota import TenantLedger
+from .removals import Cause, RemovalRing
 from .slots import SlotState, SlotTable
 from .tier import Tier
 from .timed_lock import TimedLock
@@ -37,6 +38,7 @@ class StoreEviction:
     high_watermark: float
     low_watermark: float
     pressure: threading.Event
+    removals: RemovalRing
     _lock: TimedLock
     _slots: SlotTable
     _layouts: LayoutRegistry
@@ -97,11 +99,19 @@ class StoreEviction:
         for idx, key_size, members in self._slots.groups(slots):
             info = self._layouts.by_idx[idx]
             index = info.ready[key_size]
+            keys = index.keys_of(members)
             if self.lower.holds_pages:
                 pb = info.page_bytes
-                for key, slot in zip(index.keys_of(members), members.tolist(), strict=True):
+                # A page the tier below refuses leaves this server now (removals.py).
+                kept = np.ones(len(members), dtype=bool)
+                for i, (key, slot) in enumerate(zip(keys, members.tolist(), strict=True)):
                     off = int(self.pool.offset[slot])
-                    self.lower.offer(info.layout_id, key.tobytes(), self.mem[off:off + pb])
+                    kept[i] = self.lower.offer(info.layout_id, key.tobytes(),
+                                               self.mem[off:off + pb])
+                if not kept.all():
+                    self.removals.record(info.layout_id, keys[~kept], Cause.EVICTED)
+            else:
+                self.removals.record(info.layout_id, keys, Cause.EVICTED)
             index.remove_slots(members)
             info.evictions += len(members)
         freed = int(self.pool.class_bytes[self.pool.cls[slots]].sum())

@@ -284,3 +284,37 @@ class ReleaseRetentionResponse(_message.Message):
     PAGES_FIELD_NUMBER: _ClassVar[int]
     pages: int
     def __init__(self, pages: _Optional[int] = ...) -> None: ...
+
+class RemovalsRequest(_message.Message):
+    __slots__ = ("layout_ids", "after_seq", "epoch", "limit")
+    LAYOUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    layout_ids: _containers.RepeatedScalarFieldContainer[bytes]
+    after_seq: int
+    epoch: int
+    limit: int
+    def __init__(self, layout_ids: _Optional[_Iterable[bytes]] = ..., after_seq: _Optional[int] = ..., epoch: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class RemovalsResponse(_message.Message):
+    __slots__ = ("epoch", "next_seq", "gap", "more", "seqs", "layout_index", "causes", "key_sizes", "keys")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    GAP_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    SEQS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CAUSES_FIELD_NUMBER: _ClassVar[int]
+    KEY_SIZES_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    next_seq: int
+    gap: bool
+    more: bool
+    seqs: _containers.RepeatedScalarFieldContainer[int]
+    layout_index: _containers.RepeatedScalarFieldContainer[int]
+    causes: bytes
+    key_sizes: bytes
+    keys: bytes
+    def __init__(self, epoch: _Optional[int] = ..., next_seq: _Optional[int] = ..., gap: _Optional[bool] = ..., more: _Optional[bool] = ..., seqs: _Optional[_Iterable[int]] = ..., layout_index: _Optional[_Iterable[int]] = ..., causes: _Optional[bytes] = ..., key_sizes: _Optional[bytes] = ..., keys: _Optional[bytes] = ...) -> None: ...

@@ -112,6 +112,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReleaseRetentionRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReleaseRetentionResponse.FromString,
                 _registered_method=True)
+        self.Removals = channel.unary_unary(
+                '/kvstore.v1.KVStore/Removals',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.RemovalsRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RemovalsResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -213,6 +218,12 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Removals(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -290,6 +301,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.ReleaseRetention,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReleaseRetentionRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReleaseRetentionResponse.SerializeToString,
+            ),
+            'Removals': grpc.unary_unary_rpc_method_handler(
+                    servicer.Removals,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RemovalsRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.RemovalsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -697,6 +713,33 @@ class KVStore:
             '/kvstore.v1.KVStore/ReleaseRetention',
             kvstore_dot_v1_dot_kvstore__pb2.ReleaseRetentionRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.ReleaseRetentionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Removals(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Removals',
+            kvstore_dot_v1_dot_kvstore__pb2.RemovalsRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.RemovalsResponse.FromString,
             options,
             channel_credentials,
             insecure,
