@@ -39,9 +39,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
 
@@ -52,10 +52,14 @@ __all__ = ["StateCheckpoints", "StateLookups", "mamba_view", "saveable_rows"]
 
 log = logging.getLogger(__name__)
 
+if TYPE_CHECKING:
+    import torch
+
 
 def mamba_view(tensor: torch.Tensor, state_bytes: int) -> torch.Tensor:
     """A Mamba layer's cache as a kv5 view [1, blocks, 1, 1, state_bytes] of its bytes
     (no copy); UnsupportedCache when it is not vLLM 0.33's [blocks, 1, 1, content]."""
+    import torch    # here, not at the top: the scheduler half imports this module, torch-free
     if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4 \
             or tuple(tensor.shape[1:]) != (1, 1, state_bytes) or tensor.element_size() != 1 \
             or tensor.stride(3) != 1:

@@ -17,7 +17,6 @@ import time
 import numpy as np
 import pytest
 
-pytest.importorskip("torch")
 
 from kvstore_testing.serverproc import sigstop  # noqa: E402
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("torch")
 
 from kvstore_connector.groups import NULL_BLOCK, CacheGroup, GroupKind, for_group  # noqa: E402
 from kvstore_connector.meta import LoadSpec, PagePins, SaveSpec, StepMeta  # noqa: E402
