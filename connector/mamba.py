@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 def mamba_view(tensor: torch.Tensor, state_bytes: int) -> torch.Tensor:
     """A Mamba layer's cache as a kv5 view [1, blocks, 1, 1, state_bytes] of its bytes
     (no copy); UnsupportedCache when it is not vLLM 0.33's [blocks, 1, 1, content]."""
-    import torch    # here, not at the top: the scheduler half imports this module, torch-free
+    import torch  # here, not at the top: the scheduler half imports this module, torch-free
     if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4 \
             or tuple(tensor.shape[1:]) != (1, 1, state_bytes) or tensor.element_size() != 1 \
             or tensor.stride(3) != 1:

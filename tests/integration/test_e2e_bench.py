@@ -10,9 +10,12 @@ import json
 import statistics
 
 import pytest
+
 from kvstore_bench import e2e_bench
 
 pytestmark = pytest.mark.slow
+
+pytest.importorskip("torch", reason="kvstore-bench e2e runs its model with torch (not installed)")
 
 REPS = 3
 

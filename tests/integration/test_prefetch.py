@@ -17,13 +17,11 @@ import time
 import numpy as np
 import pytest
 
-
-from kvstore_testing.serverproc import sigstop  # noqa: E402
-
-from kvstore_client import KVStoreClient, PageLayout  # noqa: E402
-from kvstore_connector.config import ConnectorConfig  # noqa: E402
-from kvstore_connector.hashing import page_keys  # noqa: E402
-from kvstore_connector.scheduler import SchedulerHalf  # noqa: E402
+from kvstore_client import KVStoreClient, PageLayout
+from kvstore_connector.config import ConnectorConfig
+from kvstore_connector.hashing import page_keys
+from kvstore_connector.scheduler import SchedulerHalf
+from kvstore_testing.serverproc import sigstop
 
 LAYOUT = PageLayout(model="prefetch-test", dtype="bfloat16", num_layers=2, page_tokens=16,
                     num_kv_heads=1, head_size=16)

@@ -4,11 +4,9 @@ step's plan (the bytes a full hit moves per group follow from it)."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
-
-from kvstore_connector.groups import NULL_BLOCK, CacheGroup, GroupKind, for_group  # noqa: E402
-from kvstore_connector.meta import LoadSpec, PagePins, SaveSpec, StepMeta  # noqa: E402
+from kvstore_connector.groups import NULL_BLOCK, CacheGroup, GroupKind, for_group
+from kvstore_connector.meta import LoadSpec, PagePins, SaveSpec, StepMeta
 
 T = 16                                            # tokens per page
 FULL = CacheGroup(0, GroupKind.FULL, ("l0", "l2"), 4, 16, "float32", False)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 import xxhash
 
-from kvstore_connector.kvviews import KVKind, detect_kind, kv5
-from kvstore_connector.transfer import HostRegistration, KVTransfer
-from kvstore_client import KVStoreClient, PageLayout
+torch = pytest.importorskip(
+    "torch", reason="the connector's transfer moves pages with torch (not installed)")
+
+from kvstore_client import KVStoreClient, PageLayout  # noqa: E402
+from kvstore_connector.kvviews import KVKind, detect_kind, kv5  # noqa: E402
+from kvstore_connector.transfer import HostRegistration, KVTransfer  # noqa: E402
 
 BLOCKS = 24
 HEADS, HEAD, MLA_HEAD = 2, 8, 24
