@@ -18,6 +18,11 @@ made) until a probe finds the store answering again.
                            ^                                  |
                            +--------- no answer --------------+--- answered --> CLOSED
 
+What "not answering" means is written once, below (`not_answering`), for every caller
+of the store in the connector: the scheduler half's lookups, the worker half and SGLang's
+backend. Each opens its breaker on such an error, and each probe keeps it open while the
+probe's own call ends with one.
+
 Thread-safe: the probe thread and the callers share the state under one lock.
 """
 
@@ -28,9 +33,40 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["Breaker"]
+import grpc
+
+from kvstore_client import KVStoreError
+
+__all__ = ["NOT_ANSWERING", "Breaker", "not_answering"]
 
 log = logging.getLogger(__name__)
+
+# The codes after which the store counts as not answering: the caller opens its breaker
+# (no hit, saves skipped, loads failed at once: the engine recomputes; one warning, never
+# a failed request) and makes no call until a probe's call ends with none of them.
+#   DEADLINE_EXCEEDED  no answer within the call's timeout: hung, swapping, partitioned.
+#   UNAVAILABLE        no connection: stopped or restarting (the client has retried once).
+#   UNKNOWN, INTERNAL  the call broke in the store or on the way (the server answers
+#                      INTERNAL for its own unexpected errors; gRPC reports a stream cut
+#                      mid-call as either). Nothing a caller can do about it, and the
+#                      scheduler half must not raise it into the engine's step.
+#   UNAUTHENTICATED,   the store serves none of this connector's calls until an operator
+#   PERMISSION_DENIED  changes its token or the auth file (the server rereads it on
+#                      SIGHUP; the probe then finds it answering).
+# Any other code is the store answering this one call (NOT_FOUND: a page is gone;
+# RESOURCE_EXHAUSTED: no room or quota now; FAILED_PRECONDITION, INVALID_ARGUMENT: this
+# call's own lease, token or input): the caller treats it as that call's refusal, and the
+# next call is made as usual.
+NOT_ANSWERING = frozenset({
+    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+})
+
+
+def not_answering(exc: BaseException) -> bool:
+    """Whether a call's error means the store is not answering (NOT_ANSWERING)."""
+    return isinstance(exc, KVStoreError) and exc.code in NOT_ANSWERING
 
 
 class Breaker:

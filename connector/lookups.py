@@ -3,8 +3,9 @@
 A store that does not answer costs the step that meets it at most one lookup_timeout;
 then the breaker is open (connector.breaker) and nothing is asked of the store (no hit,
 no wait, lease releases kept) until its background probe finds the store answering.
-A timeout and the errors in `_DOWN` count as "not answering": no hit, one warning a
-minute, never a failure of the request. Any other error is a refusal the caller sees.
+An error that means the store is not answering (connector.breaker.not_answering) gives
+no hit, one warning a minute, never a failure of the request. Any other error is a
+refusal the caller sees.
 
 With tensor parallelism every rank has its own layout; a lookup asks over all of them in
 one call, which answers the minimum, so ranks never disagree about what to load.
@@ -23,7 +24,7 @@ from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
 from kvstore_client.handles import Pins
 from kvstore_protocol.keys import Packed
 
-from .breaker import Breaker
+from .breaker import Breaker, not_answering
 from .config import ConnectorConfig
 from .prefetch import DOWN
 
@@ -32,14 +33,6 @@ __all__ = ["Counted", "StoreLookups"]
 log = logging.getLogger(__name__)
 
 _RELEASES_KEPT = 100_000      # lease releases waiting for a store that does not answer
-# Errors after which the store counts as unreachable: no hit, one warning, no failure.
-_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
-         grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
-
-
-def _unanswered(exc: KVStoreError) -> bool:
-    return exc.code == grpc.StatusCode.DEADLINE_EXCEEDED or exc.code in _DOWN
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Counted:
@@ -99,7 +92,7 @@ class StoreLookups:
             else:
                 counted = Counted(self.client.lookup(self.handles(), keys))
         except KVStoreError as exc:
-            if not _unanswered(exc):
+            if not not_answering(exc):
                 raise
             self.down(exc)
             return Counted(DOWN, timed_out=exc.code == grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -124,7 +117,7 @@ class StoreLookups:
                 self.client.release_lease(lease_id, self._reads.pop(lease_id, 0))
                 self.breaker.succeeded(began)
             except KVStoreError as exc:
-                if _unanswered(exc):
+                if not_answering(exc):
                     self.down(exc)
                     return lease_ids      # kept, for when the store answers again
                 log.debug("releasing lease %d failed: %s", lease_id, exc)
@@ -145,7 +138,7 @@ class StoreLookups:
         try:
             self._handles = [self.client.register_layout(layout) for layout in self.layouts]
         except KVStoreError as exc:
-            return not _unanswered(exc)
+            return not not_answering(exc)
         return True
 
     def close(self) -> None:

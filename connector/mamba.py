@@ -45,8 +45,9 @@ import numpy as np
 
 from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
 
+from .breaker import not_answering
 from .groups import NULL_BLOCK, UnsupportedCache
-from .lookups import StoreLookups, _unanswered
+from .lookups import StoreLookups
 
 __all__ = ["StateCheckpoints", "StateLookups", "mamba_view", "saveable_rows"]
 
@@ -144,7 +145,7 @@ class StateLookups:
                     return pages, lease.lease_id
                 self.lookups.release([lease.lease_id] if lease.lease_id else [])
         except KVStoreError as exc:
-            if not _unanswered(exc):
+            if not not_answering(exc):
                 raise
             self.lookups.down(exc)
         return first, 0

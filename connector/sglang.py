@@ -51,7 +51,7 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle
 
-from .breaker import Breaker
+from .breaker import Breaker, not_answering
 from .config import ConnectorConfig, open_client
 from .revision import resolve
 from .sglang_pages import PageCodec, layout_of
@@ -67,8 +67,6 @@ log = logging.getLogger(__name__)
 # (backend_name, module_path, class_name, interface_v1, ...) are left to SGLang.
 _SETTINGS = ("server", "timeout", "probe_interval", "salt", "model", "model_revision",
              "shared_memory", "token", "tls_ca", "tls_cert", "tls_key")
-# Errors that mean the store is not answering, which open the breaker.
-_NOT_ANSWERING = ("DEADLINE_EXCEEDED", "UNAVAILABLE")
 
 
 def store_key(key: str) -> bytes:
@@ -182,7 +180,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         try:
             self.client.register_layout(self._ns.layout)
         except KVStoreError as exc:
-            return exc.code.name not in _NOT_ANSWERING
+            return not not_answering(exc)
         return True
 
     # -- moving pages -----------------------------------------------------------------
@@ -248,7 +246,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             result = fn()
         except Exception as exc:  # noqa: BLE001 - never into SGLang's threads (#38428)
             log.warning("kvstore: %s of %d page(s) failed: %s", what, pages, exc)
-            if isinstance(exc, KVStoreError) and exc.code.name in _NOT_ANSWERING:
+            if not_answering(exc):
                 self._breaker.failed()
             self._count(what, pages)
             return fallback

@@ -89,7 +89,7 @@ import numpy as np
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout, PutResult
 from kvstore_client.shm import Reservation
 
-from .breaker import Breaker
+from .breaker import Breaker, not_answering
 from .config import ConnectorConfig, open_client
 from .hostmem import Mappings
 from .loading import no_release, start_step_loads
@@ -105,8 +105,6 @@ __all__ = ["SharedStore", "WorkerHalf", "WorkerStats", "layer_order"]
 
 log = logging.getLogger(__name__)
 
-# Errors that mean the store is not answering (as opposed to a missing page).
-_NOT_ANSWERING = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
 # A layer's save hook copies the layers held so far out only while the device is still
 # short of where the engine's stream was this many hooks before (save_layer says why:
 # measured against 1 and 3).
@@ -152,7 +150,7 @@ def _store_answers(client: KVStoreClient, layout: PageLayout) -> bool:
     try:
         client.register_layout(layout)
     except KVStoreError as exc:
-        return exc.code not in _NOT_ANSWERING
+        return not not_answering(exc)
     return True
 
 
@@ -417,8 +415,9 @@ class WorkerHalf:
         return not self._store_down and self.breaker.allow()
 
     def _trip(self, exc: Exception) -> bool:
-        """A call that timed out or found the store unreachable opens the breaker (True)."""
-        if isinstance(exc, KVStoreError) and exc.code in _NOT_ANSWERING:
+        """A call that found the store not answering (connector.breaker.not_answering)
+        opens the breaker (True)."""
+        if not_answering(exc):
             self.breaker.failed()
             return True
         return False

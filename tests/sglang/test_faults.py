@@ -6,16 +6,18 @@ its own thread) finds it answering."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import threading
 import time
+import urllib.request
 
 import pytest
 
 pytest.importorskip("sglang", reason="needs SGLang 0.5.23 (scripts/venv-sglang.sh)")
 
-from kvstore_testing.serverproc import sigstop
+from kvstore_testing.serverproc import free_port, sigstop
 from test_hicache_storage import _backend, _filled, _indices, _keys, _tokens
 
 from kvstore_client import KVStoreClient
@@ -138,3 +140,37 @@ def test_a_hung_store_costs_each_thread_one_timeout_then_nothing(fresh_server):
     assert backend.batch_exists(keys) == 2
     assert backend.batch_get_v1(keys, _indices(pool, [2, 3])) == [True, True]
     assert [_tokens(pool, p) for p in (2, 3)] == [_tokens(pool, p) for p in (0, 1)]
+
+
+def test_a_token_the_store_refuses_opens_the_breaker(fresh_server, tmp_path):
+    """UNAUTHENTICATED means the store is not answering (connector.breaker.not_answering),
+    as it does for the vLLM connector's halves: the first call that meets it opens the
+    breaker, and SGLang's later calls are misses without a call to the store."""
+    auth = tmp_path / "auth.toml"
+    auth.write_text(f'[tenants.engine]\ntoken_sha256 = '
+                    f'"{hashlib.sha256(b"tok-known").hexdigest()}"\n')
+    port = free_port()
+    srv = fresh_server(dram="256MiB", auth_file=str(auth), metrics_port=port)
+    pool = _filled("mha", "page_first")
+    # A long probe interval: once open, the breaker stays open for the whole test.
+    backend = _backend(srv, pool, token="tok-unknown", probe_interval=60.0)
+    keys = _keys(2)
+    assert backend.batch_exists(keys) == 0
+    first = _refused(port)
+    assert first, "the store refused no call"
+    assert backend.batch_exists(keys) == 0
+    assert backend.batch_get_v1(keys, _indices(pool, [0, 1])) == [False, False]
+    assert backend.batch_set_v1(keys, _indices(pool, [0, 1])) == [False, False]
+    assert _refused(port) == first                      # no call after the first
+    assert backend.failures == {"get": 2, "set": 2, "exists": 2}
+
+
+def _refused(port: int) -> list[str]:
+    """The server's counts of calls and fast-path connections it refused as
+    unauthenticated, but RegisterLayout's (the backend registers its layout at start,
+    before any call of SGLang's)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    return [line for line in text.decode().splitlines()
+            if (line.startswith("kvstore_rpc_total") and 'code="UNAUTHENTICATED"' in line
+                and 'method="RegisterLayout"' not in line)
+            or line.startswith('kvstore_fast_refused_total{reason="unauthenticated"}')]
