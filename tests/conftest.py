@@ -104,7 +104,7 @@ def fresh_cluster():
 def _eviction_policy(monkeypatch):
     """KVSTORE_EVICTION_POLICY names the eviction policy of every store and disk tier the
     tests make, as it does for the servers they start (config.py): the eviction tests run
-    under a second policy with nothing else changed (tests/unit/test_eviction_policy.py)."""
+    under a second policy with nothing else changed (tests/integration/test_eviction_fifo.py)."""
     name = os.environ.get("KVSTORE_EVICTION_POLICY")
     if name:
         monkeypatch.setattr("kvstore_server.eviction.DEFAULT_POLICY", name)

