@@ -308,9 +308,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> List[torch.Tensor | None] | int:
         def run():
-            outs = list(target_locations) if target_locations is not None else [None] * len(keys)
+            given = list(target_locations) if target_locations is not None else [None] * len(keys)
             outs = [o if o is not None else self.mem_pool_host.get_dummy_flat_data_page()
-                    for o in outs]
+                    for o in given]
             start = time.perf_counter()
             hits = self._read(keys, lambda i: self._codec.flat(outs[i]))
             self._record("prefetch", sum(hits), start)

@@ -86,7 +86,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvstore_client import KVStoreClient, KVStoreError, PageLayout, PutResult
+from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout, PutResult
 from kvstore_client.shm import Reservation
 
 from .breaker import Breaker, not_answering
@@ -211,7 +211,7 @@ class WorkerHalf:
             self.client = client or open_client(config, config.timeout,
                                                 shared_memory=config.shared_memory,
                                                 data_connections=config.remote_connections)
-        self._ns = None                            # registered on first use
+        self._ns: LayoutHandle | None = None       # registered on first use
         # Pool mappings registered with CUDA (the process's one table when shared).
         self._mappings = shared.mappings if shared is not None else Mappings()
         self._remote = RemoteLoads(self.client, self.transfer, config.remote_staging_bytes)

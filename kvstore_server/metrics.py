@@ -30,7 +30,7 @@ class _StoreCollector:
 
     def collect(self):
         s = self._stats()
-        tier = TierName.DRAM
+        tier: str = TierName.DRAM
         yield _gauge("kvstore_capacity_bytes", "Capacity of each tier", tier, s.capacity_bytes)
         yield _gauge("kvstore_used_bytes", "Bytes of slots in use per tier", tier, s.used_bytes)
         yield _gauge("kvstore_pages", "Pages stored per tier", tier, s.pages)

@@ -320,6 +320,7 @@ class SlotFile:
         with ThreadPoolExecutor(1) as pool:
             ahead = pool.submit(read, 0) if n else None
             for first in range(0, n, per):
+                assert ahead is not None        # submitted for every first < n
                 heads = ahead.result()
                 ahead = pool.submit(read, first + per) if first + per < n else None
                 yield heads
