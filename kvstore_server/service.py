@@ -1,4 +1,8 @@
-"""The KVStore gRPC service: decodes requests, calls the store, maps outcomes to codes.
+"""The KVStore gRPC service: decodes requests, makes the call, encodes its answer.
+
+Each method decodes its message into one call of kvstore_server.calls (which applies
+access, limits, ttl capping and quota, for the fast path too) and encodes what it returns;
+no rule is applied here.
 
 Outcomes become gRPC statuses in status.py, through `guarded`, which every service's
 methods (this one's and Admin's) wear.
@@ -19,27 +23,24 @@ import inspect
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import grpc
 import numpy as np
 
 from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_protocol.convert import layout_from_proto
-from kvstore_protocol.keys import Packed
-from kvstore_protocol.layout import MAX_LOOKUP_LAYOUTS
 from kvstore_protocol.grpc_frames import GET_DATA_TAG, PUT_DATA_TAG, frame, unframe
 
-from .access import caller_layout, check_region_token, may_map
 from .auth import ANONYMOUS, Authenticator, Principal
+from .calls import Calls
 from .limits import RequestLimits
 from .lookup_streams import LookupStreams
 from .metrics import Metrics
-from .parsing import checked, parser
+from .parsing import Unparsed, checked, parser
 from .region import TOKEN_OFFSET
-from .removals import MAX_READ
-from .store import FOREVER, Store
 from .status import Invalid, abort, code_of
+from .store import Store
 from .stream_gate import StreamGate, gated_requests, gated_stream
 from .watchdog import StreamWatchdog, watched_requests, watched_stream
 
@@ -91,7 +92,7 @@ def guarded(method: str, metrics: Metrics) -> Callable:
 _parse_put_request = parser(pb.PutRequest)
 
 
-def _put_deserializer(message: bytes):
+def _put_deserializer(message: bytes) -> memoryview | pb.PutRequest | Unparsed:
     """A PutRequest: its data payload as a memoryview (fast path), a parsed message, or
     parsing.Unparsed (never raises: see parsing.py)."""
     payload = unframe(message, PUT_DATA_TAG)
@@ -115,149 +116,119 @@ class KVStoreService:
         self.unix_socket = unix_socket
         self.metrics = metrics
         self.auth = auth
-        self.limits = limits or RequestLimits()
+        self.calls = Calls(store, auth is not None, limits)
+        self.limits = self.calls.limits
         self._mem = store.mem.data
 
-    def _keys(self, packed: pb.PackedKeys, method: str) -> Packed:
-        return self.limits.keys(packed.data, packed.key_size, method)
-
-    # -- who is calling ------------------------------------------------------------------
-    def _caller(self, context) -> Principal:
+    def _caller(self, context: grpc.ServicerContext) -> Principal:
         """The tenant this call acts for (the interceptor already refused the others)."""
         if self.auth is None:
             return ANONYMOUS
         return self.auth.caller(context)
 
-    def _layout(self, caller: Principal, layout_id: bytes) -> bytes:
-        return caller_layout(self.store, self.auth is not None, caller, layout_id)
-
-    @staticmethod
-    def _may_map(caller: Principal) -> None:
-        may_map(caller)
-
-    # -- same-host data plane ---------------------------------------------------------
-    def _check_token(self, token: bytes) -> None:
-        check_region_token(self.store, token)
-
-    def _ttl(self, lease_ms: int) -> float:
-        """A client's lease_ms (0 = the server's ttl), capped at the server's ttl: a lease
-        is how long a client that died holding pages keeps them from everyone, and a
-        client asking 2^32-1 ms held the whole pool for 49.7 days."""
-        ttl = self.store.lease_ttl
-        return min(lease_ms / 1000.0, ttl) if lease_ms else ttl
-
-    def Attach(self, request, context):
-        self._may_map(self._caller(context))
-        region = self.store.region
+    def Attach(self, request: pb.AttachRequest,
+               context: grpc.ServicerContext) -> pb.AttachResponse:
+        region = self.calls.attach(self._caller(context))
         # Who we are, so that a client can tell this server's socket from another
         # user's before it sends a token (kvstore_server.fastpath.unixsock).
         return pb.AttachResponse(path=region.path, size=region.size,
                                  token_offset=TOKEN_OFFSET, socket_path=self.unix_socket,
                                  uid=os.geteuid(), gid=os.getegid(), pid=os.getpid())
 
-    def Reserve(self, request, context):
-        caller = self._caller(context)
-        self._may_map(caller)
-        self._check_token(request.token)
-        res = self.store.reserve(self._layout(caller, request.layout_id), self._keys(request.keys, "Reserve"),
-                                 ttl=self._ttl(request.lease_ms), quota=caller.quota_bytes)
+    def Reserve(self, request: pb.ReserveRequest,
+                context: grpc.ServicerContext) -> pb.ReserveResponse:
+        res = self.calls.reserve(self._caller(context), request.layout_id, request.keys.data,
+                                 request.keys.key_size, request.token, request.lease_ms)
         return pb.ReserveResponse(lease_id=res.lease_id, offsets=_offsets(res.offsets),
                                   skipped=res.skipped, in_flight=res.in_flight)
 
-    def Commit(self, request, context):
-        return pb.CommitResponse(stored=self.store.commit(request.lease_id,
-                                                          self._caller(context).name))
+    def Commit(self, request: pb.CommitRequest,
+               context: grpc.ServicerContext) -> pb.CommitResponse:
+        return pb.CommitResponse(stored=self.calls.commit(self._caller(context),
+                                                          request.lease_id))
 
-    def Abort(self, request, context):
-        return pb.AbortResponse(aborted=self.store.abort(request.lease_id,
-                                                         self._caller(context).name))
+    def Abort(self, request: pb.AbortRequest,
+              context: grpc.ServicerContext) -> pb.AbortResponse:
+        return pb.AbortResponse(aborted=self.calls.abort(self._caller(context),
+                                                         request.lease_id))
 
-    def Acquire(self, request, context):
-        caller = self._caller(context)
-        self._may_map(caller)
-        self._check_token(request.token)
-        pinned = self.store.acquire(self._layout(caller, request.layout_id), self._keys(request.keys, "Acquire"),
-                                    ttl=self._ttl(request.lease_ms), quota=caller.quota_bytes)
+    def Acquire(self, request: pb.AcquireRequest,
+                context: grpc.ServicerContext) -> pb.AcquireResponse:
+        pinned = self.calls.acquire(self._caller(context), request.layout_id,
+                                    request.keys.data, request.keys.key_size,
+                                    request.token, request.lease_ms)
         return pb.AcquireResponse(lease_id=pinned.lease_id, offsets=_offsets(pinned.offsets))
 
-    def RegisterLayout(self, request, context):
+    def RegisterLayout(self, request: pb.RegisterLayoutRequest,
+                       context: grpc.ServicerContext) -> pb.RegisterLayoutResponse:
         if not request.HasField("layout"):
             raise Invalid("RegisterLayout needs a layout")
         layout = layout_from_proto(request.layout)
-        info = self.store.register_layout(layout, self._caller(context).name)
+        info = self.calls.register_layout(self._caller(context), layout)
         # The client's id, not the store's scoped one: the client names its layouts.
         return pb.RegisterLayoutResponse(layout_id=layout.layout_id,
                                          page_bytes=info.page_bytes,
                                          layer_bytes=info.layer_bytes)
 
-    def Lookup(self, request, context):
-        keys = self._keys(request.keys, "Lookup")
-        self.limits.lookup(len(request.layout_ids), len(keys))
-        caller = self._caller(context)
-        # 0 = no lease here (a lookup without a lease is the common case); else capped.
-        ttl = self._ttl(request.lease_ms) if request.lease_ms else 0.0
-        count, lease_id = self.store.lookup([self._layout(caller, layout_id)
-                                             for layout_id in request.layout_ids], keys, ttl)
-        return pb.LookupResponse(count=count, lease_id=lease_id)
+    def Lookup(self, request: pb.LookupRequest,
+               context: grpc.ServicerContext) -> pb.LookupResponse:
+        found = self.calls.lookup(self._caller(context), request.layout_ids,
+                                  request.keys.data, request.keys.key_size, request.lease_ms)
+        return pb.LookupResponse(count=found.count, lease_id=found.lease_id)
 
-    def ReleaseLease(self, request, context):
-        return pb.ReleaseLeaseResponse(released=self.store.release(
-            request.lease_id, self._caller(context).name, request.pages_read))
+    def ReleaseLease(self, request: pb.ReleaseLeaseRequest,
+                     context: grpc.ServicerContext) -> pb.ReleaseLeaseResponse:
+        return pb.ReleaseLeaseResponse(released=self.calls.release(
+            self._caller(context), request.lease_id, request.pages_read))
 
-    def Exists(self, request, context):
-        present = self.store.exists(self._layout(self._caller(context), request.layout_id),
-                                    self._keys(request.keys, "Exists"))
+    def Exists(self, request: pb.ExistsRequest,
+               context: grpc.ServicerContext) -> pb.ExistsResponse:
+        present = self.calls.exists(self._caller(context), request.layout_id,
+                                    request.keys.data, request.keys.key_size)
         return pb.ExistsResponse(bitmap=np.packbits(present, bitorder="little").tobytes(),
                                  count=len(present))
 
-    def Delete(self, request, context):
-        layout_id = self._layout(self._caller(context), request.layout_id)
-        return pb.DeleteResponse(deleted=self.store.delete(layout_id, self._keys(request.keys, "Delete")))
+    def Delete(self, request: pb.DeleteRequest,
+               context: grpc.ServicerContext) -> pb.DeleteResponse:
+        return pb.DeleteResponse(deleted=self.calls.delete(
+            self._caller(context), request.layout_id, request.keys.data,
+            request.keys.key_size))
 
-    def Retain(self, request, context):
-        caller = self._caller(context)
-        layout_id = self._layout(caller, request.layout_id)
-        kept = self.store.retain(layout_id, self._keys(request.keys, "Retain"),
-                                 request.session, request.ttl_ms / 1000.0,
-                                 quota=caller.quota_bytes)
+    def Retain(self, request: pb.RetainRequest,
+               context: grpc.ServicerContext) -> pb.RetainResponse:
+        kept = self.calls.retain(self._caller(context), request.layout_id, request.keys.data,
+                                 request.keys.key_size, request.session, request.ttl_ms)
         return pb.RetainResponse(pages=kept.pages, refused=kept.refused)
 
-    def ReleaseRetention(self, request, context):
-        return pb.ReleaseRetentionResponse(pages=self.store.release_retention(
-            request.session, self._caller(context).name))
+    def ReleaseRetention(self, request: pb.ReleaseRetentionRequest,
+                         context: grpc.ServicerContext) -> pb.ReleaseRetentionResponse:
+        return pb.ReleaseRetentionResponse(pages=self.calls.release_retention(
+            self._caller(context), request.session))
 
-    def Removals(self, request, context):
-        if len(request.layout_ids) > MAX_LOOKUP_LAYOUTS:
-            raise Invalid(f"Removals names {len(request.layout_ids)} layouts; at most "
-                          f"{MAX_LOOKUP_LAYOUTS}")
-        caller = self._caller(context)
-        # The caller's own layouts only (access.py): another tenant's are "unknown".
-        scoped = [self._layout(caller, layout_id) for layout_id in request.layout_ids]
-        read = self.store.removals.read(scoped, request.after_seq, request.epoch,
-                                        request.limit or MAX_READ)
+    def Removals(self, request: pb.RemovalsRequest,
+                 context: grpc.ServicerContext) -> pb.RemovalsResponse:
+        read = self.calls.removals(self._caller(context), request.layout_ids,
+                                   request.after_seq, request.epoch, request.limit)
         return pb.RemovalsResponse(
             epoch=read.epoch, next_seq=read.next_seq, gap=read.gap, more=read.more,
             seqs=read.seqs.tolist(), layout_index=read.layout_pos.tolist(),
             causes=read.causes, key_sizes=read.key_sizes, keys=read.keys)
 
-    def Put(self, request_iterator, context):
+    def Put(self, request_iterator: Iterator[memoryview | pb.PutRequest],
+            context: grpc.ServicerContext) -> pb.PutResponse:
         first = next(request_iterator, None)
         if first is None or isinstance(first, memoryview) or not first.HasField("header"):
             raise Invalid("Put must start with a header message (layout_id and keys)")
         header = first.header
-        keys = self._keys(header.keys, "Put")
-        caller = self._caller(context)
-        layout_id = self._layout(caller, header.layout_id)
-        info = self.store.info(layout_id)
-        page_bytes = info.page_bytes
-        expected = len(keys) * page_bytes
-        reservation = self.store.reserve(layout_id, keys, ttl=FOREVER,
-                                         quota=caller.quota_bytes)
-        offsets = reservation.offsets.tolist()
-        mem = self.store.mem
-        committed = False
-        pos = 0
-        try:
+        writing = self.calls.put(self._caller(context), header.layout_id, header.keys.data,
+                                 header.keys.key_size)
+        with writing:
+            reservation, page_bytes = writing.reservation, writing.page_bytes
+            n = len(reservation.offsets)
+            expected = n * page_bytes
+            offsets = reservation.offsets.tolist()
+            mem = self.store.mem
+            pos = 0
             for message in request_iterator:
                 if isinstance(message, memoryview):
                     data = message
@@ -267,7 +238,7 @@ class KVStoreService:
                     raise Invalid("Put sent a second header; one Put stores one batch")
                 if pos + len(data) > expected:
                     raise Invalid(f"Put sent more bytes than expected: {expected} "
-                                   f"({len(keys)} pages of {page_bytes} bytes)")
+                                   f"({n} pages of {page_bytes} bytes)")
                 src = np.frombuffer(data, dtype=np.uint8)
                 while src.size:
                     page, within = divmod(pos, page_bytes)
@@ -279,23 +250,15 @@ class KVStoreService:
                     pos += take
             if pos != expected:
                 raise Invalid(f"Put sent {pos} bytes, expected {expected} "
-                               f"({len(keys)} pages of {page_bytes} bytes)")
-            stored = self.store.commit(reservation.lease_id)
-            committed = True
-            return pb.PutResponse(stored=stored, skipped=reservation.skipped,
-                                  in_flight=reservation.in_flight)
-        finally:
-            if not committed:
-                self.store.abort(reservation.lease_id)
+                               f"({n} pages of {page_bytes} bytes)")
+            stored = writing.commit()
+        return pb.PutResponse(stored=stored, skipped=reservation.skipped,
+                              in_flight=reservation.in_flight)
 
-    def Get(self, request, context):
-        keys = self._keys(request.keys, "Get")
-        layout_id = self._layout(self._caller(context), request.layout_id)
-        self.limits.get_bytes(len(keys), self.store.info(layout_id).page_bytes,
-                              self.store.pool.capacity_bytes)
-        pinned = self.store.acquire(layout_id, keys, ttl=FOREVER,
-                                    quota=self._caller(context).quota_bytes)
-        try:
+    def Get(self, request: pb.GetRequest,
+            context: grpc.ServicerContext) -> Iterator[bytes]:
+        with self.calls.get(self._caller(context), request.layout_id, request.keys.data,
+                            request.keys.key_size) as pinned:
             info = pinned.info
             layer_bytes = info.layer_bytes
             offsets = pinned.offsets.tolist()
@@ -318,8 +281,6 @@ class KVStoreService:
                 # to the GPU as soon as its last message arrives.
                 if parts:
                     yield frame(GET_DATA_TAG, parts)
-        finally:
-            self.store.release(pinned.lease_id)
 
 
 def _describe_get(request) -> str:

@@ -1,5 +1,5 @@
-"""The fast path's calls: each decodes its body, applies the gRPC path's rules through
-the same functions (access.py) and calls the same store methods, and answers.
+"""The fast path's calls: each decodes its body, calls the one transport-neutral call
+(kvstore_server.calls, which applies every rule the gRPC path applies), and encodes.
 
 A call returns its answer's body, or raises: StoreError, a malformed key (KeyError_,
 ValueError) or WireError(INVALID) become an error frame and the connection goes on.
@@ -20,17 +20,16 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from kvstore_protocol import fastwire as fw
-from kvstore_protocol.keys import Packed
 from kvstore_protocol.region import region_id
 
-from ..access import caller_layout, check_region_token, may_map
 from ..auth import Principal
-from ..errors import Outcome, StoreError
+from ..calls import Calls
 from ..limits import RequestLimits
-from ..store import FOREVER, Store
+from ..status import status_of
+from ..store import Store
 from .io import Reader, runs, send_file, send_views
 
-__all__ = ["SEND_SENDFILE", "SEND_SENDMSG", "Ops", "Session"]
+__all__ = ["SEND_SENDFILE", "SEND_SENDMSG", "Ops", "Session", "status_of"]
 
 SEND_SENDFILE = "sendfile"
 SEND_SENDMSG = "sendmsg"
@@ -87,9 +86,9 @@ class Ops:
         """limits: what one request may ask for; the gRPC service's own object, so both
         paths refuse the same requests with the same outcome and message."""
         self.store = store
-        self.auth_on = auth_on
+        self.calls = Calls(store, auth_on, limits)
         self.send_mode = send_mode
-        self.limits = limits or RequestLimits()
+        self.limits = self.calls.limits
         # The largest request body a connection reads (checked on the header).
         self.max_body = fw.request_body_bytes(self.limits.max_keys)
         self.mem = store.mem.data
@@ -103,13 +102,6 @@ class Ops:
             os.close(self.pool_fd)
             self.pool_fd = -1
 
-    def _keys(self, block: fw.KeysBlock, method: str) -> Packed:
-        """The request's keys, refused (INVALID) past the keys-per-request limit."""
-        return self.limits.keys(block.data, block.key_size if block.n else 0, method)
-
-    def _layout(self, s: Session, layout_id: bytes) -> bytes:
-        return caller_layout(self.store, self.auth_on, s.who, layout_id)
-
     # -- control ------------------------------------------------------------------------
     def lookup(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
         lease_ms, n_layouts = _unpack(fw.LOOKUP_HEAD, body, 0)
@@ -122,109 +114,72 @@ class Ops:
             raise fw.WireError("body ends inside its layout ids", fw.Status.INVALID)
         ids = [bytes(body[i:i + 16]) for i in range(pos, end, 16)]
         block, _ = fw.decode_keys(body, end)
-        keys = self._keys(block, "Lookup")
-        self.limits.lookup(n_layouts, len(keys))
         if h.flags & fw.MISSED:
-            # Answered 0 by the client itself (fastwire.MISSED): only counted. A layout
-            # this server does not know (it restarted) has nothing to count, and an error
-            # would only be logged by a client that does not wait for the answer.
-            known = []
-            for layout_id in ids:
-                try:                    # noqa: SIM105 - a per-call loop: no context manager
-                    known.append(self._layout(s, layout_id))
-                except StoreError:
-                    pass
-            self.store.count_misses(known, len(keys))
+            # Answered 0 by the client itself (fastwire.MISSED): only counted.
+            self.calls.count_misses(s.who, ids, block.data, _size(block))
             return fw.COUNT_LEASE.pack(0, 0)
-        layouts = [self._layout(s, layout_id) for layout_id in ids]
-        ttl = self._ttl(lease_ms) if lease_ms else 0.0
-        if not (h.flags & fw.PINS and ttl and s.who.shared_memory):
-            count, lease_id = self.store.lookup(layouts, keys, ttl)
-            s.took(lease_id)
-            return fw.COUNT_LEASE.pack(count, lease_id)
-        count, lease_id, offsets = self.store.lookup_pinned(layouts, keys, ttl)
-        answer = fw.COUNT_LEASE.pack(count, lease_id)
-        if not offsets or len(offsets) * count * 8 > _MAX_PINS_BYTES:
-            s.took(lease_id)              # no pins answered: the lease is this caller's
+        found = self.calls.lookup(s.who, ids, block.data, _size(block), lease_ms,
+                                  pins=bool(h.flags & fw.PINS))
+        answer = fw.COUNT_LEASE.pack(found.count, found.lease_id)
+        offsets = found.offsets
+        if not offsets or len(offsets) * found.count * 8 > _MAX_PINS_BYTES:
+            s.took(found.lease_id)        # no pins answered: the lease is this caller's
             return answer
         # Not s.took: the pins are for a worker in another process, which reads the pages
         # under this lease after this connection may have closed (fastwire.PINS).
-        return (answer + fw.PINS_HEAD.pack(self.region_id, int(ttl * 1000), len(offsets))
+        return (answer + fw.PINS_HEAD.pack(self.region_id, int(found.ttl * 1000),
+                                           len(offsets))
                 + b"".join(fw.u64(o) for o in offsets))
 
     def exists(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
-        layout, keys = self._layout_keys(s, body, "Exists")
-        present = self.store.exists(layout, keys)
+        layout_id, block = _layout_keys(body)
+        present = self.calls.exists(s.who, layout_id, block.data, _size(block))
         return fw.COUNT.pack(len(present)) + np.packbits(present, bitorder="little").tobytes()
 
     def delete(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
-        layout, keys = self._layout_keys(s, body, "Delete")
-        return fw.COUNT.pack(self.store.delete(layout, keys))
+        layout_id, block = _layout_keys(body)
+        return fw.COUNT.pack(self.calls.delete(s.who, layout_id, block.data, _size(block)))
 
     def acquire(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
-        layout, keys, ttl = self._same_host(s, body, "Acquire")
-        pinned = self.store.acquire(layout, keys, ttl=ttl, quota=s.who.quota_bytes)
+        layout_id, token, lease_ms = _unpack(fw.LEASED_HEAD, body, 0)
+        block, _ = fw.decode_keys(body, fw.LEASED_HEAD.size)
+        pinned = self.calls.acquire(s.who, layout_id, block.data, _size(block), token,
+                                    lease_ms)
         s.took(pinned.lease_id)
         return fw.LEASE.pack(pinned.lease_id) + fw.u64(pinned.offsets)
 
     def reserve(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
-        layout, keys, ttl = self._same_host(s, body, "Reserve")
-        res = self.store.reserve(layout, keys, ttl=ttl, quota=s.who.quota_bytes)
+        layout_id, token, lease_ms = _unpack(fw.LEASED_HEAD, body, 0)
+        block, _ = fw.decode_keys(body, fw.LEASED_HEAD.size)
+        res = self.calls.reserve(s.who, layout_id, block.data, _size(block), token,
+                                 lease_ms)
         s.took(res.lease_id)
         return fw.RESERVED.pack(res.lease_id, res.skipped, res.in_flight) + fw.u64(res.offsets)
 
     def commit(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
         (lease_id,) = _unpack(fw.LEASE, body, 0)
         s.leases.pop(lease_id, None)
-        return fw.LEASE.pack(self.store.commit(lease_id, s.who.name))
+        return fw.LEASE.pack(self.calls.commit(s.who, lease_id))
 
     def abort(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
         (lease_id,) = _unpack(fw.LEASE, body, 0)
         s.leases.pop(lease_id, None)
-        return fw.LEASE.pack(int(self.store.abort(lease_id, s.who.name)))
+        return fw.LEASE.pack(int(self.calls.abort(s.who, lease_id)))
 
     def release(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
         (lease_id,) = _unpack(fw.LEASE, body, 0)
         # The pages read under it, where the client says (a longer body: fastwire.READ).
         (read,) = _unpack(fw.READ, body, fw.LEASE.size) if len(body) > fw.LEASE.size else (0,)
         s.leases.pop(lease_id, None)
-        return fw.LEASE.pack(int(self.store.release(lease_id, s.who.name, read)))
-
-    def _ttl(self, lease_ms: int) -> float:
-        """A client's lease_ms (0 = the server's ttl), never past the server's ttl: a
-        lease is how long a client that died holding pages keeps them from everyone."""
-        ttl = self.store.lease_ttl
-        return min(lease_ms / 1000.0, ttl) if lease_ms else ttl
-
-    def _layout_keys(self, s: Session, body: memoryview, method: str
-                     ) -> tuple[bytes, Packed]:
-        (layout_id,) = _unpack(fw.LAYOUT_HEAD, body, 0)
-        block, _ = fw.decode_keys(body, fw.LAYOUT_HEAD.size)
-        keys = self._keys(block, method)
-        return self._layout(s, layout_id), keys
-
-    def _same_host(self, s: Session, body: memoryview, method: str
-                   ) -> tuple[bytes, Packed, float]:
-        layout_id, token, lease_ms = _unpack(fw.LEASED_HEAD, body, 0)
-        block, _ = fw.decode_keys(body, fw.LEASED_HEAD.size)
-        keys = self._keys(block, method)
-        may_map(s.who)
-        check_region_token(self.store, token)
-        return self._layout(s, layout_id), keys, self._ttl(lease_ms)
+        return fw.LEASE.pack(int(self.calls.release(s.who, lease_id, read)))
 
     # -- page bytes ---------------------------------------------------------------------
     def get(self, s: Session, h: fw.Header, body: memoryview) -> None:
         """Answers itself: the header, then the pages straight out of the pool."""
-        layout, keys = self._layout_keys(s, body, "Get")
+        layout_id, block = _layout_keys(body)
         if h.flags not in (fw.PAGE_MAJOR, fw.LAYER_MAJOR):
             raise fw.WireError(f"unknown GET order {h.flags}", fw.Status.INVALID)
-        # One key named 16,384 times would pin its page while 16,384 copies are sent.
-        self.limits.get_bytes(len(keys), self.store.info(layout).page_bytes,
-                              self.store.pool.capacity_bytes)
-        # Pages read back from disk are charged like a put: the tenant's quota holds.
-        pinned = self.store.acquire(layout, keys, ttl=FOREVER,
-                                    quota=s.who.quota_bytes)
-        try:
+        with self.calls.get(s.who, layout_id, block.data, _size(block)) as pinned:
             info = pinned.info
             pb = info.page_bytes
             offsets = pinned.offsets
@@ -247,8 +202,6 @@ class Ops:
                     # Small: the header and every run of pages in one sendmsg where the
                     # kernel takes them all: a one-page get is one system call.
                     self._send_views(s, [head, *pages])
-        finally:
-            self.store.release(pinned.lease_id)
 
     def _send_layers(self, s: Session, offsets: np.ndarray, pb: int, lb: int,
                      layers: int) -> None:
@@ -272,31 +225,33 @@ class Ops:
         """Receives the data into reserved slots, or drains it when the put is refused,
         so the connection stays in step either way."""
         try:
-            layout, keys = self._layout_keys(s, body, "Put")
-            pb = self.store.info(layout).page_bytes
-            if len(keys) * pb != h.data_len:
-                raise fw.WireError(f"PUT of {len(keys)} pages of {pb} bytes needs "
-                                   f"{len(keys) * pb} bytes of data, the frame says "
-                                   f"{h.data_len}", fw.Status.INVALID)
-            res = self.store.reserve(layout, keys, ttl=FOREVER,
-                                     quota=s.who.quota_bytes)
+            layout_id, block = _layout_keys(body)
+            writing = self.calls.put(s.who, layout_id, block.data, _size(block),
+                                     data_len=h.data_len)
         except Exception:
             s.reader.skip(h.data_len, s.scratch)
             raise
-        committed = False
-        try:
+        with writing:
+            res, pb = writing.reservation, writing.page_bytes
             mem = self.mem
             for i, j, off in runs(res.offsets, pb):
                 if off < 0:              # already stored: skip its bytes
                     s.reader.skip((j - i) * pb, s.scratch)
                 else:
                     s.reader.read_into(mem[off:off + (j - i) * pb])
-            stored = self.store.commit(res.lease_id)
-            committed = True
-            return fw.PUT_DONE.pack(stored, res.skipped, res.in_flight)
-        finally:
-            if not committed:
-                self.store.abort(res.lease_id)
+            stored = writing.commit()
+        return fw.PUT_DONE.pack(stored, res.skipped, res.in_flight)
+
+
+def _layout_keys(body: memoryview) -> tuple[bytes, fw.KeysBlock]:
+    (layout_id,) = _unpack(fw.LAYOUT_HEAD, body, 0)
+    block, _ = fw.decode_keys(body, fw.LAYOUT_HEAD.size)
+    return layout_id, block
+
+
+def _size(block: fw.KeysBlock) -> int:
+    """One key's size as the calls take it: 0 with no keys (an unset size)."""
+    return block.key_size if block.n else 0
 
 
 def _unpack(st, body: memoryview, pos: int) -> tuple:
@@ -312,18 +267,3 @@ def table(ops: Ops) -> dict[int, Callable]:
             fw.Op.ACQUIRE: ops.acquire, fw.Op.RESERVE: ops.reserve, fw.Op.COMMIT: ops.commit,
             fw.Op.ABORT: ops.abort, fw.Op.RELEASE: ops.release, fw.Op.PUT: ops.put,
             fw.Op.GET: ops.get}
-
-
-# Every outcome a data call can end with; errors.ADMIN_ONLY's are left out, as the fast
-# path serves no Admin call (and its wire has no status for them). A new outcome that is
-# neither fails tests/unit/test_fastpath_wire.py rather than the server's start-up.
-STATUS_OF = {Outcome.INVALID: fw.Status.INVALID, Outcome.NOT_FOUND: fw.Status.NOT_FOUND,
-             Outcome.EXHAUSTED: fw.Status.EXHAUSTED, Outcome.EXPIRED: fw.Status.EXPIRED,
-             Outcome.UNAUTHENTICATED: fw.Status.UNAUTHENTICATED,
-             Outcome.DENIED: fw.Status.DENIED}
-
-
-def status_of(exc: StoreError) -> fw.Status:
-    """exc's status on the wire; an Admin-only outcome here is a server defect (INTERNAL),
-    answered as one rather than a KeyError that would close the connection."""
-    return STATUS_OF.get(exc.outcome, fw.Status.INTERNAL)
