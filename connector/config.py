@@ -118,6 +118,14 @@ class ConnectorConfig:
     fail_loads: str = ""
 
     @classmethod
+    def fields_of(cls, values: Mapping[str, Any]) -> dict[str, Any]:
+        """The entries of `values` that name a field of this class, for an engine whose
+        one settings mapping holds its own keys beside ours (SGLang's extra config): the
+        others are the engine's, left to it."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return {name: value for name, value in values.items() if name in known}
+
+    @classmethod
     def from_mapping(cls, values: Mapping[str, Any], role: str | None = None) -> ConnectorConfig:
         """Build from a plain dict (JSON config); ValueError names a bad key or value."""
         known = {f.name for f in dataclasses.fields(cls)}

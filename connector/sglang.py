@@ -5,9 +5,10 @@
         '{"backend_name":"kvstore","module_path":"kvstore_connector.sglang",
           "class_name":"KVStoreHiCacheStorage","server":"127.0.0.1:50051","interface_v1":true}'
 
-Besides SGLang's own keys, the extra config takes these fields of
-connector.config.ConnectorConfig: server, timeout, probe_interval, salt, model,
-shared_memory, token and the TLS files.
+Besides SGLang's own keys, the extra config takes the fields of
+connector.config.ConnectorConfig; those that mean something to this backend are server,
+timeout, probe_interval, salt, model, model_revision, shared_memory, token and the TLS
+files (the others are the vLLM connector's).
 
 How SGLang drives a backend (managers/cache_controller.py):
 
@@ -24,7 +25,7 @@ dtypes or models apart: connector.sglang_pages.
 
 Failures. A backend error never raises into SGLang's prefetch or backup threads (SGLang
 #38428 lost its prefetch thread that way): every store error becomes a miss or a failed
-write, is logged, and is counted in `failures`.
+write, is logged, and is counted in `failures` (a Failures record).
 """
 
 # The methods SGLang calls keep its HiCacheStorage signatures verbatim, List and Optional
@@ -34,6 +35,7 @@ write, is logged, and is counted in `failures`.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import threading
 import time
@@ -49,7 +51,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
-from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle
+from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PagesMissing
 
 from .breaker import Breaker, not_answering
 from .config import ConnectorConfig, open_client
@@ -59,14 +61,34 @@ from .sglang_pages import PageCodec, layout_of
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.pool_host import HostKVCache
 
-__all__ = ["KVStoreHiCacheStorage", "PageCodec", "store_key"]
+__all__ = ["Failures", "KVStoreHiCacheStorage", "PageCodec", "store_key"]
 
 log = logging.getLogger(__name__)
 
-# ConnectorConfig fields that mean something to this backend; SGLang's own keys
-# (backend_name, module_path, class_name, interface_v1, ...) are left to SGLang.
-_SETTINGS = ("server", "timeout", "probe_interval", "salt", "model", "model_revision",
-             "shared_memory", "token", "tls_ca", "tls_cert", "tls_key")
+
+class _Op(enum.Enum):
+    """What SGLang asked of the backend, as its logs and counts name it."""
+
+    GET = "get"          # a prefetch: pages into the host pool
+    SET = "set"          # a backup: pages out of it
+    EXISTS = "exists"    # a lookup (and clear)
+
+
+@dataclasses.dataclass(slots=True)
+class Failures:
+    """What failed since the backend started: a miss or a failed write for SGLang."""
+
+    get: int = 0         # pages not loaded
+    set: int = 0         # pages not stored
+    exists: int = 0      # calls (batch_exists, clear)
+
+    def add(self, op: _Op, count: int) -> None:
+        if op is _Op.GET:
+            self.get += count
+        elif op is _Op.SET:
+            self.set += count
+        else:
+            self.exists += count
 
 
 def store_key(key: str) -> bytes:
@@ -90,10 +112,19 @@ def _revision(config: HiCacheStorageConfig, pool, settings: ConnectorConfig) -> 
 class _Metrics:
     """SGLang's storage metrics since the last get_stats (StorageMetrics' fields)."""
 
-    prefetch_pgs: list = dataclasses.field(default_factory=list)
-    backup_pgs: list = dataclasses.field(default_factory=list)
-    prefetch_bandwidth: list = dataclasses.field(default_factory=list)   # GB/s per call
-    backup_bandwidth: list = dataclasses.field(default_factory=list)
+    prefetch_pgs: list[int] = dataclasses.field(default_factory=list)
+    backup_pgs: list[int] = dataclasses.field(default_factory=list)
+    prefetch_bandwidth: list[float] = dataclasses.field(default_factory=list)   # GB/s a call
+    backup_bandwidth: list[float] = dataclasses.field(default_factory=list)
+
+    def add(self, op: _Op, pages: int, gbps: float) -> None:
+        """One prefetch (GET) or backup (SET) call's pages and rate."""
+        if op is _Op.GET:
+            self.prefetch_pgs.append(pages)
+            self.prefetch_bandwidth.append(gbps)
+        else:
+            self.backup_pgs.append(pages)
+            self.backup_bandwidth.append(gbps)
 
 
 class KVStoreHiCacheStorage(HiCacheStorage):
@@ -106,14 +137,13 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None,
                  *, client: Optional[KVStoreClient] = None) -> None:
         extra = dict(storage_config.extra_config or {})
-        self.settings = ConnectorConfig.from_mapping(
-            {k: extra[k] for k in _SETTINGS if k in extra})
+        self.settings = ConnectorConfig.from_mapping(ConnectorConfig.fields_of(extra))
         self.storage_config = storage_config
         self.client = client or open_client(self.settings, self.settings.timeout,
                                             shared_memory=self.settings.shared_memory)
         self.handle: Optional[LayoutHandle] = None   # set by register_mem_pool_host
         self.codec: Optional[PageCodec] = None
-        self.failures = {"get": 0, "set": 0, "exists": 0}   # pages (calls for exists)
+        self.failures = Failures()
         self._lock = threading.Lock()   # guards failures, _metrics, _region_view
         self._metrics = _Metrics()
         self._region_view: tuple[Any, torch.Tensor] | None = None   # (region, its tensor)
@@ -202,13 +232,13 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         present = [True] * len(keys)
         try:
             self._read_all(skeys, list(range(len(keys))), dests)
-        except KeyError:
+        except PagesMissing:
             # Some pages are gone (evicted since batch_exists): load those still here.
             present = self.client.exists(self._ns, skeys)
             idx = [i for i, hit in enumerate(present) if hit]
             try:
                 self._read_all([skeys[i] for i in idx], idx, dests)
-            except KeyError:
+            except PagesMissing:
                 return [False] * len(keys)
         return present
 
@@ -216,7 +246,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         if not skeys:
             return
         if self.client.region() is None:
-            pages = self.client.get(self._ns, skeys)   # KeyError when one is missing
+            pages = self.client.get(self._ns, skeys)   # PagesMissing when one is missing
             lay = self._ns.layout
             shape = (lay.num_layers, lay.kv_factor, lay.page_tokens, -1)
             for i, page in zip(idx, torch.from_numpy(pages), strict=True):
@@ -225,17 +255,16 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         try:
             acq = self.client.acquire(self._ns, skeys)
         except KVStoreError as exc:
-            if exc.code.name == "NOT_FOUND":
-                raise KeyError(exc.message) from None
-            raise
+            raise PagesMissing.of(exc) from None     # a page gone: PagesMissing
         with acq:
             for i, offset in zip(idx, acq.offsets.tolist(), strict=True):
                 dests(i).copy_(self._store_page(acq.region, offset))
 
-    def _guard(self, what: str, pages: int, fallback, fn: Callable[[], Any]):
+    def _guard(self, what: _Op, pages: int, fallback, fn: Callable[[], Any]):
         """fn(), or fallback when the store (or anything below it) fails."""
         if self.handle is None:
-            log.warning("kvstore: %s before register_mem_pool_host; treated as a miss", what)
+            log.warning("kvstore: %s before register_mem_pool_host; treated as a miss",
+                        what.value)
             self._count(what, pages)
             return fallback
         if not self._breaker.allow():
@@ -245,7 +274,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         try:
             result = fn()
         except Exception as exc:  # noqa: BLE001 - never into SGLang's threads (#38428)
-            log.warning("kvstore: %s of %d page(s) failed: %s", what, pages, exc)
+            log.warning("kvstore: %s of %d page(s) failed: %s", what.value, pages, exc)
             if not_answering(exc):
                 self._breaker.failed()
             self._count(what, pages)
@@ -253,15 +282,14 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self._breaker.succeeded(began)    # SGLang calls from several threads
         return result
 
-    def _count(self, what: str, pages: int) -> None:
+    def _count(self, what: _Op, pages: int) -> None:
         with self._lock:
-            self.failures[what] += pages
+            self.failures.add(what, pages)
 
-    def _record(self, series: str, pages: int, start: float) -> None:
+    def _record(self, what: _Op, pages: int, start: float) -> None:
         gbps = pages * self._ns.page_bytes / max(time.perf_counter() - start, 1e-9) / 1e9
         with self._lock:
-            getattr(self._metrics, series + "_pgs").append(pages)
-            getattr(self._metrics, series + "_bandwidth").append(gbps)
+            self._metrics.add(what, pages, gbps)
 
     def _host_pages(self, host_indices: torch.Tensor, n: int) -> list[torch.Tensor]:
         if host_indices.numel() != n * self._codec.page_tokens:
@@ -277,9 +305,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             start = time.perf_counter()
             views = self._host_pages(host_indices, len(keys))
             hits = self._read(keys, views.__getitem__)
-            self._record("prefetch", sum(hits), start)
+            self._record(_Op.GET, sum(hits), start)
             return hits
-        return self._guard("get", len(keys), [False] * len(keys), run)
+        return self._guard(_Op.GET, len(keys), [False] * len(keys), run)
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
@@ -287,16 +315,16 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             start = time.perf_counter()
             views = self._host_pages(host_indices, len(keys))
             self._write(keys, views.__getitem__)
-            self._record("backup", len(keys), start)
+            self._record(_Op.SET, len(keys), start)
             return [True] * len(keys)
-        return self._guard("set", len(keys), [False] * len(keys), run)
+        return self._guard(_Op.SET, len(keys), [False] * len(keys), run)
 
     def batch_exists(self, keys: List[str],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         """Leading pages stored, in one Lookup."""
         if not keys:
             return 0
-        return self._guard("exists", 1, 0, lambda: self.client.lookup(
+        return self._guard(_Op.EXISTS, 1, 0, lambda: self.client.lookup(
             self._ns, [store_key(k) for k in keys]))
 
     # -- generic interface (flat data pages) ---------------------------------------------
@@ -313,9 +341,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                     for o in given]
             start = time.perf_counter()
             hits = self._read(keys, lambda i: self._codec.flat(outs[i]))
-            self._record("prefetch", sum(hits), start)
+            self._record(_Op.GET, sum(hits), start)
             return [o if hit else None for o, hit in zip(outs, hits, strict=True)]
-        return self._guard("get", len(keys), [None] * len(keys), run)
+        return self._guard(_Op.GET, len(keys), [None] * len(keys), run)
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> bool:
@@ -329,9 +357,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                 raise ValueError("batch_set needs one flat page per key")
             start = time.perf_counter()
             self._write(keys, lambda i: self._codec.flat(values[i]))
-            self._record("backup", len(keys), start)
+            self._record(_Op.SET, len(keys), start)
             return True
-        return self._guard("set", len(keys), False, run)
+        return self._guard(_Op.SET, len(keys), False, run)
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -340,7 +368,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def clear(self) -> None:
         """Drop this layout's pages (other layouts and engines keep theirs)."""
         if self.handle is not None:
-            self._guard("exists", 1, None, lambda: self.client.evict(
+            self._guard(_Op.EXISTS, 1, None, lambda: self.client.evict(
                 layout_id=self._ns.layout_id, tier="all"))
 
     def get_stats(self):

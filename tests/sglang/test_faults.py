@@ -21,6 +21,7 @@ from kvstore_testing.serverproc import free_port, sigstop
 from test_hicache_storage import _backend, _filled, _indices, _keys, _tokens
 
 from kvstore_client import KVStoreClient
+from kvstore_connector.sglang import Failures
 
 
 def _fault(srv, how: str) -> None:
@@ -162,7 +163,7 @@ def test_a_token_the_store_refuses_opens_the_breaker(fresh_server, tmp_path):
     assert backend.batch_get_v1(keys, _indices(pool, [0, 1])) == [False, False]
     assert backend.batch_set_v1(keys, _indices(pool, [0, 1])) == [False, False]
     assert _refused(port) == first                      # no call after the first
-    assert backend.failures == {"get": 2, "set": 2, "exists": 2}
+    assert backend.failures == Failures(get=2, set=2, exists=2)
 
 
 def _refused(port: int) -> list[str]:

@@ -18,7 +18,8 @@ from kvstore_bench.sglang_bench import host_pool, make_backend, storage_config
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
-from kvstore_connector.sglang import KVStoreHiCacheStorage, store_key
+from kvstore_connector.config import ConnectorConfig
+from kvstore_connector.sglang import Failures, KVStoreHiCacheStorage, store_key
 from kvstore_testing.serverproc import sigstop
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -211,6 +212,19 @@ def test_kv_dtype_and_model_scope_pages(store):
     assert _backend(store, bf16).batch_exists(keys) == 2
 
 
+def test_the_settings_are_the_connector_configs_fields_of_the_extra_config(store):
+    """Every ConnectorConfig field in SGLang's extra config is a setting (no list of our
+    own to drift from config.py); SGLang's own keys are left to it."""
+    pool = _filled("mha", "page_first")
+    backend = _backend(store, pool, timeout=1.5, probe_interval=7.0, salt="tenant-b",
+                       model_revision="r1", remote_connections=3)
+    assert backend.settings == ConnectorConfig(
+        server=store.address, timeout=1.5, probe_interval=7.0, salt="tenant-b",
+        model_revision="r1", remote_connections=3)
+    with pytest.raises(ValueError, match="lease_ms"):
+        _backend(store, pool, lease_ms=-1)
+
+
 # -- failures and metrics -----------------------------------------------------------------------
 def test_a_stopped_server_gives_misses_not_exceptions(fresh_server):
     srv = fresh_server(dram="256MiB")
@@ -228,7 +242,7 @@ def test_a_stopped_server_gives_misses_not_exceptions(fresh_server):
     assert backend.set(keys[0], pool.get_data_page(0)) is False
     assert not backend.batch_set(keys, [pool.get_data_page(0)] * 2)
     backend.clear()
-    assert backend.failures == {"get": 5, "set": 5, "exists": 3}
+    assert backend.failures == Failures(get=5, set=5, exists=3)
 
 
 def test_a_server_down_at_start_is_not_fatal(fresh_server):

@@ -28,3 +28,14 @@ def test_lookup_settings_from_json():
 def test_bad_lookup_settings_are_named(values, words):
     with pytest.raises(ValueError, match=words):
         ConnectorConfig.from_mapping(values)
+
+
+def test_fields_of_a_mixed_mapping_are_ours_and_the_rest_the_engines():
+    """SGLang's extra config holds its own keys beside ours: ours are every field of
+    ConnectorConfig, with no list of them kept anywhere else."""
+    extra = {"backend_name": "kvstore", "interface_v1": True, "server": "h:1",
+             "model_revision": "r1", "remote_connections": 3}
+    assert ConnectorConfig.fields_of(extra) == {"server": "h:1", "model_revision": "r1",
+                                                "remote_connections": 3}
+    every = {f: getattr(ConnectorConfig(), f) for f in ConnectorConfig.__dataclass_fields__}
+    assert ConnectorConfig.fields_of({**every, "backend_name": "kvstore"}) == every
