@@ -19,6 +19,7 @@ BENCHES = {
     "shm": "shm_bench",
     "load": "load_bench",
     "e2e": "e2e_bench",
+    "hybrid": "hybrid_bench",
     "disk": "disk_bench",
     "sglang": "sglang_bench",
     "load-test": "load_test",
