@@ -362,6 +362,15 @@ def load_config(argv: list[str] | None = None,
 
 
 def _check(c: ServerConfig) -> None:
+    """Every setting in range and the listeners safe; the first that is not, as a
+    ConfigError (checked in this order: the store, serving, the listeners, TLS)."""
+    _check_store(c)
+    _check_serving(c)
+    host = _check_listeners(c)
+    _check_tls(c, host)
+
+
+def _check_store(c: ServerConfig) -> None:
     if c.dram < (16 << 20):
         raise ConfigError(f"dram must be at least 16MiB, got {c.dram} bytes")
     if not 0 < c.low_watermark < c.high_watermark <= 1:
@@ -382,6 +391,9 @@ def _check(c: ServerConfig) -> None:
         raise ConfigError("removal_ring must be 1 to 16777216 entries")
     if c.disk and not c.disk_dir:
         raise ConfigError("disk tier needs disk_dir (--disk-dir) when disk > 0")
+
+
+def _check_serving(c: ServerConfig) -> None:
     if c.workers < 1:
         raise ConfigError("workers must be >= 1")
     if c.stream_timeout < 0:
@@ -393,6 +405,11 @@ def _check(c: ServerConfig) -> None:
                           f"{c.max_keys_per_request}")
     if c.lookup_streams < 0:
         raise ConfigError("lookup_streams must be >= 0 (0 = none)")
+
+
+def _check_listeners(c: ServerConfig) -> str:
+    """The gRPC and fast-path listeners, the metrics port and the log level; returns the
+    gRPC listener's host."""
     host, sep, port = c.listen.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ConfigError(f"listen must be HOST:PORT, got {c.listen!r}")
@@ -420,6 +437,10 @@ def _check(c: ServerConfig) -> None:
         from_config(c)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    return host
+
+
+def _check_tls(c: ServerConfig, host: str) -> None:
     if bool(c.tls_cert) != bool(c.tls_key):
         raise ConfigError("TLS needs both tls_cert and tls_key (--tls-cert, --tls-key)")
     if c.tls_client_ca and not c.tls_cert:
