@@ -37,13 +37,12 @@ import statistics
 import time
 
 import numpy as np
-from kvstore_connector.config import ConnectorConfig, LookupMode
-from kvstore_connector.hashing import page_keys
-from kvstore_connector.retention import Retainer, RetainAsk
-from kvstore_connector.scheduler import SchedulerHalf
 
 from kvstore_client import KVStoreClient, PageLayout
-
+from kvstore_connector.config import ConnectorConfig, LookupMode
+from kvstore_connector.hashing import page_keys
+from kvstore_connector.retention import RetainAsk, Retainer
+from kvstore_connector.scheduler import SchedulerHalf
 from kvstore_testing.serverproc import ServerProcess
 
 __all__ = ["main"]

@@ -56,14 +56,13 @@ import json
 import math
 import os
 import statistics
-import tempfile
 import sys
+import tempfile
 import time
 
 import numpy as np
 
 from kvstore_client import KVStoreClient
-
 from kvstore_testing.serverproc import ServerProcess
 
 ACCEPT_PRESET, ACCEPT_TOKENS = "8b", 32768
@@ -82,10 +81,10 @@ class _Bench:
 
     def __init__(self, args, preset: str, address: str, clear: bool) -> None:
         import torch
+
         from kvstore_bench.engine.kvconnector import StoreConnector, page_layout
         from kvstore_bench.engine.model import LlamaModel, ModelConfig
         from kvstore_bench.engine.paged_cache import allocate_kv_caches
-
         from kvstore_connector.config import ConnectorConfig, LoadMode, LookupMode
 
         self.torch, self.args, self.preset = torch, args, preset
@@ -229,7 +228,7 @@ class _Bench:
             sched.finished(req_id)
             sched.build()                         # sends the lease release
 
-        for rep in range(reps + 1):
+        for _ in range(reps + 1):
             run(False)
             if self.cuda:
                 run(True)

@@ -127,9 +127,9 @@ def _through_servers(c: Contenders, nodes: list[tuple[str, int]], size: int, n: 
     fast path (B's DRAM emptied, untimed, before each), B's Lookup of the keys."""
     import numpy as np
 
-    from kvstore_testing.serverproc import ServerProcess
     from kvstore_client import KVStoreClient, PageLayout
     from kvstore_server.far.keys import page_key
+    from kvstore_testing.serverproc import ServerProcess
 
     layout = PageLayout(model=f"bench-far-{size}", num_layers=1, page_tokens=1,
                         num_kv_heads=1, head_size=size // 4)        # float16 K and V

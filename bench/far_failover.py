@@ -47,8 +47,8 @@ class Outcome:
 
 def run(cluster, seconds: float, kill_at: float, n_pages: int = 96) -> Outcome:
     """The load on a running ClusterProcess (masters with replicas)."""
-    from kvstore_testing.serverproc import ServerProcess
     from kvstore_client import KVStoreClient, PageLayout
+    from kvstore_testing.serverproc import ServerProcess
 
     layout = PageLayout(model="far-failover", num_layers=4, page_tokens=16, num_kv_heads=8,
                         head_size=64)                           # 128 KiB pages

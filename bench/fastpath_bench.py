@@ -36,8 +36,8 @@ from kvstore_client import KVStoreClient, PageLayout
 from kvstore_client.buffers import page_aligned_empty
 from kvstore_client.fastpath import FastPath
 from kvstore_protocol.malloc import keep_freed_buffers
-
 from kvstore_testing.serverproc import ServerProcess
+
 from .iperf import iperf3_gbps
 from .store_bench import put_get_gbps, raw_socket_gbps
 

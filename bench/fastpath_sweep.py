@@ -37,7 +37,7 @@ from kvstore_testing.serverproc import ServerProcess
 from .iperf import iperf3_gbps
 from .rawpeer import RawClient
 
-__all__ = ["Sweep", "sweep", "report"]
+__all__ = ["Sweep", "report", "sweep"]
 
 KiB, MiB = 1 << 10, 1 << 20
 

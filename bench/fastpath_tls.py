@@ -20,8 +20,8 @@ import numpy as np
 
 from kvstore_client import KVStoreClient
 from kvstore_client.buffers import page_aligned_empty
-
 from kvstore_testing.serverproc import ServerProcess
+
 from .store_bench import put_get_gbps
 
 __all__ = ["tls_report"]

@@ -19,8 +19,8 @@ from concurrent import futures
 import grpc
 import numpy as np
 
-from kvstore_protocol.malloc import keep_freed_buffers
 from kvstore_protocol.grpc_frames import CHANNEL_OPTIONS
+from kvstore_protocol.malloc import keep_freed_buffers
 
 MiB = 1 << 20
 _METHOD = "/bench.Baseline/Stream"

@@ -238,7 +238,6 @@ def run(shape: Shape, tokens: list[int], reps: int, device: str) -> dict:
     import torch
 
     from kvstore_client import KVStoreClient
-
     from kvstore_testing.serverproc import ServerProcess
 
     max_pages = max(tokens) // shape.page_tokens

@@ -38,9 +38,9 @@ import numpy as np
 
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_protocol.units import parse_size
+from kvstore_testing.serverproc import ServerProcess
 
 from .load_test import key_of, page_of
-from kvstore_testing.serverproc import ServerProcess
 
 __all__ = ["KillConfig", "KillResult", "main", "run"]
 

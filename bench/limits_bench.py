@@ -32,10 +32,8 @@ import grpc
 import numpy as np
 
 from kvstore_client import KVStoreClient, PageLayout
-from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2_grpc
+from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb, kvstore_pb2_grpc
 from kvstore_protocol.grpc_frames import CHANNEL_OPTIONS
-
 from kvstore_testing.serverproc import ServerProcess, free_port
 
 __all__ = ["main"]

@@ -28,7 +28,6 @@ import time
 import numpy as np
 
 from kvstore_client import KVStoreClient, PageLayout
-
 from kvstore_testing.serverproc import ServerProcess
 
 # The layouts of the e2e bench's 8B and 1B presets (--layout; 8b by default).

@@ -42,7 +42,6 @@ import xxhash
 
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_protocol.units import parse_size
-
 from kvstore_testing.serverproc import ServerProcess
 
 __all__ = ["LoadConfig", "key_of", "main", "page_of", "report", "run"]

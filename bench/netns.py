@@ -18,6 +18,7 @@ never meet. Deleting the namespace deletes its veth end, and with it the pair.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -111,10 +112,8 @@ class NetPair:
         if self._made:
             self._made = False
             for args in (("ip", "netns", "del", self.ns), ("ip", "link", "del", self.near_dev)):
-                try:
+                with contextlib.suppress(OSError, subprocess.SubprocessError):
                     subprocess.run(args, capture_output=True, timeout=30, check=False)
-                except (OSError, subprocess.SubprocessError):
-                    pass
         if self._old_term is not None:
             signal.signal(signal.SIGTERM, self._old_term)
             self._old_term = None

@@ -34,11 +34,11 @@ import numpy as np
 from kvstore_client import KVStoreClient
 from kvstore_client.buffers import page_aligned_empty
 from kvstore_protocol.malloc import keep_freed_buffers
+from kvstore_testing.serverproc import ServerProcess
 
 from .fastpath_bench import PAGE_1M, PAGE_64K, _p, _timed
 from .netns import NetPair, NetUnavailable
 from .rawpeer import RawClient
-from kvstore_testing.serverproc import ServerProcess
 from .store_bench import put_get_gbps
 
 MiB = 1 << 20

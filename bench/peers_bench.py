@@ -27,6 +27,7 @@ over rounds (>= 3 by default), ratios are taken within a round and then the medi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import shutil
 import socket
@@ -248,10 +249,8 @@ def run(quick: bool, rounds: int) -> str:
             figures.append(fig)
     finally:
         for close in reversed(closers):
-            try:
+            with contextlib.suppress(Exception):    # the rest still close
                 close()
-            except Exception:  # noqa: BLE001 - the rest still close
-                pass
     return _report(names, figures, redis_bin is not None)
 
 

@@ -22,8 +22,8 @@ import sys
 import time
 import types
 
-
 from kvstore_testing.serverproc import ServerProcess
+
 from .shm_bench import memcpy_gbps
 
 __all__ = ["host_pool", "install_torchvision_stub", "main", "make_backend", "run",

@@ -23,8 +23,8 @@ import numpy as np
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_client.buffers import page_aligned_empty
 from kvstore_protocol.malloc import keep_freed_buffers
-
 from kvstore_testing.serverproc import ServerProcess
+
 from .store_bench import put_get_gbps
 
 MiB = 1 << 20

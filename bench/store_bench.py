@@ -27,9 +27,9 @@ from kvstore_client import KVStoreClient, PageLayout
 from kvstore_client.buffers import page_aligned_empty
 from kvstore_protocol.keys import Packed
 from kvstore_protocol.malloc import keep_freed_buffers
+from kvstore_testing.serverproc import ServerProcess
 
 from .grpc_baseline import grpc_stream_gbps
-from kvstore_testing.serverproc import ServerProcess
 
 MiB = 1 << 20
 # (label, num_kv_heads, head_size): 32 layers, 16 tokens, bf16 -> these page sizes.

@@ -48,7 +48,7 @@ def differences(a: pathlib.Path, b: pathlib.Path) -> list[str]:
     cmp = filecmp.dircmp(a, b, ignore=["__pycache__"])
     out = [f"{p}: only in one tree" for p in cmp.left_only + cmp.right_only]
     out += [f"{p}: differs" for p in cmp.diff_files]
-    for name, sub in cmp.subdirs.items():
+    for name in cmp.subdirs:
         out += [f"{name}/{d}" for d in differences(a / name, b / name)]
     return out
 

@@ -124,7 +124,7 @@ class ClusterProcess:
             args += ["--user", *rule.split()]
         return args
 
-    def start(self, wait: float = 30.0) -> "ClusterProcess":
+    def start(self, wait: float = 30.0) -> ClusterProcess:
         try:
             for node in self.nodes:
                 self._spawn(node)
@@ -143,7 +143,7 @@ class ClusterProcess:
     def _spawn(self, node: ClusterNode) -> None:
         d = os.path.join(self.dir, str(node.port))
         os.makedirs(d, exist_ok=True)
-        log = open(os.path.join(d, "server.log"), "ab")
+        log = open(os.path.join(d, "server.log"), "ab")  # noqa: SIM115 - the node's; closed once it has it
         node.proc = subprocess.Popen(
             [self.server, "--port", str(node.port), "--cluster-port", str(node.bus_port),
              "--bind", "127.0.0.1", "--dir", d, "--cluster-enabled", "yes",
@@ -246,7 +246,7 @@ class ClusterProcess:
                     node.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def __enter__(self) -> "ClusterProcess":
+    def __enter__(self) -> ClusterProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -46,10 +47,8 @@ def fleet_secret_file() -> str:
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
         with os.fdopen(fd, "w") as f:
             f.write(os.urandom(32).hex() + "\n")
-        try:
+        with contextlib.suppress(FileExistsError):
             os.link(tmp, path)          # atomic and first wins: one secret, one whole file
-        except FileExistsError:
-            pass
         os.unlink(tmp)
     return path
 
@@ -82,8 +81,8 @@ class ServerProcess:
         fd, self.log_path = tempfile.mkstemp(prefix="kvstore-server-", suffix=".log")
         os.close(fd)
 
-    def start(self, wait: float = 20.0) -> "ServerProcess":
-        self._log = open(self.log_path, "ab")
+    def start(self, wait: float = 20.0) -> ServerProcess:
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - the server's, closed at stop
         self.proc = subprocess.Popen(
             [*self.prefix, sys.executable, "-m", "kvstore_server.main", "--listen",
              self.address, *self.args],
@@ -131,7 +130,7 @@ class ServerProcess:
         self._log.close()
         return self.proc.returncode
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self if self.proc is not None else self.start()
 
     def __exit__(self, *exc) -> None:

@@ -23,12 +23,12 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from kvstore_client import PageLayout
 from kvstore_connector.config import ConnectorConfig, LoadMode
 from kvstore_connector.kvviews import KVKind, kv5
 from kvstore_connector.meta import StepMeta
 from kvstore_connector.scheduler import SchedulerHalf
 from kvstore_connector.worker import WorkerHalf
-from kvstore_client import PageLayout
 
 from .model import ModelConfig
 from .scheduler import Request, SchedulerOutput
