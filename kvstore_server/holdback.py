@@ -7,7 +7,7 @@ slow (a process stopped for a while, a DMA write still in flight into a reserved
 copy still reading an acquired one). Reused at once, such a slot takes another key's page,
 and the late write lands in it, or the late read returns it: wrong bytes, no error. So
 the store keeps an expired lease's slots pinned for another --lease-ttl
-(store_leases.StoreLeases.expire_leases), then lets them go. A lease its client
+(store_leases.LeaseBook.expire), then lets them go. A lease its client
 releases, aborts or commits goes free at once, and an admin's --force ends holds too (the
 operator knows the clients are gone).
 
@@ -45,7 +45,7 @@ class HoldBack:
                                 # counts 20 times, so this may exceed the pool many times
         # How often each slot id is held (grown on demand): the distinct pages held are
         # what an operator asks about (pages()), and a live lease's pins are a slot's
-        # pins less these (store_admin.stats).
+        # pins less these (store_admin.Admin.stats).
         self.counts = np.zeros(0, dtype=np.int32)
 
     def __len__(self) -> int:

@@ -11,7 +11,7 @@ metrics port's HTTP thread, and with a far tier `kvstore-far-writer`, the `far-r
 and the cluster client's own threads.
 
 Locks, in the only order they are taken (never the reverse): the store's lock
-(`Store._lock`, a TimedLock: evictions spill under it) -> the disk tier's lock (its
+(`StoreState.lock`, a TimedLock: evictions spill under it) -> the disk tier's lock (its
 `offer` copies into staging) -> the far writer's queue condition (a page leaving the
 host). Every other lock (the fast-path server's, the stream gate's, the watchdog's, a
 breaker's, the auth reload lock) is a leaf: nothing else is taken while it is held.

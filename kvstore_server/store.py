@@ -20,16 +20,18 @@ into slots a RESERVE lease owns or out of slots a READ lease pins, so no copy ca
 with a reuse of its slot. The tier below is asked outside the lock too (it has its own),
 except offer, which never waits.
 
-Store is one class over one lock, written as mixins by idea: the per-request lifecycle
-here, slots coming free and eviction in store_evict.py, lease endings in store_leases.py,
-the bulk operations an admin runs (evict, clear, spill at stop) in store_admin.py, what
-is asked of the tier below (a lookup's reach, read-backs) in store_below.py, sessions'
-retention of their prefixes (a long pin that eviction respects) in store_retention.py.
+Store is the per-request lifecycle over one lock, and the front of its parts, each an
+object that owns its own state and shares the rest through one StoreState (store_state.py,
+where each shared field is declared and what guards it): slots coming free and eviction
+(store_evict.Eviction), the lease book: leases, their pins and endings
+(store_leases.LeaseBook), sessions' retention of their prefixes, a long pin that eviction
+respects (store_retention.Retention), what is asked of the tier below, a lookup's reach and
+read-backs (store_below.Below), and the bulk operations an admin runs, evict, clear, spill
+at stop, stats (store_admin.Admin).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -41,32 +43,33 @@ from kvstore_protocol.layout import MAX_LOOKUP_LAYOUTS, PageLayout
 
 from .errors import Outcome, Reason, StoreError
 from .eviction import PolicyFactory, make_policy
+from .far.records import Scope
 from .holdback import HoldBack
-from .index import FEW_KEYS
 from .layouts import DEFAULT_MAX_LAYOUTS, LayoutInfo, LayoutRegistry
-from .leases import DEFAULT_LEASE_MEMORY, FOREVER, Lease, LeaseKind, LeaseTable
+from .leases import DEFAULT_LEASE_MEMORY, FOREVER, LeaseKind, LeaseTable
 from .pool import Pool
 from .presence import AREA_BYTES, Presence
 from .quota import TenantLedger
 from .region import HEADER_BYTES, Region
 from .removals import Cause, RemovalRing
-from .retention import RetentionLimits, RetentionTable
+from .retention import RetentionLimits
 from .slots import SlotState, SlotTable
 from .stats import StoreStats
-from .store_admin import StoreAdmin
-from .store_below import PROBE_CHUNK, StoreBelow
-from .store_evict import StoreEviction
-from .store_leases import StoreLeases, owns
-from .store_retention import Retained, StoreRetention
+from .store_admin import Admin, Invalidation
+from .store_below import Below
+from .store_evict import Eviction
+from .store_leases import LeaseBook
+from .store_retention import Retained, Retention
+from .store_state import StoreState
 from .store_values import Pinned, Reservation
 from .tenants import DEFAULT_TENANT
-from .tier import NullTier, Tier
+from .tier import NullTier, PageInfo, Tier
 from .timed_lock import TimedLock
 
 __all__ = ["FOREVER", "LayoutInfo", "Pinned", "Reservation", "Retained", "Store"]
 
 FREE, WRITING, READY, DOOMED = SlotState
-_READY, _DOOMED = int(READY), int(DOOMED)     # for numpy: see store_leases._DOOMED
+_READY = int(READY)                           # for numpy: see store_leases._DOOMED
 
 _NONE_MISSING = np.empty(0, dtype=np.int64)      # acquire: no key is missing
 
@@ -90,7 +93,7 @@ def _absent(slots: np.ndarray) -> list[int]:
     return np.flatnonzero(slots < 0).tolist()
 
 
-class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
+class Store:
     """Pages of every layout in one shared region, with leases and policy eviction."""
 
     def __init__(self, region: Region, *, lease_ttl: float = 30.0,
@@ -114,95 +117,136 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
         removals: where pages that leave this server are recorded (removals.py; None: a
         ring of the default size; the disk tier records into the same one)."""
         self.region = region
-        self.mem = region.mem
         area = AREA_BYTES if presence else 0
-        self.pool = Pool(region.size - HEADER_BYTES - area, base=HEADER_BYTES)
-        self.lease_ttl = lease_ttl
-        self.lease_memory = lease_memory     # bytes clients' leases may take (store_leases)
-        self.high_watermark = high_watermark
-        self.low_watermark = low_watermark
-        self.clock = clock
-        self.lower: Tier = lower if lower is not None else NullTier()
+        self._s = s = StoreState(
+            mem=region.mem, pool=Pool(region.size - HEADER_BYTES - area, base=HEADER_BYTES),
+            lower=lower if lower is not None else NullTier(), clock=clock,
+            started_at=clock(), lock=TimedLock(), slots=SlotTable(),
+            layouts=LayoutRegistry(max_layouts), policy=make_policy(policy),
+            tenants=TenantLedger(),
+            removals=removals if removals is not None else RemovalRing())
         self.through = through
-        # Keys the tier below is asked about at once (see _reach): a far tier pays a
-        # round trip per call, so it asks for bigger chunks than the disk tier's.
-        self._probe_chunk = max(PROBE_CHUNK, self.lower.probe_chunk)
-        # Guards everything below. Timed: the longest hold is the longest one call can
-        # stall the others (limits.py bounds it; /metrics shows it).
-        self._lock = TimedLock()
-        self.promotions = 0                    # pages read back from the tier below
-        self.evictions = 0
-        self._tenants = TenantLedger()
-        self._layouts = LayoutRegistry(max_layouts)
         # Same-host clients answer misses from it (None: off); the store's lock guards it.
         self.presence: Presence | None = None
-        if presence and not self.lower.holds_pages:
+        if presence and not s.lower.holds_pages:
             at = region.size - area
-            self.presence = self._layouts.presence = Presence(
+            self.presence = s.layouts.presence = Presence(
                 region.mem[:HEADER_BYTES], region.mem[at:], at)
             self.presence.start()
-        self._policy = make_policy(policy)
-        self._leases = LeaseTable(clock)
-        self._held_back = HoldBack()           # slots of expired leases (store_leases)
-        self.retention = retention or RetentionLimits()
-        self._retained = RetentionTable()      # sessions' pins (store_retention)
-        self._slots = SlotTable()
-        self.removals = removals if removals is not None else RemovalRing()
-        self.started_at = clock()
-        self.pressure = threading.Event()      # set when usage crosses the high watermark
+        self._eviction = Eviction(s, high_watermark=high_watermark,
+                                  low_watermark=low_watermark)
+        self._book = LeaseBook(s, self._eviction, ttl=lease_ttl, memory=lease_memory)
+        self._retention = Retention(s, self._book, retention or RetentionLimits())
+        self._eviction.dropping.append(self._retention.forget)
+        self._below = Below(s, self)
+        self._admin = Admin(s, self._eviction, self._book, self._retention, self._below)
 
-    def stats(self) -> StoreStats:
-        """StoreAdmin's stats, with the sessions' retention: a retained page is pinned,
-        but by no lease, so it leaves leased_pages (a slot's pins are its live leases',
-        its held-back leases' and its sessions')."""
-        base = super().stats()
-        with self._lock:
-            n = self.pool.id_capacity
-            pins = self._slots.pins[:n].astype(np.int64)
-            for held in (self._held_back.counts, self._retained.count):
-                k = min(n, len(held))
-                pins[:k] -= held[:k]
-            return dataclasses.replace(
-                base, leased_pages=int(np.count_nonzero(pins > 0)),
-                retained_pages=self._retained.pages(),
-                retention_sessions=len(self._retained),
-                retention_refused=self._retained.refused())
+    # -- the parts' state, as the server and the tests read it ----------------------
+    @property
+    def mem(self) -> np.ndarray:
+        return self._s.mem
+
+    @property
+    def pool(self) -> Pool:
+        return self._s.pool
+
+    @property
+    def lower(self) -> Tier:
+        return self._s.lower
+
+    @lower.setter
+    def lower(self, tier: Tier) -> None:
+        self._s.lower = tier
+
+    @property
+    def removals(self) -> RemovalRing:
+        """Where pages that leave this server are recorded (removals.py)."""
+        return self._s.removals
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self._s.clock
+
+    @property
+    def lease_ttl(self) -> float:
+        return self._book.ttl
+
+    @property
+    def lease_memory(self) -> int:
+        return self._book.memory
+
+    @lease_memory.setter
+    def lease_memory(self, nbytes: int) -> None:
+        self._book.memory = nbytes
+
+    @property
+    def high_watermark(self) -> float:
+        return self._eviction.high_watermark
+
+    @property
+    def low_watermark(self) -> float:
+        return self._eviction.low_watermark
+
+    @property
+    def pressure(self) -> threading.Event:
+        """Set when usage crosses the high watermark (the evictor thread waits on it)."""
+        return self._eviction.pressure
+
+    @property
+    def evictions(self) -> int:
+        return self._eviction.evictions
+
+    @property
+    def promotions(self) -> int:
+        """Pages read back from the tier below."""
+        return self._below.promotions
+
+    @property
+    def retention(self) -> RetentionLimits:
+        return self._retention.limits
+
+    @property
+    def _lock(self) -> TimedLock:
+        return self._s.lock
+
+    @property
+    def _slots(self) -> SlotTable:
+        return self._s.slots
+
+    @property
+    def _layouts(self) -> LayoutRegistry:
+        return self._s.layouts
+
+    @property
+    def _leases(self) -> LeaseTable:
+        return self._book.table
+
+    @property
+    def _held_back(self) -> HoldBack:
+        return self._book.held_back
+
+    _find = staticmethod(StoreState.find)
 
     # -- layouts --------------------------------------------------------------------
     def register_layout(self, layout: PageLayout, tenant: str = DEFAULT_TENANT) -> LayoutInfo:
         """Idempotent: the same layout of one tenant always gets the same LayoutInfo; its
         layout_id is scoped_layout_id(tenant, layout.layout_id)."""
-        with self._lock:
+        with self._s.lock:
             try:
-                cls = self.pool.class_for(layout.page_bytes)
+                cls = self._s.pool.class_for(layout.page_bytes)
             except ValueError as exc:
                 raise StoreError(Outcome.INVALID, str(exc)) from None
-            return self._layouts.register(layout, tenant, cls)
+            return self._s.layouts.register(layout, tenant, cls)
 
     def info(self, layout_id: bytes) -> LayoutInfo:
         """The registered layout (StoreError, reason LAYOUT_UNKNOWN, if none). A dict
         read, safe without the lock: layouts are only ever added."""
-        return self._layouts.info(layout_id)
+        return self._s.layouts.info(layout_id)
 
     def layouts(self) -> list[LayoutInfo]:
-        return list(self._layouts.by_idx)
+        return list(self._s.layouts.by_idx)
 
     # -- lookups --------------------------------------------------------------------
-    @staticmethod
-    def _find(info: LayoutInfo, keys: Packed) -> np.ndarray:
-        """The READY slot of each key, -1 where there is none."""
-        index = info.ready.get(keys.size)
-        if index is None or not len(keys):
-            return np.full(len(keys), -1, dtype=np.int64)
-        if len(keys) <= FEW_KEYS:            # no numpy call on the way (index.find_few)
-            return np.array(index.find_few(keys.data), dtype=np.int64)
-        return index.find(keys.rows)
-
-    def _touch(self, slots: np.ndarray) -> None:
-        # Reversed: the prefix's head becomes the most recent, its tail goes first.
-        self._policy.touch(slots[::-1])
-        self._slots.touched_at[slots] = self.clock() - self.started_at
-
     def lookup(self, layout_ids: Sequence[bytes], keys: Packed | Sequence[bytes],
                lease_ttl: float = 0.0) -> tuple[int, int]:
         """(leading keys present in every layout, lease id or 0)."""
@@ -227,31 +271,33 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
             raise StoreError(Outcome.INVALID, f"lookup names {len(layout_ids)} layouts; at "
                                               f"most {MAX_LOOKUP_LAYOUTS} (one per rank)")
         layout_ids = list(dict.fromkeys(layout_ids))     # a repeated id counts once
-        with self._lock:
-            infos = [self.info(layout_id) for layout_id in layout_ids]
-            if not self.lower.holds_pages and self._first_absent(infos, keys):
+        s = self._s
+        with s.lock:
+            infos = [s.layouts.info(layout_id) for layout_id in layout_ids]
+            if not s.lower.holds_pages and self._first_absent(infos, keys):
                 return self._missed(infos, len(keys))
-            found = [self._find(info, keys) for info in infos]
-            if not self.lower.holds_pages:
+            found = [s.find(info, keys) for info in infos]
+            if not s.lower.holds_pages:
                 count = min(_leading(f) for f in found)
                 return self._count_and_lease(infos, keys, found, count, lease_ttl, offsets)
         # The tier below is asked outside the store's lock: it has its own, and its probe
         # costs a dict lookup a key (a Lookup of 60 M keys held the store's lock 11.5 s).
-        count = min(self._reach(info, keys, slots) for info, slots in zip(infos, found, strict=True))
+        count = min(self._below.reach(info, keys, slots) for info, slots
+                    in zip(infos, found, strict=True))
         run = keys if count == len(keys) else Packed(keys.data[:count * keys.size], keys.size)
-        with self._lock:
+        with s.lock:
             # Find the run's DRAM pages again, to touch and pin them in this hold: one
             # may have moved down meanwhile (it is then read back by Acquire, like any
             # page of the run on the tier below).
-            found = [self._find(info, run) for info in infos]
+            found = [s.find(info, run) for info in infos]
             return self._count_and_lease(infos, keys, found, count, lease_ttl, offsets)
 
     def count_misses(self, layout_ids: Sequence[bytes], n: int) -> None:
         """n keys a client counted as missed on its own, from the presence map
         (kvstore_server.presence): misses of each of these layouts registered here."""
-        with self._lock:
+        with self._s.lock:
             self._missed([info for layout_id in dict.fromkeys(layout_ids)
-                          if (info := self._layouts.get(layout_id)) is not None], n)
+                          if (info := self._s.layouts.get(layout_id)) is not None], n)
 
     # A prefix whose first key is absent counts 0, found from that key alone. The batch
     # path's ~25 numpy calls cost little warm but much with the caches cold, as a request
@@ -283,38 +329,40 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
         """Count the hits, touch the run's DRAM pages, and lease them if asked: the
         pages of the tier below are counted, not leased; Acquire reads them back.
         Returns (count, lease id or 0, offsets per layout if asked: see lookup_pinned)."""
+        s, book = self._s, self._book
         run = [slots[:count] for slots in found]
         # Without a tier below, every page of the run is in DRAM (count stops at the
         # first one absent): no mask to take.
-        dram = [slots[slots >= 0] for slots in run] if self.lower.holds_pages else run
+        dram = [slots[slots >= 0] for slots in run] if s.lower.holds_pages else run
         for info, run_slots in zip(infos, dram, strict=True):
             info.hits += count
             info.misses += len(keys) - count
-            self._touch(run_slots)
+            s.touch(run_slots)
         pinned = dram[0] if len(dram) == 1 else np.concatenate(dram)
         if lease_ttl <= 0 or not pinned.size:
             return count, 0, []
-        if not self._may_lease(pinned.size):
-            self._leases_full("a leased Lookup answered without a lease")
+        if not book.may_lease(pinned.size):
+            book.full("a leased Lookup answered without a lease")
             return count, 0, []
-        self._pin(pinned)                           # a key may repeat: pinned as often
-        lease_id = self._leases.grant(LeaseKind.READ, pinned, lease_ttl,
-                                      owner=infos[0].tenant).lease_id
+        book.pin(pinned)                            # a key may repeat: pinned as often
+        lease_id = book.table.grant(LeaseKind.READ, pinned, lease_ttl,
+                                    owner=infos[0].tenant).lease_id
         if not offsets:
             return count, lease_id, []
-        offset = self.pool.offset
+        offset = s.pool.offset
         return count, lease_id, [np.where(s >= 0, offset[np.maximum(s, 0)], -1) for s in run]
 
     def exists(self, layout_id: bytes, keys: Packed | Sequence[bytes]) -> np.ndarray:
         """One bool per key: stored in this layout, in DRAM or on the tier below."""
         keys = Packed.of(keys)
-        with self._lock:
-            info = self.info(layout_id)
-            present = self._find(info, keys) >= 0
+        s = self._s
+        with s.lock:
+            info = s.layouts.info(layout_id)
+            present = s.find(info, keys) >= 0
         missing = np.flatnonzero(~present)
-        if missing.size and self.lower.holds_pages:
+        if missing.size and s.lower.holds_pages:
             # Outside the store's lock, as in lookup.
-            present[missing] = self.lower.contains(info.layout_id, keys.select(missing))
+            present[missing] = s.lower.contains(info.layout_id, keys.select(missing))
         return present
 
     # -- puts -----------------------------------------------------------------------
@@ -323,41 +371,41 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
         """WRITING slots for the keys not yet present; the caller writes, then commits.
         quota: bytes the layout's tenant may hold (0 = unlimited); see quota.py."""
         keys = Packed.of(keys)
-        with self._lock:
-            info = self.info(layout_id)
+        s, book = self._s, self._book
+        with s.lock:
+            info = s.layouts.info(layout_id)
             wanted = []
             seen = set()
             in_flight = 0
-            for i in _absent(self._find(info, keys)):
+            for i in _absent(s.find(info, keys)):
                 key = keys.key(i)
                 if key in info.writing:
                     in_flight += 1
                 elif key not in seen:
                     wanted.append(i)
                     seen.add(key)
-            if ttl != FOREVER and not self._may_lease(len(wanted), len(wanted)):
+            if ttl != FOREVER and not book.may_lease(len(wanted), len(wanted)):
                 raise StoreError(Outcome.EXHAUSTED,
-                                 self._leases_full(f"Reserve of {len(wanted)} pages refused"))
+                                 book.full(f"Reserve of {len(wanted)} pages refused"))
             if quota:
-                self._room_for(info, len(wanted), quota)
-            got = self._alloc(info.cls, len(wanted))
+                self._eviction.room_for(info, len(wanted), quota)
+            got = self._eviction.alloc(info.cls, len(wanted))
             if len(got) < len(wanted):
-                self.pool.free(got)
+                s.pool.free(got)
                 raise StoreError(Outcome.EXHAUSTED,
                                  f"pool full: no room for {len(wanted)} pages of "
                                  f"{info.page_bytes} bytes; every page is leased or being "
                                  "written")
             new_keys = keys.select(wanted)
-            self._slots.grow(self.pool.id_capacity)
-            self._slots.take(got, info.idx, keys.size)
+            s.slots.grow(s.pool.id_capacity)
+            s.slots.take(got, info.idx, keys.size)
             for key, slot in zip(new_keys, got.tolist(), strict=True):
                 info.writing[key] = slot
-            self._tenants.charge(info, len(got))
-            lease = self._leases.grant(LeaseKind.RESERVE, got,
-                                       self.lease_ttl if ttl is None else ttl,
-                                       info.idx, new_keys, owner=info.tenant)
-            if self.pool.used_bytes > self.high_watermark * self.pool.capacity_bytes:
-                self.pressure.set()
+            s.tenants.charge(info, len(got))
+            lease = book.table.grant(LeaseKind.RESERVE, got,
+                                     book.ttl if ttl is None else ttl,
+                                     info.idx, new_keys, owner=info.tenant)
+            self._eviction.note_usage()
             slots, offsets = self._placed(len(keys), wanted, got)
             return Reservation(lease.lease_id, info, slots, offsets, in_flight)
 
@@ -367,85 +415,64 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
         rest. A few keys as Python ints (see _FEW_LEADING): the array form is 5 calls."""
         if n <= _FEW_LEADING:
             slot_list, off_list = [-1] * n, [-1] * n
-            offset = self.pool.offset
+            offset = self._s.pool.offset
             for i, slot in zip(wanted, got.tolist(), strict=True):
                 slot_list[i] = slot
                 off_list[i] = int(offset[slot])
             return np.array(slot_list, dtype=np.int64), np.array(off_list, dtype=np.int64)
         slots = np.full(n, -1, dtype=np.int64)
         slots[wanted] = got
-        return slots, np.where(slots >= 0, self.pool.offset[np.maximum(slots, 0)], -1)
+        return slots, np.where(slots >= 0, self._s.pool.offset[np.maximum(slots, 0)], -1)
 
     def commit(self, lease_id: int, tenant: str | None = None, *,
                write_through: bool = True) -> int:
         """Make a reservation's pages visible; returns how many became READY.
         tenant: the caller, who must own the lease (None: the server itself).
         write_through False: not offered to the through tier (a page read back from it)."""
-        with self._lock:
-            lease = self._take(lease_id, LeaseKind.RESERVE, tenant)
-            info = self._layouts.by_idx[lease.layout]
+        s, book = self._s, self._book
+        with s.lock:
+            lease = book.take(lease_id, LeaseKind.RESERVE, tenant)
+            info = s.layouts.by_idx[lease.layout]
             slots = lease.slots
-            self._slots.pins[slots] -= 1
+            s.slots.pins[slots] -= 1
             live, live_keys = [], []
             # States read once as a list: a numpy scalar read a key cost half the hold.
             for key, slot, state in zip(lease.keys, slots.tolist(),
-                                        self._slots.state[slots].tolist(), strict=True):
+                                        s.slots.state[slots].tolist(), strict=True):
                 if state == WRITING and info.writing.get(key) == slot:
                     del info.writing[key]
                     live.append(slot)
                     live_keys.append(key)
-                elif state == DOOMED and self._slots.pins[slot] == 0:
-                    self._free([slot])          # deleted while being written
+                elif state == DOOMED and s.slots.pins[slot] == 0:
+                    self._eviction.free([slot])     # deleted while being written
             live_arr = np.array(live, dtype=np.int64)
             if live:
                 info.index_for(len(live_keys[0])).insert(b"".join(live_keys), live_arr)
-            self._slots.state[live_arr] = _READY
-            self._slots.committed_at[live_arr] = self.clock() - self.started_at
-            self._touch(live_arr)
+            s.slots.state[live_arr] = _READY
+            s.slots.committed_at[live_arr] = s.clock() - s.started_at
+            s.touch(live_arr)
             info.bytes_in += len(live) * info.page_bytes
             if self.through is None or not write_through or not live:
                 return len(live)
             # Offered outside the lock (each offer copies a page into the tier's queue:
             # 64 pages of 1 MiB would hold the lock for milliseconds), the slots pinned
             # meanwhile so that no eviction or delete reuses them under the copy.
-            self._pin(live_arr)
-            offsets = self.pool.offset[live_arr].tolist()
+            book.pin(live_arr)
+            offsets = s.pool.offset[live_arr].tolist()
         pb = info.page_bytes
         try:
             for key, off in zip(live_keys, offsets, strict=True):
-                self.through.offer(info.layout_id, key, self.mem[off:off + pb])
+                self.through.offer(info.layout_id, key, s.mem[off:off + pb])
         finally:
-            with self._lock:
-                self._unpin(live_arr)
+            with s.lock:
+                book.unpin(live_arr)
         return len(live)
 
     def abort(self, lease_id: int, tenant: str | None = None) -> bool:
         """Drop a reservation: its slots are freed and its keys never become visible.
         False if it was unknown or had already expired (and so was undone already), or
         is another tenant's."""
-        with self._lock:
-            lease = self._leases.get(lease_id)
-            if (lease is None or lease.kind is not LeaseKind.RESERVE
-                    or not owns(tenant, lease)):
-                return False
-            self._leases.pop(lease_id)
-            self._undo_reservation(lease)
-            return True
-
-    def _undo_reservation(self, lease: Lease) -> None:
-        """A reservation's keys never become visible; its slots go free now, or at their
-        last unpin."""
-        self._forget_reservation(lease)
-        self._unpin(lease.slots)
-
-    def _forget_reservation(self, lease: Lease) -> None:
-        """A reservation's keys never become visible; its slots are DOOMED, freed at the
-        unpin that ends the reservation's own pin (held back: store_leases)."""
-        info = self._layouts.by_idx[lease.layout]
-        for key, slot in zip(lease.keys, lease.slots.tolist(), strict=True):
-            if info.writing.get(key) == slot:
-                del info.writing[key]
-        self._slots.state[lease.slots] = _DOOMED
+        return self._book.abort(lease_id, tenant)
 
     # -- gets -----------------------------------------------------------------------
     def acquire(self, layout_id: bytes, keys: Packed | Sequence[bytes],
@@ -455,30 +482,31 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
         layout's tenant may hold (0 = unlimited): a page read back is the tenant's like a
         page it puts, so the read-back is held to its quota as a put is (reserve)."""
         keys = Packed.of(keys)
+        s, book = self._s, self._book
         for attempt in (0, 1):
-            with self._lock:
-                info = self.info(layout_id)
-                slots = self._find(info, keys)
+            with s.lock:
+                info = s.layouts.info(layout_id)
+                slots = s.find(info, keys)
                 if len(slots) == 1 and slots[0] >= 0:   # one page, present: no numpy
                     missing = _NONE_MISSING
                 else:
                     missing = np.flatnonzero(slots < 0)
                 if not missing.size:
-                    if ttl != FOREVER and not self._may_lease(len(slots)):
-                        raise StoreError(Outcome.EXHAUSTED, self._leases_full(
+                    if ttl != FOREVER and not book.may_lease(len(slots)):
+                        raise StoreError(Outcome.EXHAUSTED, book.full(
                             f"Acquire of {len(slots)} pages refused"))
-                    self._pin(slots)
-                    self._touch(slots)
+                    book.pin(slots)
+                    s.touch(slots)
                     info.bytes_out += len(keys) * info.page_bytes
                     info.served += len(keys)
-                    lease = self._leases.grant(LeaseKind.READ, slots,
-                                               self.lease_ttl if ttl is None else ttl,
-                                               owner=info.tenant)
-                    return Pinned(lease.lease_id, info, slots, self.pool.offset[slots])
+                    lease = book.table.grant(LeaseKind.READ, slots,
+                                             book.ttl if ttl is None else ttl,
+                                             owner=info.tenant)
+                    return Pinned(lease.lease_id, info, slots, s.pool.offset[slots])
                 # The pages already here become the most recent, so that making room
                 # for the read-back (a quota, a full pool) takes other pages first.
-                self._touch(slots[slots >= 0])
-            if attempt or not self._promote(info, keys, missing, quota):
+                s.touch(slots[slots >= 0])
+            if attempt or not self._below.promote(info, keys, missing, quota):
                 first = int(missing[0])
                 raise StoreError(Outcome.NOT_FOUND,
                                  f"key {first} of {len(keys)} ({keys.key(first).hex()}) is "
@@ -490,8 +518,9 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
     def delete(self, layout_id: bytes, keys: Packed | Sequence[bytes]) -> int:
         """Delete pages; a leased one turns invisible now and is freed at release."""
         keys = Packed.of(keys)
-        with self._lock:
-            info = self.info(layout_id)
+        s = self._s
+        with s.lock:
+            info = s.layouts.info(layout_id)
             index = info.ready.get(keys.size)
             ready = (index.remove(keys.rows) if index is not None and len(keys)
                      else np.full(len(keys), -1, dtype=np.int64))
@@ -499,22 +528,84 @@ class Store(StoreLeases, StoreEviction, StoreAdmin, StoreBelow, StoreRetention):
             # A key may repeat in one request: drop its slot once, or the pool would take
             # it back twice and later hand it to two pages.
             gone = np.unique(ready[ready >= 0])
-            self._drop(gone)
-            self._drop(np.array([s for s in writing if s >= 0], dtype=np.int64))
+            self._eviction.drop(gone)
+            self._eviction.drop(np.array([w for w in writing if w >= 0], dtype=np.int64))
             deleted = len(gone)
         in_dram = list(dict.fromkeys(keys.select(np.flatnonzero(ready >= 0))))
         removed = list(in_dram)
-        if self.lower.holds_pages and len(keys):
+        if s.lower.holds_pages and len(keys):
             # A page on both tiers counts once; one only on the tier below counts too
             # (it used to answer 0 for them). The tier returns once the delete is durable.
-            self.lower.delete(layout_id, in_dram)
+            s.lower.delete(layout_id, in_dram)
             held = set(in_dram)
             others = [k for k in dict.fromkeys(keys.select(np.flatnonzero(ready < 0)))
                       if k not in held]
-            below = self.lower.delete(layout_id, others)
+            below = s.lower.delete(layout_id, others)
             deleted += below
             if below:            # which of them the tier held it does not say: all
                 removed += others
         # Recorded once the delete is durable (removals.py).
-        self.removals.record(layout_id, removed, Cause.DELETED)
+        s.removals.record(layout_id, removed, Cause.DELETED)
         return deleted
+
+    # -- leases, retention: the lease book's and retention's ------------------------
+    def release(self, lease_id: int, tenant: str | None = None, pages_read: int = 0) -> bool:
+        """End a lease (LeaseBook.release): False if unknown, expired or another's."""
+        return self._book.release(lease_id, tenant, pages_read)
+
+    def expire_leases(self) -> int:
+        """End the leases past their expiry and the sessions past their TTL, in one lock
+        hold (LeaseBook.expire, Retention.expire); returns the leases ended."""
+        with self._s.lock:
+            ended = self._book.expire()
+            self._retention.expire()
+            return ended
+
+    def break_leases(self) -> int:
+        """Admin --force: undo every lease and reservation a client holds, let go of the
+        slots held back, and end every session's retention (LeaseBook.break_all)."""
+        with self._s.lock:
+            gone, held = self._book.break_all()
+            self._retention.end_all()       # sessions' pins are the same kind of hold
+        self._book.said_broken(gone, held)
+        return len(gone)
+
+    def retain(self, layout_id: bytes, keys: Packed, session: str, ttl: float,
+               quota: int = 0) -> Retained:
+        """Keep a session's leading run of keys in DRAM for ttl s (Retention.retain)."""
+        return self._retention.retain(layout_id, keys, session, ttl, quota)
+
+    def release_retention(self, session: str, tenant: str) -> int:
+        """End a tenant's session now: pages it no longer keeps (0 if none such)."""
+        return self._retention.release(session, tenant)
+
+    # -- eviction and admin: Eviction's and Admin's ---------------------------------
+    def evict_to_watermark(self, batch: int = 256) -> int:
+        """Evict until usage is under the low watermark (the evictor thread's turn)."""
+        return self._eviction.evict_to_watermark(batch)
+
+    def evict(self, *, layout_id: bytes | None = None, nbytes: int | None = None,
+              everything: bool = False, tier: str = "dram") -> tuple[int, int, int]:
+        """Admin eviction (Admin.evict): (pages, bytes, pages skipped because leased)."""
+        return self._admin.evict(layout_id=layout_id, nbytes=nbytes,
+                                 everything=everything, tier=tier)
+
+    def clear(self) -> tuple[int, int]:
+        """Delete every page of every layout, in every tier (Admin.clear)."""
+        return self._admin.clear()
+
+    def invalidate(self, scope: Scope) -> Invalidation:
+        """Delete the scope's pages from every tier (Admin.invalidate)."""
+        return self._admin.invalidate(scope)
+
+    def spill_all(self, timeout: float) -> tuple[int, int]:
+        """Write every DRAM page to the tier below, for a graceful stop (Admin.spill_all)."""
+        return self._admin.spill_all(timeout)
+
+    def inspect(self, layout_id: bytes, key: bytes) -> PageInfo:
+        """Where one page is and its state (Admin.inspect)."""
+        return self._admin.inspect(layout_id, key)
+
+    def stats(self) -> StoreStats:
+        """The store's stats and its tiers' (Admin.stats)."""
+        return self._admin.stats()

@@ -1,169 +1,179 @@
 """Store's slots coming free: allocation that evicts in the policy's order, quotas, watermarks.
 
-A mixin of Store (store.py), which owns the lock and the state these change; every method
-here runs under that lock except evict_to_watermark, which takes it a batch at a time (the
-evictor thread). Victim choice itself is pure (eviction.py); this is where its victims are
-spilled to the tier below and their slots freed.
+Eviction owns what only it changes (the eviction count, the watermarks and the pressure
+event the evictor thread waits on) and works on the store's shared state (StoreState).
+Every method here runs under the store's lock except evict_to_watermark, which takes it
+a batch at a time (the evictor thread). Victim choice itself is pure (eviction.py); this
+is where its victims are spilled to the tier below and their slots freed.
+
+Where a page leaves DRAM: `evict` (spilled to the tier below, if any) and `drop` (deleted:
+its `dropping` hooks run first, as sessions' retention's does to let go of it).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import numpy as np
 
-from .eviction import EvictionPolicy, enough
-from .layouts import LayoutInfo, LayoutRegistry
-from .pool import Pool
-from .quota import TenantLedger
-from .removals import Cause, RemovalRing
-from .slots import SlotState, SlotTable
-from .tier import Tier
-from .timed_lock import TimedLock
+from .eviction import enough
+from .layouts import LayoutInfo
+from .removals import Cause
+from .slots import SlotState
+from .store_state import StoreState
 
-__all__ = ["StoreEviction"]
+__all__ = ["Eviction"]
 
 DOOMED = SlotState.DOOMED
 
 
-class StoreEviction:
-    """Store's allocation and eviction; the attributes below are Store's (store.py says
-    what each holds and what guards it)."""
+class Eviction:
+    """The store's allocation and eviction over its shared state."""
 
-    pool: Pool
-    mem: np.ndarray
-    lower: Tier
-    evictions: int
-    high_watermark: float
-    low_watermark: float
-    pressure: threading.Event
-    removals: RemovalRing
-    _lock: TimedLock
-    _slots: SlotTable
-    _layouts: LayoutRegistry
-    _policy: EvictionPolicy
-    _tenants: TenantLedger
+    def __init__(self, state: StoreState, *, high_watermark: float,
+                 low_watermark: float) -> None:
+        self._s = state
+        self.high_watermark = high_watermark
+        self.low_watermark = low_watermark
+        self.evictions = 0                      # pages evicted, all time
+        self.pressure = threading.Event()      # set when usage crosses the high watermark
+        # Called (under the lock) with slots whose pages are deleted, before they are
+        # freed or doomed: sessions' retention lets go of them here.
+        self.dropping: list[Callable[[np.ndarray], None]] = []
 
-    if TYPE_CHECKING:               # Store's own (store_retention), used here
-        def _forget_retained(self, slots: np.ndarray) -> None: ...
-
-    def _room_for(self, info: LayoutInfo, n: int, quota: int) -> None:
+    def room_for(self, info: LayoutInfo, n: int, quota: int) -> None:
         """Evict info's tenant's coldest pages so that n more fit its quota (quota.py)."""
-        mine = [i for i in self._layouts.by_idx if i.tenant == info.tenant]
-        page_bytes = np.array([i.page_bytes for i in self._layouts.by_idx], dtype=np.int64)
-        self._evict(self._tenants.quota_room(
-            info, n, quota, mine, self._evictable_of, self._policy,
-            lambda victims: page_bytes[self._slots.layout_of[victims]]))
-        self._evict(self._tenants.footprint_room(
-            info, n, quota, self.pool, self._layouts.of_tenant(info.tenant, info.cls),
-            self._evictable_of, self._policy))
+        s = self._s
+        mine = [i for i in s.layouts.by_idx if i.tenant == info.tenant]
+        page_bytes = np.array([i.page_bytes for i in s.layouts.by_idx], dtype=np.int64)
+        self.evict(s.tenants.quota_room(
+            info, n, quota, mine, self._evictable_of, s.policy,
+            lambda victims: page_bytes[s.slots.layout_of[victims]]))
+        self.evict(s.tenants.footprint_room(
+            info, n, quota, s.pool, s.layouts.of_tenant(info.tenant, info.cls),
+            self._evictable_of, s.policy))
 
     def _evictable_of(self, layouts: list[int]) -> np.ndarray:
         """Mask over slot ids: unleased READY pages of these layouts (by idx)."""
-        n_ids = self.pool.id_capacity
-        return self._evictable() & np.isin(self._slots.layout_of[:n_ids], layouts)
+        n_ids = self._s.pool.id_capacity
+        return self.evictable() & np.isin(self._s.slots.layout_of[:n_ids], layouts)
 
-    def _drop(self, slots: np.ndarray) -> None:
+    def drop(self, slots: np.ndarray) -> None:
         """Slots already out of the index: free them, or doom them while pinned."""
         if not slots.size:
             return
-        self._forget_retained(slots)        # a delete ends retention (store_retention)
-        pinned = self._slots.pins[slots] > 0
-        self._slots.state[slots[pinned]] = DOOMED
-        self._policy.remove(slots[pinned])
-        self._free(slots[~pinned])
+        for hook in self.dropping:          # a delete ends retention (store_retention)
+            hook(slots)
+        s = self._s
+        pinned = s.slots.pins[slots] > 0
+        s.slots.state[slots[pinned]] = DOOMED
+        s.policy.remove(slots[pinned])
+        self.free(slots[~pinned])
 
-    def _free(self, slots) -> None:
+    def free(self, slots) -> None:
+        """Give slots back to the pool, refunding their tenants."""
         slots = np.asarray(slots, dtype=np.int64)
         if not slots.size:
             return
-        owners = self._slots.layout_of[slots]
-        per_layout = np.bincount(owners[owners >= 0], minlength=len(self._layouts))
+        s = self._s
+        owners = s.slots.layout_of[slots]
+        per_layout = np.bincount(owners[owners >= 0], minlength=len(s.layouts))
         for idx in np.flatnonzero(per_layout).tolist():
-            self._tenants.refund(self._layouts.by_idx[idx], int(per_layout[idx]))
-        self._slots.clear(slots)
-        self._policy.remove(slots)
-        self.pool.free(slots)
+            s.tenants.refund(s.layouts.by_idx[idx], int(per_layout[idx]))
+        s.slots.clear(slots)
+        s.policy.remove(slots)
+        s.pool.free(slots)
 
-    def _evictable(self) -> np.ndarray:
-        self._slots.grow(self.pool.id_capacity)
-        return self._slots.evictable(self.pool.id_capacity)
+    def evictable(self) -> np.ndarray:
+        """Mask over slot ids: the unleased READY pages."""
+        self._s.slots.grow(self._s.pool.id_capacity)
+        return self._s.slots.evictable(self._s.pool.id_capacity)
 
-    def _evict(self, slots: np.ndarray) -> int:
+    def evict(self, slots: np.ndarray) -> int:
         """Evict these unleased READY slots, spilling each page to the tier below (a
         copy into its staging memory, or dropped when its queue is full: offer never
         waits); returns bytes freed."""
         if not slots.size:
             return 0
-        for idx, key_size, members in self._slots.groups(slots):
-            info = self._layouts.by_idx[idx]
+        s = self._s
+        lower, pool = s.lower, s.pool
+        for idx, key_size, members in s.slots.groups(slots):
+            info = s.layouts.by_idx[idx]
             index = info.ready[key_size]
             keys = index.keys_of(members)
-            if self.lower.holds_pages:
+            if lower.holds_pages:
                 pb = info.page_bytes
                 # A page the tier below refuses leaves this server now (removals.py).
                 kept = np.ones(len(members), dtype=bool)
                 for i, (key, slot) in enumerate(zip(keys, members.tolist(), strict=True)):
-                    off = int(self.pool.offset[slot])
-                    kept[i] = self.lower.offer(info.layout_id, key.tobytes(),
-                                               self.mem[off:off + pb])
+                    off = int(pool.offset[slot])
+                    kept[i] = lower.offer(info.layout_id, key.tobytes(),
+                                          s.mem[off:off + pb])
                 if not kept.all():
-                    self.removals.record(info.layout_id, keys[~kept], Cause.EVICTED)
+                    s.removals.record(info.layout_id, keys[~kept], Cause.EVICTED)
             else:
-                self.removals.record(info.layout_id, keys, Cause.EVICTED)
+                s.removals.record(info.layout_id, keys, Cause.EVICTED)
             index.remove_slots(members)
             info.evictions += len(members)
-        freed = int(self.pool.class_bytes[self.pool.cls[slots]].sum())
+        freed = int(pool.class_bytes[pool.cls[slots]].sum())
         self.evictions += len(slots)
-        self._free(slots)
+        self.free(slots)
         return freed
 
-    def _alloc(self, cls: int, n: int) -> np.ndarray:
+    def alloc(self, cls: int, n: int) -> np.ndarray:
         """n slots of class cls, evicting in the policy's order if needed."""
-        got = self.pool.alloc(cls, n)
-        self._slots.grow(self.pool.id_capacity)
+        pool, policy = self._s.pool, self._s.policy
+        got = pool.alloc(cls, n)
+        self._s.slots.grow(pool.id_capacity)
         if len(got) == n:
             return got
         parts = [got]
         missing = n - len(got)
         # First the class's own pages: each eviction frees exactly one usable slot.
-        n_ids = self.pool.id_capacity
-        mine = self._evictable() & (self.pool.cls[:n_ids] == cls)
-        self._evict(self._policy.victims(missing, mine))
-        more = self.pool.alloc(cls, missing)
+        n_ids = pool.id_capacity
+        mine = self.evictable() & (pool.cls[:n_ids] == cls)
+        self.evict(policy.victims(missing, mine))
+        more = pool.alloc(cls, missing)
         parts.append(more)
         missing -= len(more)
         # Then other classes' pages, first victims first, until whole extents come free.
         batch = max(16, missing)
         while missing > 0:
-            victims = self._policy.victims(batch, self._evictable())
+            victims = policy.victims(batch, self.evictable())
             if victims.size == 0:
                 break
-            self._evict(victims)
-            more = self.pool.alloc(cls, missing)
+            self.evict(victims)
+            more = pool.alloc(cls, missing)
             parts.append(more)
             missing -= len(more)
         return np.concatenate(parts)
 
-    def _slot_bytes(self, victims: np.ndarray) -> np.ndarray:
-        return self.pool.class_bytes[self.pool.cls[victims]]
+    def slot_bytes(self, victims: np.ndarray) -> np.ndarray:
+        """The bytes each of these slots takes in the pool."""
+        return self._s.pool.class_bytes[self._s.pool.cls[victims]]
+
+    def note_usage(self) -> None:
+        """Wake the evictor if usage crossed the high watermark (under the lock)."""
+        if self._s.pool.used_bytes > self.high_watermark * self._s.pool.capacity_bytes:
+            self.pressure.set()
 
     def evict_to_watermark(self, batch: int = 256) -> int:
         """Evict pages until usage is under the low watermark; returns pages evicted.
         Runs in the evictor thread, a batch per lock hold, so requests interleave."""
         evicted = 0
+        pool = self._s.pool
         while True:
-            with self._lock:
-                high = self.high_watermark * self.pool.capacity_bytes
-                low = self.low_watermark * self.pool.capacity_bytes
-                if self.pool.used_bytes <= (low if evicted else high):
+            with self._s.lock:
+                high = self.high_watermark * pool.capacity_bytes
+                low = self.low_watermark * pool.capacity_bytes
+                if pool.used_bytes <= (low if evicted else high):
                     self.pressure.clear()
                     return evicted
-                victims = self._policy.victims(batch, self._evictable())
+                victims = self._s.policy.victims(batch, self.evictable())
                 if victims.size == 0:
                     return evicted
-                victims = victims[: enough(self._slot_bytes(victims),
-                                           int(self.pool.used_bytes - low))]
-                self._evict(victims)
+                victims = victims[: enough(self.slot_bytes(victims),
+                                           int(pool.used_bytes - low))]
+                self.evict(victims)
                 evicted += len(victims)

@@ -1,9 +1,10 @@
 """Store's leases: the memory clients' leases may take, and their ending (released by
 their client, expired, or broken by an admin).
 
-A mixin of Store (store.py), which owns the lock and the lease table; a READ lease's end
-unpins its pages (a DOOMED page is freed with its last pin), a RESERVE lease's end undoes
-the reservation as abort does. A lease that expires ends in two steps: at once it is
+LeaseBook owns the lease table, the slots held back and the lease budget, and puts and
+takes the pins leases (and sessions' retention) hold on slots. A READ lease's end unpins
+its pages (a DOOMED page is freed with its last pin), a RESERVE lease's end undoes the
+reservation as abort does. A lease that expires ends in two steps: at once it is
 gone (a reservation's keys never become visible, a commit or release of it is refused),
 but its slots stay pinned for another lease_ttl (--lease-ttl), since its client may be
 only slow and still copying (holdback.py says why); then they are unpinned as above.
@@ -19,19 +20,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .errors import Outcome, StoreError
 from .holdback import HoldBack
-from .layouts import LayoutRegistry
 from .leases import FOREVER, Lease, LeaseKind, LeaseTable, footprint
-from .slots import SlotState, SlotTable
-from .timed_lock import TimedLock
+from .slots import SlotState
+from .store_evict import Eviction
+from .store_state import StoreState
 
-__all__ = ["StoreLeases", "owns"]
+__all__ = ["LeaseBook", "owns"]
 
 log = logging.getLogger("kvstore_server.store")
 
@@ -39,7 +38,7 @@ DOOMED = SlotState.DOOMED
 # The same as a plain int, for numpy: an IntEnum compared with an array sends numpy's
 # attribute probes through the enum's metaclass on every comparison.
 _DOOMED = int(DOOMED)
-_FEW_PINS = 8          # up to this many slots, pins are counted one by one (see _pin)
+_FEW_PINS = 8          # up to this many slots, pins are counted one by one (see pin)
 
 
 def owns(tenant: str | None, lease: Lease) -> bool:
@@ -50,44 +49,36 @@ def owns(tenant: str | None, lease: Lease) -> bool:
     return tenant is None or (lease.owner == tenant and lease.expires_at != FOREVER)
 
 
+class LeaseBook:
+    """The store's leases, their pins and their endings; methods run under the store's
+    lock unless they say they take it."""
 
-class StoreLeases:
-    """Store's lease endings; the attributes below are Store's (store.py)."""
+    def __init__(self, state: StoreState, eviction: Eviction, *, ttl: float,
+                 memory: int) -> None:
+        self._s = state
+        self._eviction = eviction               # frees a DOOMED slot at its last unpin
+        self.table = LeaseTable(state.clock)
+        self.held_back = HoldBack()             # slots of expired leases, pinned a while longer
+        self.ttl = ttl                          # the longest lease a client gets, and the hold-back
+        self.memory = memory                    # bytes clients' leases may take; 0 = unlimited
+        self._warned = float("-inf")            # time.monotonic() of the last "leases full" warning
 
-    _lock: TimedLock
-    _slots: SlotTable
-    _leases: LeaseTable
-    _held_back: HoldBack            # slots of expired leases, pinned a while longer
-    _layouts: LayoutRegistry
-    clock: Callable[[], float]      # the lease table's
-    lease_ttl: float                # the longest lease a client gets, and the hold-back
-    lease_memory: int               # bytes clients' leases may take; 0 = unlimited
-    _lease_warned = float("-inf")   # time.monotonic() of the last "leases full" warning
+    def may_lease(self, slots: int, keys: int = 0) -> bool:
+        """Whether a client's lease of `slots` slots and `keys` keys fits lease_memory."""
+        return (not self.memory
+                or self.table.held + self.held_back.held + footprint(slots, keys)
+                <= self.memory)
 
-    if TYPE_CHECKING:               # Store's own, used here
-        def _undo_reservation(self, lease: Lease) -> None: ...
-        def _forget_reservation(self, lease: Lease) -> None: ...
-        def _free(self, slots) -> None: ...
-        def expire_retentions(self) -> int: ...
-        def end_retentions(self) -> int: ...
-
-    def _may_lease(self, slots: int, keys: int = 0) -> bool:
-        """Whether a client's lease of `slots` slots and `keys` keys fits lease_memory
-        (under the lock)."""
-        return (not self.lease_memory
-                or self._leases.held + self._held_back.held + footprint(slots, keys)
-                <= self.lease_memory)
-
-    def _leases_full(self, what: str) -> str:
+    def full(self, what: str) -> str:
         """Why a lease was not given (logged once a minute): for the refusal's message."""
-        why = (f"{what}: the leases clients hold take {self._leases.held} bytes of the "
+        why = (f"{what}: the leases clients hold take {self.table.held} bytes of the "
                f"server's memory and the slots held back after theirs expired "
-               f"{self._held_back.held}, the most it allows ({self.lease_memory}, "
+               f"{self.held_back.held}, the most it allows ({self.memory}, "
                "--lease-memory); release leases, or wait for them to expire (--lease-ttl)")
         now = time.monotonic()
-        if now - self._lease_warned > 60:
-            self._lease_warned = now
-            log.warning("%s (%d leases)", why, len(self._leases))
+        if now - self._warned > 60:
+            self._warned = now
+            log.warning("%s (%d leases)", why, len(self.table))
         return why
 
     def release(self, lease_id: int, tenant: str | None = None, pages_read: int = 0) -> bool:
@@ -95,27 +86,56 @@ class StoreLeases:
         does. False if it was unknown, had already expired, or is another tenant's
         (tenant None: the server itself). pages_read: of a READ lease, the pages its
         holder read in each layout, counted as served (a same-host engine reads a leased
-        Lookup's pages from the pool with no Acquire, which counts them otherwise)."""
-        with self._lock:
-            lease = self._leases.get(lease_id)
+        Lookup's pages from the pool with no Acquire, which counts them otherwise). Takes
+        the lock."""
+        with self._s.lock:
+            lease = self.table.get(lease_id)
             if lease is None or not owns(tenant, lease):
                 return False
-            self._leases.pop(lease_id)
+            self.table.pop(lease_id)
             if lease.kind is LeaseKind.RESERVE:
-                self._undo_reservation(lease)
+                self.undo_reservation(lease)
             else:
                 if pages_read > 0:
                     self._count_read(lease.slots, pages_read)
-                self._unpin(lease.slots)
+                self.unpin(lease.slots)
             return True
+
+    def abort(self, lease_id: int, tenant: str | None = None) -> bool:
+        """Drop a reservation: its slots are freed and its keys never become visible.
+        False if it was unknown or had already expired (and so was undone already), or
+        is another tenant's. Takes the lock."""
+        with self._s.lock:
+            lease = self.table.get(lease_id)
+            if (lease is None or lease.kind is not LeaseKind.RESERVE
+                    or not owns(tenant, lease)):
+                return False
+            self.table.pop(lease_id)
+            self.undo_reservation(lease)
+            return True
+
+    def undo_reservation(self, lease: Lease) -> None:
+        """A reservation's keys never become visible; its slots go free now, or at their
+        last unpin."""
+        self._forget_reservation(lease)
+        self.unpin(lease.slots)
+
+    def _forget_reservation(self, lease: Lease) -> None:
+        """A reservation's keys never become visible; its slots are DOOMED, freed at the
+        unpin that ends the reservation's own pin (held back: expire)."""
+        info = self._s.layouts.by_idx[lease.layout]
+        for key, slot in zip(lease.keys, lease.slots.tolist(), strict=True):
+            if info.writing.get(key) == slot:
+                del info.writing[key]
+        self._s.slots.state[lease.slots] = _DOOMED
 
     def _count_read(self, slots: np.ndarray, pages_read: int) -> None:
         """pages_read pages of each layout whose pages these leased slots are, at most as
         many as it has among them, served (Acquire's count and bytes)."""
-        layouts, counts = np.unique(self._slots.layout_of[slots], return_counts=True)
+        layouts, counts = np.unique(self._s.slots.layout_of[slots], return_counts=True)
         for idx, count in zip(layouts.tolist(), counts.tolist(), strict=True):
             if idx >= 0:
-                info = self._layouts.by_idx[idx]
+                info = self._s.layouts.by_idx[idx]
                 info.served += min(pages_read, count)
                 info.bytes_out += min(pages_read, count) * info.page_bytes
 
@@ -123,78 +143,84 @@ class StoreLeases:
     # numpy's ufunc.at and fancy indexing cost as much on an array of one as on hundreds:
     # a few scalar reads and writes cost less. Many slots keep the vector form
     # (SlotTable.add_pins: a key may repeat; a scalar loop counts repeats by itself).
-    def _pin(self, slots: np.ndarray) -> None:
+    def pin(self, slots: np.ndarray) -> None:
+        """One more pin on each slot (a slot named twice, twice)."""
+        table = self._s.slots
         if len(slots) <= _FEW_PINS:
-            pins = self._slots.pins
+            pins = table.pins
             for slot in slots.tolist():
                 pins[slot] += 1
         else:
-            self._slots.add_pins(slots, 1)
+            table.add_pins(slots, 1)
 
-    def _unpin(self, slots: np.ndarray) -> None:
+    def unpin(self, slots: np.ndarray) -> None:
+        """One pin fewer on each slot; a DOOMED slot's last goes free."""
+        table = self._s.slots
         if len(slots) <= _FEW_PINS:
-            pins, state = self._slots.pins, self._slots.state
+            pins, state = table.pins, table.state
             doomed = []
             for slot in slots.tolist():
                 pins[slot] -= 1
                 if pins[slot] == 0 and state[slot] == _DOOMED:
                     doomed.append(slot)
             if doomed:
-                self._free(np.array(doomed, dtype=np.int64))
+                self._eviction.free(np.array(doomed, dtype=np.int64))
             return
-        self._slots.add_pins(slots, -1)
-        doomed = slots[(self._slots.state[slots] == _DOOMED) & (self._slots.pins[slots] == 0)]
+        table.add_pins(slots, -1)
+        doomed = slots[(table.state[slots] == _DOOMED) & (table.pins[slots] == 0)]
         if doomed.size:
-            self._free(np.unique(doomed))
+            self._eviction.free(np.unique(doomed))
 
-    def _take(self, lease_id: int, kind: LeaseKind, tenant: str | None = None) -> Lease:
-        lease = self._leases.get(lease_id)
+    def take(self, lease_id: int, kind: LeaseKind, tenant: str | None = None) -> Lease:
+        """End a live lease of this kind that the caller owns (EXPIRED if none such)."""
+        lease = self.table.get(lease_id)
         # Another tenant's lease reads as unknown: ids are guessable, existence is not news.
         if lease is None or lease.kind is not kind or not owns(tenant, lease):
             raise StoreError(Outcome.EXPIRED, f"{kind.value} lease {lease_id} is unknown or "
                                               "has expired")
-        self._leases.pop(lease_id)
+        self.table.pop(lease_id)
         return lease
 
-    def expire_leases(self) -> int:
+    def expire(self) -> int:
         """End every lease past its expiry (a client that died holding it, or one that is
         slow) and hold its slots back for another lease_ttl; unpin the slots held back
         long enough. Returns the leases ended."""
-        with self._lock:
-            gone = self._leases.expired()
-            for lease in gone:
-                if lease.kind is LeaseKind.RESERVE:
-                    self._forget_reservation(lease)
-                self._held_back.add(lease.expires_at + self.lease_ttl, lease.slots)
-            for slots in self._held_back.due(self.clock()):
-                self._unpin(slots)
-            self.expire_retentions()        # sessions' TTLs, on the same turn
-            if gone:
-                log.info("expired %d leases (%d pages) not released in time; their slots "
-                         "are held back for another %.1f s, in case a client is only slow",
-                         len(gone), sum(len(lease.slots) for lease in gone), self.lease_ttl)
-            return len(gone)
+        gone = self.table.expired()
+        for lease in gone:
+            if lease.kind is LeaseKind.RESERVE:
+                self._forget_reservation(lease)
+            self.held_back.add(lease.expires_at + self.ttl, lease.slots)
+        for slots in self.held_back.due(self._s.clock()):
+            self.unpin(slots)
+        if gone:
+            log.info("expired %d leases (%d pages) not released in time; their slots "
+                     "are held back for another %.1f s, in case a client is only slow",
+                     len(gone), sum(len(lease.slots) for lease in gone), self.ttl)
+        return len(gone)
 
-    def break_leases(self) -> int:
+    def break_all(self) -> tuple[list[Lease], list[np.ndarray]]:
         """Admin --force: undo every lease and reservation a client holds now, as if it
         had expired (a client that died holding them, before --lease-ttl ends them). A
         client still copying from a page so released may read a reused slot: for an
         operator who knows its clients are gone; the slots held back after leases expired
-        go too, and every session's retention ends. Put and Get streams are never broken."""
-        with self._lock:
-            gone = self._leases.take_breakable()
-            for lease in gone:
-                if lease.kind is LeaseKind.RESERVE:
-                    self._undo_reservation(lease)
-                else:
-                    self._unpin(lease.slots)
-            held = self._held_back.take_all()
-            for slots in held:
-                self._unpin(slots)
-            self.end_retentions()           # sessions' pins are the same kind of hold
+        go too (Store.break_leases ends every session's retention). Put and Get streams
+        are never broken. Returns (the leases broken, the slots let go of)."""
+        gone = self.table.take_breakable()
+        for lease in gone:
+            if lease.kind is LeaseKind.RESERVE:
+                self.undo_reservation(lease)
+            else:
+                self.unpin(lease.slots)
+        held = self.held_back.take_all()
+        for slots in held:
+            self.unpin(slots)
+        return gone, held
+
+    @staticmethod
+    def said_broken(gone: list[Lease], held: list[np.ndarray]) -> None:
+        """Log what break_all did (outside the lock)."""
         if gone or held:
             log.warning("admin broke %d leases (%d pages) and let go of %d pages held back "
                         "after their leases expired", len(gone),
                         sum(len(lease.slots) for lease in gone),
                         sum(len(slots) for slots in held))
-        return len(gone)

@@ -1,33 +1,29 @@
 """Store's session retention: a session's prefix kept in DRAM for a TTL (retention.py).
 
-A mixin of Store (store.py), which owns the lock and the slot table; every method here
-takes that lock, or runs under it. A retained page carries one pin per session that
+Retention owns the sessions' table and limits, over the store's shared state (StoreState);
+every method here takes the store's lock, or runs under it. A retained page carries one pin per session that
 retains it, the pin count leases use, so eviction of every kind (watermarks, allocation,
 quotas, an admin's evict) passes it over; the retention table says which pins are whose.
 Ends: the TTL (expire_retentions, run with the lease reaper), ReleaseRetention, an
-admin's --force (end_retentions), and a delete of the page itself (_forget_retained,
-from Store._drop: a retained page never blocks a delete or an invalidation).
+admin's --force (end_all), and a delete of the page itself (forget, a hook of
+Eviction.drop: a retained page never blocks a delete or an invalidation).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvstore_protocol.keys import Packed
 
 from .errors import Outcome, StoreError
-from .layouts import LayoutInfo
-from .pool import Pool
 from .retention import MAX_SESSION_NAME, MAX_TTL, RetainOutcome, RetentionLimits, RetentionTable
-from .slots import SlotTable
-from .timed_lock import TimedLock
+from .store_leases import LeaseBook
+from .store_state import StoreState
 
-__all__ = ["Retained", "StoreRetention"]
+__all__ = ["Retained", "Retention"]
 
 log = logging.getLogger("kvstore_server.store")
 
@@ -41,22 +37,15 @@ class Retained:
     refused: str = ""
 
 
-class StoreRetention:
-    """Store's retention; the attributes below are Store's (store.py)."""
+class Retention:
+    """Sessions' retention of their prefixes, pinned as leases pin (LeaseBook)."""
 
-    _lock: TimedLock
-    pool: Pool
-    clock: Callable[[], float]
-    retention: RetentionLimits
-    _retained: RetentionTable
-    _slots: SlotTable
-
-    if TYPE_CHECKING:               # Store's own, used here
-        def info(self, layout_id: bytes) -> LayoutInfo: ...
-        def _find(self, info: LayoutInfo, keys: Packed) -> np.ndarray: ...
-        def _touch(self, slots: np.ndarray) -> None: ...
-        def _pin(self, slots: np.ndarray) -> None: ...
-        def _unpin(self, slots: np.ndarray) -> None: ...
+    def __init__(self, state: StoreState, book: LeaseBook,
+                 limits: RetentionLimits) -> None:
+        self._s = state
+        self._book = book
+        self.limits = limits                # each tenant's quota and session cap
+        self.table = RetentionTable()       # which session pins which slots
 
     def retain(self, layout_id: bytes, keys: Packed, session: str, ttl: float,
                quota: int = 0) -> Retained:
@@ -72,53 +61,55 @@ class StoreRetention:
             raise StoreError(Outcome.INVALID, f"a retention's ttl is more than 0 and at most "
                                               f"{MAX_TTL:.0f} s, got {ttl} (release it with "
                                               "ReleaseRetention)")
-        with self._lock:
-            info = self.info(layout_id)
-            found = self._find(info, keys)
+        s = self._s
+        with s.lock:
+            info = s.layouts.info(layout_id)
+            found = s.find(info, keys)
             run = found[:int(np.argmin(found >= 0))] if (found < 0).any() else found
-            outcome, new = self._retained.retain(
-                info.tenant, session, run, self._retained_bytes, self.clock(), ttl,
-                self.retention, self.pool.capacity_bytes, quota)
+            outcome, new = self.table.retain(
+                info.tenant, session, run, self._retained_bytes, s.clock(), ttl,
+                self.limits, s.pool.capacity_bytes, quota)
             if outcome is not RetainOutcome.RETAINED:
                 return Retained(len(run), outcome.value)
-            self._pin(new)
-            self._touch(run)
+            self._book.pin(new)
+            s.touch(run)
             return Retained(len(run))
 
     def _retained_bytes(self, slots: np.ndarray) -> np.ndarray:
-        return self.pool.class_bytes[self.pool.cls[slots]]
+        return self._s.pool.class_bytes[self._s.pool.cls[slots]]
 
-    def release_retention(self, session: str, tenant: str) -> int:
+    def release(self, session: str, tenant: str) -> int:
         """End a tenant's session now: pages it no longer keeps (0 if none such)."""
-        with self._lock:
-            slots = self._retained.release(tenant, session)
+        with self._s.lock:
+            slots = self.table.release(tenant, session)
             if slots is None:
                 return 0
-            self._unpin(slots)
+            self._book.unpin(slots)
             return len(slots)
 
-    def expire_retentions(self) -> int:
+    def expire(self) -> int:
         """End the sessions whose TTL lapsed (under the lock; the lease reaper's turn).
         Nothing is held back, unlike an expired lease's slots: no client copies under a
         retention (it reads under a lease of its own)."""
-        ended = self._retained.expired(self.clock())
+        ended = self.table.expired(self._s.clock())
         for slots in ended:
-            self._unpin(slots)
+            self._book.unpin(slots)
         return len(ended)
 
-    def end_retentions(self) -> int:
+    def end_all(self) -> int:
         """An admin's --force: end every session now (under the lock)."""
-        ended = self._retained.take_all()
+        ended = self.table.take_all()
         for slots in ended:
-            self._unpin(slots)
+            self._book.unpin(slots)
         if ended:
             log.warning("admin ended %d retention sessions (%d pages)", len(ended),
                         sum(len(s) for s in ended))
         return len(ended)
 
-    def _forget_retained(self, slots: np.ndarray) -> None:
+    def forget(self, slots: np.ndarray) -> None:
         """These slots' pages are deleted (under the lock): their sessions' pins go, so
         that the delete frees them now (or at their leases' release)."""
-        held, counts = self._retained.forget(slots)
+        held, counts = self.table.forget(slots)
         if held.size:
-            self._slots.pins[held] -= counts.astype(self._slots.pins.dtype)
+            pins = self._s.slots.pins
+            pins[held] -= counts.astype(pins.dtype)

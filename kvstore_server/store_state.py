@@ -1,0 +1,70 @@
+"""What every part of the store shares, declared once: the pool, the slot table, the layouts, the lock.
+
+Store (store.py) builds one StoreState and hands it to its parts, each of which owns the
+rest of its own state: eviction and allocation (store_evict.Eviction), the lease book
+(store_leases.LeaseBook), sessions' retention (store_retention.Retention), the tier below
+(store_below.Below) and the admin operations (store_admin.Admin).
+
+Concurrency: `lock` guards every field below except `lower` and `removals` (each has its
+own lock; the tier below is asked outside this one) and the read-only ones (mem, clock,
+started_at). A
+part's method that says "under the lock" expects its caller to hold it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from kvstore_protocol.keys import Packed
+
+from .eviction import EvictionPolicy
+from .index import FEW_KEYS
+from .layouts import LayoutInfo, LayoutRegistry
+from .pool import Pool
+from .quota import TenantLedger
+from .removals import RemovalRing
+from .slots import SlotTable
+from .tier import Tier
+from .timed_lock import TimedLock
+
+__all__ = ["StoreState"]
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class StoreState:
+    """The store's shared state; `lower` may be replaced (tests), the rest never is."""
+
+    mem: np.ndarray                 # the region's bytes: page bytes at pool offsets
+    pool: Pool                      # slots in the region, by size class
+    lower: Tier                     # the tier below DRAM (a NullTier if none)
+    clock: Callable[[], float]      # the lease table's and the slots' timestamps
+    started_at: float               # clock() at start: slot times count from it
+    # Timed: the longest hold is the longest one call can stall the others (limits.py
+    # bounds it; /metrics shows it).
+    lock: TimedLock
+    slots: SlotTable                # each slot's state, layout, pins, times
+    layouts: LayoutRegistry         # registered layouts and their key indexes
+    policy: EvictionPolicy          # the order READY slots are evicted in
+    tenants: TenantLedger           # bytes each tenant holds, for quotas
+    # Pages that leave this server (removals.py; it has its own lock, and the disk tier
+    # records into it too).
+    removals: RemovalRing
+
+    @staticmethod
+    def find(info: LayoutInfo, keys: Packed) -> np.ndarray:
+        """The READY slot of each key, -1 where there is none (under the lock)."""
+        index = info.ready.get(keys.size)
+        if index is None or not len(keys):
+            return np.full(len(keys), -1, dtype=np.int64)
+        if len(keys) <= FEW_KEYS:            # no numpy call on the way (index.find_few)
+            return np.array(index.find_few(keys.data), dtype=np.int64)
+        return index.find(keys.rows)
+
+    def touch(self, slots: np.ndarray) -> None:
+        """These slots' pages were used now (under the lock)."""
+        # Reversed: the prefix's head becomes the most recent, its tail goes first.
+        self.policy.touch(slots[::-1])
+        self.slots.touched_at[slots] = self.clock() - self.started_at
