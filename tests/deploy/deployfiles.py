@@ -126,7 +126,7 @@ class CommandServer(ServerProcess):
         super().__init__(port=int(address.rpartition(":")[2]), env={**env, "PATH": PATH})
         self.argv = argv
 
-    def start(self, wait: float = 30.0) -> "CommandServer":
+    def start(self, wait: float = 30.0) -> CommandServer:
         assert shutil.which(self.argv[0], path=self.env.get("PATH")), self.argv[0]
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,

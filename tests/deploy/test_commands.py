@@ -25,13 +25,27 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from connector.config import ConnectorConfig, open_client
-from kvstore_testing.serverproc import free_port
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_client.errors import KVStoreError
+from kvstore_testing.serverproc import free_port
 
-from .deployfiles import (DEPLOY, CommandServer, container, dockerfile, exec_form,
-                          expand_compose, expand_k8s, final_stage, healthcheck_command,
-                          k8s_object, load_yaml_docs, remap_toml, run, tomllib, with_port)
+from .deployfiles import (
+    DEPLOY,
+    CommandServer,
+    container,
+    dockerfile,
+    exec_form,
+    expand_compose,
+    expand_k8s,
+    final_stage,
+    healthcheck_command,
+    k8s_object,
+    load_yaml_docs,
+    remap_toml,
+    run,
+    tomllib,
+    with_port,
+)
 
 # The server's own group on this machine stands in for the image's `kvstore` group.
 MY_GROUP = grp.getgrgid(os.getgid()).gr_name

@@ -15,8 +15,16 @@ from kvstore_protocol.units import parse_duration, parse_size
 from kvstore_server.auth import parse_auth_file
 from kvstore_server.config import load_config
 
-from .deployfiles import (DEPLOY, K8S, container, dockerfile, final_stage, k8s_object,
-                          load_yaml_docs, tomllib)
+from .deployfiles import (
+    DEPLOY,
+    K8S,
+    container,
+    dockerfile,
+    final_stage,
+    k8s_object,
+    load_yaml_docs,
+    tomllib,
+)
 
 YAML_FILES = sorted(p for ext in ("*.yaml", "*.yml") for p in DEPLOY.rglob(ext))
 JSON_FILES = sorted(DEPLOY.rglob("*.json"))

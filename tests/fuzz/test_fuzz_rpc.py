@@ -33,15 +33,13 @@ import grpc
 import hpack
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kvstore_testing.serverproc import ServerProcess
 from kvstore_client import PageLayout
-from kvstore_protocol._proto.kvstore.v1 import admin_pb2 as apb
-from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore_protocol._proto.kvstore.v1 import admin_pb2 as apb, kvstore_pb2 as pb
 from kvstore_protocol.convert import layout_to_proto
 from kvstore_protocol.grpc_frames import CHANNEL_OPTIONS
+from kvstore_testing.serverproc import ServerProcess
 
 C = grpc.StatusCode
 DOCUMENTED = frozenset({C.OK, C.INVALID_ARGUMENT, C.NOT_FOUND, C.RESOURCE_EXHAUSTED,
@@ -679,7 +677,7 @@ def _send_and_close(h: Harness, data: bytes, linger: float = 0.02) -> None:
             sock.sendall(data)
             while sock.recv(65536):
                 pass
-        except (ConnectionError, socket.timeout):
+        except (TimeoutError, ConnectionError):
             pass          # the server may close or reset on garbage: that is its right
 
 
@@ -716,7 +714,7 @@ def _answer(sock: socket.socket, wait: float = 5.0) -> tuple[str, int | None, by
             return "silent", None, b""
         try:
             chunk = sock.recv(65536)
-        except socket.timeout:
+        except TimeoutError:
             continue
         except ConnectionError:
             return "closed", None, b""
@@ -879,7 +877,7 @@ def test_zz_request_count(harness):
     assert not errors, "\n".join(errors[:20])
     names = {name for name, obj in globals().items()
              if name.startswith("test_") and name != "test_zz_request_count"}
-    if FUZZ_TESTS != names:
+    if names != FUZZ_TESTS:
         pytest.skip(f"only {len(FUZZ_TESTS)} of {len(names)} fuzz tests ran")
     total = sum(COUNTS.values())
     print(f"\nfuzz: {total} generated requests (" +

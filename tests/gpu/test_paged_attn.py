@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+
 from kvstore_bench.engine import paged_attn
 from kvstore_bench.engine.paged_cache import SeqStep, gather_kv, prepare_step, write_kv
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from kvstore_client import KVStoreClient, PageLayout
 from kvstore_connector.kvviews import KVKind, kv5
 from kvstore_connector.transfer import CopyMethod, HostRegistration, KVTransfer
-from kvstore_client import KVStoreClient, PageLayout
 
 # The cases and their hand-written reference indexing live with the CPU tests; load that
 # module by path (tests/unit is not a package) so both run the very same checks.

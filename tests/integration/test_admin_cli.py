@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from kvstore_testing.serverproc import free_port
 
 from kvstore_client import KVStoreClient, LayoutHandle, PageLayout
 from kvstore_protocol.units import parse_size
+from kvstore_testing.serverproc import free_port
 
 # 32 KiB and 64 KiB pages: multiples of the pool's 4 KiB slot alignment, so a layout's
 # used bytes are exactly pages * page_bytes.

@@ -14,14 +14,14 @@ import grpc
 import numpy as np
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from kvstore_testing.serverproc import ServerProcess, free_port
 
+from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
+from kvstore_client.channel import open_channel
 from kvstore_connector.config import ConnectorConfig, LookupMode
 from kvstore_connector.scheduler import SchedulerHalf
-from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
 from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore_client.channel import open_channel
 from kvstore_server.tenants import scoped_layout_id
+from kvstore_testing.serverproc import ServerProcess, free_port
 from tests.waiting import wait_for
 
 # 256 KiB pages: four of them fill the 1 MiB quota of tenant "small".

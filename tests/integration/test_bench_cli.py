@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+
 from kvstore_bench.cli import BENCHES
 from kvstore_testing.clusterproc import server_binaries
 

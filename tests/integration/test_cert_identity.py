@@ -14,11 +14,11 @@ import ssl
 import grpc
 import numpy as np
 import pytest
-from kvstore_testing.serverproc import ServerProcess, free_port
 
 from kvstore_client import KVStoreClient, KVStoreError
-from kvstore_protocol import fastwire as fw
 from kvstore_client.fastpath import FastPath
+from kvstore_protocol import fastwire as fw
+from kvstore_testing.serverproc import ServerProcess, free_port
 
 from .test_fastpath import (
     LAYOUTS,

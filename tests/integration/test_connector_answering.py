@@ -12,11 +12,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvstore_connector.config import ConnectorConfig, LookupMode   # noqa: E402
-from kvstore_connector.meta import LoadSpec, StepMeta              # noqa: E402
-from kvstore_connector.scheduler import SchedulerHalf              # noqa: E402
-from kvstore_connector.worker import WorkerHalf                    # noqa: E402
-from kvstore_client import PageLayout                              # noqa: E402
+from kvstore_client import PageLayout  # noqa: E402
+from kvstore_connector.config import ConnectorConfig, LookupMode  # noqa: E402
+from kvstore_connector.meta import LoadSpec, StepMeta  # noqa: E402
+from kvstore_connector.scheduler import SchedulerHalf  # noqa: E402
+from kvstore_connector.worker import WorkerHalf  # noqa: E402
 
 LAYERS, BLOCKS, BLOCK, HEADS, HEAD = 2, 8, 16, 2, 8
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]

@@ -11,12 +11,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvstore_testing.serverproc import free_port                            # noqa: E402
-from kvstore_client import KVStoreClient                                  # noqa: E402
-from kvstore_connector.transfer import TransferError                      # noqa: E402
-from kvstore_connector.hashing import page_keys                           # noqa: E402
+from kvstore_client import KVStoreClient  # noqa: E402
+from kvstore_connector.hashing import page_keys  # noqa: E402
+from kvstore_connector.transfer import TransferError  # noqa: E402
+from kvstore_testing.serverproc import free_port  # noqa: E402
 
-from .test_connector import BLOCK, NAMES, Engine, prompt               # noqa: E402
+from .test_connector import BLOCK, NAMES, Engine, prompt  # noqa: E402
 
 N = 8                       # requests in the step
 

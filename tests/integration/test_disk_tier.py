@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvstore_testing.serverproc import ServerProcess
 from kvstore_client import KVStoreClient, PageLayout
+from kvstore_testing.serverproc import ServerProcess
 
 LAYOUT = PageLayout(model="disk", num_layers=32, page_tokens=16, num_kv_heads=8,
                     head_size=64)                                # 1 MiB pages

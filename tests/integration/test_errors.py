@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
-from kvstore_protocol._proto.kvstore.v1 import admin_pb2 as apb
-from kvstore_protocol._proto.kvstore.v1 import admin_pb2_grpc
-from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2_grpc
+from kvstore_protocol._proto.kvstore.v1 import (
+    admin_pb2 as apb,
+    admin_pb2_grpc,
+    kvstore_pb2 as pb,
+    kvstore_pb2_grpc,
+)
 from kvstore_protocol.convert import layout_to_proto
 from tests.waiting import wait_for
 

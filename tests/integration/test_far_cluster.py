@@ -5,18 +5,17 @@ answers as misses within the deadline."""
 
 from __future__ import annotations
 
-from importlib import metadata
-
 import os
 import signal
 import time
+from importlib import metadata
 
 import glide_sync as glide
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvstore_server.far.breaker import BreakerState, FarBreaker
 from kvstore_server.far import inplace
+from kvstore_server.far.breaker import BreakerState, FarBreaker
 from kvstore_server.far.client import FarClient, connect
 from kvstore_server.far.codec import Reason, encode
 from kvstore_server.far.keys import BUCKETS, page_key

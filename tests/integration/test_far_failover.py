@@ -9,7 +9,6 @@ import threading
 import time
 
 import pytest
-
 from redis.crc import key_slot
 
 from kvstore_server.far.breaker import BreakerState

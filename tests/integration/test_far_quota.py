@@ -6,9 +6,8 @@ from __future__ import annotations
 import os
 import time
 
-from kvstore_testing.serverproc import ServerProcess
-
 from kvstore_client import KVStoreClient
+from kvstore_testing.serverproc import ServerProcess
 
 from .test_auth import LAYOUT, TOKENS, auth_toml, keys, pages
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvstore_testing.serverproc import ServerProcess, free_port
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_server.far.keys import BUCKETS
+from kvstore_testing.serverproc import ServerProcess, free_port
 from tests.waiting import wait_for
 
 LAYOUT = PageLayout(model="far", num_layers=4, page_tokens=16, num_kv_heads=8,

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from kvstore_testing.clusterproc import server_binaries
 from kvstore_server.far.client import FarClient
 from kvstore_server.far.settings import parse_far
+from kvstore_testing.clusterproc import server_binaries
 
 
 @pytest.fixture(scope="module")

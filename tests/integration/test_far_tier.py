@@ -13,8 +13,8 @@ import pytest
 
 from kvstore_server.far import reads
 from kvstore_server.far.client import FarClient
-from kvstore_server.far.settings import parse_far
 from kvstore_server.far.reads import ParallelReader
+from kvstore_server.far.settings import parse_far
 from kvstore_server.far.tier import FarTier
 
 

@@ -13,11 +13,11 @@ import time
 import numpy as np
 import pytest
 
-from kvstore_testing.clusterproc import ClusterProcess, TlsFiles
-from kvstore_testing.serverproc import ServerProcess
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_server.far.client import FarClient
 from kvstore_server.far.settings import parse_far
+from kvstore_testing.clusterproc import ClusterProcess, TlsFiles
+from kvstore_testing.serverproc import ServerProcess
 
 from .test_tls import EC, openssl, signed
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 import re
-import time
 import struct
+import time
 import urllib.request
 
 import glide_sync as glide

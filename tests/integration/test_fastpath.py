@@ -18,11 +18,11 @@ import urllib.request
 
 import numpy as np
 import pytest
-from kvstore_testing.serverproc import ServerProcess, free_port, sigstop
 
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
-from kvstore_protocol import fastwire as fw
 from kvstore_client.fastpath import FastPath, FastPathUnavailable
+from kvstore_protocol import fastwire as fw
+from kvstore_testing.serverproc import ServerProcess, free_port, sigstop
 from tests.waiting import wait_for
 
 LAYOUTS = {
@@ -512,8 +512,7 @@ def test_the_same_request_limits_as_grpc(fresh_server):
     are refused, with the same status and message (kvstore_server/limits.py)."""
     import grpc
 
-    from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
-    from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2_grpc
+    from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb, kvstore_pb2_grpc
     srv = fresh_server(max_keys_per_request=1000, dram="64MiB")
     with KVStoreClient(srv.address, data_plane=False) as c:
         ns = c.register_layout(LAYOUTS["1MiB"])

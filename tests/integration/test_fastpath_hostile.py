@@ -16,12 +16,21 @@ import time
 
 import numpy as np
 import pytest
-from kvstore_testing.serverproc import ServerProcess
 
 from kvstore_client import KVStoreClient
 from kvstore_protocol import fastwire as fw
-from tests.integration.test_fastpath import (LAYOUTS, TOKENS, Raw, _auth_file, fast_address,
-                                             keys, pages, pki, unix_path)
+from kvstore_testing.serverproc import ServerProcess
+from tests.integration.test_fastpath import (
+    LAYOUTS,
+    TOKENS,
+    Raw,
+    _auth_file,
+    fast_address,
+    keys,
+    pages,
+    pki,
+    unix_path,
+)
 from tests.waiting import wait_for
 
 __all__ = ["pki"]           # the fixture, imported so that the TLS tests here can use it
@@ -255,8 +264,7 @@ def test_the_default_key_limit_is_the_servers_on_the_fast_path():
     on the fast path with gRPC's status and message, and 16,384 are served."""
     import grpc
 
-    from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
-    from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2_grpc
+    from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb, kvstore_pb2_grpc
     with ServerProcess() as srv, KVStoreClient(srv.address, data_plane=False) as c:
         ns = c.register_layout(LAYOUTS["tiny"])
         over = b"".join(keys("limit", 16_385))

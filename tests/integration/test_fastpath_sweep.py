@@ -9,6 +9,7 @@ import io
 import re
 
 import pytest
+
 from kvstore_bench import fastpath_bench
 from kvstore_bench.fastpath_sweep import Sweep
 

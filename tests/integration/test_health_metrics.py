@@ -8,8 +8,8 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore_testing.serverproc import free_port
 from kvstore_client import KVStoreClient, PageLayout
+from kvstore_testing.serverproc import free_port
 
 
 def test_health_and_reflection(server):

@@ -9,6 +9,7 @@ import io
 import json
 
 import pytest
+
 from kvstore_bench import hybrid_bench
 
 pytestmark = pytest.mark.slow

@@ -13,8 +13,7 @@ import threading
 import grpc
 
 from kvstore_client import KVStoreClient, PageLayout
-from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2_grpc
+from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb, kvstore_pb2_grpc
 
 LAYOUT = PageLayout(model="lease-ids", num_layers=2, page_tokens=4, num_kv_heads=2,
                     head_size=16, dtype="float32")       # 2 KiB pages

@@ -12,13 +12,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvstore_client import KVStoreClient                                  # noqa: E402
-from kvstore_protocol.region import region_id                                  # noqa: E402
-from kvstore_connector.config import LoadMode, SavePolicy                 # noqa: E402
-from tests.waiting import wait_for                                        # noqa: E402
+from kvstore_client import KVStoreClient  # noqa: E402
+from kvstore_connector.config import LoadMode, SavePolicy  # noqa: E402
+from kvstore_protocol.region import region_id  # noqa: E402
+from tests.waiting import wait_for  # noqa: E402
 
-from .test_connector import Engine, layout, prompt                        # noqa: E402
-from .test_connector_reserve import lease_calls                           # noqa: E402
+from .test_connector import Engine, layout, prompt  # noqa: E402
+from .test_connector_reserve import lease_calls  # noqa: E402
 
 
 @pytest.fixture

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore_testing.serverproc import free_port, sigstop
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
 from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_protocol.keys import Packed
+from kvstore_testing.serverproc import free_port, sigstop
 from tests.waiting import wait_for
 
 LAYOUT = dict(model="stream", num_layers=2, page_tokens=4, num_kv_heads=2, head_size=16)

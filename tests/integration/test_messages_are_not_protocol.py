@@ -21,12 +21,11 @@ import grpc
 import numpy as np
 import pytest
 
-from kvstore_testing.serverproc import ServerProcess
-from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2_grpc as pbg
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout, PagesMissing
 from kvstore_client.errors import Reason, reason_of
 from kvstore_client.handles import LayoutHandle
+from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb, kvstore_pb2_grpc as pbg
+from kvstore_testing.serverproc import ServerProcess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

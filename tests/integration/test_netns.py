@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+
 from kvstore_bench import netns_bench
 from kvstore_bench.netns import NetPair, NetUnavailable
 from kvstore_bench.rawpeer import RawClient

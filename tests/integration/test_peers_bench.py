@@ -12,6 +12,7 @@ import re
 import shutil
 
 import pytest
+
 from kvstore_bench import cli
 
 pytestmark = pytest.mark.slow

@@ -15,10 +15,10 @@ import stat
 import numpy as np
 import pytest
 
-from kvstore_testing.serverproc import ServerProcess
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_client.shm import SharedRegion, _receive_fd
 from kvstore_client.unixpeer import ServerIdentity
+from kvstore_testing.serverproc import ServerProcess
 
 LAYOUT = PageLayout(model="pool-file", num_layers=2, page_tokens=16, num_kv_heads=2,
                     head_size=64)

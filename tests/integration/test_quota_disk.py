@@ -3,9 +3,8 @@ DRAM like the ones it puts (it used to reach six times its quota that way)."""
 
 from __future__ import annotations
 
-from kvstore_testing.serverproc import ServerProcess
-
 from kvstore_client import KVStoreClient
+from kvstore_testing.serverproc import ServerProcess
 
 from .test_auth import LAYOUT, TOKENS, auth_toml, keys, pages
 

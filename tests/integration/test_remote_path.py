@@ -12,11 +12,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvstore_client import KVStoreClient                                  # noqa: E402
-from kvstore_connector.config import ConnectorConfig                     # noqa: E402
+from kvstore_client import KVStoreClient  # noqa: E402
+from kvstore_connector.config import ConnectorConfig  # noqa: E402
 
 from .test_connector import BLOCK, Engine, expected_pages, prompt, stored_pages  # noqa: E402
-from .test_remote_load import SHAPES, SLABS, Rig, remote_threads                   # noqa: E402
+from .test_remote_load import SHAPES, SLABS, Rig, remote_threads  # noqa: E402
 
 
 @pytest.fixture

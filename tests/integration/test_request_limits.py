@@ -11,9 +11,7 @@ import numpy as np
 import pytest
 
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout, PutResult
-
-from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2_grpc
+from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb, kvstore_pb2_grpc
 from tests.waiting import wait_for
 
 # 64 KiB pages: 1,025 of them are more than the 64 MiB pool.

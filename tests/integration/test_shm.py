@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvstore_testing.serverproc import ServerProcess
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
+from kvstore_testing.serverproc import ServerProcess
 from tests.waiting import wait_for
 
 LAYOUT = PageLayout(model="shm", num_layers=4, page_tokens=16, num_kv_heads=2, head_size=64)

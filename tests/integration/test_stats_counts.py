@@ -20,8 +20,8 @@ import urllib.request
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore_testing.serverproc import free_port
 from kvstore_client import KVStoreClient, PageLayout
+from kvstore_testing.serverproc import free_port
 from tests.waiting import wait_for
 
 LAYOUT = PageLayout(model="stats-counts", num_layers=2, page_tokens=16, num_kv_heads=2,

@@ -12,9 +12,9 @@ import sys
 import grpc
 import numpy as np
 import pytest
-from kvstore_testing.serverproc import ServerProcess, free_port
 
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
+from kvstore_testing.serverproc import ServerProcess, free_port
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None,
                                 reason="needs the openssl command to make certificates")

@@ -28,14 +28,12 @@ import time
 
 import numpy as np
 import pytest
-from kvstore_testing.serverproc import ServerProcess, free_port_pair
 
-from kvstore_client import KVStoreClient, KVStoreError, PageLayout
-from kvstore_client import dataplane
-from kvstore_protocol import fastwire as fw
-from kvstore_client import attach, presence
-from kvstore_protocol.region import HANDOUT_MAGIC
+from kvstore_client import KVStoreClient, KVStoreError, PageLayout, attach, dataplane, presence
 from kvstore_client.unixpeer import ServerIdentity, UntrustedSocket, check_peer
+from kvstore_protocol import fastwire as fw
+from kvstore_protocol.region import HANDOUT_MAGIC
+from kvstore_testing.serverproc import ServerProcess, free_port_pair
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0,

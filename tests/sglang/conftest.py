@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+
 from kvstore_testing.serverproc import ServerProcess
 
 if importlib.util.find_spec("sglang") is not None:

@@ -17,11 +17,11 @@ import pytest
 
 pytest.importorskip("sglang", reason="needs SGLang 0.5.23 (scripts/venv-sglang.sh)")
 
-from kvstore_testing.serverproc import free_port, sigstop
 from test_hicache_storage import _backend, _filled, _indices, _keys, _tokens
 
 from kvstore_client import KVStoreClient
 from kvstore_connector.sglang import Failures
+from kvstore_testing.serverproc import free_port, sigstop
 
 
 def _fault(srv, how: str) -> None:

@@ -14,10 +14,10 @@ pytest.importorskip("sglang", reason="needs SGLang 0.5.23 (scripts/venv-sglang.s
 
 import torch
 import xxhash
-from kvstore_bench.sglang_bench import host_pool, make_backend, storage_config
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
+from kvstore_bench.sglang_bench import host_pool, make_backend, storage_config
 from kvstore_connector.config import ConnectorConfig
 from kvstore_connector.sglang import Failures, KVStoreHiCacheStorage, store_key
 from kvstore_testing.serverproc import sigstop

@@ -13,14 +13,14 @@ import pytest
 
 pytest.importorskip("sglang", reason="needs SGLang 0.5.23 (scripts/venv-sglang.sh)")
 
-import torch  # noqa: E402
-from kvstore_bench.sglang_bench import host_pool, make_backend, storage_config  # noqa: E402
-from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo  # noqa: E402
-from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: E402
-from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry  # noqa: E402
-from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost  # noqa: E402
+import torch
+from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+from sglang.srt.mem_cache.hicache_storage import PoolName
+from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
+from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
-from kvstore_client import KVStoreClient  # noqa: E402
+from kvstore_bench.sglang_bench import host_pool, make_backend, storage_config
+from kvstore_client import KVStoreClient
 
 
 def _mamba_pool() -> MambaPoolHost:

@@ -13,9 +13,9 @@ from kvstore_protocol.layout import PageLayout
 from kvstore_server.auth import Authenticator, Principal, Role, parse_auth_file
 from kvstore_server.config import ConfigError, is_loopback, load_config
 from kvstore_server.errors import Outcome, StoreError
+from kvstore_server.leases import footprint
 from kvstore_server.region import Region
 from kvstore_server.stats import TenantStats
-from kvstore_server.leases import footprint
 from kvstore_server.store import FOREVER, Store
 from kvstore_server.tenants import DEFAULT_TENANT, scoped_layout_id
 

@@ -1,7 +1,7 @@
 import pytest
 
-from kvstore_server.config import ConfigError, load_config
 from kvstore_protocol.units import format_size, parse_duration, parse_size
+from kvstore_server.config import ConfigError, load_config
 
 
 def test_units():

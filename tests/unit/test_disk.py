@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from kvstore_server.disk import DiskTier
-from kvstore_server.tier import NullTier, Tier
 from kvstore_server.slotfile import HEADER_BYTES, aligned_buffer, slot_bytes_for
+from kvstore_server.tier import NullTier, Tier
 
 KiB, MiB = 1 << 10, 1 << 20
 LAYOUT = bytes(range(16))

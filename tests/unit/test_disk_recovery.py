@@ -17,7 +17,6 @@ from kvstore_server.slotfile import slot_bytes_for
 from .test_disk import LAYOUT, KiB, fill, key, page, read
 
 
-
 def test_a_restart_over_capacity_evicts_the_oldest_down_to_it(tiers, tmp_path):
     """A smaller --disk, or freed slots not yet blanked when the server was killed, leave
     more on disk than the capacity: the rebuild evicts the oldest pages and starts (it

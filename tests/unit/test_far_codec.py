@@ -9,7 +9,6 @@ import os
 import struct
 
 import xxhash
-
 from hypothesis import given, settings, strategies as st
 
 from kvstore_server.far.codec import HEADER_BYTES, Reason, decode, encode

@@ -6,8 +6,13 @@ from __future__ import annotations
 import fnmatch
 
 from kvstore_client import PageLayout
-from kvstore_server.far.keys import (layout_of_name, namespace_pattern, page_key, record_key,
-                                     record_pattern)
+from kvstore_server.far.keys import (
+    layout_of_name,
+    namespace_pattern,
+    page_key,
+    record_key,
+    record_pattern,
+)
 from kvstore_server.far.records import LayoutRecord, Scope
 
 LAYOUT = PageLayout(model="m", num_layers=2, page_tokens=16, num_kv_heads=2, head_size=64,

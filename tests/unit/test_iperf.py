@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+
 from kvstore_bench.iperf import iperf3_gbps
 
 

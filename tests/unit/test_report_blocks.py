@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+
 from kvstore_bench.record import Record, load_records
 from kvstore_bench.report_blocks import DOCS, Pick, Stale, _pick, fill, stale_blocks
 

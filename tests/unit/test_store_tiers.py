@@ -11,10 +11,10 @@ import pytest
 
 from kvstore_protocol.layout import PageLayout
 from kvstore_server.disk import DiskTier
-from kvstore_server.tier import NullTier
 from kvstore_server.errors import Outcome, StoreError
 from kvstore_server.region import Region
 from kvstore_server.store import Store
+from kvstore_server.tier import NullTier
 
 MiB = 1 << 20
 # 256 KiB pages: 4 layers of 64 KiB

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-__all__ = ["CheckingModel", "GOOD_TOKEN", "WRONG_TOKEN", "Read"]
+__all__ = ["GOOD_TOKEN", "WRONG_TOKEN", "CheckingModel", "Read"]
 
 GOOD_TOKEN = 100
 WRONG_TOKEN = 999

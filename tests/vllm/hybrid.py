@@ -41,7 +41,6 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import copy_kv_blocks
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-from vllm.v1.worker.utils import allocate_kv_cache
 from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import (
@@ -53,6 +52,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
+from vllm.v1.worker.utils import allocate_kv_cache
 
 __all__ = ["HybridModel", "HybridShape", "HybridWorker", "build_hybrid"]
 

@@ -29,6 +29,7 @@ from fault_run import (
     run_with_fault,
     workload,
 )
+
 from kvstore_testing.serverproc import ServerProcess, sigstop
 
 # "async-layerwise" checks that AsyncScheduler gets async loads whatever the config says,

@@ -9,12 +9,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM 0.33 (scripts/venv-vllm.sh)")
 
-import torch  # noqa: E402
-from harness import BLOCK_SIZE, ConnectorSpec, make_request  # noqa: E402
-from hybrid import HybridShape, build_hybrid, hybrid_engine  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+import torch
+from harness import BLOCK_SIZE, ConnectorSpec, make_request
+from hybrid import HybridShape, build_hybrid, hybrid_engine
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.kv_cache_interface import (
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
@@ -22,8 +22,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     MambaSpec,
 )
 
-from kvstore_client import KVStoreClient  # noqa: E402
-from kvstore_connector.groups import UnsupportedCache  # noqa: E402
+from kvstore_client import KVStoreClient
+from kvstore_connector.groups import UnsupportedCache
 
 SLIDING = HybridShape(("full", "sliding", "full", "sliding"), window=40)
 MLA_SLIDING = HybridShape(("mla", "sliding_mla", "mla", "sliding_mla"), window=40)

@@ -13,13 +13,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM 0.33 (scripts/venv-vllm.sh)")
 
-from harness import BLOCK_SIZE, make_request  # noqa: E402
-from hybrid import HybridShape, hybrid_engine  # noqa: E402
-from test_hybrid import PROMPT, abort_and_preempt, layout_stats, run, spec  # noqa: E402
+from harness import BLOCK_SIZE, make_request
+from hybrid import HybridShape, hybrid_engine
+from test_hybrid import PROMPT, abort_and_preempt, layout_stats, run, spec
 
-from kvstore_client import KVStoreClient  # noqa: E402
-from kvstore_connector.groups import GroupKind  # noqa: E402
-from kvstore_connector.hashing import page_keys  # noqa: E402
+from kvstore_client import KVStoreClient
+from kvstore_connector.groups import GroupKind
+from kvstore_connector.hashing import page_keys
 
 MAMBA = HybridShape(("full", "mamba", "full", "mamba"))
 

@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM 0.33 (scripts/venv-vllm.sh)")
 
-import torch  # noqa: E402
-from harness import (  # noqa: E402
+import torch
+from harness import (
     BLOCK_SIZE,
     ConnectorSpec,
     ModelShape,
@@ -22,10 +22,10 @@ from harness import (  # noqa: E402
     make_scheduler,
     make_vllm_config,
 )
-from vllm.v1.request import RequestStatus  # noqa: E402
+from vllm.v1.request import RequestStatus
 
-from kvstore_testing.serverproc import ServerProcess  # noqa: E402
-from kvstore_client import KVStoreClient  # noqa: E402
+from kvstore_client import KVStoreClient
+from kvstore_testing.serverproc import ServerProcess
 
 SHAPE = ModelShape()
 PROMPT = list(range(1000, 1064))           # 64 tokens: 3 pages can be claimed (not the last)

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM 0.33 (scripts/venv-vllm.sh)")
 
-from harness import (  # noqa: E402
+from harness import (
     ConnectorSpec,
     ModelShape,
     SchedulerDriver,
@@ -25,11 +25,11 @@ from harness import (  # noqa: E402
     make_scheduler,
     make_vllm_config,
 )
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from vllm.v1.request import RequestStatus  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families
+from vllm.v1.request import RequestStatus
 
-from kvstore_client import KVStoreClient, PageLayout  # noqa: E402
-from kvstore_testing.serverproc import free_port  # noqa: E402
+from kvstore_client import KVStoreClient, PageLayout
+from kvstore_testing.serverproc import free_port
 
 SHAPE = ModelShape()
 KEPT = list(range(3000, 3064))       # 64 tokens: 4 pages of 16 KiB saved

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM 0.33 (scripts/venv-vllm.sh)")
 
-from harness import (  # noqa: E402
+from harness import (
     ConnectorSpec,
     ModelShape,
     SchedulerDriver,
@@ -25,9 +25,9 @@ from harness import (  # noqa: E402
     make_vllm_config,
     write_model_dir,
 )
-from vllm.v1.request import RequestStatus  # noqa: E402
+from vllm.v1.request import RequestStatus
 
-from kvstore_client import KVStoreClient  # noqa: E402
+from kvstore_client import KVStoreClient
 
 SHAPE = ModelShape()
 PROMPT = list(range(2000, 2064))     # 64 tokens: 4 pages saved, a hit of 3 (48 tokens)
