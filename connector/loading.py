@@ -21,13 +21,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
 
 from kvstore_client import KVStoreError
+from kvstore_client.shm import SharedRegion
 
 from .meta import LoadSpec
+
+if TYPE_CHECKING:                   # the scheduler half imports no torch
+    from .transfer import LoadHandle
 
 __all__ = ["Started", "no_release", "start_step_loads"]
 
@@ -37,9 +42,9 @@ class Started:
     """One load under way: the handle of its copies (several loads may share one)."""
 
     spec: LoadSpec
-    handle: object            # transfer.LoadHandle
+    handle: LoadHandle            # one launch's copies (several loads may share it)
     release: Callable[[], None]   # this load is done with the lease
-    region: object            # the pool mapping the offsets belong to
+    region: SharedRegion          # the pool mapping the offsets belong to
 
 
 def _counted_release(release: Callable[[], None], users: int) -> Callable[[], None]:

@@ -49,7 +49,7 @@ from kvstore_client.handles import Pins
 from kvstore_protocol.keys import Packed
 
 from .breaker import Breaker
-from .config import ConnectorConfig, LookupMode, SavePolicy, open_client
+from .config import ConnectorConfig, LoadMode, LookupMode, SavePolicy, open_client
 from .groups import NULL_BLOCK, CacheGroup, GroupKind
 from .hashing import KEY_BYTES
 from .lookups import StoreLookups
@@ -354,7 +354,7 @@ class SchedulerHalf:
         k = self.blocks_per_page
         rows = [np.asarray(blocks[first * k:last * k], dtype=np.int64).reshape(len(keys), k)
                 for blocks in state.block_ids]
-        is_async = self.config.load_mode.value == "async"
+        is_async = self.config.load_mode is LoadMode.ASYNC
         # Its pins go with it, for a layer-wise load only: its copies end within its own
         # step, and the lease outlives that step (unconfirmed.py). An async load's may
         # outlast a request that finishes first, so its worker pins the pages itself.

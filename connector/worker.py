@@ -81,13 +81,13 @@ import logging
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import numpy as np
 
 from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout, PutResult
-from kvstore_client.shm import Reservation
+from kvstore_client.shm import Reservation, SharedRegion
 
 from .breaker import Breaker, not_answering
 from .config import ConnectorConfig, open_client
@@ -133,12 +133,23 @@ class WorkerStats:
     loads_pinned: int = 0         # loads that copied under the lookup's lease, no Acquire
 
 
-@dataclasses.dataclass(slots=True)
+class Landing(Protocol):
+    """A load's copies in flight: a transfer.LoadHandle (from the shared pool), or its
+    part of a step's remote load (connector.remote), whose layers land as bytes arrive."""
+
+    def wait_layer(self, layer: int) -> None: ...
+    def done(self) -> bool: ...
+    def synchronize(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Load:
+    """One load under way, until its copies have landed and its pin is released."""
+
     spec: LoadSpec
-    handle: Any               # transfer.LoadHandle (one may serve several loads)
-    release: Callable[[], object]          # callable ending the pin on the source pages
-    region: object = None     # the pool mapping the offsets belong to (None: a buffer)
+    handle: Landing                 # its copies (one handle may serve several loads)
+    release: Callable[[], None]     # ends the pin on the source pages
+    region: SharedRegion | None = None   # the pool mapping of its offsets (None: a buffer)
 
 
 # One request's save in a reservation of its own (the buffer path).
@@ -217,7 +228,7 @@ class WorkerHalf:
         self._remote = RemoteLoads(self.client, self.transfer, config.remote_staging_bytes)
         self._last_region = None                   # the newest mapping used
         self._loads: list[_Load] = []              # this step's layer-wise loads
-        self._layer_handles: list = []             # their distinct handles (wait_for_layer)
+        self._layer_handles: list[Landing] = []    # their distinct handles (wait_for_layer)
         self._async: dict[str, _Load] = {}         # loads reported when done
         self._saves = SaveQueue()                  # reserved, copying, waiting to commit
         self._reserving = StepReserve()            # the step's Reserve, until answered
