@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -67,6 +68,20 @@ _DMA_LOAD_PIECE_BYTES = 8 << 20
 # the gather is over in microseconds and holds no SM for long (see DmaSaver).
 _GATHER_CTAS = 0
 
+# A save's pages as save_layer is handed them, layer after layer: the host array's
+# identity and every offset and block id (checked and uploaded once per finish_save).
+_SaveKey = tuple[int, bytes, bytes, tuple[int, ...]]
+
+
+@dataclasses.dataclass(slots=True)
+class _SaveBatch:
+    """One save's pages from its first save_layer until finish_save."""
+
+    plan: Plan                                # checked pages, index uploaded
+    runs: list[tuple[int, int]] | None        # its runs of adjacent pages if it goes by
+                                              # DMA; None: by the kernel
+    held: tuple[int, int] | None = None       # [first, last] layers saved, not launched
+
 
 class KVTransfer:
     """Moves page slabs between host memory and the engine's paged caches, layer by layer.
@@ -115,7 +130,6 @@ class KVTransfer:
                 self._group = _GROUP
             except ValueError:
                 self._tables = [kernel.LayerTable([b]) for b in self._bytes]
-        self._save_runs: dict = {}        # plan key -> [first, last] layers not launched
         self._load_stream = self._save_stream = None
         if self.cuda:
             # Loads gate the model's layers: high priority, so their programs are
@@ -129,8 +143,7 @@ class KVTransfer:
             else None
         self._pending_saves = False       # save_layer since the last finish_save
         self._pending_keep: list = []     # what those saves read or write
-        self._save_plans: dict = {}       # checked save pages, until finish_save
-        self._save_dma: dict = {}         # plan key -> its runs when it goes by DMA
+        self._saves: dict[_SaveKey, _SaveBatch] = {}    # until finish_save
         self._dma_saved = False           # a DMA save since the last finish_save
         self._last_save = None            # the newest save event (fence_saves)
         # Recorded on the engine's stream and waited for at once by the load stream
@@ -278,12 +291,12 @@ class KVTransfer:
         need = -(-launch_bytes // max(1, pages * self.geo.layer_bytes))
         return min(len(self.layers), max(self._group, need))
 
-    def _save_group(self, key) -> int:
+    def _save_group(self, batch: _SaveBatch) -> int:
         """Layers one kernel launch of a save covers (_SAVE_LAUNCH_BYTES), or one piece
         of a DMA save (_DMA_SAVE_PIECE_BYTES; one layer where the layers' caches do not
         share a table, as the gather reads one table)."""
-        pages = len(self._save_plans[key].offsets)
-        if key not in self._save_dma:
+        pages = len(batch.plan.offsets)
+        if batch.runs is None:
             return self._layers_per_launch(pages, _SAVE_LAUNCH_BYTES)
         if len(self._tables) != 1:
             return 1
@@ -329,39 +342,42 @@ class KVTransfer:
         offsets = np.asarray(offsets, dtype=np.int64)
         block_ids = np.asarray(block_ids, dtype=np.int64)
         key = (id(host), offsets.tobytes(), block_ids.tobytes(), block_ids.shape)
-        plan = self._save_plans.get(key)
-        if plan is None or plan.host is not host:
-            plan = self._save_plans[key] = self._plan(host, offsets, block_ids, save=True,
-                                                      uploads=self._save_uploads)
-            self._save_dma.pop(key, None)
-            if self.method is CopyMethod.DMA or self._dma_auto:
-                runs = page_runs(plan.offsets, len(self.layers) * self.geo.layer_bytes)
-                if runs and (self.method is CopyMethod.DMA or (
-                        len(plan.offsets) >= _DMA_SAVE_MIN_RUN * len(runs)
-                        and len(plan.offsets) * self.geo.layer_bytes
-                        >= _DMA_SAVE_MIN_LAYER_BYTES)):
-                    self._save_dma[key] = runs
+        batch = self._saves.get(key)
+        if batch is None or batch.plan.host is not host:
+            if batch is not None and batch.held is not None:
+                self._flush_save(batch)       # another array under a reused id
+            plan = self._plan(host, offsets, block_ids, save=True, uploads=self._save_uploads)
+            batch = self._saves[key] = _SaveBatch(plan, self._dma_save_runs(plan))
         if self.method is CopyMethod.COPIES:
             with on_stream(self._save_stream, self.device):
-                copies.copy_layer(self.geo, self.layers[layer], layer, plan, to_cache=False,
-                                  device=self.device)
-            self._saved(plan)
+                copies.copy_layer(self.geo, self.layers[layer], layer, batch.plan,
+                                  to_cache=False, device=self.device)
+            self._saved(batch.plan)
             return
-        run = self._save_runs.get(key)
-        if run is not None and layer != run[1] + 1:
-            self._flush_save(key)             # not the next layer: launch what is held
-            run = None
-        if run is None:
-            run = self._save_runs[key] = [layer, layer]
-        run[1] = layer
-        if layer - run[0] + 1 >= self._save_group(key) or layer == len(self.layers) - 1:
-            self._flush_save(key)
+        if batch.held is not None and layer != batch.held[1] + 1:
+            self._flush_save(batch)           # not the next layer: launch what is held
+        first = layer if batch.held is None else batch.held[0]
+        batch.held = (first, layer)
+        if layer - first + 1 >= self._save_group(batch) or layer == len(self.layers) - 1:
+            self._flush_save(batch)
 
-    def _flush_save(self, key) -> None:
-        first, last = self._save_runs.pop(key)
-        plan = self._save_plans[key]
-        runs = self._save_dma.get(key)
-        group = self._save_group(key)
+    def _dma_save_runs(self, plan: Plan) -> list[tuple[int, int]] | None:
+        """The runs of adjacent pages of a save that goes by the copy engine, or None for
+        a save by the kernel (_DMA_SAVE_MIN_RUN, _DMA_SAVE_MIN_LAYER_BYTES)."""
+        if not (self.method is CopyMethod.DMA or self._dma_auto):
+            return None
+        runs = page_runs(plan.offsets, len(self.layers) * self.geo.layer_bytes)
+        if runs and (self.method is CopyMethod.DMA or (
+                len(plan.offsets) >= _DMA_SAVE_MIN_RUN * len(runs)
+                and len(plan.offsets) * self.geo.layer_bytes >= _DMA_SAVE_MIN_LAYER_BYTES)):
+            return runs
+        return None
+
+    def _flush_save(self, batch: _SaveBatch) -> None:
+        assert batch.held is not None
+        (first, last), batch.held = batch.held, None
+        plan, runs = batch.plan, batch.runs
+        group = self._save_group(batch)
         save = self._save_stream
         assert save is not None             # COPIES saves never get here
         # A flush is a save piece's fixed host cost, once per piece, and a short save is
@@ -401,8 +417,9 @@ class KVTransfer:
     def finish_save(self, wait: bool = True) -> SaveHandle:
         """A handle on every save enqueued since the last call; wait=True blocks until they
         have landed (TransferError if one failed)."""
-        for key in list(self._save_runs):
-            self._flush_save(key)
+        for batch in self._saves.values():
+            if batch.held is not None:
+                self._flush_save(batch)
         events, keep = [], tuple(self._pending_keep)
         if self._dma_saved:
             # The copies out run on the saver's stream: the one event covers them too.
@@ -413,7 +430,7 @@ class KVTransfer:
             events = [record(self._save_stream)]
             self._last_save = events[0]
         self._pending_saves, self._pending_keep = False, []
-        self._save_plans, self._save_dma = {}, {}
+        self._saves = {}
         if self._save_uploads is not None:
             self._save_uploads.reset()        # every save that reads them is queued
         handle = SaveHandle(self.device, events if (self.cuda and events) else None, keep)
