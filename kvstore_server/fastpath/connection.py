@@ -176,8 +176,8 @@ class Connection:
             self._hello()
             session = Session(self.sock, self._reader, self.plain,
                               memoryview(bytearray(SCRATCH_BYTES)), ANONYMOUS)
-            # A plain socket's timeouts are set once (a setsockopt pair per request cost
-            # ~3 us of a ~100 us call): receives wait the idle timeout, sends
+            # A plain socket's timeouts are set once (a setsockopt pair per request is
+            # two system calls on every small call): receives wait the idle timeout, sends
             # --stream-timeout; only a frame that carries pages (a Put) switches receives
             # to --stream-timeout while they come. Over TLS a Python timeout is one value
             # for both, switched around the wait for each header.

@@ -3,8 +3,9 @@
 Two ways to send pages out of the pool were measured (bench/fastpath_bench.py,
 `--send`): `socket.sendmsg` of memoryviews of the mapping (the kernel copies from the
 mapping into the socket), and `os.sendfile` from the pool's file (tmpfs pages go to the
-socket without a user-space copy). Both release the GIL for the whole call. See
-`SEND_MODES` for the figures and the choice.
+socket without a user-space copy). Both release the GIL for the whole call. The server
+sends with sendmsg unless told otherwise (fastpath.server's `send_mode`);
+docs/fastpath.md says why.
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ __all__ = ["IOV_BATCH", "ClientGone", "Reader", "drain", "recv_exact", "runs", "
 
 # A sendmsg takes at most IOV_MAX (1024 on Linux) buffers.
 IOV_BATCH = 1024
-# ... and, here, at most this many bytes. One call of 128 MiB moved 3.3-4.2 GB/s over
-# loopback on the dev VM where calls of 1-4 MiB moved 4.3-5.2 (the same bytes, same run;
-# bench/fastpath_bench.py's raw peer sends 1 MiB a call). The kernel's reason was not
-# looked into.
+# ... and, here, at most this many bytes: over loopback one very large call moved the
+# same bytes slower than calls of a few MiB (bench/fastpath_bench.py's raw peer sends
+# 1 MiB a call). The kernel's reason was not looked into.
 SEND_BYTES = 2 << 20
 
 
@@ -158,11 +158,10 @@ class Reader:
         drain(self.sock, nbytes - have, scratch)
 
 
-# Up to this many entries, runs() walks Python ints. Why: its numpy form costs 13-26 us
-# at any length below ~100 (five calls on tiny arrays), where the walk costs 0.5 us at 2
-# entries, 1-1.5 at 8, 4-5 at 32 and 20-34 at 128 (dev VM, adjacent and scattered
-# offsets; numpy 14-48 at 128, and ahead from there). An engine's calls are a layer's
-# or a block's few pages.
+# Up to this many entries, runs() walks Python ints. Why: its numpy form (five calls on
+# tiny arrays) costs about the same at any length below ~100, where the walk grows with
+# the entries and stays cheaper up to about a hundred of them. An engine's calls are a
+# layer's or a block's few pages.
 _RUNS_IN_PYTHON = 64
 
 

@@ -68,13 +68,11 @@ MAX_TRACKED = 65536
 
 # From this many bytes of pages a page-major Get sends its 24-byte header in a call of its
 # own. In one sendmsg with the header the pages land 24 bytes off their source's
-# alignment, and on the dev VM's CPU the kernel then copies them at about half speed (a
-# 1 MiB page: ~1.0 GB/s against ~2.7 without the header; nothing the receiver does helps).
-# Two servers side by side on the dev VM, get_into, medians of 9 alternated rounds,
-# header in the sendmsg vs alone: 1 MiB x1 1.38 vs 1.62 GB/s, 1 MiB x8 0.80 vs 1.35,
-# 4 MiB x1 1.64 vs 2.19; but 64 KiB x1 p50 196 vs 268 us (the receiver's extra wake-up
-# costs more than the copy saves) and 64 KiB x8 0.86 vs 0.95 GB/s. An H200 host ran
-# every variant at 5.0-5.6 GB/s, so the split only helps from about 512 KiB up.
+# alignment, and on some CPUs (the dev VM's) the kernel then copies them at about half
+# speed; nothing the receiver does helps. A header alone costs the receiver an extra
+# wake-up, which for small gets costs more than the copy saves, and a host where the
+# alignment costs nothing (an H200's) gains nothing either way: so the split is made
+# only from this size up, where it helped in side-by-side runs.
 HEAD_ALONE_BYTES = 512 << 10
 
 
