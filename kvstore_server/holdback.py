@@ -12,10 +12,10 @@ releases, aborts or commits goes free at once, and an admin's --force ends holds
 operator knows the clients are gone).
 
 The time held back is the server's --lease-ttl, not the lease's own: a client may ask for
-leases of 50 ms and stall for 300 ms. Six such clients on the dev VM for 20 s (server
-ttl 1 s; leases of 50-200 ms; a fifth of their writes and reads 300 ms late) read wrong
-bytes 82 times when slots went free at expiry, 59 times when held back for the lease's
-own ttl, and never when held back for --lease-ttl (two runs). What is held counts in
+leases of 50 ms and stall for 300 ms. Clients that did so (leases shorter than their
+stalls, a fifth of their writes and reads late) read wrong bytes when slots went free at
+expiry and when they were held back for the lease's own ttl, and never when held back
+for --lease-ttl. What is held counts in
 lease_memory with the live leases (store_leases); a lease's expiry moves its footprint
 from one to the other, never adding to it, so a client that lets short leases expire
 holds no more than it could hold live.

@@ -12,9 +12,9 @@ The limits (SECURITY.md and README's settings table state them too):
   of a LookupStream): `max_keys_per_request`, 16,384 by default, a 256k-token prompt at
   16 tokens a page. Past it: INVALID_ARGUMENT, before the keys are even copied. Why not
   more: the work under the store's lock that a request's keys cost (a dict entry a key
-  for a put's reserve and commit) is what bounds the lock's longest hold. At 65,536 keys
-  a commit held it 160-430 ms on the loaded 2-core dev VM; at 16,384, 16-60 ms (143 and
-  178 ms at worst in two runs of kvstore-bench limits on that loaded machine).
+  for a put's reserve and commit) is what bounds the lock's longest hold: at 65,536 keys
+  a commit held it hundreds of milliseconds on a loaded 2-core machine, at 16,384 tens
+  (kvstore-bench limits, docs/perf/limits-3f4ad95abf.json: 62.6 ms the longest hold).
 - bytes of one request message: request_message_bytes(max_keys), 8 MiB by default (the
   keys at their longest, 64 bytes, fill 1 MiB); Put's data messages are 1 MiB.
   Past it gRPC answers RESOURCE_EXHAUSTED before a handler runs.

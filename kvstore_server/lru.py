@@ -46,7 +46,7 @@ class LRUPolicy:
             return
         stamps = np.arange(self._clock, self._clock + ids.size)
         # Grown only when an id lies past the end (IndexError): a max() on every touch
-        # is one more numpy call on the Lookup path, ~10-20 us with the caches cold.
+        # is one more numpy call on the Lookup path, not cheap with the caches cold.
         try:
             self._stamp[ids] = stamps
         except IndexError:

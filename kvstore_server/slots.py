@@ -95,9 +95,9 @@ class SlotTable:
         self.layout_of[slots] = -1
 
     # A lease pins a slot once each time its key is named, and a request may name a key
-    # twice. np.add.at counts repeats but costs ~80 ns an entry (2,048 slots: 163 us on
-    # the dev VM, twice per leased Lookup of a 32k-token prompt, pin and release), where a
-    # fancy-indexed add costs ~5 us and counts a repeated slot once. So repeats are looked
+    # twice. np.add.at counts repeats but costs many times what a fancy-indexed add does,
+    # which counts a repeated slot once, and a leased Lookup of a long prompt pins and
+    # releases thousands of slots. So repeats are looked
     # for first, in `mark`: each entry writes its position at its slot; a slot named twice
     # keeps only the last, so an earlier entry reads back another's position.
     def add_pins(self, slots: np.ndarray, delta: int) -> None:

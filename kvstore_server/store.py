@@ -267,7 +267,7 @@ class Store:
             raise StoreError(Outcome.INVALID, "lookup needs at least one layout_id")
         if len(layout_ids) > MAX_LOOKUP_LAYOUTS:
             # Each layout costs a full pass over the keys under the lock: uncapped, one
-            # request of 20k ids and 2k keys held it for 0.5 s (found by fuzzing).
+            # request of thousands of ids held it far longer than any call should (found by fuzzing).
             raise StoreError(Outcome.INVALID, f"lookup names {len(layout_ids)} layouts; at "
                                               f"most {MAX_LOOKUP_LAYOUTS} (one per rank)")
         layout_ids = list(dict.fromkeys(layout_ids))     # a repeated id counts once
@@ -281,7 +281,7 @@ class Store:
                 count = min(_leading(f) for f in found)
                 return self._count_and_lease(infos, keys, found, count, lease_ttl, offsets)
         # The tier below is asked outside the store's lock: it has its own, and its probe
-        # costs a dict lookup a key (a Lookup of 60 M keys held the store's lock 11.5 s).
+        # costs a dict lookup a key (a Lookup of 60 M keys held the store's lock seconds).
         count = min(self._below.reach(info, keys, slots) for info, slots
                     in zip(infos, found, strict=True))
         run = keys if count == len(keys) else Packed(keys.data[:count * keys.size], keys.size)
@@ -301,9 +301,8 @@ class Store:
 
     # A prefix whose first key is absent counts 0, found from that key alone. The batch
     # path's ~25 numpy calls cost little warm but much with the caches cold, as a request
-    # after idle finds them. A 64-key lookup that hits nothing (dev VM, in-process, the
-    # CPU caches evicted between calls; five runs side by side, medians): 144-178 us
-    # through the batch, 42-58 us here; warm, 34 against 3.4 us.
+    # after idle finds them: a lookup that hits nothing took several times longer through
+    # the batch than here, cold or warm (in-process runs side by side).
     @staticmethod
     def _first_absent(infos: list[LayoutInfo], keys: Packed) -> bool:
         """Whether some layout lacks the first key in DRAM (False for no keys)."""

@@ -31,8 +31,9 @@ from .tier import PageInfo, TierName
 
 __all__ = ["ADMIN_BATCH", "Admin", "Invalidation"]
 
-# Pages an admin eviction or clear handles a lock hold: 256 evicted to the disk tier held
-# it about 11 ms on the dev VM (each page is offered, a copy into the write queue).
+# Pages an admin eviction or clear handles a lock hold: each page evicted is offered to
+# the disk tier (a copy into the write queue), so a hold grows with the batch; this many
+# keep one in milliseconds.
 ADMIN_BATCH = 256
 
 
@@ -104,7 +105,7 @@ class Admin:
             else:
                 victims = np.flatnonzero(eligible)
         # A batch a lock hold, as the evictor does: evicting 65,536 pages in one hold (each
-        # offered to the disk tier) held the lock 2.9 s. A victim leased or freed since it
+        # offered to the disk tier) held the lock for seconds. A victim leased or freed since it
         # was chosen is passed over; one whose slot went to another page meanwhile is
         # evicted in its place (of its layout, if one was named): the same to a cache.
         pages = freed = 0

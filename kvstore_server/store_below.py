@@ -4,7 +4,7 @@ Below owns the read-back count and the probe size, over the store's shared state
 (StoreState); it reads back through the store's own reserve, commit and abort. Both run
 outside the store's lock: the tier below has its
 own, and its probe costs a dict lookup a key (a Lookup of 60 M keys held the store's lock
-11.5 s when it was asked inside). A read-back (promote) goes through the store's own
+for seconds when it was asked inside). A read-back (promote) goes through the store's own
 lifecycle, reserve → write → commit, so a page read back is held to its tenant's quota
 and never visible half-written.
 """
@@ -81,10 +81,10 @@ class Below:
             return False
         wanted = keys.select(missing)
         # Asking first keeps a Get of pages the tier below lacks from reserving, and so
-        # evicting, DRAM for nothing. But the far tier answers in a round trip (~2 ms of
-        # a 64 MiB far read, 39 -> 37 ms, on the dev VM), so it is asked only when the
-        # reservation might evict: with the room free, an absent page costs nothing but
-        # the aborted reservation.
+        # evicting, DRAM for nothing. But the far tier answers in a round trip (a few
+        # percent of a large far read), so it is asked only when the reservation might
+        # evict: with the room free, an absent page costs nothing but the aborted
+        # reservation.
         room = s.pool.free_bytes >= _ROOM_MARGIN * len(wanted) * info.page_bytes
         if not room and not lower.contains(info.layout_id, wanted).all():
             return False
