@@ -47,12 +47,19 @@ from .errors import KVStoreError, Reason
 from .fastconn import Broken, Conn, Timeout, deadline
 from .fastpath import STRIPE_MIN_BYTES, FastPath, keys_body
 
-__all__ = ["Dest", "LayerGet"]
+__all__ = ["Dest", "LayerGet", "stripe_bounds"]
 
 # dest(layer) -> the (n_pages, layer_bytes) uint8 C-contiguous array that layer lands in.
 Dest = Callable[[int], np.ndarray]
 
 _POLL_S = 0.05          # how often a waiting thread looks at `stop`
+
+
+def stripe_bounds(pages: int, layers: int, layer_bytes: int, connections: int) -> list[int]:
+    """The first page of each stripe, and the end: as many stripes as connections, at most
+    one a page, and each at least STRIPE_MIN_BYTES (one stripe at the least)."""
+    stripes = min(connections, pages, max(1, pages * layers * layer_bytes // STRIPE_MIN_BYTES))
+    return np.linspace(0, pages, max(1, stripes) + 1).astype(int).tolist()
 
 
 class _Stopped(Exception):
@@ -78,9 +85,7 @@ class LayerGet:
         self._packed = packed
         self._dest = dest
         self._reregister = reregister
-        stripes = min(fast.connections, self.n,
-                      max(1, self.n * layers * layer_bytes // STRIPE_MIN_BYTES))
-        self._bounds = np.linspace(0, self.n, max(1, stripes) + 1).astype(int).tolist()
+        self._bounds = stripe_bounds(self.n, layers, layer_bytes, fast.connections)
         self._lock = threading.Lock()     # guards _buffers, _left, _conns, _error
         self._buffers: dict[int, concurrent.futures.Future] = {}   # layer -> its buffer
         self._left = [len(self._bounds) - 1] * layers     # stripes yet to fill a layer
