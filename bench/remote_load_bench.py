@@ -7,15 +7,16 @@ that code, RemoteLoad as the worker starts it, against a real kvstore-server ove
 TCP, with the copy out of each slab to the GPU left out (a stand-in transfer takes each
 slab as landed): the CPU part of a remote load alone.
 
-Beside it, in the same run, the same load from a raw TCP peer (bench/rawpeer.py, a process
-of its own): the same stripes over the same number of connections, one request a stripe,
+Beside it, in the same run, the same load from a raw TCP peer (bench/layerpeer.py, a
+process of its own holding the same pages and sending them layer-major from where they lie,
+as the server does): the same stripes over the same number of connections, one request a stripe,
 each layer's rows received straight into the same ring's slabs, a slab handed back once
 every stripe has filled its layer, and nothing else. Loads alternate, raw then connector,
 `--reps` of each a round; a ratio (connector / raw, of the median loads) is taken within a
 round and the table gives the median over `--rounds`, so a noisy neighbour on the shared
 machine moves both sides alike. The pages are 8B-shaped (Llama-3-8B, bf16: 32 layers, 8 KV
 heads, head 128, 16-token pages: 64 KiB a layer slab, 2 MiB a page), random bytes, and the
-first connector load of each size is compared byte for byte with what was stored.
+first load of each size from either side is compared byte for byte with what was stored.
 
     kvstore-bench remote-load [--tokens 256,1024,4096] [--connections 8] [--rounds 5]
                               [--reps 5] [--quick]
@@ -29,6 +30,8 @@ import os
 import queue
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 
@@ -42,14 +45,14 @@ from kvstore_connector.remote import RemoteLoad
 from kvstore_connector.staging import StagingRing
 from kvstore_testing.serverproc import ServerProcess
 
-from .fastpath_sweep import _RawPeer
-from .rawpeer import REQUEST
+from .layerpeer import REQUEST, pages as peer_pages
 
 __all__ = ["LAYOUT", "main"]
 
 LAYOUT = PageLayout(model="bench-remote-8b", num_layers=32, page_tokens=16, num_kv_heads=8,
                     head_size=128, dtype="bfloat16")
 MiB = 1 << 20
+SEED = 3
 STAGING_BYTES = 512 * MiB       # the connector's default remote_staging_bytes
 CONNECTIONS = 8                 # the connector's default remote_connections
 
@@ -89,7 +92,10 @@ class RawLoad:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._socks.append(sock)
 
-    def load(self, pages: int, layers: int, layer_bytes: int) -> None:
+    def load(self, pages: int, layers: int, layer_bytes: int,
+             check: np.ndarray | None = None) -> None:
+        """pages' layers into the ring's slabs; with `check` ((pages, layers, layer_bytes)),
+        each whole layer is copied into it before its slab goes back."""
         bounds = stripe_bounds(pages, layers, layer_bytes, len(self._socks))
         stripes = len(bounds) - 1
         slabs: list[np.ndarray | None] = [None] * layers
@@ -102,7 +108,7 @@ class RawLoad:
         stop = threading.Event()
 
         def stripe(sock: socket.socket, lo: int, hi: int) -> None:
-            sock.sendall(REQUEST.pack(b"G", (hi - lo) * layers * layer_bytes))
+            sock.sendall(REQUEST.pack(lo, hi))
             for layer in range(layers):
                 with lock:
                     first = not claimed[layer]
@@ -132,6 +138,8 @@ class RawLoad:
             t.start()
         for _ in range(layers):
             layer = done.get(timeout=60)
+            if check is not None:
+                check[:, layer] = slabs[layer]
             self._ring.give(index[layer])
         for t in threads:
             t.join()
@@ -155,6 +163,22 @@ class Spec:
         return Spec(tokens=(256, 1024), rounds=3, reps=2)
 
 
+class _LayerPeer:
+    """bench/layerpeer.py in a process of its own, as the server is, holding the pages."""
+
+    def __init__(self, pages: int) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore_bench.layerpeer",
+                                      str(pages), str(LAYOUT.page_bytes),
+                                      str(LAYOUT.num_layers), str(SEED)],
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        self.port = int(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
 def _connector_load(client: KVStoreClient, ns, keys: list[bytes], transfer: HostOnly,
                     ring: StagingRing, pace: Pace) -> None:
     """One load as the worker runs it: started, each layer waited for, synchronized."""
@@ -169,9 +193,8 @@ def run(spec: Spec) -> tuple[list[dict[int, float]], dict[int, tuple[float, floa
     """Per round, token count -> connector / raw; and token count -> (connector GB/s,
     raw GB/s), the medians over every round's loads."""
     pages = max(spec.tokens) // LAYOUT.page_tokens
-    rng = np.random.default_rng(3)
     dram = -(-(pages * LAYOUT.page_bytes * 2 + 256 * MiB) // (256 * MiB)) * 256
-    peer = _RawPeer()
+    peer = _LayerPeer(pages)
     ratios: list[dict[int, float]] = []
     times: dict[int, tuple[list[float], list[float]]] = {t: ([], []) for t in spec.tokens}
     try:
@@ -180,7 +203,7 @@ def run(spec: Spec) -> tuple[list[dict[int, float]], dict[int, tuple[float, floa
                               data_connections=spec.connections) as client:
             ns = client.register_layout(LAYOUT)
             keys = [f"remote-load-{i}".encode().ljust(32, b".") for i in range(pages)]
-            stored = rng.integers(0, 256, (pages, ns.page_bytes), dtype=np.uint8)
+            stored = peer_pages(pages, ns.page_bytes, SEED)
             for lo in range(0, pages, 64):
                 client.put(ns, keys[lo:lo + 64], stored[lo:lo + 64])
             ring = StagingRing(STAGING_BYTES, ns.layer_bytes, torch.device("cpu"))
@@ -195,7 +218,10 @@ def run(spec: Spec) -> tuple[list[dict[int, float]], dict[int, tuple[float, floa
                 _connector_load(client, ns, keys[:n], HostOnly(got), ring, pace)
                 if not np.array_equal(got.reshape(n, -1), stored[:n]):
                     raise SystemExit(f"the connector's load of {n} pages came back different")
-                raw.load(n, LAYOUT.num_layers, ns.layer_bytes)        # warm
+                got[:] = 0
+                raw.load(n, LAYOUT.num_layers, ns.layer_bytes, got)
+                if not np.array_equal(got.reshape(n, -1), stored[:n]):
+                    raise SystemExit(f"the raw peer's load of {n} pages came back different")
             for _ in range(spec.rounds):
                 fig = {}
                 for tokens in spec.tokens:
@@ -229,8 +255,8 @@ def report(spec: Spec, ratios: list[dict[int, float]],
     lines = [f"8B-shaped pages ({LAYOUT.num_layers} layers, {LAYOUT.layer_bytes // 1024} KiB "
              f"a layer slab, {LAYOUT.page_bytes // MiB} MiB a page), loopback TCP, "
              f"up to {spec.connections} connections; medians of {len(ratios)} rounds of "
-             f"{spec.reps} loads each; raw = bench/rawpeer.py in its own process, same "
-             "stripes, slabs and receives a layer; ratio = connector / raw within a round, "
+             f"{spec.reps} loads each; raw = bench/layerpeer.py in its own process, the "
+             "same pages, stripes, slabs and receives a layer; ratio = connector / raw within a round, "
              "then the median", "",
              "| tokens | pages | connections | connector GB/s | raw GB/s | connector/raw |",
              "|---|---|---|---|---|---|"]

@@ -54,7 +54,7 @@ def test_bad_option_names_the_benchmark():
 
 
 # The benchmarks with a --quick smoke run; sglang's needs SGLang (make test-sglang's venv).
-QUICK = ["store", "fastpath", "shm", "disk", "sglang", "far", "peers"]
+QUICK = ["store", "fastpath", "shm", "disk", "sglang", "far", "peers", "remote-load"]
 
 
 @pytest.mark.slow
