@@ -1,8 +1,8 @@
 """Saves in flight: pages copied (or being copied) into reserved store slots, and when their
 reservation may be committed.
 
-A step's saves are reserved together (one Reserve for every request's pages: on the H200 a
-Reserve costs 0.4-2 ms of the step's host time, so one per request made a step of many
+A step's saves are reserved together (one Reserve for every request's pages: a Reserve
+is a round trip of the step's host time, so one per request made a step of many
 requests pay it many times; it is made beside the forward, connector.reserving) and
 copied together, layer by layer, on the save stream. A reservation enters the queue when
 its Reserve has answered. The step that produced the pages does not wait for those

@@ -62,7 +62,7 @@ from .unconfirmed import UnconfirmedLoads
 __all__ = ["SchedulerHalf"]
 
 # A prefetched lookup in flight for longer than this (or lookup_wait_ms, if longer) may be
-# meeting a hung store: a healthy one takes ~0.25 ms on the dev VM.
+# meeting a hung store: a healthy one takes a fraction of it.
 _STALLED_S = 0.002
 
 
@@ -140,8 +140,7 @@ class SchedulerHalf:
         """The request's state; convert=False leaves a new request's tokens unconverted
         (the lookup worker converts them off the loop)."""
         state = self._requests.get(req_id)
-        # Converting a 32k-token list costs milliseconds (2,176 tokens: ~40 us): only
-        # when the request grew.
+        # Converting a 32k-token list costs milliseconds: only when the request grew.
         if state is None:
             arr = np.asarray(tokens, dtype=np.int32) if convert else np.zeros(0, np.int32)
             state = RequestState(arr, len(tokens) if prompt_len is None else prompt_len,
@@ -247,7 +246,7 @@ class SchedulerHalf:
                 self._abandon(req_id)
                 return 0
             # Asked before and still unanswered: while the worker gets through a burst
-            # (~0.25 ms a lookup), ask again, until the lookup's deadline.
+            # (a lookup at a time), ask again, until the lookup's deadline.
             if not self._stalled() and self._prefetcher().clock() < (
                     pending.submitted + self.config.lookup_timeout):
                 return None

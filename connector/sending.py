@@ -1,9 +1,9 @@
 """Saves to a store on another host: which pages cross the network.
 
 Without the shared pool a save is copied to a pinned buffer and sent by a Put. Sending
-every planned page made the server drop the ones it had: 27-46% more pages than stored in
-a cold round of prompts sharing prefixes in a real engine, and pages of earlier rounds
-again. So each step asks once which of its pages the store holds (an Exists, on the
+every planned page made the server drop the ones it had: in a real engine, a cold round
+of prompts sharing prefixes sent many more pages than it stored, and pages of earlier
+rounds again. So each step asks once which of its pages the store holds (an Exists, on the
 reserve thread beside the forward: connector.reserving), and a page is sent by one
 request only: not if the store holds it, nor if an earlier save still on its way (not
 yet committed) or another request of the step sends it. A page skipped so is not copied

@@ -23,9 +23,8 @@ from .transfer import TransferError, pinned_empty
 
 __all__ = ["SLABS", "StagingRing", "Stopped"]
 
-# Slabs in the ring: one receiving, one or two copying, one spare. A layer's copy (PCIe,
-# ~50 GB/s on the H200) is faster than its receive (the network), so more slabs would
-# only hold memory.
+# Slabs in the ring: one receiving, one or two copying, one spare. A layer's copy (PCIe)
+# is faster than its receive (the network), so more slabs would only hold memory.
 SLABS = 4
 _POLL_S = 0.05                # how often a waiting take looks at `stop`
 

@@ -228,8 +228,8 @@ class DmaSaver(_Staging):
 
     Why: a kernel save writes the pool through UVA from the SMs for as long as the bytes
     take on PCIe, beside the forward that produced them; the copy engine needs no SM while
-    the bytes move, so the forward keeps its SMs (the gather is device to device, ~1% of
-    the copy's time). The gather runs on the save stream and the copy on a stream of its
+    the bytes move, so the forward keeps its SMs (the gather is device to device, a small
+    part of the copy's time). The gather runs on the save stream and the copy on a stream of its
     own, two buffers alternating, so a piece gathers while the previous one copies out.
     """
 

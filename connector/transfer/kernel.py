@@ -29,9 +29,9 @@ except ImportError:                   # pragma: no cover - depends on the instal
 
 __all__ = ["DEFAULT_MAX_CTAS", "LayerTable", "available", "launch", "load_ctas"]
 
-# Default cap on the kernel's programs (persistent CTAs). On the H200 every cap from 16 to
-# uncapped moved the same bytes a second at 16k tokens: PCIe, not the SMs, is the limit,
-# so take few and leave the rest of the 132 SMs to the model.
+# Default cap on the kernel's programs (persistent CTAs). Every cap from 16 to uncapped
+# moved the same bytes a second: PCIe, not the SMs, is the limit, so take few and leave
+# the rest of the SMs to the model.
 DEFAULT_MAX_CTAS = 32
 
 
@@ -62,7 +62,7 @@ def launch(geo: Geometry, caches: LayerTable, layer0: int, layers: int, host_t: 
     """One launch over layers [layer0, layer0 + layers): `pages` slabs at host_t + offs[p]
     + layer * host_layer_stride (host memory, or the DMA path's device staging) and their
     blocks of each layer's cache, on the stream whose handle is `stream` (None: the
-    current stream; looking it up costs the host ~10 us a launch)."""
+    current stream; looking it up costs the host time on every launch)."""
     n_rows = pages * geo.kv * geo.page_tokens * geo.heads * geo.units_per_head
     rows = max(1, _TILE_BYTES // geo.unit)
     n_tiles = -(-n_rows // rows)

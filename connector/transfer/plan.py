@@ -109,9 +109,9 @@ def check_pages(geo: Geometry, num_layers: int, host: np.ndarray, offsets, block
     page_extent = num_layers * geo.layer_bytes
     if len(offsets):
         # These checks are on every copy's critical path, where each numpy call costs the
-        # H200 host ~5-10 us (caches cold between copies): 60-90 us for a 1,024-token
-        # load's checks as first written. Pages back to back in ascending order, the
-        # usual case, are bounded by the first and last and cannot overlap: one pass.
+        # host microseconds (caches cold between copies), and the checks as first written
+        # made a dozen. Pages back to back in ascending order, the usual case, are
+        # bounded by the first and last and cannot overlap: one pass.
         one_run = len(offsets) == 1 or bool((np.diff(offsets) == page_extent).all())
         lo, hi = ((int(offsets[0]), int(offsets[-1])) if one_run
                   else (int(offsets.min()), int(offsets.max())))
