@@ -28,8 +28,8 @@ import time
 
 import numpy as np
 
-from kvstore_server.disk import DiskTier
-from kvstore_server.slotfile import aligned_buffer, probe_direct
+from kvstore_server.disk.slotfile import aligned_buffer, probe_direct
+from kvstore_server.disk.tier import DiskTier
 
 MiB = 1 << 20
 LAYOUT_ID = b"disk-bench-lay01"

@@ -52,8 +52,8 @@ from .config import (
     is_loopback,
     load_config,
 )
-from .disk import DiskTier
-from .disk_stats import DiskCollector
+from .disk.stats import DiskCollector
+from .disk.tier import DiskTier
 from .eviction import load_policy
 from .far import wiring as far_wiring
 from .fastpath import FastPathServer, SocketFolder, remove_stale_folders, socket_path

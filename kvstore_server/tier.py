@@ -3,7 +3,7 @@
 A page is named by (16-byte layout id, key of 1..64 bytes); a key names its contents, so
 two copies of one name hold the same bytes, and any tier may forget a page at any time.
 DRAM (store.py) is the top of the chain; everything below it is a `Tier`: the disk tier
-(disk.py), the far tier (far/tier.py), or several of them in a `TierChain`, top first
+(disk/tier.py), the far tier (far/tier.py), or several of them in a `TierChain`, top first
 (DRAM -> disk -> far). The store talks to "the tier below" only through this interface.
 
 The whole life of a page, across the tiers:

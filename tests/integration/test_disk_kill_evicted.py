@@ -6,7 +6,7 @@
   and a key names its contents (the store never stores a key twice), so it is the page
   the key named when it was put. The rebuild then evicts down to the capacity;
 - a page deleted never comes back, even one the tier had evicted just before the delete
-  (a delete waits until every slot freed so far is blank or rewritten: disk.py, _durable);
+  (a delete waits until every slot freed so far is blank or rewritten: disk/tier.py, _durable);
 - an admin eviction of a layout or of everything is a delete.
 
 Each round kills the server while its disk writer is busy with a spill, so that freed

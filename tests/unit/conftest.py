@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore_server.disk import DiskTier
+from kvstore_server.disk.tier import DiskTier
 
 MiB = 1 << 20
 

@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from kvstore_server.disk import DiskTier
-from kvstore_server.slotfile import HEADER_BYTES, aligned_buffer, slot_bytes_for
+from kvstore_server.disk.slotfile import HEADER_BYTES, aligned_buffer, slot_bytes_for
+from kvstore_server.disk.tier import DiskTier
 from kvstore_server.tier import NullTier, Tier
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -355,7 +355,7 @@ def test_one_tier_per_folder(tiers, tmp_path):
 @pytest.mark.slow
 def test_restart_of_100k_pages(tiers, tmp_path):
     """100k pages of 1 KiB (4 KiB slots: 400 MiB of files) come back after a restart; the
-    rate is quoted in disk.py's docstring."""
+    rate is quoted in disk/tier.py's docstring."""
     size, n = 1 * KiB, 100_000
     tier = tiers(capacity=512 * MiB)
     ks = [i.to_bytes(8, "little") for i in range(n)]

@@ -11,8 +11,8 @@ import textwrap
 
 import numpy as np
 
-from kvstore_server.disk import DiskTier
-from kvstore_server.slotfile import slot_bytes_for
+from kvstore_server.disk.slotfile import slot_bytes_for
+from kvstore_server.disk.tier import DiskTier
 
 from .test_disk import LAYOUT, KiB, fill, key, page, read
 
@@ -44,8 +44,8 @@ def test_a_restart_over_capacity_evicts_the_oldest_down_to_it(tiers, tmp_path):
 _SLOW_BLANK = """
 import sys, time
 from kvstore_server import slotfile
-from kvstore_server.disk import DiskTier
-from kvstore_server.slotfile import slot_bytes_for
+from kvstore_server.disk.tier import DiskTier
+from kvstore_server.disk.slotfile import slot_bytes_for
 from tests.unit.test_disk import LAYOUT, KiB, fill, key
 
 blank = slotfile.SlotFile.blank

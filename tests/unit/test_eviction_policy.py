@@ -13,10 +13,10 @@ import pytest
 
 from kvstore_protocol.layout import PageLayout
 from kvstore_server.config import load_config
-from kvstore_server.disk import DiskTier
+from kvstore_server.disk.slotfile import slot_bytes_for
+from kvstore_server.disk.tier import DiskTier
 from kvstore_server.eviction import EvictionPolicy, load_policy
 from kvstore_server.region import Region
-from kvstore_server.slotfile import slot_bytes_for
 from kvstore_server.store import Store
 
 FIFO = "tests.fifo_policy"

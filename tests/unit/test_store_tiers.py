@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvstore_protocol.layout import PageLayout
-from kvstore_server.disk import DiskTier
+from kvstore_server.disk.tier import DiskTier
 from kvstore_server.errors import Outcome, StoreError
 from kvstore_server.region import Region
 from kvstore_server.store import Store

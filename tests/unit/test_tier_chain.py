@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore_server.disk import DiskTier
+from kvstore_server.disk.tier import DiskTier
 from kvstore_server.tier import NullTier, Tier, TierChain
 
 MiB = 1 << 20
@@ -155,7 +155,7 @@ class Below(NullTier):
 def test_a_page_corrupt_on_disk_is_never_handed_down(tmp_path):
     import os
 
-    from kvstore_server.slotfile import slot_bytes_for
+    from kvstore_server.disk.slotfile import slot_bytes_for
 
     near, below = DiskTier(str(tmp_path / "near"), 4 * slot_bytes_for(SIZE)), Below()
     chain = TierChain([near, below])

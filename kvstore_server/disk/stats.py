@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .tier import TierStats
+from ..tier import TierStats
 
 __all__ = ["DiskCollector", "DiskCounters", "DiskStats"]
 

@@ -28,7 +28,7 @@ once (a ring: the writer frees in the order offers took), and drops the page whe
 is full. A disk that fills (ENOSPC) or fails (EIO) turns writes off for good (logged once,
 `failed` in stats); reads of what is already here go on.
 
-Parts: the staging ring (staging.py), the slots, index and eviction (disk_slots.py), the
+Parts: the staging ring (staging.py), the slots, index and eviction (slots.py), the
 bytes on disk (slotfile.py) and their batched I/O and folder lock (slot_io.py); this module
 is the shell: the lock, the writer thread and the Tier interface (tier.py).
 Over 400 lines because reads, durable deletes and the writer's rounds all wait on one
@@ -59,12 +59,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .disk_slots import DiskSlots
-from .disk_stats import DiskCounters, DiskStats
-from .errors import StoreError
-from .eviction import PolicyFactory, make_policy
-from .layouts import LAYOUT_ID_BYTES
-from .removals import Cause, RemovalRing
+from ..errors import StoreError
+from ..eviction import PolicyFactory, make_policy
+from ..layouts import LAYOUT_ID_BYTES
+from ..removals import Cause, RemovalRing
+from ..slots import SlotState
+from ..tier import Page, PageInfo, Tier, TierInvalidation, TierName, TierStats
 from .slot_io import SlotRead, SlotWrite, folder_gone, lock_folder, read_slots, runs_of, write_slots
 from .slotfile import (
     ALIGN,
@@ -76,16 +76,16 @@ from .slotfile import (
     seal,
     slot_bytes_for,
 )
-from .slots import SlotState
+from .slots import DiskSlots
 from .staging import Pending, StagingRing
-from .tier import Page, PageInfo, Tier, TierInvalidation, TierName, TierStats
+from .stats import DiskCounters, DiskStats
 
 if TYPE_CHECKING:
-    from .far.records import Scope
+    from ..far.records import Scope
 
 __all__ = ["DiskStats", "DiskTier"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvstore_server.disk")
 
 # os.pwritev's signature: the seam through which tests inject ENOSPC and EIO.
 PwriteV = Callable[[int, Sequence[memoryview], int], int]

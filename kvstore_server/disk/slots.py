@@ -15,9 +15,9 @@ from typing import cast
 
 import numpy as np
 
-from .eviction import EvictionPolicy, enough
+from ..eviction import EvictionPolicy, enough
+from ..slots import SlotState, grown
 from .slotfile import CORRUPT, SUFFIX, VALID, SlotFile
-from .slots import SlotState, grown
 
 __all__ = ["DiskSlots"]
 
