@@ -113,6 +113,13 @@ class ConnectorConfig:
     # ... over at most this many connections at once (a Get is split by pages; each
     # connection gets at least 16 MiB of it).
     remote_connections: int = 8
+    # KV events (connector.events): while the engine publishes KV events (vLLM's
+    # --kv-events-config), pages the store holds for it are announced on that stream as
+    # BlockStored / BlockRemoved with this medium, the store polled every events_interval
+    # seconds (a removal reaches the stream within about that). events false: never.
+    events: bool = True
+    events_interval: float = 0.5
+    events_medium: str = "KVSTORE"
     # For testing only: a regular expression; the first load of each request whose id it
     # matches (re.search) fails as a store fault would, so a test can show what the
     # engine's kv_load_failure_policy does with it. "" = off.
@@ -148,11 +155,13 @@ class ConnectorConfig:
         if (config.page_tokens < 0 or config.lookup_timeout <= 0 or config.lease_ms < 0
                 or config.probe_interval <= 0 or config.ask_again < 0
                 or config.lookup_wait_ms < 0 or config.min_hit_tokens < 0
-                or config.remote_staging_bytes <= 0 or config.remote_connections <= 0):
+                or config.remote_staging_bytes <= 0 or config.remote_connections <= 0
+                or config.events_interval <= 0):
             raise ValueError("kvstore connector config: page_tokens must be >= 0, "
                              "lookup_timeout > 0, lease_ms >= 0, probe_interval > 0, "
                              "ask_again >= 0, lookup_wait_ms >= 0, min_hit_tokens >= 0, "
-                             "remote_staging_bytes > 0 and remote_connections > 0")
+                             "remote_staging_bytes > 0, remote_connections > 0 and "
+                             "events_interval > 0")
         try:
             re.compile(config.fail_loads)
         except re.error as exc:

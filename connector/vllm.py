@@ -37,7 +37,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvstore_client import PageLayout
 
-from .config import ConnectorConfig, LoadMode
+from .config import ConnectorConfig, LoadMode, open_client
+from .events import EventFeed, Removed, SavedRun, Stored
 from .groups import CacheGroup, GroupKind, UnsupportedCache, cache_groups
 from .groupworkers import GroupWorkers
 from .kvviews import detect_kind, kv5
@@ -50,6 +51,7 @@ from .worker import SharedStore, WorkerHalf
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -238,6 +240,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.page_tokens = page_tokens
         self._scheduler: SchedulerHalf | None = None
         self.retainer: Retainer | None = None
+        self.events: EventFeed | None = None
+        self._event_groups: list[int] = []          # the engine's groups events name
+        self._events_after_save: dict[str, SavedRun] = {}
         self._retain_after_save: dict[str, tuple[RetainAsk, list[bytes]]] = {}
         self._worker: GroupWorkers | None = None
         self._requests: dict[str, Request] = {}     # live scheduler objects
@@ -256,10 +261,61 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             # Session retention asked in kv_transfer_params (connector.retention): sent
             # once a request's saves have landed, off the loop.
             self.retainer = Retainer(self._scheduler.store)
+            self.events = self._event_feed(vllm_config)
         log.info("kvstore connector (%s) for %s: server %s, %d-token pages, %s loads, "
                  "KV-cache groups: %s", role.name.lower(), self.layouts[0].model,
                  self.config.server, page_tokens, self.config.load_mode.value,
                  ", ".join(f"{g.kind.value}x{len(g.layer_names)}" for g in self.groups))
+
+    def _event_feed(self, vllm_config: "VllmConfig") -> EventFeed | None:
+        """The store's side of the engine's KV-event stream (connector.events), while
+        the engine publishes one: the full-attention groups' layouts (a hit's reach)."""
+        events = vllm_config.kv_events_config
+        if not self.config.events or events is None or not events.enable_kv_cache_events:
+            return None
+        self._event_groups = [g.index for g in self.groups if g.kind is GroupKind.FULL] or [0]
+        layouts = [lay for g in self._event_groups for lay in self.group_layouts[g]]
+        log.info("kvstore connector: pages the store holds are announced on the KV-event "
+                 "stream as medium %s, polled every %.2f s", self.config.events_medium,
+                 self.config.events_interval)
+        # A client of its own: its calls never queue behind the loop's lookups.
+        return EventFeed(open_client(self.config, self.config.timeout, retries=0,
+                                     shared_memory=False), layouts,
+                         interval=self.config.events_interval)
+
+    def take_events(self) -> "list[KVCacheEvent]":
+        """Store events since the last call (vLLM publishes them with its own)."""
+        if self.events is None:
+            return []
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as export
+        out: list[KVCacheEvent] = []
+        medium = self.config.events_medium
+        for event in self.events.take():
+            for group in self._event_groups:
+                if isinstance(event, Stored):
+                    out.append(BlockStored(
+                        block_hashes=[export(h) for h in event.hashes],
+                        parent_block_hash=None if event.parent is None else export(event.parent),
+                        token_ids=list(event.tokens), block_size=self.block_size,
+                        lora_id=None, medium=medium, lora_name=event.lora_name,
+                        group_idx=group))
+                elif isinstance(event, Removed):
+                    out.append(BlockRemoved(block_hashes=[export(h) for h in event.hashes],
+                                            medium=medium, group_idx=group))
+        return out
+
+    def _saved_run(self, request: "Request") -> SavedRun | None:
+        """The request's pages in the store, with its block hashes, for the events."""
+        keys = self._sched.stored_keys(request.request_id)
+        if not keys:
+            return None
+        blocks = len(keys) * (self.page_tokens // self.block_size)
+        lora = request.lora_request
+        return SavedRun(tuple(keys), tuple(request.block_hashes[:blocks]),
+                        tuple(request.all_token_ids[:len(keys) * self.page_tokens]),
+                        self.page_tokens // self.block_size, self.page_tokens,
+                        lora.name if lora is not None else None)
 
     # -- scheduler side -------------------------------------------------------------------
     @property
@@ -330,6 +386,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 waiting = self._retain_after_save.pop(req_id, None)
                 if waiting is not None and self.retainer is not None:
                     self.retainer.submit(*waiting)
+        if self._events_after_save and connector_output.finished_sending:
+            for req_id in connector_output.finished_sending:
+                run = self._events_after_save.pop(req_id, None)
+                if run is not None and self.events is not None:
+                    self.events.saved(run)
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -341,6 +402,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         delay = request.request_id in self._saving
         if request.kv_transfer_params:
             self._retain(request, delay)
+        if self.events is not None:
+            run = self._saved_run(request)
+            if run is not None and delay:       # announced once its saves have landed
+                self._events_after_save[request.request_id] = run
+            elif run is not None:
+                self.events.saved(run)
         self._sched.finished(request.request_id)
         self._saving.discard(request.request_id)
         return delay, None
@@ -461,4 +528,6 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is not None:
             if self.retainer is not None:
                 self.retainer.close(self.config.timeout + 0.5)
+            if self.events is not None:
+                self.events.close()
             self._scheduler.close()
