@@ -85,6 +85,27 @@ class Removals:
     entries: tuple[Removal, ...]
 
 
+# What one RetainMany may carry: the server's default bounds (--max-keys-per-request).
+_RETAIN_SESSIONS = 1024
+_RETAIN_KEYS = 16384
+
+
+def _retain_parts(asks: Sequence[tuple[str, float, Sequence[bytes]]]
+                  ) -> list[list[tuple[str, float, Sequence[bytes]]]]:
+    """The asks in calls the server takes: at most _RETAIN_SESSIONS sessions, and keys
+    (counted per session, a bound on the distinct ones too) at most _RETAIN_KEYS."""
+    parts: list[list[tuple[str, float, Sequence[bytes]]]] = [[]]
+    named = 0
+    for ask in asks:
+        n = len(ask[2])
+        if parts[-1] and (len(parts[-1]) >= _RETAIN_SESSIONS or named + n > _RETAIN_KEYS):
+            parts.append([])
+            named = 0
+        parts[-1].append(ask)
+        named += n
+    return [p for p in parts if p]
+
+
 class KVStoreClient:
     """A connection to one kvstore-server. Thread-safe; use as a context manager.
 
@@ -332,6 +353,30 @@ class KVStoreClient:
             entries.append(Removal(seq, ids[index], resp.keys[at:at + size], cause))
             at += size
         return Removals(resp.epoch, resp.next_seq, resp.gap, resp.more, tuple(entries))
+
+    def retain_many(self, ns: LayoutHandle,
+                    asks: Sequence[tuple[str, float, Sequence[bytes]]]) -> list[Retention]:
+        """Several retains at once, (session, ttl, keys) each, answered in order as
+        retain answers each: one call (a few when past the server's bounds) instead of one
+        a session; a prefix the sessions share is sent once."""
+        out: list[Retention] = []
+        for part in _retain_parts(asks):
+            table: dict[bytes, int] = {}
+            sessions = []
+            for session, ttl, keys in part:
+                idx = np.array([table.setdefault(k, len(table)) for k in keys], dtype="<u4")
+                sessions.append(pb.RetainSession(
+                    session=session, ttl_ms=max(1, round(ttl * 1000)) if ttl > 0 else 0,
+                    key_index=idx.tobytes()))
+            req = pb.RetainManyRequest(layout_id=ns.layout_id, keys=packed(list(table)),
+                                       sessions=sessions)
+            out += self._retain_part(ns, req)
+        return out
+
+    def _retain_part(self, ns: LayoutHandle, req: pb.RetainManyRequest) -> list[Retention]:
+        resp = self._rpc.call("RetainMany", lambda: self._rpc.retain_many(
+            req, timeout=self.timeout), ns)
+        return [Retention(r.pages, r.refused) for r in resp.results]
 
     def release_retention(self, session: str) -> int:
         """End a session's retention now: the pages it kept (0: no such session)."""

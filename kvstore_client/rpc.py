@@ -92,6 +92,7 @@ class Rpc:
         self.abort = unary(s + "Abort", pb.AbortRequest, pb.AbortResponse)
         self.acquire = unary(s + "Acquire", pb.AcquireRequest, pb.AcquireResponse)
         self.retain = unary(s + "Retain", pb.RetainRequest, pb.RetainResponse)
+        self.retain_many = unary(s + "RetainMany", pb.RetainManyRequest, pb.RetainManyResponse)
         self.release_retention = unary(s + "ReleaseRetention", pb.ReleaseRetentionRequest,
                                        pb.ReleaseRetentionResponse)
         self.removals = unary(s + "Removals", pb.RemovalsRequest, pb.RemovalsResponse)

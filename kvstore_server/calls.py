@@ -186,6 +186,23 @@ class Calls:
         return self.store.retain(self.layout(who, layout_id), keys, session,
                                  ttl_ms / 1000.0, quota=who.quota_bytes)
 
+    def retain_many(self, who: Principal, layout_id: bytes, data: bytes, key_size: int,
+                    sessions: Sequence[tuple[str, int, bytes]]) -> list[Retained]:
+        """Several sessions' retains: (session, ttl_ms, key indexes as little-endian
+        uint32s into the keys sent) each, answered in order as retain answers each."""
+        keys = self.keys(data, key_size, "RetainMany")
+        if any(len(index) % 4 for _, _, index in sessions):
+            raise StoreError(Outcome.INVALID, "RetainMany: a key_index is little-endian "
+                                              "uint32s (4 bytes each)")
+        indexes = [np.frombuffer(index, dtype="<u4").astype(np.int64)
+                   for _, _, index in sessions]
+        self.limits.retain_many(len(keys), indexes)
+        return self.store.retain_many(
+            self.layout(who, layout_id), keys,
+            [(session, ttl_ms / 1000.0, idx)
+             for (session, ttl_ms, _), idx in zip(sessions, indexes, strict=True)],
+            quota=who.quota_bytes)
+
     def release_retention(self, who: Principal, session: str) -> int:
         return self.store.release_retention(session, who.name)
 

@@ -34,17 +34,21 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from kvstore_protocol.keys import MAX_KEY_BYTES, Packed
 
 from .errors import Outcome, StoreError
 
-__all__ = ["DEFAULT_MAX_KEYS", "MAX_KEYS_LIMIT", "RequestLimits", "request_message_bytes"]
+__all__ = ["DEFAULT_MAX_KEYS", "MAX_KEYS_LIMIT", "MAX_RETAIN_SESSIONS", "RequestLimits",
+           "request_message_bytes"]
 
 DEFAULT_MAX_KEYS = 16_384
 # The most max_keys may be set to: 64 times the default, a 4M-token prompt; a commit of
 # that many keys would hold the store's lock for seconds.
 MAX_KEYS_LIMIT = 1 << 20
 LOOKUP_FACTOR = 4           # layouts x keys of one Lookup, in units of max_keys
+MAX_RETAIN_SESSIONS = 1024  # sessions one RetainMany may name
 
 
 def request_message_bytes(max_keys: int) -> int:
@@ -78,6 +82,21 @@ class RequestLimits:
             raise StoreError(Outcome.INVALID, (
                 f"Lookup of {n_keys} keys in {n_layouts} layouts: layouts x keys may be at "
                 f"most {LOOKUP_FACTOR * self.max_keys} (4 x --max-keys-per-request)"))
+
+    def retain_many(self, n_keys: int, indexes: list[np.ndarray]) -> None:
+        """Refuse (INVALID) a RetainMany of more than MAX_RETAIN_SESSIONS sessions, of
+        more than 4 x max_keys key indexes in all, or naming a key it does not send."""
+        if len(indexes) > MAX_RETAIN_SESSIONS:
+            raise StoreError(Outcome.INVALID, f"RetainMany names {len(indexes)} sessions; "
+                                              f"at most {MAX_RETAIN_SESSIONS}: split it")
+        total = sum(len(idx) for idx in indexes)
+        if total > LOOKUP_FACTOR * self.max_keys:
+            raise StoreError(Outcome.INVALID, (
+                f"RetainMany's sessions name {total} keys in all; at most "
+                f"{LOOKUP_FACTOR * self.max_keys} (4 x --max-keys-per-request): split it"))
+        if any(idx.size and int(idx.max()) >= n_keys for idx in indexes):
+            raise StoreError(Outcome.INVALID, f"RetainMany: a session names a key index "
+                                              f"past the {n_keys} keys sent")
 
     @staticmethod
     def get_bytes(n_keys: int, page_bytes: int, pool_bytes: int) -> None:

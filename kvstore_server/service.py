@@ -200,6 +200,15 @@ class KVStoreService:
                                  request.keys.key_size, request.session, request.ttl_ms)
         return pb.RetainResponse(pages=kept.pages, refused=kept.refused)
 
+    def RetainMany(self, request: pb.RetainManyRequest,
+                   context: grpc.ServicerContext) -> pb.RetainManyResponse:
+        kept = self.calls.retain_many(
+            self._caller(context), request.layout_id, request.keys.data,
+            request.keys.key_size,
+            [(s.session, s.ttl_ms, s.key_index) for s in request.sessions])
+        return pb.RetainManyResponse(results=[pb.RetainResponse(pages=k.pages, refused=k.refused)
+                                              for k in kept])
+
     def ReleaseRetention(self, request: pb.ReleaseRetentionRequest,
                          context: grpc.ServicerContext) -> pb.ReleaseRetentionResponse:
         return pb.ReleaseRetentionResponse(pages=self.calls.release_retention(
@@ -323,6 +332,7 @@ def add_kvstore_service(server: grpc.Server, service: KVStoreService,
         "Abort": u("Abort", pb.AbortRequest, pb.AbortResponse),
         "Acquire": u("Acquire", pb.AcquireRequest, pb.AcquireResponse),
         "Retain": u("Retain", pb.RetainRequest, pb.RetainResponse),
+        "RetainMany": u("RetainMany", pb.RetainManyRequest, pb.RetainManyResponse),
         "ReleaseRetention": u("ReleaseRetention", pb.ReleaseRetentionRequest,
                               pb.ReleaseRetentionResponse),
         "Removals": u("Removals", pb.RemovalsRequest, pb.RemovalsResponse),

@@ -574,6 +574,12 @@ class Store:
         """Keep a session's leading run of keys in DRAM for ttl s (Retention.retain)."""
         return self._retention.retain(layout_id, keys, session, ttl, quota)
 
+    def retain_many(self, layout_id: bytes, keys: Packed,
+                    asks: Sequence[tuple[str, float, np.ndarray]],
+                    quota: int = 0) -> list[Retained]:
+        """Several sessions' retains, answered in order (Retention.retain_many)."""
+        return self._retention.retain_many(layout_id, keys, asks, quota)
+
     def release_retention(self, session: str, tenant: str) -> int:
         """End a tenant's session now: pages it no longer keeps (0 if none such)."""
         return self._retention.release(session, tenant)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -37,6 +38,17 @@ class Retained:
     refused: str = ""
 
 
+def _check(session: str, ttl: float) -> None:
+    """A retain's session name and ttl, refused (INVALID) out of bounds."""
+    if not 1 <= len(session) <= MAX_SESSION_NAME:
+        raise StoreError(Outcome.INVALID, f"a session is named by 1 to "
+                                          f"{MAX_SESSION_NAME} characters, got {len(session)}")
+    if not 0 < ttl <= MAX_TTL:
+        raise StoreError(Outcome.INVALID, f"a retention's ttl is more than 0 and at most "
+                                          f"{MAX_TTL:.0f} s, got {ttl} (release it with "
+                                          "ReleaseRetention)")
+
+
 class Retention:
     """Sessions' retention of their prefixes, pinned as leases pin (LeaseBook)."""
 
@@ -54,13 +66,7 @@ class Retention:
         sets the session's expiry anew. Refused (nothing changes, counted) over the
         tenant's quota or session cap, or with retention off. quota: the bytes the
         tenant may store (0 = unlimited); it retains at most half of them."""
-        if not 1 <= len(session) <= MAX_SESSION_NAME:
-            raise StoreError(Outcome.INVALID, f"a session is named by 1 to "
-                                              f"{MAX_SESSION_NAME} characters, got {len(session)}")
-        if not 0 < ttl <= MAX_TTL:
-            raise StoreError(Outcome.INVALID, f"a retention's ttl is more than 0 and at most "
-                                              f"{MAX_TTL:.0f} s, got {ttl} (release it with "
-                                              "ReleaseRetention)")
+        _check(session, ttl)
         s = self._s
         with s.lock:
             info = s.layouts.info(layout_id)
@@ -74,6 +80,18 @@ class Retention:
             self._book.pin(new)
             s.touch(run)
             return Retained(len(run))
+
+    def retain_many(self, layout_id: bytes, keys: Packed,
+                    asks: Sequence[tuple[str, float, np.ndarray]],
+                    quota: int = 0) -> list[Retained]:
+        """Several sessions' retains at once: (session, ttl, indexes into keys of its
+        prefix) each, answered in order as retain answers each. Every ask is checked
+        before any is kept; each takes the lock on its own, as a retain does."""
+        for session, ttl, _ in asks:
+            _check(session, ttl)
+        rows = keys.rows
+        return [self.retain(layout_id, Packed(rows[idx].tobytes(), keys.size), session,
+                            ttl, quota) for session, ttl, idx in asks]
 
     def _retained_bytes(self, slots: np.ndarray) -> np.ndarray:
         return self._s.pool.class_bytes[self._s.pool.cls[slots]]

@@ -14,11 +14,13 @@ import sys
 import textwrap
 import urllib.request
 
+import grpc
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
+from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_testing.serverproc import free_port
 from tests.waiting import wait_for
 
@@ -220,3 +222,51 @@ def test_kvstore_admin_stats_shows_it(srv):
     assert proc.returncode == 0, proc.stderr
     assert "retained 8 pages (of 1 sessions)" in proc.stdout
     assert "retains refused 1" in proc.stdout
+
+
+def test_many_sessions_in_one_call_are_answered_as_retain_answers_each(srv):
+    """RetainMany (what the connector sends once per engine step): per-session answers
+    in order, a shared prefix sent once, the quota applied session by session."""
+    with client(srv, "a") as a:
+        ns = a.register_layout(LAYOUT)
+        shared, own = keys("sys", 3), keys("own", 2)
+        a.put(ns, shared + own, pages(5, ns.page_bytes))
+        got = a.retain_many(ns, [("m1", TTL, shared + own[:1]), ("m2", TTL, shared + own[1:]),
+                                 ("m3", TTL, shared + keys("absent", 1) + own),
+                                 ("greedy", TTL, keys("big", 20))])
+        assert [(g.pages, g.refused) for g in got[:3]] == [(4, ""), (4, ""), (3, "")]
+        assert got[3].pages == 0 and got[3].retained          # nothing of it in DRAM
+        assert metric(srv, "kvstore_retained_pages") == 5     # shared pages count once
+        assert metric(srv, "kvstore_retention_sessions") == 4
+        big = keys("big", 20)
+        a.put(ns, big, pages(20, ns.page_bytes))
+        over = a.retain_many(ns, [("greedy2", TTL, big), ("fine", TTL, big[:2])])
+        assert "quota" in over[0].refused and over[1].retained
+        assert a.release_retention("m1") == 4
+
+
+def test_retain_many_is_bounded_and_checked(srv):
+    with client(srv, "a") as a:
+        ns = a.register_layout(LAYOUT)
+        a.put(ns, keys("k", 1), pages(1, ns.page_bytes))
+
+        def raw(**fields):
+            req = pb.RetainManyRequest(layout_id=ns.layout_id,
+                                       keys=pb.PackedKeys(data=b"".join(keys("k", 1)),
+                                                          key_size=16), **fields)
+            with pytest.raises(grpc.RpcError) as info:
+                a._rpc.retain_many(req, timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            return info.value.details()
+
+        one = np.array([0], dtype="<u4").tobytes()
+        assert "at most 1024" in raw(sessions=[pb.RetainSession(session=f"s{i}", ttl_ms=1000,
+                                                                key_index=one)
+                                               for i in range(1025)])
+        assert "past the 1 keys" in raw(sessions=[pb.RetainSession(
+            session="s", ttl_ms=1000, key_index=np.array([1], dtype="<u4").tobytes())])
+        assert "4 bytes" in raw(sessions=[pb.RetainSession(session="s", ttl_ms=1000,
+                                                           key_index=b"\0")])
+        assert "ttl" in raw(sessions=[pb.RetainSession(session="s", ttl_ms=0, key_index=one)])
+        assert metric(srv, "kvstore_retention_sessions") == 0   # a refused call kept nothing
+        assert a.retain_many(ns, [("s", 1.0, keys("k", 1))])[0].retained

@@ -273,6 +273,32 @@ class RetainResponse(_message.Message):
     refused: str
     def __init__(self, pages: _Optional[int] = ..., refused: _Optional[str] = ...) -> None: ...
 
+class RetainSession(_message.Message):
+    __slots__ = ("session", "ttl_ms", "key_index")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    KEY_INDEX_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    ttl_ms: int
+    key_index: bytes
+    def __init__(self, session: _Optional[str] = ..., ttl_ms: _Optional[int] = ..., key_index: _Optional[bytes] = ...) -> None: ...
+
+class RetainManyRequest(_message.Message):
+    __slots__ = ("layout_id", "keys", "sessions")
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    layout_id: bytes
+    keys: PackedKeys
+    sessions: _containers.RepeatedCompositeFieldContainer[RetainSession]
+    def __init__(self, layout_id: _Optional[bytes] = ..., keys: _Optional[_Union[PackedKeys, _Mapping]] = ..., sessions: _Optional[_Iterable[_Union[RetainSession, _Mapping]]] = ...) -> None: ...
+
+class RetainManyResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[RetainResponse]
+    def __init__(self, results: _Optional[_Iterable[_Union[RetainResponse, _Mapping]]] = ...) -> None: ...
+
 class ReleaseRetentionRequest(_message.Message):
     __slots__ = ("session",)
     SESSION_FIELD_NUMBER: _ClassVar[int]

@@ -107,6 +107,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.RetainRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RetainResponse.FromString,
                 _registered_method=True)
+        self.RetainMany = channel.unary_unary(
+                '/kvstore.v1.KVStore/RetainMany',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.RetainManyRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RetainManyResponse.FromString,
+                _registered_method=True)
         self.ReleaseRetention = channel.unary_unary(
                 '/kvstore.v1.KVStore/ReleaseRetention',
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReleaseRetentionRequest.SerializeToString,
@@ -212,6 +217,12 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RetainMany(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReleaseRetention(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -296,6 +307,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Retain,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RetainRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.RetainResponse.SerializeToString,
+            ),
+            'RetainMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.RetainMany,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RetainManyRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.RetainManyResponse.SerializeToString,
             ),
             'ReleaseRetention': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseRetention,
@@ -686,6 +702,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Retain',
             kvstore_dot_v1_dot_kvstore__pb2.RetainRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.RetainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RetainMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/RetainMany',
+            kvstore_dot_v1_dot_kvstore__pb2.RetainManyRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.RetainManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
