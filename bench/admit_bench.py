@@ -19,13 +19,17 @@ and gaps alternate within each repetition; figures are medians. Lookups go over 
 path, and over gRPC (the lookup stream) in sync mode for reference; the hashing alone is
 timed beside them.
 
---retain: every request also asks for session retention as it ends (a session of its own,
-5 s), as a vLLM request's `kv_transfer_params` would (connector.retention): its stored keys
-are handed to the retention thread inside "release ms", and that thread's Retain calls
-(one a request) run beside the next burst.
+--retain, --events: each case runs twice, alternated, plain and with the engine's extras on
+(rows marked "+"), and the ratio of their loop ms is printed. --retain: every request asks
+for session retention as it ends (a session of its own, 5 s), as a vLLM request's
+`kv_transfer_params` would (connector.retention): its stored keys are handed to the
+retention thread inside "release ms", and that thread's RetainMany calls (one per step's
+asks) run beside the next burst. --events: the connector's KV-event feed runs
+(connector.events): each finished request's stored pages are queued for it inside
+"release ms", and it polls the store every 0.5 s beside the bursts.
 
     kvstore-bench admit [--mode sync,prefetch] [--gap-ms 1,10] [--requests 64]
-        [--system-len 2048] [--user-len 128] [--reps 7] [--retain]
+        [--system-len 2048] [--user-len 128] [--reps 7] [--retain] [--events]
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ import dataclasses
 import itertools
 import statistics
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_connector.config import ConnectorConfig, LookupMode
+from kvstore_connector.events import EventFeed, SavedRun
 from kvstore_connector.hashing import page_keys
 from kvstore_connector.retention import RetainAsk, Retainer
 from kvstore_connector.scheduler import SchedulerHalf
@@ -61,11 +67,16 @@ class Case:
     mode: LookupMode
     fast: bool              # fast path; False: gRPC
     gap_s: float            # the engine's step between two schedule() calls
+    extras: bool = False    # retention and/or events on (--retain, --events)
 
     @property
     def name(self) -> str:
         path = "" if self.fast else ", gRPC"
-        return f"{self.mode.value}{path}"
+        return f"{self.mode.value}{path}{' +' if self.extras else ''}"
+
+    @property
+    def plain(self) -> Case:
+        return dataclasses.replace(self, extras=False)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -76,10 +87,26 @@ class Burst:
     hit_tokens: int
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Extras:
+    """What the engine runs beside its lookups (None: off)."""
+
+    retainer: Retainer | None = None
+    events: EventFeed | None = None
+
+    def close(self) -> None:
+        if self.retainer is not None:
+            self.retainer.close(10.0)
+        if self.events is not None:
+            self.events.close()
+
+
 def _burst(sched: SchedulerHalf, prompts: list[np.ndarray], gap_s: float,
-           retainer: Retainer | None = None) -> Burst:
+           extras: Extras = Extras(), hashes: Sequence[bytes] = ()) -> Burst:
     """Ask every request as consecutive schedule() calls would until all are answered."""
     ids = [f"r{next(_ids)}" for _ in prompts]
+    # What vLLM's requests hold: token ids as a list (Request.all_token_ids).
+    token_lists = [tokens.tolist() for tokens in prompts] if extras.events else prompts
     waiting = list(zip(ids, prompts))
     loop = 0.0
     hit = steps = 0
@@ -99,9 +126,14 @@ def _burst(sched: SchedulerHalf, prompts: list[np.ndarray], gap_s: float,
         loop += time.perf_counter() - started
         waiting = asked_again
     started = time.perf_counter()
-    for req_id in ids:
-        if retainer is not None:        # as the vLLM adapter's request_finished does
-            retainer.submit(RetainAsk(req_id, 5.0), sched.stored_keys(req_id))
+    for req_id, tokens in zip(ids, token_lists, strict=True):
+        # As the vLLM adapter's request_finished does.
+        if extras.retainer is not None:
+            extras.retainer.submit(RetainAsk(req_id, 5.0), sched.stored_keys(req_id))
+        if extras.events is not None:
+            keys = sched.stored_keys(req_id)
+            extras.events.saved(SavedRun(tuple(keys), tuple(hashes[:len(keys)]),
+                                         tuple(tokens[:len(keys) * 16]), 1, 16))
         sched.finished(req_id)
     sched.build()                       # sends (or hands over) the lease releases
     return Burst(loop, steps, time.perf_counter() - started, hit)
@@ -119,7 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--user-len", type=int, default=128)
     p.add_argument("--reps", type=int, default=7, help="bursts per case (median)")
     p.add_argument("--retain", action="store_true",
-                   help="every request asks for session retention as it ends")
+                   help="beside each case, the same with every request asking for session "
+                        "retention as it ends")
+    p.add_argument("--events", action="store_true",
+                   help="beside each case, the same with the connector's KV-event feed on "
+                        "(with --retain: both on)")
     args = p.parse_args(argv)
     modes = [LookupMode(m) for m in args.mode.split(",")]
     gaps = [float(g) / 1e3 for g in args.gap_ms.split(",")]
@@ -131,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     cases = [Case(m, fast, g) for m in modes for fast in (True, False)
              for g in (gaps[:1] if m is LookupMode.SYNC else gaps)
              if fast or m is LookupMode.SYNC]
+    if args.retain or args.events:
+        cases = [c for case in cases for c in (case, dataclasses.replace(case, extras=True))]
+    hashes = [i.to_bytes(32, "big") for i in range(len(prompts[0]) // 16)]
     with ServerProcess(dram="256MiB").start() as srv:
         with KVStoreClient(srv.address, shared_memory=False) as filler:
             ns = filler.register_layout(LAYOUT)
@@ -142,12 +181,16 @@ def main(argv: list[str] | None = None) -> int:
             scheds[case] = SchedulerHalf(config, [LAYOUT], 16, client=KVStoreClient(
                 srv.address, shared_memory=False, retries=0, timeout=5.0,
                 data_plane=case.fast))
-        retainers = {case: Retainer(sched.store) for case, sched in scheds.items()
-                     if args.retain}
+        extras = {case: Extras(
+            Retainer(sched.store) if args.retain else None,
+            EventFeed(KVStoreClient(srv.address, shared_memory=False, retries=0,
+                                    timeout=5.0), [LAYOUT]) if args.events else None)
+            for case, sched in scheds.items() if case.extras}
         runs: dict[Case, list[Burst]] = {case: [] for case in cases}
         for rep in range(args.reps + 1):                # the first burst warms up
             for case in cases:
-                burst = _burst(scheds[case], prompts, case.gap_s, retainers.get(case))
+                burst = _burst(scheds[case], prompts, case.gap_s,
+                               extras.get(case, Extras()), hashes)
                 if rep:
                     runs[case].append(burst)
         hashing = []
@@ -156,14 +199,16 @@ def main(argv: list[str] | None = None) -> int:
             for tokens in prompts:
                 page_keys(tokens[:(len(tokens) - 1) // 16 * 16], 16, LAYOUT.chain_seed)
             hashing.append(time.perf_counter() - started)
-        for retainer in retainers.values():
-            retainer.close(10.0)
+        for extra in extras.values():
+            extra.close()
         for sched in scheds.values():
             sched.close()
     n = args.requests
     print(f"{n} new requests, {args.system_len}-token shared system prompt stored + "
           f"{args.user_len} own tokens each; median of {args.reps} bursts"
-          + ("; each request asks for retention as it ends" if args.retain else ""))
+          + (f"; + : {' and '.join(on)} on" if (on := [name for name, flag in (
+              ("retention asked by every request", args.retain),
+              ("KV events", args.events)) if flag]) else ""))
     print()
     print("| lookups | step gap ms | steps to answer all | loop ms | per request us "
           "| release ms | tokens hit |")
@@ -180,19 +225,31 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| hashing alone | - | - | {statistics.median(hashing) * 1e3:.2f} | "
           f"{statistics.median(hashing) / n * 1e6:.0f} | - | - |")
     print()
-    if retainers:
-        counts = [r.counts for r in retainers.values()]
+    counts = [e.retainer.counts for e in extras.values() if e.retainer is not None]
+    if counts:
         print(f"retention asks: {sum(c.asked for c in counts)}, retained "
               f"{sum(c.retained for c in counts)}, refused {sum(c.refused for c in counts)}, "
               f"failed {sum(c.failed for c in counts)}, dropped "
               f"{sum(c.dropped for c in counts)}")
+    feeds = [e.events.counts for e in extras.values() if e.events is not None]
+    if feeds:
+        print(f"KV events: {sum(f.stored for f in feeds)} pages announced stored, "
+              f"{sum(f.polls for f in feeds)} polls, {sum(f.failed for f in feeds)} failed")
+    for case in cases:
+        if case.extras:
+            print(f"loop ms, {case.name} / {case.plain.name}"
+                  f"{'' if case.mode is LookupMode.SYNC else f' at a {case.gap_s * 1e3:g} ms step'}: "
+                  f"{loop[case] / loop[case.plain]:.2f}x")
+    if counts or feeds:
         print()
-    sync = next((c for c in cases if c.mode is LookupMode.SYNC and c.fast), None)
-    grpc_ = next((c for c in cases if c.mode is LookupMode.SYNC and not c.fast), None)
+    sync = next((c for c in cases if c.mode is LookupMode.SYNC and c.fast and not c.extras),
+                None)
+    grpc_ = next((c for c in cases if c.mode is LookupMode.SYNC and not c.fast
+                  and not c.extras), None)
     if sync and grpc_:
         print(f"sync, fast path / gRPC: {loop[grpc_] / loop[sync]:.1f}x faster")
     for case in cases:
-        if sync and case.mode is LookupMode.PREFETCH:
+        if sync and case.mode is LookupMode.PREFETCH and not case.extras:
             print(f"loop ms, sync / prefetch at a {case.gap_s * 1e3:g} ms step: "
                   f"{loop[sync] / loop[case]:.1f}x")
     return 0
