@@ -102,7 +102,7 @@ def exec_form(args: str) -> list[str]:
 
 def healthcheck_command(stage: list[tuple[str, str]]) -> list[str]:
     args = next(rest for word, rest in stage if word == "HEALTHCHECK")
-    options, _, cmd = args.partition(" CMD ")
+    _options, _, cmd = args.partition(" CMD ")
     return exec_form(cmd.strip())
 
 
@@ -128,7 +128,7 @@ class CommandServer(ServerProcess):
 
     def start(self, wait: float = 30.0) -> CommandServer:
         assert shutil.which(self.argv[0], path=self.env.get("PATH")), self.argv[0]
-        self._log = open(self.log_path, "ab")
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - the server's log while it runs
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=self.env)
         self.wait_healthy(wait)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import grp
 import hashlib
+import itertools
 import json
 import os
 import secrets
@@ -235,7 +236,7 @@ def test_k8s_engine_reaches_the_node_store(k8s_server, engine):
     """The engine Deployment's connector JSON, with $(NODE_IP) and $(KVSTORE_TOKEN) as
     Kubernetes expands them, stores and finds pages through shared memory."""
     args = k8s_object("Deployment", engine)["spec"]["template"]["spec"]["containers"][0]["args"]
-    raw = next(v for f, v in zip(args, args[1:]) if f in (
+    raw = next(v for f, v in itertools.pairwise(args) if f in (
         "--kv-transfer-config", "--hicache-storage-backend-extra-config"))
     text = expand_k8s(raw, {"NODE_IP": "127.0.0.1", "KVSTORE_TOKEN": k8s_server.tokens["tenants"]})
     cfg = json.loads(with_port([text], "127.0.0.1:50051", k8s_server.address)[0])

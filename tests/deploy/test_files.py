@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import itertools
 import json
 import pathlib
 import re
@@ -169,7 +170,7 @@ def test_engine_configs_are_valid_connector_configs():
                 for n in ("vllm", "sglang")]
     seen = 0
     for args in configs:
-        for flag, value in zip(args, args[1:]):
+        for flag, value in itertools.pairwise(args):
             if flag == "--kv-transfer-config":
                 cfg = json.loads(value)
                 assert cfg["kv_connector"] == "KVStoreConnector"

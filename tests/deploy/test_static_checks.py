@@ -53,7 +53,7 @@ def _manifests() -> list[tuple[str, dict]]:
 def test_manifests_validate_against_kubernetes_schemas(version):
     kv = _validator()
     checked = 0
-    for where, doc in _manifests():
+    for _where, doc in _manifests():
         if doc["kind"] in CRD_KINDS:
             continue
         kv.validate(doc, version, strict=True)      # strict: unknown fields are errors

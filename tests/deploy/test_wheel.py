@@ -148,7 +148,7 @@ for name in sys.argv[1:]:
 
 def test_the_installed_server_starts_and_answers_health(installed, tmp_path):
     port = free_port_pair()
-    log = open(tmp_path / "server.log", "wb")
+    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - the server's, closed after it
     proc = subprocess.Popen([str(installed / "bin/kvstore-server"), "--listen",
                              f"127.0.0.1:{port}", "--dram", "32MiB"],
                             stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,

@@ -8,6 +8,7 @@ shown when a test fails.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -283,10 +284,8 @@ class ServeProc(_Logged):
             if line.startswith("vllm:") and " " in line:
                 name, _, value = line.rpartition(" ")
                 key = name.split("{")[0].removesuffix("_total")
-                try:
+                with contextlib.suppress(ValueError):
                     values[key] = values.get(key, 0.0) + float(value)
-                except ValueError:
-                    pass
         return values
 
     def close(self) -> int:

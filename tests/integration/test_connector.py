@@ -84,7 +84,7 @@ class Engine:
         self.sched.allocated(req_id, blocks, hit)
         self.sched.scheduled(req_id, tokens, local + hit, len(tokens) - local - hit,
                              block_ids=blocks)
-        meta, done, errors = self.step([(blocks, tokens, local + hit, len(tokens))])
+        meta, _done, errors = self.step([(blocks, tokens, local + hit, len(tokens))])
         return hit, blocks, meta, errors
 
     def expect_kv(self, blocks, tokens, upto):

@@ -230,7 +230,7 @@ def lease_calls(client) -> list[str]:
     (the calls themselves go to the server as ever)."""
     calls: list[str] = []
     for name in ("acquire", "reserve"):
-        def spy(*args, _name=name, _call=getattr(client, name), **kwargs):
+        def spy(*args, _name=name, _call=getattr(client, name), **kwargs):  # noqa: B008 - bound now
             calls.append(_name)
             return _call(*args, **kwargs)
         setattr(client, name, spy)

@@ -139,7 +139,7 @@ def test_saves_are_committed_at_a_later_step_once_their_copies_land(srv):
     e = Engine(srv.address)
     gate = Gate(e.worker.transfer)
     tokens = prompt(64, 7)
-    hit, blocks, meta, _ = e.run_prompt("a", tokens)
+    hit, _blocks, meta, _ = e.run_prompt("a", tokens)
     assert hit == 0 and len(meta.saves) == 1
     # The producing step returned with its copies in flight: nothing committed yet, and
     # the finished request's blocks are not free.

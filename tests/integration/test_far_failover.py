@@ -48,7 +48,7 @@ def test_kill_a_master_under_load(fresh_cluster):
                 problems.append(repr(exc))
                 return
             foreign = 0
-            for key, page, bit in zip(batch, got, bits):
+            for key, page, _bit in zip(batch, got, bits):
                 if page is not None and bytes(page) != pages[key]:
                     problems.append("wrong bytes")
                 rounds["misses"] += page is None

@@ -36,9 +36,9 @@ def standalone(tmp_path_factory):
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
                 break
-            except OSError:
+            except OSError as exc:
                 if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("standalone server did not start")
+                    raise RuntimeError("standalone server did not start") from exc
                 time.sleep(0.05)
         yield port
     finally:

@@ -168,7 +168,7 @@ def test_a_forged_value_is_a_miss_with_a_counted_reason(fleet, forge, reason):
 
 
 def test_a_secret_rotates_through_a_fleet_without_a_restart(fleet, tmp_path):
-    start, raw, namespace = fleet
+    start, _raw, _namespace = fleet
     old, new = os.urandom(32).hex(), os.urandom(32).hex()
     file_a, file_b = tmp_path / "a", tmp_path / "b"
     file_a.write_text(old + "\n")

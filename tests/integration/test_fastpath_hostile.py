@@ -138,7 +138,7 @@ def test_a_trickled_or_silent_hello_is_cut_off_at_its_deadline(hostile, pki):
     silent = _connect(srv, transport, pki, hello=False)
     header = fw.encode_header(fw.Op.HELLO, 0)
     got = None
-    for i, byte in enumerate(header):
+    for i, byte in enumerate(header):  # noqa: B007 - i is read after the loop
         try:
             trickler.sock.sendall(bytes([byte]))
         except OSError:

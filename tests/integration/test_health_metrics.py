@@ -54,5 +54,5 @@ def test_sigterm_stops_gracefully_and_removes_the_region(fresh_server):
     assert srv.stop(signal.SIGTERM) == 0
     log = srv.log()
     assert "stopped" in log
-    region = [w for w in log.split() if w.startswith("/dev/shm/kvstore-")][0].rstrip(";")
+    region = next(w for w in log.split() if w.startswith("/dev/shm/kvstore-")).rstrip(";")
     assert not os.path.exists(region)

@@ -64,7 +64,7 @@ def test_a_pinned_lease_outlives_its_connection_until_released(srv):
     """The pins are for a worker in another process: closing the lookup's connection
     must not unpin pages that worker may be copying (a lease without pins does go)."""
     with KVStoreClient(srv.address) as c:
-        ns, ks, _ = _stored(c, 4, seed=1)
+        _ns, ks, _ = _stored(c, 4, seed=1)
         before = c.stats().leases
     with KVStoreClient(srv.address, shared_memory=False) as a:
         ns_a = a.register_layout(layout())

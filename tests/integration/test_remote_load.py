@@ -4,6 +4,7 @@ path loads; failures reported like any failed load, leaving no thread behind."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import threading
@@ -65,7 +66,7 @@ class Rig:
         edges = [0, *cuts, len(self.keys)]
         return tuple(LoadSpec(f"r{i}", tuple(self.keys[a:b]), self.blocks[a:b].copy(),
                               i in is_async, load_id=i + 1)
-                     for i, (a, b) in enumerate(zip(edges[:-1], edges[1:])))
+                     for i, (a, b) in enumerate(itertools.pairwise(edges)))
 
     def step(self, worker: WorkerHalf, loads, between=None) -> set[int]:
         """One step that loads `loads`; the engine's block ids whose load failed."""

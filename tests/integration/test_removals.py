@@ -67,8 +67,8 @@ def test_deletes_evictions_and_an_invalidation_in_order(fresh_server):
             c.put(ns, keys(f"fill{part}", n // 2), pages(n // 2, ns.page_bytes))
         filled, last = read_all(c, [ns], last)
         assert filled and {e.cause for e in filled} == {EVICTED}
-        present = set(k for k, held in zip(keys("fill0", n // 2),
-                                           c.exists(ns, keys("fill0", n // 2))) if not held)
+        present = {k for k, held in zip(keys("fill0", n // 2),
+                                           c.exists(ns, keys("fill0", n // 2))) if not held}
         assert present <= {e.key for e in filled}
         c.put(ns, keys("q", 2), pages(2, ns.page_bytes))
         c.admin.invalidate(layout_id=ns.layout_id)

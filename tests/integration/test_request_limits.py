@@ -50,7 +50,7 @@ def small(fresh_server, request):
 @pytest.mark.parametrize("small", [{"max_keys_per_request": 1000}], indirect=True,
                          ids=["keys"])
 def test_too_many_keys_are_refused_by_every_call(small):
-    srv, client, ns, stub = small
+    _srv, client, ns, stub = small
     keys = pb.PackedKeys(data=b"k" * 16 * 1001, key_size=16)
     lid = ns.layout_id
     token = client.region().token
@@ -125,7 +125,7 @@ def test_requests_of_any_size_leave_the_memory_bounded(server):
 
 @pytest.mark.parametrize("small", [{"lease_ttl": "1s"}], indirect=True, ids=["ttl"])
 def test_leases_are_capped_at_the_servers_ttl(small):
-    srv, client, ns, stub = small
+    _srv, client, ns, _stub = small
     keys = [b"lease-%010d" % i for i in range(4)]
     client.put(ns, keys, np.zeros((4, ns.page_bytes), np.uint8))
     lease = client.lookup_lease(ns, keys, lease_ms=2**32 - 1)

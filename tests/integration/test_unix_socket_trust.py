@@ -11,6 +11,7 @@ children that drop to it with setuid."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
@@ -137,10 +138,8 @@ class Impostor:
     def close(self) -> None:
         os.close(self._cmd_w)
         self._out.close()
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         os.waitpid(self.pid, 0)
 
     # -- in the child -----------------------------------------------------------------------

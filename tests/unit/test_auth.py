@@ -230,7 +230,7 @@ def test_quota_evicts_only_the_tenants_own_pages(store):
         store.reserve(a.layout_id, keys("y", 5), quota=quota)
     assert info.value.outcome is Outcome.EXHAUSTED
     pinned = store.acquire(a.layout_id, keys("a", 2) + keys("x", 2))
-    with pytest.raises(StoreError, match="'a' is at its quota of 1.0 MiB: it holds 1.0 MiB"):
+    with pytest.raises(StoreError, match=r"'a' is at its quota of 1\.0 MiB: it holds 1\.0 MiB"):
         store.reserve(a.layout_id, keys("y", 1), quota=quota)
     assert store.exists(b.layout_id, keys("b", 4)).all()
     store.release(pinned.lease_id)

@@ -85,7 +85,7 @@ def test_values_a_file_may_not_hold(tmp_path, line, words):
 def test_a_file_that_is_not_utf8_is_a_config_error(tmp_path):
     path = tmp_path / "latin1.toml"
     path.write_bytes('log_level = "INFO" # caf\xe9\n'.encode("latin-1"))
-    with pytest.raises(ConfigError, match="cannot read config file .*utf-8"):
+    with pytest.raises(ConfigError, match=r"cannot read config file .*utf-8"):
         load_config(["--config", str(path)], environ={})
 
 

@@ -125,7 +125,7 @@ def test_data_listen(value, expected):
 
 
 def test_data_listen_off_loopback_needs_auth():
-    with pytest.raises(ConfigError, match="data_listen 0.0.0.0:7000 is not loopback"):
+    with pytest.raises(ConfigError, match=r"data_listen 0\.0\.0\.0:7000 is not loopback"):
         load_config(["--data-listen", "0.0.0.0:7000"], environ={})
     with pytest.raises(ConfigError, match="HOST:PORT, auto or off"):
         load_config(["--data-listen", "nonsense"], environ={})

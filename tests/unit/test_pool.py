@@ -1,3 +1,5 @@
+import itertools
+
 import numpy as np
 import pytest
 
@@ -15,7 +17,7 @@ def test_slots_do_not_overlap_and_are_aligned():
     spans = [(int(pool.offset[s]), pool.slot_bytes(a)) for s in sa]
     spans += [(int(pool.offset[s]), pool.slot_bytes(b)) for s in sb]
     spans.sort()
-    for (o1, n1), (o2, _) in zip(spans, spans[1:]):
+    for (o1, n1), (o2, _) in itertools.pairwise(spans):
         assert o1 + n1 <= o2
     assert all(o % SLOT_ALIGN == 0 for o, _ in spans)
     assert spans[-1][0] + spans[-1][1] <= pool.capacity_bytes

@@ -90,7 +90,7 @@ def test_a_few_keys_at_a_time_count_as_one_batch_does(key_size):
     words = words.view(np.uint64)
     batch, _, batch_area = _map()
     few, _, few_area = _map()
-    for p, area in ((batch, batch_area), (few, few_area)):
+    for _p, area in ((batch, batch_area), (few, few_area)):
         area[client_side.bucket(client_side.salt(LAYOUT), keys[0].tobytes())] = 254
     by_batch, by_few = batch.watch(LAYOUT), few.watch(LAYOUT)
     by_batch(np.concatenate([words, words[:1], words[:1]]), 1)

@@ -28,6 +28,7 @@ test_faults.py (chosen cases) and test_fault_sweep.py (every step boundary).
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import signal
 import time
@@ -341,10 +342,8 @@ def run_with_fault(model_dir, tmp_path, fault, scheduler, mode, requests, at=3,
         return RunResult(engine.steps, engine.fault.fired_at if engine.fault else 0,
                          dict(engine.stats), engine.model.reads, checked)
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError, TypeError):
             os.kill(server.proc.pid, signal.SIGCONT)
-        except (ProcessLookupError, TypeError):
-            pass
         if own:
             server.stop()
 
