@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 FOLDERS = ["tests/unit", "tests/integration", "tests/fuzz", "tests/deploy"]
 # Test files of the scheduler half (and what it is built from): no torch in their imports.
 TORCH_FREE = ["tests/integration/test_prefetch.py", "tests/integration/test_auth.py",
-              "tests/unit/test_groups.py"]
+              "tests/unit/test_groups.py", "tests/unit/test_scheduler_prefetch.py"]
 
 # `import torch` raises ImportError in the child, as where torch is not installed.
 BLOCK_TORCH = ("import sys; sys.modules['torch'] = None; import pytest; "

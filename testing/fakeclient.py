@@ -1,0 +1,160 @@
+"""A client with no server: the calls of KVStoreClient that the connector's scheduler half
+makes (register, lookup, leased lookup, release, exists, retain), and put to fill the store,
+answered by a real Store in this process.
+
+For unit tests of the scheduler's logic (prefetched lookups, leases dropped on every path,
+hit accounting): no process, no socket, nothing to wait for but the logic itself. The
+pages, leases and counts are the store's own, so what a test reads back (leases held,
+pages stored) is what a server would report. A store that hangs or fails is a switch
+(`hung`, `fail`), not a SIGSTOP. The transports, and the scheduler against a real server,
+stay in tests/integration.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+import numpy as np
+
+from kvstore_client.client import Retention
+from kvstore_client.errors import KVStoreError
+from kvstore_client.handles import LayoutHandle, Lease, PutResult
+from kvstore_protocol.keys import Packed
+from kvstore_protocol.layout import PageLayout
+from kvstore_server.errors import StoreError
+from kvstore_server.region import Region
+from kvstore_server.status import CODES
+from kvstore_server.store import Store
+from kvstore_server.tenants import DEFAULT_TENANT
+
+__all__ = ["FakeClient"]
+
+MiB = 1 << 20
+
+
+class FakeClient:
+    """KVStoreClient's scheduler-side calls over an in-process Store (see the module).
+
+    calls counts each call by name, answered or not. While `hung` is set, a call waits
+    for it to clear, as a stopped server keeps its caller waiting, and past `timeout`
+    seconds raises DEADLINE_EXCEEDED, as KVStoreClient does. `fail`, when set, is raised
+    by every call instead (a KVStoreError such as UNAVAILABLE)."""
+
+    def __init__(self, dram: int = 32 * MiB, lease_ttl: float = 30.0, timeout: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.region = Region(dram)
+        self.store = Store(self.region, lease_ttl=lease_ttl, clock=clock)
+        self.timeout = timeout
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.hung = _Switch()
+        self.fail: KVStoreError | None = None
+        self.closed = False
+
+    # -- what the scheduler half calls ------------------------------------------------
+    def register_layout(self, layout: PageLayout) -> LayoutHandle:
+        info = self._call("RegisterLayout", self.store.register_layout, layout)
+        return LayoutHandle(layout, info.layout_id, info.page_bytes, info.layer_bytes)
+
+    def lookup(self, ns: LayoutHandle | Sequence[LayoutHandle],
+               keys: Sequence[bytes] | Packed) -> int:
+        return self._call("Lookup", self.store.lookup, _ids(ns), keys)[0]
+
+    def lookup_lease(self, ns: LayoutHandle | Sequence[LayoutHandle],
+                     keys: Sequence[bytes] | Packed, lease_ms: int,
+                     pins: bool = False) -> Lease:
+        if lease_ms <= 0:
+            raise ValueError("lease_ms must be positive")
+        count, lease_id = self._call("Lookup", self.store.lookup, _ids(ns), keys,
+                                     lease_ms / 1000)
+        return Lease(lease_id, count, None)          # pins: only over the fast path
+
+    def release_lease(self, lease: Lease | int, pages_read: int = 0) -> bool:
+        lease_id = lease.lease_id if isinstance(lease, Lease) else lease
+        if not lease_id:
+            return False
+        return self._call("ReleaseLease", self.store.release, lease_id, None, pages_read)
+
+    def exists(self, ns: LayoutHandle, keys: Sequence[bytes]) -> list[bool]:
+        return self._call("Exists", self.store.exists, ns.layout_id, keys).tolist()
+
+    def retain(self, ns: LayoutHandle, keys: Sequence[bytes], session: str,
+               ttl: float) -> Retention:
+        got = self._call("Retain", self.store.retain, ns.layout_id, Packed.of(keys), session,
+                         ttl)
+        return Retention(got.pages, got.refused)
+
+    def release_retention(self, session: str) -> int:
+        return self._call("ReleaseRetention", self.store.release_retention, session,
+                          DEFAULT_TENANT)
+
+    def close(self) -> None:
+        self.closed = True
+
+    # -- for the test -----------------------------------------------------------------
+    def put(self, ns: LayoutHandle, keys: Sequence[bytes], pages) -> PutResult:
+        """Store pages (N, page_bytes) under keys, as KVStoreClient.put does."""
+        flat = np.ascontiguousarray(pages, dtype=np.uint8).reshape(len(keys), ns.page_bytes)
+        res = self._call("Put", self.store.reserve, ns.layout_id, keys)
+        for page, offset in zip(flat, res.offsets.tolist(), strict=True):
+            if offset >= 0:
+                self.region.mem[offset:offset + ns.page_bytes] = page
+        stored = self.store.commit(res.lease_id)
+        return PutResult(stored, int((res.slots < 0).sum()) - res.in_flight, res.in_flight)
+
+    @property
+    def leases(self) -> int:
+        """Live leases in the store, as Stats reports them."""
+        return self.store.stats().leases
+
+    def __enter__(self) -> FakeClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+        self.region.close()
+
+    def _call(self, name: str, fn, *args):
+        """fn(*args) as the call `name`: counted, held while hung, and a StoreError as the
+        KVStoreError a client would raise (the server's status for its outcome)."""
+        self.calls[name] += 1
+        if not self.hung.wait_clear(self.timeout):
+            raise KVStoreError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", name)
+        if self.fail is not None:
+            raise self.fail
+        try:
+            return fn(*args)
+        except StoreError as exc:
+            raise KVStoreError(CODES.get(exc.outcome, grpc.StatusCode.INTERNAL), str(exc),
+                               name) from None
+
+
+class _Switch:
+    """An event a waiter waits to see cleared (threading.Event waits to see it set)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._on = False
+
+    def set(self) -> None:
+        with self._cond:
+            self._on = True
+
+    def clear(self) -> None:
+        with self._cond:
+            self._on = False
+            self._cond.notify_all()
+
+    def is_set(self) -> bool:
+        return self._on
+
+    def wait_clear(self, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._on, timeout)
+
+
+def _ids(ns: LayoutHandle | Sequence[LayoutHandle]) -> list[bytes]:
+    return [ns.layout_id] if isinstance(ns, LayoutHandle) else [h.layout_id for h in ns]
