@@ -45,7 +45,7 @@ from ..auth import ANONYMOUS, Authenticator, Principal, Role, token_digest
 from ..errors import Outcome, StoreError
 from ..limits import MAX_KEYS_LIMIT
 from ..peercert import Digest, der_digest
-from .io import ClientGone, Reader, set_recv_timeout, set_timeouts
+from .io import ClientGone, Reader, set_timeouts
 from .ops import Ops, Session, status_of, table
 
 __all__ = ["Connection"]
@@ -101,7 +101,11 @@ class Connection:
         self._observe = observe
         self._refused = refused
         self._table = table(ops)
-        self._reader = Reader(sock)
+        # A plain socket's receives wait --stream-timeout (SO_RCVTIMEO, set once at
+        # HELLO); the wait for a header lets that pass this often before the connection
+        # is idle (Reader). Over TLS a Python timeout is switched around it instead.
+        ticks = -(-idle_timeout // self.stream_timeout) if self.stream_timeout else 1
+        self._reader = Reader(sock, idle_waits=int(ticks) if plain else 1)
         self._token: Digest | None = None     # SHA-256 of HELLO's token; None: none sent
         self._cert: Digest | None = None      # SHA-256 of the TLS client certificate
 
@@ -146,7 +150,7 @@ class Connection:
         # From here on: idle between frames, --stream-timeout inside one (module doc).
         if self.plain:
             self.sock.settimeout(None)       # blocking again (the deadline set a timeout)
-            set_timeouts(self.sock, self.idle_timeout, send=self.stream_timeout)
+            set_timeouts(self.sock, self.stream_timeout)
         else:
             self.sock.settimeout(self.stream_timeout or None)
         # A client that offers quiet releases gets them (fastwire.QUIET).
@@ -176,11 +180,11 @@ class Connection:
             self._hello()
             session = Session(self.sock, self._reader, self.plain,
                               memoryview(bytearray(SCRATCH_BYTES)), ANONYMOUS)
-            # A plain socket's timeouts are set once (a setsockopt pair per request is
-            # two system calls on every small call): receives wait the idle timeout, sends
-            # --stream-timeout; only a frame that carries pages (a Put) switches receives
-            # to --stream-timeout while they come. Over TLS a Python timeout is one value
-            # for both, switched around the wait for each header.
+            # A plain socket's timeouts are set once, at HELLO: every receive and send
+            # waits --stream-timeout, and the wait for a header lets it pass until the
+            # idle timeout (Reader.idle_waits). A setsockopt pair around each Put's pages
+            # cost two system calls a Put. Over TLS a Python timeout is one value for
+            # both, switched around the wait for each header.
             while True:
                 if not self.plain:
                     self.sock.settimeout(self.idle_timeout or None)
@@ -194,14 +198,7 @@ class Connection:
                 if h.body_len > self.ops.max_body:
                     self._refuse_body(session, h)
                     continue
-                if h.data_len and self.plain:
-                    set_recv_timeout(self.sock, self.stream_timeout)
-                    body = self._read_body(h)
-                    self._call(session, h, body)
-                    set_recv_timeout(self.sock, self.idle_timeout)
-                    continue
-                body = self._read_body(h)
-                self._call(session, h, body)
+                self._call(session, h, self._read_body(h))
         except Refused as exc:
             self._refused(exc.status.name.lower())
             log.debug("fast path: refused a connection: %s", exc)

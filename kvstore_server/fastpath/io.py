@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 __all__ = ["IOV_BATCH", "ClientGone", "Reader", "drain", "recv_exact", "runs", "send_file",
-           "send_views", "set_recv_timeout", "set_timeouts"]
+           "send_views", "set_timeouts"]
 
 # A sendmsg takes at most IOV_MAX (1024 on Linux) buffers.
 IOV_BATCH = 1024
@@ -43,11 +43,6 @@ def set_timeouts(sock: socket.socket, seconds: float, send: float | None = None)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                     _timeval(seconds if send is None else send))
-
-
-def set_recv_timeout(sock: socket.socket, seconds: float) -> None:
-    """A plain socket's every recv gives up after `seconds` (0 = never)."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
 
 
 def _timeval(seconds: float) -> bytes:
@@ -79,15 +74,25 @@ class Reader:
     Why: a small request is a header and a body, and reading them exactly took two
     recv_into calls, each a trip out of and back into the GIL; a client that pipelines
     (a release sent without waiting, then an acquire) has two frames waiting at once.
-    Here one recv_into fills a buffer with whatever has arrived (up to BUFFER bytes), and
-    headers and bodies are views of it. Page bytes still go straight where they belong:
-    `read_into` copies what the buffer already holds (at most BUFFER bytes) and receives
-    the rest directly into the caller's memory (a reserved pool slot)."""
+    Here one recv_into fills a buffer with whatever has arrived, and headers and bodies
+    are views of it. Each receive asks for what the frame still needs, or READ_AHEAD
+    bytes where that is more: enough for many small frames, while a Put's page bytes
+    mostly go straight where they belong: `read_into` copies what the buffer already
+    holds (under READ_AHEAD bytes) and receives the rest directly into the caller's
+    memory (a reserved pool slot). Reading ahead the whole BUFFER copied a one-page Put
+    of 64 KiB through it.
+
+    Between frames a plain socket's receive timeout (SO_RCVTIMEO, --stream-timeout: set
+    once, see Connection) may expire `idle_waits` times before the connection counts as
+    idle, so the wait for a header needs no timeout of its own and no call pays a
+    setsockopt to switch between them."""
 
     BUFFER = 64 << 10
+    READ_AHEAD = 4 << 10
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, idle_waits: int = 1) -> None:
         self.sock = sock
+        self.idle_waits = idle_waits
         self._view = memoryview(bytearray(self.BUFFER))
         self._start = 0          # buffered bytes are _view[_start:_end]
         self._end = 0
@@ -97,9 +102,10 @@ class Reader:
         # cut off all the same. 0 = none: the socket's own timeouts apply.
         self.deadline = 0.0
 
-    def _fill(self, n: int) -> bool:
+    def _fill(self, n: int, waits: int = 1) -> bool:
         """Have at least n (<= BUFFER) bytes buffered; False if the peer closed before
-        any byte of them came, ClientGone if it closed part way."""
+        any byte of them came, ClientGone if it closed part way. waits: receive timeouts
+        that may pass while none of them has come (more than 1 only between frames)."""
         if self._start + n > self.BUFFER:                   # room at the end: compact
             have = self._end - self._start
             self._view[:have] = self._view[self._start:self._end]
@@ -111,7 +117,15 @@ class Reader:
                     raise TimeoutError(f"deadline passed with {self._end - self._start} "
                                        f"of {n} bytes come")
                 self.sock.settimeout(left)
-            got = self.sock.recv_into(self._view[self._end:])
+            want = max(n - (self._end - self._start), self.READ_AHEAD)
+            try:
+                got = self.sock.recv_into(self._view[self._end:], min(want, self.BUFFER -
+                                                                       self._end))
+            except BlockingIOError:       # SO_RCVTIMEO expired with nothing received
+                waits -= 1
+                if waits <= 0 or self._end > self._start:
+                    raise
+                continue
             if not got:
                 if self._end == self._start:
                     return False
@@ -122,8 +136,8 @@ class Reader:
 
     def head(self, n: int) -> memoryview | None:
         """The next n bytes (a frame's header), valid until the next read; None when the
-        peer closed between frames."""
-        if self._end - self._start < n and not self._fill(n):
+        peer closed between frames. Waits up to idle_waits receive timeouts for them."""
+        if self._end - self._start < n and not self._fill(n, self.idle_waits):
             return None
         view = self._view[self._start:self._start + n]
         self._start += n
