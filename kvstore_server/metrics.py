@@ -13,9 +13,10 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from .rpc_tally import RpcTally
 from .stats import StoreStats
 from .tier import TierName
 from .timed_lock import BUCKETS
@@ -104,29 +105,18 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self._latency = Histogram(
-            "kvstore_rpc_duration_seconds", "RPC handling time", ["method"],
-            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
-                     0.5, 1, 2.5, 5, 10),
-            registry=self.registry)
-        self._calls = Counter("kvstore_rpc", "RPCs handled, by method and status code",
-                              ["method", "code"], registry=self.registry)
-        # The labelled series of each (method, code), made once: labels() validates and
-        # locks on every call, 9 us of a Lookup's budget on the dev machine.
-        self._series: dict[tuple[str, grpc.StatusCode], tuple] = {}
+        # kvstore_rpc_duration_seconds and kvstore_rpc_total, counted per thread without
+        # a lock and summed at scrape (rpc_tally.py says why).
+        self._rpcs = RpcTally()
+        self.registry.register(self._rpcs)
         self._server: Any = None        # the HTTP server, once serve() started it
 
     def observe(self, method: str, seconds: float, code: grpc.StatusCode) -> None:
-        series = self._series.get((method, code))
-        if series is None:
-            series = self._series[(method, code)] = (
-                self._latency.labels(method), self._calls.labels(method, code.name))
-        series[0].observe(seconds)
-        series[1].inc()
+        self._rpcs.observe(method, seconds, code)
 
     def refused(self, method: str, code: grpc.StatusCode) -> None:
         """A call refused before any handler ran (auth): counted, with no latency."""
-        self._calls.labels(method, code.name).inc()
+        self._rpcs.refused(method, code)
 
     def watch_store(self, stats: Callable[[], StoreStats],
                     extra: Callable[[], dict] = lambda: {}) -> None:
