@@ -28,7 +28,6 @@ that breaks them gets a PROTOCOL error frame and the connection is closed.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import struct
 import typing
@@ -222,9 +221,9 @@ def decode_header(raw: bytes | bytearray | memoryview, *, request: bool,
     return Header(op, status, flags, body_len, data_len)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class KeysBlock:
-    """Keys of one request: `n` keys of `key_size` bytes, packed back to back."""
+class KeysBlock(typing.NamedTuple):
+    """Keys of one request: `n` keys of `key_size` bytes, packed back to back. A
+    NamedTuple, as Header is: every request with keys makes one."""
 
     key_size: int
     data: bytes

@@ -18,8 +18,8 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-__all__ = ["IOV_BATCH", "ClientGone", "Reader", "drain", "recv_exact", "runs", "send_file",
-           "send_views", "set_timeouts"]
+__all__ = ["IOV_BATCH", "ClientGone", "Reader", "drain", "recv_exact", "runs", "send_batch",
+           "send_file", "send_views", "set_timeouts"]
 
 # A sendmsg takes at most IOV_MAX (1024 on Linux) buffers.
 IOV_BATCH = 1024
@@ -224,14 +224,14 @@ def send_views(sock: socket.socket, views: Iterable[memoryview]) -> None:
             size += take.nbytes
             view = view[take.nbytes:]
             if size >= SEND_BYTES or len(batch) == IOV_BATCH:
-                _send_batch(sock, batch)
+                send_batch(sock, batch)
                 batch, size = [], 0
     if batch:
-        _send_batch(sock, batch)
+        send_batch(sock, batch)
 
 
-def _send_batch(sock: socket.socket, batch: list[memoryview]) -> None:
-    """sendmsg until every view of the batch is sent."""
+def send_batch(sock: socket.socket, batch: list[memoryview]) -> None:
+    """sendmsg until every view of the batch (at most IOV_BATCH) is sent."""
     i = 0
     while i < len(batch):
         sent = sock.sendmsg(batch[i:])

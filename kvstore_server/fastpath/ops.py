@@ -27,7 +27,7 @@ from ..calls import Calls
 from ..limits import RequestLimits
 from ..status import status_of
 from ..store import Store
-from .io import Reader, runs, send_file, send_views
+from .io import IOV_BATCH, Reader, runs, send_batch, send_file, send_views
 
 __all__ = ["SEND_SENDFILE", "SEND_SENDMSG", "Ops", "Session", "status_of"]
 
@@ -190,15 +190,23 @@ class Ops:
                 for i, j, off in runs(offsets, pb):
                     send_file(s.sock, self.pool_fd, off, (j - i) * pb)
             else:
-                pages = [self.mem[off:off + (j - i) * pb] for i, j, off in runs(offsets, pb)]
+                if len(offsets) == 1:                   # no runs to find
+                    off = int(offsets[0])
+                    pages = [self.mem[off:off + pb]]
+                else:
+                    pages = [self.mem[off:off + (j - i) * pb]
+                             for i, j, off in runs(offsets, pb)]
                 if len(offsets) * pb >= HEAD_ALONE_BYTES:
                     # Large: the header alone, so the pages keep their alignment
                     # (HEAD_ALONE_BYTES says why).
                     s.sock.sendall(head)
                     self._send_views(s, pages)
-                else:
+                elif s.plain and len(pages) < IOV_BATCH:
                     # Small: the header and every run of pages in one sendmsg where the
-                    # kernel takes them all: a one-page get is one system call.
+                    # kernel takes them all: a one-page get is one system call (and
+                    # under SEND_BYTES, no need to cut the views into batches).
+                    send_batch(s.sock, [head, *pages])
+                else:
                     self._send_views(s, [head, *pages])
 
     def _send_layers(self, s: Session, offsets: np.ndarray, pb: int, lb: int,
