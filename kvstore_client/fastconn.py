@@ -54,7 +54,9 @@ class Conn:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self._head = bytearray(fw.HEADER.size)
+        # A GET answer's header, and its ALIGN_PAD body where the server granted ALIGNED.
+        self._head = bytearray(fw.HEADER.size + fw.ALIGN_PAD)
+        self.pad = 0         # fastwire.ALIGN_PAD once the server granted ALIGNED
         # Where an answer is received: header and body in one recv when it fits (a
         # lookup's or an acquire's does), so a small call costs one system call.
         self._rbuf = memoryview(bytearray(ANSWER_BUFFER))
@@ -134,37 +136,43 @@ class Conn:
             raise _failed(exc, "receiving") from None
 
     def answer_into(self, op: int, method: str, out: memoryview) -> None:
-        """A GET's answer: the header, then the pages straight into out. On a plain
-        socket one recvmsg_into fills both, so a one-page get costs one system call."""
-        head = memoryview(self._head)
-        have = 0
+        """A GET's answer: the header (and its pad: fastwire.ALIGNED), then the pages
+        straight into out. On a plain socket one recvmsg_into fills both, so a one-page
+        get costs one system call."""
+        size = fw.HEADER.size
+        pre = memoryview(self._head)[:size + self.pad]
         if isinstance(self.sock, ssl.SSLSocket):      # no recvmsg on TLS
-            self.recv_exact(head)
+            self.recv_exact(pre[:size])
+            got = size
         else:
             try:
-                got = self.sock.recvmsg_into([head, out])[0]
+                got = self.sock.recvmsg_into([pre, out])[0]
             except OSError as exc:
                 raise _failed(exc, "receiving") from None
             if not got:
                 raise Broken("the server closed the connection")
-            if got < len(head):
-                self.recv_exact(head[got:])
-            have = max(0, got - len(head))
+            if got < size:
+                self.recv_exact(pre[got:size])
+                got = size
         try:
-            h = fw.decode_header(self._head, request=False)
+            h = fw.decode_header(pre[:size], request=False)
         except fw.WireError as exc:
             raise Broken(str(exc)) from None
         if h.status:
-            if h.body_len > fw.MAX_ANSWER_BODY:
+            if h.body_len > fw.MAX_ANSWER_BODY or got - size > h.body_len:
                 raise Broken(f"error body of {h.body_len} bytes is past any bound")
-            body = bytearray(out[:min(have, h.body_len)])
-            rest = memoryview(bytearray(h.body_len - len(body)))
+            # What came of the body lies in the pad, then at the start of out.
+            come = bytes(pre[size:min(got, len(pre))]) + bytes(out[:max(0, got - len(pre))])
+            rest = memoryview(bytearray(h.body_len - len(come)))
             self.recv_exact(rest)
-            self._raise(h, memoryview(body + rest), method)
-        if h.op != op or h.body_len or h.data_len != out.nbytes:
+            self._raise(h, memoryview(come + bytes(rest)), method)
+        if h.op != op or h.body_len != self.pad or h.data_len != out.nbytes:
             raise Broken(f"answer to op {h.op} with {h.body_len} + {h.data_len} bytes, "
-                          f"expected op {op} with {out.nbytes} bytes of pages")
-        self.recv_exact(out[have:], waitall=True)
+                         f"expected op {op} with {self.pad} + {out.nbytes} bytes")
+        if got < len(pre):
+            self.recv_exact(pre[got:])
+            got = len(pre)
+        self.recv_exact(out[got - len(pre):], waitall=True)
 
     @staticmethod
     def _raise(h: fw.Header, body: memoryview, method: str) -> None:
@@ -178,9 +186,10 @@ class Conn:
 
     def answer_head(self, op: int, method: str) -> fw.Header:
         """The header of an answer whose data follows (GET): read exactly, no further."""
-        self.recv_exact(memoryview(self._head))
+        head = memoryview(self._head)[:fw.HEADER.size]
+        self.recv_exact(head)
         try:
-            h = fw.decode_header(self._head, request=False)
+            h = fw.decode_header(head, request=False)
         except fw.WireError as exc:
             raise Broken(str(exc)) from None
         if h.status:
@@ -189,17 +198,21 @@ class Conn:
             body = memoryview(bytearray(h.body_len))
             self.recv_exact(body)
             self._raise(h, body, method)
-        if h.op != op or h.body_len:
-            raise Broken(f"answer to op {h.op} with a body of {h.body_len}, expected {op}")
+        if h.op != op or h.body_len != self.pad:
+            raise Broken(f"answer to op {h.op} with a body of {h.body_len}, expected {op} "
+                         f"with {self.pad}")
+        if self.pad:
+            self.recv_exact(memoryview(self._head)[fw.HEADER.size:])
         return h
 
     def settle(self) -> None:
         """Read the answers owed to requests sent without waiting (releases, lookups
         answered here: FastPath.lookup_later), before a new call."""
+        head = memoryview(self._head)[:fw.HEADER.size]
         while self.owed:
             self.owed -= 1
-            self.recv_exact(memoryview(self._head))
-            h = fw.decode_header(self._head, request=False)
+            self.recv_exact(head)
+            h = fw.decode_header(head, request=False)
             body = memoryview(bytearray(h.body_len))
             self.recv_exact(body)
             if h.status:

@@ -187,9 +187,10 @@ class FastPath:
         conn = Conn(sock)
         try:
             conn.use_timeout(self._timeout())
-            conn.send(fw.Op.HELLO, self.token.encode(), flags=fw.QUIET)
+            conn.send(fw.Op.HELLO, self.token.encode(), flags=fw.QUIET | fw.ALIGNED)
             head, body = conn.answer(fw.Op.HELLO, "Hello")
             conn.quiet = bool(head.flags & fw.QUIET)
+            conn.pad = fw.ALIGN_PAD if head.flags & fw.ALIGNED else 0
         except Timeout as exc:
             conn.close()
             raise HelloTimedOut(f"fast path at {self.address}: {exc}") from None

@@ -108,6 +108,7 @@ class Connection:
         self._reader = Reader(sock, idle_waits=int(ticks) if plain else 1)
         self._token: Digest | None = None     # SHA-256 of HELLO's token; None: none sent
         self._cert: Digest | None = None      # SHA-256 of the TLS client certificate
+        self._granted = 0                     # HELLO flags granted (QUIET, ALIGNED)
 
     # -- who --------------------------------------------------------------------------
     def _principal(self) -> Principal:
@@ -153,8 +154,10 @@ class Connection:
             set_timeouts(self.sock, self.stream_timeout)
         else:
             self.sock.settimeout(self.stream_timeout or None)
-        # A client that offers quiet releases gets them (fastwire.QUIET).
-        self._reply(fw.Op.HELLO, principal.name.encode(), flags=h.flags & fw.QUIET)
+        # A client that offers quiet releases gets them (fastwire.QUIET), and one that
+        # reads aligned Get answers gets those (fastwire.ALIGNED).
+        self._granted = h.flags & (fw.QUIET | fw.ALIGNED)
+        self._reply(fw.Op.HELLO, principal.name.encode(), flags=self._granted)
 
     # -- frames -------------------------------------------------------------------------
     def _read_header(self) -> fw.Header | None:
@@ -179,7 +182,8 @@ class Connection:
         try:
             self._hello()
             session = Session(self.sock, self._reader, self.plain,
-                              memoryview(bytearray(SCRATCH_BYTES)), ANONYMOUS)
+                              memoryview(bytearray(SCRATCH_BYTES)), ANONYMOUS,
+                              bytes(fw.ALIGN_PAD) if self._granted & fw.ALIGNED else b"")
             # A plain socket's timeouts are set once, at HELLO: every receive and send
             # waits --stream-timeout, and the wait for a header lets it pass until the
             # idle timeout (Reader.idle_waits). A setsockopt pair around each Put's pages

@@ -27,7 +27,7 @@ from ..calls import Calls
 from ..limits import RequestLimits
 from ..status import status_of
 from ..store import Store
-from .io import IOV_BATCH, Reader, runs, send_batch, send_file, send_views
+from .io import IOV_BATCH, SEND_BYTES, Reader, runs, send_batch, send_file, send_views
 
 __all__ = ["SEND_SENDFILE", "SEND_SENDMSG", "Ops", "Session", "status_of"]
 
@@ -46,6 +46,9 @@ class Session:
     # Who the request being served acts for: looked up again before every request
     # (connection.py), so an auth reload applies to open connections at once.
     who: Principal
+    # What a Get answer's body holds before its pages: fastwire.ALIGN_PAD zero bytes for a
+    # client that reads aligned answers (HELLO's ALIGNED), else nothing.
+    pad: bytes = b""
     # Lease ids taken on this connection and not yet ended through it: released when it
     # closes, so a client that dies holding leases leaves no pin behind. Insertion-ordered
     # and capped (MAX_TRACKED): a client that lets its leases expire instead of ending
@@ -66,8 +69,9 @@ _MAX_PINS_BYTES = 2 << 20
 # Leases a connection remembers; the oldest beyond this have long expired by their ttl.
 MAX_TRACKED = 65536
 
-# From this many bytes of pages a page-major Get sends its 24-byte header in a call of its
-# own. In one sendmsg with the header the pages land 24 bytes off their source's
+# From this many bytes of pages a page-major Get to a client that does not read aligned
+# answers (fastwire.ALIGNED, which removes the cause) sends its 24-byte header in a call
+# of its own. In one sendmsg with the header the pages land 24 bytes off their source's
 # alignment, and on some CPUs (the dev VM's) the kernel then copies them at about half
 # speed; nothing the receiver does helps. A header alone costs the receiver an extra
 # wake-up, which for small gets costs more than the copy saves, and a host where the
@@ -181,7 +185,8 @@ class Ops:
             info = pinned.info
             pb = info.page_bytes
             offsets = pinned.offsets
-            head = memoryview(fw.encode_header(fw.Op.GET, 0, len(offsets) * pb))
+            nbytes = len(offsets) * pb
+            head = fw.encode_header(fw.Op.GET, len(s.pad), nbytes) + s.pad
             if h.flags == fw.LAYER_MAJOR and info.layout.num_layers > 1:
                 s.sock.sendall(head)
                 self._send_layers(s, offsets, pb, info.layer_bytes, info.layout.num_layers)
@@ -196,18 +201,19 @@ class Ops:
                 else:
                     pages = [self.mem[off:off + (j - i) * pb]
                              for i, j, off in runs(offsets, pb)]
-                if len(offsets) * pb >= HEAD_ALONE_BYTES:
-                    # Large: the header alone, so the pages keep their alignment
-                    # (HEAD_ALONE_BYTES says why).
+                if s.plain and len(pages) < IOV_BATCH and nbytes <= SEND_BYTES and (
+                        s.pad or nbytes < HEAD_ALONE_BYTES):
+                    # The header and every run of pages in one sendmsg, which the
+                    # kernel takes whole: a one-page get is one system call. Aligned
+                    # (s.pad), at any size up to SEND_BYTES.
+                    send_batch(s.sock, [memoryview(head), *pages])
+                elif s.pad or nbytes < HEAD_ALONE_BYTES:
+                    self._send_views(s, [memoryview(head), *pages])
+                else:
+                    # Large, to a client that does not read aligned answers: the header
+                    # alone, so the pages keep their alignment (HEAD_ALONE_BYTES).
                     s.sock.sendall(head)
                     self._send_views(s, pages)
-                elif s.plain and len(pages) < IOV_BATCH:
-                    # Small: the header and every run of pages in one sendmsg where the
-                    # kernel takes them all: a one-page get is one system call (and
-                    # under SEND_BYTES, no need to cut the views into batches).
-                    send_batch(s.sock, [head, *pages])
-                else:
-                    self._send_views(s, [head, *pages])
 
     def _send_layers(self, s: Session, offsets: np.ndarray, pb: int, lb: int,
                      layers: int) -> None:

@@ -320,6 +320,39 @@ def _nothing_left(srv, leases: int, connections: float, what: str) -> None:
     wait_for(lambda: _connections(srv) <= connections, f"the thread of {what} to end")
 
 
+@pytest.mark.parametrize("n", [1, 12])           # one sendmsg; past HEAD_ALONE_BYTES
+def test_aligned_get_answers_only_to_a_client_that_offers_them(srv, n):
+    """A client that offers ALIGNED gets its Get answers with ALIGN_PAD zero bytes of body
+    before the pages (so the kernel copies them at full speed); one that does not gets
+    the answer it always had. The pages are the same, byte for byte."""
+    with KVStoreClient(srv.address, shared_memory=False, data_plane=True) as c:
+        ns = c.register_layout(LAYOUTS["mla"])
+        ks = keys(f"aligned{n}", n)
+        data = pages(n, ns.page_bytes, seed=n)
+        c.put(ns, ks, data)
+        assert c._data.fast()._idle[-1].pad == fw.ALIGN_PAD    # our client offers it
+        assert np.array_equal(c.get(ns, ks), data)
+    for offer, pad in ((0, b""), (fw.ALIGNED, bytes(fw.ALIGN_PAD))):
+        raw = Raw(fast_address(srv), hello=False)
+        raw.send(fw.Op.HELLO, flags=offer | fw.QUIET)
+        h = fw.decode_header(raw.recv_exact(24), request=False)
+        raw.recv_exact(h.body_len)
+        assert h.status == 0 and h.flags == offer | fw.QUIET
+        raw.send(fw.Op.GET, keys_body(ns.layout_id, ks))
+        status, body, data_len = raw.answer()
+        assert (status, body, data_len) == (0, pad, n * ns.page_bytes)
+        assert raw.recv_exact(data_len) == data.tobytes()
+        # A layer-major Get is padded alike (Conn.answer_head reads the pad); an error
+        # answer is a message, never padded.
+        raw.send(fw.Op.GET, keys_body(ns.layout_id, ks), flags=fw.LAYER_MAJOR)
+        status, body, data_len = raw.answer()
+        assert (status, body) == (0, pad)
+        raw.recv_exact(data_len)
+        status, body = raw.call(fw.Op.GET, keys_body(ns.layout_id, [b"missing".ljust(20)]))
+        assert status == fw.Status.NOT_FOUND and body and body != pad
+        raw.close()
+
+
 def test_connection_cut_mid_put_leaves_nothing(srv):
     with KVStoreClient(srv.address, shared_memory=False, data_plane=False) as c:
         ns = c.register_layout(LAYOUTS["1MiB"])
