@@ -28,6 +28,11 @@ behind. Each figure is the median of --reps runs after a warm-up. Recompute, mis
 DRAM hit run in rounds of one each (recompute, miss+save into the emptied store, a hit of
 what it saved), and their ratios are medians of the rounds' ratios, taken side by side.
 
+Floor under hits: per preset, the shortest length measured from which a DRAM hit beat
+recomputing at every longer length; each shorter length is measured again with the
+connector's floor (min_hit_tokens, or remote_min_hit_tokens with --remote) set to it, in
+rounds against recompute: the hit declined, no lookup, nothing saved (--no-decline skips it).
+
 Greedy check: a prompt of --greedy-len tokens decoded for --decode-steps steps without
 the store (twice), filling it, and hitting it. In bf16 on a GPU, logits depend on how the
 prompt was chunked (up to ~0.1 apart), so these runs use the same chunk boundaries (the
@@ -365,6 +370,31 @@ class _Bench:
                 "max_abs_logit_diff": (out.logits - ref.logits).abs().max().item(),
                 "rounds": rounds}, ref
 
+    def declined(self, tokens: np.ndarray, floor: int, reps: int) -> dict:
+        """Recompute against the engine with the store, its floor under hits (the tier's
+        min_hit_tokens) set to `floor`, in rounds of one each after a warm-up, the store
+        holding the prompt: the connector declines the hit without a lookup, and saves
+        nothing of a request shorter than the floor."""
+        sched = self.store.scheduler_half
+        recompute, store, before = self.engine(False), self.engine(True), sched.min_hit
+        self.serve(store, [tokens])                         # the store holds the prompt
+        sched.min_hit = floor
+        rounds = []
+        try:
+            for i in range(reps + 1):
+                (ref,), _ = self.serve(recompute, [tokens])
+                (out,), _ = self.serve(store, [tokens])
+                if out.num_external_tokens:
+                    raise RuntimeError(f"a {len(tokens)}-token hit below the floor {floor} "
+                                       f"was loaded")
+                if i:
+                    rounds.append((ref.ttft, out.ttft))
+        finally:
+            sched.min_hit = before
+        return {"declined_floor": floor,
+                "declined_s": statistics.median(d for _, d in rounds),
+                "declined_ratio": statistics.median(r / d for r, d in rounds)}
+
     def breakdown(self, store, tokens: np.ndarray, hit: int, point: dict) -> dict:
         """Median ms of each part of a DRAM hit and of a recompute (see ``_BREAKDOWN_NOTE``)."""
         from .breakdown import CALLS, CallTimer
@@ -681,6 +711,18 @@ def report(r: dict) -> str:
     if r["multi"]:
         lines += ["", _MULTI_HEAD, "|" + "---|" * 11]
         lines += [_multi_row(m) for m in r["multi"]]
+    tier = "remote_min_hit_tokens" if r.get("remote") else "min_hit_tokens"
+    floors = r.get("floors", {})
+    if floors:
+        lines += ["", "floor under hits (the shortest length measured from which a DRAM hit "
+                      "beat recomputing at every longer length): " + ", ".join(
+                          f"{preset} {'none won' if f is None else f}"
+                          for preset, f in floors.items())
+                  + f"; below it set {tier} to it"]
+        lines += [f"declined below the floor ({tier} = {p['declined_floor']}): {p['preset']} "
+                  f"{p['tokens']}: recompute {_ms(p['recompute_s'])}, declined "
+                  f"{_ms(p['declined_s'])}, recompute / declined {p['declined_ratio']:.2f}x"
+                  for p in r["ttft"] if "declined_s" in p]
     verdict = acceptance(r)
     if verdict is not None:
         lines += ["", verdict[1]]
@@ -694,6 +736,9 @@ def report(r: dict) -> str:
 HIT_SPEEDUPS = {4096: 3.0, 16384: 12.0, 32768: 20.0}
 HIT_OVERHEAD_MS = 3.0
 MISS_SAVE_RATIO, MISS_SAVE_FROM = 1.05, 1024
+# A hit declined below the floor costs the request nothing the recompute does not (no
+# lookup, no save): its TTFT / recompute's is judged within this of one (run-to-run noise).
+DECLINED_SLACK = 0.02
 
 
 def hit_checks(r: dict) -> list[str]:
@@ -709,6 +754,13 @@ def hit_checks(r: dict) -> list[str]:
         speedup = p.get("speedup") or p["recompute_s"] / p["dram_hit_s"]
         need = HIT_SPEEDUPS.get(p["tokens"], 1.0)
         checks = [f"{speedup:.1f}x {'ok' if speedup >= need else 'FAIL'} (>= {need:g}x)"]
+        if "declined_ratio" in p:
+            # Declined, the request is a recompute through the connector: within noise
+            # of one (DECLINED_SLACK), never the hit's loss.
+            d = p["declined_ratio"]
+            checks = [f"{speedup:.1f}x hit, declined below {p['declined_floor']} tokens "
+                      f"{d:.2f}x {'ok' if d >= 1.0 - DECLINED_SLACK else 'FAIL'} "
+                      f"(>= {need:g}x within {DECLINED_SLACK:.0%})"]
         if p.get("load_device_ms") is not None and p.get("rest_s") is not None:
             over = (p["dram_hit_s"] - p["rest_s"]) * 1e3 - p["load_device_ms"]
             checks.append(f"overhead {over:.1f} ms {'ok' if over <= HIT_OVERHEAD_MS else 'FAIL'}")
@@ -814,6 +866,17 @@ def run(args) -> dict:
     return r
 
 
+def hit_floor(points: list[dict]) -> int | None:
+    """The shortest measured length from which a DRAM hit beat recomputing at it and at
+    every longer length measured (one preset's points); None when the longest lost."""
+    floor = None
+    for p in sorted(points, key=lambda p: -p["tokens"]):
+        if (p.get("speedup") or p["recompute_s"] / p["dram_hit_s"]) < 1.0:
+            break
+        floor = p["tokens"]
+    return floor
+
+
 def _run_preset(bench: _Bench, r: dict) -> None:
     args, preset = bench.args, bench.preset
     try:
@@ -821,6 +884,13 @@ def _run_preset(bench: _Bench, r: dict) -> None:
         for n in args.prompt_lens:
             r["ttft"].append(bench.ttft_point(n))
             print(f"{preset} {n}: {json.dumps(r['ttft'][-1])}", file=sys.stderr)
+        mine = [p for p in r["ttft"] if p["preset"] == preset]
+        floor = hit_floor(mine)
+        r.setdefault("floors", {})[preset] = floor
+        if args.decline and floor is not None and bench.cuda:
+            for p in mine:
+                if p["tokens"] < floor:
+                    p.update(bench.declined(bench.prompt(p["tokens"]), floor, args.reps))
         if args.decode_steps:
             r["greedy"].append(bench.greedy())
             print(f"{preset} greedy: {json.dumps(r['greedy'][-1])}", file=sys.stderr)
@@ -867,6 +937,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--multi-decode", type=int, default=32)
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run the model eagerly (to compare; graphs are what a real engine uses)")
+    p.add_argument("--no-decline", dest="decline", action="store_false",
+                   help="do not measure, for lengths below the measured floor under hits, "
+                        "the connector declining them (min_hit_tokens)")
     p.add_argument("--breakdown", action="store_true",
                    help="also split each DRAM hit's and recompute's time into its parts")
     p.add_argument("--out", help="folder for e2e.json, e2e.md and e2e_ttft.png")

@@ -10,7 +10,8 @@ from typing import Any
 
 from kvstore_client import KVStoreClient
 
-__all__ = ["ConnectorConfig", "LoadMode", "LookupMode", "Role", "SavePolicy", "open_client"]
+__all__ = ["ConnectorConfig", "LoadMode", "LookupMode", "Role", "SavePolicy", "min_hit_tokens",
+           "open_client", "remote_store"]
 
 
 class Role(enum.Enum):
@@ -80,10 +81,15 @@ class ConnectorConfig:
     # before the rest hear "ask again". An answer asked for again waits at most until
     # lookup_timeout after it was first asked, then counts as "no hit".
     lookup_wait_ms: float = 2.0
-    # Hits shorter than this many tokens are reported as no hit (recomputed). 0 = every
-    # hit counts: on the H200 an 8B model's hit beats recomputing from 256 tokens, a 1B
-    # model's only from about 1k tokens (docs/connector.md renders the e2e record).
+    # Hits shorter than this many tokens are reported as no hit (recomputed), per tier:
+    # min_hit_tokens where the engine reads the store's pool (same host), and
+    # remote_min_hit_tokens where every page crosses the network (shared_memory false, or
+    # a store not on a loopback address). 0 = every hit counts. A request too short to
+    # reach it is not looked up, nor, where every group is full attention, its pages saved
+    # before it reaches it (connector.scheduler). Where a hit stops winning is measured:
+    # `kvstore-bench e2e` prints it per model and tier (docs/connector.md renders it).
     min_hit_tokens: int = 0
+    remote_min_hit_tokens: int = 0
     role: Role = Role.BOTH
     load_mode: LoadMode = LoadMode.LAYERWISE
     save: SavePolicy = SavePolicy.ALL
@@ -155,13 +161,14 @@ class ConnectorConfig:
         if (config.page_tokens < 0 or config.lookup_timeout <= 0 or config.lease_ms < 0
                 or config.probe_interval <= 0 or config.ask_again < 0
                 or config.lookup_wait_ms < 0 or config.min_hit_tokens < 0
+                or config.remote_min_hit_tokens < 0
                 or config.remote_staging_bytes <= 0 or config.remote_connections <= 0
                 or config.events_interval <= 0):
             raise ValueError("kvstore connector config: page_tokens must be >= 0, "
                              "lookup_timeout > 0, lease_ms >= 0, probe_interval > 0, "
-                             "ask_again >= 0, lookup_wait_ms >= 0, min_hit_tokens >= 0, "
-                             "remote_staging_bytes > 0, remote_connections > 0 and "
-                             "events_interval > 0")
+                             "ask_again >= 0, lookup_wait_ms >= 0, min_hit_tokens and "
+                             "remote_min_hit_tokens >= 0, remote_staging_bytes > 0, "
+                             "remote_connections > 0 and events_interval > 0")
         try:
             re.compile(config.fail_loads)
         except re.error as exc:
@@ -170,6 +177,24 @@ class ConnectorConfig:
             raise ValueError("kvstore connector config: a client certificate needs both "
                              "tls_cert and tls_key")
         return config
+
+
+def remote_store(config: ConnectorConfig) -> bool:
+    """Whether pages cross the network: shared memory turned off, or a store that is not
+    on this host's loopback (or a Unix socket). A store on this host named by another of
+    its addresses counts as remote here (its pool is still mapped by the worker)."""
+    if config.shared_memory is False:
+        return True
+    server = config.server
+    if server.startswith("unix:"):
+        return False
+    host = (server.rsplit(":", 1)[0] if ":" in server else server).strip("[]")
+    return not (host in ("localhost", "::1") or host.startswith("127."))
+
+
+def min_hit_tokens(config: ConnectorConfig) -> int:
+    """The floor under hits for this config's tier (remote_store)."""
+    return config.remote_min_hit_tokens if remote_store(config) else config.min_hit_tokens
 
 
 def open_client(config: ConnectorConfig, timeout: float, *, retries: int = 3,

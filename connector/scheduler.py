@@ -49,7 +49,14 @@ from kvstore_client.handles import Pins
 from kvstore_protocol.keys import Packed
 
 from .breaker import Breaker
-from .config import ConnectorConfig, LoadMode, LookupMode, SavePolicy, open_client
+from .config import (
+    ConnectorConfig,
+    LoadMode,
+    LookupMode,
+    SavePolicy,
+    min_hit_tokens,
+    open_client,
+)
 from .groups import NULL_BLOCK, CacheGroup, GroupKind
 from .hashing import KEY_BYTES
 from .lookups import StoreLookups
@@ -102,6 +109,15 @@ class SchedulerHalf:
         # page is saved (in every group, so their counts stay aligned) only once the
         # engine has computed a token past its end (connector.groups).
         self._volatile_tail = any(g.kind is GroupKind.DRAFT for g in self.groups)
+        # Hits shorter than this are not worth loading on this tier (ConnectorConfig): a
+        # request that cannot reach it is not looked up. Its pages are not saved either
+        # until it reaches it: a hit that long needs that many leading pages stored, and
+        # the request that makes them stored is that long itself. Not so where a group
+        # frees blocks as the request grows (a sliding window: vLLM hands back the blocks
+        # behind the window, which then could never be saved; Mamba: a state is saved
+        # only in the step that wrote it): there every page is saved as it fills.
+        self.min_hit = min_hit_tokens(config)
+        self._may_defer = all(g.kind in (GroupKind.FULL, GroupKind.DRAFT) for g in self.groups)
         # The scheduler only asks and leases: no page bytes, so no shared memory (but the
         # server's Unix socket, on its host, unless shared memory is off); and a
         # lookup must answer within lookup_timeout, so no retries either.
@@ -176,6 +192,9 @@ class SchedulerHalf:
             # the engine already shares, so recompute instead.
             self._abandon(req_id)
             return 0
+        if usable * t - num_local_tokens < self.min_hit:
+            self._abandon(req_id)
+            return 0          # too short to be worth a lookup on this tier: recompute
         # Asked up to the last full page: one past `usable` when the prompt ends on a page
         # boundary. Held too, that page is not saved again after its compute: a Reserve
         # that would find it stored, a round trip on every such hit. Its lease pins one
@@ -213,7 +232,7 @@ class SchedulerHalf:
             # pages there are found stored by the Reserve).
             state.saved_pages = max(previous, end)
         hit = (end - first) * self.page_tokens
-        if hit <= 0 or hit < self.config.min_hit_tokens:
+        if hit <= 0 or hit < self.min_hit:
             self._drop_lease(state)       # too short to be worth loading: recompute
             return 0
         return hit
@@ -398,8 +417,8 @@ class SchedulerHalf:
         k = self.blocks_per_page
         full = min(full, *(len(blocks) // k for blocks in state.block_ids))
         start = state.saved_pages
-        if full <= start:
-            return
+        if full <= start or (self._may_defer and full * t < self.min_hit):
+            return            # the deferred pages go with the step that reaches min_hit
         keys = self._keys_upto(state, full)[start:full]
         rows = [np.asarray(blocks[start * k:full * k], dtype=np.int64).reshape(len(keys), k)
                 for blocks in state.block_ids]

@@ -23,7 +23,8 @@ def test_lookup_settings_from_json():
 @pytest.mark.parametrize(("values", "words"), [
     ({"lookups": "eager"}, "'eager' is not a valid LookupMode"),
     ({"lookup_wait_ms": -1}, "lookup_wait_ms >= 0"),
-    ({"min_hit_tokens": -16}, "min_hit_tokens >= 0"),
+    ({"min_hit_tokens": -16}, "min_hit_tokens and remote_min_hit_tokens >= 0"),
+    ({"remote_min_hit_tokens": -16}, "remote_min_hit_tokens >= 0"),
 ])
 def test_bad_lookup_settings_are_named(values, words):
     with pytest.raises(ValueError, match=words):
