@@ -635,6 +635,7 @@ class WorkerHalf:
         launch, past the layer's compute, and a layer's KV is not rewritten within a step."""
         if not self._saves.step and not self._reserving.pending:
             return                        # nothing to save this step
+        self._reserving.nudge()           # its thread reads the answer (connector.reserving)
         layer = self._index[name]
         self._unsaved.append(layer)
         if self.transfer.behind(_SAVE_LEAD_HOOKS) or layer == len(self._index) - 1:
