@@ -97,6 +97,8 @@ def machine_name(machine: str) -> str:
     """The short name the docs use for a record's machine."""
     if "H200" in machine:
         return "H200"
+    if "H100" in machine:
+        return "H100"
     if machine.startswith("2 cores") and "no GPU" in machine:
         return "dev"
     return machine
@@ -189,6 +191,34 @@ def _figures(record: str, picks: Sequence[Pick],
     return render
 
 
+def _newest(bench: str, *has: str, remote: bool | None = None,
+            required: bool = True) -> Callable[[dict[str, Record]], str]:
+    """The lines starting with one of `has` of the newest record of `bench` that prints
+    the first (with or without --remote where `remote` says), as prose with its command
+    and machine: for figures a later run of other lengths or on another card supersedes.
+    required=False: nothing where no record prints one yet."""
+    def render(records: dict[str, Record]) -> str:
+        found = [r for r in records.values() if r.bench == bench
+                 and (remote is None or ("--remote" in r.argv) == remote)
+                 and any(line.startswith(has[0]) for line in r.output.splitlines())]
+        if not found:
+            if required:
+                raise Stale(f"no {bench} record prints {has[0]!r}")
+            return ""
+        r = max(found, key=lambda r: r.date)
+        picked = [" ".join(line.split()) for line in r.output.splitlines()
+                  if line.startswith(has)]          # str.startswith takes the tuple
+        return (f"`{r.command}` ({machine_name(r.machine)}, {r.date[:10]}): "
+                + "; ".join(picked) + ".\n")
+    return render
+
+
+def _joined(*views: Callable[[dict[str, Record]], str]) -> Callable[[dict[str, Record]], str]:
+    def render(records: dict[str, Record]) -> str:
+        return "\n".join(text for text in (v(records) for v in views) if text)
+    return render
+
+
 _TLS = ("plain", "TLS")
 _FAR_CLIENTS = (
     *(Pick(name, after="lookup of 4096 keys") for name in (
@@ -211,6 +241,11 @@ VIEWS: dict[str, Callable[[dict[str, Record]], str]] = {
         *(Pick(f"{m} {n}", _E2E) for m, n in [("8b", 256), ("8b", 1024), ("1b", 256),
                                               ("1b", 1024), ("1b", 4096)]),
         Pick("8b 256", ("connector", "rest")))),
+    "hybrid-windows": _newest("hybrid", "windowed / every page at"),
+    "hit-floors": _joined(
+        _newest("e2e", "floor under hits", "declined below the floor", remote=False,
+                required=False),
+        _newest("e2e", "floor under hits", "declined below the floor", remote=True)),
     "lookup-stream": _figures("store-0e63aae249", (
         Pick("1,000,000 4096 packed", ("lookup p50 ms", "p99 ms")),
         Pick("1,000,000 4096 packed, unary", ("lookup p50 ms", "p99 ms")))),
