@@ -11,45 +11,34 @@ import os
 import pwd
 import signal
 import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvstore_client import KVStoreClient, PageLayout
-from kvstore_client.shm import SharedRegion, _receive_fd
 from kvstore_client.unixpeer import ServerIdentity
 from kvstore_testing.serverproc import ServerProcess
 
 LAYOUT = PageLayout(model="pool-file", num_layers=2, page_tokens=16, num_kv_heads=2,
                     head_size=64)
 
+AS_USER = Path(__file__).with_name("pool_as_user.py")
+
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
 
 
-def as_user(user: str, group: str, action) -> str:
-    """Run action() in a child process as user:group; what it raised (class name) or 'ok'."""
+def as_user(user: str, group: str, action: str, path: str,
+            server: ServerIdentity | None = None) -> str:
+    """Do action (pool_as_user.py names them) on the pool at path in a process of its own
+    as user:group; the class name of the OSError it met, or 'ok'."""
     uid, gid = pwd.getpwnam(user).pw_uid, grp.getgrnam(group).gr_gid
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:                                    # the child: never returns
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-            try:
-                action()
-                result = "ok"
-            except OSError as exc:
-                result = type(exc).__name__
-            os.write(w, result.encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r) as f:
-        result = f.read()
-    os.waitpid(pid, 0)
-    return result
+    who = [] if server is None else [str(server.uid), str(server.gid), str(server.pid)]
+    out = subprocess.run([sys.executable, str(AS_USER), str(uid), str(gid), action, path, *who],
+                         capture_output=True, text=True, timeout=60)
+    return out.stdout.strip()
 
 
 def put_one(srv: ServerProcess) -> str:
@@ -75,10 +64,8 @@ def serves(srv: ServerProcess) -> bool:
 def test_another_user_cannot_open_the_pool_by_default():
     with ServerProcess(dram="64MiB") as srv:
         path = put_one(srv)
-        assert as_user("nobody", "nogroup", lambda: os.open(path, os.O_RDWR)) == \
-            "PermissionError"
-        assert as_user("nobody", "nogroup", lambda: os.truncate(path, 0)) == \
-            "PermissionError"
+        assert as_user("nobody", "nogroup", "open", path) == "PermissionError"
+        assert as_user("nobody", "nogroup", "truncate", path) == "PermissionError"
         assert serves(srv) and srv.proc.poll() is None
 
 
@@ -94,17 +81,9 @@ def test_shm_group_member_maps_the_pool_but_cannot_shrink_it():
         assert os.stat(path).st_gid == grp.getgrnam("nogroup").gr_gid
 
         server = identity(srv, path)
-
-        def shrink():
-            region = SharedRegion(path, 64 << 20, 16, server)   # as a client maps it
-            assert region.mem[:14].tobytes() == b"kvstore-region"
-            fd = _receive_fd(path, server)
-            try:
-                os.ftruncate(fd, 0)
-            finally:
-                os.close(fd)
-        assert as_user("nobody", "nogroup", shrink) == "PermissionError"   # EPERM: sealed
-        assert as_user("nobody", "nogroup", lambda: os.truncate(path, 0)) == "OSError"
+        # As a client maps it, then ftruncate: EPERM, the memfd is sealed.
+        assert as_user("nobody", "nogroup", "shrink", path, server) == "PermissionError"
+        assert as_user("nobody", "nogroup", "truncate", path) == "OSError"
         assert serves(srv) and srv.proc.poll() is None
     assert not os.path.exists(path)
 
@@ -113,12 +92,10 @@ def test_another_user_outside_the_group_cannot_connect():
     with ServerProcess(dram="64MiB", shm_group="nogroup") as srv:
         path = put_one(srv)
         server = identity(srv, path)
-        assert as_user("nobody", "nogroup", lambda: os.close(_receive_fd(path, server))) \
-            == "ok"
+        assert as_user("nobody", "nogroup", "receive", path, server) == "ok"
         other = pwd.getpwnam("nobody")
         # The socket's folder is the pool's group's only (0750): not even its name is seen.
-        assert as_user(other.pw_name, "daemon", lambda: _receive_fd(path, server)) == \
-            "PermissionError"
+        assert as_user(other.pw_name, "daemon", "receive", path, server) == "PermissionError"
         assert serves(srv)
 
 
