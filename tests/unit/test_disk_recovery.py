@@ -43,7 +43,7 @@ def test_a_restart_over_capacity_evicts_the_oldest_down_to_it(tiers, tmp_path):
 # were blanked would be caught by the SIGKILL that follows it.
 _SLOW_BLANK = """
 import sys, time
-from kvstore_server import slotfile
+from kvstore_server.disk import slotfile
 from kvstore_server.disk.tier import DiskTier
 from kvstore_server.disk.slotfile import slot_bytes_for
 from tests.unit.test_disk import LAYOUT, KiB, fill, key
