@@ -18,9 +18,10 @@ the same GroupWorkers over one client and one CUDA registration of the pool:
     every page   the sliding groups declared full attention with a real block for every
                  page: what a connector without windowed loads moves
 
-Each load is timed on the host from bind to the last layer landed (the Acquire of the
-pages included, the copies synchronized), as an engine's layer-wise load with nothing to
-hide behind; the two plans and, on CUDA, a pinned cudaMemcpy of each plan's bytes run in
+Each hit is planned by the connector's scheduler half (its leased Lookup over every
+group's layout, the engine's blocks, the load's pins) and timed on the host from bind to
+the last layer landed (the copies synchronized; the pages are read where the Lookup pinned
+them, no Acquire), as an engine's layer-wise load with nothing to hide behind; the two plans and, on CUDA, a pinned cudaMemcpy of each plan's bytes run in
 turn, round after round (medians of --reps after a warm-up). The first round's copies are
 checked against the pool (the first and last layer of every group, every page loaded) and
 the engine's null block must stay untouched. Without CUDA (or --device cpu) the same runs
@@ -112,9 +113,10 @@ class _Model:
         import torch
 
         from kvstore_client import PageLayout
-        from kvstore_connector.config import ConnectorConfig
+        from kvstore_connector.config import ConnectorConfig, LookupMode
         from kvstore_connector.groups import CacheGroup, GroupKind
         from kvstore_connector.kvviews import KVKind, kv5
+        from kvstore_connector.scheduler import SchedulerHalf
         from kvstore_connector.worker import SharedStore
 
         self.torch, self.shape, self.device = torch, shape, device
@@ -124,7 +126,8 @@ class _Model:
                                    2 * shape.head, dtype=dtype, device=device)
                        .permute(0, 2, 1, 3) for _ in range(shape.layers)]
         self.views = [kv5(t, KVKind.VLLM_4D) for t in self.caches]
-        self.config = ConnectorConfig(server=address, timeout=30.0)
+        self.config = ConnectorConfig(server=address, timeout=30.0, lookup_timeout=30.0,
+                                      lookups=LookupMode.SYNC)
         self.spec = shape.groups()
         self.layouts = [PageLayout(model="bench-hybrid", num_layers=len(layers),
                                    page_tokens=shape.page_tokens, num_kv_heads=shape.kv_heads,
@@ -133,6 +136,7 @@ class _Model:
                         for g, (kind, layers) in enumerate(self.spec)]
         self.shared = SharedStore.open(self.config, self.layouts[0])
         self.plans = {}
+        self.schedulers = {}
         for windowed in (True, False):
             groups = [CacheGroup(g, GroupKind.SLIDING if kind == "sliding" and windowed
                                  else GroupKind.FULL,
@@ -142,6 +146,8 @@ class _Model:
                                  scope=f"g{g}", block_size=shape.page_tokens)
                       for g, (kind, layers) in enumerate(self.spec)]
             self.plans[windowed] = self._workers(groups)
+            self.schedulers[windowed] = SchedulerHalf(self.config, self.layouts,
+                                                      shape.page_tokens, groups=groups)
 
     def _workers(self, groups):
         from kvstore_connector.groupworkers import GroupWorkers
@@ -159,6 +165,8 @@ class _Model:
 
     def close(self) -> None:
         try:
+            for sched in self.schedulers.values():
+                sched.close()
             for plan in self.plans.values():
                 plan.close()
         finally:
@@ -175,28 +183,35 @@ def _fill(client, model: _Model, keys: list[bytes], source: np.ndarray) -> None:
                 view[:] = source[start:start + ns.page_bytes]
 
 
-def _step(model: _Model, keys: tuple[bytes, ...], windowed: bool, req: int):
-    """The step plan of a full hit of `keys`: every group's block rows (a sliding group's
-    null block before its window where the plan is windowed)."""
+def _step(model: _Model, tokens: np.ndarray, windowed: bool, req: int):
+    """The step plan of a full hit of the prompt, made by the connector's scheduler half:
+    its leased Lookup over every group's layout, the engine's blocks for the hit (a
+    sliding group's null block before its window where the plan is windowed), and the
+    load's pins, so the workers copy from the pool without an Acquire."""
     from kvstore_connector.groups import NULL_BLOCK
-    from kvstore_connector.meta import LoadSpec, StepMeta
-    pages, shape = len(keys), model.shape
-    real = np.arange(1, pages + 1, dtype=np.int64).reshape(pages, 1)
+    sched, shape = model.schedulers[windowed], model.shape
+    pages = (len(tokens) - 1) // shape.page_tokens
+    req_id = f"hybrid-{req}"
+    hit = sched.hit(req_id, tokens, 0)
+    if hit != pages * shape.page_tokens:
+        raise SystemExit(f"hybrid bench: the scheduler half found {hit} tokens, not "
+                         f"{pages * shape.page_tokens}")
     first = pages - plan_bytes(shape, pages, True)[1]
-    rows = []
+    blocks = []
     for kind, _ in model.spec:
-        r = real.copy()
+        row = list(range(1, pages + 1))
         if windowed and kind == "sliding":
-            r[:first] = NULL_BLOCK
-        rows.append(r)
-    return StepMeta(loads=(LoadSpec(f"hybrid-{req}", keys, rows[0], False, load_id=req,
-                                    group_blocks=tuple(rows)),))
+            row[:first] = [NULL_BLOCK] * first
+        blocks.append(row)
+    sched.allocated(req_id, blocks, hit)
+    return req_id, sched.build()
 
 
-def _load(model: _Model, keys: tuple[bytes, ...], windowed: bool, req: int) -> tuple[float, int]:
-    """One full hit through the worker halves: (host seconds, bytes the workers moved)."""
+def _load(model: _Model, tokens: np.ndarray, windowed: bool, req: int) -> tuple[float, int]:
+    """One full hit through the worker halves: (host seconds from bind to the last layer
+    landed, bytes the workers moved)."""
     workers = model.plans[windowed]
-    step = _step(model, keys, windowed, req)
+    req_id, step = _step(model, tokens, windowed, req)
     model.sync()
     t0 = time.perf_counter()
     workers.bind(step)
@@ -206,10 +221,16 @@ def _load(model: _Model, keys: tuple[bytes, ...], windowed: bool, req: int) -> t
     model.sync()
     seconds = time.perf_counter() - t0
     workers.wait_for_save()
-    workers.finished()                    # the loads' pins go back
+    workers.finished()
+    sched = model.schedulers[windowed]
+    sched.finished(req_id)
+    sched.build()                         # the lookup's lease goes back
     stats = workers.take_stats()
     if stats.load_failures:
         raise SystemExit(f"hybrid bench: {stats.load_failures} loads failed")
+    if stats.loads_pinned != len(model.spec):
+        raise SystemExit(f"hybrid bench: {stats.loads_pinned} of {len(model.spec)} groups' "
+                         f"loads read the lookup's pins (the rest acquired)")
     return seconds, stats.bytes_loaded
 
 
@@ -247,7 +268,7 @@ def run(shape: Shape, tokens: list[int], reps: int, device: str) -> dict:
     largest = max(len(layers) for _, layers in shape.groups()) * shape.layer_bytes
     source = rng.integers(0, 256, largest + _SHIFT * max_pages + 97 * len(shape.groups()),
                           dtype=np.uint8)
-    keys = [f"hybrid-{i}".encode().ljust(16, b".") for i in range(max_pages)]
+    prompt = rng.integers(0, 32000, max_pages * shape.page_tokens + 1).astype(np.int32)
     out: dict = {"shape": shape.describe(), "device": device, "dram_gib": dram_gib,
                  "sizes": []}
     cuda = device == "cuda"
@@ -256,7 +277,9 @@ def run(shape: Shape, tokens: list[int], reps: int, device: str) -> dict:
             KVStoreClient(srv.address, shared_memory=True, timeout=120) as client:
         model = _Model(shape, srv.address, device, max_pages + 1)
         try:
-            _fill(client, model, keys, source)
+            from kvstore_connector.hashing import page_keys
+            _fill(client, model, page_keys(prompt[:-1], shape.page_tokens,
+                                           model.layouts[0].chain_seed), source)
             out["setup_s"] = time.perf_counter() - t0
             if cuda:
                 pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
@@ -265,7 +288,8 @@ def run(shape: Shape, tokens: list[int], reps: int, device: str) -> dict:
             req = 0
             for n_tokens in tokens:
                 pages = n_tokens // shape.page_tokens
-                step_keys = tuple(keys[:pages])
+                # One token past the pages: the engine computes at least the last one.
+                tokens = prompt[:n_tokens + 1]
                 times: dict[str, list[float]] = {"windowed": [], "every": [], "h2d_windowed": [],
                                                  "h2d_every": []}
                 moved = {}
@@ -274,7 +298,7 @@ def run(shape: Shape, tokens: list[int], reps: int, device: str) -> dict:
                         for view in model.views:
                             view.zero_()
                         req += 1
-                        seconds, nbytes = _load(model, step_keys, windowed, req)
+                        seconds, nbytes = _load(model, tokens, windowed, req)
                         if rep == 0:
                             _check(model, pages, windowed, source)
                             moved[name] = nbytes
@@ -310,7 +334,8 @@ def report(r: dict) -> str:
     lines = [f"bench-hybrid on {r['device']}: {r['shape']}; pool {r['dram_gib']} GiB, "
              f"setup {r['setup_s']:.1f} s", "",
              "A full hit of every page of the prompt through the connector's worker halves "
-             "(Acquire to the last layer landed, host-timed); windowed: a sliding group "
+             "(bind to the last layer landed, host-timed; pages read from the scheduler "
+             "half's pins); windowed: a sliding group "
              "loads the pages its window reaches; every page: the sliding groups loaded as "
              "full attention.", "",
              ("| tokens | plan | sliding pages/layer | MiB | load ms | load GB/s "
@@ -328,7 +353,7 @@ def report(r: dict) -> str:
         w, e = s["windowed"], s["every"]
         lines.append(f"windowed / every page at {s['tokens']} tokens: bytes "
                      f"{w['bytes'] / e['bytes']:.0%}, load time {w['load_ms'] / e['load_ms']:.0%}"
-                     f" ({e['load_ms'] / w['load_ms']:.1f}x faster)")
+                     f" (every page takes {e['load_ms'] / w['load_ms']:.1f}x the time)")
     return "\n".join(lines)
 
 
