@@ -7,33 +7,29 @@ a graceful stop another user bound that name and received the tenant's token fro
 client that reconnected (and answered their Acquires with offsets of its choosing); and a
 folder made at the name while the pool was being allocated made start-up exit 78. The
 second user is made here with useradd and removed after; its processes are this test's
-children that drop to it with setuid."""
+children that drop to it with setuid (impostor.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import mmap
 import os
 import pwd
 import re
 import secrets
 import shutil
-import signal
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
-import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kvstore_client import KVStoreClient, KVStoreError, PageLayout, attach, dataplane, presence
+from kvstore_client import KVStoreClient, KVStoreError, PageLayout, attach, dataplane
 from kvstore_client.unixpeer import ServerIdentity, UntrustedSocket, check_peer
-from kvstore_protocol import fastwire as fw
-from kvstore_protocol.region import HANDOUT_MAGIC
 from kvstore_testing.serverproc import ServerProcess, free_port_pair
 from tests.waiting import wait_for
 
@@ -43,7 +39,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0,
 LAYOUT = PageLayout(model="unix-trust", num_layers=2, page_tokens=16, num_kv_heads=2,
                     head_size=64)
 TOKEN = "tok-trust-5f1e"
-REGION_MAGIC = b"kvstore-region\x00\x01"     # kvstore_server.region.MAGIC
+IMPOSTOR = Path(__file__).with_name("impostor.py")
 
 
 @pytest.fixture(scope="module")
@@ -79,54 +75,47 @@ def auth_file(tmp_path):
 
 
 class Impostor:
-    """A child process running as another user: told a path, it binds a listening Unix
-    socket there (making the folders on the way, as that user may), answers HELLO with
-    OK, as a server would, and writes every byte it receives to `received`."""
+    """A process running as another user (impostor.py, which says what each command
+    does): told a path, it binds a listening Unix socket there, answers HELLO with OK, as
+    a server would, and writes every byte it receives to `received`."""
 
     def __init__(self, uid: int, gid: int, folder: str) -> None:
         self.received = os.path.join(folder, "impostor-received")
-        self._cmd_r, self._cmd_w = os.pipe()
-        self._out_r, self._out_w = os.pipe()
-        self.pid = os.fork()
-        if self.pid == 0:                               # the child: never returns
-            try:
-                os.close(self._cmd_w)
-                os.close(self._out_r)
-                os.setgroups([])
-                os.setgid(gid)
-                os.setuid(uid)
-                self._child()
-            finally:
-                os._exit(0)
-        os.close(self._cmd_r)
-        os.close(self._out_w)
-        self._out = os.fdopen(self._out_r)
+        self._proc = subprocess.Popen([sys.executable, str(IMPOSTOR), str(uid), str(gid),
+                                       self.received], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True, bufsize=1)
+
+    def _send(self, command: str) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(command + "\n")
+        self._proc.stdin.flush()
 
     def bind(self, path: str) -> str:
         """'ok', or the class name of the OSError that stopped the bind."""
-        os.write(self._cmd_w, f"bind {path}\n".encode())
-        return self._out.readline().strip()
+        self._send(f"bind {path}")
+        return self.answer()
 
     def block(self, shm_dir: str) -> None:
         """Watch shm_dir for a server's pool file and make a folder at `<pool>.sock` the
         moment it appears (what `answer()` then returns: the name made)."""
-        os.write(self._cmd_w, f"block {shm_dir}\n".encode())
+        self._send(f"block {shm_dir}")
 
     def presence(self, path: str) -> str:
         """Make a file at path that looks like a live server's presence map with every
         counter 0 (every key absent), its heartbeat kept fresh: 'ok' or the error's name."""
-        os.write(self._cmd_w, f"presence {path}\n".encode())
-        return self._out.readline().strip()
+        self._send(f"presence {path}")
+        return self.answer()
 
     def handout(self, path: str, size: int) -> str:
         """Bind a socket at path (making the folders on the way) that hands every caller
         a pool of this user's own, as a --shm-group server hands out its memfd: 'ok' or
         the error's name. Each caller is noted in `received`."""
-        os.write(self._cmd_w, f"handout {size} {path}\n".encode())
-        return self._out.readline().strip()
+        self._send(f"handout {size} {path}")
+        return self.answer()
 
     def answer(self) -> str:
-        return self._out.readline().strip()
+        assert self._proc.stdout is not None
+        return self._proc.stdout.readline().strip()
 
     def got(self) -> bytes:
         try:
@@ -136,113 +125,8 @@ class Impostor:
             return b""
 
     def close(self) -> None:
-        os.close(self._cmd_w)
-        self._out.close()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
-        os.waitpid(self.pid, 0)
-
-    # -- in the child -----------------------------------------------------------------------
-    def _child(self) -> None:
-        out = os.fdopen(self._out_w, "w", buffering=1)
-        with os.fdopen(self._cmd_r) as commands:
-            for line in commands:
-                verb, _, arg = line.strip().partition(" ")
-                if verb == "bind":
-                    out.write(self._bind(arg) + "\n")
-                elif verb == "block":
-                    out.write(self._block(arg) + "\n")
-                elif verb == "presence":
-                    out.write(self._presence(arg) + "\n")
-                elif verb == "handout":
-                    size, _, path = arg.partition(" ")
-                    out.write(self._handout(path, int(size)) + "\n")
-
-    def _bind(self, path: str) -> str:
-        try:
-            os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
-            lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            lsock.bind(path)
-            os.chmod(path, 0o777)
-            lsock.listen(16)
-        except OSError as exc:
-            return type(exc).__name__
-        threading.Thread(target=self._serve, args=(lsock,), daemon=True).start()
-        return "ok"
-
-    def _serve(self, lsock: socket.socket) -> None:
-        while True:
-            conn, _ = lsock.accept()
-            conn.settimeout(5.0)
-            try:
-                while True:
-                    data = conn.recv(65536)
-                    if not data:
-                        break
-                    with open(self.received, "ab") as f:
-                        f.write(data)
-                    if data[2] == fw.Op.HELLO:          # as a server would: OK, a tenant
-                        conn.sendall(fw.encode_header(fw.Op.HELLO, 1, 0) + b"a")
-            except OSError:
-                pass
-            finally:
-                conn.close()
-
-    def _handout(self, path: str, size: int) -> str:
-        try:
-            os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
-            pool = os.memfd_create("forged-pool")
-            os.ftruncate(pool, size)
-            os.pwrite(pool, REGION_MAGIC + secrets.token_bytes(16), 0)
-            lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            lsock.bind(path)
-            os.chmod(path, 0o777)
-            lsock.listen(16)
-        except OSError as exc:
-            return type(exc).__name__
-
-        def serve() -> None:
-            while True:
-                conn, _ = lsock.accept()
-                with open(self.received, "ab") as f:
-                    f.write(b"handout\n")
-                with conn:
-                    socket.send_fds(conn, [HANDOUT_MAGIC], [pool])
-        threading.Thread(target=serve, daemon=True).start()
-        return "ok"
-
-    @staticmethod
-    def _presence(path: str) -> str:
-        page, bits = 4096, 12
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-            os.ftruncate(fd, page + (1 << bits))
-            head = mmap.mmap(fd, page)
-        except OSError as exc:
-            return type(exc).__name__
-
-        def beat() -> None:
-            while True:
-                presence.HEADER.pack_into(head, presence.HEADER_AT, presence.MAGIC, page,
-                                          bits, 0, time.monotonic())
-                time.sleep(0.2)
-        threading.Thread(target=beat, daemon=True).start()
-        return "ok"
-
-    @staticmethod
-    def _block(shm_dir: str) -> str:
-        pool = re.compile(r"kvstore-\d+-[0-9a-f]{8}")
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            for name in os.listdir(shm_dir):
-                if pool.fullmatch(name):
-                    try:
-                        os.mkdir(os.path.join(shm_dir, name + ".sock"))
-                    except OSError as exc:
-                        return type(exc).__name__
-                    return name + ".sock"
-            time.sleep(0.001)
-        return "no pool appeared"
+        self._proc.kill()
+        self._proc.communicate()
 
 
 @pytest.fixture
