@@ -22,6 +22,7 @@ from kvstore_connector.config import ConnectorConfig
 from kvstore_connector.hashing import page_keys
 from kvstore_connector.scheduler import SchedulerHalf
 from kvstore_testing.serverproc import sigstop
+from tests.waiting import wait_for
 
 LAYOUT = PageLayout(model="prefetch-test", dtype="bfloat16", num_layers=2, page_tokens=16,
                     num_kv_heads=1, head_size=16)
@@ -56,12 +57,7 @@ def leases(srv) -> int:
 
 
 def wait_leases(srv, n: int, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while leases(srv) != n:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
+    return wait_for(lambda: leases(srv) == n, f"{n} leases in the server", timeout=timeout)
 
 
 def answer(sched: SchedulerHalf, req_id: str, tokens, local: int = 0):
@@ -163,17 +159,12 @@ def test_finished_while_the_lookup_is_in_flight_releases_the_lease_when_it_comes
             # "ask again" (or, if this thread was held past 2 ms, a wait for the deadline
             # and "no hit", which abandons the answer the same way)
             assert sched.hit("r", tokens, 0) in (None, 0)
-            deadline = time.monotonic() + 5
-            while not sched._worker.stalled(0.0):
-                assert time.monotonic() < deadline
-                time.sleep(0.001)
+            wait_for(lambda: sched._worker.stalled(0.0), "the lookup in flight", timeout=5,
+                     interval=0.001)
             sched.finished("r")
         finally:
             os.kill(srv.proc.pid, signal.SIGCONT)
-        deadline = time.monotonic() + 5
-        while sched._worker.looked_up < 2:            # the answer came, leased
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_for(lambda: sched._worker.looked_up >= 2, "the answer, leased", timeout=5)
         assert wait_leases(srv, 0)
     finally:
         sched.close()
@@ -187,10 +178,8 @@ def test_an_answer_for_other_tokens_is_discarded(srv):
     sched = sched_of(srv, lookup_wait_ms=0)
     try:
         assert sched.hit("r", tokens[:50], 0) is None      # 3 pages asked
-        deadline = time.monotonic() + 5
-        while sched._worker.looked_up < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        wait_for(lambda: sched._worker.looked_up >= 1, "the first lookup", timeout=5,
+                 interval=0.005)
         assert answer(sched, "r", tokens) == 192           # 12 pages, not 3
         assert leases(srv) == 1                            # only the taken one holds
         sched.finished("r")
@@ -243,10 +232,7 @@ def test_close_releases_answers_never_taken(srv):
     store(srv, tokens)
     sched = sched_of(srv, lookup_wait_ms=0)
     assert sched.hit("r", tokens, 0) is None
-    deadline = time.monotonic() + 5
-    while sched._worker.looked_up < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    wait_for(lambda: sched._worker.looked_up >= 1, "the lookup", timeout=5, interval=0.005)
     sched.close()
     assert wait_leases(srv, 0)
 

@@ -49,7 +49,7 @@ def store(client: FakeClient, tokens: np.ndarray) -> int:
 def sched_of(client: FakeClient, **config) -> SchedulerHalf:
     config.setdefault("lookup_timeout", 5.0)
     config.setdefault("lookup_wait_ms", 0)
-    return SchedulerHalf(ConnectorConfig(server="unused:1", **config), [LAYOUT], 16,
+    return SchedulerHalf(ConnectorConfig(server="127.0.0.1:1", **config), [LAYOUT], 16,
                          client=client)
 
 
