@@ -13,6 +13,7 @@ import xxhash
 
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_testing.serverproc import ServerProcess
+from tests.waiting import wait_for
 
 LAYOUT = PageLayout(model="disk", num_layers=32, page_tokens=16, num_kv_heads=8,
                     head_size=64)                                # 1 MiB pages
@@ -149,10 +150,8 @@ def test_disk_full_stops_the_tier_and_dram_goes_on(tmp_path):
                     f.write(bytes(40 << 20))
             ns = c.register_layout(LAYOUT)
             ks = fill(c, ns, 80)
-            deadline = time.monotonic() + 20
-            while not disk_stats(c).failed and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert disk_stats(c).failed
+            assert wait_for(lambda: disk_stats(c).failed, "the disk tier to fail", timeout=20,
+                            interval=0.1)
             fresh = keys(5, "after")
             c.put(ns, fresh, np.stack([page(i) for i in range(5)]))   # DRAM still takes pages
             assert np.array_equal(c.get(ns, fresh), np.stack([page(i) for i in range(5)]))
@@ -217,8 +216,6 @@ def test_a_disk_folder_removed_under_the_server_fails_the_tier(tmp_path):
         more = keys(60, "after")
         for start in range(0, 60, 10):
             client.put(ns, more[start:start + 10], np.stack([page(i) for i in range(10)]))
-        deadline = time.monotonic() + 20
-        while not disk_stats(client).failed:
-            assert time.monotonic() < deadline, "the tier never noticed its folder was gone"
-            time.sleep(0.05)
+        wait_for(lambda: disk_stats(client).failed, "the tier to notice its folder was gone",
+                 timeout=20, interval=0.05)
         assert "the folder was removed while the server ran" in srv.log()

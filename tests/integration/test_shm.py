@@ -6,7 +6,6 @@ import stat
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -139,9 +138,8 @@ def test_client_killed_holding_reservations_and_leases(fresh_server):
         # Deleting pages a dead client still pins: invisible now, freed at lease expiry.
         assert c.delete(ns, stored) == 3
         assert c.lookup(ns, stored) == 0
-        deadline = time.monotonic() + 5
-        while c.stats().leases and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for(lambda: not c.stats().leases, "the dead client's leases to expire", timeout=5,
+                 interval=0.1)
         s = c.stats()
         assert s.leases == 0 and s.leased_pages == 0 and s.tiers[0].used_bytes == 0
         assert c.lookup(ns, keys("crash-reserved", 6)) == 0   # never became visible
