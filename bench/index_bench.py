@@ -1,4 +1,4 @@
-"""Time kvstore_server.index.KeyIndex against a dict of bytes -> int, the index it replaces.
+"""Time kvstore_server.store.index.KeyIndex against a dict of bytes -> int, the index it replaces.
 
 Run from a checkout: `python bench/index_bench.py [--entries 1000000] [--runs 500]`.
 Prints medians. Lookups are measured in interleaved rounds, so load from other work on
@@ -18,10 +18,10 @@ import time
 import numpy as np
 
 try:
-    from kvstore_server.index import KeyIndex
+    from kvstore_server.store.index import KeyIndex
 except ModuleNotFoundError:  # run as a script from a checkout, not installed
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    from kvstore_server.index import KeyIndex
+    from kvstore_server.store.index import KeyIndex
 
 KEY_SIZE = 16
 BATCH = 10_000

@@ -22,8 +22,8 @@ import numpy as np
 from kvstore_client import PageLayout
 from kvstore_protocol.keys import Packed
 from kvstore_server.region import Region
-from kvstore_server.slots import SlotTable
 from kvstore_server.store import Store
+from kvstore_server.store.slots import SlotTable
 
 # A small page, so that a store of every size here fits in a modest region.
 LAYOUT = PageLayout(model="bench-pins", num_layers=2, page_tokens=16, num_kv_heads=1,

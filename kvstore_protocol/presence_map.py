@@ -21,7 +21,7 @@ Where it lives: the last AREA_BYTES of the region, described in the region's hea
 
 Bucket of a key: acc = salt of the layout (its 16-byte id's first 8 bytes); for each 8-byte
 word w of the key, zero-padded, acc = (acc ^ w) * MIX mod 2**64; bucket = acc >> (64 - bits).
-The server computes it for a batch in numpy (kvstore_server.presence); bucket() here is
+The server computes it for a batch in numpy (kvstore_server.store.presence); bucket() here is
 one key, as the client reads it (kvstore_client.presence).
 """
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from .auth import Principal
 from .errors import Outcome, Reason, StoreError
-from .layouts import unknown_layout
 from .store import Store
+from .store.layouts import unknown_layout
 from .tenants import scoped_layout_id
 
 __all__ = ["caller_layout", "check_region_token", "may_map"]

@@ -16,14 +16,14 @@ from . import __version__
 from .auth import ANONYMOUS, Authenticator, Role
 from .errors import Outcome, StoreError
 from .far.records import Scope
+from .metrics import Metrics
 from .parsing import parser
 from .service import guarded
 from .status import Invalid
-from .stats import LayoutStats
+from .store import Store
+from .store.stats import LayoutStats
 from .tenants import scoped_layout_id
 from .tier import TierName
-from .store import Store
-from .metrics import Metrics
 
 __all__ = ["AdminService", "add_admin_service"]
 

@@ -35,13 +35,13 @@ from kvstore_protocol.layout import MAX_LOOKUP_LAYOUTS, PageLayout
 from .access import caller_layout, check_region_token, may_map
 from .auth import Principal
 from .errors import Outcome, StoreError
-from .layouts import LayoutInfo
 from .limits import RequestLimits
 from .region import Region
 from .removals import MAX_READ, RemovalRead
 from .store import FOREVER, Store
-from .store_retention import Retained
-from .store_values import Pinned, Reservation
+from .store.layouts import LayoutInfo
+from .store.sessions import Retained
+from .store.values import Pinned, Reservation
 
 __all__ = ["Calls", "Found", "Reading", "Writing"]
 

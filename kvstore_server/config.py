@@ -16,11 +16,11 @@ from kvstore_protocol.units import parse_duration, parse_size
 
 from . import __version__
 from .far.settings import from_config
-from .layouts import DEFAULT_MAX_LAYOUTS
-from .leases import DEFAULT_LEASE_MEMORY
 from .limits import MAX_KEYS_LIMIT
 from .removals import DEFAULT_CAPACITY as DEFAULT_REMOVAL_RING
-from .retention import DEFAULT_MAX_SESSIONS, DEFAULT_RETENTION_QUOTA
+from .store.layouts import DEFAULT_MAX_LAYOUTS
+from .store.leases import DEFAULT_LEASE_MEMORY
+from .store.retention import DEFAULT_MAX_SESSIONS, DEFAULT_RETENTION_QUOTA
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -50,11 +50,11 @@ class ServerConfig:
     metrics_port: int = 0           # Prometheus /metrics on 127.0.0.1:port; 0 = off
     lease_ttl: float = 30.0         # seconds a lease or reservation lives unless released
     # Bytes of memory the leases clients hold may take; past it a leased Lookup answers
-    # without a lease, Acquire and Reserve RESOURCE_EXHAUSTED (kvstore_server.leases);
+    # without a lease, Acquire and Reserve RESOURCE_EXHAUSTED (kvstore_server.store.leases);
     # 0 = unlimited
     lease_memory: int = DEFAULT_LEASE_MEMORY
     max_layouts: int = DEFAULT_MAX_LAYOUTS    # layouts kept; past it RegisterLayout is refused
-    # What one tenant's sessions may keep from eviction (kvstore_server.retention): a
+    # What one tenant's sessions may keep from eviction (kvstore_server.store.retention): a
     # share of the pool (at most 1) or bytes; past it a retain is refused; 0 = off
     retention_quota: float = DEFAULT_RETENTION_QUOTA
     retention_sessions: int = DEFAULT_MAX_SESSIONS    # sessions one tenant may hold
@@ -63,8 +63,8 @@ class ServerConfig:
     removal_ring: int = DEFAULT_REMOVAL_RING
     high_watermark: float = 0.95    # background eviction starts above this share of the pool
     low_watermark: float = 0.85     # ... and stops below this one
-    # Which pages DRAM and the disk tier evict first: a module of kvstore_server ("lru")
-    # or any importable module that defines POLICY (kvstore_server.eviction says how)
+    # Which pages DRAM and the disk tier evict first: a module of kvstore_server.store ("lru")
+    # or any importable module that defines POLICY (kvstore_server.store.eviction says how)
     eviction_policy: str = "lru"
     shm_dir: str = "/dev/shm"       # where the pool's backing file lives (tmpfs or hugetlbfs)
     shm_group: str = ""             # group allowed to map the pool too (0660); "" = owner only

@@ -15,7 +15,7 @@ Locks, in the only order they are taken (never the reverse): the store's lock
 `offer` copies into staging) -> the far writer's queue condition (a page leaving the
 host). Every other lock (the fast-path server's, the stream gate's, the watchdog's, a
 breaker's, the auth reload lock) is a leaf: nothing else is taken while it is held.
-Reads from the tiers below DRAM (store_below.py) and the copies of page bytes into and out
+Reads from the tiers below DRAM (store/below.py) and the copies of page bytes into and out
 of the pool for clients happen outside the store's lock; a spill's copy into the disk
 tier's staging is the one made under it.
 """
@@ -54,7 +54,6 @@ from .config import (
 )
 from .disk.stats import DiskCollector
 from .disk.tier import DiskTier
-from .eviction import load_policy
 from .far import wiring as far_wiring
 from .fastpath import FastPathServer, SocketFolder, remove_stale_folders, socket_path
 from .fastpath.tls import fast_tls_context
@@ -63,7 +62,6 @@ from .metrics import Metrics
 from .preflight import check_host
 from .region import Progress, Region, region_bytes, remove_own, remove_stale
 from .removals import RemovalRing
-from .retention import RetentionLimits
 from .sdnotify import Notifier
 from .service import KVStoreService, add_kvstore_service
 from .startup import (
@@ -76,6 +74,8 @@ from .startup import (
     progress_reporter,
 )
 from .store import Store
+from .store.eviction import load_policy
+from .store.retention import RetentionLimits
 from .tier import TierChain
 from .watchdog import StreamWatchdog
 

@@ -17,9 +17,9 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from .rpc_tally import RpcTally
-from .stats import StoreStats
+from .store.stats import StoreStats
+from .store.timed_lock import BUCKETS
 from .tier import TierName
-from .timed_lock import BUCKETS
 
 __all__ = ["Metrics"]
 
@@ -46,7 +46,7 @@ class _StoreCollector:
         yield _gauge("kvstore_pinned_pages", "Pages pinned by a live lease, held back "
                      "after one, or retained by a session: eviction cannot take them", None,
                      s.pinned_pages)
-        # Sessions' retention (kvstore_server.retention)
+        # Sessions' retention (kvstore_server.store.retention)
         yield _gauge("kvstore_retained_pages", "Pages a session keeps in DRAM for its TTL",
                      None, s.retained_pages)
         yield _gauge("kvstore_retention_sessions", "Retention sessions held", None,

@@ -21,7 +21,7 @@ import numpy as np
 from kvstore_protocol.region import HEADER_BYTES, MAGIC, TOKEN_BYTES, TOKEN_OFFSET
 
 from .handout import Handout
-from .presence import AREA_BYTES
+from .store.presence import AREA_BYTES
 
 __all__ = ["HANDOUT_NAME", "HEADER_BYTES", "MAGIC", "TOKEN_BYTES", "TOKEN_OFFSET", "Region",
            "region_bytes", "remove_stale"]
@@ -55,7 +55,7 @@ Progress = Callable[[int, int], None]
 
 def region_bytes(dram: int) -> int:
     """The region's file size for a pool of `dram` bytes: the header, then whole 4 KiB
-    pages, then the presence map's area (kvstore_server.presence), rounded up to 2 MiB so
+    pages, then the presence map's area (kvstore_server.store.presence), rounded up to 2 MiB so
     the region can live on hugetlbfs, whose files must be a whole number of huge pages."""
     return -(-(dram // _PAGE * _PAGE + HEADER_BYTES + AREA_BYTES) // _HUGE) * _HUGE
 

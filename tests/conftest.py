@@ -7,7 +7,6 @@ import os
 import signal
 
 import pytest
-
 from kvstore_testing.clusterproc import ClusterProcess, server_binaries
 from kvstore_testing.serverproc import ServerProcess
 
@@ -107,4 +106,4 @@ def _eviction_policy(monkeypatch):
     under a second policy with nothing else changed (tests/integration/test_eviction_fifo.py)."""
     name = os.environ.get("KVSTORE_EVICTION_POLICY")
     if name:
-        monkeypatch.setattr("kvstore_server.eviction.DEFAULT_POLICY", name)
+        monkeypatch.setattr("kvstore_server.store.eviction.DEFAULT_POLICY", name)

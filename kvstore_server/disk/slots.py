@@ -15,8 +15,8 @@ from typing import cast
 
 import numpy as np
 
-from ..eviction import EvictionPolicy, enough
-from ..slots import SlotState, grown
+from ..store.eviction import EvictionPolicy, enough
+from ..store.slots import SlotState, grown
 from .slotfile import CORRUPT, SUFFIX, VALID, SlotFile
 
 __all__ = ["DiskSlots"]

@@ -60,10 +60,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import StoreError
-from ..eviction import PolicyFactory, make_policy
-from ..layouts import LAYOUT_ID_BYTES
 from ..removals import Cause, RemovalRing
-from ..slots import SlotState
+from ..store.eviction import PolicyFactory, make_policy
+from ..store.layouts import LAYOUT_ID_BYTES
+from ..store.slots import SlotState
 from ..tier import Page, PageInfo, Tier, TierInvalidation, TierName, TierStats
 from .slot_io import SlotRead, SlotWrite, folder_gone, lock_folder, read_slots, runs_of, write_slots
 from .slotfile import (

@@ -1,4 +1,4 @@
-"""Session retention against a real server (kvstore_server.retention): a session's
+"""Session retention against a real server (kvstore_server.store.retention): a session's
 prefix outlives another tenant's eviction pressure for its TTL and not after; the
 tenant's quota is enforced (refused, counted, the call still answered); release ends
 it; a client killed holding one leaves it to its TTL; a retained page can be deleted.

@@ -1,6 +1,6 @@
 """Clients that are slow, not dead, past their lease: against a real server, over the
 same-host data plane. An expired lease ends at once, but its slots are held back for
-another --lease-ttl (kvstore_server/holdback.py), so a late write into a reserved slot,
+another --lease-ttl (kvstore_server/store/holdback.py), so a late write into a reserved slot,
 or a late read of an acquired one, never meets another key's page."""
 
 import time

@@ -13,10 +13,10 @@ from kvstore_protocol.layout import PageLayout
 from kvstore_server.auth import Authenticator, Principal, Role, parse_auth_file
 from kvstore_server.config import ConfigError, is_loopback, load_config
 from kvstore_server.errors import Outcome, StoreError
-from kvstore_server.leases import footprint
 from kvstore_server.region import Region
-from kvstore_server.stats import TenantStats
 from kvstore_server.store import FOREVER, Store
+from kvstore_server.store.leases import footprint
+from kvstore_server.store.stats import TenantStats
 from kvstore_server.tenants import DEFAULT_TENANT, scoped_layout_id
 
 MiB = 1 << 20
@@ -240,7 +240,7 @@ def test_quota_evicts_only_the_tenants_own_pages(store):
 def test_a_tenant_at_its_quota_evicts_a_batch_not_a_page_per_put():
     """Each reserve over the quota scans every slot for victims, so it evicts up to
     QUOTA_BATCH of the quota beyond its need (whole pages): the next puts find room."""
-    from kvstore_server.quota import QUOTA_BATCH
+    from kvstore_server.store.quota import QUOTA_BATCH
     small = PageLayout(model="q", num_layers=1, page_tokens=1, num_kv_heads=1,
                        head_size=1024, dtype="float16")                   # 4 KiB pages
     region = Region(16 * MiB)

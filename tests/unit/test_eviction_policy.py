@@ -15,9 +15,9 @@ from kvstore_protocol.layout import PageLayout
 from kvstore_server.config import load_config
 from kvstore_server.disk.slotfile import slot_bytes_for
 from kvstore_server.disk.tier import DiskTier
-from kvstore_server.eviction import EvictionPolicy, load_policy
 from kvstore_server.region import Region
 from kvstore_server.store import Store
+from kvstore_server.store.eviction import EvictionPolicy, load_policy
 
 FIFO = "tests.fifo_policy"
 MiB = 1 << 20

@@ -1,9 +1,9 @@
-"""The table of slots held back after their lease expired (kvstore_server/holdback.py)."""
+"""The table of slots held back after their lease expired (kvstore_server/store/holdback.py)."""
 
 import numpy as np
 
-from kvstore_server.holdback import HoldBack
-from kvstore_server.leases import footprint
+from kvstore_server.store.holdback import HoldBack
+from kvstore_server.store.leases import footprint
 
 
 def test_slots_go_when_their_own_time_comes_whatever_the_order_held():

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from kvstore_server import index as index_module
-from kvstore_server.index import MAX_SLOT, KeyIndex
+from kvstore_server.store import index as index_module
+from kvstore_server.store.index import MAX_SLOT, KeyIndex
 
 
 def packed(keys: list[bytes]) -> bytes:

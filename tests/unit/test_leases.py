@@ -1,6 +1,6 @@
 import numpy as np
 
-from kvstore_server.leases import LeaseKind, LeaseTable, footprint
+from kvstore_server.store.leases import LeaseKind, LeaseTable, footprint
 
 
 class Clock:

@@ -1,6 +1,6 @@
 import numpy as np
 
-from kvstore_server.lru import LRUPolicy
+from kvstore_server.store.lru import LRUPolicy
 
 
 def test_victims_are_least_recent_first():

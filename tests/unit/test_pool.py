@@ -3,7 +3,7 @@ import itertools
 import numpy as np
 import pytest
 
-from kvstore_server.pool import SLOT_ALIGN, Pool
+from kvstore_server.store.pool import SLOT_ALIGN, Pool
 
 MiB = 1 << 20
 

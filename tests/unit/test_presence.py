@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from kvstore_client import presence as client_side
-from kvstore_server.index import KeyIndex
-from kvstore_server.presence import AREA_BYTES, Presence
+from kvstore_server.store.index import KeyIndex
+from kvstore_server.store.presence import AREA_BYTES, Presence
 
 LAYOUT = bytes(range(16))
 
@@ -82,7 +82,7 @@ def test_the_area_must_be_its_size():
 def test_a_few_keys_at_a_time_count_as_one_batch_does(key_size):
     """A batch of up to _FEW keys is counted in Python ints: the map must come out as
     when the same keys come in one batch, up and down, the stuck counter included."""
-    from kvstore_server import presence as server_side
+    from kvstore_server.store import presence as server_side
     rng = np.random.default_rng(key_size)
     keys = np.unique(rng.integers(0, 256, (300, key_size), dtype=np.uint8), axis=0)
     words = np.zeros((len(keys), -(-key_size // 8) * 8), np.uint8)

@@ -1,4 +1,4 @@
-"""Session retention in-process (kvstore_server.retention, store_retention): what a
+"""Session retention in-process (kvstore_server.store.retention, store/sessions.py): what a
 session keeps from eviction, its quota, and how it ends. tests/integration/
 test_retention.py runs the same against a real server."""
 
@@ -9,8 +9,8 @@ from kvstore_protocol.keys import Packed
 from kvstore_protocol.layout import PageLayout
 from kvstore_server.errors import StoreError
 from kvstore_server.region import Region
-from kvstore_server.retention import RetentionLimits
 from kvstore_server.store import Store
+from kvstore_server.store.retention import RetentionLimits
 
 MiB = 1 << 20
 # 256 KiB pages: 4 layers of 64 KiB; the 16 MiB region holds about 60 of them
@@ -207,7 +207,7 @@ def test_the_quota_setting_is_a_share_or_a_size():
 
 
 def test_a_session_retained_every_turn_keeps_the_table_small():
-    from kvstore_server.retention import RetentionTable
+    from kvstore_server.store.retention import RetentionTable
     table = RetentionTable()
     sizes = lambda slots: np.full(len(slots), 1, dtype=np.int64)   # noqa: E731
     for turn in range(1000):
@@ -219,7 +219,7 @@ def test_a_session_retained_every_turn_keeps_the_table_small():
 
 
 def test_the_pages_sessions_name_are_bounded(monkeypatch):
-    from kvstore_server import retention
+    from kvstore_server.store import retention
     monkeypatch.setattr(retention, "MAX_ENTRIES", 6)
     s, region = make()
     try:

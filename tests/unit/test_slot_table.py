@@ -1,10 +1,10 @@
-"""The slot table's pin counts (kvstore_server/slots.py): add_pins counts every entry,
+"""The slot table's pin counts (kvstore_server/store/slots.py): add_pins counts every entry,
 repeats included, as np.add.at does, on its fast path and off it."""
 
 import numpy as np
 import pytest
 
-from kvstore_server.slots import SlotTable
+from kvstore_server.store.slots import SlotTable
 
 
 @pytest.mark.parametrize("seed", range(20))

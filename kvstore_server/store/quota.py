@@ -24,7 +24,7 @@ import numpy as np
 
 from kvstore_protocol.units import format_size
 
-from .errors import Outcome, StoreError
+from ..errors import Outcome, StoreError
 from .eviction import EvictionPolicy, Sizes, quota_victims
 from .footprint import Footprints
 from .layouts import LayoutInfo

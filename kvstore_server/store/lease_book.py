@@ -23,12 +23,12 @@ import time
 
 import numpy as np
 
-from .errors import Outcome, StoreError
+from ..errors import Outcome, StoreError
+from .evict import Eviction
 from .holdback import HoldBack
 from .leases import FOREVER, Lease, LeaseKind, LeaseTable, footprint
 from .slots import SlotState
-from .store_evict import Eviction
-from .store_state import StoreState
+from .state import StoreState
 
 __all__ = ["LeaseBook", "owns"]
 

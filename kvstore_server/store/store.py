@@ -3,7 +3,7 @@
 The whole lifecycle across the tiers is drawn in tier.py; the DRAM half lives here:
 reserve → WRITING → commit → READY → lease / release → evict (spilled to the tier below)
 → promote (read back by acquire), and delete. A READY page a session retains
-(store_retention.py) is pinned like a leased one until its TTL or release; a delete
+(sessions.py) is pinned like a leased one until its TTL or release; a delete
 still removes it and ends its retention. Its parts, each in a module of its own:
 the slot table (slots.py), the layout registry (layouts.py), victim selection over an
 eviction policy (eviction.py, lru.py), tenants' quotas (quota.py), leases (leases.py),
@@ -21,13 +21,13 @@ with a reuse of its slot. The tier below is asked outside the lock too (it has i
 except offer, which never waits.
 
 Store is the per-request lifecycle over one lock, and the front of its parts, each an
-object that owns its own state and shares the rest through one StoreState (store_state.py,
+object that owns its own state and shares the rest through one StoreState (state.py,
 where each shared field is declared and what guards it): slots coming free and eviction
-(store_evict.Eviction), the lease book: leases, their pins and endings
-(store_leases.LeaseBook), sessions' retention of their prefixes, a long pin that eviction
-respects (store_retention.Retention), what is asked of the tier below, a lookup's reach and
-read-backs (store_below.Below), and the bulk operations an admin runs, evict, clear, spill
-at stop, stats (store_admin.Admin).
+(evict.Eviction), the lease book: leases, their pins and endings
+(lease_book.LeaseBook), sessions' retention of their prefixes, a long pin that eviction
+respects (sessions.Retention), what is asked of the tier below, a lookup's reach and
+read-backs (below.Below), and the bulk operations an admin runs, evict, clear, spill
+at stop, stats (admin.Admin).
 """
 
 from __future__ import annotations
@@ -41,35 +41,35 @@ import numpy as np
 from kvstore_protocol.keys import Packed
 from kvstore_protocol.layout import MAX_LOOKUP_LAYOUTS, PageLayout
 
-from .errors import Outcome, Reason, StoreError
+from ..errors import Outcome, Reason, StoreError
+from ..far.records import Scope
+from ..region import HEADER_BYTES, Region
+from ..removals import Cause, RemovalRing
+from ..tenants import DEFAULT_TENANT
+from ..tier import NullTier, PageInfo, Tier
+from .admin import Admin, Invalidation
+from .below import Below
+from .evict import Eviction
 from .eviction import PolicyFactory, make_policy
-from .far.records import Scope
 from .holdback import HoldBack
 from .layouts import DEFAULT_MAX_LAYOUTS, LayoutInfo, LayoutRegistry
+from .lease_book import LeaseBook
 from .leases import DEFAULT_LEASE_MEMORY, FOREVER, LeaseKind, LeaseTable
 from .pool import Pool
 from .presence import AREA_BYTES, Presence
 from .quota import TenantLedger
-from .region import HEADER_BYTES, Region
-from .removals import Cause, RemovalRing
 from .retention import RetentionLimits
+from .sessions import Retained, Retention
 from .slots import SlotState, SlotTable
+from .state import StoreState
 from .stats import StoreStats
-from .store_admin import Admin, Invalidation
-from .store_below import Below
-from .store_evict import Eviction
-from .store_leases import LeaseBook
-from .store_retention import Retained, Retention
-from .store_state import StoreState
-from .store_values import Pinned, Reservation
-from .tenants import DEFAULT_TENANT
-from .tier import NullTier, PageInfo, Tier
 from .timed_lock import TimedLock
+from .values import Pinned, Reservation
 
 __all__ = ["FOREVER", "LayoutInfo", "Pinned", "Reservation", "Retained", "Store"]
 
 FREE, WRITING, READY, DOOMED = SlotState
-_READY = int(READY)                           # for numpy: see store_leases._DOOMED
+_READY = int(READY)                           # for numpy: see lease_book._DOOMED
 
 _NONE_MISSING = np.empty(0, dtype=np.int64)      # acquire: no key is missing
 
@@ -111,7 +111,7 @@ class Store:
         policy, or the name of one (eviction.make_policy). through: a tier that is
         offered every page at commit as well (the far tier under --far-write through, so
         other hosts see a page at once), not only when it leaves DRAM. presence: keep the
-        presence map in the region's last AREA_BYTES (kvstore_server.presence), while no
+        presence map in the region's last AREA_BYTES (kvstore_server.store.presence), while no
         tier below DRAM holds pages (the area is set aside either way). retention: each
         tenant's retention quota and session cap (retention.py; None: the defaults).
         removals: where pages that leave this server are recorded (removals.py; None: a
@@ -294,7 +294,7 @@ class Store:
 
     def count_misses(self, layout_ids: Sequence[bytes], n: int) -> None:
         """n keys a client counted as missed on its own, from the presence map
-        (kvstore_server.presence): misses of each of these layouts registered here."""
+        (kvstore_server.store.presence): misses of each of these layouts registered here."""
         with self._s.lock:
             self._missed([info for layout_id in dict.fromkeys(layout_ids)
                           if (info := self._s.layouts.get(layout_id)) is not None], n)

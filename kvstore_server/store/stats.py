@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..tier import TierStats
 from .layouts import LayoutInfo
-from .tier import TierStats
 from .timed_lock import LockHolds
 
 __all__ = ["LayoutStats", "StoreStats", "TenantStats"]

@@ -7,7 +7,7 @@ slow (a process stopped for a while, a DMA write still in flight into a reserved
 copy still reading an acquired one). Reused at once, such a slot takes another key's page,
 and the late write lands in it, or the late read returns it: wrong bytes, no error. So
 the store keeps an expired lease's slots pinned for another --lease-ttl
-(store_leases.LeaseBook.expire), then lets them go. A lease its client
+(lease_book.LeaseBook.expire), then lets them go. A lease its client
 releases, aborts or commits goes free at once, and an admin's --force ends holds too (the
 operator knows the clients are gone).
 
@@ -16,7 +16,7 @@ leases of 50 ms and stall for 300 ms. Clients that did so (leases shorter than t
 stalls, a fifth of their writes and reads late) read wrong bytes when slots went free at
 expiry and when they were held back for the lease's own ttl, and never when held back
 for --lease-ttl. What is held counts in
-lease_memory with the live leases (store_leases); a lease's expiry moves its footprint
+lease_memory with the live leases (lease_book); a lease's expiry moves its footprint
 from one to the other, never adding to it, so a client that lets short leases expire
 holds no more than it could hold live.
 """
@@ -45,7 +45,7 @@ class HoldBack:
                                 # counts 20 times, so this may exceed the pool many times
         # How often each slot id is held (grown on demand): the distinct pages held are
         # what an operator asks about (pages()), and a live lease's pins are a slot's
-        # pins less these (store_admin.Admin.stats).
+        # pins less these (admin.Admin.stats).
         self.counts = np.zeros(0, dtype=np.int32)
 
     def __len__(self) -> int:

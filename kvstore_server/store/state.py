@@ -1,9 +1,9 @@
 """What every part of the store shares, declared once: the pool, the slot table, the layouts, the lock.
 
 Store (store.py) builds one StoreState and hands it to its parts, each of which owns the
-rest of its own state: eviction and allocation (store_evict.Eviction), the lease book
-(store_leases.LeaseBook), sessions' retention (store_retention.Retention), the tier below
-(store_below.Below) and the admin operations (store_admin.Admin).
+rest of its own state: eviction and allocation (evict.Eviction), the lease book
+(lease_book.LeaseBook), sessions' retention (sessions.Retention), the tier below
+(below.Below) and the admin operations (admin.Admin).
 
 Concurrency: `lock` guards every field below except `lower` and `removals` (each has its
 own lock; the tier below is asked outside this one) and the read-only ones (mem, clock,
@@ -20,14 +20,14 @@ import numpy as np
 
 from kvstore_protocol.keys import Packed
 
+from ..removals import RemovalRing
+from ..tier import Tier
 from .eviction import EvictionPolicy
 from .index import FEW_KEYS
 from .layouts import LayoutInfo, LayoutRegistry
 from .pool import Pool
 from .quota import TenantLedger
-from .removals import RemovalRing
 from .slots import SlotTable
-from .tier import Tier
 from .timed_lock import TimedLock
 
 __all__ = ["StoreState"]

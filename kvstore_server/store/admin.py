@@ -15,19 +15,19 @@ import numpy as np
 
 from kvstore_protocol.keys import MAX_KEY_BYTES, Packed
 
-from .errors import Outcome, Reason, StoreError
+from ..errors import Outcome, Reason, StoreError
+from ..far.records import LayoutRecord, Scope
+from ..removals import Cause
+from ..tier import PageInfo, TierName
+from .below import Below
+from .evict import Eviction
 from .eviction import enough
-from .far.records import LayoutRecord, Scope
 from .layouts import LayoutInfo
-from .removals import Cause
+from .lease_book import LeaseBook
+from .sessions import Retention
 from .slots import SlotState
+from .state import StoreState
 from .stats import LayoutStats, StoreStats, TenantStats
-from .store_below import Below
-from .store_evict import Eviction
-from .store_leases import LeaseBook
-from .store_retention import Retention
-from .store_state import StoreState
-from .tier import PageInfo, TierName
 
 __all__ = ["ADMIN_BATCH", "Admin", "Invalidation"]
 

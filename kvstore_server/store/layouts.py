@@ -17,10 +17,10 @@ import numpy as np
 
 from kvstore_protocol.layout import PageLayout
 
-from .errors import Outcome, Reason, StoreError
+from ..errors import Outcome, Reason, StoreError
+from ..tenants import DEFAULT_TENANT, scoped_layout_id
 from .index import KeyIndex
 from .presence import Presence
-from .tenants import DEFAULT_TENANT, scoped_layout_id
 
 __all__ = ["DEFAULT_MAX_LAYOUTS", "LAYOUT_ID_BYTES", "LayoutInfo", "LayoutRegistry",
            "unknown_layout"]
@@ -62,7 +62,7 @@ class LayoutInfo:
     # short-lived, so a dict
     writing: dict[bytes, int] = dataclasses.field(default_factory=dict)
     # Told of every key that enters or leaves `ready` (KeyIndex.watch): the presence map's
-    # (kvstore_server.presence), or None
+    # (kvstore_server.store.presence), or None
     watch: Callable[[np.ndarray, int], None] | None = None
     hits: int = 0
     misses: int = 0

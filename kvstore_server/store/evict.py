@@ -17,11 +17,11 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..removals import Cause
 from .eviction import enough
 from .layouts import LayoutInfo
-from .removals import Cause
 from .slots import SlotState
-from .store_state import StoreState
+from .state import StoreState
 
 __all__ = ["Eviction"]
 
@@ -63,7 +63,7 @@ class Eviction:
         """Slots already out of the index: free them, or doom them while pinned."""
         if not slots.size:
             return
-        for hook in self.dropping:          # a delete ends retention (store_retention)
+        for hook in self.dropping:          # a delete ends retention (sessions)
             hook(slots)
         s = self._s
         pinned = s.slots.pins[slots] > 0

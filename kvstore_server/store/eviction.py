@@ -4,7 +4,7 @@ No lock, no I/O: the store (and the disk tier) call these under their own lock a
 the result. A policy orders slot ids (LRU today, lru.py); the functions here decide how
 many of its victims are enough, among which slots, for the three reasons to evict:
 
-- allocation: a reserve needs slots of a size class (store_evict.Eviction.alloc);
+- allocation: a reserve needs slots of a size class (evict.Eviction.alloc);
 - watermarks: the pool is past its high watermark, so the evictor thread evicts down to
   the low one, a batch a lock hold;
 - a tenant's quota: quota_victims below;

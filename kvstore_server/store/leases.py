@@ -71,7 +71,7 @@ class Lease:
     layout: int = -1         # layout index, for RESERVE (its keys go with the slots)
     keys: list[bytes] = dataclasses.field(default_factory=list)
     # The tenant whose request took it: only the owner may commit, abort or release one
-    # (store_leases.owns checks; "" in tests that do not care).
+    # (lease_book.owns checks; "" in tests that do not care).
     owner: str = ""
 
 

@@ -1,5 +1,5 @@
 """Session retention: which DRAM pages tenants' sessions keep from eviction, until when.
-A pure table, not thread-safe (the store's lock guards it; store_retention.py applies it).
+A pure table, not thread-safe (the store's lock guards it; sessions.py applies it).
 
 Why: an agent's session comes back every few seconds or minutes with the same growing
 prefix, and between its turns other tenants' traffic may push that prefix out of DRAM;

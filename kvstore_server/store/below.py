@@ -21,8 +21,8 @@ from kvstore_protocol.keys import Packed
 
 from .layouts import LayoutInfo
 from .leases import FOREVER
-from .store_state import StoreState
-from .store_values import Reservation
+from .state import StoreState
+from .values import Reservation
 
 __all__ = ["Below", "Puts"]
 

@@ -114,7 +114,7 @@ class KeyIndex:
         self._pos = np.full(max(capacity, 8), -1, dtype=np.int64)  # slot -> bucket, -1 none
         self._live = 0                                 # live entries
         # Told of every key that comes or goes, as (words, +1 or -1): the presence map
-        # (kvstore_server.presence). None: nobody is told.
+        # (kvstore_server.store.presence). None: nobody is told.
         self.watch: Callable[[np.ndarray, int], None] | None = None
 
     def __len__(self) -> int:

@@ -19,10 +19,10 @@ import numpy as np
 
 from kvstore_protocol.keys import Packed
 
-from .errors import Outcome, StoreError
+from ..errors import Outcome, StoreError
+from .lease_book import LeaseBook
 from .retention import MAX_SESSION_NAME, MAX_TTL, RetainOutcome, RetentionLimits, RetentionTable
-from .store_leases import LeaseBook
-from .store_state import StoreState
+from .state import StoreState
 
 __all__ = ["Retained", "Retention"]
 
