@@ -150,6 +150,13 @@ class SchedulerHalf:
     def lag(self) -> int:
         return self._unconfirmed.lag
 
+    @property
+    def prefetch(self) -> LookupWorker | None:
+        """The worker of prefetched lookups (LookupMode.PREFETCH; None in the other
+        modes): its lookups made and whether its call is stalled, read by tests and
+        benchmarks."""
+        return self._worker
+
     # -- requests -----------------------------------------------------------------------
     def _state(self, req_id: str, tokens, prompt_len: int | None = None, *,
                convert: bool = True) -> RequestState:

@@ -68,9 +68,9 @@ def test_a_request_that_cannot_reach_the_floor_is_not_looked_up(srv):
                                           lookup_wait_ms=0, min_hit_tokens=256), [LAYOUT], 16)
     try:
         assert answer(sched, "short", short) == 0         # 192 tokens stored: below 256
-        assert sched._worker.looked_up == 0
+        assert sched.prefetch.looked_up == 0
         assert answer(sched, "long", long_) == 288
-        assert sched._worker.looked_up == 1
+        assert sched.prefetch.looked_up == 1
     finally:
         sched.close()
 

@@ -84,7 +84,7 @@ def test_a_burst_hears_ask_again_then_gets_the_stores_answers(srv):
         assert None in first and set(first) <= {None, 160}, first
         sched.build()
         assert {r: answer(sched, r, t) for r, t in prompts.items()} == dict.fromkeys(prompts, 160)
-        assert sched._worker.looked_up == 9           # one lookup each, no more
+        assert sched.prefetch.looked_up == 9           # one lookup each, no more
         assert leases(srv) == 8                       # each answer holds its pages
         for r in prompts:                             # the engine loads none of them
             sched.allocated(r, list(range(13)), 0)
@@ -115,7 +115,7 @@ def test_while_the_worker_is_idle_the_loop_asks_itself_then_hands_the_rest_over(
     try:
         assert sched.hit("warm", prompt(40, 5), 0) == 0
         assert sched.hit("lone", system, 0) == 144     # answered on the loop
-        assert sched._worker.looked_up == 0
+        assert sched.prefetch.looked_up == 0
         sched.build()
         sched.config = dataclasses.replace(sched.config, lookup_wait_ms=0.0)
         got = [sched.hit(f"b{i}", np.concatenate([system, prompt(40, 10 + i)]), 0)
@@ -124,7 +124,7 @@ def test_while_the_worker_is_idle_the_loop_asks_itself_then_hands_the_rest_over(
         sched.build()
         assert [answer(sched, f"b{i}", np.concatenate([system, prompt(40, 10 + i)]))
                 for i in range(4)] == [160] * 4
-        assert sched._worker.looked_up == 4
+        assert sched.prefetch.looked_up == 4
     finally:
         sched.close()
 
@@ -138,7 +138,7 @@ def test_finished_before_the_answer_was_taken_releases_its_lease(srv):
         pending = sched._pending["r"]
         sched.finished("r")                           # answered or not, it is gone
         sched.build()
-        assert sched._worker.looked_up <= 1
+        assert sched.prefetch.looked_up <= 1
         # The worker is done with it (looked up and its lease queued for release, or
         # skipped): only then does "no lease" mean the lease was released.
         assert pending.done.wait(5)
@@ -159,12 +159,12 @@ def test_finished_while_the_lookup_is_in_flight_releases_the_lease_when_it_comes
             # "ask again" (or, if this thread was held past 2 ms, a wait for the deadline
             # and "no hit", which abandons the answer the same way)
             assert sched.hit("r", tokens, 0) in (None, 0)
-            wait_for(lambda: sched._worker.stalled(0.0), "the lookup in flight", timeout=5,
+            wait_for(lambda: sched.prefetch.stalled(0.0), "the lookup in flight", timeout=5,
                      interval=0.001)
             sched.finished("r")
         finally:
             os.kill(srv.proc.pid, signal.SIGCONT)
-        wait_for(lambda: sched._worker.looked_up >= 2, "the answer, leased", timeout=5)
+        wait_for(lambda: sched.prefetch.looked_up >= 2, "the answer, leased", timeout=5)
         assert wait_leases(srv, 0)
     finally:
         sched.close()
@@ -178,7 +178,7 @@ def test_an_answer_for_other_tokens_is_discarded(srv):
     sched = sched_of(srv, lookup_wait_ms=0)
     try:
         assert sched.hit("r", tokens[:50], 0) is None      # 3 pages asked
-        wait_for(lambda: sched._worker.looked_up >= 1, "the first lookup", timeout=5,
+        wait_for(lambda: sched.prefetch.looked_up >= 1, "the first lookup", timeout=5,
                  interval=0.005)
         assert answer(sched, "r", tokens) == 192           # 12 pages, not 3
         assert leases(srv) == 1                            # only the taken one holds
@@ -232,7 +232,7 @@ def test_close_releases_answers_never_taken(srv):
     store(srv, tokens)
     sched = sched_of(srv, lookup_wait_ms=0)
     assert sched.hit("r", tokens, 0) is None
-    wait_for(lambda: sched._worker.looked_up >= 1, "the lookup", timeout=5, interval=0.005)
+    wait_for(lambda: sched.prefetch.looked_up >= 1, "the lookup", timeout=5, interval=0.005)
     sched.close()
     assert wait_leases(srv, 0)
 
@@ -283,7 +283,7 @@ def test_a_release_in_flight_keeps_the_loop_from_asking_the_store_itself(srv):
         try:
             sched.build()                                 # the release goes to the thread
             deadline = time.monotonic() + 2
-            while sched._worker._releases and time.monotonic() < deadline:
+            while sched.prefetch._releases and time.monotonic() < deadline:
                 time.sleep(0.005)
             time.sleep(0.05)                              # in its call, meeting the hang
             started = time.monotonic()
