@@ -11,6 +11,7 @@ import pytest
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
 from kvstore_client.attach import PRESENCE_RETRY_S
 from kvstore_client.presence import LIVE_SECONDS
+from tests.waiting import wait_for
 
 LAYOUT = PageLayout(model="presence", num_layers=2, page_tokens=16, num_kv_heads=2,
                     head_size=64, dtype="bfloat16")
@@ -118,18 +119,17 @@ def test_a_stopped_or_killed_servers_map_answers_nothing(fresh_server):
         # (asked of the server), and its own map is found within PRESENCE_RETRY_S.
         with KVStoreClient(again.address) as other:
             other.put(other.register_layout(LAYOUT), KEYS[:4], _pages(ns, 4))
-        deadline = time.monotonic() + 10.0
-        while True:
+
+        def reached() -> bool:
             try:
                 assert client.lookup(ns, KEYS) == 4
-                break
             except KVStoreError:
-                assert time.monotonic() < deadline, "the old client never reached the new server"
-                time.sleep(0.2)
-        deadline = time.monotonic() + PRESENCE_RETRY_S + 3.0
-        while client.lookup(ns, KEYS[4:]) == 0 and client.presence_misses == 1:
-            assert time.monotonic() < deadline, "the new server's map was never used"
-            time.sleep(0.2)
+                return False
+            return True
+        wait_for(reached, "the old client to reach the new server", timeout=10.0, interval=0.2)
+        wait_for(lambda: client.lookup(ns, KEYS[4:]) != 0 or client.presence_misses != 1,
+                 "the new server's map to be used", timeout=PRESENCE_RETRY_S + 3.0,
+                 interval=0.2)
         again.stop()                                     # graceful: the map is off at once
         with pytest.raises(KVStoreError):
             client.lookup(ns, KEYS[4:])
