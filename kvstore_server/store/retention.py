@@ -81,7 +81,7 @@ class RetentionLimits:
 @dataclasses.dataclass(slots=True)
 class _Session:
     tenant: int                 # the table's index of its tenant
-    slots: np.ndarray           # int64 slot ids it pins, distinct
+    slots: np.ndarray           # int64 slot ids it pins, distinct, sorted
     gens: np.ndarray            # each slot's generation when retained (see forget)
     expires_at: float
 
@@ -159,6 +159,12 @@ class RetentionTable:
         slots = np.unique(np.asarray(slots, dtype=np.int64))
         self._grow(int(slots.max()) + 1 if slots.size else 0)
         have = self._live(session) if session is not None else slots[:0]
+        if (outcome is RetainOutcome.RETAINED and session is not None
+                and np.array_equal(slots, have)):
+            # The same pages again (an agent's turn that added none): only the expiry
+            # moves. A session's slots are kept sorted, as unique returns them.
+            self._expire_at(key, session, now + ttl)
+            return outcome, slots[:0]
         new = np.setdiff1d(slots, have, assume_unique=True)
         first = new[self.count[new] == 0]
         charge = sizes(first).astype(np.int64)
@@ -177,17 +183,20 @@ class RetentionTable:
             self._count_of[t] += 1
             session = self._sessions[key] = _Session(t, have, have, 0.0)
         self._entries[t] += len(have) + len(new) - len(session.slots)
-        session.slots = np.concatenate([have, new])
+        session.slots = np.union1d(have, new)
         session.gens = self._gen[session.slots]
-        session.expires_at = now + ttl
-        heapq.heappush(self._heap, (session.expires_at, next(self._order), key))
+        self._expire_at(key, session, now + ttl)
+        return outcome, new
+
+    def _expire_at(self, key: tuple[str, str], session: _Session, when: float) -> None:
+        session.expires_at = when
+        heapq.heappush(self._heap, (when, next(self._order), key))
         if len(self._heap) > 2 * len(self._sessions) + 64:
             # A session retained again each turn leaves its earlier entry behind: rebuilt
             # from the live sessions, the heap stays within twice their number.
             self._heap = [(s.expires_at, next(self._order), k)
                           for k, s in self._sessions.items()]
             heapq.heapify(self._heap)
-        return outcome, new
 
     def _live(self, session: _Session) -> np.ndarray:
         """The session's slots still holding the pages it retained."""

@@ -20,11 +20,15 @@ import numpy as np
 from kvstore_protocol.keys import Packed
 
 from ..errors import Outcome, StoreError
+from .layouts import LayoutInfo
 from .lease_book import LeaseBook
 from .retention import MAX_SESSION_NAME, MAX_TTL, RetainOutcome, RetentionLimits, RetentionTable
 from .state import StoreState
 
 __all__ = ["Retained", "Retention"]
+
+# Sessions of one RetainMany retained per lock hold (each hold looks the keys up once).
+_MANY_CHUNK = 32
 
 log = logging.getLogger("kvstore_server.store")
 
@@ -70,28 +74,41 @@ class Retention:
         s = self._s
         with s.lock:
             info = s.layouts.info(layout_id)
-            found = s.find(info, keys)
-            run = found[:int(np.argmin(found >= 0))] if (found < 0).any() else found
-            outcome, new = self.table.retain(
-                info.tenant, session, run, self._retained_bytes, s.clock(), ttl,
-                self.limits, s.pool.capacity_bytes, quota)
-            if outcome is not RetainOutcome.RETAINED:
-                return Retained(len(run), outcome.value)
-            self._book.pin(new)
-            s.touch(run)
-            return Retained(len(run))
+            return self._retain_found(info, s.find(info, keys), session, ttl, quota)
 
     def retain_many(self, layout_id: bytes, keys: Packed,
                     asks: Sequence[tuple[str, float, np.ndarray]],
                     quota: int = 0) -> list[Retained]:
         """Several sessions' retains at once: (session, ttl, indexes into keys of its
         prefix) each, answered in order as retain answers each. Every ask is checked
-        before any is kept; each takes the lock on its own, as a retain does."""
+        before any is kept. The keys are looked up once per _MANY_CHUNK sessions, in the
+        same lock hold as their retains (a slot found in an earlier hold may hold another
+        page by now): 64 sessions of one prefix cost a 64th of the lookups."""
         for session, ttl, _ in asks:
             _check(session, ttl)
-        rows = keys.rows
-        return [self.retain(layout_id, Packed(rows[idx].tobytes(), keys.size), session,
-                            ttl, quota) for session, ttl, idx in asks]
+        s = self._s
+        out: list[Retained] = []
+        for start in range(0, len(asks), _MANY_CHUNK):
+            with s.lock:
+                info = s.layouts.info(layout_id)
+                found = s.find(info, keys)
+                out += [self._retain_found(info, found[idx], session, ttl, quota)
+                        for session, ttl, idx in asks[start:start + _MANY_CHUNK]]
+        return out
+
+    def _retain_found(self, info: LayoutInfo, found: np.ndarray, session: str, ttl: float,
+                      quota: int) -> Retained:
+        """retain's work under the lock, its keys' slots found (-1: absent)."""
+        s = self._s
+        run = found[:int(np.argmin(found >= 0))] if (found < 0).any() else found
+        outcome, new = self.table.retain(
+            info.tenant, session, run, self._retained_bytes, s.clock(), ttl,
+            self.limits, s.pool.capacity_bytes, quota)
+        if outcome is not RetainOutcome.RETAINED:
+            return Retained(len(run), outcome.value)
+        self._book.pin(new)
+        s.touch(run)
+        return Retained(len(run))
 
     def _retained_bytes(self, slots: np.ndarray) -> np.ndarray:
         return self._s.pool.class_bytes[self._s.pool.cls[slots]]

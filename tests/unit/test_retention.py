@@ -243,3 +243,25 @@ def test_a_tenant_with_a_storage_quota_retains_at_most_half_of_it(store):
                                    quota=4 * page).refused
     assert store.retain(info.layout_id, Packed.of(ks[:2]), "s", 10.0,
                         quota=4 * page).refused == ""
+
+
+def test_the_same_pages_again_move_the_expiry_and_pin_once(store):
+    """An agent's turn that adds no page (RetainMany's common case) takes the short way:
+    the session's expiry moves, its pages stay pinned once, and a later turn that adds
+    pages still adds them."""
+    info = store.register_layout(LAYOUT)
+    mine = keys("turn", 6)
+    put(store, info, mine)
+    assert retain(store, info, mine[:4], ttl=10.0).pages == 4
+    store.test_clock.now += 8
+    got = store.retain_many(info.layout_id, Packed.of(mine),
+                            [("s", 10.0, np.array([3, 2, 1, 0]))])
+    assert got[0].pages == 4 and not got[0].refused
+    assert (store.stats().retained_pages, store.stats().pinned_pages) == (4, 4)
+    store.test_clock.now += 8                   # past the first expiry, not the second
+    store.expire_leases()
+    assert store.stats().retained_pages == 4
+    assert retain(store, info, mine, ttl=10.0).pages == 6
+    assert (store.stats().retained_pages, store.stats().pinned_pages) == (6, 6)
+    assert store.release_retention("s", "default") == 6
+    assert store.stats().pinned_pages == 0
