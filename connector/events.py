@@ -59,17 +59,18 @@ BlockHash = Hashable            # the engine's hash of one block (vLLM: an int o
 class SavedRun:
     """A request's leading pages in the store: keys[i] is page i's key; hashes are the
     engine's block hashes from the prompt's start (blocks_per_page a page) and tokens its
-    token ids (page_tokens a page), as taken on the engine's loop, sliced here later."""
+    token ids (page_tokens a page). The engine's own lists of a finished request, not
+    copies: the loop only hands them over, the poll thread slices them."""
 
-    keys: tuple[bytes, ...]
-    hashes: tuple[BlockHash, ...]
-    tokens: tuple[int, ...]
+    keys: Sequence[bytes]
+    hashes: Sequence[BlockHash]
+    tokens: Sequence[int]
     blocks_per_page: int
     page_tokens: int
     lora_name: str | None = None
 
     def page_hashes(self, i: int) -> tuple[BlockHash, ...]:
-        return self.hashes[i * self.blocks_per_page:(i + 1) * self.blocks_per_page]
+        return tuple(self.hashes[i * self.blocks_per_page:(i + 1) * self.blocks_per_page])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -136,13 +137,7 @@ class EventFeed:
         """Queue a request's stored pages, to announce once the store confirms them."""
         if not run.keys:
             return
-        # Pages whose blocks the engine has not all hashed are not announced.
-        whole = min(len(run.keys), len(run.hashes) // max(1, run.blocks_per_page),
-                    len(run.tokens) // max(1, run.page_tokens))
-        if whole < len(run.keys):
-            run = dataclasses.replace(run, keys=run.keys[:whole])
-            if not whole:
-                return
+
         with self._cv:
             if len(self._runs) >= _QUEUED:
                 self.counts.dropped += 1
@@ -267,9 +262,12 @@ class EventFeed:
     def _announce(self, run: SavedRun, present: set[bytes],
                   out: list[Stored | Removed]) -> None:
         """Stored events for the run's pages held now and not yet announced: one per
-        stretch of consecutive pages, each after the block before it."""
+        stretch of consecutive pages, each after the block before it. A page whose
+        blocks the engine has not all hashed is not announced."""
+        whole = min(len(run.keys), len(run.hashes) // max(1, run.blocks_per_page),
+                    len(run.tokens) // max(1, run.page_tokens))
         stretch: list[int] = []
-        for i, key in enumerate(run.keys):
+        for i, key in enumerate(run.keys[:whole]):
             if key in present and key not in self._held:
                 stretch.append(i)
                 continue
@@ -283,8 +281,8 @@ class EventFeed:
         first, last = pages[0], pages[-1]
         per = run.blocks_per_page
         parent = run.hashes[first * per - 1] if first else None
-        hashes = run.hashes[first * per:(last + 1) * per]
-        tokens = run.tokens[first * run.page_tokens:(last + 1) * run.page_tokens]
+        hashes = tuple(run.hashes[first * per:(last + 1) * per])
+        tokens = tuple(run.tokens[first * run.page_tokens:(last + 1) * run.page_tokens])
         for i in pages:
             self._held[run.keys[i]] = run.page_hashes(i)
         self.counts.stored += len(pages)

@@ -310,10 +310,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         keys = self._sched.stored_keys(request.request_id)
         if not keys:
             return None
-        blocks = len(keys) * (self.page_tokens // self.block_size)
         lora = request.lora_request
-        return SavedRun(tuple(keys), tuple(request.block_hashes[:blocks]),
-                        tuple(request.all_token_ids[:len(keys) * self.page_tokens]),
+        # The request's own lists, not copies: it has finished, vLLM changes them no more.
+        return SavedRun(keys, request.block_hashes, request.all_token_ids,
                         self.page_tokens // self.block_size, self.page_tokens,
                         lora.name if lora is not None else None)
 
