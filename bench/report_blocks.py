@@ -237,6 +237,10 @@ VIEWS: dict[str, Callable[[dict[str, Record]], str]] = {
         Pick("put 1 MiB pages, 1 connection, GB/s", _TLS),
         Pick("one 64 KiB page p50 us", _TLS))),
     "admit": _figures("admit-a516f10033", _ADMIT, ("admit-827135c024", _ADMIT)),
+    "admit-extras": _figures("admit-aba30b882e", (
+        Pick("sync", ("loop ms",)), Pick("sync +", ("loop ms",)),
+        Pick("prefetch 1", ("loop ms",)), Pick("prefetch + 1", ("loop ms",)),
+        Pick("loop ms, sync + / sync:"), Pick("loop ms, prefetch + / prefetch at a 1 ms"))),
     "short-hits": _figures("e2e-ec25c98d81", (
         *(Pick(f"{m} {n}", _E2E) for m, n in [("8b", 256), ("8b", 1024), ("1b", 256),
                                               ("1b", 1024), ("1b", 4096)]),

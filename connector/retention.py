@@ -41,9 +41,10 @@ MAX_TTL_S = 86_400.0            # the store's own bound (a day)
 MAX_SESSION_BYTES = 256
 _QUEUED = 4096                  # asks waiting for the thread; past it they are dropped
 # How long the thread lets an engine step's other asks join the first before it sends
-# them, in one RetainMany a layout: sent one Retain a request on the loop's heels, 64
-# requests' calls raised the scheduler's admit cost 34 -> 70-98 ms (competing with its
-# lookups for the CPU); the wait only delays a retention, never a request.
+# them, in one RetainMany a layout. One Retain a request, though off the loop, competed
+# with the loop's lookups for the CPU: about twice the scheduler's admit cost with every
+# request asking (`kvstore-bench admit --retain --events` runs both side by side:
+# docs/perf/admit-aba30b882e.json). The wait only delays a retention, never a request.
 _LINGER_S = 0.02
 
 
