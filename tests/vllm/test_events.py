@@ -217,3 +217,43 @@ def test_a_subscriber_that_reconnects_replays_without_a_gap(stream):
     seqs = sorted(sub.batches)
     assert seqs == list(range(seqs[0], seqs[-1] + 1))      # no gap
     assert len(stored(sub)) == 2 and removed(sub)
+
+
+def test_a_hybrid_models_pages_are_announced_for_its_full_attention_groups(tmp_path,
+                                                                            fresh_server):
+    """Full + sliding-window layers (vLLM's hybrid KV cache manager on): the store's pages
+    are announced once for each full-attention group (what a hit needs), with the hashes
+    vLLM gives the request's blocks, and none for the sliding groups."""
+    from hybrid import HybridModel, HybridShape, HybridWorker, build_hybrid
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as export
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    shape = HybridShape(("full", "sliding", "full", "sliding"), window=40)
+    srv = fresh_server(dram="64MiB")
+    port = free_port()
+    spec = ConnectorSpec(name="KVStoreConnector", module_path="kvstore_connector.vllm",
+                         extra_config={"server": srv.address, "lookup_timeout": 5.0,
+                                       "lookup_wait_ms": 5000, "model_revision": "r1",
+                                       "events_interval": 0.1},
+                         load_failure_policy="recompute")
+    config, kv_cache_config = build_hybrid(tmp_path, shape, spec)
+    config.kv_events_config = KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{port}",
+        replay_endpoint=f"tcp://*:{port + 1}", buffer_steps=1000)
+    driver = SchedulerDriver(make_scheduler(config, kv_cache_config), HybridWorker(
+        config, kv_cache_config, shape, HybridModel({"h": FIRST}, shape)))
+    sub = Subscriber(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}")
+    try:
+        time.sleep(0.3)
+        full = {i for i, g in enumerate(kv_cache_config.kv_cache_groups)
+                if not isinstance(g.kv_cache_spec, SlidingWindowSpec)}
+        assert 0 < len(full) < len(kv_cache_config.kv_cache_groups)
+        hashes = [export(h) for h in serve(driver, "h", FIRST)]
+        step_until(driver, sub, lambda s: {ev.group_idx for ev in stored(s)} == full)
+        for group in full:
+            got = [h for ev in stored(sub) if ev.group_idx == group for h in ev.block_hashes]
+            assert got == hashes[:len(got)] and got
+        assert not driver.scheduler.connector.events.counts.failed
+    finally:
+        sub.close()
+        driver.scheduler.shutdown()
