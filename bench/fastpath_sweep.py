@@ -112,25 +112,25 @@ def _round(c: KVStoreClient, raw: RawClient, spec: Sweep, out: np.ndarray, src: 
             dst = out.reshape(-1)[:nbytes].reshape(n, page)
             flat = memoryview(dst.reshape(-1))
             data = src.reshape(-1)[:nbytes].reshape(n, page)
-            t_raw = _times(lambda: raw.get(flat), calls)                        # noqa: B023
-            t_fast = _times(lambda: c.get_into(ns, stored[:n], dst), calls)     # noqa: B023
+            t_raw = _times(lambda: raw.get(flat), calls)
+            t_fast = _times(lambda: c.get_into(ns, stored[:n], dst), calls)
             tag = f"{page // KiB}k x{n}"
             fig[f"get {tag} raw"] = nbytes / statistics.median(t_raw) / 1e9
             fig[f"get {tag} fast"] = nbytes / statistics.median(t_fast) / 1e9
             if n == 1:
                 fig[f"get {tag} raw us"] = statistics.median(t_raw) * 1e6
                 fig[f"get {tag} fast us"] = statistics.median(t_fast) * 1e6
-            t_raw = _times(lambda: raw.put(memoryview(data.reshape(-1))), calls)  # noqa: B023
+            t_raw = _times(lambda: raw.put(memoryview(data.reshape(-1))), calls)
             seq = iter(range(1 << 30))
 
             def put_fresh() -> float:
                 call = next(seq)
-                keys = [f"p{r}.{page}.{n}.{call}.{i}".encode().ljust(32, b".")  # noqa: B023
-                        for i in range(n)]                                      # noqa: B023
+                keys = [f"p{r}.{page}.{n}.{call}.{i}".encode().ljust(32, b".")
+                        for i in range(n)]
                 t0 = time.perf_counter()
-                c.put(ns, keys, data)                                          # noqa: B023
+                c.put(ns, keys, data)
                 took = time.perf_counter() - t0
-                c.delete(ns, keys)                                             # noqa: B023
+                c.delete(ns, keys)
                 return took
 
             put_fresh()

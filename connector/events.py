@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -250,12 +251,12 @@ class EventFeed:
         for handle in self._handles:
             if keys:
                 held &= np.array(self.client.exists(handle, keys), dtype=bool)
-        present = {k for k, ok in zip(keys, held.tolist()) if ok}
+        present = {k for k, ok in zip(keys, held.tolist(), strict=True) if ok}
         for run in runs:
             self._announce(run, present, out)
         over = len(self._held) - self.max_tracked
         if over > 0:
-            oldest = [k for k, _ in zip(self._held, range(over))]
+            oldest = list(itertools.islice(self._held, over))
             self.counts.forgotten += len(oldest)
             self._remove(oldest, out)
 

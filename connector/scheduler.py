@@ -245,8 +245,9 @@ class SchedulerHalf:
         return hit
 
     # -- prefetched lookups (LookupMode.PREFETCH) -----------------------------------------
-    def _hit_prefetched(self, req_id: str, state: RequestState, tokens, pages: int,
-                        usable: int) -> int | None:
+    def _hit_prefetched(  # noqa: C901 - an ask's states in the order a step meets them
+            self, req_id: str, state: RequestState, tokens, pages: int,
+            usable: int) -> int | None:
         pending = self._pending.get(req_id)
         if pending is not None and (pending.job.pages != pages
                                     or len(pending.job.tokens) != len(tokens)):

@@ -267,7 +267,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                  self.config.server, page_tokens, self.config.load_mode.value,
                  ", ".join(f"{g.kind.value}x{len(g.layer_names)}" for g in self.groups))
 
-    def _event_feed(self, vllm_config: "VllmConfig") -> EventFeed | None:
+    def _event_feed(self, vllm_config: VllmConfig) -> EventFeed | None:
         """The store's side of the engine's KV-event stream (connector.events), while
         the engine publishes one: the full-attention groups' layouts (a hit's reach)."""
         events = vllm_config.kv_events_config
@@ -283,7 +283,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                      shared_memory=False), layouts,
                          interval=self.config.events_interval)
 
-    def take_events(self) -> "list[KVCacheEvent]":
+    def take_events(self) -> list[KVCacheEvent]:
         """Store events since the last call (vLLM publishes them with its own)."""
         if self.events is None:
             return []
@@ -305,7 +305,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                             medium=medium, group_idx=group))
         return out
 
-    def _saved_run(self, request: "Request") -> SavedRun | None:
+    def _saved_run(self, request: Request) -> SavedRun | None:
         """The request's pages in the store, with its block hashes, for the events."""
         keys = self._sched.stored_keys(request.request_id)
         if not keys:

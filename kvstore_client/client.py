@@ -349,7 +349,7 @@ class KVStoreClient:
                               handles[0] if len(handles) == 1 else None)
         entries, at = [], 0
         for seq, index, cause, size in zip(resp.seqs, resp.layout_index, resp.causes,
-                                           resp.key_sizes):
+                                           resp.key_sizes, strict=True):
             entries.append(Removal(seq, ids[index], resp.keys[at:at + size], cause))
             at += size
         return Removals(resp.epoch, resp.next_seq, resp.gap, resp.more, tuple(entries))

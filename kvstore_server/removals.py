@@ -41,7 +41,7 @@ import numpy as np
 
 from kvstore_protocol.keys import MAX_KEY_BYTES
 
-__all__ = ["Cause", "DEFAULT_CAPACITY", "MAX_READ", "RemovalRead", "RemovalRing"]
+__all__ = ["DEFAULT_CAPACITY", "MAX_READ", "Cause", "RemovalRead", "RemovalRing"]
 
 # 131,072 entries of ~70 bytes: 9 MiB. At 0.5 s polls it holds the removals of a server
 # evicting 260k pages a second between two polls.
@@ -187,7 +187,8 @@ class RemovalRing:
             pos = (seqs - 1) % self.capacity
             sizes = self._size[pos]
             keys = b"".join(self._keys[p, :s].tobytes() for p, s in zip(pos.tolist(),
-                                                                      sizes.tolist()))
+                                                                      sizes.tolist(),
+                                                                      strict=True))
             lay = np.array([order[i] for i in self._layout[pos].tolist()], dtype=np.uint32)
             return RemovalRead(self.epoch, next_seq, gap, more, seqs.astype(np.uint64), lay,
                                self._cause[pos].tobytes(), sizes.tobytes(), keys)

@@ -7,6 +7,7 @@ import os
 import signal
 
 import pytest
+
 from kvstore_testing.clusterproc import ClusterProcess, server_binaries
 from kvstore_testing.serverproc import ServerProcess
 

@@ -200,8 +200,8 @@ class DiskTier:
             return np.fromiter((k in index or k in queued for k in keys), dtype=bool,
                                count=len(keys))
 
-    def read_into(self, layout_id: bytes, keys: Sequence[bytes],
-                  outs: Sequence[Page]) -> list[bool]:
+    def read_into(  # noqa: C901 - a page's three states (stored, staged, wrong size), one pass
+            self, layout_id: bytes, keys: Sequence[bytes], outs: Sequence[Page]) -> list[bool]:
         if len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
         arrs = [_as_u8(out) for out in outs]
