@@ -18,6 +18,7 @@ from kvstore_connector.config import (  # noqa: E402
     LookupMode,
     Role,
 )
+from kvstore_connector.hashing import page_keys  # noqa: E402
 from kvstore_connector.scheduler import SchedulerHalf  # noqa: E402
 from kvstore_connector.worker import WorkerHalf  # noqa: E402
 from kvstore_testing.serverproc import ServerProcess, sigstop  # noqa: E402
@@ -320,6 +321,12 @@ def stored_pages(address, lay, keys):
         return c.get(c.register_layout(lay), keys)
 
 
+def keys_of(tokens, pages: int, lay: PageLayout) -> list[bytes]:
+    """The keys of the first `pages` pages of tokens, as connector.hashing derives them."""
+    return page_keys(np.asarray(tokens[:pages * lay.page_tokens]), lay.page_tokens,
+                     lay.chain_seed)
+
+
 def expected_pages(tokens, pages, page_tokens=BLOCK):
     """What kv_value puts in each of the first `pages` pages, as the store lays them out."""
     out = []
@@ -353,7 +360,7 @@ def test_after_a_restart_saves_and_loads_use_the_new_pool(fresh_server, tmp_path
     # A's first save after the restart: the store must hold exactly what A computed.
     new = prompt(64, 21)
     a.run_prompt("new", new)
-    keys = a.sched._keys_upto(a.sched._requests["new"], 4)
+    keys = keys_of(new, 4, a.layout)
     same = stored_pages(srv.address, a.layout, keys) == expected_pages(new, 4)
     assert same.all(axis=1).tolist() == [True] * 4, "the store holds other bytes than A computed"
     # B's first load after the restart reads the pages the new server holds.
@@ -393,7 +400,7 @@ def test_a_request_sharing_blocks_of_a_failed_load_stores_nothing_of_that_step(s
     srv.start()
     _, _, errors = b.step([(b1, tokens, 48, 64), (b2, t2, 48, 88)])
     assert errors == set(b1[:3])
-    r2_keys = b.sched._keys_upto(b.sched._requests["r2"], 5)[3:]
+    r2_keys = keys_of(t2, 5, b.layout)[3:]
     assert in_store(srv.address, b.layout, r2_keys) == [False, False]
     assert b.sched.load_failed_blocks(errors) == ["r1"]
     # R2 saves nothing more, whatever restart point the engine picks for it.
@@ -423,7 +430,7 @@ def test_async_scheduling_next_chunk_of_a_failed_load_is_not_stored(srv):
     _, _, errors = b.run(step_n, [(blocks, tokens, 64, 80)])
     assert errors == set(blocks[:4])
     b.run(step_n1, [(blocks, tokens, 80, 96)])
-    keys = b.sched._keys_upto(b.sched._requests["r"], 6)
+    keys = keys_of(tokens, 6, b.layout)
     assert in_store(srv.address, b.layout, keys) == [False] * 6
     # The engine hears of the failure and recomputes the request from page 0: now every
     # page it computes is stored, byte-exact.
@@ -539,7 +546,7 @@ def test_a_load_failing_on_one_rank_keeps_every_rank_from_storing_over_it(srv):
     with KVStoreClient(srv.address) as c:                  # both ranks hold pages 0-2
         for lay in (r0, r1):
             ns = c.register_layout(lay)
-            keys = sched._keys_upto(sched._state("seed", tokens), 3)
+            keys = keys_of(tokens, 3, r0)
             c.put(ns, keys, expected_pages(tokens, 3))
     ranks = [WorkerHalf(cfg, lay, {n: torch.full_like(t, -1.0) for n, t in fill.items()})
              for lay in (r0, r1)]
@@ -563,7 +570,7 @@ def test_a_load_failing_on_one_rank_keeps_every_rank_from_storing_over_it(srv):
         w.finished()
         errors |= w.load_errors()
     assert errors == {0, 1, 2}                              # only rank 0 failed
-    page3 = sched._keys_upto(sched._requests["r"], 4)[3:]
+    page3 = keys_of(tokens, 4, r0)[3:]
     assert in_store(srv.address, r1, page3) == [False]     # rank 1 holds its commit
     assert sched.load_failed_blocks(errors) == ["r"]
     meta = sched.build()
