@@ -220,6 +220,15 @@ def _joined(*views: Callable[[dict[str, Record]], str]) -> Callable[[dict[str, R
 
 
 _TLS = ("plain", "TLS")
+# The whole `kvstore-bench fastpath --sweep`: every page size and pages a call, and the
+# one-call round trips, each fast against the raw peer of the same run.
+_SWEEP_RECORD = "fastpath-3fd6c1cbbc"
+_SWEEP = (
+    *(Pick(f"{size} {n}", ("get fast/raw", "put fast/raw"))
+      for size in ("64 KiB", "1 MiB", "4 MiB") for n in (1, 8, 32, 128)),
+    *(Pick(what, ("fast p50 us", "raw p50 us"))
+      for what in ("get of one 64 KiB page", "get of one 1 MiB page", "lookup of 16 keys",
+                   "leased lookup of 16 keys + release")))
 _FAR_CLIENTS = (
     *(Pick(name, after="lookup of 4096 keys") for name in (
         "glide EVAL_RO/bucket", "redis-py EVAL_RO/bucket", "glide EXISTS/key",
@@ -261,6 +270,7 @@ VIEWS: dict[str, Callable[[dict[str, Record]], str]] = {
     "far-failover": _figures("far-failover-f9354575e2", (
         Pick("rounds"), Pick("errors returned to clients"), Pick("wrong pages"),
         Pick("hits"), Pick("every page a hit again"))),
+    "fastpath-sweep": _figures(_SWEEP_RECORD, _SWEEP),
     "fastpath-small-calls": _figures("fastpath-713bcc3c98", (
         Pick("acquire+release 1 page p50 us", ("fast unix", "grpc")),
         Pick("lookup 16 keys p50 us", ("fast", "fast unix", "grpc", "raw")),
