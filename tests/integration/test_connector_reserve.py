@@ -8,12 +8,14 @@ import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from kvstore_client import KVStoreClient, KVStoreError  # noqa: E402
 from kvstore_connector.config import LoadMode  # noqa: E402
+from kvstore_connector.hashing import page_keys  # noqa: E402
 from kvstore_connector.worker import WorkerHalf  # noqa: E402
 from kvstore_testing.serverproc import sigstop  # noqa: E402
 from tests.waiting import wait_for  # noqa: E402
@@ -74,8 +76,11 @@ def compute(engine, layer, blocks, tokens):
     engine.worker.save_layer(NAMES[layer])
 
 
-def keys_of(engine, req_id, pages):
-    return engine.sched._keys_upto(engine.sched._requests[req_id], pages)
+def keys_of(engine, tokens, pages):
+    """The keys of the first `pages` pages of tokens, as connector.hashing derives them."""
+    lay = engine.layout
+    return page_keys(np.asarray(tokens[:pages * lay.page_tokens]), lay.page_tokens,
+                     lay.chain_seed)
 
 
 def leases(address):
@@ -111,7 +116,7 @@ def test_the_hooks_do_not_wait_for_the_reserve_and_owed_layers_are_stored_exact(
     assert hooks < HANG / 2, hooks             # bind and every hook ran while it was stopped
     assert step >= HANG * 0.9, step            # the step's end waited for the answer
     e.worker.finished()
-    assert pages_match(srv.address, e, keys_of(e, "r", 4), tokens) == [True] * 4
+    assert pages_match(srv.address, e, keys_of(e, tokens, 4), tokens) == [True] * 4
     assert e.worker.sent({"r"}) == {"r"}
     with KVStoreClient(srv.address) as client:
         assert wait_leases_gone(client)
@@ -140,7 +145,7 @@ def test_a_hook_that_finds_the_answer_in_copies_the_layers_owed_first(srv):
     compute(e, 2, blocks, tokens)
     e.worker.wait_for_save()
     e.worker.finished()
-    assert pages_match(srv.address, e, keys_of(e, "r", 4), tokens) == [True] * 4
+    assert pages_match(srv.address, e, keys_of(e, tokens, 4), tokens) == [True] * 4
     e.close()
 
 
@@ -151,7 +156,7 @@ def test_a_reserve_that_fails_saves_nothing_raises_nothing_and_costs_one_timeout
     warm(e)
     tokens = prompt(64, 3)
     meta, blocks = planned(e, "r", tokens)
-    keys = keys_of(e, "r", 4)
+    keys = keys_of(e, tokens, 4)
     if how == "sigstop":
         sigstop(srv.proc.pid)
     else:
@@ -194,7 +199,7 @@ def test_a_reserve_that_fails_saves_nothing_raises_nothing_and_costs_one_timeout
         time.sleep(0.05)
     again = prompt(64, 4)
     e.run_prompt("again", again)
-    assert pages_match(srv.address, e, keys_of(e, "again", 4), again) == [True] * 4
+    assert pages_match(srv.address, e, keys_of(e, again, 4), again) == [True] * 4
     e.close()
 
 
@@ -209,7 +214,7 @@ def test_a_reserve_whose_step_never_reached_wait_for_save_is_given_back(srv, end
     warm(e)
     tokens = prompt(64, 5)
     meta, _ = planned(e, "r", tokens)
-    keys = keys_of(e, "r", 4)
+    keys = keys_of(e, tokens, 4)
     e.worker.bind(meta)                        # the step fails before any save hook
     deadline = time.monotonic() + 5
     while not e.worker._reserving.ready() and time.monotonic() < deadline:
@@ -279,7 +284,7 @@ def test_a_step_that_loads_asks_its_reserve_at_bind_and_takes_it_before_its_forw
     assert e.worker.take_stats().loads_pinned == 1
     assert errors == set()
     e.expect_kv(blocks["load"], cached, 64)
-    saved = keys_of(e, "save", 4)
+    saved = keys_of(e, fresh, 4)
     wait_for(lambda: e.step([]) and all(in_store(srv.address, e.layout, saved)),
              "the saved pages committed")
     assert pages_match(srv.address, e, saved, fresh) == [True] * 4
@@ -352,6 +357,6 @@ def test_a_hung_store_costs_a_step_that_loads_and_saves_one_timeout(srv, pins):
     else:
         assert errors == set(blocks["load"][:3])   # the engine recomputes those pages
         assert e.worker.breaker.open
-    assert in_store(srv.address, e.layout, keys_of(e, "save", 4)) == [False] * 4
+    assert in_store(srv.address, e.layout, keys_of(e, fresh, 4)) == [False] * 4
     for x in (seed, e):
         x.close()
