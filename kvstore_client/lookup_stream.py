@@ -1,7 +1,7 @@
 """One long-lived LookupStream call that a client sends its lookups over.
 
 Why: a unary call's set-up and tear-down cost more than a 4,096-key lookup itself in
-Python gRPC, so a lookup on an open stream is faster (kvstore_server/lookup_streams.py;
+Python gRPC, so a lookup on an open stream is faster (kvstore_server/rpc/lookup_streams.py;
 the README renders the store record's figures).
 
 The stream is an optimisation, never a second set of semantics: `ask` returns None

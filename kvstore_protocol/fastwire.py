@@ -53,7 +53,7 @@ HEADER = struct.Struct("<2sBBHHQQ")          # 24 bytes, see the diagram above
 assert HEADER.size == 24
 
 # Bounds of one request. How many keys one request may name is the server's
-# RequestLimits (kvstore_server/limits.py, --max-keys-per-request), the same object the
+# RequestLimits (kvstore_server/rpc/limits.py, --max-keys-per-request), the same object the
 # gRPC path asks, so both paths refuse the same requests with the same INVALID_ARGUMENT.
 # The wire only bounds the body that holds them, before a byte of it is read: the keys
 # at their longest plus one id per layout of a Lookup. MAX_BODY is that bound at the

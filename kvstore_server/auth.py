@@ -52,7 +52,7 @@ from kvstore_protocol.units import format_size, parse_size
 from .config import ConfigError, read_toml
 from .errors import Outcome, StoreError
 from .peercert import Digest, grpc_peer_digest, parse_fingerprint
-from .status import CODES
+from .rpc.status import CODES
 from .tenants import DEFAULT_TENANT
 
 __all__ = ["ANONYMOUS", "Authenticator", "Credentials", "Principal", "Role", "parse_auth_file",
@@ -82,7 +82,7 @@ ANONYMOUS = Principal(DEFAULT_TENANT, Role.TENANT, 0, shared_memory=True)
 # Which role each service needs; services not listed (health, reflection) are open.
 _SERVICE_ROLES = {"kvstore.v1.KVStore": Role.TENANT, "kvstore.v1.Admin": Role.ADMIN}
 # Methods either role may call; the handler narrows a tenant to its own (Invalidate:
-# admin_service.py)
+# rpc/admin_service.py)
 _ANY_ROLE = {"/kvstore.v1.Admin/Invalidate"}
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

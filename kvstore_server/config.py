@@ -16,8 +16,8 @@ from kvstore_protocol.units import parse_duration, parse_size
 
 from . import __version__
 from .far.settings import from_config
-from .limits import MAX_KEYS_LIMIT
 from .removals import DEFAULT_CAPACITY as DEFAULT_REMOVAL_RING
+from .rpc.limits import MAX_KEYS_LIMIT
 from .store.layouts import DEFAULT_MAX_LAYOUTS
 from .store.leases import DEFAULT_LEASE_MEMORY
 from .store.retention import DEFAULT_MAX_SESSIONS, DEFAULT_RETENTION_QUOTA
@@ -71,13 +71,13 @@ class ServerConfig:
     workers: int = 16               # gRPC handler threads
     # A Get or Put stream that moves no message for this long is cancelled, so a client
     # that stops reading or writing cannot hold a handler thread and its pages for ever
-    # (kvstore_server.watchdog); 0 = never
+    # (kvstore_server.rpc.watchdog); 0 = never
     stream_timeout: float = 30.0
     # Open LookupStream calls allowed at once; each holds a handler thread of its own (on
     # top of `workers`) for as long as it is open. One per engine scheduler is typical.
     # Past the limit a client falls back to unary Lookup; 0 = no streams.
     lookup_streams: int = 32
-    # Keys one request may name; past it INVALID_ARGUMENT (kvstore_server.limits)
+    # Keys one request may name; past it INVALID_ARGUMENT (kvstore_server.rpc.limits)
     max_keys_per_request: int = 16_384
     log_level: str = "INFO"
     # Security (SECURITY.md). Without auth_file every caller is one tenant with Admin
@@ -400,7 +400,7 @@ def _check_serving(c: ServerConfig) -> None:
         raise ConfigError("stream_timeout must be >= 0 (0 = never)")
     if not 1 <= c.max_keys_per_request <= MAX_KEYS_LIMIT:
         # Past it the message limit it implies overflowed gRPC's int32 option, and one
-        # request's work under the store's lock would be seconds (kvstore_server.limits).
+        # request's work under the store's lock would be seconds (kvstore_server.rpc.limits).
         raise ConfigError(f"max_keys_per_request must be 1 to {MAX_KEYS_LIMIT}, got "
                           f"{c.max_keys_per_request}")
     if c.lookup_streams < 0:

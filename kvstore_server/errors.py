@@ -20,7 +20,7 @@ class Outcome(enum.Enum):
 
 
 # Outcomes only Admin calls end with: only the gRPC path serves Admin, so the fast path's
-# wire has no status for these (status.py maps every other outcome).
+# wire has no status for these (rpc/status.py maps every other outcome).
 ADMIN_ONLY: frozenset[Outcome] = frozenset({Outcome.UNFINISHED})
 
 

@@ -42,7 +42,6 @@ from kvstore_protocol.presence_map import BEAT_SECONDS
 from kvstore_protocol.units import format_size
 
 from . import __version__
-from .admin_service import AdminService, add_admin_service
 from .auth import Authenticator, tls_server_credentials
 from .config import (
     ConfigError,
@@ -57,13 +56,15 @@ from .disk.tier import DiskTier
 from .far import wiring as far_wiring
 from .fastpath import FastPathServer, SocketFolder, remove_stale_folders, socket_path
 from .fastpath.tls import fast_tls_context
-from .limits import RequestLimits, request_message_bytes
 from .metrics import Metrics
 from .preflight import check_host
 from .region import Progress, Region, region_bytes, remove_own, remove_stale
 from .removals import RemovalRing
+from .rpc.admin_service import AdminService, add_admin_service
+from .rpc.limits import RequestLimits, request_message_bytes
+from .rpc.service import KVStoreService, add_kvstore_service
+from .rpc.watchdog import StreamWatchdog
 from .sdnotify import Notifier
-from .service import KVStoreService, add_kvstore_service
 from .startup import (
     EXIT_CANNOT_START,
     EXIT_PORT_TAKEN,
@@ -77,7 +78,6 @@ from .store import Store
 from .store.eviction import load_policy
 from .store.retention import RetentionLimits
 from .tier import TierChain
-from .watchdog import StreamWatchdog
 
 __all__ = ["Server", "main"]
 
@@ -126,10 +126,10 @@ class Server:
             raise ConfigError(f"tls_cert/tls_key: {exc}") from None
         self.metrics = Metrics()
         self.grpc = grpc.server(
-            # Each open LookupStream holds a thread (lookup_streams.py): they get their own.
+            # Each open LookupStream holds a thread (rpc/lookup_streams.py): they get their own.
             futures.ThreadPoolExecutor(max_workers=config.workers + config.lookup_streams,
                                        thread_name_prefix="rpc"),
-            # Requests are bounded (limits.py): a smaller receive limit than clients'.
+            # Requests are bounded (rpc/limits.py): a smaller receive limit than clients'.
             options=[*[o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"],
                      ("grpc.max_receive_message_length",
                       request_message_bytes(config.max_keys_per_request)),

@@ -27,7 +27,7 @@ from kvstore_protocol.keys import Packed
 from kvstore_protocol.layout import PageLayout
 from kvstore_server.errors import StoreError
 from kvstore_server.region import Region
-from kvstore_server.status import CODES
+from kvstore_server.rpc.status import CODES
 from kvstore_server.store import Store
 from kvstore_server.tenants import DEFAULT_TENANT
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import threading
 
-from ..stream_gate import tenant_share
+from ..rpc.stream_gate import tenant_share
 
 __all__ = ["Admission", "Ticket"]
 

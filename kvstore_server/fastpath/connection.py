@@ -43,8 +43,8 @@ from kvstore_protocol.keys import KeyError_
 
 from ..auth import ANONYMOUS, Authenticator, Principal, Role, token_digest
 from ..errors import Outcome, StoreError
-from ..limits import MAX_KEYS_LIMIT
 from ..peercert import Digest, der_digest
+from ..rpc.limits import MAX_KEYS_LIMIT
 from .io import ClientGone, Reader, set_timeouts
 from .ops import Ops, Session, status_of, table
 

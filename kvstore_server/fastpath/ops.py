@@ -1,5 +1,5 @@
 """The fast path's calls: each decodes its body, calls the one transport-neutral call
-(kvstore_server.calls, which applies every rule the gRPC path applies), and encodes.
+(kvstore_server.rpc.calls, which applies every rule the gRPC path applies), and encodes.
 
 A call returns its answer's body, or raises: StoreError, a malformed key (KeyError_,
 ValueError) or WireError(INVALID) become an error frame and the connection goes on.
@@ -23,9 +23,9 @@ from kvstore_protocol import fastwire as fw
 from kvstore_protocol.region import region_id
 
 from ..auth import Principal
-from ..calls import Calls
-from ..limits import RequestLimits
-from ..status import status_of
+from ..rpc.calls import Calls
+from ..rpc.limits import RequestLimits
+from ..rpc.status import status_of
 from ..store import Store
 from .io import IOV_BATCH, SEND_BYTES, Reader, runs, send_batch, send_file, send_views
 

@@ -29,8 +29,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvstore_protocol import fastwire as fw
 
 from ..auth import Authenticator
-from ..limits import RequestLimits
 from ..metrics import Metrics
+from ..rpc.limits import RequestLimits
 from ..store import Store
 from .admission import Admission, Ticket
 from .connection import Connection

@@ -42,7 +42,7 @@ class StoreState:
     lower: Tier                     # the tier below DRAM (a NullTier if none)
     clock: Callable[[], float]      # the lease table's and the slots' timestamps
     started_at: float               # clock() at start: slot times count from it
-    # Timed: the longest hold is the longest one call can stall the others (limits.py
+    # Timed: the longest hold is the longest one call can stall the others (rpc/limits.py
     # bounds it; /metrics shows it).
     lock: TimedLock
     slots: SlotTable                # each slot's state, layout, pins, times

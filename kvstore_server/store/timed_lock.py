@@ -2,7 +2,7 @@
 
 Every request takes the store's one lock, so the longest hold is the longest any call can
 be held up by another (issue: a Lookup of 60 M keys held it 11.5 s). The limits on a
-request (limits.py) bound that hold; this lock shows the bound holds in production too:
+request (rpc/limits.py) bound that hold; this lock shows the bound holds in production too:
 `kvstore_store_lock_hold_seconds` (a histogram) and its maximum, on /metrics.
 
 It costs two perf_counter calls and a bucket search per hold, a small fraction of the

@@ -7,7 +7,7 @@ Every answer must carry a documented status code; after every example the server
 be alive, and every CHECK_EVERY examples (after every socket test too) sentinel pages
 stored at the start must come back byte-exact. The server's log must show no error.
 
-Allowed codes are the ones a request can get (kvstore_server/status.py), nothing else. Every call
+Allowed codes are the ones a request can get (kvstore_server/rpc/status.py), nothing else. Every call
 carries a deadline, but only as a hang detector: this client never cancels, so
 CANCELLED, DEADLINE_EXCEEDED (a hang), UNAVAILABLE (a dead server), INTERNAL and
 UNKNOWN (an unmapped exception) all fail the test. Hand-made HTTP/2 requests are the

@@ -542,7 +542,7 @@ def test_bad_requests_get_an_error_and_the_connection_goes_on(srv):
 
 def test_the_same_request_limits_as_grpc(fresh_server):
     """--max-keys-per-request bounds the fast path as it bounds gRPC: the same requests
-    are refused, with the same status and message (kvstore_server/limits.py)."""
+    are refused, with the same status and message (kvstore_server/rpc/limits.py)."""
     import grpc
 
     from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb, kvstore_pb2_grpc

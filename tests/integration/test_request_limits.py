@@ -1,5 +1,5 @@
 """One request cannot take the server's memory, its lock, or its pool for longer than the
-documented bounds (kvstore_server/limits.py, SECURITY.md): keys per request, bytes of a
+documented bounds (kvstore_server/rpc/limits.py, SECURITY.md): keys per request, bytes of a
 request and of a Get's response, and leases capped at the server's --lease-ttl."""
 
 from __future__ import annotations

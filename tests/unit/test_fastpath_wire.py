@@ -21,7 +21,7 @@ def test_one_status_table_agrees_with_the_grpc_path():
     Admin calls have (errors.ADMIN_ONLY) never reach it and would be a server defect."""
     from kvstore_server.errors import ADMIN_ONLY, Outcome, StoreError
     from kvstore_server.fastpath.ops import status_of
-    from kvstore_server.status import CODES
+    from kvstore_server.rpc.status import CODES
     assert set(Outcome) > ADMIN_ONLY
     for outcome in set(Outcome) - ADMIN_ONLY:
         assert fw.GRPC_CODES[status_of(StoreError(outcome, ""))] is CODES[outcome], outcome

@@ -5,8 +5,8 @@ import logging
 import grpc
 import pytest
 
-from kvstore_server.lookup_streams import IDLE_SECONDS, LookupStreams
-from kvstore_server.watchdog import StreamWatchdog, watched_requests, watched_stream
+from kvstore_server.rpc.lookup_streams import IDLE_SECONDS, LookupStreams
+from kvstore_server.rpc.watchdog import StreamWatchdog, watched_requests, watched_stream
 
 
 class Clock:

@@ -1,6 +1,6 @@
 """The KVStore gRPC service: decodes requests, makes the call, encodes its answer.
 
-Each method decodes its message into one call of kvstore_server.calls (which applies
+Each method decodes its message into one call of kvstore_server.rpc.calls (which applies
 access, limits, ttl capping and quota, for the fast path too) and encodes what it returns;
 no rule is applied here.
 
@@ -32,15 +32,15 @@ from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_protocol.convert import layout_from_proto
 from kvstore_protocol.grpc_frames import GET_DATA_TAG, PUT_DATA_TAG, frame, unframe
 
-from .auth import ANONYMOUS, Authenticator, Principal
+from ..auth import ANONYMOUS, Authenticator, Principal
+from ..metrics import Metrics
+from ..region import TOKEN_OFFSET
+from ..store import Store
 from .calls import Calls
 from .limits import RequestLimits
 from .lookup_streams import LookupStreams
-from .metrics import Metrics
 from .parsing import Unparsed, checked, parser
-from .region import TOKEN_OFFSET
 from .status import Invalid, abort, code_of
-from .store import Store
 from .stream_gate import StreamGate, gated_requests, gated_stream
 from .watchdog import StreamWatchdog, watched_requests, watched_stream
 
@@ -300,7 +300,7 @@ def _describe_get(request) -> str:
 def add_kvstore_service(server: grpc.Server, service: KVStoreService,
                         streams: StreamWatchdog | None = None,
                         lookup_streams: int = 0, workers: int = 16) -> LookupStreams:
-    """streams: cancels Get and Put streams that stall (kvstore_server.watchdog).
+    """streams: cancels Get and Put streams that stall (kvstore_server.rpc.watchdog).
     lookup_streams: LookupStream calls open at once (the server's pool needs as many
     threads on top of its workers). workers: the pool's other threads, of which Get and
     Put streams may take only a share (stream_gate.py). Returns the lookup streams, to

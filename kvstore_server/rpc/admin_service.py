@@ -12,18 +12,18 @@ import grpc
 from kvstore_protocol._proto.kvstore.v1 import admin_pb2 as apb
 from kvstore_protocol.convert import layout_to_proto
 
-from . import __version__
-from .auth import ANONYMOUS, Authenticator, Role
-from .errors import Outcome, StoreError
-from .far.records import Scope
-from .metrics import Metrics
+from .. import __version__
+from ..auth import ANONYMOUS, Authenticator, Role
+from ..errors import Outcome, StoreError
+from ..far.records import Scope
+from ..metrics import Metrics
+from ..store import Store
+from ..store.stats import LayoutStats
+from ..tenants import scoped_layout_id
+from ..tier import TierName
 from .parsing import parser
 from .service import guarded
 from .status import Invalid
-from .store import Store
-from .store.stats import LayoutStats
-from .tenants import scoped_layout_id
-from .tier import TierName
 
 __all__ = ["AdminService", "add_admin_service"]
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from kvstore_protocol.keys import MAX_KEY_BYTES, Packed
 
-from .errors import Outcome, StoreError
+from ..errors import Outcome, StoreError
 
 __all__ = ["DEFAULT_MAX_KEYS", "MAX_KEYS_LIMIT", "MAX_RETAIN_SESSIONS", "RequestLimits",
            "request_message_bytes"]

@@ -26,7 +26,7 @@ from kvstore_protocol import fastwire as fw
 from kvstore_protocol.keys import KeyError_
 from kvstore_protocol.reasons import REASON_KEY
 
-from .errors import ADMIN_ONLY, Outcome, Reason, StoreError
+from ..errors import ADMIN_ONLY, Outcome, Reason, StoreError
 
 __all__ = ["CODES", "REASON_KEY", "Invalid", "abort", "code_of", "status_of"]
 

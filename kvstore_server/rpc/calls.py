@@ -32,16 +32,16 @@ import numpy as np
 from kvstore_protocol.keys import Packed
 from kvstore_protocol.layout import MAX_LOOKUP_LAYOUTS, PageLayout
 
-from .access import caller_layout, check_region_token, may_map
-from .auth import Principal
-from .errors import Outcome, StoreError
+from ..access import caller_layout, check_region_token, may_map
+from ..auth import Principal
+from ..errors import Outcome, StoreError
+from ..region import Region
+from ..removals import MAX_READ, RemovalRead
+from ..store import FOREVER, Store
+from ..store.layouts import LayoutInfo
+from ..store.sessions import Retained
+from ..store.values import Pinned, Reservation
 from .limits import RequestLimits
-from .region import Region
-from .removals import MAX_READ, RemovalRead
-from .store import FOREVER, Store
-from .store.layouts import LayoutInfo
-from .store.sessions import Retained
-from .store.values import Pinned, Reservation
 
 __all__ = ["Calls", "Found", "Reading", "Writing"]
 

@@ -1,0 +1,13 @@
+"""The RPC layer: the store's calls as clients make them, over gRPC and the fast path.
+
+A request's way in: a transport decodes it (gRPC: service, admin_service; the fast path:
+../fastpath), calls the one transport-neutral module of calls, which applies access,
+limits, ttl capping and quota once for both (calls), and encodes what it returns, with
+outcomes mapped to gRPC codes in one place (status).
+
+Modules, one idea each: calls (the calls both transports serve), service (the KVStore gRPC
+servicer), admin_service (the Admin servicer), status (outcomes to gRPC codes and reasons),
+parsing (request fields to typed values), limits (bounds on one request's work: keys,
+layouts, bytes), lookup_streams (Lookup over a long-lived stream), stream_gate (how many
+streams run at once, a tenant's share of them), watchdog (streams that stall).
+"""
