@@ -581,5 +581,7 @@ class DiskTier:
             self._error = str(exc)
             log.error("disk tier in %s stops taking pages: a write failed (%s); pages "
                       "already on disk are still served", self.directory, exc)
+        # The queued pages will never be written: they leave the host here (removals.py).
+        self._removed([(e.layout_id, e.key) for e in self._staging.ring if not e.cancelled])
         self.counters.refused += self._staging.cancel_all()
         self._wake.notify_all()

@@ -14,6 +14,7 @@ import pytest
 
 from kvstore_server.disk.slotfile import HEADER_BYTES, aligned_buffer, slot_bytes_for
 from kvstore_server.disk.tier import DiskTier
+from kvstore_server.removals import Cause, RemovalRing
 from kvstore_server.tier import NullTier, Tier
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -374,3 +375,63 @@ def test_restart_of_100k_pages(tiers, tmp_path):
     outs = [np.empty(size, np.uint8) for _ in sample]
     assert all(tier.read_into(LAYOUT, [ks[i] for i in sample], outs))
     assert all(np.array_equal(o, np.roll(base, i % size)) for i, o in zip(sample, outs))
+
+
+def _removed(ring: RemovalRing) -> list[tuple[bytes, int]]:
+    got = ring.read([LAYOUT], 0, ring.epoch)
+    sizes = list(got.key_sizes)
+    keys, at = [], 0
+    for n in sizes:
+        keys.append(got.keys[at:at + n])
+        at += n
+    return list(zip(keys, list(got.causes), strict=True))
+
+
+def test_pages_the_tier_evicts_with_nothing_below_are_recorded_removed(tiers, tmp_path):
+    """The disk tier is the host's last: what it evicts for room leaves the server
+    (kvstore_server.removals); with a tier below that takes its victims, nothing does."""
+    size = 64 * KiB
+    ring = RemovalRing(64)
+    tier = tiers(capacity=4 * slot_bytes_for(size), removals=ring)
+    fill(tier, [key(i) for i in range(6)], size)
+    gone = _removed(ring)
+    assert len(gone) == 2 and {c for _, c in gone} == {Cause.EVICTED}
+    assert not any(read(tier, [k for k, _ in gone], size)[0])
+
+    linked_ring = RemovalRing(64)
+    linked = tiers(capacity=4 * slot_bytes_for(size), directory=tmp_path / "linked",
+                   removals=linked_ring)
+    below = tiers(directory=tmp_path / "below")
+    linked.link(below)
+    ks = [key(i) for i in range(6)]
+    for k in ks:                                # one page a round: each victim goes below
+        fill(linked, [k], size)
+        below.flush(10)
+    # Every page is held on the host or recorded removed, never both: the victims went
+    # below (a page the tier had no room left to write is removed).
+    removed = {k for k, _ in _removed(linked_ring)}
+    held = linked.contains(LAYOUT, ks) | below.contains(LAYOUT, ks)
+    assert [k in removed for k in ks] == [not h for h in held.tolist()]
+    assert below.contains(LAYOUT, ks).sum() >= 1
+
+
+def test_pages_lost_to_a_write_error_are_recorded_removed(tiers):
+    """The write that fails and the pages queued behind it (dropped when the tier stops
+    taking pages) all leave the host."""
+
+    class GateThenFail(Gate):
+        def __call__(self, fd, bufs, offset):
+            self.open.wait(10)
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    size = 8 * KiB
+    ring = RemovalRing(64)
+    gate = GateThenFail()
+    tier = tiers(pwritev=gate, removals=ring)
+    ks = [key(i) for i in range(6)]
+    for k in ks:                                # the writer holds one batch, the rest queue
+        assert tier.offer(LAYOUT, k, page(k, size))
+    gate.open.set()
+    tier.flush(10)
+    assert tier.stats().failed
+    assert sorted(k for k, _ in _removed(ring)) == sorted(ks)
