@@ -27,6 +27,20 @@ __all__ = ["SLABS", "StagingRing", "Stopped"]
 # is faster than its receive (the network), so more slabs would only hold memory.
 SLABS = 4
 _POLL_S = 0.05                # how often a waiting take looks at `stop`
+# Slabs start on a 4 KiB boundary, as pinned memory does; torch's CPU allocator puts a
+# large buffer 64 bytes past one. A Get answer's page bytes come 32 bytes past a boundary
+# of the kernel's buffers (its header and pad: fastwire.ALIGNED), and on the dev VM's CPU
+# a receive whose destination lay 32 bytes past its source modulo 4 KiB was slow: a
+# 16-page load took 16-22 ms of client CPU into slabs 64 bytes past a boundary, 8-14 ms
+# at 0, 16, 32, 48 or 96 (kvstore-bench remote-load times the whole load).
+PAGE = 4096
+
+
+def _page_aligned(nbytes: int, device: torch.device) -> np.ndarray:
+    """pinned_empty(nbytes), starting on a PAGE boundary."""
+    mem = pinned_empty(nbytes + PAGE, device)
+    skip = -mem.ctypes.data % PAGE
+    return mem[skip:skip + nbytes]
 
 
 class Stopped(Exception):
@@ -40,7 +54,7 @@ class StagingRing:
 
     def __init__(self, total_bytes: int, min_slab: int, device: torch.device) -> None:
         self.slab_bytes = max(total_bytes // SLABS, min_slab)
-        self._mem = [pinned_empty(self.slab_bytes, device) for _ in range(SLABS)]
+        self._mem = [_page_aligned(self.slab_bytes, device) for _ in range(SLABS)]
         self._cond = threading.Condition()      # guards _free
         # Slabs not being received into, oldest first, each with the event of the copy
         # out of it (None: nothing to wait for).
