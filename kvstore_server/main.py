@@ -379,8 +379,7 @@ class Server:
         if self.store.lower.holds_pages and self.config.flush_on_stop:
             offered, left = self.store.spill_all(self.config.flush_timeout)
             # "flushed DRAM to disk: ..." is what operators look for (deploy/README.md).
-            below = " and ".join(t for t, on in (("disk", self.disk), ("far", self.far))
-                                 if on is not None)
+            below = " and ".join(str(t.name) for t in (self.disk, self.far) if t is not None)
             log.info("flushed DRAM to %s: %d pages offered, %d not written in %.0fs",
                      below, offered, left, self.config.flush_timeout)
         if self.disk is not None:

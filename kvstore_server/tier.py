@@ -66,8 +66,8 @@ import numpy as np
 if TYPE_CHECKING:
     from .far.records import Scope
 
-__all__ = ["NullTier", "Page", "PageInfo", "Tier", "TierChain", "TierInvalidation", "TierName",
-           "TierStats"]
+__all__ = ["EVICTABLE", "NullTier", "Page", "PageInfo", "Tier", "TierChain", "TierInvalidation",
+           "TierName", "TierStats", "evict_targets"]
 
 Page = memoryview | np.ndarray          # one page: contiguous bytes (any dtype, viewed as uint8)
 
@@ -90,6 +90,24 @@ class TierName(str, enum.Enum):
         return format(self.value, spec)
 
 
+# What an operator may evict from (kvstore-admin evict --tier NAME): one of these, or all.
+EVICTABLE = (TierName.DRAM, TierName.DISK, TierName.FAR)
+
+
+def evict_targets(tier: str) -> frozenset[TierName]:
+    """The tiers an operator's `--tier` names: one of EVICTABLE, or "all" for all of them;
+    ValueError for anything else. The one place a tier is read from a string."""
+    if tier == "all":
+        return frozenset(EVICTABLE)
+    try:
+        name = TierName(tier)
+    except ValueError:
+        name = None
+    if name not in EVICTABLE:
+        raise ValueError(f"tier must be dram, disk, far or all, got {tier!r}")
+    return frozenset({name})
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class TierInvalidation:
     """What an invalidation did in one tier: the layouts it covered (those it was given
@@ -107,7 +125,7 @@ class TierStats:
     write queue was full; refused: because the tier failed, the page cannot fit, or its
     write failed. `failed` stays True once a write failed: nothing is taken again."""
 
-    name: str
+    name: TierName                  # the level's tier (a chain shows each member's)
     capacity_bytes: int = 0
     used_bytes: int = 0
     pages: int = 0
@@ -128,7 +146,7 @@ class TierStats:
 class PageInfo:
     """What admin Inspect tells about one page: where it is and in what state."""
 
-    tier: str                       # "dram", "disk", ...
+    tier: TierName                  # where the page is
     state: str                      # a SlotState name, or QUEUED (offered, not written)
     size_bytes: int
     age_seconds: float = 0.0        # since commit (DRAM only; 0 below)

@@ -59,8 +59,8 @@ class AdminService:
                 pages=t.pages, hits=s.promotions if n == 0 else 0, evictions=t.evictions,
                 bytes_in=t.bytes_written, bytes_out=t.bytes_read, reads=t.reads,
                 writes=t.writes, drops=t.drops, corrupt=t.corrupt_pages, failed=t.failed,
-                state=(t.error or "reachable") if t.name == TierName.FAR else "",
-                errors=t.read_errors if t.name == TierName.FAR else 0))
+                state=(t.error or "reachable") if t.name is TierName.FAR else "",
+                errors=t.read_errors if t.name is TierName.FAR else 0))
         quotas = self.auth.quotas() if self.auth is not None else {}
         tenants = [apb.TenantStats(name=t.name, used_bytes=t.used_bytes,
                                    pages=t.pages, quota_bytes=quotas.get(t.name, 0))

@@ -18,7 +18,7 @@ from kvstore_protocol.keys import MAX_KEY_BYTES, Packed
 from ..errors import Outcome, Reason, StoreError
 from ..far.records import LayoutRecord, Scope
 from ..removals import Cause
-from ..tier import PageInfo, TierName
+from ..tier import PageInfo, TierName, evict_targets
 from .below import Below
 from .evict import Eviction
 from .eviction import enough
@@ -67,18 +67,19 @@ class Admin:
         """Admin eviction from tier "dram" (to the tiers below), "disk" or "far" (gone;
         the far tier only this server's namespace, and never by a byte amount), or "all":
         (pages, bytes, pages skipped because leased)."""
-        if tier not in (TierName.DRAM, TierName.DISK, TierName.FAR, "all"):
-            raise StoreError(Outcome.INVALID,
-                             f"tier must be dram, disk, far or all, got {tier!r}")
+        try:
+            targets = evict_targets(tier)
+        except ValueError as exc:
+            raise StoreError(Outcome.INVALID, str(exc)) from None
         pages = freed = leased = 0
         whole = False                   # a whole layout, or all, left the tiers below
-        if tier in (TierName.DRAM, "all"):
+        if TierName.DRAM in targets:
             pages, freed, leased = self._evict_dram(layout_id, nbytes)
-        if layout_id is not None and tier != TierName.DRAM:
+        if layout_id is not None and targets != {TierName.DRAM}:
             self._s.layouts.info(layout_id)
         # The chain's tiers one by one: `--tier disk` must never reach a shared cluster.
         for below in self._s.lower.tiers:
-            if not below.holds_pages or tier not in ("all", below.name):
+            if not below.holds_pages or below.name not in targets:
                 continue
             more, more_bytes = below.evict(nbytes=nbytes, layout_id=layout_id,
                                            everything=nbytes is None and layout_id is None)
