@@ -284,6 +284,10 @@ VIEWS: dict[str, Callable[[dict[str, Record]], str]] = {
         Pick("striped get over 4 connections / one connection"),
         Pick("put 1 MiB pages, 1 connection, GB/s", ("fast path", "raw socket")),
         Pick("one 64 KiB page p50 us", ("fast path", "raw socket", "gRPC")))),
+    "remote-load": _figures("remote-load-cb31147405", (
+        *(Pick(t, ("pages", "connections", "connector GB/s", "raw GB/s", "connector/raw"))
+          for t in ("256", "1024", "4096")),
+        Pick("load average"))),
     "fastpath-vs-grpc": _figures("fastpath-713bcc3c98", (
         Pick("get 1 MiB pages GB/s", ("fast", "grpc", "raw")),
         Pick("one 64 KiB page p50 us", ("fast", "grpc", "raw")))),
