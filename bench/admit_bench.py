@@ -23,7 +23,7 @@ timed beside them.
 (rows marked "+"), and the ratio of their loop ms is printed. --retain: every request asks
 for session retention as it ends (request i of each burst the next turn of session i,
 5 s), as a vLLM request's
-`kv_transfer_params` would (connector.retention): its stored keys are handed to the
+`kv_transfer_params` would (connector.scheduler.retention): its stored keys are handed to the
 retention thread inside "release ms", and that thread's RetainMany calls (one per step's
 asks) run beside the next burst. --events: the connector's KV-event feed runs
 (connector.events): each finished request's stored pages are queued for it inside
@@ -43,14 +43,14 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
-
-from kvstore_client import KVStoreClient, PageLayout
 from kvstore_connector.config import ConnectorConfig, LookupMode
 from kvstore_connector.events import EventFeed, SavedRun
-from kvstore_connector.hashing import page_keys
-from kvstore_connector.retention import RetainAsk, Retainer
 from kvstore_connector.scheduler import SchedulerHalf
+from kvstore_connector.scheduler.hashing import page_keys
+from kvstore_connector.scheduler.retention import RetainAsk, Retainer
 from kvstore_testing.serverproc import ServerProcess
+
+from kvstore_client import KVStoreClient, PageLayout
 
 __all__ = ["main"]
 

@@ -66,9 +66,9 @@ import tempfile
 import time
 
 import numpy as np
+from kvstore_testing.serverproc import ServerProcess
 
 from kvstore_client import KVStoreClient
-from kvstore_testing.serverproc import ServerProcess
 
 ACCEPT_PRESET, ACCEPT_TOKENS = "8b", 32768
 ACCEPT_TTFT_RATIO, ACCEPT_LOAD = 1 / 15, 0.90
@@ -86,7 +86,6 @@ class _Bench:
 
     def __init__(self, args, preset: str, address: str, clear: bool) -> None:
         import torch
-
         from kvstore_bench.engine.kvconnector import StoreConnector, page_layout
         from kvstore_bench.engine.model import LlamaModel, ModelConfig
         from kvstore_bench.engine.paged_cache import allocate_kv_caches
@@ -490,7 +489,7 @@ class _Bench:
 
     def forget(self, tokens: np.ndarray, keep: int) -> None:
         """Delete the stored pages of tokens past the first keep tokens."""
-        from kvstore_connector.hashing import page_keys
+        from kvstore_connector.scheduler.hashing import page_keys
         pt = self.page_tokens
         keys = page_keys(tokens[:len(tokens) // pt * pt], pt, self.layout.chain_seed)
         self.client.delete(self.ns, keys[keep // pt:])

@@ -1,4 +1,4 @@
-"""Time connector.hashing.page_keys against naive chained loops (sha256 and xxh3).
+"""Time connector.scheduler.hashing.page_keys against naive chained loops (sha256 and xxh3).
 
 Run from a checkout: `python bench/hash_bench.py [--page-tokens 16] [--runs 1000]`.
 Prints the median of many single calls per prompt length. The contenders are measured in
@@ -19,10 +19,10 @@ import numpy as np
 import xxhash
 
 try:
-    from kvstore_connector.hashing import page_keys
+    from kvstore_connector.scheduler.hashing import page_keys
 except ModuleNotFoundError:  # run as a script from a checkout, not installed
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    from kvstore_connector.hashing import page_keys
+    from kvstore_connector.scheduler.hashing import page_keys
 
 SEED = bytes(range(16))
 LENGTHS = (1024, 4096, 16384, 32768)

@@ -45,7 +45,7 @@ class LookupMode(enum.Enum):
 
     # On a background thread: a request not looked up yet hears "ask again" unless its
     # answer comes within the step's share of lookup_wait_ms; the next schedule() reads
-    # it (connector.prefetch). A burst of 64 new requests costs the loop 4x less than
+    # it (connector.scheduler.prefetch). A burst of 64 new requests costs the loop 4x less than
     # SYNC (docs/perf/admit-a516f10033.json, at a 1 ms step).
     PREFETCH = "prefetch"
     # On the engine's scheduler loop, one Lookup per request as it is asked.

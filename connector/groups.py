@@ -24,7 +24,7 @@ What each kind needs for a hit that ends at page P (tokens [0, P*page_tokens)):
               the group's block P-1. Its page is that block's bytes, under the key of page
               P-1 in a layout of its own. The engine writes a state only at some
               boundaries (a chunk's end, the prefill checkpoint before the prompt's end;
-              null blocks between), so these pages are sparse: connector.mamba finds the
+              null blocks between), so these pages are sparse: connector.scheduler.mamba finds the
               longest hit whose boundary state is stored and saves a state only in the
               step that wrote it.
 

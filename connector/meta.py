@@ -18,7 +18,7 @@ __all__ = ["LoadSpec", "PagePins", "SaveSpec", "StepMeta"]
 class PagePins:
     """Where a layer-wise load's pages lie in the store's shared pool, as the scheduler's
     lookup answered (kvstore_client.Pins). The lookup's lease pins them until the load's
-    outcome is known (connector.unconfirmed), so a worker that maps this very pool copies
+    outcome is known (connector.scheduler.unconfirmed), so a worker that maps this very pool copies
     from these offsets without an Acquire of its own: one round trip less on the hit's
     critical path. A worker that maps another pool (a restart, another host), or finds
     `use_by` passed, acquires as before."""

@@ -14,7 +14,7 @@ Hybrid models: the connector is `SupportsHMA`, so vLLM keeps its hybrid KV cache
 (one block table per KV-cache group). Each group is a layout of its own and has a worker
 half of its own (connector.groups, connector.groupworkers); a model of one group keeps the
 layouts, keys and behaviour it had before. Mamba / linear-attention state in align mode
-is a group of its own whose pages are state blocks (connector.mamba). Specs the connector
+is a group of its own whose pages are state blocks (connector.scheduler.mamba). Specs the connector
 cannot move correctly (Mamba state in other modes, cross-attention, ...) stop the engine
 at start-up with one line.
 """
@@ -42,11 +42,11 @@ from .events import EventFeed, Removed, SavedRun, Stored
 from .groups import CacheGroup, GroupKind, UnsupportedCache, cache_groups
 from .groupworkers import GroupWorkers
 from .kvviews import detect_kind, kv5
-from .mamba import StateCheckpoints, mamba_view
 from .meta import StepMeta
-from .retention import RetainAsk, Retainer, ask_of
 from .revision import resolve
-from .scheduler import SchedulerHalf
+from .scheduler.half import SchedulerHalf
+from .scheduler.mamba import StateCheckpoints, mamba_view
+from .scheduler.retention import RetainAsk, Retainer, ask_of
 from .worker import SharedStore, WorkerHalf
 
 if TYPE_CHECKING:
@@ -258,7 +258,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                             groups=self.groups,
                                             checkpoints=_checkpoints(vllm_config,
                                                                      self.block_size))
-            # Session retention asked in kv_transfer_params (connector.retention): sent
+            # Session retention asked in kv_transfer_params (connector.scheduler.retention): sent
             # once a request's saves have landed, off the loop.
             self.retainer = Retainer(self._scheduler.store)
             self.events = self._event_feed(vllm_config)
@@ -412,7 +412,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return delay, None
 
     def _retain(self, request: Request, after_save: bool) -> None:
-        """A request's session retention (connector.retention): sent now, or once its
+        """A request's session retention (connector.scheduler.retention): sent now, or once its
         saves have landed (finished_sending)."""
         if self.retainer is None:
             return

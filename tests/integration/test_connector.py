@@ -11,17 +11,18 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvstore_client import KVStoreClient, PageLayout  # noqa: E402
 from kvstore_connector.config import (  # noqa: E402
     ConnectorConfig,
     LoadMode,
     LookupMode,
     Role,
 )
-from kvstore_connector.hashing import page_keys  # noqa: E402
 from kvstore_connector.scheduler import SchedulerHalf  # noqa: E402
+from kvstore_connector.scheduler.hashing import page_keys  # noqa: E402
 from kvstore_connector.worker import WorkerHalf  # noqa: E402
 from kvstore_testing.serverproc import ServerProcess, sigstop  # noqa: E402
+
+from kvstore_client import KVStoreClient, PageLayout  # noqa: E402
 
 LAYERS, BLOCKS, BLOCK, HEADS, HEAD = 3, 64, 16, 2, 8
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -322,7 +323,8 @@ def stored_pages(address, lay, keys):
 
 
 def keys_of(tokens, pages: int, lay: PageLayout) -> list[bytes]:
-    """The keys of the first `pages` pages of tokens, as connector.hashing derives them."""
+    """The keys of the first `pages` pages of tokens, as connector.scheduler.hashing
+    derives them."""
     return page_keys(np.asarray(tokens[:pages * lay.page_tokens]), lay.page_tokens,
                      lay.chain_seed)
 

@@ -13,11 +13,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvstore_client import KVStoreClient, KVStoreError  # noqa: E402
 from kvstore_connector.config import LoadMode  # noqa: E402
-from kvstore_connector.hashing import page_keys  # noqa: E402
+from kvstore_connector.scheduler.hashing import page_keys  # noqa: E402
 from kvstore_connector.worker import WorkerHalf  # noqa: E402
 from kvstore_testing.serverproc import sigstop  # noqa: E402
+
+from kvstore_client import KVStoreClient, KVStoreError  # noqa: E402
 from tests.waiting import wait_for  # noqa: E402
 
 from .test_connector import (  # noqa: E402
@@ -77,7 +78,8 @@ def compute(engine, layer, blocks, tokens):
 
 
 def keys_of(engine, tokens, pages):
-    """The keys of the first `pages` pages of tokens, as connector.hashing derives them."""
+    """The keys of the first `pages` pages of tokens, as connector.scheduler.hashing
+    derives them."""
     lay = engine.layout
     return page_keys(np.asarray(tokens[:pages * lay.page_tokens]), lay.page_tokens,
                      lay.chain_seed)

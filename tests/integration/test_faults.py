@@ -33,12 +33,12 @@ import grpc
 import numpy as np
 import pytest
 import xxhash
-
 from kvstore_bench.load_test import page_of
+from kvstore_testing.serverproc import ServerProcess
+
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
 from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_protocol.grpc_frames import CHANNEL_OPTIONS
-from kvstore_testing.serverproc import ServerProcess
 from tests.waiting import wait_for
 
 SMALL = PageLayout(model="faults", num_layers=4, page_tokens=16, num_kv_heads=8,
@@ -308,8 +308,8 @@ def test_disk_write_limit_stops_the_tier(tmp_path):
 def test_server_killed_mid_connector_load(fresh_server):
     torch = pytest.importorskip("torch")
     from kvstore_connector.config import ConnectorConfig, LookupMode
-    from kvstore_connector.hashing import page_keys
     from kvstore_connector.scheduler import SchedulerHalf
+    from kvstore_connector.scheduler.hashing import page_keys
     from kvstore_connector.worker import WorkerHalf
 
     layout = PageLayout(model="faults-load", num_layers=32, page_tokens=16, num_kv_heads=8,

@@ -20,9 +20,9 @@ def run(tmp_path, code: str) -> subprocess.CompletedProcess:
 
 
 def test_installed_as_kvstore_connector(tmp_path):
-    out = run(tmp_path, "import kvstore_connector.hashing as h; print(h.__file__)")
+    out = run(tmp_path, "import kvstore_connector.config as c; print(c.__file__)")
     assert out.returncode == 0, out.stderr
-    assert pathlib.Path(out.stdout.strip()) == REPO / "connector" / "hashing.py"
+    assert pathlib.Path(out.stdout.strip()) == REPO / "connector" / "config.py"
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
@@ -40,5 +40,5 @@ def test_old_module_path_warns(tmp_path, engine):
 
 def test_old_package_has_no_internals(tmp_path):
     """Only the two engine entry points are kept: the internals were never an API."""
-    out = run(tmp_path, "import connector.hashing")
+    out = run(tmp_path, "import connector.config")
     assert out.returncode == 1 and "ModuleNotFoundError" in out.stderr

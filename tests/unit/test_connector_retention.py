@@ -1,11 +1,11 @@
-"""A request's retention ask in kv_transfer_params (connector.retention): what parses, and
+"""A request's retention ask in kv_transfer_params (connector.scheduler.retention): what parses, and
 why the rest is refused (the request is served either way)."""
 
 from __future__ import annotations
 
 import pytest
 
-from connector.retention import MAX_TTL_S, RetainAsk, ask_of
+from connector.scheduler.retention import MAX_TTL_S, RetainAsk, ask_of
 
 
 def test_no_ask():

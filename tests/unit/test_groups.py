@@ -4,7 +4,6 @@ step's plan (the bytes a full hit moves per group follow from it)."""
 from __future__ import annotations
 
 import numpy as np
-
 from kvstore_connector.groups import NULL_BLOCK, CacheGroup, GroupKind, for_group
 from kvstore_connector.meta import LoadSpec, PagePins, SaveSpec, StepMeta
 
@@ -91,7 +90,7 @@ def test_a_mamba_group_loads_only_the_state_at_the_hits_end():
 
 
 def test_a_mamba_save_keeps_only_the_states_its_step_wrote():
-    from kvstore_connector.mamba import StateCheckpoints, saveable_rows
+    from kvstore_connector.scheduler.mamba import StateCheckpoints, saveable_rows
     rows = np.arange(100, 110, dtype=np.int64).reshape(10, 1)
     # Pages 0..9 saved in a step that computed tokens 96..160: the state at its end (160,
     # page 9) and at vLLM's prefill checkpoint (144, page 8, in the block before).

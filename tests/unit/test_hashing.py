@@ -1,4 +1,4 @@
-"""Tests for connector.hashing: chained xxh3 page keys."""
+"""Tests for connector.scheduler.hashing: chained xxh3 page keys."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 import xxhash
+from kvstore_connector.scheduler.hashing import KEY_BYTES, page_keys
 
-from kvstore_connector.hashing import KEY_BYTES, page_keys
 from kvstore_protocol.layout import PageLayout
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -160,7 +160,7 @@ def test_small_unsigned_ids():
 
 
 def test_int32_array_is_used_in_place():
-    from kvstore_connector.hashing import _as_int32_le
+    from kvstore_connector.scheduler.hashing import _as_int32_le
     ids = random_tokens(1024)
     assert np.shares_memory(_as_int32_le(ids), ids)
 
@@ -176,7 +176,7 @@ def test_keys_do_not_depend_on_hash_seed_or_process():
     layout = PageLayout(model="m", num_layers=2, page_tokens=16, num_kv_heads=2, head_size=64)
     ids = random_tokens(200)
     script = (
-        "import sys; from kvstore_connector.hashing import page_keys;"
+        "import sys; from kvstore_connector.scheduler.hashing import page_keys;"
         "from kvstore_protocol.layout import PageLayout;"
         "seed = PageLayout(model='m', num_layers=2, page_tokens=16, num_kv_heads=2,"
         " head_size=64).chain_seed;"

@@ -1,4 +1,5 @@
-"""connector.prefetch.LookupWorker: every lease an answer carries is taken or released once.
+"""connector.scheduler.prefetch.LookupWorker: every lease an answer carries is taken or
+released once.
 
 The worker's lookup and release calls are the seams here (the store behind them is
 tests/integration/test_prefetch.py's): a lookup that hands out numbered leases and can be
@@ -13,8 +14,7 @@ import time
 
 import numpy as np
 import pytest
-
-from kvstore_connector.prefetch import Answer, Job, LookupWorker
+from kvstore_connector.scheduler.prefetch import Answer, Job, LookupWorker
 
 
 class Store:

@@ -1,9 +1,9 @@
-"""connector.unconfirmed: a load's lease and outcome are held until the steps in flight
+"""connector.scheduler.unconfirmed: a load's lease and outcome are held until the steps in flight
 have come back, then handed over once."""
 
 from __future__ import annotations
 
-from kvstore_connector.unconfirmed import UnconfirmedLoads
+from kvstore_connector.scheduler.unconfirmed import UnconfirmedLoads
 
 
 def test_a_layer_wise_load_is_confirmed_lag_builds_after_the_one_that_plans_it():

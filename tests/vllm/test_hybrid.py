@@ -12,6 +12,7 @@ pytest.importorskip("vllm", reason="needs vLLM 0.33 (scripts/venv-vllm.sh)")
 import torch
 from harness import BLOCK_SIZE, ConnectorSpec, make_request
 from hybrid import HybridShape, build_hybrid, hybrid_engine
+from kvstore_connector.groups import UnsupportedCache
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import (
@@ -23,7 +24,6 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvstore_client import KVStoreClient
-from kvstore_connector.groups import UnsupportedCache
 
 SLIDING = HybridShape(("full", "sliding", "full", "sliding"), window=40)
 MLA_SLIDING = HybridShape(("mla", "sliding_mla", "mla", "sliding_mla"), window=40)
@@ -69,7 +69,7 @@ def check_stored(driver, address: str, req_id: str, pages: int) -> int:
     sched = driver.connector._scheduler
     keys = sched._requests[req_id].keys[:pages] if req_id in sched._requests else None
     if keys is None:
-        from kvstore_connector.hashing import page_keys
+        from kvstore_connector.scheduler.hashing import page_keys
         keys = page_keys(PROMPT[:pages * BLOCK_SIZE], BLOCK_SIZE, sched.seed)
     compared = 0
     with KVStoreClient(address) as c:

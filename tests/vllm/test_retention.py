@@ -1,4 +1,4 @@
-"""Session retention asked through vLLM's kv_transfer_params (connector.retention), under
+"""Session retention asked through vLLM's kv_transfer_params (connector.scheduler.retention), under
 vLLM 0.33's real scheduler with a real kvstore-server: the retained prefix outlives another
 tenant's eviction pressure while a prefix saved beside it does not; a refusal past the
 quota, and a malformed ask, still serve the request and are counted; release ends it.
@@ -25,11 +25,11 @@ from harness import (
     make_scheduler,
     make_vllm_config,
 )
+from kvstore_testing.serverproc import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from vllm.v1.request import RequestStatus
 
 from kvstore_client import KVStoreClient, PageLayout
-from kvstore_testing.serverproc import free_port
 
 SHAPE = ModelShape()
 KEPT = list(range(3000, 3064))       # 64 tokens: 4 pages of 16 KiB saved

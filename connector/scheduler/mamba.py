@@ -45,8 +45,8 @@ import numpy as np
 
 from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
 
-from .breaker import not_answering
-from .groups import NULL_BLOCK, UnsupportedCache
+from ..breaker import not_answering
+from ..groups import NULL_BLOCK, UnsupportedCache
 from .lookups import StoreLookups
 
 __all__ = ["StateCheckpoints", "StateLookups", "mamba_view", "saveable_rows"]

@@ -10,17 +10,16 @@ It runs beside the engine's scheduler and never touches tensors. Per request:
     build()                   -> the StepMeta for the workers (and forget it)
     load_finished / load_failed_blocks / finished(req) -> leases released, state dropped
 
-Its parts, each a module: what is kept per request and its page keys
-(connector.requests); the calls to the store behind a breaker (connector.lookups); the
-loads whose outcome is not known yet, which hold their lease and the saves that read
-them (connector.unconfirmed); the lookup worker thread (connector.prefetch). A failed
-load marks its request so that the pages it recomputes are saved, and marks every other
+Its parts, each a module of this package: what is kept per request and its page keys
+(requests); the calls to the store behind a breaker (lookups); the loads whose outcome is
+not known yet, which hold their lease and the saves that read them (unconfirmed); the
+lookup worker thread (prefetch). A failed load marks its request so that the pages it recomputes are saved, and marks every other
 request that read the failed blocks as tainted: it saves nothing more, whatever restart
 point the engine picks for it (docs/vllm-load-failure-sharing.md).
 
 Where the lookups run (ConnectorConfig.lookups). "sync": on the caller's thread, one
 Lookup per request as the engine asks. "prefetch" (the default): a request seen for the
-first time is looked up on the caller's thread while the worker thread (connector.prefetch)
+first time is looked up on the caller's thread while the worker thread (prefetch)
 is idle and the step's lookup_wait_ms is not spent; else it is handed to the worker, which
 hashes it and looks it up, and the caller waits for that answer only while the step's
 lookup_wait_ms lasts, else hears "ask again". A later ask takes the answer if it has come,
@@ -33,7 +32,7 @@ finishes first, or when its tokens changed before the answer was taken (it count
 pages of other tokens); a lease is released on every path. A request hears "ask again"
 at most `ask_again` times after a timeout (sync lookups).
 
-Keys are the connector's chained page hashes (connector.hashing), computed once per page
+Keys are the connector's chained page hashes (connector.scheduler.hashing), computed once per page
 and extended as a request grows.
 """
 
@@ -48,8 +47,8 @@ from kvstore_client import KVStoreClient, PageLayout
 from kvstore_client.handles import Pins
 from kvstore_protocol.keys import Packed
 
-from .breaker import Breaker
-from .config import (
+from ..breaker import Breaker
+from ..config import (
     ConnectorConfig,
     LoadMode,
     LookupMode,
@@ -57,11 +56,11 @@ from .config import (
     min_hit_tokens,
     open_client,
 )
-from .groups import NULL_BLOCK, CacheGroup, GroupKind
+from ..groups import NULL_BLOCK, CacheGroup, GroupKind
+from ..meta import LoadSpec, PagePins, SaveSpec, StepMeta
 from .hashing import KEY_BYTES
 from .lookups import StoreLookups
 from .mamba import StateCheckpoints, StateLookups, saveable_rows
-from .meta import LoadSpec, PagePins, SaveSpec, StepMeta
 from .prefetch import DOWN, Answer, Job, LookupWorker, Pending
 from .requests import RequestState, new_keys
 from .unconfirmed import UnconfirmedLoads
@@ -85,12 +84,12 @@ class SchedulerHalf:
         of every group; one Lookup over them all answers what every group holds.
         groups: a hybrid engine's KV-cache groups (connector.groups); none = one group,
         full attention. Block ids then come one list per group. checkpoints: where a
-        Mamba group's prefill checkpoint states are written (connector.mamba); None:
+        Mamba group's prefill checkpoint states are written (connector.scheduler.mamba); None:
         none is saved."""
         if not layouts:
             raise ValueError("the scheduler half needs at least one layout (one per rank)")
         self.groups = tuple(groups)
-        # Mamba state (connector.mamba): its pages are sparse, so its layouts are not in
+        # Mamba state (connector.scheduler.mamba): its pages are sparse, so its layouts are not in
         # the full groups' Lookup; a hit's end is checked against them on its own.
         self._mamba = [g.index for g in self.groups if g.kind is GroupKind.MAMBA]
         per_group = len(layouts) // max(1, len(self.groups))
@@ -232,7 +231,7 @@ class SchedulerHalf:
         end = min(count, usable)
         if self._states is not None:
             # The state at the hit's end must be stored too: the hit ends at the last
-            # boundary below `end` whose state page is there (connector.mamba).
+            # boundary below `end` whose state page is there (connector.scheduler.mamba).
             end, state.state_lease = self._states.longest(state.keys, first, end,
                                                           self.config.lease_ms)
             # States past the hit's end are computed again: save them (the full groups'
@@ -490,7 +489,7 @@ class SchedulerHalf:
 
     def stored_keys(self, req_id: str) -> list[bytes]:
         """Keys of the request's leading pages known stored: hit, or planned for saving
-        (for session retention, connector.retention)."""
+        (for session retention, connector.scheduler.retention)."""
         state = self._requests.get(req_id)
         return [] if state is None else state.keys[:state.saved_pages]
 

@@ -24,8 +24,8 @@ from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
 from kvstore_client.handles import Pins
 from kvstore_protocol.keys import Packed
 
-from .breaker import Breaker, not_answering
-from .config import ConnectorConfig
+from ..breaker import Breaker, not_answering
+from ..config import ConnectorConfig
 from .prefetch import DOWN
 
 __all__ = ["Counted", "StoreLookups"]
@@ -48,7 +48,7 @@ class Counted:
 class StoreLookups:
     """Lookups and lease releases for the scheduler half, behind one breaker.
 
-    Called from the scheduler's loop and the lookup worker (connector.prefetch), at times
+    Called from the scheduler's loop and the lookup worker (connector.scheduler.prefetch), at times
     both at once: the client's lease lane takes one call at a time. The breaker's probe,
     on its own thread, only registers the layouts again.
     """
@@ -62,7 +62,7 @@ class StoreLookups:
         self._down_since = 0.0        # when the store was last found unreachable
         self.breaker = Breaker(config.probe_interval, self._probe)
         # lease id -> pages the workers read under it from the pool (no Acquire), said
-        # at its release so the store counts them as served (connector.unconfirmed)
+        # at its release so the store counts them as served (connector.scheduler.unconfirmed)
         self._reads: dict[int, int] = {}
 
     def note_reads(self, reads: dict[int, int]) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 
 from kvstore_client.handles import Pins
 
-from .groups import NULL_BLOCK
+from ..groups import NULL_BLOCK
 from .hashing import page_keys
 
 __all__ = ["RequestState", "new_keys"]
