@@ -46,7 +46,8 @@ class AdminService:
         self.metrics = metrics
         self.auth = auth          # for the tenants' quotas; None = no auth file
 
-    def Stats(self, request, context):
+    def Stats(self, request: apb.StatsRequest,
+              context: grpc.ServicerContext) -> apb.StatsResponse:
         s = self.store.stats()
         tiers = [apb.TierStats(
             name=TierName.DRAM, capacity_bytes=s.capacity_bytes, used_bytes=s.used_bytes,
@@ -73,7 +74,8 @@ class AdminService:
             retention_refused=s.retention_refused,
             uptime_seconds=s.uptime_seconds, version=__version__)
 
-    def Evict(self, request, context):
+    def Evict(self, request: apb.EvictRequest,
+              context: grpc.ServicerContext) -> apb.EvictResponse:
         target = request.WhichOneof("target")
         tier = request.tier or TierName.DRAM
         if target is None or (target == "all" and not request.all):
@@ -90,12 +92,14 @@ class AdminService:
         return apb.EvictResponse(pages=pages, bytes=nbytes, skipped_leased=leased,
                                  leases_broken=broken)
 
-    def Clear(self, request, context):
+    def Clear(self, request: apb.ClearRequest,
+              context: grpc.ServicerContext) -> apb.ClearResponse:
         broken = self.store.break_leases() if request.force else 0
         pages, layouts = self.store.clear()
         return apb.ClearResponse(pages=pages, layouts=layouts, leases_broken=broken)
 
-    def Invalidate(self, request, context):
+    def Invalidate(self, request: apb.InvalidateRequest,
+                   context: grpc.ServicerContext) -> apb.InvalidateResponse:
         scope = Scope(request.model, request.revision, request.layout_id, request.tenant)
         if scope.problems():
             raise Invalid("; ".join(scope.problems()))
@@ -110,7 +114,7 @@ class AdminService:
         return apb.InvalidateResponse(dram_pages=done.dram_pages, disk_pages=done.disk_pages,
                                       far_pages=done.far_pages, layout_ids=done.layout_ids)
 
-    def _own_scope(self, scope: Scope, context) -> Scope:
+    def _own_scope(self, scope: Scope, context: grpc.ServicerContext) -> Scope:
         """An admin's scope as asked; a tenant's narrowed to its own layouts, DENIED
         where it names another's (the only Admin call a tenant may make: auth.py)."""
         caller = ANONYMOUS if self.auth is None else self.auth.caller(context)
@@ -139,11 +143,13 @@ class AdminService:
         except StoreError:
             return None
 
-    def ListLayouts(self, request, context):
+    def ListLayouts(self, request: apb.ListLayoutsRequest,
+                    context: grpc.ServicerContext) -> apb.ListLayoutsResponse:
         return apb.ListLayoutsResponse(
             layouts=[_layout_stats(e) for e in self.store.stats().layouts])
 
-    def Inspect(self, request, context):
+    def Inspect(self, request: apb.InspectRequest,
+                context: grpc.ServicerContext) -> apb.InspectResponse:
         if not request.key:
             raise Invalid("Inspect needs a key")
         return apb.InspectResponse(**dataclasses.asdict(
