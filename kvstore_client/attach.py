@@ -2,7 +2,7 @@
 
 A client on the server's host maps the region once (Attach gives its path, size and
 token) and moves page bytes through it. A server that restarted made a new region: the
-client maps it again when the server says the old token is stale (rpc.py), or when its
+client maps it again when the server says the old token is stale (transport.Recovery), or when its
 fast path dropped (dataplane.py), and every offset is used with the mapping of the server
 that issued it.
 

@@ -4,51 +4,47 @@ On the same host as the server, page bytes move through the server's shared-memo
 (kvstore_client.shm) and gRPC carries only offsets and leases; elsewhere they stream over
 gRPC. `put`, `get`, `get_into` and `get_layers` pick the path by themselves.
 
-KVStoreClient is the facade that picks the path; the parts are modules of their own:
-the gRPC stubs, retries and restart recoveries (rpc.py), the mapped region (attach.py),
-the fast path beside gRPC (dataplane.py), and the Admin service as dataclasses (admin.py,
-also `client.admin`). Every call has a timeout; puts are idempotent (keys already stored
-are skipped by the server).
-Over 400 lines because each page call keeps its three paths (shared memory, fast path,
-gRPC) side by side, so that a reader sees in one place which one runs and why.
+Each page call reads "shared memory, else transport.op(...)": the mapped region
+(attach.py, shm.py) where this host has it, else one call through the chooser
+(dataplane.py), which runs it on the fast path or on gRPC (transport.py names what both
+answer; grpc_transport.py, fastpath.py) and mends a server restart in one loop. The Admin
+service is in admin.py (also `client.admin`), as dataclasses. Every call has a timeout;
+puts are idempotent (keys already stored are skipped by the server).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 
 import grpc
 import numpy as np
 
 from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_protocol.convert import layout_to_proto
-from kvstore_protocol.grpc_frames import PUT_DATA_TAG, frame
 from kvstore_protocol.keys import Packed
 from kvstore_protocol.layout import PageLayout
 
 from .admin import AdminClient, ClearResult, EvictResult, LayoutStats, PageInfo, Stats
 from .attach import RegionAttachment
-from .buffers import LayerMajorWriter, as_uint8, page_aligned_empty
+from .buffers import as_uint8, page_aligned_empty
 from .channel import PEM, open_channel, with_token
-from .dataplane import USE_GRPC, DataPlane, packed_keys, tls_context
-from .errors import KVStoreError, PagesMissing, from_rpc_error
-from .fastpath import FastPathUnavailable
-from .handles import LayoutHandle, Lease, Pins, PutResult
-from .layerget import Dest, LayerGet
+from .dataplane import Chooser, packed_keys, tls_context
+from .errors import KVStoreError, PagesMissing
+from .grpc_transport import GrpcTransport
+from .handles import LayoutHandle, Lease, PutResult
+from .layerget import Dest
 from .rpc import Rpc, packed
 from .shm import Acquired, Reservation, SharedRegion, copy_layer, copy_pages
+from .transport import Transport
 
 __all__ = ["KVStoreClient", "LayoutHandle", "Lease", "PutResult", "Removal", "Removals",
            "Retention"]
 
 log = logging.getLogger(__name__)
-
-CHUNK_BYTES = 1 << 20          # Put data messages; matches the server's Get chunks
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -133,14 +129,11 @@ class KVStoreClient:
                  data_address: str | None = None, data_connections: int = 4,
                  local_socket: bool = False) -> None:
         self.address = address
-        self._releases: set[grpc.Future] = set()   # lease releases still in flight
         self._channel = (with_token(channel, token) if channel is not None else
                          open_channel(address, token=token, tls_ca=tls_ca, tls_cert=tls_cert,
                                       tls_key=tls_key))
         self._rpc = Rpc(self._channel, timeout=timeout, retries=retries,
-                        lookup_stream=lookup_stream,
-                        reattach=lambda: self._shm.attach(force=True),
-                        reregister=lambda handle: self.register_layout(handle.layout))
+                        lookup_stream=lookup_stream)
         self._lookups = self._rpc.lookups
         if self._lookups is not None:
             # A client dropped without close() would keep its stream, and a server thread,
@@ -153,8 +146,8 @@ class KVStoreClient:
         self._presence_ok = shared_memory is not False or local_socket
         self.presence_misses = 0
         self.admin = AdminClient(self._rpc)
-        self._data = DataPlane(
-            address, enabled=data_plane, data_address=data_address, token=token,
+        self._data = Chooser(
+            GrpcTransport(self._rpc), address, enabled=data_plane, data_address=data_address, token=token,
             tls=tls_context(tls_ca, tls_cert, tls_key), timeout=lambda: self.timeout,
             connections=data_connections, region=self.region,
             reregister=lambda handle: self.register_layout(handle.layout),
@@ -186,10 +179,7 @@ class KVStoreClient:
 
     # -- plumbing -------------------------------------------------------------------
     def close(self) -> None:
-        for future in list(self._releases):     # let async releases reach the server
-            with contextlib.suppress(grpc.RpcError, grpc.FutureTimeoutError):
-                future.result(timeout=1.0)
-        self._data.close()
+        self._data.close()                      # lets releases in flight reach the server
         self._rpc.close()
         self._shm.close()
 
@@ -202,7 +192,8 @@ class KVStoreClient:
     # -- layouts --------------------------------------------------------------------
     def register_layout(self, layout: PageLayout) -> LayoutHandle:
         req = pb.RegisterLayoutRequest(layout=layout_to_proto(layout))
-        resp = self._rpc.call("RegisterLayout", lambda: self._rpc.register(req, timeout=self.timeout))
+        resp = self._rpc.call("RegisterLayout", lambda: self._rpc.register(
+            req, timeout=self.timeout))
         if resp.layout_id != layout.layout_id:
             raise KVStoreError(grpc.StatusCode.INTERNAL,
                                "server computed a different layout id: client and server "
@@ -221,28 +212,14 @@ class KVStoreClient:
                 copy_pages(by_page, res.region.mem, res.offsets, to_pool=True)
                 stored = res.commit()
             return PutResult(stored, res.skipped, res.in_flight)
-        mv = flat.data
-        got = self._data.call("Put", ns, lambda f: f.put(ns.layout_id, *packed_keys(keys), mv))
-        if got is not USE_GRPC:
-            return PutResult(*got)
-        header = pb.PutRequest(header=pb.PutHeader(layout_id=ns.layout_id,
-                                                   keys=packed(keys)))
-
-        def messages():
-            yield header
-            for start in range(0, total, CHUNK_BYTES):
-                yield frame(PUT_DATA_TAG, (mv[start:start + CHUNK_BYTES],))
-
-        def call():
-            return self._rpc.put(messages(), timeout=self._rpc.timeout_for(total))
-
-        resp = self._rpc.call("Put", call, ns)
-        return PutResult(resp.stored, resp.skipped, resp.in_flight)
+        key_size, data = packed_keys(keys)
+        return PutResult(*self._data.call("Put", ns, lambda t: t.put(
+            ns.layout_id, key_size, data, flat.data)))
 
     def lookup(self, ns: LayoutHandle | Sequence[LayoutHandle],
                keys: Sequence[bytes] | Packed) -> int:
         """How many leading keys are stored (in every layout, when several are given)."""
-        return self._lookup_call(ns, keys, 0)[0].count
+        return self._lookup_call(ns, keys, 0).count
 
     def lookup_lease(self, ns: LayoutHandle | Sequence[LayoutHandle],
                      keys: Sequence[bytes] | Packed,
@@ -255,29 +232,17 @@ class KVStoreClient:
         ended by the connection closing: release it, or it lasts its ttl."""
         if lease_ms <= 0:
             raise ValueError("lease_ms must be positive")
-        resp, got_pins = self._lookup_call(ns, keys, lease_ms, pins)
-        return Lease(resp.lease_id, resp.count, got_pins)
+        return self._lookup_call(ns, keys, lease_ms, pins)
 
-    def _lookup_call(self, ns, keys, lease_ms: int, pins: bool = False
-                     ) -> tuple[pb.LookupResponse, Pins | None]:
+    def _lookup_call(self, ns, keys, lease_ms: int, pins: bool = False) -> Lease:
         handles = [ns] if isinstance(ns, LayoutHandle) else list(ns)
         ids = [h.layout_id for h in handles]
         key_size, data = packed_keys(keys)
         if self._presence_ok and data and self._missed_here(ids, key_size, data):
-            return pb.LookupResponse(count=0, lease_id=0), None
-        got = self._data.call("Lookup", handles[0], lambda f: f.lookup(
+            return Lease(0, 0)
+        count, lease_id, got_pins = self._data.call("Lookup", handles[0], lambda t: t.lookup(
             ids, key_size, data, lease_ms, pins))
-        if got is not USE_GRPC:
-            return pb.LookupResponse(count=got[0], lease_id=got[1]), got[2]
-        req = pb.LookupRequest(layout_ids=[h.layout_id for h in handles],
-                               keys=packed(keys), lease_ms=lease_ms)
-
-        def call():
-            # The stream when it can answer, else the unary call (lookup_stream.py).
-            response = None if self._lookups is None else self._lookups.ask(req, self.timeout)
-            return response if response is not None else self._rpc.lookup(req, timeout=self.timeout)
-
-        return self._rpc.call("Lookup", call, handles[0]), None
+        return Lease(lease_id, count, got_pins)
 
     def _missed_here(self, layout_ids: list[bytes], key_size: int, data: bytes) -> bool:
         """Whether the server's presence map (kvstore_client.presence) proves the first key
@@ -300,29 +265,23 @@ class KVStoreClient:
         lease_id = lease.lease_id if isinstance(lease, Lease) else lease
         if not lease_id:
             return False
-        got = self._data.call("ReleaseLease", None, lambda f: f.release(lease_id, pages_read))
-        if got is not USE_GRPC:
-            return got
-        resp = self._rpc.call("ReleaseLease", lambda: self._rpc.release(
-            pb.ReleaseLeaseRequest(lease_id=lease_id, pages_read=pages_read),
-            timeout=self.timeout))
-        return resp.released
+        return self._data.call("ReleaseLease", None,
+                               lambda t: t.release(lease_id, pages_read))
 
     def exists(self, ns: LayoutHandle, keys: Sequence[bytes]) -> list[bool]:
-        got = self._data.call("Exists", ns, lambda f: f.exists(ns.layout_id, *packed_keys(keys)))
-        if got is not USE_GRPC:
-            return got
-        req = pb.ExistsRequest(layout_id=ns.layout_id, keys=packed(keys))
-        resp = self._rpc.call("Exists", lambda: self._rpc.exists(req, timeout=self.timeout), ns)
-        bits = np.unpackbits(np.frombuffer(resp.bitmap, dtype=np.uint8), bitorder="little")
-        return bits[: resp.count].astype(bool).tolist()
+        key_size, data = packed_keys(keys)
+        return self._data.call("Exists", ns, lambda t: t.exists(ns.layout_id, key_size, data))
 
     def delete(self, ns: LayoutHandle, keys: Sequence[bytes]) -> int:
-        got = self._data.call("Delete", ns, lambda f: f.delete(ns.layout_id, *packed_keys(keys)))
-        if got is not USE_GRPC:
-            return got
-        req = pb.DeleteRequest(layout_id=ns.layout_id, keys=packed(keys))
-        return self._rpc.call("Delete", lambda: self._rpc.delete(req, timeout=self.timeout), ns).deleted
+        key_size, data = packed_keys(keys)
+        return self._data.call("Delete", ns, lambda t: t.delete(ns.layout_id, key_size, data))
+
+    def _grpc(self, method: str, handle: LayoutHandle | None, request):
+        """A call only gRPC carries (rpc.Rpc.unary), mended after a server restart like
+        every other (transport.Recovery)."""
+        stub = self._rpc.unary(method)
+        return self._data.recovered(handle, lambda: self._rpc.call(
+            method, lambda: stub(request, timeout=self.timeout)))
 
     # -- session retention (gRPC only: one call a turn, off the hot path) ---------------
     def retain(self, ns: LayoutHandle, keys: Sequence[bytes], session: str,
@@ -333,7 +292,7 @@ class KVStoreClient:
         tenant's retention quota or session cap) is an answer, not an error."""
         req = pb.RetainRequest(layout_id=ns.layout_id, keys=packed(keys), session=session,
                                ttl_ms=max(1, round(ttl * 1000)) if ttl > 0 else 0)
-        resp = self._rpc.call("Retain", lambda: self._rpc.retain(req, timeout=self.timeout), ns)
+        resp = self._grpc("Retain", ns, req)
         return Retention(resp.pages, resp.refused)
 
     # -- removals (gRPC only: a poll every fraction of a second, off the hot path) --------
@@ -345,8 +304,7 @@ class KVStoreClient:
         ids = [h.layout_id for h in handles]
         req = pb.RemovalsRequest(layout_ids=ids, after_seq=after_seq, epoch=epoch,
                                  limit=limit)
-        resp = self._rpc.call("Removals", lambda: self._rpc.removals(req, timeout=self.timeout),
-                              handles[0] if len(handles) == 1 else None)
+        resp = self._grpc("Removals", handles[0] if len(handles) == 1 else None, req)
         entries, at = [], 0
         for seq, index, cause, size in zip(resp.seqs, resp.layout_index, resp.causes,
                                            resp.key_sizes, strict=True):
@@ -374,15 +332,13 @@ class KVStoreClient:
         return out
 
     def _retain_part(self, ns: LayoutHandle, req: pb.RetainManyRequest) -> list[Retention]:
-        resp = self._rpc.call("RetainMany", lambda: self._rpc.retain_many(
-            req, timeout=self.timeout), ns)
+        resp = self._grpc("RetainMany", ns, req)
         return [Retention(r.pages, r.refused) for r in resp.results]
 
     def release_retention(self, session: str) -> int:
         """End a session's retention now: the pages it kept (0: no such session)."""
         req = pb.ReleaseRetentionRequest(session=session)
-        return self._rpc.call("ReleaseRetention", lambda: self._rpc.release_retention(
-            req, timeout=self.timeout)).pages
+        return self._grpc("ReleaseRetention", None, req).pages
 
     def get(self, ns: LayoutHandle, keys: Sequence[bytes]) -> np.ndarray:
         """The pages of keys as a new (N, page_bytes) uint8 array; KeyError if one is missing."""
@@ -395,23 +351,21 @@ class KVStoreClient:
     def get_into(self, ns: LayoutHandle, keys: Sequence[bytes], out) -> None:
         """Fill a caller's (N, page_bytes) buffer (numpy, torch CPU, pinned, bytearray)."""
         keys = list(keys)
-        n, layers, lb = len(keys), ns.layout.num_layers, ns.layer_bytes
+        n, layers = len(keys), ns.layout.num_layers
         flat = as_uint8(out, n * ns.page_bytes, writable=True, what="out")
         if keys and self.region() is not None:
             with self._acquire_or_keyerror(ns, keys) as acq:
                 copy_pages(flat.reshape(n, ns.page_bytes), acq.region.mem, acq.offsets,
                            to_pool=False)
             return
-        if keys:
-            try:
-                got = self._data.call("Get", ns, lambda f: f.get_into(
-                    ns.layout_id, *packed_keys(keys), flat.data, ns.page_bytes))
-            except KVStoreError as exc:
-                raise PagesMissing.of(exc) from None
-            if got is not USE_GRPC:
-                return
-        by_layer = flat.reshape(n, layers, lb)
-        self._stream(ns, keys, lambda layer: by_layer[:, layer, :])
+        if not keys:
+            return
+        key_size, data = packed_keys(keys)
+        try:
+            self._data.call("Get", ns, lambda t: t.get_into(
+                ns.layout_id, key_size, data, flat.data, ns.page_bytes, layers))
+        except KVStoreError as exc:
+            raise PagesMissing.of(exc) from None
 
     def get_layers(self, ns: LayoutHandle, keys: Sequence[bytes], dest: Dest | None = None,
                    stop: threading.Event | None = None
@@ -434,61 +388,11 @@ class KVStoreClient:
                     copy_layer(slab, acq.region.mem, acq.offsets, layer, ns.page_bytes)
                     yield layer, slab
             return
-        fast = self._data.fast()
-        if fast is not None:
-            try:
-                yield from LayerGet(fast, ns.layout_id, *packed_keys(keys), ns.layout.num_layers,
-                                    lb, dest, stop, lambda: self.register_layout(ns.layout))
-                return
-            except KVStoreError as exc:
-                raise PagesMissing.of(exc) from None
-            except FastPathUnavailable:     # raised before any layer: gRPC instead
-                self._data.drop(fast)
-        req = pb.GetRequest(layout_id=ns.layout_id, keys=packed(keys))
-        slabs: dict[int, np.ndarray] = {}      # what dest gave, until yielded
-        ready: list[int] = []
-        writer = LayerMajorWriter(n, ns.layout.num_layers, lb,
-                                  lambda layer: slabs.setdefault(layer, dest(layer)), ready.append)
         try:
-            for payload in self._rpc.get(req, timeout=self._rpc.timeout_for(n * ns.page_bytes)):
-                writer.write(payload)
-                while ready:
-                    layer = ready.pop(0)
-                    yield layer, slabs.pop(layer)
-                if stop is not None and stop.is_set():
-                    raise KVStoreError(grpc.StatusCode.CANCELLED, "the get was stopped", "Get")
-        except grpc.RpcError as exc:
-            self._raise_get(exc)
-        if not writer.done:
-            raise KVStoreError(grpc.StatusCode.DATA_LOSS,
-                               f"Get ended after {writer.pos} of {writer.total} bytes", "Get")
-
-    def _stream(self, ns: LayoutHandle, keys: list[bytes],
-                dest: Callable[[int], np.ndarray]) -> None:
-        n = len(keys)
-        if n == 0:
-            return
-        req = pb.GetRequest(layout_id=ns.layout_id, keys=packed(keys))
-
-        def call():
-            writer = LayerMajorWriter(n, ns.layout.num_layers, ns.layer_bytes, dest)
-            for payload in self._rpc.get(req, timeout=self._rpc.timeout_for(n * ns.page_bytes)):
-                writer.write(payload)
-            if not writer.done:
-                raise KVStoreError(grpc.StatusCode.DATA_LOSS,
-                                   f"Get ended after {writer.pos} of {writer.total} bytes", "Get")
-
-        try:
-            self._rpc.call("Get", call, ns)
+            yield from self._data.get_layers(ns, *packed_keys(keys), dest, stop,
+                                             lambda: self.register_layout(ns.layout))
         except KVStoreError as exc:
             raise PagesMissing.of(exc) from None
-
-    @staticmethod
-    def _raise_get(exc: grpc.RpcError):
-        err = from_rpc_error(exc, "Get")
-        if err.code == grpc.StatusCode.NOT_FOUND:
-            raise PagesMissing.of(err) from None
-        raise err from None
 
     # -- same-host data plane ---------------------------------------------------------
     def region(self) -> SharedRegion | None:
@@ -498,69 +402,36 @@ class KVStoreClient:
     def reserve(self, ns: LayoutHandle, keys: Sequence[bytes], lease_ms: int = 0) -> Reservation:
         """WRITING slots in the shared pool for the keys not yet stored (two-phase put).
         Write `views[i]`, then `commit()`; or `abort()`. lease_ms 0 = the server's ttl."""
-        def fast(f):
-            region = self._shm.need()      # read per attempt: see the gRPC call below
-            return region, f.reserve(ns.layout_id, *packed_keys(keys), region.token, lease_ms)
+        key_size, data = packed_keys(keys)
 
-        got = self._data.call("Reserve", ns, fast)
-        if got is not USE_GRPC:
-            region, r = got
-            return Reservation(ns, r.lease_id, r.offsets, r.skipped, region,
-                               self._commit_lease, self._abort_lease, r.in_flight)
-        wire_keys = packed(keys)
-
-        def call():
+        def call(t: Transport):
             # Offsets are valid only in the region whose token the server accepted, so
             # the token sent and the region returned come from one read of the mapping,
-            # made again on each attempt: a retry after _call re-attached (the server
-            # restarted) sends the new token and pairs the answer with the new mapping.
+            # made again on each run: a run after a re-attach (the server restarted)
+            # sends the new token and pairs the answer with the new mapping.
             region = self._shm.need()
-            return region, self._rpc.reserve(pb.ReserveRequest(
-                layout_id=ns.layout_id, keys=wire_keys, token=region.token, lease_ms=lease_ms),
-                timeout=self.timeout)
+            return region, t.reserve(ns.layout_id, key_size, data, region.token, lease_ms)
 
-        region, resp = self._rpc.call("Reserve", call, ns)
-        offsets = np.frombuffer(resp.offsets, dtype="<i8")
-        return Reservation(ns, resp.lease_id, offsets, resp.skipped, region,
-                           self._commit_lease, self._abort_lease, resp.in_flight)
+        region, r = self._data.call("Reserve", ns, call)
+        return Reservation(ns, r.lease_id, r.offsets, r.skipped, region,
+                           self._commit_lease, self._abort_lease, r.in_flight)
 
     def acquire(self, ns: LayoutHandle, keys: Sequence[bytes], lease_ms: int = 0) -> Acquired:
         """Pin the pages of keys in the shared pool and return read-only views of them;
         `release()` when done. NOT_FOUND (KVStoreError) if a key is missing."""
-        def fast(f):
-            region = self._shm.need()      # read per attempt: see reserve
-            return region, f.acquire(ns.layout_id, *packed_keys(keys), region.token, lease_ms)
+        key_size, data = packed_keys(keys)
 
-        got = self._data.call("Acquire", ns, fast)
-        if got is not USE_GRPC:
-            region, r = got
-            return Acquired(ns, r.lease_id, r.offsets, region, self._release_later)
-        wire_keys = packed(keys)
+        def call(t: Transport):
+            region = self._shm.need()      # read per run: see reserve
+            return region, t.acquire(ns.layout_id, key_size, data, region.token, lease_ms)
 
-        def call():
-            region = self._shm.need()      # read per attempt: see reserve
-            return region, self._rpc.acquire(pb.AcquireRequest(
-                layout_id=ns.layout_id, keys=wire_keys, token=region.token, lease_ms=lease_ms),
-                timeout=self.timeout)
-
-        region, resp = self._rpc.call("Acquire", call, ns)
-        offsets = np.frombuffer(resp.offsets, dtype="<i8")
-        return Acquired(ns, resp.lease_id, offsets, region, self._release_later)
+        region, r = self._data.call("Acquire", ns, call)
+        return Acquired(ns, r.lease_id, r.offsets, region, self._release_later)
 
     def _release_later(self, lease_id: int) -> None:
         """End a lease without waiting for the answer: the caller has finished reading,
         and a lost release only costs the pages their pin until the lease expires."""
-        if self._data.call("ReleaseLease", None,
-                           lambda f: f.release_later(lease_id)) is not USE_GRPC:
-            return
-        future = self._rpc.release.future(pb.ReleaseLeaseRequest(lease_id=lease_id),
-                                      timeout=self.timeout)
-        self._releases.add(future)
-        future.add_done_callback(self._release_done)
-
-    def _release_done(self, future: grpc.Future) -> None:
-        self._releases.discard(future)
-        _log_release_failure(future)
+        self._data.call("ReleaseLease", None, lambda t: t.release_later(lease_id))
 
     def _acquire_or_keyerror(self, ns: LayoutHandle, keys: Sequence[bytes]) -> Acquired:
         try:
@@ -571,18 +442,10 @@ class KVStoreClient:
             raise
 
     def _commit_lease(self, lease_id: int) -> int:
-        got = self._data.call("Commit", None, lambda f: f.commit(lease_id))
-        if got is not USE_GRPC:
-            return got
-        return self._rpc.call("Commit", lambda: self._rpc.commit(pb.CommitRequest(lease_id=lease_id),
-                                                         timeout=self.timeout)).stored
+        return self._data.call("Commit", None, lambda t: t.commit(lease_id))
 
     def _abort_lease(self, lease_id: int) -> bool:
-        got = self._data.call("Abort", None, lambda f: f.abort(lease_id))
-        if got is not USE_GRPC:
-            return got
-        return self._rpc.call("Abort", lambda: self._rpc.abort(pb.AbortRequest(lease_id=lease_id),
-                                                       timeout=self.timeout)).aborted
+        return self._data.call("Abort", None, lambda t: t.abort(lease_id))
 
     # -- admin (kvstore_client.admin: dataclasses, not protobuf messages) ----------------
     def stats(self) -> Stats:
@@ -605,8 +468,3 @@ class KVStoreClient:
     def inspect(self, layout_id: bytes, key: bytes) -> PageInfo:
         return self.admin.inspect(layout_id, key)
 
-
-def _log_release_failure(future: grpc.Future) -> None:
-    if future.exception() is not None:
-        log.warning("releasing a lease failed (%s); it expires by itself",
-                    future.exception())

@@ -1,16 +1,15 @@
-"""Which path a KVStoreClient call takes: the fast path when it can be reached, else gRPC.
+"""The chooser: which transport a KVStoreClient call takes, the one place that decides.
 
-    bytes, same host (the pool is mapped)   shared memory (kvstore_client.shm)
+    bytes, same host (the pool is mapped)   shared memory (kvstore_client.shm), beside
+                                            the transport, which carries the leases
     control, same host                      fast path on the server's Unix socket
     bytes and control, another host         fast path over TCP (the gRPC port + 1, or
                                             data_address)
     fast path unreachable                   gRPC: one warning, another try in RETRY_S
 
-`DataPlane.call` runs a fast-path call and answers USE_GRPC when the caller should make
-the gRPC call instead. It also mends what a server restart breaks, as the gRPC path does
-(rpc.py): by the reason in the error answer's flags (fastwire.REASON_FLAGS), never its
-message, Reason.LAYOUT_UNKNOWN registers the layout again and Reason.SHM_TOKEN_STALE maps
-the new region, each once.
+`Chooser.call(method, handle, fn)` runs fn(transport) on the fast path when it is open,
+and on gRPC when it is not or went away during the call (FastPathUnavailable), inside the
+one restart-recovery loop (transport.Recovery), so the caller writes each call once.
 
 The Unix socket is the one the latest Attach named, used only after its listener proved
 to be the server's user (kvstore_client.unixpeer). A fast path that dropped (the server
@@ -20,43 +19,39 @@ region and token, so the old mapping's offsets are never taken from a new peer.
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import ssl
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
+import numpy as np
 
 from kvstore_protocol.keys import Packed, pack_keys
 
-from .errors import KVStoreError, Reason
+from .errors import KVStoreError
 from .fastpath import FastPath, FastPathUnavailable, UntrustedPeer
+from .grpc_transport import GrpcTransport
 from .holdings import Holdings
+from .layerget import Dest, LayerGet
+from .transport import Recovery, Transport
 
 if TYPE_CHECKING:
     from .handles import LayoutHandle
     from .shm import SharedRegion
     from .unixpeer import ServerIdentity
 
-__all__ = ["USE_GRPC", "DataPlane", "packed_keys", "tls_context"]
+__all__ = ["Chooser", "packed_keys", "tls_context"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-class _UseGrpc(enum.Enum):
-    USE_GRPC = 0
-
-
-# What call() answers when the caller should use gRPC (an enum member, so that
-# `got is not USE_GRPC` narrows got's type).
-USE_GRPC = _UseGrpc.USE_GRPC
 RETRY_S = 30.0           # after the fast path could not be reached, gRPC for this long
 
 
@@ -91,10 +86,11 @@ def tls_context(tls_ca, tls_cert, tls_key) -> ssl.SSLContext | None:
     return ctx
 
 
-class DataPlane:
-    """The fast path of one KVStoreClient, opened on first use."""
+class Chooser:
+    """The transports of one KVStoreClient: gRPC, and the fast path, opened on first use."""
 
-    def __init__(self, address: str, *, enabled: bool | None, data_address: str | None,
+    def __init__(self, grpc_transport: GrpcTransport, address: str, *,
+                 enabled: bool | None, data_address: str | None,
                  token: str | None, tls: ssl.SSLContext | None,
                  timeout: Callable[[], float],
                  connections: int, region: Callable[[], SharedRegion | None],
@@ -102,7 +98,9 @@ class DataPlane:
                  reattach: Callable[[bool], None],
                  identity: Callable[[], ServerIdentity | None] = lambda: None,
                  locate: Callable[[], ServerIdentity | None] | None = None) -> None:
-        """enabled: None = use it when reachable, True = require it, False = never.
+        """grpc_transport: what every call falls back to. enabled: the fast path's; None
+        = use it when reachable, True = require it, False = never. reregister(handle):
+        register a layout again (a restarted server forgot it).
         reattach(keep): Attach again and map what it names (RegionAttachment.attach):
         keep=True after a drop keeps a mapping of the same region; False when the server
         said the token is stale, as it does once it restarted.
@@ -110,6 +108,7 @@ class DataPlane:
         that maps the pool (RegionAttachment.identity). locate: the same from a fresh
         Attach when no pool is mapped (RegionAttachment.local_socket), or None not to look
         for the socket then."""
+        self.grpc = grpc_transport
         self.enabled = enabled
         self._grpc_address = address
         self._data_address = data_address
@@ -118,8 +117,9 @@ class DataPlane:
         self._timeout = timeout
         self._connections = connections
         self._region = region
-        self._reregister = reregister
         self._reattach = reattach
+        # Not keeping the mapping: a refusal for a stale token means the server restarted.
+        self._recovery = Recovery(lambda: reattach(False), reregister)
         self._identity = identity
         self._locate = locate
         # A fast path dropped since the last Attach: Attach again before the next opens.
@@ -208,31 +208,45 @@ class DataPlane:
         fast.close(keep_leased=True)
 
     def call(self, method: str, handle: LayoutHandle | None,
-             fn: Callable[[FastPath], T]) -> T | Literal[_UseGrpc.USE_GRPC]:
-        """fn on the fast path, or USE_GRPC when there is none (or it just went away)."""
+             fn: Callable[[Transport], T]) -> T:
+        """fn on the fast path where it is open, else (or once it went away) on gRPC,
+        mended after a server restart (transport.Recovery); handle: the layout the call
+        names, registered again if the server forgot it."""
+        def once() -> T:
+            fast = self.fast()
+            if fast is not None:
+                try:
+                    return fn(fast)
+                except FastPathUnavailable:
+                    self.drop(fast)         # the server went away: gRPC retries
+            return fn(self.grpc)
+
+        return self._recovery.run(once, handle)
+
+    def recovered(self, handle: LayoutHandle | None, fn: Callable[[], T]) -> T:
+        """fn (a call only gRPC carries), mended like every other call."""
+        return self._recovery.run(fn, handle)
+
+    def get_layers(self, ns: LayoutHandle, key_size: int, packed: bytes, dest: Dest,
+                   stop: threading.Event | None, reregister: Callable[[], object]
+                   ) -> Iterator[tuple[int, np.ndarray]]:
+        """(layer, slab) as each layer arrives: over the fast path striped across its
+        connections (kvstore_client.layerget), else, or when it went away before the
+        first layer, over gRPC. A stream is mended only before its first byte (LayerGet
+        registers the layout again); after it, the caller sees the error."""
         fast = self.fast()
-        if fast is None:
-            return USE_GRPC
-        reregistered = reattached = False
-        while True:
+        if fast is not None:
             try:
-                return fn(fast)
-            except FastPathUnavailable:
-                self.drop(fast)             # the server went away: gRPC retries
-                return USE_GRPC
-            except KVStoreError as exc:
-                if (handle is not None and not reregistered
-                        and exc.reason is Reason.LAYOUT_UNKNOWN):
-                    reregistered = True
-                    self._reregister(handle)
-                    continue
-                if not reattached and exc.reason is Reason.SHM_TOKEN_STALE:
-                    reattached = True
-                    self._reattach(False)           # the server restarted: never keep
-                    continue
-                raise
+                yield from LayerGet(fast, ns.layout_id, key_size, packed,
+                                    ns.layout.num_layers, ns.layer_bytes, dest, stop,
+                                    reregister)
+                return
+            except FastPathUnavailable:     # raised before any layer: gRPC instead
+                self.drop(fast)
+        yield from self.grpc.get_layers(ns, key_size, packed, dest, stop)
 
     def close(self) -> None:
+        self.grpc.close()
         with self._lock:
             fast, self._fast = self._fast, None
         if fast is not None:

@@ -502,9 +502,10 @@ class FastPath:
         return self._run("Put", call)
 
     def get_into(self, layout_id: bytes, key_size: int, packed: bytes, out: memoryview,
-                 page_bytes: int) -> None:
+                 page_bytes: int, layers: int = 1) -> None:
         """The pages of the keys, page after page, into out (n * page_bytes bytes);
-        striped over several connections when it is large."""
+        striped over several connections when it is large. layers: unused here (the
+        fast path's GET answers page-major; gRPC's answers layer-major)."""
         n = len(packed) // key_size if key_size else 0
         stripes = min(self.connections, n, max(1, out.nbytes // STRIPE_MIN_BYTES))
         if stripes <= 1:

@@ -1,11 +1,9 @@
-"""The client's gRPC plumbing: one stub per method, and one way to call them, with retries
-and the recoveries a server restart calls for.
+"""The client's gRPC plumbing: one stub per method, and one way to call them, with retries.
 
 Idempotent calls are retried with backoff when the server is UNAVAILABLE (restarting,
-briefly overloaded). A server that restarted has forgotten the layouts and made a new
-shared-memory region: a call refused with Reason.LAYOUT_UNKNOWN registers its layout again,
-one refused with Reason.SHM_TOKEN_STALE maps the new region, each once, and retries. The
-reason is machine-readable (errors.reason_of); the message is never matched.
+briefly overloaded); a failure is raised as a KVStoreError carrying the server's Reason
+(errors.reason_of). What a server restart calls for (register a layout again, map the new
+region) is mended above every transport, in one loop (transport.Recovery).
 """
 
 from __future__ import annotations
@@ -16,12 +14,12 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvstore_protocol._proto.kvstore.v1 import admin_pb2 as apb, kvstore_pb2 as pb
+from kvstore_protocol._proto.kvstore.v1 import admin_pb2 as apb
+from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_protocol.grpc_frames import GET_DATA_TAG, unframe
 from kvstore_protocol.keys import Packed, pack_keys
 
-from .errors import Reason, from_rpc_error, reason_of
-from .handles import LayoutHandle
+from .errors import from_rpc_error
 from .lookup_stream import LookupStream
 
 __all__ = ["RETRY_CODES", "Rpc", "packed"]
@@ -53,17 +51,13 @@ class Rpc:
     """The stubs of one channel and `call`, which runs one of them with retries.
 
     timeout: seconds per call; retries: extra attempts of idempotent calls on UNAVAILABLE
-    (0 = none); both may be changed at any time. reattach and reregister are the two
-    recoveries (see the module docstring)."""
+    (0 = none); both may be changed at any time."""
 
     def __init__(self, channel: grpc.Channel, *, timeout: float, retries: int,
-                 lookup_stream: bool, reattach: Callable[[], None],
-                 reregister: Callable[[LayoutHandle], Any]) -> None:
+                 lookup_stream: bool) -> None:
         self.channel = channel
         self.timeout = timeout
         self.retries = retries
-        self._reattach = reattach
-        self._reregister = reregister
         c = channel
         s = "/kvstore.v1.KVStore/"
         a = "/kvstore.v1.Admin/"
@@ -102,30 +96,29 @@ class Rpc:
         self.list_layouts = unary(a + "ListLayouts", apb.ListLayoutsRequest,
                                   apb.ListLayoutsResponse)
         self.inspect = unary(a + "Inspect", apb.InspectRequest, apb.InspectResponse)
+        self._unary = unary
+        self._stubs: dict[str, Any] = {}
 
-    def call(self, method: str, fn: Callable[[], T], handle: LayoutHandle | None = None,
-             retry: bool = True) -> T:
-        """fn(), retried and recovered as the module docstring says; a failure is raised as
-        a KVStoreError naming method."""
+    def unary(self, name: str) -> Any:
+        """The KVStore service's unary method `name`, its messages found by the proto's
+        naming (nameRequest, nameResponse): a new call needs no line here."""
+        stub = self._stubs.get(name)
+        if stub is None:
+            stub = self._stubs[name] = self._unary(
+                "/kvstore.v1.KVStore/" + name, getattr(pb, name + "Request"),
+                getattr(pb, name + "Response"))
+        return stub
+
+    def call(self, method: str, fn: Callable[[], T], retry: bool = True) -> T:
+        """fn(), retried as the module docstring says; a failure is raised as a
+        KVStoreError naming method."""
         attempts = 1 + (self.retries if retry else 0)
-        reregistered = False
-        reattached = False
         attempt = 0
         while True:
             try:
                 return fn()
             except grpc.RpcError as exc:
                 code = exc.code()
-                reason = reason_of(exc)
-                if not reattached and reason is Reason.SHM_TOKEN_STALE:
-                    reattached = True             # the server restarted: map its new region
-                    self._reattach()
-                    continue
-                if (handle is not None and not reregistered
-                        and reason is Reason.LAYOUT_UNKNOWN):
-                    reregistered = True           # the server restarted: register again
-                    self._reregister(handle)
-                    continue
                 attempt += 1
                 if code in RETRY_CODES and attempt < attempts:
                     time.sleep(min(0.05 * 2 ** attempt, 1.0))

@@ -1,0 +1,101 @@
+"""What a transport is to KVStoreClient, and the one loop that mends a server restart.
+
+Two transports carry the page calls: gRPC (grpc_transport.GrpcTransport) and the fast
+path (fastpath.FastPath). Both answer the calls below with the same values and raise the
+same errors: KVStoreError carrying the server's Reason where the client must react, and
+FastPathUnavailable when the fast path itself went away (the chooser, dataplane.py, then
+uses gRPC). Shared memory is not a transport: it moves page bytes beside them, under
+leases a transport takes (shm.py).
+
+A server that restarted has forgotten the layouts and made a new shared-memory region.
+`Recovery.run` is the one place that mends it, whichever transport refused: a call refused
+with Reason.SHM_TOKEN_STALE maps the new region, one refused with Reason.LAYOUT_UNKNOWN
+registers its layout again, each once, and the call runs again (so a call that reads the
+region's token reads it on each run). The reason is machine-readable; the message is
+never matched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from .errors import KVStoreError, Reason
+
+if TYPE_CHECKING:
+    from .fastpath import FastLease
+    from .handles import LayoutHandle, Pins
+
+__all__ = ["Recovery", "Transport"]
+
+T = TypeVar("T")
+
+
+class Transport(Protocol):
+    """The page calls both transports serve; keys travel packed (key size, bytes)."""
+
+    def lookup(self, layout_ids: list[bytes], key_size: int, packed: bytes,
+               lease_ms: int = 0, pins: bool = False) -> tuple[int, int, Pins | None]:
+        """(leading keys stored in every layout, lease id or 0, where the pages lie)."""
+        ...
+
+    def exists(self, layout_id: bytes, key_size: int, packed: bytes) -> list[bool]: ...
+
+    def delete(self, layout_id: bytes, key_size: int, packed: bytes) -> int: ...
+
+    def put(self, layout_id: bytes, key_size: int, packed: bytes, data: memoryview
+            ) -> tuple[int, int, int]:
+        """(stored, skipped, in flight); data: the pages back to back."""
+        ...
+
+    def get_into(self, layout_id: bytes, key_size: int, packed: bytes, out: memoryview,
+                 page_bytes: int, layers: int = 1) -> None:
+        """Fill out with the pages, page after page; layers: the layout's."""
+        ...
+
+    def reserve(self, layout_id: bytes, key_size: int, packed: bytes, region_token: bytes,
+                lease_ms: int = 0) -> FastLease: ...
+
+    def acquire(self, layout_id: bytes, key_size: int, packed: bytes, region_token: bytes,
+                lease_ms: int = 0) -> FastLease: ...
+
+    def commit(self, lease_id: int) -> int: ...
+
+    def abort(self, lease_id: int) -> bool: ...
+
+    def release(self, lease_id: int, pages_read: int = 0) -> bool: ...
+
+    def release_later(self, lease_id: int) -> None:
+        """End a lease without waiting for the answer."""
+        ...
+
+
+class Recovery:
+    """The two mends a server restart calls for (see the module docstring)."""
+
+    def __init__(self, reattach: Callable[[], object],
+                 reregister: Callable[[LayoutHandle], object]) -> None:
+        """reattach: Attach again and map the region it names, never keeping the old
+        mapping (the token it was mapped with is stale). reregister: register a layout
+        again."""
+        self._reattach = reattach
+        self._reregister = reregister
+
+    def run(self, fn: Callable[[], T], handle: LayoutHandle | None) -> T:
+        """fn(), run again after each mend its refusal calls for (each at most once);
+        handle: the layout the call names (None: no layout to register again)."""
+        reattached = reregistered = False
+        while True:
+            try:
+                return fn()
+            except KVStoreError as exc:
+                if not reattached and exc.reason is Reason.SHM_TOKEN_STALE:
+                    reattached = True             # the server restarted: map its new region
+                    self._reattach()
+                    continue
+                if (handle is not None and not reregistered
+                        and exc.reason is Reason.LAYOUT_UNKNOWN):
+                    reregistered = True           # the server restarted: register again
+                    self._reregister(handle)
+                    continue
+                raise
