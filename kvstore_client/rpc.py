@@ -100,13 +100,14 @@ class Rpc:
         self._stubs: dict[str, Any] = {}
 
     def unary(self, name: str) -> Any:
-        """The KVStore service's unary method `name`, its messages found by the proto's
-        naming (nameRequest, nameResponse): a new call needs no line here."""
+        """The KVStore service's unary method `name`, its messages read from the proto's
+        service description: a new call needs no line here."""
         stub = self._stubs.get(name)
         if stub is None:
+            method = pb.DESCRIPTOR.services_by_name["KVStore"].methods_by_name[name]
             stub = self._stubs[name] = self._unary(
-                "/kvstore.v1.KVStore/" + name, getattr(pb, name + "Request"),
-                getattr(pb, name + "Response"))
+                "/kvstore.v1.KVStore/" + name, getattr(pb, method.input_type.name),
+                getattr(pb, method.output_type.name))
         return stub
 
     def call(self, method: str, fn: Callable[[], T], retry: bool = True) -> T:

@@ -315,27 +315,20 @@ def add_kvstore_service(server: grpc.Server, service: KVStoreService,
         guarded("Lookup", m)(KVStoreService.Lookup), service))
     unary = grpc.unary_unary_rpc_method_handler
 
-    def u(name, req, resp):
-        fn = guarded(name, m)(getattr(KVStoreService, name))
-        return unary(functools.partial(fn, service), request_deserializer=parser(req),
-                     response_serializer=resp.SerializeToString)
+    def u(method) -> grpc.RpcMethodHandler:
+        fn = guarded(method.name, m)(getattr(KVStoreService, method.name))
+        return unary(functools.partial(fn, service),
+                     request_deserializer=parser(getattr(pb, method.input_type.name)),
+                     response_serializer=getattr(pb, method.output_type.name).SerializeToString)
 
+    # Every unary call of the proto's service, served by the method of its name: a new
+    # unary call needs its method above and no line here.
     handlers = {
-        "RegisterLayout": u("RegisterLayout", pb.RegisterLayoutRequest, pb.RegisterLayoutResponse),
-        "Lookup": u("Lookup", pb.LookupRequest, pb.LookupResponse),
-        "ReleaseLease": u("ReleaseLease", pb.ReleaseLeaseRequest, pb.ReleaseLeaseResponse),
-        "Exists": u("Exists", pb.ExistsRequest, pb.ExistsResponse),
-        "Delete": u("Delete", pb.DeleteRequest, pb.DeleteResponse),
-        "Attach": u("Attach", pb.AttachRequest, pb.AttachResponse),
-        "Reserve": u("Reserve", pb.ReserveRequest, pb.ReserveResponse),
-        "Commit": u("Commit", pb.CommitRequest, pb.CommitResponse),
-        "Abort": u("Abort", pb.AbortRequest, pb.AbortResponse),
-        "Acquire": u("Acquire", pb.AcquireRequest, pb.AcquireResponse),
-        "Retain": u("Retain", pb.RetainRequest, pb.RetainResponse),
-        "RetainMany": u("RetainMany", pb.RetainManyRequest, pb.RetainManyResponse),
-        "ReleaseRetention": u("ReleaseRetention", pb.ReleaseRetentionRequest,
-                              pb.ReleaseRetentionResponse),
-        "Removals": u("Removals", pb.RemovalsRequest, pb.RemovalsResponse),
+        method.name: u(method)
+        for method in pb.DESCRIPTOR.services_by_name["KVStore"].methods
+        if not (method.client_streaming or method.server_streaming)
+    }
+    handlers.update({
         "Put": grpc.stream_unary_rpc_method_handler(
             gated_requests(gate, tenant, watched_requests(streams, functools.partial(
                 guarded("Put", m)(KVStoreService.Put), service), "Put"), "Put"),
@@ -349,7 +342,7 @@ def add_kvstore_service(server: grpc.Server, service: KVStoreService,
         "LookupStream": grpc.stream_stream_rpc_method_handler(
             lookups.handle, request_deserializer=parser(pb.LookupRequest),
             response_serializer=pb.LookupResponse.SerializeToString),
-    }
+    })
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("kvstore.v1.KVStore", handlers),))
     return lookups
