@@ -139,6 +139,7 @@ for name in sys.argv[1:]:
     print(name, module.__file__)
 """
     names = ["kvstore_server.main", "kvstore_server.far", "kvstore_server.fastpath",
+             "kvstore_server.store", "kvstore_server.disk", "kvstore_server.rpc",
              "kvstore_client", "kvstore_connector.transfer", "kvstore_connector.worker",
              "kvstore_connector.scheduler", "kvstore_bench.cli", "kvstore_testing.serverproc"]
     out = _sh([str(installed / "bin/python"), "-c", probe, *names], cwd=tmp_path,
