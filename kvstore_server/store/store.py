@@ -22,12 +22,14 @@ except offer, which never waits.
 
 Store is the per-request lifecycle over one lock, and the front of its parts, each an
 object that owns its own state and shares the rest through one StoreState (state.py,
-where each shared field is declared and what guards it): slots coming free and eviction
-(evict.Eviction), the lease book: leases, their pins and endings
+where each shared field is declared and what guards it): lookups and exists, how long a
+prefix is stored (lookups.Lookups), slots coming free and eviction (evict.Eviction), the lease book: leases, their pins and endings
 (lease_book.LeaseBook), sessions' retention of their prefixes, a long pin that eviction
 respects (sessions.Retention), what is asked of the tier below, a lookup's reach and
 read-backs (below.Below), and the bulk operations an admin runs, evict, clear, spill
-at stop, stats (admin.Admin).
+at stop, stats (admin.Admin). Over 400 lines because it is that front: the parts' state
+as the server and the tests read it, and a one-line delegation per part's call (about
+130 lines), beside the puts, gets and deletes themselves.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvstore_protocol.keys import Packed
-from kvstore_protocol.layout import MAX_LOOKUP_LAYOUTS, PageLayout
+from kvstore_protocol.layout import PageLayout
 
 from ..errors import Outcome, Reason, StoreError
 from ..far.records import Scope
@@ -55,6 +57,7 @@ from .holdback import HoldBack
 from .layouts import DEFAULT_MAX_LAYOUTS, LayoutInfo, LayoutRegistry
 from .lease_book import LeaseBook
 from .leases import DEFAULT_LEASE_MEMORY, FOREVER, LeaseKind, LeaseTable
+from .lookups import FEW_LEADING, Lookups
 from .pool import Pool
 from .presence import AREA_BYTES, Presence
 from .quota import TenantLedger
@@ -74,21 +77,9 @@ _READY = int(READY)                           # for numpy: see lease_book._DOOME
 _NONE_MISSING = np.empty(0, dtype=np.int64)      # acquire: no key is missing
 
 
-# Up to this many keys, _leading reads them as Python ints: its numpy form is three calls.
-_FEW_LEADING = 64
-
-
-def _leading(slots: np.ndarray) -> int:
-    """How many leading entries are slots (>= 0), up to the first -1."""
-    if len(slots) <= _FEW_LEADING:
-        listed = slots.tolist()
-        return listed.index(-1) if -1 in listed else len(listed)
-    return int(np.argmin(slots >= 0)) if (slots < 0).any() else len(slots)
-
-
 def _absent(slots: np.ndarray) -> list[int]:
     """Indices of the -1 entries."""
-    if len(slots) <= _FEW_LEADING:
+    if len(slots) <= FEW_LEADING:
         return [i for i, slot in enumerate(slots.tolist()) if slot < 0]
     return np.flatnonzero(slots < 0).tolist()
 
@@ -139,6 +130,7 @@ class Store:
         self._retention = Retention(s, self._book, retention or RetentionLimits())
         self._eviction.dropping.append(self._retention.forget)
         self._below = Below(s, self)
+        self._lookups = Lookups(s, self._book, self._below)
         self._admin = Admin(s, self._eviction, self._book, self._retention, self._below)
 
     # -- the parts' state, as the server and the tests read it ----------------------
@@ -246,123 +238,24 @@ class Store:
     def layouts(self) -> list[LayoutInfo]:
         return list(self._s.layouts.by_idx)
 
-    # -- lookups --------------------------------------------------------------------
+    # -- lookups: Lookups' ------------------------------------------------------------
     def lookup(self, layout_ids: Sequence[bytes], keys: Packed | Sequence[bytes],
                lease_ttl: float = 0.0) -> tuple[int, int]:
-        """(leading keys present in every layout, lease id or 0)."""
-        count, lease_id, _ = self._lookup(layout_ids, keys, lease_ttl, offsets=False)
-        return count, lease_id
+        """(leading keys present in every layout, lease id or 0): Lookups.lookup."""
+        return self._lookups.lookup(layout_ids, keys, lease_ttl)
 
     def lookup_pinned(self, layout_ids: Sequence[bytes], keys: Packed | Sequence[bytes],
                       lease_ttl: float = 0.0) -> tuple[int, int, list[np.ndarray]]:
-        """Like lookup, and where the counted pages lie: per distinct layout (in the order
-        first named) the pool byte offset of each of the `count` pages, -1 for one on the
-        tier below (counted, not leased: Acquire reads it back). [] without a lease."""
-        return self._lookup(layout_ids, keys, lease_ttl, offsets=True)
-
-    def _lookup(self, layout_ids: Sequence[bytes], keys: Packed | Sequence[bytes],
-                lease_ttl: float, offsets: bool) -> tuple[int, int, list[np.ndarray]]:
-        keys = Packed.of(keys)
-        if not layout_ids:
-            raise StoreError(Outcome.INVALID, "lookup needs at least one layout_id")
-        if len(layout_ids) > MAX_LOOKUP_LAYOUTS:
-            # Each layout costs a full pass over the keys under the lock: uncapped, one
-            # request of thousands of ids held it far longer than any call should (found by fuzzing).
-            raise StoreError(Outcome.INVALID, f"lookup names {len(layout_ids)} layouts; at "
-                                              f"most {MAX_LOOKUP_LAYOUTS} (one per rank)")
-        layout_ids = list(dict.fromkeys(layout_ids))     # a repeated id counts once
-        s = self._s
-        with s.lock:
-            infos = [s.layouts.info(layout_id) for layout_id in layout_ids]
-            if not s.lower.holds_pages and self._first_absent(infos, keys):
-                return self._missed(infos, len(keys))
-            found = [s.find(info, keys) for info in infos]
-            if not s.lower.holds_pages:
-                count = min(_leading(f) for f in found)
-                return self._count_and_lease(infos, keys, found, count, lease_ttl, offsets)
-        # The tier below is asked outside the store's lock: it has its own, and its probe
-        # costs a dict lookup a key (a Lookup of 60 M keys held the store's lock seconds).
-        count = min(self._below.reach(info, keys, slots) for info, slots
-                    in zip(infos, found, strict=True))
-        run = keys if count == len(keys) else Packed(keys.data[:count * keys.size], keys.size)
-        with s.lock:
-            # Find the run's DRAM pages again, to touch and pin them in this hold: one
-            # may have moved down meanwhile (it is then read back by Acquire, like any
-            # page of the run on the tier below).
-            found = [s.find(info, run) for info in infos]
-            return self._count_and_lease(infos, keys, found, count, lease_ttl, offsets)
+        """Like lookup, and where the counted pages lie (Lookups.lookup_pinned)."""
+        return self._lookups.lookup_pinned(layout_ids, keys, lease_ttl)
 
     def count_misses(self, layout_ids: Sequence[bytes], n: int) -> None:
-        """n keys a client counted as missed on its own, from the presence map
-        (kvstore_server.store.presence): misses of each of these layouts registered here."""
-        with self._s.lock:
-            self._missed([info for layout_id in dict.fromkeys(layout_ids)
-                          if (info := self._s.layouts.get(layout_id)) is not None], n)
-
-    # A prefix whose first key is absent counts 0, found from that key alone. The batch
-    # path's ~25 numpy calls cost little warm but much with the caches cold, as a request
-    # after idle finds them: a lookup that hits nothing took several times longer through
-    # the batch than here, cold or warm (in-process runs side by side).
-    @staticmethod
-    def _first_absent(infos: list[LayoutInfo], keys: Packed) -> bool:
-        """Whether some layout lacks the first key in DRAM (False for no keys)."""
-        if not len(keys):
-            return False
-        first = keys.data[:keys.size]
-        for info in infos:
-            index = info.ready.get(keys.size)
-            if index is None or index.find_one(first) < 0:
-                return True
-        return False
-
-    @staticmethod
-    def _missed(infos: list[LayoutInfo], n: int) -> tuple[int, int, list[np.ndarray]]:
-        """A lookup of n keys that counted none: its misses, no touch, no lease."""
-        for info in infos:
-            info.misses += n
-        return 0, 0, []
-
-    def _count_and_lease(self, infos: list[LayoutInfo], keys: Packed, found: list[np.ndarray],
-                         count: int, lease_ttl: float, offsets: bool
-                         ) -> tuple[int, int, list[np.ndarray]]:
-        """Count the hits, touch the run's DRAM pages, and lease them if asked: the
-        pages of the tier below are counted, not leased; Acquire reads them back.
-        Returns (count, lease id or 0, offsets per layout if asked: see lookup_pinned)."""
-        s, book = self._s, self._book
-        run = [slots[:count] for slots in found]
-        # Without a tier below, every page of the run is in DRAM (count stops at the
-        # first one absent): no mask to take.
-        dram = [slots[slots >= 0] for slots in run] if s.lower.holds_pages else run
-        for info, run_slots in zip(infos, dram, strict=True):
-            info.hits += count
-            info.misses += len(keys) - count
-            s.touch(run_slots)
-        pinned = dram[0] if len(dram) == 1 else np.concatenate(dram)
-        if lease_ttl <= 0 or not pinned.size:
-            return count, 0, []
-        if not book.may_lease(pinned.size):
-            book.full("a leased Lookup answered without a lease")
-            return count, 0, []
-        book.pin(pinned)                            # a key may repeat: pinned as often
-        lease_id = book.table.grant(LeaseKind.READ, pinned, lease_ttl,
-                                    owner=infos[0].tenant).lease_id
-        if not offsets:
-            return count, lease_id, []
-        offset = s.pool.offset
-        return count, lease_id, [np.where(s >= 0, offset[np.maximum(s, 0)], -1) for s in run]
+        """n keys a client counted as missed on its own (Lookups.count_misses)."""
+        self._lookups.count_misses(layout_ids, n)
 
     def exists(self, layout_id: bytes, keys: Packed | Sequence[bytes]) -> np.ndarray:
-        """One bool per key: stored in this layout, in DRAM or on the tier below."""
-        keys = Packed.of(keys)
-        s = self._s
-        with s.lock:
-            info = s.layouts.info(layout_id)
-            present = s.find(info, keys) >= 0
-        missing = np.flatnonzero(~present)
-        if missing.size and s.lower.holds_pages:
-            # Outside the store's lock, as in lookup.
-            present[missing] = s.lower.contains(info.layout_id, keys.select(missing))
-        return present
+        """One bool per key: stored in this layout, in DRAM or below (Lookups.exists)."""
+        return self._lookups.exists(layout_id, keys)
 
     # -- puts -----------------------------------------------------------------------
     def reserve(self, layout_id: bytes, keys: Packed | Sequence[bytes],
@@ -411,8 +304,8 @@ class Store:
     def _placed(self, n: int, wanted: list[int], got: np.ndarray
                 ) -> tuple[np.ndarray, np.ndarray]:
         """(slot, pool offset) of each of n keys: got[j] for key wanted[j], -1 for the
-        rest. A few keys as Python ints (see _FEW_LEADING): the array form is 5 calls."""
-        if n <= _FEW_LEADING:
+        rest. A few keys as Python ints (see lookups.FEW_LEADING): the array form is 5 calls."""
+        if n <= FEW_LEADING:
             slot_list, off_list = [-1] * n, [-1] * n
             offset = self._s.pool.offset
             for i, slot in zip(wanted, got.tolist(), strict=True):
