@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import time
 
-import msgspec
 import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM 0.33 (scripts/venv-vllm.sh)")
+msgspec = pytest.importorskip("msgspec")    # vLLM's; not in the main test venv
 zmq = pytest.importorskip("zmq")
 
 from harness import (  # noqa: E402
