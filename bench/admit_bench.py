@@ -43,14 +43,14 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
+
+from kvstore_client import KVStoreClient, PageLayout
 from kvstore_connector.config import ConnectorConfig, LookupMode
 from kvstore_connector.events import EventFeed, SavedRun
 from kvstore_connector.scheduler import SchedulerHalf
 from kvstore_connector.scheduler.hashing import page_keys
 from kvstore_connector.scheduler.retention import RetainAsk, Retainer
 from kvstore_testing.serverproc import ServerProcess
-
-from kvstore_client import KVStoreClient, PageLayout
 
 __all__ = ["main"]
 

@@ -66,9 +66,9 @@ import tempfile
 import time
 
 import numpy as np
-from kvstore_testing.serverproc import ServerProcess
 
 from kvstore_client import KVStoreClient
+from kvstore_testing.serverproc import ServerProcess
 
 ACCEPT_PRESET, ACCEPT_TOKENS = "8b", 32768
 ACCEPT_TTFT_RATIO, ACCEPT_LOAD = 1 / 15, 0.90
@@ -86,6 +86,7 @@ class _Bench:
 
     def __init__(self, args, preset: str, address: str, clear: bool) -> None:
         import torch
+
         from kvstore_bench.engine.kvconnector import StoreConnector, page_layout
         from kvstore_bench.engine.model import LlamaModel, ModelConfig
         from kvstore_bench.engine.paged_cache import allocate_kv_caches

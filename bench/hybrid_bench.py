@@ -111,13 +111,13 @@ class _Model:
 
     def __init__(self, shape: Shape, address: str, device: str, num_blocks: int) -> None:
         import torch
+
+        from kvstore_client import PageLayout
         from kvstore_connector.config import ConnectorConfig, LookupMode
         from kvstore_connector.groups import CacheGroup, GroupKind
         from kvstore_connector.kvviews import KVKind, kv5
         from kvstore_connector.scheduler import SchedulerHalf
         from kvstore_connector.worker import SharedStore
-
-        from kvstore_client import PageLayout
 
         self.torch, self.shape, self.device = torch, shape, device
         dtype = getattr(torch, shape.dtype)
@@ -257,9 +257,9 @@ def _check(model: _Model, pages: int, windowed: bool, source: np.ndarray) -> Non
 
 def run(shape: Shape, tokens: list[int], reps: int, device: str) -> dict:
     import torch
-    from kvstore_testing.serverproc import ServerProcess
 
     from kvstore_client import KVStoreClient
+    from kvstore_testing.serverproc import ServerProcess
 
     max_pages = max(tokens) // shape.page_tokens
     total = shape.layers * shape.layer_bytes * max_pages

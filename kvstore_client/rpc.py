@@ -14,8 +14,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvstore_protocol._proto.kvstore.v1 import admin_pb2 as apb
-from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore_protocol._proto.kvstore.v1 import admin_pb2 as apb, kvstore_pb2 as pb
 from kvstore_protocol.grpc_frames import GET_DATA_TAG, unframe
 from kvstore_protocol.keys import Packed, pack_keys
 

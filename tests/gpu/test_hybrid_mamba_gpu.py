@@ -11,14 +11,14 @@ import time
 import numpy as np
 import pytest
 import torch
+
+from kvstore_client import KVStoreClient, PageLayout
 from kvstore_connector.config import ConnectorConfig
 from kvstore_connector.groups import NULL_BLOCK, CacheGroup, GroupKind
 from kvstore_connector.groupworkers import GroupWorkers
 from kvstore_connector.meta import LoadSpec, SaveSpec, StepMeta
 from kvstore_connector.scheduler.mamba import mamba_view
 from kvstore_connector.worker import SharedStore, WorkerHalf
-
-from kvstore_client import KVStoreClient, PageLayout
 
 pytestmark = pytest.mark.gpu
 

@@ -11,6 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kvstore_client import KVStoreClient, PageLayout  # noqa: E402
 from kvstore_connector.config import (  # noqa: E402
     ConnectorConfig,
     LoadMode,
@@ -21,8 +22,6 @@ from kvstore_connector.scheduler import SchedulerHalf  # noqa: E402
 from kvstore_connector.scheduler.hashing import page_keys  # noqa: E402
 from kvstore_connector.worker import WorkerHalf  # noqa: E402
 from kvstore_testing.serverproc import ServerProcess, sigstop  # noqa: E402
-
-from kvstore_client import KVStoreClient, PageLayout  # noqa: E402
 
 LAYERS, BLOCKS, BLOCK, HEADS, HEAD = 3, 64, 16, 2, 8
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]

@@ -13,12 +13,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kvstore_client import KVStoreClient, KVStoreError  # noqa: E402
 from kvstore_connector.config import LoadMode  # noqa: E402
 from kvstore_connector.scheduler.hashing import page_keys  # noqa: E402
 from kvstore_connector.worker import WorkerHalf  # noqa: E402
 from kvstore_testing.serverproc import sigstop  # noqa: E402
-
-from kvstore_client import KVStoreClient, KVStoreError  # noqa: E402
 from tests.waiting import wait_for  # noqa: E402
 
 from .test_connector import (  # noqa: E402

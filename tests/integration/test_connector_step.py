@@ -11,11 +11,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kvstore_client import KVStoreClient  # noqa: E402
 from kvstore_connector.scheduler.hashing import page_keys  # noqa: E402
 from kvstore_connector.transfer import TransferError  # noqa: E402
 from kvstore_testing.serverproc import free_port  # noqa: E402
-
-from kvstore_client import KVStoreClient  # noqa: E402
 
 from .test_connector import BLOCK, NAMES, Engine, prompt  # noqa: E402
 

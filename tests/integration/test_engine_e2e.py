@@ -26,11 +26,10 @@ from kvstore_bench.engine.scheduler import (  # noqa: E402
     SchedulerConfig,
     StepResult,
 )
+from kvstore_client import KVStoreClient  # noqa: E402
 from kvstore_connector.config import ConnectorConfig, LoadMode  # noqa: E402
 from kvstore_connector.scheduler.hashing import page_keys  # noqa: E402
 from kvstore_testing.serverproc import ServerProcess  # noqa: E402
-
-from kvstore_client import KVStoreClient  # noqa: E402
 
 BLOCK = 16
 TOL = 1e-5

@@ -33,12 +33,12 @@ import grpc
 import numpy as np
 import pytest
 import xxhash
-from kvstore_bench.load_test import page_of
-from kvstore_testing.serverproc import ServerProcess
 
+from kvstore_bench.load_test import page_of
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
 from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_protocol.grpc_frames import CHANNEL_OPTIONS
+from kvstore_testing.serverproc import ServerProcess
 from tests.waiting import wait_for
 
 SMALL = PageLayout(model="faults", num_layers=4, page_tokens=16, num_kv_heads=8,

@@ -8,12 +8,12 @@ import time
 
 import numpy as np
 import pytest
+
+from kvstore_client import KVStoreClient, PageLayout
 from kvstore_connector.config import ConnectorConfig, min_hit_tokens, remote_store
 from kvstore_connector.groups import CacheGroup, GroupKind
 from kvstore_connector.scheduler import SchedulerHalf
 from kvstore_connector.scheduler.hashing import page_keys
-
-from kvstore_client import KVStoreClient, PageLayout
 
 LAYOUT = PageLayout(model="min-hit-test", dtype="bfloat16", num_layers=2, page_tokens=16,
                     num_kv_heads=1, head_size=16)

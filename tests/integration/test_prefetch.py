@@ -16,12 +16,12 @@ import time
 
 import numpy as np
 import pytest
+
+from kvstore_client import KVStoreClient, PageLayout
 from kvstore_connector.config import ConnectorConfig
 from kvstore_connector.scheduler import SchedulerHalf
 from kvstore_connector.scheduler.hashing import page_keys
 from kvstore_testing.serverproc import sigstop
-
-from kvstore_client import KVStoreClient, PageLayout
 from tests.waiting import wait_for
 
 LAYOUT = PageLayout(model="prefetch-test", dtype="bfloat16", num_layers=2, page_tokens=16,

@@ -4,6 +4,7 @@ step's plan (the bytes a full hit moves per group follow from it)."""
 from __future__ import annotations
 
 import numpy as np
+
 from kvstore_connector.groups import NULL_BLOCK, CacheGroup, GroupKind, for_group
 from kvstore_connector.meta import LoadSpec, PagePins, SaveSpec, StepMeta
 

@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 import xxhash
-from kvstore_connector.scheduler.hashing import KEY_BYTES, page_keys
 
+from kvstore_connector.scheduler.hashing import KEY_BYTES, page_keys
 from kvstore_protocol.layout import PageLayout
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

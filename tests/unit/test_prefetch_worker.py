@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 import pytest
+
 from kvstore_connector.scheduler.prefetch import Answer, Job, LookupWorker
 
 

@@ -16,12 +16,12 @@ import time
 import grpc
 import numpy as np
 import pytest
+
+from kvstore_client import KVStoreError, PageLayout
 from kvstore_connector.config import ConnectorConfig
 from kvstore_connector.scheduler import SchedulerHalf
 from kvstore_connector.scheduler.hashing import page_keys
 from kvstore_testing.fakeclient import FakeClient
-
-from kvstore_client import KVStoreError, PageLayout
 from tests.waiting import wait_for
 
 LAYOUT = PageLayout(model="prefetch-unit", dtype="bfloat16", num_layers=2, page_tokens=16,

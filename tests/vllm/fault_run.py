@@ -45,11 +45,11 @@ from harness import (
     make_scheduler,
     make_vllm_config,
 )
-from kvstore_testing.serverproc import ServerProcess, sigstop
 from vllm.v1.outputs import ModelRunnerOutput
 
 from connector.scheduler.hashing import page_keys
 from kvstore_client import KVStoreClient
+from kvstore_testing.serverproc import ServerProcess, sigstop
 
 __all__ = ["ENGINES", "FAULTS", "SHAPE", "Engine", "Fault", "RunResult", "Workload", "check_run",
            "new_server", "run_warm", "run_with_fault", "wait_for", "workload"]

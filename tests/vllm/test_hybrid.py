@@ -12,7 +12,6 @@ pytest.importorskip("vllm", reason="needs vLLM 0.33 (scripts/venv-vllm.sh)")
 import torch
 from harness import BLOCK_SIZE, ConnectorSpec, make_request
 from hybrid import HybridShape, build_hybrid, hybrid_engine
-from kvstore_connector.groups import UnsupportedCache
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import (
@@ -24,6 +23,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvstore_client import KVStoreClient
+from kvstore_connector.groups import UnsupportedCache
 
 SLIDING = HybridShape(("full", "sliding", "full", "sliding"), window=40)
 MLA_SLIDING = HybridShape(("mla", "sliding_mla", "mla", "sliding_mla"), window=40)

@@ -15,11 +15,11 @@ pytest.importorskip("vllm", reason="needs vLLM 0.33 (scripts/venv-vllm.sh)")
 
 from harness import BLOCK_SIZE, make_request
 from hybrid import HybridShape, hybrid_engine
-from kvstore_connector.groups import GroupKind
-from kvstore_connector.scheduler.hashing import page_keys
 from test_hybrid import PROMPT, abort_and_preempt, layout_stats, run, spec
 
 from kvstore_client import KVStoreClient
+from kvstore_connector.groups import GroupKind
+from kvstore_connector.scheduler.hashing import page_keys
 
 MAMBA = HybridShape(("full", "mamba", "full", "mamba"))
 

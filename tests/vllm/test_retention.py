@@ -25,11 +25,11 @@ from harness import (
     make_scheduler,
     make_vllm_config,
 )
-from kvstore_testing.serverproc import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from vllm.v1.request import RequestStatus
 
 from kvstore_client import KVStoreClient, PageLayout
+from kvstore_testing.serverproc import free_port
 
 SHAPE = ModelShape()
 KEPT = list(range(3000, 3064))       # 64 tokens: 4 pages of 16 KiB saved
