@@ -150,8 +150,8 @@ class _Model:
                                                       shape.page_tokens, groups=groups)
 
     def _workers(self, groups):
-        from kvstore_connector.groupworkers import GroupWorkers
         from kvstore_connector.worker import WorkerHalf
+        from kvstore_connector.worker.groupworkers import GroupWorkers
         workers = [WorkerHalf(self.config, layout,
                               {_layer_name(i): self.views[i] for i in layers},
                               shared=self.shared)

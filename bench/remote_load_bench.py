@@ -1,11 +1,11 @@
 """The connector's remote load against a raw TCP peer: what a remote hit costs the host.
 
 An engine whose store is on another host loads a hit's pages over the fast path, layer by
-layer, into a ring of pinned host slabs (connector.remote, connector.staging, the client's
-get_layers striped over several connections: kvstore_client.layerget). This bench runs
-that code, RemoteLoad as the worker starts it, against a real kvstore-server over loopback
-TCP, with the copy out of each slab to the GPU left out (a stand-in transfer takes each
-slab as landed): the CPU part of a remote load alone.
+layer, into a ring of pinned host slabs (connector.worker.remote, connector.worker.staging,
+the client's get_layers striped over several connections: kvstore_client.layerget). This
+bench runs that code, RemoteLoad as the worker starts it, against a real kvstore-server
+over loopback TCP, with the copy out of each slab to the GPU left out (a stand-in transfer
+takes each slab as landed): the CPU part of a remote load alone.
 
 Beside it, in the same run, the same load from a raw TCP peer (bench/layerpeer.py, a
 process of its own holding the same pages and sending them layer-major from where they lie,
@@ -37,15 +37,16 @@ import time
 
 import numpy as np
 import torch
+from kvstore_connector.worker.deadline import Pace
+from kvstore_connector.worker.remote import RemoteLoad
+from kvstore_connector.worker.staging import StagingRing
+from kvstore_testing.serverproc import ServerProcess
 
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_client.layerget import stripe_bounds
-from kvstore_connector.deadline import Pace
-from kvstore_connector.remote import RemoteLoad
-from kvstore_connector.staging import StagingRing
-from kvstore_testing.serverproc import ServerProcess
 
-from .layerpeer import REQUEST, pages as peer_pages
+from .layerpeer import REQUEST
+from .layerpeer import pages as peer_pages
 
 __all__ = ["LAYOUT", "main"]
 

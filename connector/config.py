@@ -113,7 +113,7 @@ class ConnectorConfig:
     timeout: float = 0.5
     # Without the shared pool (a store on another host, or shared_memory false) a load is
     # received layer by layer into pinned host memory and each layer copied to the GPU as
-    # it lands (connector.remote): this many bytes of it, in four slabs (each at least
+    # it lands (connector.worker.remote): this many bytes of it, in four slabs (each at least
     # one page's layer; a load's layer larger than a slab is received in page chunks) ...
     remote_staging_bytes: int = 512 << 20
     # ... over at most this many connections at once (a Get is split by pages; each

@@ -12,7 +12,7 @@ connector.worker); it imports only when vLLM is installed.
 
 Hybrid models: the connector is `SupportsHMA`, so vLLM keeps its hybrid KV cache manager on
 (one block table per KV-cache group). Each group is a layout of its own and has a worker
-half of its own (connector.groups, connector.groupworkers); a model of one group keeps the
+half of its own (connector.groups, connector.worker.groupworkers); a model of one group keeps the
 layouts, keys and behaviour it had before. Mamba / linear-attention state in align mode
 is a group of its own whose pages are state blocks (connector.scheduler.mamba). Specs the connector
 cannot move correctly (Mamba state in other modes, cross-attention, ...) stop the engine
@@ -40,14 +40,14 @@ from kvstore_client import PageLayout
 from .config import ConnectorConfig, LoadMode, open_client
 from .events import EventFeed, Removed, SavedRun, Stored
 from .groups import CacheGroup, GroupKind, UnsupportedCache, cache_groups
-from .groupworkers import GroupWorkers
 from .kvviews import detect_kind, kv5
 from .meta import StepMeta
 from .revision import resolve
 from .scheduler.half import SchedulerHalf
 from .scheduler.mamba import StateCheckpoints, mamba_view
 from .scheduler.retention import RetainAsk, Retainer, ask_of
-from .worker import SharedStore, WorkerHalf
+from .worker.groupworkers import GroupWorkers
+from .worker.half import SharedStore, WorkerHalf
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -449,7 +449,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         workers = []
         layouts_here = [ls[0] if self.mla else ls[_tp_rank()] for ls in self.group_layouts]
         # A hybrid model's groups share one client, pool mapping and registration
-        # (connector.groupworkers); a lone group makes its own, as it always did.
+        # (connector.worker.groupworkers); a lone group makes its own, as it always did.
         shared = (SharedStore.open(self.config, layouts_here[0]) if len(self.groups) > 1
                   else None)
         for group, layout in zip(self.groups, layouts_here, strict=True):

@@ -13,7 +13,7 @@ Lifecycle (one KVTransfer per worker, used from the engine's thread; not thread-
            h.wait_layer(l)                          before layer l's attention: the CURRENT
                                                     stream waits on layer l's event only
            h.done() / h.synchronize()               then acq.release()
-    load, layer by layer (no shared pool: connector.remote):
+    load, layer by layer (no shared pool: connector.worker.remote):
            xfer.order_loads()                       engine's thread: the load stream waits
                                                     for the current stream's work so far
            b = xfer.load_blocks(block_ids)          then, on the receiving thread, as each

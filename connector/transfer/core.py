@@ -232,7 +232,7 @@ class KVTransfer:
         pinned), into the blocks `blocks` (load_blocks); the event of the copy is returned
         (None on CPU, where it has landed on return). `slab` must stay untouched until it.
 
-        For pages that arrive layer by layer (connector.remote), from a thread other
+        For pages that arrive layer by layer (connector.worker.remote), from a thread other
         than the engine's: the copy goes on the load stream without waiting for the
         calling thread's stream (order_loads, on the engine's thread, did that). The slab
         is contiguous, so it crosses PCIe as one copy by the copy engine into device

@@ -1,4 +1,4 @@
-"""A hybrid model's worker (connector.groupworkers) on CUDA: a full + sliding-window model
+"""A hybrid model's worker (connector.worker.groupworkers) on CUDA: a full + sliding-window model
 (and an MLA + sliding-window one) loads from a real server into CUDA paged buffers, over
 the shared pool and without it. Every loaded block is compared byte for byte with the
 page the store holds; a sliding group's blocks outside the window at the load's end, and
@@ -11,13 +11,13 @@ import time
 import numpy as np
 import pytest
 import torch
-
-from kvstore_client import KVStoreClient, PageLayout
 from kvstore_connector.config import ConnectorConfig
 from kvstore_connector.groups import NULL_BLOCK, CacheGroup, GroupKind
-from kvstore_connector.groupworkers import GroupWorkers
 from kvstore_connector.meta import LoadSpec, StepMeta
 from kvstore_connector.worker import SharedStore, WorkerHalf
+from kvstore_connector.worker.groupworkers import GroupWorkers
+
+from kvstore_client import KVStoreClient, PageLayout
 
 pytestmark = pytest.mark.gpu
 

@@ -15,10 +15,10 @@ import torch
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_connector.config import ConnectorConfig
 from kvstore_connector.groups import NULL_BLOCK, CacheGroup, GroupKind
-from kvstore_connector.groupworkers import GroupWorkers
 from kvstore_connector.meta import LoadSpec, SaveSpec, StepMeta
 from kvstore_connector.scheduler.mamba import mamba_view
 from kvstore_connector.worker import SharedStore, WorkerHalf
+from kvstore_connector.worker.groupworkers import GroupWorkers
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""Remote loads (connector.remote) on CUDA: pinned slabs, the copy of each layer on the load
+"""Remote loads (connector.worker.remote) on CUDA: pinned slabs, the copy of each layer on the load
 stream, the compute stream waiting per layer; byte-exact against the shared-pool path.
 Run on the GPU machine."""
 
@@ -10,8 +10,8 @@ import pathlib
 import numpy as np
 import pytest
 import torch
+from kvstore_connector.worker.remote import SLABS
 
-from kvstore_connector.remote import SLABS
 from tests.integration.test_remote_load import SHAPES, Rig, remote_threads
 
 pytestmark = pytest.mark.gpu

@@ -348,7 +348,7 @@ def test_server_killed_mid_connector_load(fresh_server):
     killer = threading.Thread(target=kill_when_streaming, daemon=True)
     killer.start()
     t0 = time.monotonic()
-    worker.start_load(meta)                    # receives on a thread (connector.remote)
+    worker.start_load(meta)                    # receives on a thread (connector.worker.remote)
     for name in caches:
         worker.wait_for_layer(name)
     worker.wait_for_save()                     # a failed load is known by here

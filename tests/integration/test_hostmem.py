@@ -1,4 +1,4 @@
-"""connector.hostmem against a real server restarted under it: every offset is used with
+"""connector.worker.hostmem against a real server restarted under it: every offset is used with
 the mapping that issued it, an old mapping stays readable while a copy may still use it,
 and its registration goes at the step boundary where nothing names it (CPU: registrations
 are no-op objects, the bookkeeping is the same)."""
@@ -10,8 +10,9 @@ import pytest
 
 pytest.importorskip("torch")
 
+from kvstore_connector.worker.hostmem import Mappings
+
 from kvstore_client import KVStoreClient, PageLayout
-from kvstore_connector.hostmem import Mappings
 
 LAYOUT = PageLayout(model="hostmem", num_layers=2, page_tokens=16, num_kv_heads=2,
                     head_size=8, dtype="float32")

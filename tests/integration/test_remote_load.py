@@ -1,4 +1,4 @@
-"""Loads without the shared pool (connector.remote) against a real server: each layer
+"""Loads without the shared pool (connector.worker.remote) against a real server: each layer
 received into a ring of slabs and copied as it lands, byte for byte what the shared-pool
 path loads; failures reported like any failed load, leaving no thread behind."""
 
@@ -15,13 +15,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import kvstore_client.layerget as layerget  # noqa: E402
-from kvstore_client import KVStoreClient, PageLayout  # noqa: E402
 from kvstore_connector.config import ConnectorConfig  # noqa: E402
 from kvstore_connector.meta import LoadSpec, StepMeta  # noqa: E402
-from kvstore_connector.remote import SLABS  # noqa: E402
 from kvstore_connector.worker import WorkerHalf  # noqa: E402
+from kvstore_connector.worker.remote import SLABS  # noqa: E402
 from kvstore_testing.serverproc import sigstop  # noqa: E402
+
+import kvstore_client.layerget as layerget  # noqa: E402
+from kvstore_client import KVStoreClient, PageLayout  # noqa: E402
 
 BLOCK = 16
 

@@ -1,11 +1,16 @@
-"""The remote load's deadline rule (connector.deadline): a budget from the bytes still to
+"""The remote load's deadline rule (connector.worker.deadline): a budget from the bytes still to
 come, the measured link and the engine's pace."""
 
 from __future__ import annotations
 
 import pytest
-
-from kvstore_connector.deadline import PACE_CAP_S, PRIOR_BYTES_PER_S, RATE_MIN_BYTES, SLACK, Pace
+from kvstore_connector.worker.deadline import (
+    PACE_CAP_S,
+    PRIOR_BYTES_PER_S,
+    RATE_MIN_BYTES,
+    SLACK,
+    Pace,
+)
 
 
 def test_a_fresh_budget_is_the_timeout_and_the_bytes_at_the_prior_rate_times_slack():

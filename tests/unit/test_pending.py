@@ -1,10 +1,15 @@
-"""connector.pending: when a step's reservation may be committed, and what of it."""
+"""connector.worker.pending: when a step's reservation may be committed, and what of it."""
 
 import numpy as np
-
 from kvstore_connector.meta import LoadSpec, SaveSpec
-from kvstore_connector.outcomes import LoadOutcomes
-from kvstore_connector.pending import HOLD_STEPS, Part, PendingSave, SaveQueue, Settle
+from kvstore_connector.worker.outcomes import LoadOutcomes
+from kvstore_connector.worker.pending import (
+    HOLD_STEPS,
+    Part,
+    PendingSave,
+    SaveQueue,
+    Settle,
+)
 
 
 def spec(req_id, keys, after=()):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import time
 
-from kvstore_connector.reserving import StepReserve
+from kvstore_connector.worker.reserving import StepReserve
 
 
 def test_nudges_let_the_reserve_thread_run_while_the_caller_spins():

@@ -1,12 +1,12 @@
-"""connector.reserving: the step's Reserve on its own thread, and the layers owed to it."""
+"""connector.worker.reserving: the step's Reserve on its own thread, and the layers owed to it."""
 
 import threading
 
 import grpc
 import pytest
+from kvstore_connector.worker.reserving import StepReserve
 
 from kvstore_client import KVStoreError
-from kvstore_connector.reserving import StepReserve
 
 
 def test_layers_owed_before_the_answer_come_back_in_hook_order():

@@ -1,11 +1,10 @@
-"""Which pages a step's saves send to a store on another host (connector.sending)."""
+"""Which pages a step's saves send to a store on another host (connector.worker.sending)."""
 
 from __future__ import annotations
 
 import numpy as np
-
 from kvstore_connector.meta import SaveSpec
-from kvstore_connector.sending import Held, to_send
+from kvstore_connector.worker.sending import Held, to_send
 
 
 def _spec(req_id: str, keys: str) -> SaveSpec:

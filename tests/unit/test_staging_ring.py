@@ -1,4 +1,4 @@
-"""The remote loads' slab ring (connector.staging): slabs on a page boundary, of the size
+"""The remote loads' slab ring (connector.worker.staging): slabs on a page boundary, of the size
 asked, each taken once until given back."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvstore_connector.staging import SLABS, StagingRing, Stopped  # noqa: E402
+from kvstore_connector.worker.staging import SLABS, StagingRing, Stopped  # noqa: E402
 
 PAGE = 4096
 
 
 def test_slabs_start_on_a_page_boundary_on_cpu():
     # torch's CPU allocator puts a buffer this large 64 bytes past a page boundary, where
-    # a Get's receive copies at half speed on some CPUs (connector.staging says why).
+    # a Get's receive copies at half speed on some CPUs (connector.worker.staging says why).
     ring = StagingRing(SLABS << 20, 64 << 10, torch.device("cpu"))
     for slab in range(SLABS):
         mem = ring.mem(slab, 16, 64 << 10)

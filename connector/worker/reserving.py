@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .meta import SaveSpec
+from ..meta import SaveSpec
 
 __all__ = ["Answer", "StepReserve"]
 

@@ -1,4 +1,4 @@
-"""A ring of pinned host slabs that remote loads receive layers into (connector.remote).
+"""A ring of pinned host slabs that remote loads receive layers into (connector.worker.remote).
 
     take(stop)          a free slab's index, once the copy out of it has landed (waits)
     mem(i, pages, lb)   its first pages * lb bytes as a (pages, lb) array
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .transfer import TransferError, pinned_empty
+from ..transfer import TransferError, pinned_empty
 
 __all__ = ["SLABS", "StagingRing", "Stopped"]
 

@@ -25,7 +25,7 @@ Per step, in the order engines call it (docs/dev/vllm-0.33-connector-api.md, sec
                            their blocks may be reused (vLLM's finished_sending)
     load_errors()          block ids whose load failed (the engine recomputes them)
 
-The Reserve runs beside the forward (connector.reserving says why and why a copy
+The Reserve runs beside the forward (connector.worker.reserving says why and why a copy
 launched after its layer's hook is still right): made in bind, its round trip delayed
 the forward by all of it. Without the pool the same thread asks which of the step's
 pages the store holds (one Exists): only the others are copied to a pinned buffer per
@@ -39,7 +39,7 @@ back, nothing stored.
 Saves are asynchronous: the step that produced pages never waits for their copies or
 their Commit. The copies run on the save stream beside the next steps; a later step
 boundary (bind, finished, sent) polls their event and commits the reservation once they
-have landed and every load they were computed over is known good (connector.pending).
+have landed and every load they were computed over is known good (connector.worker.pending).
 Until then the engine must not reuse the blocks they read: a finished request's blocks
 are held by the engine until `sent` names it (the adapters answer request_finished
 "delay the free" for every request a save was planned for), and the next step's compute
@@ -50,7 +50,7 @@ No page computed over a failed load is stored. A save that names loads in
 SaveSpec.after (its request's prefix reads their blocks) is committed only when every
 one of them is known good, from this worker (its own loads) or from the scheduler half
 (StepMeta.loads_ok, the word of every rank); until then it is held, written but not
-committed, and it is dropped if one of them failed (connector.outcomes). A load's own
+committed, and it is dropped if one of them failed (connector.worker.outcomes). A load's own
 failure (at Acquire, or in its copies, found at the latest in wait_for_save) is known
 here at once; another rank's, one or two steps later through the scheduler half.
 
@@ -64,13 +64,14 @@ The breaker's probe runs on its own thread, never in a step.
 
 On the store's host the pages move straight between the shared pool (registered with
 CUDA once) and the GPU. Elsewhere a load is received layer by layer into a ring of
-pinned slabs and each layer copied to the GPU as it lands (connector.remote), so the
-forward's first layer waits for the first layer's bytes only (its deadline follows its
-progress: connector.deadline); saves go through a pinned buffer and a Put. All CUDA work is in connector.transfer; this module only plans it.
+pinned slabs and each layer copied to the GPU as it lands (remote), so the forward's first
+layer waits for the first layer's bytes only (its deadline follows its progress:
+deadline); saves go through a pinned buffer and a Put. All CUDA work is in
+connector.transfer; this module only plans it.
 
 Over 400 lines because it is the one place that reads in the order an engine calls it
 (loads, saves, completion); each part with an idea of its own is a module beside it
-(loading, remote, reserving, pending, outcomes, breaker, hostmem).
+(loading, remote, reserving, pending, outcomes, hostmem, and the shared breaker).
 """
 
 from __future__ import annotations
@@ -86,20 +87,26 @@ from typing import Any, Protocol
 import grpc
 import numpy as np
 
-from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout, PutResult
+from kvstore_client import (
+    KVStoreClient,
+    KVStoreError,
+    LayoutHandle,
+    PageLayout,
+    PutResult,
+)
 from kvstore_client.shm import Reservation, SharedRegion
 
-from .breaker import Breaker, not_answering
-from .config import ConnectorConfig, open_client
+from ..breaker import Breaker, not_answering
+from ..config import ConnectorConfig, open_client
+from ..meta import LoadSpec, SaveSpec, StepMeta
+from ..transfer import KVTransfer, TransferError, pinned_empty
 from .hostmem import Mappings
 from .loading import no_release, start_step_loads
-from .meta import LoadSpec, SaveSpec, StepMeta
 from .outcomes import LoadOutcomes, Verdict
 from .pending import Part, PendingSave, SaveQueue, Settle
 from .remote import RemoteLoadFailed, RemoteLoads
 from .reserving import StepReserve
 from .sending import Held, to_send
-from .transfer import KVTransfer, TransferError, pinned_empty
 
 __all__ = ["SharedStore", "WorkerHalf", "WorkerStats", "layer_order"]
 
@@ -135,7 +142,7 @@ class WorkerStats:
 
 class Landing(Protocol):
     """A load's copies in flight: a transfer.LoadHandle (from the shared pool), or its
-    part of a step's remote load (connector.remote), whose layers land as bytes arrive."""
+    part of a step's remote load (connector.worker.remote), whose layers land as bytes arrive."""
 
     def wait_layer(self, layer: int) -> None: ...
     def done(self) -> bool: ...
@@ -171,8 +178,8 @@ class SharedStore:
     client (its connections and its mapping of the store's pool), the pool mappings
     registered with CUDA, and the breaker (it is one store that answers or does not).
     Each registration pins the whole pool again (cudaHostRegister takes time per GiB:
-    connector.hostmem), so a hybrid model's groups must not each make their own. Its owner
-    (connector.groupworkers) closes it after every worker half that uses it."""
+    connector.worker.hostmem), so a hybrid model's groups must not each make their own. Its owner
+    (connector.worker.groupworkers) closes it after every worker half that uses it."""
 
     client: KVStoreClient
     mappings: Mappings
@@ -343,7 +350,7 @@ class WorkerHalf:
                     self._layer_handles.append(load.handle)
 
     def _start_shared(self, specs: list[LoadSpec]) -> None:
-        """Every load of the step under one Acquire (connector.loading)."""
+        """Every load of the step under one Acquire (connector.worker.loading)."""
         lb = self.ns.layer_bytes
         began = time.monotonic()
         started, failed = start_step_loads(
@@ -378,7 +385,7 @@ class WorkerHalf:
 
     def _start_remote(self, specs: list[LoadSpec]) -> None:
         """No shared pool: one pipelined Get for the step's layer-wise loads, one for each
-        async load (connector.remote); a failure is known at wait_for_save or finished."""
+        async load (connector.worker.remote); a failure is known at wait_for_save or finished."""
         layerwise = [spec for spec in specs if not spec.is_async]
         for group in ([layerwise] if layerwise else []) + [[s] for s in specs if s.is_async]:
             keys = [key for spec in group for key in spec.keys]
@@ -484,7 +491,7 @@ class WorkerHalf:
 
     def _start_reserve(self, specs: list[SaveSpec]) -> None:
         """The step's saves in one reservation (one Reserve), asked for on the reserve
-        thread (connector.reserving); the step takes it in start_load, a save hook or
+        thread (connector.worker.reserving); the step takes it in start_load, a save hook or
         at its end."""
         try:
             ns = self.ns                  # registered on first use, here as for loads
@@ -497,7 +504,7 @@ class WorkerHalf:
     def _start_exists(self, specs: list[SaveSpec]) -> None:
         """No shared pool: which of the step's pages the store holds (one Exists, on the
         reserve thread, as a Reserve is); only the others are copied out and sent
-        (connector.sending)."""
+        (connector.worker.sending)."""
         try:
             ns = self.ns
         except (KVStoreError, OSError, RuntimeError) as exc:
@@ -556,7 +563,7 @@ class WorkerHalf:
 
     def _step_save(self, specs: list[SaveSpec], res: Reservation) -> PendingSave:
         """The step's reservation as one pending save, each request's pages a part of it
-        (connector.pending)."""
+        (connector.worker.pending)."""
         try:
             pool = self._mem(res.region)
         except BaseException:
@@ -610,7 +617,7 @@ class WorkerHalf:
             dropped = save.dropped_keys() if what is Settle.PARTIAL else []
             if dropped:
                 assert save.forget is not None   # PARTIAL only where parts can be forgotten
-                save.forget(dropped)          # never published: see connector.pending
+                save.forget(dropped)          # never published: see connector.worker.pending
             got = save.commit()
             # A Put answers what it stored (a page another engine stored meanwhile is
             # skipped there); a Reservation's commit, the slots this save filled.
@@ -635,7 +642,7 @@ class WorkerHalf:
         launch, past the layer's compute, and a layer's KV is not rewritten within a step."""
         if not self._saves.step and not self._reserving.pending:
             return                        # nothing to save this step
-        self._reserving.nudge()           # its thread reads the answer (connector.reserving)
+        self._reserving.nudge()           # its thread reads the answer (connector.worker.reserving)
         layer = self._index[name]
         self._unsaved.append(layer)
         if self.transfer.behind(_SAVE_LEAD_HOOKS) or layer == len(self._index) - 1:

@@ -4,7 +4,7 @@ Without the shared pool a save is copied to a pinned buffer and sent by a Put. S
 every planned page made the server drop the ones it had: in a real engine, a cold round
 of prompts sharing prefixes sent many more pages than it stored, and pages of earlier
 rounds again. So each step asks once which of its pages the store holds (an Exists, on the
-reserve thread beside the forward: connector.reserving), and a page is sent by one
+reserve thread beside the forward: connector.worker.reserving), and a page is sent by one
 request only: not if the store holds it, nor if an earlier save still on its way (not
 yet committed) or another request of the step sends it. A page skipped so is not copied
 out either (offset -1). If the save that sends it is then dropped (computed over a failed
@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from .meta import SaveSpec
+from ..meta import SaveSpec
 
 __all__ = ["Held", "to_send"]
 

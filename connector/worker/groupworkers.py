@@ -33,9 +33,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from .groups import CacheGroup, for_group
-from .meta import StepMeta
-from .worker import SharedStore, WorkerHalf, WorkerStats, layer_order
+from ..groups import CacheGroup, for_group
+from ..meta import StepMeta
+from .half import SharedStore, WorkerHalf, WorkerStats, layer_order
 
 __all__ = ["GroupWorkers"]
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from kvstore_client.shm import SharedRegion
 
-from .transfer import HostRegistration
+from ..transfer import HostRegistration
 
 __all__ = ["Mappings"]
 

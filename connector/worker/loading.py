@@ -29,10 +29,10 @@ import numpy as np
 from kvstore_client import KVStoreError
 from kvstore_client.shm import SharedRegion
 
-from .meta import LoadSpec
+from ..meta import LoadSpec
 
 if TYPE_CHECKING:                   # the scheduler half imports no torch
-    from .transfer import LoadHandle
+    from ..transfer import LoadHandle
 
 __all__ = ["Started", "no_release", "start_step_loads"]
 

@@ -3,7 +3,7 @@ reservation may be committed.
 
 A step's saves are reserved together (one Reserve for every request's pages: a Reserve
 is a round trip of the step's host time, so one per request made a step of many
-requests pay it many times; it is made beside the forward, connector.reserving) and
+requests pay it many times; it is made beside the forward, connector.worker.reserving) and
 copied together, layer by layer, on the save stream. A reservation enters the queue when
 its Reserve has answered. The step that produced the pages does not wait for those
 copies: the worker polls their event at later step boundaries. A reservation is finished
@@ -12,7 +12,7 @@ once
   1. its copies have landed (a slot may not be committed, nor freed for another page,
      while a copy still writes it), and
   2. every part (one request's pages) is decided: its loads are known good (COMMIT) or one
-     failed (DROP: the pages were computed over KV that never arrived; connector.outcomes).
+     failed (DROP: the pages were computed over KV that never arrived; connector.worker.outcomes).
 
 A reservation is committed or aborted as a whole (Commit takes a lease id), so a part that
 must not be stored is first taken out by deleting its reserved keys: the store marks a
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .meta import LoadSpec, SaveSpec
+from ..meta import LoadSpec, SaveSpec
 from .outcomes import LoadOutcomes, Verdict
 
 __all__ = ["HOLD_STEPS", "Part", "PendingSave", "SaveQueue", "Settle"]

@@ -9,9 +9,9 @@ the forward's first layer wait for every byte of every layer. Instead, per load:
                             (the blocks may have been in use); a thread starts the Get
     receive (that thread)   client.get_layers, layer-major, striped over the client's
                             connections, into slabs of a ring of pinned host memory
-                            (connector.staging); as each layer lands its copy to the blocks is
-                            enqueued on the load stream (KVTransfer.load_layer) and the
-                            slab goes back to the ring with the copy's event
+                            (connector.worker.staging); as each layer lands its copy to
+                            the blocks is enqueued on the load stream
+                            (KVTransfer.load_layer) and the slab goes back to the ring with the copy's event
     wait_layer(L) (engine)  waits on the host until layer L's copy is enqueued, then makes
                             the compute stream wait on L's event only
     done / synchronize      the thread has ended and the last copy has landed; raise
@@ -31,7 +31,7 @@ stop cannot cut -- opening the fast path, a gRPC stream -- ends at the client's 
 instead, and copies nothing more.) Every wait is bounded: a
 receive by the client's timeout for progress, the whole load by a deadline that follows
 from its bytes, the measured link and the engine's pace and moves on as layers land
-(connector.deadline); past it the load is stopped (its sockets shut) and fails. A load
+(connector.worker.deadline); past it the load is stopped (its sockets shut) and fails. A load
 that is slow but coming is waited for: only one that stops coming fails.
 """
 
@@ -49,9 +49,10 @@ import torch
 
 from kvstore_client import KVStoreClient, KVStoreError
 
+from ..transfer import KVTransfer, TransferError
 from .deadline import Pace
-from .staging import SLABS, StagingRing, Stopped as _Stopped
-from .transfer import KVTransfer, TransferError
+from .staging import SLABS, StagingRing
+from .staging import Stopped as _Stopped
 
 __all__ = ["SLABS", "RemoteLoad", "RemoteLoadFailed", "RemoteLoads"]
 
@@ -96,7 +97,7 @@ class RemoteLoad:
         self._bytes = len(self._keys) * ns.page_bytes
         self._began = time.monotonic()
         self._left = self._bytes                # bytes not landed yet (about: by pieces)
-        # Moved on as pieces land (_landed), never earlier: connector.deadline.
+        # Moved on as pieces land (_landed), never earlier: connector.worker.deadline.
         self.deadline = self._began + self._pace.budget(self._bytes)
         self._stop = threading.Event()          # set: the load failed or was stopped
         # What each chunk's Get stops on: one event for all of the step's Get, so that a
@@ -306,7 +307,7 @@ class RemoteLoad:
 
     def _due(self) -> float:
         """When the load is late: its deadline, or later while the worker's other loads
-        land pieces (connector.deadline)."""
+        land pieces (connector.worker.deadline)."""
         return self._pace.due(self.deadline, self._left)
 
     @property
