@@ -37,16 +37,15 @@ import time
 
 import numpy as np
 import torch
+
+from kvstore_client import KVStoreClient, PageLayout
+from kvstore_client.layerget import stripe_bounds
 from kvstore_connector.worker.deadline import Pace
 from kvstore_connector.worker.remote import RemoteLoad
 from kvstore_connector.worker.staging import StagingRing
 from kvstore_testing.serverproc import ServerProcess
 
-from kvstore_client import KVStoreClient, PageLayout
-from kvstore_client.layerget import stripe_bounds
-
-from .layerpeer import REQUEST
-from .layerpeer import pages as peer_pages
+from .layerpeer import REQUEST, pages as peer_pages
 
 __all__ = ["LAYOUT", "main"]
 

@@ -51,8 +51,7 @@ from kvstore_client import KVStoreClient, KVStoreError
 
 from ..transfer import KVTransfer, TransferError
 from .deadline import Pace
-from .staging import SLABS, StagingRing
-from .staging import Stopped as _Stopped
+from .staging import SLABS, StagingRing, Stopped as _Stopped
 
 __all__ = ["SLABS", "RemoteLoad", "RemoteLoadFailed", "RemoteLoads"]
 

@@ -11,13 +11,13 @@ import time
 import numpy as np
 import pytest
 import torch
+
+from kvstore_client import KVStoreClient, PageLayout
 from kvstore_connector.config import ConnectorConfig
 from kvstore_connector.groups import NULL_BLOCK, CacheGroup, GroupKind
 from kvstore_connector.meta import LoadSpec, StepMeta
 from kvstore_connector.worker import SharedStore, WorkerHalf
 from kvstore_connector.worker.groupworkers import GroupWorkers
-
-from kvstore_client import KVStoreClient, PageLayout
 
 pytestmark = pytest.mark.gpu
 

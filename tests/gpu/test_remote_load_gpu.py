@@ -10,8 +10,8 @@ import pathlib
 import numpy as np
 import pytest
 import torch
-from kvstore_connector.worker.remote import SLABS
 
+from kvstore_connector.worker.remote import SLABS
 from tests.integration.test_remote_load import SHAPES, Rig, remote_threads
 
 pytestmark = pytest.mark.gpu

@@ -10,9 +10,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kvstore_connector.worker.hostmem import Mappings
-
 from kvstore_client import KVStoreClient, PageLayout
+from kvstore_connector.worker.hostmem import Mappings
 
 LAYOUT = PageLayout(model="hostmem", num_layers=2, page_tokens=16, num_kv_heads=2,
                     head_size=8, dtype="float32")

@@ -15,14 +15,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import kvstore_client.layerget as layerget  # noqa: E402
+from kvstore_client import KVStoreClient, PageLayout  # noqa: E402
 from kvstore_connector.config import ConnectorConfig  # noqa: E402
 from kvstore_connector.meta import LoadSpec, StepMeta  # noqa: E402
 from kvstore_connector.worker import WorkerHalf  # noqa: E402
 from kvstore_connector.worker.remote import SLABS  # noqa: E402
 from kvstore_testing.serverproc import sigstop  # noqa: E402
-
-import kvstore_client.layerget as layerget  # noqa: E402
-from kvstore_client import KVStoreClient, PageLayout  # noqa: E402
 
 BLOCK = 16
 

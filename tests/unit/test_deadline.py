@@ -4,6 +4,7 @@ come, the measured link and the engine's pace."""
 from __future__ import annotations
 
 import pytest
+
 from kvstore_connector.worker.deadline import (
     PACE_CAP_S,
     PRIOR_BYTES_PER_S,

@@ -1,6 +1,7 @@
 """connector.worker.pending: when a step's reservation may be committed, and what of it."""
 
 import numpy as np
+
 from kvstore_connector.meta import LoadSpec, SaveSpec
 from kvstore_connector.worker.outcomes import LoadOutcomes
 from kvstore_connector.worker.pending import (

@@ -4,9 +4,9 @@ import threading
 
 import grpc
 import pytest
-from kvstore_connector.worker.reserving import StepReserve
 
 from kvstore_client import KVStoreError
+from kvstore_connector.worker.reserving import StepReserve
 
 
 def test_layers_owed_before_the_answer_come_back_in_hook_order():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+
 from kvstore_connector.meta import SaveSpec
 from kvstore_connector.worker.sending import Held, to_send
 
