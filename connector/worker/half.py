@@ -261,6 +261,12 @@ class WorkerHalf:
         self._hook_failed: set[str] = set()
 
     @property
+    def step_reserve(self) -> StepReserve:
+        """The step's Reserve (worker.reserving): whether one is asked and answered,
+        read by tests."""
+        return self._reserving
+
+    @property
     def ns(self):
         """The layout's handle; registering lazily lets an engine start while the store
         is down (its loads and saves then fail softly until it is back)."""

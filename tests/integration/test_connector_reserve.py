@@ -136,13 +136,13 @@ def test_a_hook_that_finds_the_answer_in_copies_the_layers_owed_first(srv):
     finally:
         os.kill(srv.proc.pid, signal.SIGCONT)
     deadline = time.monotonic() + 5
-    while not e.worker._reserving.ready() and time.monotonic() < deadline:
+    while not e.worker.step_reserve.ready() and time.monotonic() < deadline:
         time.sleep(0.01)
     # Layer 0's blocks are reused after its hook: an owed copy made from the blocks as
     # they are at the next hook must still read layer 0's own KV, which a layer's KV is
     # (the engine never rewrites a layer within a step), so only later layers change here.
     compute(e, 1, blocks, tokens)               # takes the answer: copies 0, then 1
-    assert not e.worker._reserving.pending
+    assert not e.worker.step_reserve.pending
     compute(e, 2, blocks, tokens)
     e.worker.wait_for_save()
     e.worker.finished()
@@ -218,7 +218,7 @@ def test_a_reserve_whose_step_never_reached_wait_for_save_is_given_back(srv, end
     keys = keys_of(e, tokens, 4)
     e.worker.bind(meta)                        # the step fails before any save hook
     deadline = time.monotonic() + 5
-    while not e.worker._reserving.ready() and time.monotonic() < deadline:
+    while not e.worker.step_reserve.ready() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert leases(srv.address) == 1            # the reservation, answered, not taken
     if end == "next-bind":
@@ -270,11 +270,11 @@ def test_a_step_that_loads_asks_its_reserve_at_bind_and_takes_it_before_its_forw
 
     def bind(meta, _bind=e.worker.bind):
         _bind(meta)
-        bound.append(e.worker._reserving.pending)
+        bound.append(e.worker.step_reserve.pending)
     e.worker.bind = bind
 
     def hook(name, _save_layer=e.worker.save_layer):
-        hooks.append((tuple(sorted(calls)), e.worker._reserving.pending))
+        hooks.append((tuple(sorted(calls)), e.worker.step_reserve.pending))
         _save_layer(name)
     e.worker.save_layer = hook
     meta, blocks = load_and_save(e, cached, fresh)
@@ -310,12 +310,12 @@ def test_a_step_whose_loads_are_async_reserves_at_bind(srv):
     meta = e.sched.build()
     assert [spec.is_async for spec in meta.loads] == [True] and len(meta.saves) == 1
     e.worker.bind(meta)
-    assert e.worker._reserving.pending          # asked for at bind
+    assert e.worker.step_reserve.pending          # asked for at bind
     for layer in range(len(NAMES)):
         compute(e, layer, blocks["save"], fresh)
     e.worker.start_load(meta)                   # after the forward, as vLLM does
     assert sorted(calls) == ["acquire", "reserve"]
-    assert not e.worker._reserving.pending
+    assert not e.worker.step_reserve.pending
     e.worker.wait_for_save()
     wait_for(lambda: "load" in e.worker.finished(), "the async load landed")
     assert e.worker.load_errors() == set()
