@@ -8,8 +8,9 @@ recv_into another), which is the ceiling for any socket transport on this machin
 second baseline, Python gRPC streaming prebuilt 1 MiB messages with no store behind it
 (grpc_baseline.py), shows how much of the gap is gRPC's own.
 Lookup: p50/p99 latency of 16, 256 and 4096 keys with 10k and 1M pages stored.
+--calls: the store's own CPU per few-key call, in-process (store_calls.py), alone.
 
-    python -m kvstore_bench.store_bench [--quick] [--json]
+    python -m kvstore_bench.store_bench [--quick] [--json] [--calls [--rounds N]]
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from kvstore_protocol.malloc import keep_freed_buffers
 from kvstore_testing.serverproc import ServerProcess
 
 from .grpc_baseline import grpc_stream_gbps
+from .store_calls import per_call_us, report_calls
 
 MiB = 1 << 20
 # (label, num_kv_heads, head_size): 32 layers, 16 tokens, bf16 -> these page sizes.
@@ -253,7 +255,14 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--calls", action="store_true",
+                   help="only the in-process µs per few-key call (store_calls.py)")
+    p.add_argument("--rounds", type=int, default=5, help="--calls: rounds to take medians of")
     args = p.parse_args(argv)
+    if args.calls:
+        per_call = per_call_us(n=500 if args.quick else 2000, rounds=args.rounds)
+        print(json.dumps(per_call, indent=2) if args.json else report_calls(per_call))
+        return 0
     results = run(args.quick)
     if args.json:
         results["lookup"] = {str(stored): {f"{size}-{form}": v for (size, form), v in sizes.items()}

@@ -1,0 +1,138 @@
+"""The store's own cost per call, in-process: what a few-key call spends in Python.
+
+An engine's remote calls name a layer's or a block's few pages, and on a small machine a
+call's latency is about the sum of both processes' CPU, so the store's Python per call
+is a large part of it (docs/fastpath.md, "Per call"). Each call here runs through the
+transport-neutral calls (rpc/calls.py, as both front doors do) on a Store built as the
+unit tests build it, with 64 KiB pages and 16-byte keys; each figure is the median of
+many timed calls. CPU in one process, so far less sensitive to the machine's load than a
+round trip on the wire. The baseline in the same run is a dict lookup of the same keys
+(what a store that did nothing else per key would cost).
+
+    kvstore-bench store --calls [--rounds N]
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+
+from kvstore_protocol.layout import PageLayout
+
+__all__ = ["CALLS", "per_call_us", "report_calls"]
+
+MiB = 1 << 20
+# 64 KiB pages: 32 layers, 16 tokens, 1 kv head of 32, bf16 (store_bench's "64KiB").
+LAYOUT = PageLayout(model="calls", num_layers=32, page_tokens=16, num_kv_heads=1,
+                    head_size=32)
+CALLS = ("lookup 1", "lookup 16", "lookup 16 miss", "leased lookup 16 + release",
+         "acquire 1 + release", "get 1 (calls)", "reserve 1 + commit", "put 1 (calls)",
+         "reserve 16 + commit", "dict lookup 16 (baseline)")
+
+
+def _timed(fn: Callable[[], object], n: int) -> float:
+    """Median µs of n calls of fn, each timed alone (the GC off meanwhile). fn may return
+    a callable: it runs untimed after (a put's delete, so the pool never fills)."""
+    times = []
+    clock = time.perf_counter
+    gc.disable()
+    try:
+        for _ in range(n):
+            t0 = clock()
+            after = fn()
+            times.append(clock() - t0)
+            if after is not None:
+                after()
+    finally:
+        gc.enable()
+    return statistics.median(times) * 1e6
+
+
+def per_call_us(n: int = 2000, rounds: int = 5) -> dict[str, float]:
+    """Median µs per call of each of CALLS: the median over rounds of each round's median."""
+    from kvstore_server.auth import ANONYMOUS
+    from kvstore_server.region import Region
+    from kvstore_server.rpc.calls import Calls
+    from kvstore_server.store import Store
+
+    region = Region(256 * MiB)
+    try:
+        store = Store(region)
+        calls = Calls(store, auth_on=False)
+        who = ANONYMOUS
+        client_id = LAYOUT.layout_id
+        layout = calls.layout(who, client_id)
+        store.register_layout(LAYOUT)
+        keys = [i.to_bytes(16, "little") for i in range(1 << 20, (1 << 20) + 16)]
+        data = b"".join(keys)
+        one = keys[0]
+        res = store.reserve(layout, keys)
+        store.commit(res.lease_id)
+        missing = b"".join(i.to_bytes(16, "little") for i in range(16))
+        as_dict = {key: i for i, key in enumerate(keys)}
+        fresh = iter(range(1 << 40, 1 << 41))
+
+        def lookup1() -> object:
+            calls.lookup(who, [client_id], one, 16, 0)
+
+        def lookup16() -> object:
+            calls.lookup(who, [client_id], data, 16, 0)
+
+        def lookup_miss() -> object:
+            calls.lookup(who, [client_id], missing, 16, 0)
+
+        def leased() -> object:
+            found = calls.lookup(who, [client_id], data, 16, 30_000)
+            calls.release(who, found.lease_id)
+
+        def acquire() -> object:
+            pinned = calls.acquire(who, client_id, one, 16, store.region.token, 30_000)
+            calls.release(who, pinned.lease_id)
+
+        def get() -> object:
+            with calls.get(who, client_id, one, 16):
+                pass
+
+        def reserve1() -> object:
+            key = next(fresh).to_bytes(16, "little")
+            r = calls.reserve(who, client_id, key, 16, store.region.token, 30_000)
+            calls.commit(who, r.lease_id)
+            return lambda: store.delete(layout, [key])
+
+        def put1() -> object:
+            key = next(fresh).to_bytes(16, "little")
+            with calls.put(who, client_id, key, 16, LAYOUT.page_bytes) as writing:
+                writing.commit()
+            return lambda: store.delete(layout, [key])
+
+        def reserve16() -> object:
+            base = next(fresh) << 8
+            ks = b"".join((base + i).to_bytes(16, "little") for i in range(16))
+            r = calls.reserve(who, client_id, ks, 16, store.region.token, 30_000)
+            calls.commit(who, r.lease_id)
+            return lambda: store.delete(layout, [ks[i:i + 16] for i in range(0, 256, 16)])
+
+        def baseline() -> object:
+            for key in keys:
+                as_dict.get(key)
+
+        fns = dict(zip(CALLS, (lookup1, lookup16, lookup_miss, leased, acquire, get,
+                               reserve1, put1, reserve16, baseline), strict=True))
+        out: dict[str, list[float]] = {name: [] for name in CALLS}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                out[name].append(_timed(fn, n))
+        return {name: statistics.median(v) for name, v in out.items()}
+    finally:
+        region.close()
+
+
+def report_calls(r: dict[str, float]) -> str:
+    """A table of µs per call and each against the dict baseline."""
+    base = r["dict lookup 16 (baseline)"]
+    lines = ["| call (in-process, through rpc/calls.py) | µs per call | / dict lookup 16 |",
+             "|---|---|---|"]
+    lines += [f"| {name} | {us:.1f} | {us / base:.1f}x |" for name, us in r.items()]
+    return "\n".join(lines)
