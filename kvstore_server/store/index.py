@@ -134,20 +134,43 @@ class KeyIndex:
         return self._find(words, self._home(_hash(words, self._seed)))
 
     def find_few(self, data: bytes) -> list[int]:
-        """find() of up to _FEW keys given packed (n * key_size bytes), as a list: the
-        words are read from the bytes, with no numpy call at all."""
+        """find() of a few keys (up to FEW_KEYS) given packed (n * key_size bytes), as a
+        list: the words read from the bytes and hashed in Python ints, their home records
+        gathered with one `take` (one numpy call however many keys: a row read a key cost
+        more than the hash), then compared and probed as _find_one does."""
+        rows = self._word_rows(data)
+        if not rows:
+            return []
+        if len(rows) == 1:
+            return [self._find_one(rows[0])]
+        nw = self._nw
+        table = self._table
+        homes = [self._hash_one(words) for words in rows]
+        out = []
+        for words, home, record in zip(rows, homes, table.take(homes, axis=0).tolist(),
+                                       strict=True):
+            meta = record[nw]
+            if meta >> 32 >= _LIVE and record[:nw] == words:
+                out.append((meta >> 32) - _LIVE)
+            elif meta & 0xFF:
+                out.append(self._probe_one(words, home, meta & 0xFF))
+            else:
+                out.append(-1)
+        return out
+
+    def _word_rows(self, data: bytes) -> list[list[int]]:
+        """Packed keys as each key's words, Python ints (ValueError if not whole keys)."""
         ks, nw = self.key_size, self._nw
         if len(data) % ks:
             raise ValueError(f"{len(data)} bytes is not a whole number of {ks}-byte keys")
         if ks % 8 == 0:
             words = memoryview(data).cast("B").cast("Q").tolist()
-            return [self._find_one(words[i:i + nw]) for i in range(0, len(words), nw)]
+            return [words[i:i + nw] for i in range(0, len(words), nw)]
         order = sys.byteorder
         out = []
         for at in range(0, len(data), ks):
             padded = bytes(data[at:at + ks]).ljust(8 * nw, b"\0")
-            out.append(self._find_one([int.from_bytes(padded[i:i + 8], order)
-                                       for i in range(0, 8 * nw, 8)]))
+            out.append([int.from_bytes(padded[i:i + 8], order) for i in range(0, 8 * nw, 8)])
         return out
 
     def find_one(self, key: bytes) -> int:
@@ -177,6 +200,16 @@ class KeyIndex:
     def insert(self, keys, slots) -> None:
         """Map keys[i] -> slots[i]. Keys must be absent and distinct, slots unused and
         distinct: ValueError otherwise, and then nothing is inserted."""
+        if isinstance(keys, bytes) and len(keys) <= _FEW * self.key_size:
+            # A few keys packed (a commit's): their words read from the bytes, no numpy.
+            rows = self._word_rows(keys)
+            slot_list = (slots.tolist() if isinstance(slots, np.ndarray)
+                         else [int(slot) for slot in slots])
+            if len(slot_list) != len(rows):
+                raise ValueError(f"{len(rows)} keys but {len(slot_list)} slots")
+            if rows:
+                self._insert_few(rows, slot_list)
+            return
         words = self._words(keys)
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         if len(slots) != len(words):
@@ -184,7 +217,7 @@ class KeyIndex:
         if not len(words):
             return
         if len(words) <= _FEW:
-            self._insert_few(words, slots.tolist())
+            self._insert_few(words.tolist(), slots.tolist())
             return
         ordered = np.sort(slots)
         if ordered[0] < 0 or ordered[-1] > MAX_SLOT:
@@ -214,9 +247,9 @@ class KeyIndex:
         if self.watch is not None:
             self.watch(words, 1)
 
-    def _insert_few(self, words: np.ndarray, slots: list[int]) -> None:
-        """insert() of a few keys (_FEW), in Python ints: the same checks, then each
-        record into the first free bucket from its home, as _place does."""
+    def _insert_few(self, rows: list[list[int]], slots: list[int]) -> None:
+        """insert() of a few keys (_FEW), each its words in Python ints: the same checks,
+        then each record into the first free bucket from its home, as _place does."""
         if min(slots) < 0 or max(slots) > MAX_SLOT:
             raise ValueError(f"slot ids must be in 0..{MAX_SLOT}")
         if len(set(slots)) < len(slots):
@@ -224,10 +257,11 @@ class KeyIndex:
         pos = self._pos
         if any(slot < len(pos) and pos[slot] >= 0 for slot in slots):
             raise ValueError("slot id already holds a key")
-        rows = words.tolist()
         if len(set(map(tuple, rows))) < len(rows):
             raise ValueError("repeated key in one insert")
-        if any(self._find_one(row) >= 0 for row in rows):
+        homes = [self._hash_one(row) for row in rows]     # hashed once, found and placed
+        bits = self._bits_int
+        if any(self._find_at(row, home) >= 0 for row, home in zip(rows, homes, strict=True)):
             raise ValueError("key already present")
 
         if 2 * (self._live + self._tombs + len(rows)) > len(self._table):
@@ -237,17 +271,18 @@ class KeyIndex:
             more = max(top + 1 - len(self._pos), len(self._pos))
             self._pos = np.pad(self._pos, (0, more), constant_values=-1)
         self._live += len(rows)
-        for row, slot in zip(rows, slots, strict=True):
-            self._place_one(row, slot)
+        for row, slot, home in zip(rows, slots, homes, strict=True):
+            if self._bits_int != bits:      # the table grew: every home moved
+                home = self._hash_one(row)
+            self._place_one(row, slot, home)
         if self.watch is not None:
-            self.watch(words, 1)
+            self.watch(np.array(rows, dtype=np.uint64), 1)
 
-    def _place_one(self, row: list[int], slot: int) -> None:
+    def _place_one(self, row: list[int], slot: int, home: int) -> None:
         """One record into the first free bucket from its home (an empty one or a
         tombstone: the bucket keeps its reach), its home's reach raised to cover it."""
         table = self._table
         nw, mask = self._nw, len(table) - 1
-        home = self._hash_one(row)
         at = home
         while True:
             meta = int(table[at, nw])
@@ -340,18 +375,31 @@ class KeyIndex:
         """One key's slot, -1 if absent: the same hash and probe as _find, in Python
         ints. Why: a same-host acquire or a one-page get names one key, and _find's ~20
         numpy calls on arrays of one cost several times this."""
-        home = self._hash_one(words)
+        return self._find_at(words, self._hash_one(words))
+
+    def _find_at(self, words: list[int], home: int) -> int:
+        """_find_one of a key whose home bucket is known."""
         nw = self._nw
         table = self._table
         row = table[home].tolist()
         meta = row[nw]
         if meta >> 32 >= _LIVE and row[:nw] == words:
             return (meta >> 32) - _LIVE
+        return self._probe_one(words, home, meta & 0xFF) if meta & 0xFF else -1
+
+    def _probe_one(self, words: list[int], home: int, reach: int) -> int:
+        """One key's slot among the `reach` buckets past its home, -1 if none holds it:
+        read as one slice (a row read each cost more than the compares)."""
+        nw, table = self._nw, self._table
         mask = len(table) - 1
-        for step in range(1, (meta & 0xFF) + 1):      # the home's reach
-            row = table[(home + step) & mask].tolist()
-            if row[nw] >> 32 >= _LIVE and row[:nw] == words:
-                return (row[nw] >> 32) - _LIVE
+        first = home + 1
+        if first + reach <= len(table):
+            records = table[first:first + reach].tolist()
+        else:                                           # wraps round the table's end
+            records = table.take([(first + i) & mask for i in range(reach)], axis=0).tolist()
+        for record in records:
+            if record[nw] >> 32 >= _LIVE and record[:nw] == words:
+                return (record[nw] >> 32) - _LIVE
         return -1
 
     def _probe(self, slot: np.ndarray, far: np.ndarray, words: np.ndarray,
