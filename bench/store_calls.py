@@ -32,7 +32,7 @@ CALLS = ("lookup 1", "lookup 16", "lookup 16 miss", "leased lookup 16 + release"
          "reserve 16 + commit", "dict lookup 16 (baseline)")
 
 
-def _timed(fn: Callable[[], object], n: int) -> float:
+def _timed(fn: Callable[[], Callable[[], object] | None], n: int) -> float:
     """Median µs of n calls of fn, each timed alone (the GC off meanwhile). fn may return
     a callable: it runs untimed after (a put's delete, so the pool never fills)."""
     times = []
@@ -74,49 +74,56 @@ def per_call_us(n: int = 2000, rounds: int = 5) -> dict[str, float]:
         as_dict = {key: i for i, key in enumerate(keys)}
         fresh = iter(range(1 << 40, 1 << 41))
 
-        def lookup1() -> object:
+        def lookup1() -> Callable[[], object] | None:
             calls.lookup(who, [client_id], one, 16, 0)
+            return None
 
-        def lookup16() -> object:
+        def lookup16() -> Callable[[], object] | None:
             calls.lookup(who, [client_id], data, 16, 0)
+            return None
 
-        def lookup_miss() -> object:
+        def lookup_miss() -> Callable[[], object] | None:
             calls.lookup(who, [client_id], missing, 16, 0)
+            return None
 
-        def leased() -> object:
+        def leased() -> Callable[[], object] | None:
             found = calls.lookup(who, [client_id], data, 16, 30_000)
             calls.release(who, found.lease_id)
+            return None
 
-        def acquire() -> object:
+        def acquire() -> Callable[[], object] | None:
             pinned = calls.acquire(who, client_id, one, 16, store.region.token, 30_000)
             calls.release(who, pinned.lease_id)
+            return None
 
-        def get() -> object:
+        def get() -> Callable[[], object] | None:
             with calls.get(who, client_id, one, 16):
                 pass
+            return None
 
-        def reserve1() -> object:
+        def reserve1() -> Callable[[], object] | None:
             key = next(fresh).to_bytes(16, "little")
             r = calls.reserve(who, client_id, key, 16, store.region.token, 30_000)
             calls.commit(who, r.lease_id)
             return lambda: store.delete(layout, [key])
 
-        def put1() -> object:
+        def put1() -> Callable[[], object] | None:
             key = next(fresh).to_bytes(16, "little")
             with calls.put(who, client_id, key, 16, LAYOUT.page_bytes) as writing:
                 writing.commit()
             return lambda: store.delete(layout, [key])
 
-        def reserve16() -> object:
+        def reserve16() -> Callable[[], object] | None:
             base = next(fresh) << 8
             ks = b"".join((base + i).to_bytes(16, "little") for i in range(16))
             r = calls.reserve(who, client_id, ks, 16, store.region.token, 30_000)
             calls.commit(who, r.lease_id)
             return lambda: store.delete(layout, [ks[i:i + 16] for i in range(0, 256, 16)])
 
-        def baseline() -> object:
+        def baseline() -> Callable[[], object] | None:
             for key in keys:
                 as_dict.get(key)
+            return None
 
         fns = dict(zip(CALLS, (lookup1, lookup16, lookup_miss, leased, acquire, get,
                                reserve1, put1, reserve16, baseline), strict=True))

@@ -60,11 +60,14 @@ _LIVE_META = np.uint64(_LIVE << 32)  # a meta at least this is a live entry
 _AHEAD = np.arange(8)          # buckets an insert reads per round
 _STEPS = np.arange(1, 1 << 14)  # 1, 2, ...: offsets past the homes in one probe
 _REACH_BYTE = 0 if sys.byteorder == "little" else 7   # the reach's byte in a meta word
-# Up to this many keys, find and insert walk Python ints, key by key (_find_one,
+# Up to this many keys, find and insert walk Python ints, key by key (_find_rows,
 # _insert_few). Why: the batch forms cost about 20 and 60 numpy calls whatever the count,
-# and an engine's remote calls name a layer's or a block's few pages; key by key is the
-# cheaper up to about 14 keys for a find (docs/fastpath.md, "Per call").
-_FEW = FEW_KEYS = 8
+# and an engine's remote calls name a layer's or a block's few pages. A find hashes in
+# Python and gathers the home records in one `take`: as cheap as the batch at 16 keys on
+# a quiet machine and about half of it on a loaded one, where the batch's many calls
+# find the caches cold (kvstore-bench store --calls); an insert stays key by key to 8.
+FEW_KEYS = 16
+_FEW = 8
 
 # Odd 64-bit constants (from MurmurHash3's fmix64): multiplying by one is a bijection.
 _K1 = np.uint64(0xFF51AFD7ED558CCD)
@@ -129,23 +132,36 @@ class KeyIndex:
     def find(self, keys) -> np.ndarray:
         """The slot of each key, -1 where absent. keys: (n, key_size) uint8, or bytes."""
         words = self._words(keys)
-        if len(words) <= _FEW:
-            return np.array([self._find_one(w) for w in words.tolist()], dtype=np.int64)
+        if len(words) <= FEW_KEYS:
+            return np.array(self._find_rows(words.tolist()), dtype=np.int64)
         return self._find(words, self._home(_hash(words, self._seed)))
 
     def find_few(self, data: bytes) -> list[int]:
         """find() of a few keys (up to FEW_KEYS) given packed (n * key_size bytes), as a
-        list: the words read from the bytes and hashed in Python ints, their home records
-        gathered with one `take` (one numpy call however many keys: a row read a key cost
-        more than the hash), then compared and probed as _find_one does."""
-        rows = self._word_rows(data)
+        list, with no numpy call on the way in (_find_rows)."""
+        return self._find_rows(self._word_rows(data))
+
+    def _find_rows(self, rows: list[list[int]]) -> list[int]:
+        """The slot of each key given as its words, -1 where absent: hashed in Python
+        ints, their home records gathered with one `take` (one numpy call however many
+        keys: a row read a key cost more than the hash), then compared and probed as
+        _find_one does."""
         if not rows:
             return []
         if len(rows) == 1:
             return [self._find_one(rows[0])]
         nw = self._nw
         table = self._table
-        homes = [self._hash_one(words) for words in rows]
+        # _hash_one inlined: a call a key cost as much as its arithmetic.
+        seed, bits = self._seed_int, self._bits_int
+        homes = []
+        for words in rows:
+            h = words[0] ^ seed                         # both below 2**64
+            h = ((h ^ (h >> 32)) * _K1_INT) & _MASK
+            for word in words[1:]:
+                h ^= word
+                h = ((h ^ (h >> 32)) * _K2_INT) & _MASK
+            homes.append(h >> bits)
         out = []
         for words, home, record in zip(rows, homes, table.take(homes, axis=0).tolist(),
                                        strict=True):
@@ -202,13 +218,13 @@ class KeyIndex:
         distinct: ValueError otherwise, and then nothing is inserted."""
         if isinstance(keys, bytes) and len(keys) <= _FEW * self.key_size:
             # A few keys packed (a commit's): their words read from the bytes, no numpy.
-            rows = self._word_rows(keys)
+            few_rows = self._word_rows(keys)
             slot_list = (slots.tolist() if isinstance(slots, np.ndarray)
                          else [int(slot) for slot in slots])
-            if len(slot_list) != len(rows):
-                raise ValueError(f"{len(rows)} keys but {len(slot_list)} slots")
-            if rows:
-                self._insert_few(rows, slot_list)
+            if len(slot_list) != len(few_rows):
+                raise ValueError(f"{len(few_rows)} keys but {len(slot_list)} slots")
+            if few_rows:
+                self._insert_few(few_rows, slot_list)
             return
         words = self._words(keys)
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)

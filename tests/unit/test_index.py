@@ -285,7 +285,8 @@ def test_few_keys_take_python_ints_and_agree_with_the_batch(key_size):
 @pytest.mark.parametrize("key_size", [3, 8, 16, 20, 64])
 def test_find_few_reads_packed_bytes_as_find_does(key_size):
     """find_few reads a few keys' words from their packed bytes (no numpy): the same
-    answers as find, for keys at home, past it and absent; a ragged length is refused."""
+    answers as a dict, and as find (batch or few) gives, for keys at home, past it
+    (round the table's end too) and absent; a ragged length is refused."""
     rng = np.random.default_rng(key_size)
     index = KeyIndex(key_size, capacity=64, seed=key_size)
     stored = np.unique(rng.integers(0, 256, (2000, key_size), dtype=np.uint8), axis=0)
@@ -293,8 +294,28 @@ def test_find_few_reads_packed_bytes_as_find_does(key_size):
     index.remove_slots(np.arange(0, len(stored), 5))
     absent = rng.integers(0, 256, (200, key_size), dtype=np.uint8)
     everything = np.concatenate([stored, absent])
+    model = {row.tobytes(): i for i, row in enumerate(stored) if i % 5}
     for lo in range(0, len(everything), index_module.FEW_KEYS):
         chunk = everything[lo:lo + index_module.FEW_KEYS]
-        assert index.find_few(chunk.tobytes()) == index.find(chunk).tolist()
+        expected = [model.get(row.tobytes(), -1) for row in chunk]
+        assert index.find_few(chunk.tobytes()) == expected
+        assert index.find(chunk).tolist() == expected
+    assert index.find(everything).tolist() == [model.get(row.tobytes(), -1)
+                                               for row in everything]     # the batch
     with pytest.raises(ValueError, match="whole number"):
         index.find_few(bytes(key_size + 1))
+
+
+def test_few_keys_found_past_the_tables_end():
+    """Keys whose home is the last bucket lie past it, round the table's start: a few
+    keys' probe (read as one slice where it can be) wraps as the batch's does."""
+    index = KeyIndex(16, capacity=8, seed=7)
+    last = len(index._table) - 1
+    homed = [key for key in (i.to_bytes(16, "little") for i in range(20000))
+             if index._hash_one(list(np.frombuffer(key, dtype=np.uint64).tolist())) == last]
+    keys = homed[:3]
+    assert len(keys) == 3
+    index.insert(packed(keys), [5, 6, 7])          # one at the end, two round the start
+    assert index.find_few(packed(keys)) == [5, 6, 7]
+    assert index.find_few(packed(keys[1:] + homed[3:4])) == [6, 7, -1]
+    assert index.find(packed(keys * 6)).tolist() == [5, 6, 7] * 6      # the batch
