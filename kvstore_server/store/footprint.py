@@ -32,7 +32,10 @@ class Footprints:
         self._class_slots: collections.Counter[int] = collections.Counter()
 
     def add(self, tenant: str, cls: int, n: int) -> None:
-        self._slots.setdefault(tenant, collections.Counter())[cls] += n
+        mine = self._slots.get(tenant)      # not setdefault: a Counter built every reserve
+        if mine is None:
+            mine = self._slots[tenant] = collections.Counter()
+        mine[cls] += n
         self._class_slots[cls] += n
 
     def remove(self, tenant: str, cls: int, n: int) -> None:
