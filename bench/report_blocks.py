@@ -131,11 +131,11 @@ _E2E = ("recompute", "DRAM hit", "recompute / DRAM hit")
 _LOAD = ("load/H2D", "save/D2H")
 
 HEADLINES = (
-    Row("time to first token, recompute -> DRAM hit (ms), 8B and 1B bf16", "e2e-ec25c98d81",
+    Row("time to first token, recompute -> DRAM hit (ms), 8B and 1B bf16", "e2e-fa5a8f0671",
         tuple(Pick(f"{m} {n}", _E2E) for m, n in [("8b", 256), ("8b", 1024), ("8b", 4096),
                                                     ("8b", 32768), ("1b", 256), ("1b", 4096)])),
     Row("pool -> paged GPU cache, against a pinned `cudaMemcpy` in the same run",
-        "load-e21a8ae119",
+        "load-6f952bee22",
         (Pick("1024", _LOAD), Pick("16384", _LOAD), Pick("32768", _LOAD),
          Pick("CopyMethod.KERNEL alone"))),
     Row("fast-path Get of 1 MiB pages, one connection (GB/s; ratios per run, median)",
@@ -160,8 +160,8 @@ HEADLINES = (
     Row("fast path, one server, N client processes (aggregate GB/s)", "fastpath-8eebb7bd03",
         tuple(Pick(str(n), ("fast path GB/s (aggregate)", "gRPC GB/s (aggregate)"))
               for n in (1, 2, 4, 8))),
-    Row("time to first token over TCP only (no shared pool), 8B (ms)", "e2e-2de04fe533",
-        (Pick("8b 1024", _E2E), Pick("8b 32768", _E2E))),
+    Row("time to first token over TCP only (no shared pool), 8B (ms)", "e2e-947e218f15",
+        (Pick("8b 1024", _E2E), Pick("8b 4096", _E2E), Pick("8b 32768", _E2E))),
     Row("64 new requests sharing a stored 2,048-token prompt, scheduler loop",
         "admit-a516f10033",
         (Pick("sync", ("loop ms", "per request us")), Pick("sync, gRPC", ("loop ms",)),
