@@ -17,6 +17,12 @@ layouts, keys and behaviour it had before. Mamba / linear-attention state in ali
 is a group of its own whose pages are state blocks (connector.scheduler.mamba). Specs the connector
 cannot move correctly (Mamba state in other modes, cross-attention, ...) stop the engine
 at start-up with one line.
+
+Over 400 lines because vLLM's interface is one class of about 25 methods, most a short
+translation onto the halves, and its state (the saves and retains waiting on a request's
+finish, the event groups) reads best in one place. How vLLM's config becomes layouts (the
+functions above the class: about 75 lines) is a second idea and the next split, beside
+connector.groups, which reads vLLM's cache config the same way.
 """
 
 from __future__ import annotations

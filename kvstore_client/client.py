@@ -10,6 +10,11 @@ Each page call reads "shared memory, else transport.op(...)": the mapped region
 answer; grpc_transport.py, fastpath.py) and mends a server restart in one loop. The Admin
 service is in admin.py (also `client.admin`), as dataclasses. Every call has a timeout;
 puts are idempotent (keys already stored are skipped by the server).
+
+Over 400 lines because KVStoreClient is the one public face of the library, about 30
+short methods. Session retention and the removals feed (gRPC only, off the hot path:
+Retention, Removal, Removals and their calls, about 110 lines) are a second idea and the
+next split.
 """
 
 from __future__ import annotations

@@ -18,6 +18,12 @@ breaker's, the auth reload lock) is a leaf: nothing else is taken while it is he
 Reads from the tiers below DRAM (store/below.py) and the copies of page bytes into and out
 of the pool for clients happen outside the store's lock; a spill's copy into the disk
 tier's staging is the one made under it.
+
+Over 400 lines because Server is the wiring: every part built in start-up order with its
+undoing registered beside it (_build, about 125 lines), start and stop beside it,
+and the background loops that drive its parts. The process around it (signals during
+start-up, systemd notices, exit codes: main and _run, about 85 lines) is a second idea
+and the next split, leaving Server a module of its own.
 """
 
 from __future__ import annotations

@@ -34,6 +34,12 @@ at most `ask_again` times after a timeout (sync lookups).
 
 Keys are the connector's chained page hashes (connector.scheduler.hashing), computed once per page
 and extended as a request grows.
+
+Over 400 lines because it is the sequence an engine drives over one table of request
+states (hit, allocated, scheduled, build, outcomes). The prefetched hit (_hit_prefetched
+and its helpers, about 110 lines: an ask's states against the lookup worker and the
+step's wait budget) is a second idea and the next split, into a part that owns the
+pending answers and that budget.
 """
 
 from __future__ import annotations

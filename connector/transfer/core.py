@@ -1,4 +1,10 @@
-"""KVTransfer: one worker's streams, its save bookkeeping and the choice of copy path."""
+"""KVTransfer: one worker's streams, its save bookkeeping and the choice of copy path.
+
+Over 400 lines because loads and saves share the streams, the launch grouping, the layer
+table and the checked plans, and the choice of path for each is made here from the
+constants below (about 50 lines, each with its reason); the paths themselves are
+modules beside it (kernel, dma, copies).
+"""
 
 from __future__ import annotations
 

@@ -30,6 +30,11 @@ read-only script per bucket that returns a value only when its STRLEN allows: th
 script copies each value into Lua before replying, which took 1 MiB pages more than twice
 MGET's time on a loopback cluster, where GETRANGE runs at MGET's speed. The server's reads (read) verify and
 copy each value where glide's reply holds it (inplace.py).
+
+Over 400 lines because the node connections, the slot map and the per-master breakers are
+one state under one lock, which both the page calls and the namespace-wide SCAN passes
+drive. Those passes (clear, clear_layouts, records: about 130 lines) are a second idea,
+a walk over every master rather than one call's batches, and the next split.
 """
 
 from __future__ import annotations

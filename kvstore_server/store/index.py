@@ -38,6 +38,11 @@ One record per bucket, one row of a (buckets, row words) uint64 array:
     ref: 0 = empty, 1 = tombstone (a removed entry), slot + 2 = live.
     reach: of this bucket as a home (kept when the entry here is removed); 0..255.
     pad: zero words up to 2 or 4 words a row (none past 4: no fast path to gain).
+
+Over 400 lines because find and insert are each written twice over the same records, a
+batch form in numpy calls and a few-key form in Python ints (FEW_KEYS says why), and the
+two must agree on the hash, the record and the reach word for word: in two modules, a
+change to the record would have to be made in both.
 """
 
 from __future__ import annotations
