@@ -30,8 +30,9 @@ __all__ = ["SlotRead", "SlotWrite", "folder_gone", "lock_folder", "read_slots", 
            "write_slots"]
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
-# Bytes per preadv/pwritev. Longer calls were slower, not faster, on the H200 machine's
-# virtio disk (O_DIRECT and plain reads alike), and more threads at once did not help.
+# Bytes per preadv/pwritev: longer calls were slower, not faster, on a virtio disk
+# (O_DIRECT and plain reads alike), and more threads at once did not help. The tier
+# against plain I/O in calls of this size: docs/perf/disk-20302cdf50.json.
 _RUN_BYTES = 8 << 20
 
 

@@ -8,21 +8,18 @@ checksum and the copy into the pool then run after it, on the request's path. Cu
 parts of about PART_BYTES, with up to PARALLEL of them in flight on a small thread pool
 (glide's FFI call releases the GIL while its Rust core waits on the sockets), the
 cluster sends part k+1 while this process verifies and copies part k, and the shards'
-replies overlap more. Against glide's own single pipelined MGET batch (which neither
-verifies nor copies), on a loopback cluster in interleaved rounds, more parts in flight
-were faster up to 16, and 32 changed nothing; of parts of 512 KiB, 1 MiB and 2 MiB, 1 MiB
-was the fastest. Hence 1 MiB, 16 (docs/far.md renders the record of a Get through the
-server).
+replies overlap more. PART_BYTES and PARALLEL are the fastest of the sizes and counts
+tried against glide's own single pipelined MGET batch (which neither verifies nor
+copies), on a loopback cluster in interleaved rounds; docs/perf/far-4e023a4575.json
+records parts in parallel against that MGET (docs/far.md renders it).
 
 Why the fetching thread lands its part, not the request's thread. The fetch hands each
 page over as a view into glide's reply (client.py's read, inplace.py), valid only until
 the reply is freed, so the copy into the pool has to happen in the fetch, before that;
 and a part done is then copied at once, while its bytes are still in cache, with no hop
-to the request's thread and no wait behind an earlier part still in flight (through two
-servers, side by side, this and reading in glide's reply made 1 MiB pages' Gets faster;
-64 KiB pages' the same). Since the copies now run in
-pool threads, read() returns only once no part is running: a reservation aborted after a
-failed read never has a page land in a slot handed to another page.
+to the request's thread and no wait behind an earlier part still in flight. Since the
+copies run in pool threads, read() returns only once no part is running: a reservation
+aborted after a failed read never has a page land in a slot handed to another page.
 
 Bounds. A request holds at most PARALLEL parts in flight, fetched or being copied (each
 at most PART_BYTES, or one page if a page is larger): PARALLEL * PART_BYTES = 16 MiB at most,
