@@ -19,6 +19,8 @@ import threading
 
 import numpy as np
 
+from .rawpeer import read_head
+
 __all__ = ["REQUEST", "pages", "serve"]
 
 REQUEST = struct.Struct("<QQ")
@@ -49,12 +51,8 @@ def _serve_conn(conn: socket.socket, mem: memoryview, page_bytes: int, layers: i
     head = bytearray(REQUEST.size)
     with conn:
         while True:
-            pos = 0
-            while pos < len(head):
-                got = conn.recv_into(memoryview(head)[pos:])
-                if not got:
-                    return
-                pos += got
+            if not read_head(conn, head):
+                return
             first, end = REQUEST.unpack(head)
             batch: list[memoryview] = []
             for base in range(0, page_bytes, layer_bytes):

@@ -21,10 +21,21 @@ import threading
 
 import numpy as np
 
-__all__ = ["RawClient", "serve"]
+__all__ = ["RawClient", "read_head", "serve"]
 
 REQUEST = struct.Struct("<cQ")
 CHUNK = 1 << 20
+
+
+def read_head(conn: socket.socket, head: bytearray) -> bool:
+    """Fill head with the next request's fixed-size head; False when the peer closed."""
+    pos = 0
+    while pos < len(head):
+        got = conn.recv_into(memoryview(head)[pos:])
+        if not got:
+            return False
+        pos += got
+    return True
 
 
 def _serve_conn(conn: socket.socket, data: memoryview, sink: memoryview) -> None:
@@ -32,12 +43,8 @@ def _serve_conn(conn: socket.socket, data: memoryview, sink: memoryview) -> None
     head = bytearray(REQUEST.size)
     with conn:
         while True:
-            pos = 0
-            while pos < len(head):
-                got = conn.recv_into(memoryview(head)[pos:])
-                if not got:
-                    return
-                pos += got
+            if not read_head(conn, head):
+                return
             op, nbytes = REQUEST.unpack(head)
             if op == b"G":
                 # In pieces of CHUNK: the server sends at most 2 MiB a sendmsg, as sends
