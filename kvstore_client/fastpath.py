@@ -154,13 +154,13 @@ class FastPath:
         self._timeout = timeout if callable(timeout) else (lambda: timeout)
         self.connections = max(1, connections)
         # Idle connections, most recent last; deque's append and pop are atomic, so
-        # taking one costs 24 ns where a queue.LifoQueue took 2 us (dev VM).
+        # taking one needs no lock (a queue.LifoQueue's lock cost more than the take).
         self._idle: collections.deque[Conn] = collections.deque()
         # Lease calls go one at a time over a connection of their own, a lane, so that
         # a release sent without waiting is read before the lane's next call. Two lanes:
         # reads (Acquire, Release, leased Lookup) and writes (Reserve, Commit, Abort).
-        # On one lane, an engine's Acquire waited behind its step's Reserve: 0.4-2.5 ms
-        # on the H200 host (8B, 32k-token hits), the copies not yet begun.
+        # On one lane, an engine's Acquire waited behind its step's Reserve, its copies
+        # not yet begun.
         self._reads = _Lane()
         self._writes = _Lane()
         self._stripes: concurrent.futures.ThreadPoolExecutor | None = None
@@ -349,8 +349,7 @@ class FastPath:
                 flags: int = 0) -> memoryview:
         """Send, then read the answers owed to releases sent without waiting, then this
         call's answer. Sending first lets the server go from the release straight to
-        this call; reading the owed answers first took a round trip more (an acquire +
-        release cost 152 us p50 that way on the dev VM)."""
+        this call; reading the owed answers first took a round trip more."""
         conn.send(op, body, flags=flags)
         conn.settle()
         return conn.answer(op, method)[1]

@@ -7,10 +7,10 @@ sends every master's batch at once (the first on the caller's thread, the others
 small pool), each on a standalone glide connection of its own and with the call's
 deadline, so a call costs one round trip per shard. The deadline is enforced inside
 glide's Rust core, so a hung shard costs a call at most `--far-timeout` and no thread is
-left waiting behind it. What it costs: a lookup over three masters takes about as long
-as through glide's cluster batch (interleaved runs on a loopback cluster): three calls
-into glide's core and a hand-over to two threads, where the cluster batch made one. Why glide and not
-redis-py's cluster client: docs/far.md, "Choosing the client", has the figures.
+left waiting behind it. What it costs: three calls into glide's core and a hand-over to
+two threads, where glide's cluster batch made one; docs/perf/far-4d2ee3a096.json sets
+this client's exists and get against glide's own calls on a loopback cluster. Why glide
+and not redis-py's cluster client: docs/far.md, "Choosing the client", renders it.
 
 Failure, as docs/far.md promises it ("a slow or dead cluster means misses, never
 errors"): a master's batch that fails whole (timeout, no connection) answers its keys
@@ -25,11 +25,11 @@ EXISTS with many keys answers only a count, and one EXISTS per key costs the cli
 several times more (docs/far.md renders the record). Gets send one GETRANGE per key that asks
 for at most one byte more than the key's value can be (codec.value_bytes): a value
 planted under a page's name is refused after that many bytes, never fetched whole (an
-MGET fetched four planted 48 MiB values for a 32 KiB page's names whole). Why not a
-read-only script per bucket that returns a value only when its STRLEN allows: the
-script copies each value into Lua before replying, which took 1 MiB pages more than twice
-MGET's time on a loopback cluster, where GETRANGE runs at MGET's speed. The server's reads (read) verify and
-copy each value where glide's reply holds it (inplace.py).
+MGET fetches a planted value whole, however large). Why not a read-only script per
+bucket that returns a value only when its STRLEN allows: the script copies each value
+into Lua before replying, much slower than MGET for large pages on a loopback cluster,
+where GETRANGE runs at MGET's speed. The server's reads (read) verify and copy each
+value where glide's reply holds it (inplace.py).
 
 Over 400 lines because the node connections, the slot map and the per-master breakers are
 one state under one lock, which both the page calls and the namespace-wide SCAN passes

@@ -66,11 +66,11 @@ _AHEAD = np.arange(8)          # buckets an insert reads per round
 _STEPS = np.arange(1, 1 << 14)  # 1, 2, ...: offsets past the homes in one probe
 _REACH_BYTE = 0 if sys.byteorder == "little" else 7   # the reach's byte in a meta word
 # Up to this many keys, find and insert walk Python ints, key by key (_find_rows,
-# _insert_few). Why: the batch forms cost about 20 and 60 numpy calls whatever the count,
-# and an engine's remote calls name a layer's or a block's few pages. A find hashes in
-# Python and gathers the home records in one `take`: as cheap as the batch at 16 keys on
-# a quiet machine and about half of it on a loaded one, where the batch's many calls
-# find the caches cold (kvstore-bench store --calls); an insert stays key by key to 8.
+# _insert_few). Why: the batch forms cost dozens of numpy calls whatever the count, and
+# an engine's remote calls name a layer's or a block's few pages. A find hashes in Python
+# and gathers the home records in one `take`, no dearer than the batch up to FEW_KEYS and
+# cheaper on a loaded machine, where the batch's many calls find the caches cold
+# (`kvstore-bench store --calls` compares them); an insert stays key by key to _FEW.
 FEW_KEYS = 16
 _FEW = 8
 
