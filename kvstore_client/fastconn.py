@@ -93,7 +93,7 @@ class Conn:
             if len(body) >= 65536:
                 self.sock.sendall(body)
             if data is not None:
-                # In pieces: one send of 128 MiB moved ~20% less over loopback than
+                # In pieces: one send of 128 MiB moved less over loopback than
                 # sends of a few MiB (the server's send_views says more).
                 if data.ndim != 1 or data.itemsize != 1:
                     data = data.cast("B")

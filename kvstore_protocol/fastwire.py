@@ -84,8 +84,7 @@ LAYER_MAJOR = 1         # every page's layer 0, then layer 1, ...: what get_laye
 # HELLO's flags, a server that knows it grants it in the HELLO answer's flags (a server
 # that does not answers 0, and the client keeps waiting for answers). Why: a client that
 # releases without waiting read the release's answer before its next call, and that
-# answer woke it once more for nothing: a same-host acquire + release took 118 us p50
-# with the answer, 99-100 without (dev VM, 5 s loops one after the other). A quiet
+# answer woke it once more for nothing, a cost on every same-host acquire + release. A quiet
 # RELEASE that fails (the lease had expired) is counted in the server's metrics and
 # logged; the lease is gone either way.
 QUIET = 1
@@ -94,18 +93,15 @@ QUIET = 1
 # the header, not right after it: their body is ALIGN_PAD zero bytes. Offered and granted
 # as QUIET is; a server that does not grant it answers as before. Why: the kernel copies a
 # send into its buffers from where the last send left off (at 0 when the peer has read
-# everything, as it has when it waits for an answer), and on the dev VM's CPU a copy
-# whose destination lies 1-31 bytes past its source modulo 4 KiB runs 3-4 times slower.
-# Pool pages are 4 KiB-aligned, so 24 header bytes put a Get's pages just there: one
-# sendmsg of a header and a 64 KiB page took 53 us p50, of a 32-byte header 14 (3000
-# sends each, loopback, the receiver in another process).
+# everything, as it has when it waits for an answer), and on some CPUs a copy whose
+# destination lies 1-31 bytes past its source modulo 4 KiB runs several times slower.
+# Pool pages are 4 KiB-aligned, so 24 header bytes put a Get's pages just there.
 ALIGNED = 2
 ALIGN_PAD = 8
 
 # LOOKUP flag: a leased lookup that also answers where its pages lie in the shared pool,
 # so a worker on the server's host can copy them under the lookup's own lease instead of
-# pinning them again with an ACQUIRE (a round trip on a hit's critical path: 1.5-2.2 ms
-# of host time on the H200 host). The server answers the pins only to a caller that may
+# pinning them again with an ACQUIRE (a round trip on a hit's critical path). The server answers the pins only to a caller that may
 # map the pool; a lease so answered is not released when the connection closes (the
 # pages may be read by another process), only by RELEASE or its ttl.
 PINS = 1
@@ -196,8 +192,8 @@ class WireError(ValueError):
 
 class Header(typing.NamedTuple):
     """A decoded frame header. A NamedTuple, not a frozen dataclass: every frame on both
-    ends makes one, and a frozen dataclass took 1.7 us to build where this takes 0.3 (its
-    __init__ sets each field through object.__setattr__; dev VM, timeit)."""
+    ends makes one, and a frozen dataclass is several times dearer to build (its
+    __init__ sets each field through object.__setattr__)."""
 
     op: int
     status: int

@@ -72,11 +72,11 @@ MAX_TRACKED = 65536
 # From this many bytes of pages a page-major Get to a client that does not read aligned
 # answers (fastwire.ALIGNED, which removes the cause) sends its 24-byte header in a call
 # of its own. In one sendmsg with the header the pages land 24 bytes off their source's
-# alignment, and on some CPUs (the dev VM's) the kernel then copies them at about half
-# speed; nothing the receiver does helps. A header alone costs the receiver an extra
-# wake-up, which for small gets costs more than the copy saves, and a host where the
-# alignment costs nothing (an H200's) gains nothing either way: so the split is made
-# only from this size up, where it helped in side-by-side runs.
+# alignment, and on some CPUs the kernel then copies them much slower; nothing the
+# receiver does helps. A header alone costs the receiver an extra wake-up, which for
+# small gets costs more than the copy saves, and a host where the alignment costs
+# nothing gains nothing either way: so the split is made only from this size up, where
+# it helped in side-by-side runs.
 HEAD_ALONE_BYTES = 512 << 10
 
 

@@ -13,7 +13,7 @@ operator knows the clients are gone).
 
 The time held back is the server's --lease-ttl, not the lease's own: a client may ask for
 leases of 50 ms and stall for 300 ms. Clients that did so (leases shorter than their
-stalls, a fifth of their writes and reads late) read wrong bytes when slots went free at
+stalls) read wrong bytes when slots went free at
 expiry and when they were held back for the lease's own ttl, and never when held back
 for --lease-ttl. What is held counts in
 lease_memory with the live leases (lease_book); a lease's expiry moves its footprint

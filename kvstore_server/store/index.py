@@ -19,7 +19,7 @@ a 14-step hash, a tag compare, then a second round) spent about twice this one's
   a fast path for those item sizes (a gather of 32-byte rows beat one of 24-byte rows
   from the same table);
 - a lookup gathers every key's home record in one `take` and compares the key words
-  there: 75% of keys sit in their home bucket at a load of 0.48, ~90% at 0.24;
+  there: at a load of 1/2 or less most keys sit in their home bucket;
 - each bucket keeps a reach: how far past it the entries whose home it is may lie (an
   upper bound, raised by inserts, reset by a rehash). Only keys not at home whose home
   has a reach go on, in one gather of the buckets their homes' reaches cover, laid end

@@ -1,10 +1,10 @@
 """LRU eviction policy over integer entry ids: a pure data structure, not thread-safe.
 
 Why stamps and not a linked list: a lookup of a 32k-token prompt touches 2,000 pages,
-and a Python linked list costs about a microsecond per move (2 ms per lookup, the whole
-latency budget). Here a touch is one vectorised store of increasing stamps, and finding
-victims is one `argpartition` over the live entries (about 10 ms for 1M entries), which
-runs in batches off the request path. The order is exact LRU, not sampled.
+and a Python linked list pays an interpreted move per page, at that count the whole
+latency budget. Here a touch is one vectorised store of increasing stamps, and finding
+victims is one `argpartition` over the live entries, which runs in batches off the
+request path. The order is exact LRU, not sampled.
 
 Order within one touch: ids are stamped in the order given, so the *last* id becomes
 the most recently used. The store passes a prefix's keys from last to first, so the
