@@ -153,7 +153,7 @@ def test_the_lock_is_not_held_while_the_tier_below_is_asked(stores):
     put(store, info, ks[:10])
     assert store.lookup([info.layout_id], ks)[0] == 100
     assert store.exists(info.layout_id, ks).all()
-    assert store._lock.holds().max_seconds < 0.1
+    assert store.stats().lock.max_seconds < 0.1
 
 
 def test_an_admin_can_break_abandoned_leases(stores):
