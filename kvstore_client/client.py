@@ -39,6 +39,7 @@ from .buffers import as_uint8, page_aligned_empty
 from .channel import PEM, open_channel, with_token
 from .dataplane import Chooser, packed_keys, tls_context
 from .errors import KVStoreError, PagesMissing
+from .fastpath import FastPath
 from .grpc_transport import GrpcTransport
 from .handles import LayoutHandle, Lease, PutResult
 from .layerget import Dest
@@ -181,6 +182,10 @@ class KVStoreClient:
     @property
     def shared_memory(self) -> bool | None:
         return self._shm.shared_memory
+
+    def fast_path(self) -> FastPath | None:
+        """The fast path this client's page calls take now (opened if due), or None: gRPC."""
+        return self._data.fast()
 
     # -- plumbing -------------------------------------------------------------------
     def close(self) -> None:

@@ -326,7 +326,7 @@ def test_crowds_of_slow_silent_and_hostile_peers(crowd_servers, transport):
             assert srv.good.lookup(srv.ns, KEYS) == len(KEYS)
             served += 1
             time.sleep(0.2)
-        assert served and srv.good._data.fast() is not None      # on the fast path still
+        assert served and srv.good.fast_path() is not None      # on the fast path still
         grown = _rss(srv.proc.pid) - before
         assert grown < CROWD_RSS, f"RSS grew {grown >> 20} MiB under a crowd of {len(crowd)}"
         with KVStoreClient(srv.address, data_plane=False, **srv.tls) as admin:

@@ -121,10 +121,10 @@ def test_a_tenant_by_certificate_sees_only_its_own_layouts(pki, server):
             a.put(ns, ks, data)
             assert np.array_equal(a.get(ns, ks), data)
             if fast:
-                assert not a._data.fast().address.endswith(".sock")
-                assert a._data.fast().tenant == "a" and b._data.fast().tenant == "b"
+                assert not a.fast_path().address.endswith(".sock")
+                assert a.fast_path().tenant == "a" and b.fast_path().tenant == "b"
             else:
-                assert a._data.fast() is None
+                assert a.fast_path() is None
             nb = b.register_layout(LAYOUT)
             assert b.lookup(nb, ks) == 0           # the same layout is b's own namespace
             with pytest.raises(KeyError):

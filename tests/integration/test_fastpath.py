@@ -159,7 +159,7 @@ def test_a_large_get_is_striped_and_exact(srv):
         ks = keys("striped", n)
         data = pages(n, ns.page_bytes, seed=3)
         c.put(ns, ks, data)
-        fast = c._data.fast()
+        fast = c.fast_path()
         out = c.get(ns, ks)
         assert np.array_equal(out, data)
         assert len(fast._idle) >= 2, "a 96 MiB get should have used several connections"
@@ -210,14 +210,14 @@ def test_a_restarted_server_is_reached_again_and_the_layout_registered_again(fre
         assert c.lookup(ns, ks) == 0
         assert c.put(ns, ks, data).stored == 3
         assert np.array_equal(c.get(ns, ks), data)
-        assert c._data.fast() is not None
+        assert c.fast_path() is not None
 
 
 # -- same-host control --------------------------------------------------------------------
 def test_same_host_control_goes_over_the_unix_socket(srv):
     with KVStoreClient(srv.address, data_plane=True) as c:
         ns = c.register_layout(LAYOUTS["odd"])
-        assert c._data.fast().address.endswith(".sock")
+        assert c.fast_path().address.endswith(".sock")
         ks = keys("shm", 5)
         data = pages(5, ns.page_bytes, seed=9)
         with c.reserve(ns, ks) as res:
@@ -236,12 +236,12 @@ def test_a_client_that_maps_nothing_finds_the_unix_socket_when_asked(srv):
     with KVStoreClient(srv.address, shared_memory=False, local_socket=True) as c:
         ns = c.register_layout(LAYOUTS["odd"])
         assert c.lookup(ns, keys("uds", 2)) == 0
-        assert c._data.fast().address.endswith(".sock")
+        assert c.fast_path().address.endswith(".sock")
         assert c.region() is None                    # nothing mapped
     with KVStoreClient(srv.address, shared_memory=False) as c:
         ns = c.register_layout(LAYOUTS["odd"])
         assert c.lookup(ns, keys("uds", 2)) == 0
-        assert not c._data.fast().address.endswith(".sock")
+        assert not c.fast_path().address.endswith(".sock")
 
 
 def test_acquire_and_release_on_a_raw_connection(srv):
@@ -330,7 +330,7 @@ def test_aligned_get_answers_only_to_a_client_that_offers_them(srv, n):
         ks = keys(f"aligned{n}", n)
         data = pages(n, ns.page_bytes, seed=n)
         c.put(ns, ks, data)
-        assert c._data.fast()._idle[-1].pad == fw.ALIGN_PAD    # our client offers it
+        assert c.fast_path()._idle[-1].pad == fw.ALIGN_PAD    # our client offers it
         assert np.array_equal(c.get(ns, ks), data)
     for offer, pad in ((0, b""), (fw.ALIGNED, bytes(fw.ALIGN_PAD))):
         raw = Raw(fast_address(srv), hello=False)
@@ -733,7 +733,7 @@ def test_auth_refuses_and_counts_and_isolates_tenants(fresh_server, tmp_path):
         ks = keys("tenant-a", 4)
         data = pages(4, ns.page_bytes)
         a.put(ns, ks, data)
-        assert a._data.fast().tenant == "a"
+        assert a.fast_path().tenant == "a"
         # b names a's layout id: unknown to b, whoever else has it.
         raw = Raw(fast_address(srv), TOKENS["b"])
         refused_gets = metric(port, 'kvstore_rpc_total{code="INVALID_ARGUMENT",'
@@ -811,7 +811,7 @@ def test_falls_back_to_grpc_when_the_data_port_is_closed(srv, caplog):
             assert c.put(ns, ks, data).stored == 4
             assert np.array_equal(c.get(ns, ks), data)
             assert c.lookup(ns, ks) == 4
-            assert c._data.fast() is None
+            assert c.fast_path() is None
             c.delete(ns, ks)
     warnings = [r for r in caplog.records if "fast path not reachable" in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
@@ -827,7 +827,7 @@ def test_a_server_at_its_connection_limit_says_busy(fresh_server):
     with KVStoreClient(srv.address, shared_memory=False) as c:       # gRPC instead
         ns = c.register_layout(LAYOUTS["tiny"])
         c.put(ns, keys("busy", 2), pages(2, ns.page_bytes))
-        assert c._data.fast() is None
+        assert c.fast_path() is None
     for h in held:
         h.close()
 
@@ -859,7 +859,7 @@ def test_a_stale_socket_after_sigkill_does_not_stop_a_restart(tmp_path):
             assert sorted(os.listdir(tmp_path)) == sorted(
                 [os.path.basename(os.path.dirname(sock)), os.path.basename(pool)])
             with KVStoreClient(second.address, data_plane=True) as c:
-                assert c._data.fast().address == unix_path(second)
+                assert c.fast_path().address == unix_path(second)
                 ns = c.register_layout(LAYOUTS["tiny"])
                 with c.reserve(ns, keys("stale", 2)) as res:
                     for view in res.views:
@@ -890,7 +890,7 @@ def test_tls_and_mutual_tls_on_the_tcp_port(pki, mutual):
         assert "(TLS)" in srv.log()
         with KVStoreClient(srv.address, tls_ca=ca, shared_memory=False, data_plane=True,
                            **(mine if mutual else {})) as c:
-            assert not c._data.fast().address.endswith(".sock")
+            assert not c.fast_path().address.endswith(".sock")
             ns = c.register_layout(LAYOUTS["odd"])
             ks = keys("tls", 50)
             data = pages(50, ns.page_bytes, seed=11)

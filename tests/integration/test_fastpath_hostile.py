@@ -178,7 +178,7 @@ def test_unauthenticated_peers_have_their_own_small_budget(pki):
                      timeout=10 * STREAM_TIMEOUT)
             ns = c.register_layout(LAYOUTS["tiny"])          # over the fast path again
             c.put(ns, keys("budget", 2), pages(2, ns.page_bytes))
-            assert c._data.fast() is not None
+            assert c.fast_path() is not None
         status, _ = good.call(fw.Op.EXISTS, fw.LAYOUT_HEAD.pack(ns.layout_id)
                               + fw.encode_keys(20, b"".join(keys("budget", 2))))
         assert status == 0

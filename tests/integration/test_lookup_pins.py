@@ -97,7 +97,7 @@ def test_the_scheduler_asks_over_the_unix_socket_unless_shared_memory_is_off(srv
                                                                             shared_memory):
     e = Engine(srv.address, shared_memory=shared_memory)
     assert e.sched.hit("r", prompt(64, 23), 0) == 0
-    address = e.sched.client._data.fast().address
+    address = e.sched.client.fast_path().address
     assert address.endswith(".sock") == (shared_memory is None)
     e.close()
 

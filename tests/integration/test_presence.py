@@ -59,7 +59,7 @@ def test_a_miss_told_for_a_layout_the_server_does_not_know_counts_nothing(server
     of is dropped quietly, and the lane's next call is answered as usual."""
     with KVStoreClient(server.address) as client:
         ns = client.register_layout(_salted("known"))
-        fast = client._data.fast()
+        fast = client.fast_path()
         assert fast is not None
         assert fast.lookup_later([b"\x01" * 16, ns.layout_id], len(KEYS[0]), b"".join(KEYS))
         client.put(ns, KEYS[:1], _pages(ns, 1))

@@ -164,7 +164,7 @@ def test_after_a_restart_no_token_goes_to_another_users_socket(impostor, shared_
             old = pages(16, seed=1)
             c.put(ns, keys, old)
             assert np.array_equal(c.get(ns, keys), old)
-            old_socket = c._data.fast().address
+            old_socket = c.fast_path().address
             assert old_socket == unix_socket(first)
             # While the server runs, its socket's folder is closed to the other user.
             if os.path.dirname(old_socket) != shared_dir:
@@ -192,8 +192,8 @@ def test_after_a_restart_no_token_goes_to_another_users_socket(impostor, shared_
                     return True
                 wait_for(put, "a put to the restarted server", timeout=20, interval=0.2)
                 assert np.array_equal(c.get(ns, keys), new)
-                wait_for(lambda: c._data.fast() is not None, "the fast path again", timeout=10)
-                assert c._data.fast().address == unix_socket(second)
+                wait_for(lambda: c.fast_path() is not None, "the fast path again", timeout=10)
+                assert c.fast_path().address == unix_socket(second)
                 assert np.array_equal(c.get(ns, keys), new)
                 assert c.lookup(ns, keys) == 16
             assert impostor.got() == b"", "the client sent the impostor its HELLO (token)"
@@ -226,7 +226,7 @@ def test_after_a_restart_no_presence_map_is_read_from_another_users_file(
 
                 def counted() -> bool:
                     try:
-                        return c.lookup(ns, keys) == 8 and c._data.fast() is not None
+                        return c.lookup(ns, keys) == 8 and c.fast_path() is not None
                     except KVStoreError:
                         return False
                 wait_for(counted, "lookups over the fast path again", timeout=20,
@@ -265,7 +265,7 @@ def test_another_user_cannot_keep_the_server_from_starting(impostor, shared_dir)
         path = unix_socket(srv)
         assert os.path.dirname(path) != shared_dir
         with KVStoreClient(srv.address, data_plane=True) as c:
-            assert c._data.fast().address == path
+            assert c.fast_path().address == path
             ns = c.register_layout(LAYOUT)
             data = pages(4, seed=3)
             keys = [f"start-{i}".encode().ljust(16, b".") for i in range(4)]
