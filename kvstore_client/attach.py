@@ -19,6 +19,7 @@ import os
 import stat
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -41,8 +42,10 @@ class RegionAttachment:
     """The region of one client's server. shared_memory: None = map it when it can be
     mapped (same host), else None (gRPC); True = require it; False = never map it."""
 
-    def __init__(self, rpc: Rpc, shared_memory: bool | None) -> None:
+    def __init__(self, rpc: Rpc, shared_memory: bool | None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.shared_memory = shared_memory
+        self._clock = clock             # what the presence map's heartbeat is compared with
         self._rpc = rpc
         self._region: SharedRegion | None = None
         self._tried = False
@@ -168,7 +171,7 @@ class RegionAttachment:
                     log.warning("not reading the presence map of %s: it does not belong "
                                 "to the server's uid %d", resp.path, resp.uid)
                     return None
-                self._presence = PresenceMap.open(resp.path, _server(resp))
+                self._presence = PresenceMap.open(resp.path, _server(resp), self._clock)
             except (OSError, ValueError) as exc:
                 log.debug("no presence map at %s: %s", self._path, exc)
             return self._presence if self._presence is not None and self._presence.live() \

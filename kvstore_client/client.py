@@ -22,8 +22,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 import weakref
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import grpc
 import numpy as np
@@ -124,7 +125,8 @@ class KVStoreClient:
     or Unix socket path (None = the server's: the Unix socket Attach names on this host,
     else the gRPC port + 1); data_connections: most connections one Get is striped over.
     local_socket: with shared_memory=False, still reach the fast path over the server's
-    Unix socket when this host has it (a client that only asks and leases).
+    Unix socket when this host has it (a client that only asks and leases). clock: the
+    monotonic clock the presence map's heartbeat is compared with (a test may advance it).
     """
 
     def __init__(self, address: str, *, timeout: float = 10.0, retries: int = 3,
@@ -133,7 +135,8 @@ class KVStoreClient:
                  tls_key: PEM | None = None, lookup_stream: bool = True,
                  channel: grpc.Channel | None = None, data_plane: bool | None = None,
                  data_address: str | None = None, data_connections: int = 4,
-                 local_socket: bool = False) -> None:
+                 local_socket: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.address = address
         self._channel = (with_token(channel, token) if channel is not None else
                          open_channel(address, token=token, tls_ca=tls_ca, tls_cert=tls_cert,
@@ -146,7 +149,7 @@ class KVStoreClient:
             # open until the server's idle timeout (5 minutes): close it with the client
             # (not at interpreter exit, where the process's end closes it anyway).
             weakref.finalize(self, self._lookups.close).atexit = False
-        self._shm = RegionAttachment(self._rpc, shared_memory)
+        self._shm = RegionAttachment(self._rpc, shared_memory, clock)
         # Lookups may be answered from the server's presence map when this client may be
         # on its host (kvstore_client.presence); how many were.
         self._presence_ok = shared_memory is not False or local_socket

@@ -19,7 +19,7 @@ import mmap
 import os
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -50,15 +50,18 @@ _PAGE = 4096
 class PresenceMap:
     """The server's counters mapped read-only; open() gives None where there are none."""
 
-    def __init__(self, head: mmap.mmap, area: mmap.mmap, bits: int, skip: int) -> None:
+    def __init__(self, head: mmap.mmap, area: mmap.mmap, bits: int, skip: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._head = head                # the region's first page (the heartbeat)
+        self._clock = clock              # CLOCK_MONOTONIC, as the server's heartbeat is
         self._area = area
         self._counts = np.frombuffer(area, dtype=np.uint8)[skip:]
         self._bits = bits
         self._salts: dict[bytes, int] = {}
 
     @classmethod
-    def open(cls, path: str, server: ServerIdentity | None = None) -> PresenceMap | None:
+    def open(cls, path: str, server: ServerIdentity | None = None,
+             clock: Callable[[], float] = time.monotonic) -> PresenceMap | None:
         """The map of the region at path (a file, or the server's hand-out socket), or
         None: no map there (a tier below DRAM, an older server), or it cannot be opened
         from here (OSError: another host, not allowed, or not server's: shm.open_pool)."""
@@ -75,7 +78,7 @@ class PresenceMap:
                              prot=mmap.PROT_READ, offset=start)
         finally:
             os.close(fd)
-        return cls(head, area, bits, offset - start)
+        return cls(head, area, bits, offset - start, clock)
 
     def live(self, now: float | None = None) -> bool:
         """Whether the server wrote its heartbeat within LIVE_SECONDS (False once closed,
@@ -84,7 +87,7 @@ class PresenceMap:
             beat = struct.unpack_from("<d", self._head, BEAT_AT)[0]
         except ValueError:                # closed
             return False
-        now = time.monotonic() if now is None else now
+        now = self._clock() if now is None else now
         return beat > 0.0 and now - LIVE_SECONDS < beat <= now + 1.0
 
     def absent(self, layout_ids: Sequence[bytes], first_key: bytes) -> bool:

@@ -100,9 +100,31 @@ def test_no_map_where_a_disk_tier_may_hold_pages(fresh_server, tmp_path):
         assert client.presence_misses == 0
 
 
+class SkewedClock:
+    """time.monotonic() plus a skew a test sets: the client's clock, advanced at will."""
+
+    def __init__(self) -> None:
+        self.skew = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.skew
+
+
+def test_a_map_whose_heartbeat_looks_stale_answers_nothing(server):
+    """The map is trusted only while the server's heartbeat is under LIVE_SECONDS old by
+    the client's clock: past that, a miss is asked of the server."""
+    clock = SkewedClock()
+    with KVStoreClient(server.address, clock=clock) as client:
+        ns = client.register_layout(_salted("stale"))
+        assert client.lookup(ns, KEYS) == 0 and client.presence_misses == 1
+        clock.skew = LIVE_SECONDS + 0.5
+        assert client.lookup(ns, KEYS) == 0 and client.presence_misses == 1
+
+
 def test_a_stopped_or_killed_servers_map_answers_nothing(fresh_server):
     srv = fresh_server()
-    client = KVStoreClient(srv.address, timeout=2.0, retries=0)
+    clock = SkewedClock()
+    client = KVStoreClient(srv.address, timeout=2.0, retries=0, clock=clock)
     try:
         ns = client.register_layout(LAYOUT)
         assert client.lookup(ns, KEYS) == 0 and client.presence_misses == 1
@@ -110,10 +132,11 @@ def test_a_stopped_or_killed_servers_map_answers_nothing(fresh_server):
         srv.proc.wait()
         # Killed, it beats no more: once LIVE_SECONDS pass, a lookup asks the server (and
         # meets that it is gone) instead of reading the stale map.
-        time.sleep(LIVE_SECONDS + 0.5)
+        clock.skew = LIVE_SECONDS + 0.5
         with pytest.raises(KVStoreError):
             client.lookup(ns, KEYS)
         assert client.presence_misses == 1
+        clock.skew = 0.0                    # the client's clock agrees with the next server's
         again = fresh_server(port=srv.port)
         # The restarted server holds pages the old map never saw: counted right at once
         # (asked of the server), and its own map is found within PRESENCE_RETRY_S.
