@@ -11,7 +11,7 @@ import pytest
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
 from kvstore_client.attach import PRESENCE_RETRY_S
 from kvstore_client.presence import LIVE_SECONDS
-from tests.waiting import wait_for
+from tests.waiting import wait_for, wait_value
 
 LAYOUT = PageLayout(model="presence", num_layers=2, page_tokens=16, num_kv_heads=2,
                     head_size=64, dtype="bfloat16")
@@ -20,12 +20,11 @@ KEYS = [f"key-{i:012d}".encode() for i in range(8)]
 
 def _layout_stats(client, ns, want_misses, within=5.0):
     """The layout's (hits, misses), once the misses sent without waiting are counted."""
-    deadline = time.monotonic() + within
-    while True:
-        got = next(s for s in client.stats().layouts if s.layout_id == ns.layout_id)
-        if got.misses >= want_misses or time.monotonic() > deadline:
-            return got.hits, got.misses
-        time.sleep(0.05)
+    got = wait_value(lambda: next(s for s in client.stats().layouts
+                                  if s.layout_id == ns.layout_id),
+                     lambda got: got.misses >= want_misses, f"{want_misses} misses counted",
+                     timeout=within, interval=0.05)
+    return got.hits, got.misses
 
 
 def _salted(salt):
