@@ -156,6 +156,11 @@ class SchedulerHalf:
         return self._unconfirmed.lag
 
     @property
+    def lookups_pending(self) -> int:
+        """Requests whose prefetched lookup is submitted and its answer not yet taken."""
+        return len(self._pending)
+
+    @property
     def prefetch(self) -> LookupWorker | None:
         """The worker of prefetched lookups (LookupMode.PREFETCH; None in the other
         modes): its lookups made and whether its call is stalled, read by tests and

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -135,15 +136,15 @@ def test_finished_before_the_answer_was_taken_releases_its_lease(srv):
     sched = sched_of(srv, lookup_wait_ms=0)
     try:
         assert sched.hit("r", tokens, 0) is None
-        pending = sched._pending["r"]
+        assert sched.lookups_pending == 1
         sched.finished("r")                           # answered or not, it is gone
         sched.build()
         assert sched.prefetch.looked_up <= 1
-        # The worker is done with it (looked up and its lease queued for release, or
-        # skipped): only then does "no lease" mean the lease was released.
-        assert pending.done.wait(5)
+        # The worker is done with it (looked up and its lease released, or skipped):
+        # only then does "no lease" mean the lease was released.
+        wait_for(sched.prefetch.idle, "the lookup worker to be idle", timeout=5)
         assert wait_leases(srv, 0)
-        assert not sched._pending
+        assert sched.lookups_pending == 0
     finally:
         sched.close()
 
@@ -276,16 +277,20 @@ def test_a_release_in_flight_keeps_the_loop_from_asking_the_store_itself(srv):
     store(srv, tokens)
     timeout = 0.5
     sched = sched_of(srv, lookup_timeout=timeout, probe_interval=60.0)
+    calling = threading.Event()                           # a release is in its call
+    release_lease = sched.client.release_lease
+
+    def releasing(*args):
+        calling.set()
+        return release_lease(*args)
     try:
         assert answer(sched, "a", tokens) == 96           # its answer holds a lease
         sched.finished("a")
+        sched.client.release_lease = releasing
         sigstop(srv.proc.pid)
         try:
             sched.build()                                 # the release goes to the thread
-            deadline = time.monotonic() + 2
-            while sched.prefetch._releases and time.monotonic() < deadline:
-                time.sleep(0.005)
-            time.sleep(0.05)                              # in its call, meeting the hang
+            assert calling.wait(2)                        # in its call, meeting the hang
             started = time.monotonic()
             got = sched.hit("b", prompt(100, 16), 0)
             took = time.monotonic() - started
