@@ -57,7 +57,6 @@ from .config import (
     is_loopback,
     load_config,
 )
-from .disk.stats import DiskCollector
 from .disk.tier import DiskTier
 from .far import wiring as far_wiring
 from .fastpath import FastPathServer, SocketFolder, remove_stale_folders, socket_path
@@ -164,13 +163,12 @@ class Server:
             except (OSError, RuntimeError) as exc:
                 raise ConfigError(f"disk_dir: {exc}") from None
             undo.callback(self.disk.close)
-            self.metrics.registry.register(DiskCollector(self.disk.stats))
             stats = self.disk.stats()
             log.info("disk tier: %s in %s, %d pages found on disk (%.2fs), %s I/O",
                      format_size(config.disk), config.disk_dir, stats.pages,
                      stats.rebuild_seconds, "direct" if stats.direct_io else "buffered")
         try:
-            self.far = far_wiring.open_far(config, self.metrics.registry)
+            self.far = far_wiring.open_far(config)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if self.far is not None:
@@ -222,8 +220,10 @@ class Server:
         log.info("presence map: %s", "on (same-host clients answer misses without a call)"
                  if self.store.presence is not None else
                  "off (a tier below DRAM holds pages the map cannot see)")
-        self.metrics.watch_store(self.store.stats, lambda: {"kvstore_lookup_streams": (
-            "gauge", "Open LookupStream calls", self.lookups.open_streams())})
+        # DRAM's families and each tier's below, each registered by its owner.
+        self.store.register_metrics(self.metrics.registry)
+        self.metrics.gauge("kvstore_lookup_streams", "Open LookupStream calls",
+                           lambda: self.lookups.open_streams())
         self.streams = StreamWatchdog(config.stream_timeout)
         # One limits object for both paths: they refuse the same requests alike.
         self.limits = RequestLimits(config.max_keys_per_request)

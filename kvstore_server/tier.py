@@ -64,6 +64,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import numpy as np
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from .far.records import Scope
 
 __all__ = ["EVICTABLE", "NullTier", "Page", "PageInfo", "Tier", "TierChain", "TierInvalidation",
@@ -202,6 +204,9 @@ class Tier(Protocol):
         """Store what was offered, waiting at most timeout s; returns pages left pending."""
     def levels(self) -> tuple[TierStats, ...]:
         """Stats of each storage level in this tier, top first: () for the null tier."""
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        """Register this tier's collectors in the server's registry: its capacity, use
+        and pages (tier_metrics.TierGauges) and its own families; nothing for the null tier."""
     def close(self) -> None:
         """Stop background work and release files; the tier is unusable afterwards."""
 
@@ -248,6 +253,9 @@ class NullTier:
 
     def levels(self) -> tuple[TierStats, ...]:
         return ()
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -353,6 +361,10 @@ class TierChain:
 
     def levels(self) -> tuple[TierStats, ...]:
         return tuple(s for tier in self.tiers for s in tier.levels())
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        for tier in self.tiers:
+            tier.register_metrics(registry)
 
     def close(self) -> None:
         for tier in self.tiers:

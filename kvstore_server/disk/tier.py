@@ -65,6 +65,7 @@ from ..store.eviction import PolicyFactory, make_policy
 from ..store.layouts import LAYOUT_ID_BYTES
 from ..store.slots import SlotState
 from ..tier import Page, PageInfo, Tier, TierInvalidation, TierName, TierStats
+from ..tier_metrics import TierGauges
 from .slot_io import SlotRead, SlotWrite, folder_gone, lock_folder, read_slots, runs_of, write_slots
 from .slotfile import (
     ALIGN,
@@ -78,9 +79,11 @@ from .slotfile import (
 )
 from .slots import DiskSlots
 from .staging import Pending, StagingRing
-from .stats import DiskCounters, DiskStats
+from .stats import DiskCollector, DiskCounters, DiskStats
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from ..far.records import Scope
 
 __all__ = ["DiskStats", "DiskTier"]
@@ -368,6 +371,10 @@ class DiskTier:
 
     def levels(self) -> tuple[TierStats, ...]:
         return (self.stats(),)
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        registry.register(TierGauges(self.levels))
+        registry.register(DiskCollector(self.stats))
 
     def close(self) -> None:
         """Stop the writer after the batch it is writing (call flush first to keep the

@@ -2,7 +2,7 @@
 
 As in kvstore_server.metrics: the request path bumps plain integers (under one lock,
 once per call, never per key) and a collector turns them into Prometheus families only
-when scraped, in the server's own registry (`registry.register(FarCollector(...))`).
+when scraped, in the server's own registry (FarTier.register_metrics registers it).
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ tier's parts:
                                     written beside the pages by the writer
     describe(layout, key)        -> one EXISTS (admin Inspect only)
     levels()                     -> one TierStats "far" from the client's counters
+    register_metrics(registry)   -> its capacity, use and pages (tier_metrics.py) and
+                                    kvstore_far_* (metrics.py)
     flush(timeout) / close()     -> the write-behind queue's, then glide's
 
 Every method answers; none raises on the cluster's behalf (misses, False, 0), but for
@@ -38,18 +40,24 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import Outcome, StoreError
 from ..tier import PageInfo, Tier, TierInvalidation, TierName, TierStats
+from ..tier_metrics import TierGauges
 from .breaker import BreakerState
 from .client import CLEAR_BUDGET, FarClient
 from .codec import Reason
+from .metrics import FarCollector
 from .reads import ParallelReader
 from .records import REFRESH, LayoutRecord, Scope
 from .settings import WritePolicy
 from .writer import WriteBehind
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 __all__ = ["CLOSE_TIMEOUT", "PROBE_CHUNK", "FarTier"]
 
@@ -175,6 +183,11 @@ class FarTier:
                           drops=c.drops, refused=c.skipped,
                           corrupt_pages=sum(c.rejected.values()), read_errors=c.errors,
                           error="" if state == "reachable" else state),)
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        registry.register(TierGauges(self.levels))
+        registry.register(FarCollector(self.client.counters, self.writer.depth,
+                                       lambda: self.client.breaker.state))
 
     def evict(self, *, nbytes: int | None = None, layout_id: bytes | None = None,
               everything: bool = False) -> tuple[int, int]:

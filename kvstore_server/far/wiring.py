@@ -1,5 +1,5 @@
-"""The far tier as the server builds it: settings -> FarClient -> FarTier, its metrics
-registered, glide's own logging silenced.
+"""The far tier as the server builds it: settings -> FarClient -> FarTier, glide's own
+logging silenced (the tier registers its metrics itself: FarTier.register_metrics).
 
 valkey-glide's Rust core logs to stdout on its own (a WARN line per failed reconnect,
 many a second while a node is down). The far tier says what matters itself, once per
@@ -26,23 +26,19 @@ __all__ = ["know_layouts", "open_far", "through"]
 log = logging.getLogger("kvstore.far")
 
 
-def open_far(config, registry=None) -> FarTier | None:
-    """The far tier of a ServerConfig, its kvstore_far_* collector in `registry`; None
-    without --far. ValueError says what is wrong with the settings."""
+def open_far(config) -> FarTier | None:
+    """The far tier of a ServerConfig; None without --far. ValueError says what is wrong
+    with the settings."""
     settings = from_config(config)
     if settings is None:
         return None
     import glide_sync as glide
 
     from .client import FarClient
-    from .metrics import FarCollector
     from .tier import FarTier
 
     glide.Logger.set_logger_config(glide.LogLevel.OFF)
     tier = FarTier(FarClient(settings))
-    if registry is not None:
-        registry.register(FarCollector(tier.client.counters, tier.writer.depth,
-                                       lambda: tier.client.breaker.state))
     if settings.signed:
         log.info("far tier: values signed with key id %s (%s)",
                  settings.keys.keyring().writing.key_id.hex(), config.far_secret_file)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -58,6 +59,7 @@ from .layouts import DEFAULT_MAX_LAYOUTS, LayoutInfo, LayoutRegistry
 from .lease_book import LeaseBook
 from .leases import DEFAULT_LEASE_MEMORY, FOREVER, LeaseKind, LeaseTable
 from .lookups import FEW_LEADING, Lookups
+from .metrics import StoreCollector
 from .pool import Pool
 from .presence import AREA_BYTES, Presence
 from .quota import TenantLedger
@@ -68,6 +70,9 @@ from .state import StoreState
 from .stats import StoreStats
 from .timed_lock import TimedLock
 from .values import Pinned, Reservation
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 __all__ = ["FOREVER", "LayoutInfo", "Pinned", "Reservation", "Retained", "Store"]
 
@@ -515,3 +520,8 @@ class Store:
     def stats(self) -> StoreStats:
         """The store's stats and its tiers' (Admin.stats)."""
         return self._admin.stats()
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        """DRAM's kvstore_* families (store/metrics.py), then the tiers' below."""
+        registry.register(StoreCollector(self.stats))
+        self._s.lower.register_metrics(registry)
