@@ -126,8 +126,8 @@ class RegionAttachment:
     def local_socket(self) -> ServerIdentity | None:
         """The fast path's Unix socket, when this host has it, found by a fresh Attach
         without mapping the pool: for a client that only asks and leases (the connector's
-        scheduler half). Over a Unix socket a leased lookup took 91-132 us p50 on the dev
-        VM against 113-162 over loopback TCP (scratch runs, two of each). None: another
+        scheduler half): a leased lookup over the Unix socket is quicker than over
+        loopback TCP. None: another
         host, a tenant that may not map the pool, or no answer (asked again when the fast
         path is next opened)."""
         self._identity = None

@@ -39,7 +39,7 @@ def _get_deserializer(message: bytes):
 
 def packed(keys) -> pb.PackedKeys:
     """Keys for the wire; a Packed (kvstore_protocol.keys) passes through without the
-    per-key checks, which cost ~0.3 ms for 4,096 keys."""
+    per-key checks, a Python call per key."""
     if isinstance(keys, Packed):
         return pb.PackedKeys(data=keys.data, key_size=keys.size)
     data, size = pack_keys(keys)

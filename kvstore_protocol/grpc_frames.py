@@ -26,9 +26,9 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.max_frame_size", (8 << 20)),
     ("grpc.http2.lookahead_bytes", 16 << 20),
     # A connection's reconnect backoff (gRPC's default: from 1 s, x1.6 per failed attempt,
-    # up to 120 s). After a 5 s outage a client still failed with "connection refused"
-    # for 4 s after the restarted server was healthy, and its own retries (0.7 s in all)
-    # never reached it. Capped at 1 s, a restart costs at most about a second of refusals.
+    # up to 120 s). After a short outage a client still failed with "connection refused"
+    # for seconds after the restarted server was healthy, and its own retries never
+    # reached it. Capped at 1 s, a restart costs at most about a second of refusals.
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
     # Each channel its own connections. By default channels with the same options share

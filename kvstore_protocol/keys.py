@@ -54,7 +54,7 @@ def unpack_keys(data: bytes, key_size: int) -> list[bytes]:
     if not data:
         return []
     # One vectorised split: numpy's void dtype turns each row into a bytes object
-    # without a Python-level slice per key (4,096 keys in ~0.1 ms).
+    # without a Python-level slice per key.
     return np.frombuffer(data, dtype=f"V{key_size}").tolist()
 
 

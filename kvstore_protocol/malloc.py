@@ -44,11 +44,11 @@ def limit_arenas(arenas: int = 2) -> bool:
     """Cap glibc's malloc arenas (one per thread by default, up to 8 per core).
 
     The daemon's gRPC threads each allocate and free message buffers; spread over one
-    arena per thread, freed memory kept by keep_freed_buffers piles up per arena. Under
-    the 8-client load test (bench/load_test.py) the server's RSS grew 4.2% in the 60 s
-    after warm-up and 3.4% over 300 s; with MALLOC_ARENA_MAX=2 a 240 s run stayed flat
-    (-0.8%). The GIL already serialises these threads, so fewer arenas cost no
-    parallelism. False when this libc has no mallopt."""
+    arena per thread, freed memory kept by keep_freed_buffers piles up per arena, and
+    the server's RSS grew through the 8-client load test (bench/load_test.py); capped,
+    it stays flat (docs/perf/load-test-4f85f3f71f.json: +0.2% from warm-up to the end).
+    The GIL already serialises these threads, so fewer arenas cost no parallelism.
+    False when this libc has no mallopt."""
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
     except (OSError, AttributeError):

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 # kvstore_protocol.region draws it and holds its constants.
 _PAGE = 4096
 HANDOUT_NAME = "pool.sock"   # the --shm-group hand-out socket's name in the folder
-_STEP = 256 << 20           # allocation and pre-fault step: ~0.1-0.5 s of work
+_STEP = 256 << 20           # allocation and pre-fault step: a progress report each
 _HUGE = 2 << 20
 
 # progress(done, total): bytes of start-up work done so far (allocation, then pre-fault).

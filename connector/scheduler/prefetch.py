@@ -176,8 +176,8 @@ class LookupWorker:
                             # than spin; the kept releases go with the next batch. Work
                             # submitted during the release was notified to nobody: it
                             # is looked up now, not a second later (a hung store once
-                            # cost a scheduler step 1.5 s so: the release's timeout,
-                            # then this wait).
+                            # cost a scheduler step the release's timeout and then
+                            # this wait).
                             self._lock.wait(1.0)
             for pending in jobs:
                 if pending.abandoned:

@@ -39,8 +39,8 @@ def load_ctas(unit: int) -> int:
     """The cap on a load's programs for rows of `unit` bytes (0 = one program per tile).
 
     A program's PCIe reads of short rows move less: the 1B preset's 128-byte rows needed
-    128 programs to come near what the 8B preset's 256-byte rows reach with 32 (H200, 16k
-    tokens; docs/perf/load-e833749c3f.json has the 1B layout's loads). Saves write, and few
+    128 programs to come near what the 8B preset's 256-byte rows reach with 32
+    (docs/perf/load-e833749c3f.json has the 1B layout's loads). Saves write, and few
     programs already reach PCIe's speed for either; they keep DEFAULT_MAX_CTAS. Rows
     shorter than 128 bytes were not measured: no cap."""
     if unit >= 256:

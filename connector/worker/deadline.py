@@ -1,10 +1,10 @@
 """When a remote load is late: a deadline that follows from its bytes, the measured link
 and the engine's own pace, moved on each time a layer lands.
 
-A fixed bound (the client's timeout plus the bytes at 100 MB/s) failed loads of 1 and 9
+A fixed bound (the client's timeout plus the bytes at 100 MB/s) failed loads of a few
 pages in fair weather, under vLLM's AsyncScheduler on a 2-core host while the engine
-computed: the receiving thread waits for the CPU and the GIL as the engine does, and half
-a second went by before a few KiB were in. A load the scheduler counted on then failed,
+computed: the receiving thread waits for the CPU and the GIL as the engine does, and
+most of a second went by before a few KiB were in. A load the scheduler counted on then failed,
 and under vLLM's default policy so did its request. So the rule is:
 
     budget(bytes) = SLACK * (timeout + bytes / rate + pace)

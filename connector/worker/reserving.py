@@ -29,10 +29,9 @@ The thread needs the GIL to send the Reserve and again to read its answer, and a
 forward is Python on the engine's thread from end to end (launches and hooks): CPython
 hands the GIL to a waiting thread only after its switch interval (5 ms), longer than a
 1B model's forward at 1k tokens, so the answer was often still unread at the step's end
-and the end of the step waited for it (0.9 ms of a 7.3 ms miss in the H200 breakdown
-of a quick e2e run). So the engine's thread lets it run (nudge) after handing it the
-Reserve and at each save hook while the answer is out: the thread's own work, tens of
-microseconds, instead of a wait.
+and the end of the step waited for it. So the engine's thread lets it run (nudge) after
+handing it the Reserve and at each save hook while the answer is out: the thread's own
+work instead of a wait.
 """
 
 from __future__ import annotations

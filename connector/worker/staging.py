@@ -29,10 +29,10 @@ SLABS = 4
 _POLL_S = 0.05                # how often a waiting take looks at `stop`
 # Slabs start on a 4 KiB boundary, as pinned memory does; torch's CPU allocator puts a
 # large buffer 64 bytes past one. A Get answer's page bytes come 32 bytes past a boundary
-# of the kernel's buffers (its header and pad: fastwire.ALIGNED), and on the dev VM's CPU
-# a receive whose destination lay 32 bytes past its source modulo 4 KiB was slow: a
-# 16-page load took 16-22 ms of client CPU into slabs 64 bytes past a boundary, 8-14 ms
-# at 0, 16, 32, 48 or 96 (kvstore-bench remote-load times the whole load).
+# of the kernel's buffers (its header and pad: fastwire.ALIGNED), and on some CPUs a
+# receive whose destination lies 32 bytes past its source modulo 4 KiB is slow: slabs
+# 64 bytes past a boundary cost a load about twice the client CPU of slabs on one
+# (kvstore-bench remote-load times the whole load: docs/perf/remote-load-cb31147405.json).
 PAGE = 4096
 
 

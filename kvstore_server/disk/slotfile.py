@@ -233,7 +233,7 @@ class SlotFile:
         """Make slots idx..idx+n-1 blank so their pages cannot come back at restart: punch
         a hole (the blocks go back to the file system and read as zeros), or where the
         file system cannot, zero the last block of each, which holds the header. One
-        call a run: a delete of 65,536 pages took 10.8 s punching them one by one."""
+        call a run: punching a large delete's slots one by one took seconds."""
         if self.can_punch:
             if _libc.fallocate(self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
                                self.offset(idx), n * self.slot_bytes) == 0:
@@ -287,8 +287,8 @@ class SlotFile:
         if sb > _SEQ_SCAN_MAX:
             # Large slots: read only the headers. WILLNEED queues the next window's header
             # blocks at once, so the disk sees many reads in flight while the preads that
-            # follow mostly hit the page cache (20k headers of 128 KiB slots: 0.5 s, where
-            # 8 threads of plain preads took 1.0 s); DONTNEED gives the cache back after.
+            # follow mostly hit the page cache (faster than several threads of plain
+            # preads); DONTNEED gives the cache back after.
             def ask(lo: int) -> None:
                 for i in range(lo, min(n, lo + _SCAN_WINDOW)):
                     os.posix_fadvise(self.fd, (i + 1) * sb - HEADER_BYTES, HEADER_BYTES,

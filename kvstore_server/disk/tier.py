@@ -41,9 +41,8 @@ The lock never calls out, so offer may be called under the store's lock.
 
 Restart: the index is rebuilt from the slot headers (SlotFile.scan); torn or corrupt slots
 are skipped and counted, the later generation of a duplicated key wins, and the LRU order is
-the order of the generations. 100k pages of 1 KiB rebuild in 0.9-1.5 s on the 2-core CPU
-machine, cold (bound by the disk: dd reads the files in 0.74 s; tests/unit/test_disk.py
-times it).
+the order of the generations. A rebuild reads each slot's header once and is bound by the
+disk's read speed (tests/unit/test_disk.py's restart of 100k pages prints its rate).
 """
 
 from __future__ import annotations

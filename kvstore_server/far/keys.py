@@ -50,7 +50,7 @@ def page_key(namespace: str, layout_id: bytes, key: bytes, bucket: int | None = 
 def group_by_bucket(namespace: str, layout_id: bytes,
                     keys: list[bytes]) -> dict[int, list[tuple[int, bytes]]]:
     """bucket -> [(index in keys, Redis key)]: the keys each per-slot command names.
-    (Written for speed: 4,096 keys in ~1 ms; page_key per key took three times that.)"""
+    (Written for speed: calling page_key per key was several times slower.)"""
     lid = layout_id.hex()
     prefixes = [f"{namespace}:{{{lid}.{b:02x}}}".encode() for b in range(BUCKETS)]
     groups: dict[int, list[tuple[int, bytes]]] = defaultdict(list)

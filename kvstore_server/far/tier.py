@@ -120,7 +120,7 @@ class FarTier:
         # Taken whatever the breakers say: the writer's calls are what probes a cluster
         # that came back, on a host that only puts (a prefill host writing through). When
         # open breakers turned pages away here, only a read could probe, and such a host
-        # wrote 0 of 64 pages put in the 6 s after the cluster came back. A batch that
+        # wrote none of the pages put after the cluster came back. A batch that
         # meets an open breaker is not sent (counted as skipped), the queue bounds the rest.
         if not self.writes:
             return False

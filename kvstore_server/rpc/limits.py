@@ -1,11 +1,12 @@
 """Bounds on one request, checked before any work or memory proportional to it.
 
 Why. Nothing but the 64 MiB message limit bounded a request: a Get naming one stored key
-60 million times (a 57 MiB request) took the server from 125 MiB to 3.9 GB of RSS in the
-per-key arrays and lists built for it, and a Lookup of 60 M keys held the store's lock for
-11.5 s. Every per-key structure the server builds is proportional to the keys named, so
-one cap on keys bounds them all, and a smaller message limit bounds what gRPC itself
-buffers before a handler can look.
+60 million times (a 57 MiB request) grew the server by gigabytes of RSS in the per-key
+arrays and lists built for it, and a Lookup of 60 M keys held the store's lock for
+seconds (with the limits, clients sending requests at them: the longest hold and the
+server's RSS in docs/perf/limits-3f4ad95abf.json). Every per-key structure the server
+builds is proportional to the keys named, so one cap on keys bounds them all, and a
+smaller message limit bounds what gRPC itself buffers before a handler can look.
 
 The limits (SECURITY.md and README's settings table state them too):
 - keys per request (Lookup, Exists, Get, Put, Delete, Reserve, Acquire, and each message

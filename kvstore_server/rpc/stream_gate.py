@@ -2,9 +2,9 @@
 
 Why. The sync gRPC server runs a stream on one handler thread for as long as it is open,
 and a stream is as slow as its client: a Get whose reader stops, a Put whose writer
-pauses, holds its thread until the watchdog's --stream-timeout. 2,000 concurrent streams
-took every thread: the health check timed out (5 s) and a well-behaved client's unary
-Lookup waited 4.4 s in gRPC's queue.
+pauses, holds its thread until the watchdog's --stream-timeout. Thousands of concurrent
+streams took every thread: the health check timed out and a well-behaved client's unary
+Lookup waited seconds in gRPC's queue.
 
 The rule. At most `limit` Get and Put streams run at once: the handler threads
 (--workers) less a reserve of a quarter of them (at least one), which only unary calls,

@@ -4,11 +4,10 @@ Why it exists. The sync gRPC server runs every call on a thread of one fixed poo
 `workers`, 16). A Get whose reader stops reading blocks its thread inside the send once
 HTTP/2 flow control is full, and keeps its pages pinned (a Get's lease lasts as long as
 the stream); a Put whose writer stops sending blocks the same way on a receive and keeps
-its slots reserved. Measured before this module existed (2-core dev box, 1 MiB pages): a
-reader that took one message of a 128-page Get and stopped, with no deadline of its own,
-held its thread and its 128 pages for as long as it lived; with 16 such readers every
-other call, health checks included, waited for a free thread (a Lookup with a 3 s
-deadline failed with DEADLINE_EXCEEDED). A client deadline does not help against a client
+its slots reserved. Before this module existed, a reader that took one message of a Get
+and stopped, with no deadline of its own, held its thread and its pages for as long as it
+lived; with as many such readers as threads every other call, health checks included,
+waited for a free thread (a Lookup with a deadline failed with DEADLINE_EXCEEDED). A client deadline does not help against a client
 that sets none.
 
 What it does. Each stream is watched from its first message to its end; each message

@@ -33,8 +33,8 @@ FOREVER = math.inf
 
 # Bytes of server memory the leases clients hold may take (the store's lease_memory).
 # A leased Lookup of one stored key named 16,384 times (a 16 KiB request) keeps a
-# 128 KiB slot array for the lease's life: one client grew a server by 1.3 GB in 24 s
-# so, with the pin counts on their way to overflowing. 256 MiB is ~30 million leased
+# 128 KiB slot array for the lease's life: one client grew a server by gigabytes in
+# seconds so, with the pin counts on their way to overflowing. 256 MiB is ~30 million leased
 # pages: a thousand requests in flight, each leasing 2,048 pages on 8 ranks, take 131 MiB.
 DEFAULT_LEASE_MEMORY = 256 << 20
 

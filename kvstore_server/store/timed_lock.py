@@ -1,7 +1,7 @@
 """A lock that measures how long it is held: the store's bound on lock holds, checked.
 
 Every request takes the store's one lock, so the longest hold is the longest any call can
-be held up by another (issue: a Lookup of 60 M keys held it 11.5 s). The limits on a
+be held up by another (a Lookup of 60 M keys once held it for seconds). The limits on a
 request (rpc/limits.py) bound that hold; this lock shows the bound holds in production too:
 `kvstore_store_lock_hold_seconds` (a histogram) and its maximum, on /metrics.
 

@@ -355,8 +355,8 @@ def test_one_tier_per_folder(tiers, tmp_path):
 
 @pytest.mark.slow
 def test_restart_of_100k_pages(tiers, tmp_path):
-    """100k pages of 1 KiB (4 KiB slots: 400 MiB of files) come back after a restart; the
-    rate is quoted in disk/tier.py's docstring."""
+    """100k pages of 1 KiB (4 KiB slots: 400 MiB of files) come back after a restart; it
+    prints the rate (disk/tier.py's docstring: a rebuild is bound by the disk)."""
     size, n = 1 * KiB, 100_000
     tier = tiers(capacity=512 * MiB)
     ks = [i.to_bytes(8, "little") for i in range(n)]
