@@ -30,7 +30,7 @@ BENCHES = {
     "far": "far_bench",
     "far-failover": "far_failover",
     "peers": "peers_bench",
-    "report": "record",         # not a bench: renders the records (see record.py)
+    "report": "report",         # not a bench: renders the records (see report.py)
 }
 
 USAGE = ("usage: kvstore-bench [--record DIR] {" + ",".join(BENCHES) + "} [options]\n\n"

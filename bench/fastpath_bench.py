@@ -38,29 +38,13 @@ from kvstore_client.fastpath import FastPath
 from kvstore_protocol.malloc import keep_freed_buffers
 from kvstore_testing.serverproc import ServerProcess
 
+from .fastpath_pages import PAGE_1M, PAGE_64K, percentile_us, timed
 from .iperf import iperf3_gbps
 from .store_bench import put_get_gbps, raw_socket_gbps
 
 MiB = 1 << 20
-PAGE_1M = PageLayout(model="bench-fast-1m", num_layers=32, page_tokens=16, num_kv_heads=8,
-                     head_size=64)
-PAGE_64K = PageLayout(model="bench-fast-64k", num_layers=32, page_tokens=16, num_kv_heads=1,
-                      head_size=32)
 SMALL = PageLayout(model="bench-fast-small", num_layers=1, page_tokens=1, num_kv_heads=1,
                    head_size=1024, dtype="float16")
-
-
-def _timed(fn, iters: int) -> list[float]:
-    out = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-def _p(times: list[float], q: float) -> float:
-    return sorted(times)[min(len(times) - 1, int(len(times) * q))] * 1e6
 
 
 # -- raw request/answer baseline ---------------------------------------------------------------
@@ -99,7 +83,7 @@ def raw_request_us(answer_bytes: int, iters: int) -> list[float]:
                     pos += conn.recv_into(mv[pos:])
 
             once()
-            return _timed(once, iters)
+            return timed(once, iters)
     finally:
         peer.kill()
         peer.join(10)
@@ -143,7 +127,7 @@ def send_mode_gbps(total: int, reps: int) -> dict[str, float]:
             get = lambda: fast.get_into(PAGE_1M.layout_id, 16, keys, memoryview(buf),  # noqa: E731
                                         PAGE_1M.page_bytes)
             get()
-            out[mode] = total / statistics.median(_timed(get, reps)) / 1e9
+            out[mode] = total / statistics.median(timed(get, reps)) / 1e9
             fast.close()
         finally:
             proc.kill()
@@ -239,7 +223,7 @@ def scaling(total: int, reps: int, conns: list[int], pinned: bool) -> list[dict]
             get = lambda: fast.get_into(PAGE_1M.layout_id, 16, keys, memoryview(out),  # noqa: E731
                                         PAGE_1M.page_bytes)
             get()
-            gbps = total / statistics.median(_timed(get, reps)) / 1e9
+            gbps = total / statistics.median(timed(get, reps)) / 1e9
             fast.close()
             rows.append({"connections": k, "fast_gbps": gbps, "raw_gbps": raw,
                          "fast_vs_raw": gbps / raw})
@@ -339,7 +323,7 @@ def one_run(srv: ServerProcess, total: int, reps: int, iters: int, connections: 
             r[kind] = {"get_gbps": get, "put_gbps": put}
     # One 64 KiB page.
     raw64 = raw_request_us(PAGE_64K.page_bytes, iters)
-    r["raw"]["get64k_p50_us"], r["raw"]["get64k_p99_us"] = _p(raw64, .5), _p(raw64, .99)
+    r["raw"]["get64k_p50_us"], r["raw"]["get64k_p99_us"] = percentile_us(raw64, .5), percentile_us(raw64, .99)
     for kind, flags in (("fast", dict(data_plane=True)), ("grpc", dict(data_plane=False))):
         with KVStoreClient(srv.address, shared_memory=False, **flags) as c:
             ns = c.register_layout(PAGE_64K)
@@ -351,12 +335,12 @@ def one_run(srv: ServerProcess, total: int, reps: int, iters: int, connections: 
             c.get_into(ns, key, out)
             if not np.array_equal(out, page):
                 raise SystemExit(f"{kind}: the 64 KiB page came back different")
-            times = _timed(lambda: c.get_into(ns, key, out), iters)
-            r[kind]["get64k_p50_us"], r[kind]["get64k_p99_us"] = _p(times, .5), _p(times, .99)
+            times = timed(lambda: c.get_into(ns, key, out), iters)
+            r[kind]["get64k_p50_us"], r[kind]["get64k_p99_us"] = percentile_us(times, .5), percentile_us(times, .99)
             c.delete(ns, key)
     # Lookup of 16 keys, and a same-host acquire + release of one page.
     raw_small = raw_request_us(64, iters)
-    r["raw"]["lookup_p50_us"] = _p(raw_small, .5)
+    r["raw"]["lookup_p50_us"] = percentile_us(raw_small, .5)
     keys = [i.to_bytes(16, "little") for i in range(16)]
     lookups = {
         "fast": dict(data_plane=True, shared_memory=False),
@@ -369,14 +353,14 @@ def one_run(srv: ServerProcess, total: int, reps: int, iters: int, connections: 
             ns = c.register_layout(SMALL)
             c.put(ns, keys, np.zeros((16, ns.page_bytes), dtype=np.uint8))
             c.lookup(ns, keys)
-            times = _timed(lambda: c.lookup(ns, keys), iters)
-            r.setdefault(kind, {})["lookup_p50_us"] = _p(times, .5)
+            times = timed(lambda: c.lookup(ns, keys), iters)
+            r.setdefault(kind, {})["lookup_p50_us"] = percentile_us(times, .5)
             if kind in ("fast unix", "grpc"):
                 def acquire_release():
                     c.acquire(ns, keys[:1]).release()
                 acquire_release()
-                times = _timed(acquire_release, iters)
-                r[kind]["acquire_release_p50_us"] = _p(times, .5)
+                times = timed(acquire_release, iters)
+                r[kind]["acquire_release_p50_us"] = percentile_us(times, .5)
     fast, grpc_ = r["fast"], r["grpc"]
     r["ratios"] = {
         "get vs raw": fast["get_gbps"] / raw_recv,

@@ -22,6 +22,7 @@ from kvstore_client import KVStoreClient
 from kvstore_client.buffers import page_aligned_empty
 from kvstore_testing.serverproc import ServerProcess
 
+from .fastpath_pages import PAGE_1M, PAGE_64K, percentile_us, timed
 from .store_bench import put_get_gbps
 
 __all__ = ["tls_report"]
@@ -41,7 +42,6 @@ def _self_signed(folder: Path) -> tuple[Path, Path]:
 
 def _measure(address: str, tls_ca: str | None, total: int, reps: int, iters: int,
              tag: str) -> dict:
-    from .fastpath_bench import PAGE_1M, PAGE_64K, _p, _timed
     r = {}
     for conns in (1, 4):
         with KVStoreClient(address, timeout=120, shared_memory=False, data_plane=True,
@@ -58,7 +58,7 @@ def _measure(address: str, tls_ca: str | None, total: int, reps: int, iters: int
         c.get_into(ns, key, out)
         if not np.array_equal(out, page):
             raise SystemExit(f"{tag}: the 64 KiB page came back different")
-        r["get64k_p50_us"] = _p(_timed(lambda: c.get_into(ns, key, out), iters), .5)
+        r["get64k_p50_us"] = percentile_us(timed(lambda: c.get_into(ns, key, out), iters), .5)
         c.delete(ns, key)
     return r
 

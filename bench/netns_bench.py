@@ -36,7 +36,7 @@ from kvstore_client.buffers import page_aligned_empty
 from kvstore_protocol.malloc import keep_freed_buffers
 from kvstore_testing.serverproc import ServerProcess
 
-from .fastpath_bench import PAGE_1M, PAGE_64K, _p, _timed
+from .fastpath_pages import PAGE_1M, PAGE_64K, percentile_us, timed
 from .netns import NetPair, NetUnavailable
 from .rawpeer import RawClient
 from .store_bench import put_get_gbps
@@ -52,12 +52,12 @@ def _raw(host: str, port: int, total: int, reps: int, iters: int, connections: i
         view = memoryview(out).cast("B")
         one.get(view)
         many.get(view)
-        r = {"get_gbps": total / statistics.median(_timed(lambda: one.get(view), reps)) / 1e9,
-             "getN_gbps": total / statistics.median(_timed(lambda: many.get(view), reps)) / 1e9,
-             "put_gbps": total / statistics.median(_timed(lambda: one.put(data), reps)) / 1e9}
+        r = {"get_gbps": total / statistics.median(timed(lambda: one.get(view), reps)) / 1e9,
+             "getN_gbps": total / statistics.median(timed(lambda: many.get(view), reps)) / 1e9,
+             "put_gbps": total / statistics.median(timed(lambda: one.put(data), reps)) / 1e9}
         small = view[:PAGE_64K.page_bytes]
-        times = _timed(lambda: one.get(small), iters)
-        r["get64k_p50_us"], r["get64k_p99_us"] = _p(times, .5), _p(times, .99)
+        times = timed(lambda: one.get(small), iters)
+        r["get64k_p50_us"], r["get64k_p99_us"] = percentile_us(times, .5), percentile_us(times, .99)
         return r
     finally:
         one.close()
@@ -74,9 +74,9 @@ def _page_64k(address: str, data_plane: bool, iters: int, tag: str) -> tuple[flo
         c.get_into(ns, key, out)
         if not np.array_equal(out, page):
             raise SystemExit(f"{tag}: the 64 KiB page came back different")
-        times = _timed(lambda: c.get_into(ns, key, out), iters)
+        times = timed(lambda: c.get_into(ns, key, out), iters)
         c.delete(ns, key)
-    return _p(times, .5), _p(times, .99)
+    return percentile_us(times, .5), percentile_us(times, .99)
 
 
 def one_run(address: str, raw_host: str, raw_port: int, total: int, reps: int, iters: int,
