@@ -5,8 +5,8 @@
 split a hit's time to first token into the connector's parts and what is left (compute,
 launches, waiting for the device). Each call's start is kept, so the sums can stop at the
 first token (`until`): work a connector defers to later steps (an asynchronous save's
-Commit) is not part of the time to first token. The wrappers add ~1 us a call; nothing
-else changes.
+Commit) is not part of the time to first token. The wrappers add little to a call;
+nothing else changes.
 """
 
 from __future__ import annotations

@@ -339,9 +339,9 @@ class _Bench:
         store emptied and a miss that saves every page, then a hit of what it saved. Each
         round's ratios are taken side by side and the figures are medians of the rounds'
         (the first round warms up): on the H200 host a run's figures drift over its
-        seconds by more than the effects measured (pinned copies moved 40.7-55.3 GB/s
-        within one run), and figures measured one mode after the other took that drift
-        for a difference between the modes. Leaves every page of the prompt stored.
+        seconds by more than the effects measured (pinned copies too, within one run),
+        and figures measured one mode after the other took that drift for a difference
+        between the modes. Leaves every page of the prompt stored.
         Returns the point and the last recompute's output (the logits' reference)."""
         recompute = self.engine(False)
         want = (len(tokens) - 1) // self.page_tokens * self.page_tokens

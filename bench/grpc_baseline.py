@@ -5,8 +5,8 @@ it: the server yields the same bytes object every time (no gather from a pool) a
 client copies each message into a buffer it owns, as get_into must. A Get close to this
 figure spends its time in gRPC, not in the store. The calling process should have called
 kvstore_protocol.malloc.keep_freed_buffers() first, as a gRPC reader of pages should:
-without it this stream measured 0.69-0.81 GB/s on the dev VM against 0.90-1.03 for the
-store's Get (which ran after that call) in the same runs.
+without it this stream was slower than the store's Get (which ran after that call) in
+the same runs.
 """
 
 from __future__ import annotations

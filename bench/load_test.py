@@ -11,7 +11,7 @@ key space shared by all clients, so clients read each other's pages:
     exists   Exists of a run
 
 A page's bytes are a splitmix64 stream seeded by its key, so any process can rebuild
-the page of any key (about 1 GB/s here, against 0.2 GB/s for numpy's PCG64) and a page
+the page of any key (several times faster than numpy's PCG64) and a page
 served under the wrong key, stale or torn, differs. Runs start at a skewed position
 (the square of a uniform number), so the low keys are hot and hit while the key space
 is larger than the pool, which keeps eviction busy. With `--shared-memory mixed` (the

@@ -3,7 +3,7 @@ against np.add.at, the way it counted before.
 
 A leased Lookup pins each page it counts and its release unpins them, under the store's
 lock. A 32k-token prompt of 16-token pages is 2,048 pages; a key may repeat in a
-request, so the count must add once per entry, which np.add.at does at ~80 ns an entry.
+request, so the count must add once per entry, which np.add.at does, entry by entry.
 add_pins adds by fancy indexing once it has found no repeat. Both run in interleaved
 rounds in one process (load on the machine falls on both alike); medians.
 

@@ -1,9 +1,9 @@
 """Piecewise CUDA graphs for the reference model: a step's layers, attention left out.
 
 Why: the reference engine exists to measure the store, so its forward must cost what a real
-engine's does. On the H200 host an 8B forward of 16 new tokens over a resident prefix took
-20-37 ms of host time for 6 ms of GPU work (torch profiler: ~25 kernel launches a layer at
-~25 us of Python and dispatch each), which made every hit look slower than it is. vLLM does
+engine's does. Eager, an 8B forward of 16 new tokens over a resident prefix took several
+times its GPU work in host time (torch profiler: dozens of kernel launches a layer, each
+paying Python and dispatch), which made every hit look slower than it is. vLLM does
 not pay that: it captures everything but attention in CUDA graphs per token count
 ("piecewise" graphs) and runs attention eagerly, because attention's shape follows each
 request's context. This module does the same.
@@ -20,9 +20,9 @@ two buffers, so no copies stand between the layers.
 
 The buckets reach past vLLM's default capture sizes (512) to 2,048 tokens. Above 512 vLLM
 runs its torch.compile'd model, whose fused kernels cost few launches; this model's eager
-ops do not fuse, and on the H200 host an eager 8B step of 1,024 tokens took 30.7 ms of host
-enqueue for 27.4 ms on the device: host-bound, so every microsecond a connector hook spent
-on the host was added to the step (a miss that saves read 1.12-1.24x a recompute). Buckets
+ops do not fuse, and on the H200 host an eager 8B step of 1,024 tokens took longer to
+enqueue than to run on the device: host-bound, so every microsecond a connector hook spent
+on the host was added to the step (a miss that saves read well above a recompute). Buckets
 step by 128 tokens to 1,024 and by 256 to 2,048, so padding costs at most a sixth of a
 step's GEMMs there. Steps longer than the largest bucket run eagerly: at 4,096 tokens and up
 an 8B step is compute-bound and launch costs hide behind its GEMMs.

@@ -4,9 +4,8 @@ Why it exists. A step that adds a few tokens after a long cached prefix (what a 
 leaves to compute, and every decode) must cost what a real engine's costs: about one
 weight-bound forward. Through torch's own ops it did not: FlashAttention takes contiguous
 K/V, so each layer first gathered the whole context out of its blocks (128 MiB a layer at
-32k tokens of an 8B model), and the op's Python path plus the gather cost ~130 us of host
-time a layer, more than the layer's GPU work at 16 new tokens (H200: a 16-token step over a
-256-token prefix took 7.2 ms of host enqueue for ~4 ms of GPU work). vLLM's backends read
+32k tokens of an 8B model), and the op's Python path plus the gather cost more host time a
+layer than the layer's GPU work at 16 new tokens. vLLM's backends read
 K/V through the block table inside the kernel; so does this one.
 
 The work is cut into tiles of at most BLOCK_M query rows of one request (consecutive
