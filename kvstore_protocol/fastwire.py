@@ -39,7 +39,7 @@ from .keys import MAX_KEY_BYTES
 from .layout import MAX_LOOKUP_LAYOUTS
 from .reasons import Reason
 
-__all__ = ["ALIGNED", "ALIGN_PAD", "COUNT", "COUNT_LEASE", "GRPC_CODES", "HEADER", "LAYER_MAJOR", "LAYOUT_HEAD",
+__all__ = ["ALIGNED", "ALIGN_PAD", "CALLS", "COUNT", "COUNT_LEASE", "GRPC_CODES", "HEADER", "LAYER_MAJOR", "LAYOUT_HEAD",
            "LAYOUT_ID_BYTES", "LEASE", "LEASED_HEAD", "LOOKUP_HEAD", "MAGIC", "MAX_ANSWER_BODY",
            "MAX_BODY", "MAX_DATA", "MAX_LAYOUTS", "MISSED", "PAGE_MAJOR", "PINS", "PINS_HEAD",
            "PUT_DONE", "QUIET", "READ", "REASON_FLAGS", "REGION_TOKEN_BYTES", "RESERVED", "VERSION",
@@ -99,6 +99,12 @@ QUIET = 1
 ALIGNED = 2
 ALIGN_PAD = 8
 
+# HELLO flag: the client may send CALL frames, a unary gRPC call carried whole (its
+# method's name and its protobuf request; kvstore_protocol.carriage). Offered and granted
+# as QUIET is: a server that does not grant it never sees a CALL (it would close the
+# connection on an op it does not know), and the client sends those calls over gRPC.
+CALLS = 4
+
 # LOOKUP flag: a leased lookup that also answers where its pages lie in the shared pool,
 # so a worker on the server's host can copy them under the lookup's own lease instead of
 # pinning them again with an ACQUIRE (a round trip on a hit's critical path). The server answers the pins only to a caller that may
@@ -145,6 +151,8 @@ class Op(enum.IntEnum):
     COMMIT = 9       # lease -> stored
     ABORT = 10       # lease -> aborted
     RELEASE = 11     # lease -> released (flags QUIET: no answer)
+    CALL = 12        # method name, protobuf request -> protobuf response (HELLO's CALLS
+    #                  granted; kvstore_protocol.carriage)
 
 
 class Status(enum.IntEnum):
@@ -161,6 +169,7 @@ class Status(enum.IntEnum):
     INTERNAL = 7         # a server defect; the server log says more
     PROTOCOL = 8         # a malformed frame: the server closes the connection after it
     BUSY = 9             # too many connections (UNAVAILABLE): try again, or use gRPC
+    UNIMPLEMENTED = 10   # a CALL of a method the server does not carry: use gRPC
 
 
 # The gRPC status each outcome has: what the client raises, what the server's metrics
@@ -178,6 +187,7 @@ GRPC_CODES = {
     Status.INTERNAL: grpc.StatusCode.INTERNAL,
     Status.PROTOCOL: grpc.StatusCode.INVALID_ARGUMENT,
     Status.BUSY: grpc.StatusCode.UNAVAILABLE,
+    Status.UNIMPLEMENTED: grpc.StatusCode.UNIMPLEMENTED,
 }
 assert set(GRPC_CODES) == set(Status)
 

@@ -39,12 +39,13 @@ from collections.abc import Callable
 import grpc
 
 from kvstore_protocol import fastwire as fw
+from kvstore_protocol.carriage import call_body_bytes
 from kvstore_protocol.keys import KeyError_
 
 from ..auth import ANONYMOUS, Authenticator, Principal, Role, token_digest
 from ..errors import Outcome, StoreError
 from ..peercert import Digest, der_digest
-from ..rpc.limits import MAX_KEYS_LIMIT
+from ..rpc.limits import MAX_KEYS_LIMIT, request_message_bytes
 from .io import ClientGone, Reader, set_timeouts
 from .ops import Ops, Session, status_of, table
 
@@ -56,8 +57,10 @@ _NAMES: dict[int, str] = {op: "Fast" + op.name.title() for op in fw.Op}
 SCRATCH_BYTES = 256 << 10      # per connection: where a refused Put's data is dropped
 # A request body up to this long that is over the server's limit is read past and refused
 # (the connection goes on); a longer one is taken for a malformed frame: the connection
-# closes. The largest limit a server may be set to (limits.MAX_KEYS_LIMIT) is under it.
-_SKIPPABLE_BODY = fw.request_body_bytes(MAX_KEYS_LIMIT)
+# closes. The largest limit a server may be set to (limits.MAX_KEYS_LIMIT) is under it,
+# for a CALL's body too (a request message, limits.request_message_bytes).
+_SKIPPABLE_BODY = max(fw.request_body_bytes(MAX_KEYS_LIMIT),
+                      call_body_bytes(request_message_bytes(MAX_KEYS_LIMIT)))
 # The longest HELLO body read: a token (a bearer token is tens of bytes; 4 KiB leaves room
 # for any a deployment makes). A HELLO that declares more is refused before its body is
 # read: nothing is allocated for a length an unauthenticated peer declares.
@@ -154,9 +157,11 @@ class Connection:
             set_timeouts(self.sock, self.stream_timeout)
         else:
             self.sock.settimeout(self.stream_timeout or None)
-        # A client that offers quiet releases gets them (fastwire.QUIET), and one that
-        # reads aligned Get answers gets those (fastwire.ALIGNED).
-        self._granted = h.flags & (fw.QUIET | fw.ALIGNED)
+        # A client that offers quiet releases gets them (fastwire.QUIET), one that
+        # reads aligned Get answers gets those (fastwire.ALIGNED), and one that carries
+        # unary calls in CALL frames gets that where this server serves them (CALLS).
+        self._granted = h.flags & (fw.QUIET | fw.ALIGNED
+                                   | (fw.CALLS if self.ops.carriage is not None else 0))
         self._reply(fw.Op.HELLO, principal.name.encode(), flags=self._granted)
 
     # -- frames -------------------------------------------------------------------------
@@ -199,7 +204,8 @@ class Connection:
                     self.sock.settimeout(self.stream_timeout or None)
                 if h.op == fw.Op.HELLO:
                     raise fw.WireError("HELLO comes once, first")
-                if h.body_len > self.ops.max_body:
+                if h.body_len > (self.ops.max_call_body if h.op == fw.Op.CALL
+                                 else self.ops.max_body):
                     self._refuse_body(session, h)
                     continue
                 self._call(session, h, self._read_body(h))
@@ -271,12 +277,18 @@ class Connection:
         lane carries the leases of all its threads: one thread's oversized Acquire let
         another's pinned pages be reused while it read them."""
         s.reader.skip(h.body_len + h.data_len, s.scratch)
+        status = fw.Status.INVALID
         message = (f"body of {h.body_len} bytes is over the limit of {self.ops.max_body} "
                    f"(at most {self.ops.limits.max_keys} keys per request, "
                    "--max-keys-per-request): split it")
+        if h.op == fw.Op.CALL:       # as gRPC refuses a message past its limit
+            status = fw.Status.EXHAUSTED
+            message = (f"a CALL of {h.body_len} bytes is over the limit of "
+                       f"{self.ops.max_call_body} (one request message, set by "
+                       "--max-keys-per-request): split it")
         if not (h.op == fw.Op.RELEASE and h.flags & fw.QUIET):
-            self._reply(h.op, message.encode(), fw.Status.INVALID)
-        self._observe(_NAMES[h.op], 0.0, fw.GRPC_CODES[fw.Status.INVALID])
+            self._reply(h.op, message.encode(), status)
+        self._observe(_NAMES[h.op], 0.0, fw.GRPC_CODES[status])
 
     def _try_reply(self, op: int, message: str, status: fw.Status) -> None:
         try:

@@ -20,11 +20,13 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from kvstore_protocol import fastwire as fw
+from kvstore_protocol.carriage import call_body_bytes
 from kvstore_protocol.region import region_id
 
 from ..auth import Principal
 from ..rpc.calls import Calls
-from ..rpc.limits import RequestLimits
+from ..rpc.carriage import Carriage
+from ..rpc.limits import RequestLimits, request_message_bytes
 from ..rpc.status import status_of
 from ..store import Store
 from .io import IOV_BATCH, SEND_BYTES, Reader, runs, send_batch, send_file, send_views
@@ -84,15 +86,20 @@ class Ops:
     """The calls over one store; shared by every connection."""
 
     def __init__(self, store: Store, auth_on: bool, send_mode: str = SEND_SENDMSG,
-                 limits: RequestLimits | None = None) -> None:
+                 limits: RequestLimits | None = None,
+                 carriage: Carriage | None = None) -> None:
         """limits: what one request may ask for; the gRPC service's own object, so both
-        paths refuse the same requests with the same outcome and message."""
+        paths refuse the same requests with the same outcome and message. carriage: the
+        unary calls CALL carries (rpc/carriage.py); None: CALLS is not granted."""
         self.store = store
         self.calls = Calls(store, auth_on, limits)
         self.send_mode = send_mode
         self.limits = self.calls.limits
         # The largest request body a connection reads (checked on the header).
         self.max_body = fw.request_body_bytes(self.limits.max_keys)
+        self.carriage = carriage
+        # A CALL's body: its name and the one message gRPC would take for it.
+        self.max_call_body = call_body_bytes(request_message_bytes(self.limits.max_keys))
         self.mem = store.mem.data
         # Our own descriptor of the pool, for sendfile: a duplicate of the region's, since
         # with --shm-group the pool is a memfd and its path is the hand-out socket.
@@ -174,6 +181,14 @@ class Ops:
         (read,) = _unpack(fw.READ, body, fw.LEASE.size) if len(body) > fw.LEASE.size else (0,)
         s.leases.pop(lease_id, None)
         return fw.LEASE.pack(int(self.calls.release(s.who, lease_id, read)))
+
+    def call(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
+        """A unary call carried whole (kvstore_server.rpc.carriage), as this connection's
+        tenant."""
+        if self.carriage is None:          # not granted at HELLO: the client knew
+            raise fw.WireError("CALL was not granted on this connection",
+                               fw.Status.UNIMPLEMENTED)
+        return self.carriage.serve(s.who, body)
 
     # -- page bytes ---------------------------------------------------------------------
     def get(self, s: Session, h: fw.Header, body: memoryview) -> None:
@@ -278,4 +293,4 @@ def table(ops: Ops) -> dict[int, Callable]:
     return {fw.Op.LOOKUP: ops.lookup, fw.Op.EXISTS: ops.exists, fw.Op.DELETE: ops.delete,
             fw.Op.ACQUIRE: ops.acquire, fw.Op.RESERVE: ops.reserve, fw.Op.COMMIT: ops.commit,
             fw.Op.ABORT: ops.abort, fw.Op.RELEASE: ops.release, fw.Op.PUT: ops.put,
-            fw.Op.GET: ops.get}
+            fw.Op.GET: ops.get, fw.Op.CALL: ops.call}

@@ -30,7 +30,9 @@ from kvstore_protocol import fastwire as fw
 
 from ..auth import Authenticator
 from ..metrics import Metrics
+from ..rpc.carriage import Carriage
 from ..rpc.limits import RequestLimits
+from ..rpc.service import KVStoreService
 from ..store import Store
 from .admission import Admission, Ticket
 from .connection import Connection
@@ -73,7 +75,10 @@ class FastPathServer:
         self.hello_timeout = min(stream_timeout or HELLO_TIMEOUT, HELLO_TIMEOUT)
         self.admission = Admission(max_connections, hello_connections,
                                    per_tenant=auth is not None)
-        self.ops = Ops(store, auth is not None, send_mode, limits)
+        # CALL frames are served by a KVStoreService of this store: the methods, and so
+        # the rules, the gRPC path runs (rpc/carriage.py).
+        self.ops = Ops(store, auth is not None, send_mode, limits,
+                       Carriage(KVStoreService(store, metrics, auth, limits)))
         self._lock = threading.Lock()          # guards the fields below
         self._open: set[socket.socket] = set()
         self.accepted = 0

@@ -14,6 +14,11 @@ checked against the tenant that took them.
 Bulk bytes bypass protobuf objects (see kvstore_protocol.grpc_frames): Put's data messages are
 read as memoryviews of the received buffer and Get's chunks are framed straight from
 the pool, one copy each way.
+
+The fast path serves the calls named in KVStoreService.CARRIED with these very methods
+(carriage.py: its CALL frame carries the method's name and this request, and the
+connection's tenant comes as a `Carried` context). A new unary call rides both transports
+once its name is added there.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from ..metrics import Metrics
 from ..region import TOKEN_OFFSET
 from ..store import Store
 from .calls import Calls
+from .carriage import Carried
 from .limits import RequestLimits
 from .lookup_streams import LookupStreams
 from .parsing import Unparsed, checked, parser
@@ -106,6 +112,13 @@ def _offsets(offsets: np.ndarray) -> bytes:
 class KVStoreService:
     """The KVStore RPCs over one Store."""
 
+    # The unary calls the fast path also carries (its CALL frame, carriage.py): the cold
+    # ones with no frame of their own. Not the hot calls (their frames are hand-packed),
+    # nor Attach and RegisterLayout: the client's mends of a restart run over gRPC,
+    # whatever state the fast path is in. RetainMany (the connector's retains for KV
+    # events) rides here: a change to its messages needs no edit of either transport.
+    CARRIED = frozenset({"Retain", "RetainMany", "ReleaseRetention", "Removals"})
+
     def __init__(self, store: Store, metrics: Metrics,
                  auth: Authenticator | None = None,
                  limits: RequestLimits | None = None, unix_socket: str = "") -> None:
@@ -120,8 +133,11 @@ class KVStoreService:
         self.limits = self.calls.limits
         self._mem = store.mem.data
 
-    def _caller(self, context: grpc.ServicerContext) -> Principal:
-        """The tenant this call acts for (the interceptor already refused the others)."""
+    def _caller(self, context: grpc.ServicerContext | Carried) -> Principal:
+        """The tenant this call acts for (the interceptor already refused the others; on
+        the fast path, the connection's HELLO and its check before each frame did)."""
+        if isinstance(context, Carried):
+            return context.who
         if self.auth is None:
             return ANONYMOUS
         return self.auth.caller(context)
