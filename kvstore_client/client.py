@@ -12,7 +12,7 @@ service is in admin.py (also `client.admin`), as dataclasses. Every call has a t
 puts are idempotent (keys already stored are skipped by the server).
 
 Over 400 lines because KVStoreClient is the one public face of the library, about 30
-short methods. Session retention and the removals feed (gRPC only, off the hot path:
+short methods. Session retention and the removals feed (off the hot path, Transport.unary:
 Retention, Removal, Removals and their calls, about 110 lines) are a second idea and the
 next split.
 """
@@ -289,14 +289,13 @@ class KVStoreClient:
         key_size, data = packed_keys(keys)
         return self._data.call("Delete", ns, lambda t: t.delete(ns.layout_id, key_size, data))
 
-    def _grpc(self, method: str, handle: LayoutHandle | None, request):
-        """A call only gRPC carries (rpc.Rpc.unary), mended after a server restart like
-        every other (transport.Recovery)."""
-        stub = self._rpc.unary(method)
-        return self._data.recovered(handle, lambda: self._rpc.call(
-            method, lambda: stub(request, timeout=self.timeout)))
+    def _unary(self, method: str, handle: LayoutHandle | None, request):
+        """A unary call with no frame of its own (Transport.unary): over the fast path's
+        CALL where the server carries it, else gRPC, mended after a server restart like
+        every other (transport.Recovery); handle: the layout it names, or None."""
+        return self._data.call(method, handle, lambda t: t.unary(method, request))
 
-    # -- session retention (gRPC only: one call a turn, off the hot path) ---------------
+    # -- session retention (one call a turn, off the hot path) ---------------------------
     def retain(self, ns: LayoutHandle, keys: Sequence[bytes], session: str,
                ttl: float) -> Retention:
         """Ask the server to keep the prefix `keys` (its leading run in DRAM) from
@@ -305,10 +304,10 @@ class KVStoreClient:
         tenant's retention quota or session cap) is an answer, not an error."""
         req = pb.RetainRequest(layout_id=ns.layout_id, keys=packed(keys), session=session,
                                ttl_ms=max(1, round(ttl * 1000)) if ttl > 0 else 0)
-        resp = self._grpc("Retain", ns, req)
+        resp = self._unary("Retain", ns, req)
         return Retention(resp.pages, resp.refused)
 
-    # -- removals (gRPC only: a poll every fraction of a second, off the hot path) --------
+    # -- removals (a poll every fraction of a second, off the hot path) ------------------
     def removals(self, handles: Sequence[LayoutHandle], after_seq: int = 0, epoch: int = 0,
                  limit: int = 0) -> Removals:
         """Pages of these layouts that left the server after the cursor (after_seq of
@@ -317,7 +316,7 @@ class KVStoreClient:
         ids = [h.layout_id for h in handles]
         req = pb.RemovalsRequest(layout_ids=ids, after_seq=after_seq, epoch=epoch,
                                  limit=limit)
-        resp = self._grpc("Removals", handles[0] if len(handles) == 1 else None, req)
+        resp = self._unary("Removals", handles[0] if len(handles) == 1 else None, req)
         entries, at = [], 0
         for seq, index, cause, size in zip(resp.seqs, resp.layout_index, resp.causes,
                                            resp.key_sizes, strict=True):
@@ -345,13 +344,13 @@ class KVStoreClient:
         return out
 
     def _retain_part(self, ns: LayoutHandle, req: pb.RetainManyRequest) -> list[Retention]:
-        resp = self._grpc("RetainMany", ns, req)
+        resp = self._unary("RetainMany", ns, req)
         return [Retention(r.pages, r.refused) for r in resp.results]
 
     def release_retention(self, session: str) -> int:
         """End a session's retention now: the pages it kept (0: no such session)."""
         req = pb.ReleaseRetentionRequest(session=session)
-        return self._grpc("ReleaseRetention", None, req).pages
+        return self._unary("ReleaseRetention", None, req).pages
 
     def get(self, ns: LayoutHandle, keys: Sequence[bytes]) -> np.ndarray:
         """The pages of keys as a new (N, page_bytes) uint8 array; KeyError if one is missing."""

@@ -38,7 +38,7 @@ from .fastpath import FastPath, FastPathUnavailable, UntrustedPeer
 from .grpc_transport import GrpcTransport
 from .holdings import Holdings
 from .layerget import Dest, LayerGet
-from .transport import Recovery, Transport
+from .transport import NotCarried, Recovery, Transport
 
 if TYPE_CHECKING:
     from .handles import LayoutHandle
@@ -219,13 +219,11 @@ class Chooser:
                     return fn(fast)
                 except FastPathUnavailable:
                     self.drop(fast)         # the server went away: gRPC retries
+                except NotCarried:
+                    pass                    # this call only: gRPC, the fast path stays
             return fn(self.grpc)
 
         return self._recovery.run(once, handle)
-
-    def recovered(self, handle: LayoutHandle | None, fn: Callable[[], T]) -> T:
-        """fn (a call only gRPC carries), mended like every other call."""
-        return self._recovery.run(fn, handle)
 
     def get_layers(self, ns: LayoutHandle, key_size: int, packed: bytes, dest: Dest,
                    stop: threading.Event | None, reregister: Callable[[], object]

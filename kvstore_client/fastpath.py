@@ -42,13 +42,16 @@ from typing import TypeVar
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError, Message
 
 from kvstore_protocol import fastwire as fw
+from kvstore_protocol.carriage import encode_call, messages
 
 from .errors import KVStoreError
 from .fastconn import Broken, Conn, Timeout, deadline
 from .handles import Pins
 from .holdings import Holdings
+from .transport import NotCarried
 from .unixpeer import ServerIdentity, UntrustedSocket, check_path, check_peer
 
 __all__ = ["FastLease", "FastPath", "FastPathUnavailable", "UntrustedPeer", "keys_body"]
@@ -166,6 +169,8 @@ class FastPath:
         self._stripes: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
         self.tenant = ""
+        # Whether the server carries unary calls in CALL frames (granted at HELLO).
+        self.carries = False
 
     # -- connections ------------------------------------------------------------------
     def _connect(self) -> Conn:
@@ -193,10 +198,12 @@ class FastPath:
         conn = Conn(sock)
         try:
             conn.use_timeout(self._timeout())
-            conn.send(fw.Op.HELLO, self.token.encode(), flags=fw.QUIET | fw.ALIGNED)
+            conn.send(fw.Op.HELLO, self.token.encode(),
+                      flags=fw.QUIET | fw.ALIGNED | fw.CALLS)
             head, body = conn.answer(fw.Op.HELLO, "Hello")
             conn.quiet = bool(head.flags & fw.QUIET)
             conn.pad = fw.ALIGN_PAD if head.flags & fw.ALIGNED else 0
+            self.carries = bool(head.flags & fw.CALLS)
         except Timeout as exc:
             conn.close()
             raise HelloTimedOut(f"fast path at {self.address}: {exc}") from None
@@ -492,6 +499,33 @@ class FastPath:
                     self._holdings.let_go(lane.conn)
                     lane.conn = None
                 return False
+
+    # -- calls with no frame of their own ---------------------------------------------
+    def unary(self, method: str, request: Message) -> Message:
+        """A unary KVStore call carried whole in a CALL frame (kvstore_protocol.carriage);
+        NotCarried where the server does not carry it (the chooser uses gRPC then).
+        Retention and the removals feed ride here; a new call does too, once the server
+        names it in KVStoreService.CARRIED."""
+        types = messages(method)
+        if types is None or not self.carries:
+            raise NotCarried(method)
+        body = encode_call(method, request.SerializeToString())
+
+        def call(c: Conn) -> Message:
+            c.send(fw.Op.CALL, body)
+            answer = c.answer(fw.Op.CALL, method)[1]
+            try:
+                return types[1].FromString(bytes(answer))
+            except DecodeError as exc:
+                raise KVStoreError(grpc.StatusCode.INTERNAL, f"the server's answer is not "
+                                   f"a {types[1].__name__}: {exc}", method) from None
+
+        try:
+            return self._run(method, call)
+        except KVStoreError as exc:
+            if exc.code == grpc.StatusCode.UNIMPLEMENTED:
+                raise NotCarried(method) from None
+            raise
 
     # -- page bytes ---------------------------------------------------------------------
     def put(self, layout_id: bytes, key_size: int, packed: bytes, data: memoryview

@@ -19,6 +19,7 @@ from collections.abc import Callable, Generator, Iterator
 
 import grpc
 import numpy as np
+from google.protobuf.message import Message
 
 from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_protocol.grpc_frames import PUT_DATA_TAG, frame
@@ -121,6 +122,11 @@ class GrpcTransport:
         if future.exception() is not None:
             log.warning("releasing a lease failed (%s); it expires by itself",
                         future.exception())
+
+    def unary(self, method: str, request: Message) -> Message:
+        """The KVStore method of that name (Rpc.unary finds its stub by name)."""
+        stub = self._rpc.unary(method)
+        return self._rpc.call(method, lambda: stub(request, timeout=self.timeout))
 
     # -- page bytes ---------------------------------------------------------------------
     def put(self, layout_id: bytes, key_size: int, packed: bytes, data: memoryview

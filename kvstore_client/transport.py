@@ -4,7 +4,9 @@ Two transports carry the page calls: gRPC (grpc_transport.GrpcTransport) and the
 path (fastpath.FastPath). Both answer the calls below with the same values and raise the
 same errors: KVStoreError carrying the server's Reason where the client must react, and
 FastPathUnavailable when the fast path itself went away (the chooser, dataplane.py, then
-uses gRPC). Shared memory is not a transport: it moves page bytes beside them, under
+uses gRPC). A call with no frame of its own on the fast path (retention, the removals feed, a call
+added tomorrow) is `unary(name, request)` on both, so a new call needs no line here.
+Shared memory is not a transport: it moves page bytes beside them, under
 leases a transport takes (shm.py).
 
 A server that restarted has forgotten the layouts and made a new shared-memory region.
@@ -23,12 +25,20 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from .errors import KVStoreError, Reason
 
 if TYPE_CHECKING:
+    from google.protobuf.message import Message
+
     from .fastpath import FastLease
     from .handles import LayoutHandle, Pins
 
-__all__ = ["Recovery", "Transport"]
+__all__ = ["NotCarried", "Recovery", "Transport"]
 
 T = TypeVar("T")
+
+
+class NotCarried(Exception):
+    """This transport does not carry that call (a server too old for the fast path's
+    CALL, or one that does not carry that method): the chooser sends it over gRPC and
+    keeps the fast path for everything else."""
 
 
 class Transport(Protocol):
@@ -67,6 +77,12 @@ class Transport(Protocol):
 
     def release_later(self, lease_id: int) -> None:
         """End a lease without waiting for the answer."""
+        ...
+
+    def unary(self, method: str, request: Message) -> Message:
+        """Any other unary call of the KVStore service, by its name: its request message
+        in, its response message out (gRPC: the method's stub; fast path: a CALL frame,
+        kvstore_protocol.carriage, or NotCarried where the server does not carry it)."""
         ...
 
 
