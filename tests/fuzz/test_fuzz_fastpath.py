@@ -120,6 +120,16 @@ def bodies(draw, op):
             "<I", draw(st.integers(0, 2**32 - 1))) + keys
     if op in (fw.Op.COMMIT, fw.Op.ABORT, fw.Op.RELEASE):
         return struct.pack("<Q", lease)[:draw(st.integers(0, 8))]
+    if op == fw.Op.CALL:
+        # A carried name, one not carried, an Admin one, a stranger, or a wrong length;
+        # then bytes that may or may not parse as its request (a layout and keys inside).
+        name = draw(st.sampled_from([b"Retain", b"RetainMany", b"ReleaseRetention",
+                                     b"Removals", b"Lookup", b"Attach", b"Clear", b"Evict",
+                                     b"Nope", b"\xff\x00"]))
+        size = draw(st.sampled_from([len(name), 0, 65, 255]))
+        message = draw(st.one_of(st.binary(max_size=256), st.just(
+            b"\x0a\x10" + layout + b"\x12" + bytes((min(len(keys), 127),)) + keys[:127])))
+        return bytes((size,)) + name + message
     return layout + keys
 
 
