@@ -135,7 +135,7 @@ def _through_servers(c: Contenders, nodes: list[tuple[str, int]], size: int, n: 
                         num_kv_heads=1, head_size=size // 4)        # float16 K and V
     urls = ",".join(f"redis://{h}:{p}" for h, p in nodes)
     # 512 MiB holds the largest set (64 pages of 1 MiB) eight times over, and two such
-    # pools start in a few seconds on a busy 2-core machine (two of 2 GiB took over 20).
+    # pools start in a few seconds on a busy 2-core machine (larger ones took far longer).
     flags = dict(far=urls, far_namespace=NAMESPACE, far_timeout="5s", dram="512MiB")
     keys = [os.urandom(16) for _ in range(n)]
     pages = np.frombuffer(os.urandom(size), np.uint8)[None, :].repeat(n, 0)

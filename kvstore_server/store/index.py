@@ -9,8 +9,8 @@ into bytes objects, and a page cost about as much index as this one's
 and about 20 more when some keys lie past their home bucket.
 
 Why so few calls: a numpy call costs several times more with the caches cold, as they
-are when a request arrives, than warm; a lookup that took 45 calls (the previous design:
-a 14-step hash, a tag compare, then a second round) spent about twice this one's time in
+are when a request arrives, than warm; a lookup of the previous design, with more than
+twice the calls (a 14-step hash, a tag compare, then a second round), spent far longer in
 `find`. So:
 - the hash is four calls per key word (multiplicative hashing: the home bucket is the
   top bits of a product), seeded at random per index so that keys cannot be chosen to
