@@ -16,7 +16,7 @@ registry), index (a layout's key index), eviction (the policy protocol) and lru 
 default policy), leases (the lease table), holdback (slots of expired leases), quota and
 footprint (tenants' bytes), retention (the sessions' table), presence (the map same-host
 clients read misses from), timed_lock (the lock that times its holds), stats (the frozen
-stats records).
+stats records), metrics (DRAM's Prometheus families, made from those stats when scraped).
 
 The names callers use are re-exported here: `from kvstore_server.store import Store`.
 """
