@@ -49,7 +49,7 @@ from .shm import Acquired, Reservation, SharedRegion, copy_layer, copy_pages
 from .transport import Transport
 
 __all__ = ["KVStoreClient", "LayoutHandle", "Lease", "PutResult", "Removal", "Removals",
-           "Retention"]
+           "Retention", "ServerLimits"]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,16 @@ class Removals:
     gap: bool                   # entries were lost: assume every page of the layouts gone
     more: bool                  # stopped at the limit: read again at once
     entries: tuple[Removal, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """What one request may ask for on the server (KVStoreClient.limits)."""
+
+    max_keys_per_request: int
+    max_request_bytes: int      # one request message
+    max_lookup_layouts: int     # layouts one lookup or removals read may name
+    max_retain_sessions: int    # sessions one retain_many call may name
 
 
 # What one RetainMany may carry: the server's default bounds (--max-keys-per-request).
@@ -351,6 +361,12 @@ class KVStoreClient:
         """End a session's retention now: the pages it kept (0: no such session)."""
         req = pb.ReleaseRetentionRequest(session=session)
         return self._unary("ReleaseRetention", None, req).pages
+
+    def limits(self) -> ServerLimits:
+        """What one request may ask for on this server: past these it is refused."""
+        r = self._unary("Limits", None, pb.LimitsRequest())
+        return ServerLimits(r.max_keys_per_request, r.max_request_bytes,
+                            r.max_lookup_layouts, r.max_retain_sessions)
 
     def get(self, ns: LayoutHandle, keys: Sequence[bytes]) -> np.ndarray:
         """The pages of keys as a new (N, page_bytes) uint8 array; KeyError if one is missing."""

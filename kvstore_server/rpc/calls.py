@@ -41,9 +41,9 @@ from ..store import FOREVER, Store
 from ..store.layouts import LayoutInfo
 from ..store.sessions import Retained
 from ..store.values import Pinned, Reservation
-from .limits import RequestLimits
+from .limits import MAX_RETAIN_SESSIONS, RequestLimits, request_message_bytes
 
-__all__ = ["Calls", "Found", "Reading", "Writing"]
+__all__ = ["Bounds", "Calls", "Found", "Reading", "Writing"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -56,6 +56,16 @@ class Found:
     lease_id: int
     offsets: list[np.ndarray]
     ttl: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Bounds:
+    """What one request may ask for on this server (limits.py), for a client to split by."""
+
+    max_keys: int
+    max_request_bytes: int
+    max_lookup_layouts: int
+    max_retain_sessions: int
 
 
 class Reading:
@@ -130,6 +140,12 @@ class Calls:
     def _same_host(self, who: Principal, token: bytes) -> None:
         may_map(who)
         check_region_token(self.store, token)
+
+    def bounds(self) -> Bounds:
+        """The limits above, as a client asks for them (the same for every caller)."""
+        max_keys = self.limits.max_keys
+        return Bounds(max_keys, request_message_bytes(max_keys), MAX_LOOKUP_LAYOUTS,
+                      MAX_RETAIN_SESSIONS)
 
     # -- layouts and the region ----------------------------------------------------------
     def attach(self, who: Principal) -> Region:

@@ -117,7 +117,7 @@ class KVStoreService:
     # nor Attach and RegisterLayout: the client's mends of a restart run over gRPC,
     # whatever state the fast path is in. RetainMany (the connector's retains for KV
     # events) rides here: a change to its messages needs no edit of either transport.
-    CARRIED = frozenset({"Retain", "RetainMany", "ReleaseRetention", "Removals"})
+    CARRIED = frozenset({"Retain", "RetainMany", "ReleaseRetention", "Removals", "Limits"})
 
     def __init__(self, store: Store, metrics: Metrics,
                  auth: Authenticator | None = None,
@@ -238,6 +238,14 @@ class KVStoreService:
             epoch=read.epoch, next_seq=read.next_seq, gap=read.gap, more=read.more,
             seqs=read.seqs.tolist(), layout_index=read.layout_pos.tolist(),
             causes=read.causes, key_sizes=read.key_sizes, keys=read.keys)
+
+    def Limits(self, request: pb.LimitsRequest,
+               context: grpc.ServicerContext) -> pb.LimitsResponse:
+        b = self.calls.bounds()
+        return pb.LimitsResponse(max_keys_per_request=b.max_keys,
+                                 max_request_bytes=b.max_request_bytes,
+                                 max_lookup_layouts=b.max_lookup_layouts,
+                                 max_retain_sessions=b.max_retain_sessions)
 
     def Put(self, request_iterator: Iterator[memoryview | pb.PutRequest],
             context: grpc.ServicerContext) -> pb.PutResponse:

@@ -305,3 +305,18 @@ def test_a_method_the_server_does_not_carry_goes_over_grpc(srv):
     # The connection it used is still in step.
     assert fast.unary("ReleaseRetention", pb.ReleaseRetentionRequest(session="x")).pages == 0
     fast.close()
+
+
+def test_a_call_added_in_four_files_rides_both_transports(fresh_server):
+    """Limits was added by the proto, calls.py, service.py (its name in CARRIED) and
+    client.py alone (docs/architecture.md, "Adding a call"): both transports answer it."""
+    port = free_port()
+    srv = fresh_server(dram="16MiB", max_keys_per_request=1000, metrics_port=port)
+    with KVStoreClient(srv.address, shared_memory=False, data_plane=True) as fast, \
+            KVStoreClient(srv.address, shared_memory=False, data_plane=False) as slow:
+        got = fast.limits()
+        assert got == slow.limits()
+        assert (got.max_keys_per_request, got.max_request_bytes, got.max_lookup_layouts,
+                got.max_retain_sessions) == (1000, 8 << 20, 256, 1024)
+    wait_for(lambda: metric(port, FAST % "OK") == 1
+             and metric(port, GRPC % ("OK", "Limits")) == 1, "one Limits on each door")

@@ -344,3 +344,19 @@ class RemovalsResponse(_message.Message):
     key_sizes: bytes
     keys: bytes
     def __init__(self, epoch: _Optional[int] = ..., next_seq: _Optional[int] = ..., gap: _Optional[bool] = ..., more: _Optional[bool] = ..., seqs: _Optional[_Iterable[int]] = ..., layout_index: _Optional[_Iterable[int]] = ..., causes: _Optional[bytes] = ..., key_sizes: _Optional[bytes] = ..., keys: _Optional[bytes] = ...) -> None: ...
+
+class LimitsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LimitsResponse(_message.Message):
+    __slots__ = ("max_keys_per_request", "max_request_bytes", "max_lookup_layouts", "max_retain_sessions")
+    MAX_KEYS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOOKUP_LAYOUTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RETAIN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    max_keys_per_request: int
+    max_request_bytes: int
+    max_lookup_layouts: int
+    max_retain_sessions: int
+    def __init__(self, max_keys_per_request: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_lookup_layouts: _Optional[int] = ..., max_retain_sessions: _Optional[int] = ...) -> None: ...

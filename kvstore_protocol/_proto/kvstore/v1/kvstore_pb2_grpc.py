@@ -122,6 +122,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.RemovalsRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RemovalsResponse.FromString,
                 _registered_method=True)
+        self.Limits = channel.unary_unary(
+                '/kvstore.v1.KVStore/Limits',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.LimitsRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LimitsResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -235,6 +240,12 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Limits(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -322,6 +333,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Removals,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RemovalsRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.RemovalsResponse.SerializeToString,
+            ),
+            'Limits': grpc.unary_unary_rpc_method_handler(
+                    servicer.Limits,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LimitsRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.LimitsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -783,6 +799,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Removals',
             kvstore_dot_v1_dot_kvstore__pb2.RemovalsRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.RemovalsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Limits(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Limits',
+            kvstore_dot_v1_dot_kvstore__pb2.LimitsRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.LimitsResponse.FromString,
             options,
             channel_credentials,
             insecure,
