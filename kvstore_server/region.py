@@ -18,10 +18,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvstore_protocol.presence_map import AREA_BYTES
 from kvstore_protocol.region import HEADER_BYTES, MAGIC, TOKEN_BYTES, TOKEN_OFFSET
 
 from .handout import Handout
-from .store.presence import AREA_BYTES
 
 __all__ = ["HANDOUT_NAME", "HEADER_BYTES", "MAGIC", "TOKEN_BYTES", "TOKEN_OFFSET", "Region",
            "region_bytes", "remove_stale"]
