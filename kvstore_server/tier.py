@@ -66,7 +66,7 @@ import numpy as np
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from .far.records import Scope
+    from .scope import Scope
 
 __all__ = ["EVICTABLE", "NullTier", "Page", "PageInfo", "Tier", "TierChain", "TierInvalidation",
            "TierName", "TierStats", "evict_targets"]

@@ -83,7 +83,7 @@ from .stats import DiskCollector, DiskCounters, DiskStats
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from ..far.records import Scope
+    from ..scope import Scope
 
 __all__ = ["DiskStats", "DiskTier"]
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from ..scope import Scope  # its home; this old path still imports
+
 __all__ = ["REFRESH", "LayoutRecord", "Scope"]
 
 REFRESH = 60.0      # seconds between two writes of one layout's record by one server
@@ -63,37 +65,3 @@ def revision_of(layout) -> str:
     """The weights' revision a layout names: its `revision` field where PageLayout has
     one, else its salt (where deployments put the revision until then)."""
     return str(getattr(layout, "revision", "") or layout.salt)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Scope:
-    """What one invalidation removes: every layout that matches each field given (a
-    model, optionally one revision of it; a layout id; a tenant)."""
-
-    model: str = ""
-    revision: str = ""
-    layout_id: bytes = b""
-    tenant: str = ""
-
-    def problems(self) -> list[str]:
-        out = []
-        if not (self.model or self.layout_id or self.tenant):
-            out.append("an invalidation needs a model, a layout id or a tenant")
-        if self.revision and not self.model:
-            out.append("a revision needs its model")
-        if self.layout_id and len(self.layout_id) != 16:
-            out.append(f"a layout id is 16 bytes, got {len(self.layout_id)}")
-        return out
-
-    def matches(self, record: LayoutRecord) -> bool:
-        return ((not self.model or record.model == self.model)
-                and (not self.revision or record.revision == self.revision)
-                and (not self.layout_id or record.layout_id == self.layout_id)
-                and (not self.tenant or record.tenant == self.tenant))
-
-    def describe(self) -> str:
-        parts = [f"model {self.model!r}" if self.model else "",
-                 f"revision {self.revision!r}" if self.revision else "",
-                 f"layout {self.layout_id.hex()}" if self.layout_id else "",
-                 f"tenant {self.tenant!r}" if self.tenant else ""]
-        return ", ".join(p for p in parts if p)

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import Outcome, StoreError
+from ..scope import Scope
 from ..tier import PageInfo, Tier, TierInvalidation, TierName, TierStats
 from ..tier_metrics import TierGauges
 from .breaker import BreakerState
@@ -52,7 +53,7 @@ from .client import CLEAR_BUDGET, FarClient
 from .codec import Reason
 from .metrics import FarCollector
 from .reads import ParallelReader
-from .records import REFRESH, LayoutRecord, Scope
+from .records import REFRESH, LayoutRecord
 from .settings import WritePolicy
 from .writer import WriteBehind
 

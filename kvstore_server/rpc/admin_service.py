@@ -15,8 +15,8 @@ from kvstore_protocol.convert import layout_to_proto
 from .. import __version__
 from ..auth import ANONYMOUS, Authenticator, Role
 from ..errors import Outcome, StoreError
-from ..far.records import Scope
 from ..metrics import Metrics
+from ..scope import Scope
 from ..store import Store
 from ..store.stats import LayoutStats
 from ..tenants import scoped_layout_id

@@ -16,8 +16,9 @@ import numpy as np
 from kvstore_protocol.keys import MAX_KEY_BYTES, Packed
 
 from ..errors import Outcome, Reason, StoreError
-from ..far.records import LayoutRecord, Scope
+from ..far.records import LayoutRecord
 from ..removals import Cause
+from ..scope import Scope
 from ..tier import PageInfo, TierName, evict_targets
 from .below import Below
 from .evict import Eviction

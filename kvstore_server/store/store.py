@@ -45,9 +45,9 @@ from kvstore_protocol.keys import Packed
 from kvstore_protocol.layout import PageLayout
 
 from ..errors import Outcome, Reason, StoreError
-from ..far.records import Scope
 from ..region import HEADER_BYTES, Region
 from ..removals import Cause, RemovalRing
+from ..scope import Scope
 from ..tenants import DEFAULT_TENANT
 from ..tier import NullTier, PageInfo, Tier
 from .admin import Admin, Invalidation
