@@ -49,10 +49,10 @@ import grpc
 
 from kvstore_protocol.units import format_size, parse_size
 
+from .codes import CODES
 from .config import ConfigError, read_toml
 from .errors import Outcome, StoreError
 from .peercert import Digest, grpc_peer_digest, parse_fingerprint
-from .rpc.status import CODES
 from .tenants import DEFAULT_TENANT
 
 __all__ = ["ANONYMOUS", "Authenticator", "Credentials", "Principal", "Role", "parse_auth_file",

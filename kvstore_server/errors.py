@@ -1,4 +1,4 @@
-"""Outcomes a request can have; the RPC layer maps each to one gRPC status."""
+"""Outcomes a request can have; codes.py maps each to one status on each wire."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class Outcome(enum.Enum):
 
 
 # Outcomes only Admin calls end with: only the gRPC path serves Admin, so the fast path's
-# wire has no status for these (rpc/status.py maps every other outcome).
+# wire has no status for these (codes.py maps every other outcome).
 ADMIN_ONLY: frozenset[Outcome] = frozenset({Outcome.UNFINISHED})
 
 

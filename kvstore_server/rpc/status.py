@@ -1,15 +1,10 @@
-"""Outcomes and exceptions as statuses: the one map, for every service and both transports.
+"""Exceptions as statuses: a call that raised ends with the status of its outcome, from
+the one map of outcomes to statuses (kvstore_server.codes, below this layer so that auth's
+interceptor refuses a call with the same codes), or of what went wrong:
 
-    Outcome.INVALID   -> INVALID_ARGUMENT      Outcome.EXHAUSTED -> RESOURCE_EXHAUSTED
-    Outcome.NOT_FOUND -> NOT_FOUND             Outcome.EXPIRED   -> FAILED_PRECONDITION
-    Outcome.UNAUTHENTICATED -> UNAUTHENTICATED Outcome.DENIED    -> PERMISSION_DENIED
-    Outcome.UNFINISHED -> ABORTED
+    StoreError(outcome) -> codes.CODES[outcome] (and its reason, if any)
     malformed input (Invalid, KeyError_, ValueError) -> INVALID_ARGUMENT
     anything else -> INTERNAL, logged with its traceback (the caller sees no internals)
-
-The fast path answers the same outcome with the fastwire.Status of the same name, whose
-gRPC code both ends read from fastwire.GRPC_CODES: so the table above is that one, plus
-the outcomes only Admin calls have (errors.ADMIN_ONLY), which the fast path never serves.
 
 Where a client must react (errors.Reason: a layout unknown after a restart, a stale
 shared-memory token, pages missing), the reason travels beside the status as trailing
@@ -22,30 +17,15 @@ import logging
 
 import grpc
 
-from kvstore_protocol import fastwire as fw
 from kvstore_protocol.keys import KeyError_
 from kvstore_protocol.reasons import REASON_KEY
 
-from ..errors import ADMIN_ONLY, Outcome, Reason, StoreError
+from ..codes import CODES, status_of
+from ..errors import Reason, StoreError
 
 __all__ = ["CODES", "REASON_KEY", "Invalid", "abort", "code_of", "status_of"]
 
 log = logging.getLogger(__name__)
-
-# A data call's outcome: the fast path's status of its name (a new outcome without one
-# fails here, at import, unless it is Admin-only).
-_STATUS: dict[Outcome, fw.Status] = {o: fw.Status[o.name] for o in Outcome if o not in ADMIN_ONLY}
-_ADMIN_CODES = {Outcome.UNFINISHED: grpc.StatusCode.ABORTED}
-CODES: dict[Outcome, grpc.StatusCode] = {
-    **{o: fw.GRPC_CODES[status] for o, status in _STATUS.items()}, **_ADMIN_CODES}
-assert set(CODES) == set(Outcome)
-
-
-def status_of(exc: StoreError) -> fw.Status:
-    """exc's status on the fast path; an Admin-only outcome there is a server defect
-    (INTERNAL), answered as one rather than a KeyError that would close the connection."""
-    return _STATUS.get(exc.outcome, fw.Status.INTERNAL)
-
 
 _MALFORMED = (KeyError_, ValueError)
 
