@@ -61,6 +61,8 @@ class Retention:
 
     pages: int
     refused: str = ""           # "" = retained
+    held: int = 0               # pages the session keeps after it (0: none, or an older
+                                # server that does not say)
 
     @property
     def retained(self) -> bool:
@@ -315,7 +317,7 @@ class KVStoreClient:
         req = pb.RetainRequest(layout_id=ns.layout_id, keys=packed(keys), session=session,
                                ttl_ms=max(1, round(ttl * 1000)) if ttl > 0 else 0)
         resp = self._unary("Retain", ns, req)
-        return Retention(resp.pages, resp.refused)
+        return Retention(resp.pages, resp.refused, resp.held)
 
     # -- removals (a poll every fraction of a second, off the hot path) ------------------
     def removals(self, handles: Sequence[LayoutHandle], after_seq: int = 0, epoch: int = 0,
@@ -355,7 +357,7 @@ class KVStoreClient:
 
     def _retain_part(self, ns: LayoutHandle, req: pb.RetainManyRequest) -> list[Retention]:
         resp = self._unary("RetainMany", ns, req)
-        return [Retention(r.pages, r.refused) for r in resp.results]
+        return [Retention(r.pages, r.refused, r.held) for r in resp.results]
 
     def release_retention(self, session: str) -> int:
         """End a session's retention now: the pages it kept (0: no such session)."""

@@ -13,7 +13,16 @@ writes; `release` ends the session instead, after the request's own pages are sa
 calls go on a thread of their own, never on the scheduler's loop, behind the scheduler
 half's breaker (a store that does not answer is not asked), and in batches: the asks that
 arrive within _LINGER_S of the first (an engine step's) go in one RetainMany a layout
-(kvstore_client.KVStoreClient.retain_many), not one call a request. Every ask ends counted
+(kvstore_client.KVStoreClient.retain_many), not one call a request. And only what is new:
+a session comes back turn after turn with the prefix it retained before and a few pages
+more, so the thread remembers, per layout and session, how many leading pages the store
+keeps for it and the last one's key (keys chain: that key names the whole prefix), and
+sends only the pages past them; a turn that added none sends no keys, which only moves
+the session's expiry. Sending every key again cost the store a lookup and set
+arithmetic per session, under its lock, beside the engine's own lookups. The store
+answers how many pages the session holds after the call (`held`): fewer than sent so far
+(the TTL lapsed, an admin ended it, a page was deleted) and the whole prefix is sent again
+at once; a store that does not say (an older one) is always sent whole. Every ask ends counted
 in RetentionCounts: retained, refused, failed, or dropped past the queue's bound. A retention the store refuses (the tenant's quota or session cap) is a
 counted answer and a log line, and the request is served as ever; so is a malformed ask.
 """
@@ -28,7 +37,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvstore_client import KVStoreError
+from kvstore_client import KVStoreError, LayoutHandle
+from kvstore_client.client import Retention
 
 from .lookups import StoreLookups
 
@@ -46,6 +56,16 @@ _QUEUED = 4096                  # asks waiting for the thread; past it they are 
 # request asking (`kvstore-bench admit --retain --events` runs both side by side:
 # docs/perf/admit-aba30b882e.json). The wait only delays a retention, never a request.
 _LINGER_S = 0.02
+_SENT_KEPT = 1 << 16            # sessions remembered (past it the expired are forgotten)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Sent:
+    """What the store keeps of a session in one layout, as its last answer said."""
+
+    pages: int          # its leading pages
+    last: bytes         # the key of the last of them
+    until: float        # when its TTL lapses (monotonic), unless retained again
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -104,6 +124,9 @@ class Retainer:
         self._closed = False
         self._busy = False
         self._warned: dict[str, float] = {}     # refusal reason -> when last logged
+        # (layout id, session) -> what the store keeps of it (the thread's own)
+        self._sent: dict[tuple[bytes, str], _Sent] = {}
+        self._deltas = True             # False: the store does not say what it holds
         self._thread = threading.Thread(target=self._run, name="kvstore-retain", daemon=True)
         self._thread.start()
 
@@ -160,6 +183,8 @@ class Retainer:
         retains = [(ask, keys) for ask, keys in batch if not ask.release and keys]
         for ask, _ in batch:
             if ask.release:
+                for (layout_id, session) in [k for k in self._sent if k[1] == ask.session]:
+                    del self._sent[layout_id, session]
                 try:
                     client.release_retention(ask.session)
                     self._count(released=1)
@@ -172,9 +197,7 @@ class Retainer:
         pages = 0
         try:
             for handle in self.store.handles():
-                got = client.retain_many(handle, [(ask.session, ask.ttl_s, keys)
-                                                  for ask, keys in retains])
-                for i, kept in enumerate(got):
+                for i, kept in self._retain(handle, retains).items():
                     if kept.refused:
                         refused.setdefault(i, kept.refused)
                     else:
@@ -186,6 +209,60 @@ class Retainer:
         self._count(retained=len(retains) - len(refused), refused=len(refused), pages=pages)
         for i, reason in refused.items():
             self._refused(retains[i][0].session, reason)
+
+    def _retain(self, handle: LayoutHandle, retains: list[tuple[RetainAsk, tuple[bytes, ...]]]
+                ) -> dict[int, Retention]:
+        """One layout's RetainMany of the asks, each sending only the pages past what the
+        store keeps of its session; again with the whole prefix for those the store no
+        longer keeps. Answers by ask, `pages` the session's prefix retained."""
+        now = time.monotonic()
+        if len(self._sent) > _SENT_KEPT:
+            self._sent = {k: v for k, v in self._sent.items() if v.until > now}
+            if len(self._sent) > _SENT_KEPT:
+                self._sent.clear()          # every session sent whole next time
+        lid = handle.layout_id
+        base = [self._kept(lid, ask.session, keys, now) for ask, keys in retains]
+        got = self.store.client.retain_many(
+            handle, [(ask.session, ask.ttl_s, keys[b:])
+                     for (ask, keys), b in zip(retains, base, strict=True)])
+        out: dict[int, Retention] = {}
+        again = []
+        for i, kept in enumerate(got):
+            if base[i] and not kept.refused and kept.held < base[i] + kept.pages:
+                again.append(i)             # the session lost pages: send its prefix
+                continue
+            out[i] = self._note(lid, retains[i], base[i], kept, now)
+        if again:
+            got = self.store.client.retain_many(
+                handle, [(retains[i][0].session, retains[i][0].ttl_s, retains[i][1])
+                         for i in again])
+            for i, kept in zip(again, got, strict=True):
+                out[i] = self._note(lid, retains[i], 0, kept, now)
+        return out
+
+    def _kept(self, layout_id: bytes, session: str, keys: tuple[bytes, ...],
+              now: float) -> int:
+        """Leading pages of keys the store keeps for the session, as far as we know."""
+        sent = self._sent.get((layout_id, session))
+        if (sent is None or sent.until <= now or sent.pages > len(keys)
+                or keys[sent.pages - 1] != sent.last):
+            return 0
+        return sent.pages
+
+    def _note(self, layout_id: bytes, ask_keys: tuple[RetainAsk, tuple[bytes, ...]],
+              base: int, kept: Retention, now: float) -> Retention:
+        """Remember what the store keeps of the session; the answer as for its prefix."""
+        ask, keys = ask_keys
+        pages = base + kept.pages
+        if kept.refused:
+            return Retention(pages, kept.refused, kept.held)
+        if not base and kept.pages and not kept.held:
+            self._deltas = False            # an older store: it does not say
+        if self._deltas and pages:
+            self._sent[layout_id, ask.session] = _Sent(pages, keys[pages - 1], now + ask.ttl_s)
+        else:
+            self._sent.pop((layout_id, ask.session), None)
+        return Retention(pages, held=kept.held)
 
     def _count(self, **add: int) -> None:
         with self._cv:

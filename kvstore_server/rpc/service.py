@@ -214,7 +214,7 @@ class KVStoreService:
                context: grpc.ServicerContext) -> pb.RetainResponse:
         kept = self.calls.retain(self._caller(context), request.layout_id, request.keys.data,
                                  request.keys.key_size, request.session, request.ttl_ms)
-        return pb.RetainResponse(pages=kept.pages, refused=kept.refused)
+        return pb.RetainResponse(pages=kept.pages, refused=kept.refused, held=kept.held)
 
     def RetainMany(self, request: pb.RetainManyRequest,
                    context: grpc.ServicerContext) -> pb.RetainManyResponse:
@@ -222,8 +222,8 @@ class KVStoreService:
             self._caller(context), request.layout_id, request.keys.data,
             request.keys.key_size,
             [(s.session, s.ttl_ms, s.key_index) for s in request.sessions])
-        return pb.RetainManyResponse(results=[pb.RetainResponse(pages=k.pages, refused=k.refused)
-                                              for k in kept])
+        return pb.RetainManyResponse(results=[
+            pb.RetainResponse(pages=k.pages, refused=k.refused, held=k.held) for k in kept])
 
     def ReleaseRetention(self, request: pb.ReleaseRetentionRequest,
                          context: grpc.ServicerContext) -> pb.ReleaseRetentionResponse:

@@ -150,6 +150,11 @@ class RetentionTable:
         t = self._tenant(tenant)
         key = (tenant, name)
         session = self._sessions.get(key)
+        if session is not None and not len(slots) and limits.quota:
+            # No pages: most often an extension (the client sends only what it added
+            # since, here nothing): only the expiry moves.
+            self._expire_at(key, session, now + ttl)
+            return RetainOutcome.RETAINED, np.zeros(0, dtype=np.int64)
         quota = limits.quota_bytes(pool_bytes, tenant_quota)
         outcome = RetainOutcome.RETAINED
         if not limits.quota:
@@ -187,6 +192,15 @@ class RetentionTable:
         session.gens = self._gen[session.slots]
         self._expire_at(key, session, now + ttl)
         return outcome, new
+
+    def has(self, tenant: str, name: str) -> bool:
+        return (tenant, name) in self._sessions
+
+    def held(self, tenant: str, name: str) -> int:
+        """Pages the session keeps now (0: no such session)."""
+        session = self._sessions.get((tenant, name))
+        return 0 if session is None else int(np.count_nonzero(
+            self._gen[session.slots] == session.gens))
 
     def _expire_at(self, key: tuple[str, str], session: _Session, when: float) -> None:
         session.expires_at = when

@@ -40,6 +40,7 @@ class Retained:
 
     pages: int
     refused: str = ""
+    held: int = 0           # pages the session keeps after it (0: no such session)
 
 
 def _check(session: str, ttl: float) -> None:
@@ -67,9 +68,10 @@ class Retention:
                quota: int = 0) -> Retained:
         """Keep the leading run of keys in DRAM for the session (its tenant: the layout's)
         until ttl seconds from now, or until released; retaining again adds pages and
-        sets the session's expiry anew. Refused (nothing changes, counted) over the
-        tenant's quota or session cap, or with retention off. quota: the bytes the
-        tenant may store (0 = unlimited); it retains at most half of them."""
+        sets the session's expiry anew; no keys: only an existing session's expiry
+        moves (Retained.held: what the session keeps). Refused (nothing changes,
+        counted) over the tenant's quota or session cap, or with retention off. quota:
+        the bytes the tenant may store (0 = unlimited); it retains at most half of them."""
         _check(session, ttl)
         s = self._s
         with s.lock:
@@ -100,15 +102,18 @@ class Retention:
                       quota: int) -> Retained:
         """retain's work under the lock, its keys' slots found (-1: absent)."""
         s = self._s
+        if not len(found) and not self.table.has(info.tenant, session):
+            return Retained(0)      # an extension (no keys) of a session it does not hold
         run = found[:int(np.argmin(found >= 0))] if (found < 0).any() else found
         outcome, new = self.table.retain(
             info.tenant, session, run, self._retained_bytes, s.clock(), ttl,
             self.limits, s.pool.capacity_bytes, quota)
+        held = self.table.held(info.tenant, session)
         if outcome is not RetainOutcome.RETAINED:
-            return Retained(len(run), outcome.value)
+            return Retained(len(run), outcome.value, held)
         self._book.pin(new)
         s.touch(run)
-        return Retained(len(run))
+        return Retained(len(run), held=held)
 
     def _retained_bytes(self, slots: np.ndarray) -> np.ndarray:
         return self._s.pool.class_bytes[self._s.pool.cls[slots]]

@@ -20,6 +20,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
+from kvstore_connector.config import ConnectorConfig
+from kvstore_connector.scheduler.lookups import StoreLookups
+from kvstore_connector.scheduler.retention import RetainAsk, Retainer
 from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_testing.serverproc import free_port
 from tests.waiting import wait_for
@@ -270,3 +273,57 @@ def test_retain_many_is_bounded_and_checked(srv):
         assert "ttl" in raw(sessions=[pb.RetainSession(session="s", ttl_ms=0, key_index=one)])
         assert metric(srv, "kvstore_retention_sessions") == 0   # a refused call kept nothing
         assert a.retain_many(ns, [("s", 1.0, keys("k", 1))])[0].retained
+
+
+def test_a_retain_of_no_keys_moves_the_expiry_and_held_says_what_is_kept(srv):
+    """What the connector sends for a session it retained before: only the pages added
+    since, or none. `held` is what the session keeps after the call."""
+    with client(srv, "a") as a:
+        ns = a.register_layout(LAYOUT)
+        ks = keys("ext", 6)
+        a.put(ns, ks, pages(6, ns.page_bytes))
+        assert a.retain_many(ns, [("turns", 1.0, ks[:4])])[0].held == 4
+        got = a.retain_many(ns, [("turns", 60.0, []), ("unknown", 60.0, [])])
+        assert [(g.pages, g.held, g.refused) for g in got] == [(0, 4, ""), (0, 0, "")]
+        assert metric(srv, "kvstore_retention_sessions") == 1   # nothing made for "unknown"
+        assert a.retain(ns, ks[4:], "turns", 60.0).held == 6    # the pages added since
+        wait_for(lambda: metric(srv, "kvstore_retained_pages") == 6, "the added pages")
+        pressure(srv, "ext")            # well past the first TTL: the extension holds
+        assert stored(a, ns, ks) == 6
+        a.delete(ns, ks[:1])
+        assert a.retain_many(ns, [("turns", 60.0, [])])[0].held == 5
+
+
+def test_the_connector_sends_a_session_only_what_it_added(srv):
+    """connector.scheduler.retention.Retainer: turn after turn of one session, the keys it
+    sends (spied on, the calls real) are the pages new to the store's session; a session
+    the store no longer keeps (released elsewhere) gets its whole prefix at once."""
+    with client(srv, "a") as a:
+        ns = a.register_layout(LAYOUT)
+        ks = keys("turn", 8)
+        a.put(ns, ks, pages(8, ns.page_bytes))
+        sent: list[list[int]] = []
+        real = a.retain_many
+
+        def spy(handle, asks):
+            sent.append([len(k) for _, _, k in asks])
+            return real(handle, asks)
+
+        a.retain_many = spy
+        retainer = Retainer(StoreLookups(ConnectorConfig(server=srv.address), [LAYOUT], a))
+        try:
+            for turn in (ks[:5], ks[:5], ks[:8]):
+                retainer.submit(RetainAsk("agent", 60.0), turn)
+                wait_for(retainer.idle, "the retain to be sent")
+            assert sent == [[5], [0], [3]]
+            assert metric(srv, "kvstore_retained_pages") == 8
+            with client(srv, "a") as elsewhere:
+                assert elsewhere.release_retention("agent") == 8
+            retainer.submit(RetainAsk("agent", 60.0), ks)
+            wait_for(retainer.idle, "the retain to be sent")
+            assert sent[3:] == [[0], [8]]           # held 0 < 8: the prefix again
+            assert metric(srv, "kvstore_retained_pages") == 8
+            c = retainer.counts
+            assert (c.retained, c.pages, c.failed) == (4, 5 + 5 + 8 + 8, 0)
+        finally:
+            retainer.close(5.0)

@@ -266,12 +266,14 @@ class RetainRequest(_message.Message):
     def __init__(self, layout_id: _Optional[bytes] = ..., keys: _Optional[_Union[PackedKeys, _Mapping]] = ..., session: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class RetainResponse(_message.Message):
-    __slots__ = ("pages", "refused")
+    __slots__ = ("pages", "refused", "held")
     PAGES_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     pages: int
     refused: str
-    def __init__(self, pages: _Optional[int] = ..., refused: _Optional[str] = ...) -> None: ...
+    held: int
+    def __init__(self, pages: _Optional[int] = ..., refused: _Optional[str] = ..., held: _Optional[int] = ...) -> None: ...
 
 class RetainSession(_message.Message):
     __slots__ = ("session", "ttl_ms", "key_index")
