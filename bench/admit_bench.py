@@ -108,8 +108,8 @@ def _burst(sched: SchedulerHalf, prompts: list[np.ndarray], gap_s: float,
     ids = [f"r{next(_ids)}" for _ in prompts]
     # What vLLM's requests hold: token ids as a list (Request.all_token_ids), made for
     # every case, plain too: the engine holds them whatever the connector does, and a
-    # burst that alone made 140k ints before its loop ran that loop slower (about 1.3x
-    # at a 10 ms step), a cost of this bench, not of the events feed that reads them.
+    # burst that alone made its 140k ints before its loop ran that loop measurably
+    # slower: a cost of this bench, not of the events feed that reads them.
     token_lists = [tokens.tolist() for tokens in prompts]
     waiting = list(zip(ids, prompts))
     loop = 0.0
