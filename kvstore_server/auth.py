@@ -50,10 +50,10 @@ import grpc
 from kvstore_protocol.units import format_size, parse_size
 
 from .codes import CODES
-from .config import ConfigError, read_toml
 from .errors import Outcome, StoreError
 from .peercert import Digest, grpc_peer_digest, parse_fingerprint
 from .tenants import DEFAULT_TENANT
+from .tomlfile import ConfigError, read_toml
 
 __all__ = ["ANONYMOUS", "Authenticator", "Credentials", "Principal", "Role", "parse_auth_file",
            "tls_server_credentials", "token_digest"]

@@ -13,8 +13,6 @@ import dataclasses
 import ipaddress
 import math
 import os
-import stat
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,20 +25,12 @@ from .rpc.limits import MAX_KEYS_LIMIT
 from .store.layouts import DEFAULT_MAX_LAYOUTS
 from .store.leases import DEFAULT_LEASE_MEMORY
 from .store.retention import DEFAULT_MAX_SESSIONS, DEFAULT_RETENTION_QUOTA
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised only on 3.10
-    import tomli as tomllib
+from .tomlfile import ConfigError, read_toml
 
 __all__ = ["LOG_LEVELS", "ConfigError", "ServerConfig", "data_address", "is_loopback",
-           "load_config", "read_toml"]
+           "load_config"]
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
-class ConfigError(ValueError):
-    """A configuration value is malformed; the message names the source and the key."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -315,32 +305,6 @@ def argument_parser() -> argparse.ArgumentParser:
                    help="run the far tier without a secret: anyone who can write the "
                         "cluster can forge pages (default false)")
     return p
-
-
-# Settings files are small; one bigger than this is not one.
-_TOML_MAX_BYTES = 1 << 20
-
-
-def read_toml(path: str, what: str) -> dict[str, Any]:
-    """A TOML file's table; ConfigError naming `what` and the path on any problem. Only
-    a regular file is read: a FIFO in its place blocked the start (or a SIGHUP's
-    reload, which then held its lock for good) in open(), and a file that is not UTF-8
-    raised UnicodeDecodeError past the handlers."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as exc:
-        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ConfigError(f"cannot read {what} {path}: not a regular file")
-            if st.st_size > _TOML_MAX_BYTES:
-                raise ConfigError(f"cannot read {what} {path}: {st.st_size} bytes, more "
-                                  f"than a settings file holds ({_TOML_MAX_BYTES})")
-            return tomllib.load(f)
-        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read {what} {path}: {exc}") from None
 
 
 def load_config(argv: list[str] | None = None,
