@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_protocol import fastwire as fw
 from kvstore_testing.serverproc import ServerProcess, free_port
+from tests.waiting import wait_for
 
 SCALE = float(os.environ.get("KVSTORE_FUZZ_SCALE", "1"))
 FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=False,
@@ -174,21 +175,15 @@ def test_random_bytes(srv, junk, after_hello, shut):
 
 
 def test_nothing_is_left_open(srv):
-    import time
-    deadline = time.monotonic() + 10
-    while True:
+    def open_now() -> float:
         text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics",
                                       timeout=5).read().decode()
-        open_now = float(re.search(r"^kvstore_fast_connections (\S+)$", text, re.M).group(1))
-        if open_now <= 1 or time.monotonic() > deadline:      # the good client's
-            break
-        time.sleep(0.1)
-    assert open_now <= 1
+        return float(re.search(r"^kvstore_fast_connections (\S+)$", text, re.M).group(1))
+    wait_for(lambda: open_now() <= 1, "no connection open but the good client's",
+             timeout=10, interval=0.1)
     with KVStoreClient(srv.address, data_plane=False) as c:
-        deadline = time.monotonic() + 10
-        while c.stats().leases and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert c.stats().leases == 0
+        wait_for(lambda: c.stats().leases == 0, "no lease in the server", timeout=10,
+                 interval=0.1)
     sentinel_ok(srv)
 
 

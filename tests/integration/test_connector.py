@@ -22,6 +22,7 @@ from kvstore_connector.scheduler import SchedulerHalf  # noqa: E402
 from kvstore_connector.scheduler.hashing import page_keys  # noqa: E402
 from kvstore_connector.worker import WorkerHalf  # noqa: E402
 from kvstore_testing.serverproc import ServerProcess, sigstop  # noqa: E402
+from tests.waiting import wait_for  # noqa: E402
 
 LAYERS, BLOCKS, BLOCK, HEADS, HEAD = 3, 64, 16, 2, 8
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -204,10 +205,9 @@ def test_async_load_reports_when_done_and_abort_releases(srv):
     b.sched.allocated("b", blocks, hit)
     meta, done, errors = b.step([])
     assert meta.loads[0].is_async and not errors
-    deadline = time.monotonic() + 5
-    while "b" not in done and time.monotonic() < deadline:
-        done = b.worker.finished()
-    assert "b" in done
+    if "b" not in done:
+        wait_for(lambda: "b" in b.worker.finished(), "the async load reported", timeout=5,
+                 interval=0.001)
     b.sched.load_finished("b")
     b.expect_kv(blocks, tokens, hit)
     # An aborted request: the scheduler drops its lease, nothing stays pinned.
@@ -480,9 +480,8 @@ def test_a_hung_store_costs_one_timeout_then_no_hits_until_a_probe_answers(srv):
     finally:
         os.kill(srv.proc.pid, signal.SIGCONT)
     # The breaker's probe, on its own thread every probe_interval, finds it answering.
-    deadline = time.monotonic() + 5
-    while a.sched.breaker.open and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: not a.sched.breaker.open, "the breaker's probe to close it", timeout=5,
+             interval=0.05)
     assert a.sched.hit("late", tokens, 0) == 48
     a.close()
 
@@ -513,12 +512,8 @@ def test_lease_is_held_until_the_step_that_loads_has_come_back(srv):
 
 
 def wait_leases_gone(client, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while client.stats().leases:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+    return wait_for(lambda: not client.stats().leases, "no lease in the server",
+                    timeout=timeout, interval=0.05)
 
 
 class _FailedCopy:

@@ -135,9 +135,8 @@ def test_a_hook_that_finds_the_answer_in_copies_the_layers_owed_first(srv):
         compute(e, 0, blocks, tokens)           # owed: the store has not answered
     finally:
         os.kill(srv.proc.pid, signal.SIGCONT)
-    deadline = time.monotonic() + 5
-    while not e.worker.step_reserve.ready() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(e.worker.step_reserve.ready, "the step's Reserve answered", timeout=5,
+             interval=0.01)
     # Layer 0's blocks are reused after its hook: an owed copy made from the blocks as
     # they are at the next hook must still read layer 0's own KV, which a layer's KV is
     # (the engine never rewrites a layer within a step), so only later layers change here.
@@ -195,9 +194,8 @@ def test_a_reserve_that_fails_saves_nothing_raises_nothing_and_costs_one_timeout
     with KVStoreClient(srv.address) as client:
         assert wait_leases_gone(client)
     # Once a probe finds the store answering, a step's pages are stored again.
-    deadline = time.monotonic() + 5
-    while e.worker.breaker.open and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: not e.worker.breaker.open, "a probe to find the store answering",
+             timeout=5, interval=0.05)
     again = prompt(64, 4)
     e.run_prompt("again", again)
     assert pages_match(srv.address, e, keys_of(e, again, 4), again) == [True] * 4
@@ -217,9 +215,8 @@ def test_a_reserve_whose_step_never_reached_wait_for_save_is_given_back(srv, end
     meta, _ = planned(e, "r", tokens)
     keys = keys_of(e, tokens, 4)
     e.worker.bind(meta)                        # the step fails before any save hook
-    deadline = time.monotonic() + 5
-    while not e.worker.step_reserve.ready() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(e.worker.step_reserve.ready, "the step's Reserve answered", timeout=5,
+             interval=0.01)
     assert leases(srv.address) == 1            # the reservation, answered, not taken
     if end == "next-bind":
         e.worker.bind(e.sched.build())

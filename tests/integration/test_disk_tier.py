@@ -5,7 +5,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ import xxhash
 
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_testing.serverproc import ServerProcess
-from tests.waiting import wait_for
+from tests.waiting import wait_for, wait_value
 
 LAYOUT = PageLayout(model="disk", num_layers=32, page_tokens=16, num_kv_heads=8,
                     head_size=64)                                # 1 MiB pages
@@ -55,10 +54,8 @@ def disk_stats(client):
 
 
 def wait_written(client, pages, timeout=30):
-    deadline = time.monotonic() + timeout
-    while disk_stats(client).pages < pages and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return disk_stats(client).pages
+    return wait_value(lambda: disk_stats(client).pages, lambda n: n >= pages,
+                      f"{pages} pages on disk", timeout=timeout, interval=0.1)
 
 
 def server(tmp_path, **flags):

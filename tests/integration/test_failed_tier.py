@@ -8,13 +8,13 @@ import resource
 import shutil
 import subprocess
 import sys
-import time
 
 import numpy as np
 import xxhash
 
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_testing.serverproc import ServerProcess
+from tests.waiting import wait_for, wait_value
 
 LAYOUT = PageLayout(model="failed-tier", num_layers=32, page_tokens=16, num_kv_heads=8,
                     head_size=64)                                   # 1 MiB pages
@@ -39,19 +39,16 @@ def test_failed_disk_tier_in_stats_and_health(tmp_path):
         data = np.zeros((8, LAYOUT.page_bytes), dtype=np.uint8)
         for i in range(0, 80, 8):
             c.put(ns, ks[i:i + 8], data)
-        deadline = time.monotonic() + 20
-        while not {t.name: t for t in c.stats().tiers}["disk"].failed:
-            assert time.monotonic() < deadline, "the disk tier did not fail"
-            time.sleep(0.05)
+        wait_for(lambda: {t.name: t for t in c.stats().tiers}["disk"].failed,
+                 "the disk tier to fail", timeout=20, interval=0.05)
         stats = admin(srv.address, "stats")
         assert stats.returncode == 0, stats.stderr
         row = next(line for line in stats.stdout.splitlines() if line.startswith("disk "))
         assert row.split()[1] == "FAILED", stats.stdout
         assert "disk tier FAILED" in stats.stdout
-        deadline = time.monotonic() + 5
-        while (disk := admin(srv.address, "health", "--service", "disk")).returncode == 0:
-            assert time.monotonic() < deadline, disk.stdout
-            time.sleep(0.1)
+        disk = wait_value(lambda: admin(srv.address, "health", "--service", "disk"),
+                          lambda disk: disk.returncode != 0, "the disk service NOT_SERVING",
+                          timeout=5, interval=0.1)
         assert disk.returncode == 1 and disk.stdout.strip() == "NOT_SERVING"
         whole = admin(srv.address, "health")
         assert whole.returncode == 0 and whole.stdout.strip() == "SERVING"

@@ -4,10 +4,10 @@ a page promoted from the cluster is its page in DRAM like one it puts."""
 from __future__ import annotations
 
 import os
-import time
 
 from kvstore_client import KVStoreClient
 from kvstore_testing.serverproc import ServerProcess
+from tests.waiting import wait_for
 
 from .test_auth import LAYOUT, TOKENS, auth_toml, keys, pages
 
@@ -26,9 +26,8 @@ def test_pages_read_back_from_the_far_tier_stay_within_the_quota(tmp_path, far_c
             old, new = keys("old", 4), keys("new", 4)              # 4 pages = the quota
             s.put(hs, old, pages(4, LAYOUT.page_bytes))
             ops.evict(everything=True)                             # old: far tier only
-            stop = time.monotonic() + 10
-            while s.lookup(hs, old) < 4 and time.monotonic() < stop:
-                time.sleep(0.05)                                   # written behind
+            wait_for(lambda: s.lookup(hs, old) == 4, "old written behind to the far tier",
+                     timeout=10, interval=0.05)
             s.put(hs, new, pages(4, LAYOUT.page_bytes, seed=1))
             theirs = keys("b", 100)
             b.put(hb, theirs, pages(100, LAYOUT.page_bytes, seed=2))

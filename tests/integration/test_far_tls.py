@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from kvstore_server.far.client import FarClient
 from kvstore_server.far.settings import parse_far
 from kvstore_testing.clusterproc import ClusterProcess, TlsFiles
 from kvstore_testing.serverproc import ServerProcess
+from tests.waiting import wait_for
 
 from .test_tls import EC, openssl, signed
 
@@ -130,11 +130,8 @@ def test_two_servers_share_pages_over_tls(tls_cluster):
             KVStoreClient(a.address) as ca, KVStoreClient(b.address) as cb:
         ca.put(ca.register_layout(LAYOUT), keys, data)
         nb = cb.register_layout(LAYOUT)
-        for _ in range(100):
-            if cb.lookup(nb, keys) == len(keys):
-                break
-            time.sleep(0.1)
-        assert cb.lookup(nb, keys) == len(keys)
+        wait_for(lambda: cb.lookup(nb, keys) == len(keys), "the pages in the far tier",
+                 timeout=10, interval=0.1)
         assert np.array_equal(cb.get(nb, keys), data)
         far = next(t for t in cb.stats().tiers if t.name == "far")
         assert far.state == "reachable" and far.reads == len(keys)

@@ -149,7 +149,5 @@ def test_a_client_dropped_without_close_closes_its_stream(fresh_server):
     assert c.lookup(ns, _keys("drop", 2)) == 0 and _open_streams(port) == 1
     del c, ns
     gc.collect()
-    deadline = time.monotonic() + 5
-    while _open_streams(port) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _open_streams(port) == 0
+    wait_for(lambda: _open_streams(port) == 0, "the dropped client's stream closed",
+             timeout=5, interval=0.05)

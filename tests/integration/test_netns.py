@@ -11,13 +11,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from kvstore_bench import netns_bench
 from kvstore_bench.netns import NetPair, NetUnavailable
 from kvstore_bench.rawpeer import RawClient
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
                                 reason="network namespaces need root and iproute2")
@@ -81,10 +81,7 @@ def test_a_signalled_run_removes_the_pair(sig):
     assert net.ns in namespaces()
     child.send_signal(sig)
     child.wait(30)
-    deadline = time.monotonic() + 10
-    while not gone(net) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert gone(net)
+    wait_for(lambda: gone(net), "the namespaces removed", timeout=10, interval=0.1)
 
 
 def test_the_bench_runs_across_namespaces_and_names_what_it_skipped(capsys):

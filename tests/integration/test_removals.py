@@ -6,7 +6,6 @@ layouts."""
 from __future__ import annotations
 
 import hashlib
-import time
 
 import grpc
 import numpy as np
@@ -14,6 +13,7 @@ import pytest
 
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
 from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
+from tests.waiting import wait_for
 
 LAYOUT = PageLayout(model="removals", num_layers=2, page_tokens=16, num_kv_heads=8,
                     head_size=128)          # 128 KiB pages
@@ -93,14 +93,15 @@ def test_pages_moving_to_disk_are_not_removed_until_the_disk_lets_them_go(
         for part in range(4):
             c.put(ns, keys(f"m{part}", 8), pages(8, ns.page_bytes))
             admin.evict(everything=True)
-        deadline = time.monotonic() + 20
         gone: set[bytes] = set()
         cursor = start
-        while time.monotonic() < deadline and not set(ks) <= gone:
+
+        def all_evicted() -> bool:
+            nonlocal cursor
             got, cursor = read_all(c, [ns], cursor)
-            gone |= {e.key for e in got if e.cause == EVICTED}
-            time.sleep(0.1)
-        assert set(ks) <= gone
+            gone.update(e.key for e in got if e.cause == EVICTED)
+            return set(ks) <= gone
+        wait_for(all_evicted, "every first page's eviction told", timeout=20, interval=0.1)
         assert not any(c.exists(ns, ks))
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kvstore_connector.scheduler.prefetch import Answer, Job, LookupWorker
+from tests.waiting import wait_for
 
 
 class Store:
@@ -48,12 +49,7 @@ def job(req_id: str = "r", pages: int = 3) -> Job:
 
 
 def wait_until(cond, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-    return True
+    return wait_for(cond, "the worker's thread", timeout=timeout, interval=0.001)
 
 
 @pytest.fixture
