@@ -1,9 +1,13 @@
 """A client with no server: the calls of KVStoreClient that the connector's scheduler half
-makes (register, lookup, leased lookup, release, exists, retain), and put to fill the store,
-answered by a real Store in this process.
+makes (register, lookup, leased lookup, release, exists, retain) and those its worker half
+makes through shared memory (region, reserve and commit or abort, acquire and release,
+delete, put), answered by a real Store in this process over a real pool file.
 
-For unit tests of the scheduler's logic (prefetched lookups, leases dropped on every path,
-hit accounting): no process, no socket, nothing to wait for but the logic itself. The
+For unit tests of the halves' logic (prefetched lookups, leases dropped on every path,
+hit accounting; a worker's saves and loads): no process, no socket, nothing to wait for but
+the logic itself. The worker's pages go through the pool as they do with a server on its
+host: the store's region file mapped a second time (kvstore_client.shm.SharedRegion). Loads
+from another host (get_layers) are not here: tests/integration/test_remote_load.py. The
 pages, leases and counts are the store's own, so what a test reads back (leases held,
 pages stored) is what a server would report. A store that hangs or fails is a switch
 (`hung`, `fail`), not a SIGSTOP. The transports, and the scheduler against a real server,
@@ -23,10 +27,11 @@ import numpy as np
 from kvstore_client.client import Retention
 from kvstore_client.errors import KVStoreError
 from kvstore_client.handles import LayoutHandle, Lease, PutResult
+from kvstore_client.shm import Acquired, Reservation, SharedRegion
 from kvstore_protocol.keys import Packed
 from kvstore_protocol.layout import PageLayout
 from kvstore_server.errors import StoreError
-from kvstore_server.region import Region
+from kvstore_server.region import TOKEN_OFFSET, Region
 from kvstore_server.rpc.status import CODES
 from kvstore_server.store import Store
 from kvstore_server.tenants import DEFAULT_TENANT
@@ -46,13 +51,14 @@ class FakeClient:
 
     def __init__(self, dram: int = 32 * MiB, lease_ttl: float = 30.0, timeout: float = 10.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.region = Region(dram)
-        self.store = Store(self.region, lease_ttl=lease_ttl, clock=clock)
+        self.pool = Region(dram)                  # the server's side of the pool
+        self.store = Store(self.pool, lease_ttl=lease_ttl, clock=clock)
         self.timeout = timeout
         self.calls: collections.Counter[str] = collections.Counter()
         self.hung = _Switch()
         self.fail: KVStoreError | None = None
         self.closed = False
+        self._shared: SharedRegion | None = None      # the pool as a client maps it
 
     # -- what the scheduler half calls ------------------------------------------------
     def register_layout(self, layout: PageLayout) -> LayoutHandle:
@@ -91,6 +97,27 @@ class FakeClient:
         return self._call("ReleaseRetention", self.store.release_retention, session,
                           DEFAULT_TENANT)
 
+    # -- what the worker half calls ----------------------------------------------------
+    def region(self) -> SharedRegion | None:
+        """The store's pool mapped as a client on its host maps it."""
+        if self._shared is None:
+            self._shared = SharedRegion(self.pool.path, self.pool.size, TOKEN_OFFSET)
+        return self._shared
+
+    def reserve(self, ns: LayoutHandle, keys: Sequence[bytes], lease_ms: int = 0) -> Reservation:
+        res = self._call("Reserve", self.store.reserve, ns.layout_id, keys, self._ttl(lease_ms))
+        skipped = int((res.slots < 0).sum()) - res.in_flight
+        return Reservation(ns, res.lease_id, res.offsets, skipped, self._need(), self._commit,
+                           self._abort, res.in_flight)
+
+    def acquire(self, ns: LayoutHandle, keys: Sequence[bytes], lease_ms: int = 0) -> Acquired:
+        pinned = self._call("Acquire", self.store.acquire, ns.layout_id, keys,
+                            self._ttl(lease_ms))
+        return Acquired(ns, pinned.lease_id, pinned.offsets, self._need(), self.release_lease)
+
+    def delete(self, ns: LayoutHandle, keys: Sequence[bytes]) -> int:
+        return self._call("Delete", self.store.delete, ns.layout_id, keys)
+
     def close(self) -> None:
         self.closed = True
 
@@ -101,7 +128,7 @@ class FakeClient:
         res = self._call("Put", self.store.reserve, ns.layout_id, keys)
         for page, offset in zip(flat, res.offsets.tolist(), strict=True):
             if offset >= 0:
-                self.region.mem[offset:offset + ns.page_bytes] = page
+                self.pool.mem[offset:offset + ns.page_bytes] = page
         stored = self.store.commit(res.lease_id)
         return PutResult(stored, int((res.slots < 0).sum()) - res.in_flight, res.in_flight)
 
@@ -115,7 +142,25 @@ class FakeClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
-        self.region.close()
+        if self._shared is not None:
+            self._shared.close()
+        self.pool.close()
+
+    def _need(self) -> SharedRegion:
+        region = self.region()
+        assert region is not None
+        return region
+
+    def _ttl(self, lease_ms: int) -> float:
+        """lease_ms as the server caps it (rpc/calls.py): 0 = the store's ttl."""
+        ttl = self.store.lease_ttl
+        return min(lease_ms / 1000.0, ttl) if lease_ms else ttl
+
+    def _commit(self, lease_id: int) -> int:
+        return self._call("Commit", self.store.commit, lease_id)
+
+    def _abort(self, lease_id: int) -> bool:
+        return self._call("Abort", self.store.abort, lease_id)
 
     def _call(self, name: str, fn, *args):
         """fn(*args) as the call `name`: counted, held while hung, and a StoreError as the

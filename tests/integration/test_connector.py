@@ -1,5 +1,6 @@
 """The connector's scheduler and worker halves with CPU tensors against a real server:
-the whole protocol an engine drives, without an engine."""
+the whole protocol an engine drives, without an engine. Steps that need only the store's
+answers run over an in-process store instead: tests/unit/test_connector_fake.py."""
 
 import dataclasses
 import os
@@ -44,7 +45,9 @@ class Engine:
     """Paged caches in the FlashAttention layout and a block allocator."""
 
     def __init__(self, server, role=Role.BOTH, page_tokens=BLOCK, mode=LoadMode.LAYERWISE,
-                 lag=1, **config):
+                 lag=1, client=None, **config):
+        """client: both halves' (kvstore_testing.fakeclient in unit tests); None = each
+        half opens its own to server."""
         # A generous lookup timeout: a loaded CI machine must not turn hits into "ask again".
         config.setdefault("lookup_timeout", 5.0)
         # These tests call hit() as the engine would and act on its answer at once: the
@@ -53,8 +56,8 @@ class Engine:
         self.config = ConnectorConfig(server=server, role=role, load_mode=mode, **config)
         self.layout = layout(page_tokens)
         self.caches = {n: torch.full((2, BLOCKS, BLOCK, HEADS, HEAD), -1.0) for n in NAMES}
-        self.sched = SchedulerHalf(self.config, [self.layout], BLOCK, lag=lag)
-        self.worker = WorkerHalf(self.config, self.layout, self.caches)
+        self.sched = SchedulerHalf(self.config, [self.layout], BLOCK, lag=lag, client=client)
+        self.worker = WorkerHalf(self.config, self.layout, self.caches, client=client)
         self.free = list(range(BLOCKS))[::-1]
 
     def alloc(self, tokens):
@@ -133,68 +136,6 @@ def test_full_partial_and_no_hit(srv, shm):
         e.close()
 
 
-def test_local_hit_is_not_loaded_again(srv):
-    a = Engine(srv.address)
-    tokens = prompt(80, 4)
-    a.run_prompt("a", tokens)
-    b = Engine(srv.address)
-    local_blocks = b.alloc(32)
-    for layer, name in enumerate(NAMES):        # the engine's own prefix cache: 2 blocks
-        pos = torch.arange(32)
-        b.caches[name][:, torch.as_tensor(local_blocks)[pos // BLOCK], pos % BLOCK] = \
-            kv_value(layer, pos, torch.as_tensor(tokens[:32]))
-    hit, blocks, meta, _ = b.run_prompt("b", tokens, local=32, local_blocks=local_blocks)
-    assert hit == 32                           # pages 2 and 3; the 5th holds the last token
-    assert meta.loads[0].block_ids.reshape(-1).tolist() == blocks[2:4]
-    b.expect_kv(blocks, tokens, 80)
-
-
-def test_pages_spanning_two_blocks_and_unaligned_prompts(srv):
-    a = Engine(srv.address, page_tokens=32)
-    tokens = prompt(77, 5)                     # 2 full 32-token pages, then 13 tokens
-    hit, _, meta, _ = a.run_prompt("a", tokens)
-    assert meta.saves[0].block_ids.shape == (2, 2)
-    b = Engine(srv.address, page_tokens=32)
-    hit, blocks, meta, _ = b.run_prompt("b", tokens)
-    assert hit == 64 and meta.loads[0].block_ids.shape == (2, 2)
-    b.expect_kv(blocks, tokens, 77)
-    # A local hit that ends inside a 32-token page is not extended (it would overwrite
-    # blocks the engine shares).
-    c = Engine(srv.address, page_tokens=32)
-    assert c.sched.hit("c", tokens, 16) == 0
-
-
-def test_two_requests_sharing_a_prefix_in_one_step(srv):
-    a = Engine(srv.address)
-    system = prompt(64, 6)
-    a.run_prompt("a", np.concatenate([system, prompt(20, 7)]))
-    b = Engine(srv.address)
-    t1, t2 = (np.concatenate([system, prompt(30, s)]) for s in (8, 9))
-    h1, h2 = b.sched.hit("r1", t1, 0), b.sched.hit("r2", t2, 0)
-    assert h1 == h2 == 64
-    b1, b2 = b.alloc(len(t1)), b.alloc(len(t2))
-    b.sched.allocated("r1", b1, h1)
-    b.sched.allocated("r2", b2, h2)
-    b.sched.scheduled("r1", t1, 64, len(t1) - 64, block_ids=b1)
-    b.sched.scheduled("r2", t2, 64, len(t2) - 64, block_ids=b2)
-    meta, _, errors = b.step([(b1, t1, 64, len(t1)), (b2, t2, 64, len(t2))])
-    assert len(meta.loads) == 2 and not errors
-    b.expect_kv(b1, t1, len(t1))
-    b.expect_kv(b2, t2, len(t2))
-
-
-def test_roles_producer_saves_consumer_loads(srv):
-    producer = Engine(srv.address, role=Role.PRODUCER)
-    tokens = prompt(64, 10)
-    hit, _, meta, _ = producer.run_prompt("p", tokens)
-    assert hit == 0 and meta.saves
-    assert producer.sched.hit("p2", tokens, 0) == 0        # a producer never loads
-    consumer = Engine(srv.address, role=Role.CONSUMER)
-    hit, blocks, meta, _ = consumer.run_prompt("c", tokens)
-    assert hit == 48 and not meta.saves                     # a consumer never saves
-    consumer.expect_kv(blocks, tokens, 64)
-
-
 def test_async_load_reports_when_done_and_abort_releases(srv):
     a = Engine(srv.address)
     tokens = prompt(64, 11)
@@ -248,26 +189,6 @@ def test_server_restart_mid_load_falls_back_to_recompute(srv):
         assert b.sched.hit("b", tokens, 0) == 0               # and is not offered it again
     finally:
         again.stop()
-
-
-def test_a_prompt_stored_to_its_last_page_does_not_save_that_page_again(srv):
-    """A prompt that ends on a page boundary, stored whole: the hit leaves the last page
-    to compute (the engine must compute the last token), and that page, which the lookup
-    found stored, is not saved again: the step asks for no Reserve. One page short of
-    that, the last page is saved."""
-    a = Engine(srv.address)
-    tokens = prompt(64, 21)
-    a.run_prompt("a", tokens)
-    b = Engine(srv.address)
-    hit, blocks, meta, errors = b.run_prompt("b", tokens)
-    assert (hit, errors, meta.saves) == (48, set(), ())
-    b.expect_kv(blocks, tokens, 64)
-    other = prompt(64, 22)
-    a.run_prompt("a2", other[:49])                        # pages 0-2 stored
-    hit, _, meta, _ = b.run_prompt("b2", other)
-    assert hit == 48 and [len(spec.keys) for spec in meta.saves] == [1]
-    for e in (a, b):
-        e.close()
 
 
 def test_lookup_timeout_answers_ask_again(srv):
@@ -440,24 +361,6 @@ def test_async_scheduling_next_chunk_of_a_failed_load_is_not_stored(srv):
     b.step([(blocks, tokens, 0, 96)])
     same = stored_pages(srv.address, b.layout, keys) == expected_pages(tokens, 6)
     assert same.all(axis=1).tolist() == [True] * 6
-    b.close()
-
-
-def test_a_lease_not_acted_on_is_dropped_on_every_early_exit(srv):
-    a = Engine(srv.address)
-    tokens = prompt(64, 33)
-    a.run_prompt("a", tokens)
-    b = Engine(srv.address)
-    assert b.sched.hit("r", tokens, 0) == 48               # leased; the engine cannot
-    assert b.sched.hit("r", tokens, 48) == 0               # allocate, then asks again with
-    b.sched.build()                                        # a local hit covering it all
-    with KVStoreClient(srv.address) as c:
-        assert c.stats().leases == 0
-    assert b.sched.hit("r2", tokens, 0) == 48
-    b.sched.allocated("r2", b.alloc(64), 0)                # allocated, loading nothing
-    b.sched.build()
-    with KVStoreClient(srv.address) as c:
-        assert c.stats().leases == 0
     b.close()
 
 
