@@ -15,7 +15,14 @@ torch = pytest.importorskip("torch")
 from kvstore_client import KVStoreClient  # noqa: E402
 from kvstore_connector.config import ConnectorConfig  # noqa: E402
 
-from .test_connector import BLOCK, Engine, expected_pages, prompt, stored_pages  # noqa: E402
+from .test_connector import (  # noqa: E402
+    BLOCK,
+    Engine,
+    expected_pages,
+    keys_of,
+    prompt,
+    stored_pages,
+)
 from .test_remote_load import SHAPES, SLABS, Rig, remote_threads  # noqa: E402
 
 
@@ -87,7 +94,7 @@ def test_a_cold_round_sharing_prefixes_sends_only_pages_the_store_lacks(srv):
     assert stats.pages_saved == stored
     assert stats.bytes_saved == stored * eng.worker.ns.page_bytes
     for rid, tokens, pages in (("a", a, 6), ("b", b, 7), ("c", c, 5)):
-        keys = eng.sched._keys_upto(eng.sched._requests[rid], pages)
+        keys = keys_of(tokens, pages, eng.layout)
         got = stored_pages(srv.address, eng.layout, keys)
         assert np.array_equal(got, np.stack(expected_pages(tokens, pages))), rid
     eng.close()
