@@ -27,6 +27,11 @@ log = logging.getLogger(__name__)
 ANSWER_BUFFER = 64 << 10     # per connection
 SEND_BYTES = 2 << 20         # at most per send of page bytes (Conn.send)
 
+_GET = int(fw.Op.GET)
+_PUT = int(fw.Op.PUT)
+_HEADER = fw.HEADER
+_HEAD = fw.HEADER.size
+
 
 class Broken(ConnectionError):
     """A connection broke mid-call: retried once on a fresh one."""
@@ -56,13 +61,25 @@ class Conn:
         self.sock = sock
         # A GET answer's header, and its ALIGN_PAD body where the server granted ALIGNED.
         self._head = bytearray(fw.HEADER.size + fw.ALIGN_PAD)
-        self.pad = 0         # fastwire.ALIGN_PAD once the server granted ALIGNED
+        self._pre = memoryview(self._head)[:_HEAD]    # what comes before a GET's pages
+        self._pad = 0
+        self.plain = not isinstance(sock, ssl.SSLSocket)
         # Where an answer is received: header and body in one recv when it fits (a
         # lookup's or an acquire's does), so a small call costs one system call.
         self._rbuf = memoryview(bytearray(ANSWER_BUFFER))
         self.owed = 0        # answers of requests sent without waiting (release_later)
         self.quiet = False   # the server sends no answer to a RELEASE flagged QUIET
         self.timeout = -1.0  # the socket's SO_RCVTIMEO/SO_SNDTIMEO now
+
+    @property
+    def pad(self) -> int:
+        """fastwire.ALIGN_PAD once the server granted ALIGNED, else 0."""
+        return self._pad
+
+    @pad.setter
+    def pad(self, pad: int) -> None:
+        self._pad = pad
+        self._pre = memoryview(self._head)[:_HEAD + pad]
 
     def use_timeout(self, seconds: float) -> None:
         """Give up on any send or recv that moves nothing for this long (set only when
@@ -85,7 +102,7 @@ class Conn:
         try:
             frame = head + body if len(body) < 65536 else head
             if data is not None and data.nbytes <= SEND_BYTES and len(body) < 65536 \
-                    and not isinstance(self.sock, ssl.SSLSocket):
+                    and self.plain:
                 # A Put of a few pages: frame and pages in one sendmsg, not two sends.
                 self._sendmsg(frame, data)
                 return
@@ -122,7 +139,7 @@ class Conn:
         no flags). SO_RCVTIMEO still ends the wait: with nothing received it is a
         Timeout, with some bytes it returns them and the loop asks again."""
         pos, n = 0, len(view)
-        flags = socket.MSG_WAITALL if waitall and not isinstance(self.sock, ssl.SSLSocket) else 0
+        flags = socket.MSG_WAITALL if waitall and self.plain else 0
         try:
             while pos < n:
                 got = self.sock.recv_into(view[pos:], n - pos, flags)
@@ -135,13 +152,38 @@ class Conn:
                 raise
             raise _failed(exc, "receiving") from None
 
+    def get(self, body: bytes, out: memoryview) -> None:
+        """A page-major GET whose answer fills out: the request in one send, the answer's
+        header, pad and pages in one recvmsg_into where the kernel has them all (a page
+        or a few: one system call each way). What an engine calls per layer, so it
+        checks the answer with one unpack and one compare, and builds nothing else."""
+        if not self.plain:                    # TLS: no recvmsg
+            self.send(_GET, body)
+            self.answer_into(_GET, "Get", out)
+            return
+        try:
+            self.sock.sendall(_HEADER.pack(fw.MAGIC, fw.VERSION, _GET, 0, fw.PAGE_MAJOR,
+                                           len(body), 0) + body)
+        except OSError as exc:
+            raise _failed(exc, "sending") from None
+        pre = self._pre
+        try:
+            got = self.sock.recvmsg_into([pre, out])[0]
+        except OSError as exc:
+            raise _failed(exc, "receiving") from None
+        nbytes = out.nbytes
+        if got == len(pre) + nbytes and _HEADER.unpack_from(pre) == (
+                fw.MAGIC, fw.VERSION, _GET, 0, 0, self._pad, nbytes):
+            return
+        self._answer_rest(_GET, "Get", out, got)
+
     def answer_into(self, op: int, method: str, out: memoryview) -> None:
         """A GET's answer: the header (and its pad: fastwire.ALIGNED), then the pages
         straight into out. On a plain socket one recvmsg_into fills both, so a one-page
         get costs one system call."""
         size = fw.HEADER.size
-        pre = memoryview(self._head)[:size + self.pad]
-        if isinstance(self.sock, ssl.SSLSocket):      # no recvmsg on TLS
+        pre = self._pre
+        if not self.plain:                    # no recvmsg on TLS
             self.recv_exact(pre[:size])
             got = size
         else:
@@ -149,11 +191,18 @@ class Conn:
                 got = self.sock.recvmsg_into([pre, out])[0]
             except OSError as exc:
                 raise _failed(exc, "receiving") from None
-            if not got:
-                raise Broken("the server closed the connection")
-            if got < size:
-                self.recv_exact(pre[got:size])
-                got = size
+        self._answer_rest(op, method, out, got)
+
+    def _answer_rest(self, op: int, method: str, out: memoryview, got: int) -> None:
+        """The rest of a GET's answer once a first receive brought `got` bytes of it
+        (the header and pad first, then the pages into out): checked, and completed."""
+        size = fw.HEADER.size
+        pre = self._pre
+        if not got:
+            raise Broken("the server closed the connection")
+        if got < size:
+            self.recv_exact(pre[got:size])
+            got = size
         try:
             h = fw.decode_header(pre[:size], request=False)
         except fw.WireError as exc:

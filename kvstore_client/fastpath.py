@@ -119,7 +119,9 @@ class FastLease:
 
 
 def keys_body(layout_id: bytes, key_size: int, packed: bytes) -> bytes:
-    return fw.LAYOUT_HEAD.pack(layout_id) + fw.encode_keys(key_size, packed)
+    """A layout id and its keys (fastwire.LAYOUT_KEYS_HEAD, then the packed keys)."""
+    return fw.LAYOUT_KEYS_HEAD.pack(layout_id, key_size,
+                                    len(packed) // key_size if key_size else 0) + packed
 
 
 class _Lane:
@@ -560,12 +562,7 @@ class FastPath:
         for part in parts:
             part.result()
 
-    def _get_part(self, layout_id: bytes, key_size: int, packed: bytes, out: memoryview,
-                  flags: int = fw.PAGE_MAJOR) -> None:
+    def _get_part(self, layout_id: bytes, key_size: int, packed: bytes, out: memoryview
+                  ) -> None:
         body = keys_body(layout_id, key_size, packed)
-
-        def call(c: Conn) -> None:
-            c.send(fw.Op.GET, body, flags=flags)
-            c.answer_into(fw.Op.GET, "Get", out)
-
-        self._run("Get", call)
+        self._run("Get", lambda c: c.get(body, out))

@@ -40,10 +40,11 @@ from .layout import MAX_LOOKUP_LAYOUTS
 from .reasons import Reason
 
 __all__ = ["ALIGNED", "ALIGN_PAD", "CALLS", "COUNT", "COUNT_LEASE", "GRPC_CODES", "HEADER", "LAYER_MAJOR", "LAYOUT_HEAD",
-           "LAYOUT_ID_BYTES", "LEASE", "LEASED_HEAD", "LOOKUP_HEAD", "MAGIC", "MAX_ANSWER_BODY",
+           "LAYOUT_ID_BYTES", "LAYOUT_KEYS_HEAD", "LEASE", "LEASED_HEAD", "LOOKUP_HEAD", "MAGIC", "MAX_ANSWER_BODY",
            "MAX_BODY", "MAX_DATA", "MAX_LAYOUTS", "MISSED", "PAGE_MAJOR", "PINS", "PINS_HEAD",
            "PUT_DONE", "QUIET", "READ", "REASON_FLAGS", "REGION_TOKEN_BYTES", "RESERVED", "VERSION",
            "Header", "KeysBlock", "Op", "Status", "WireError", "decode_header", "decode_keys",
+           "decode_layout_keys",
            "encode_header", "encode_keys", "reason_flags", "reason_of_flags", "request_body_bytes",
            "u64", "unpack_u64"]
 
@@ -275,6 +276,23 @@ def decode_keys(body: memoryview, pos: int) -> tuple[KeysBlock, int]:
     return KeysBlock(key_size, bytes(body[pos:end])), end
 
 
+def decode_layout_keys(body: memoryview) -> tuple[bytes, int, bytes]:
+    """(layout id, one key's size, packed keys) of a body that is a layout id and its keys
+    (EXISTS, GET, PUT, DELETE): one unpack, no KeysBlock, for the calls every engine makes
+    per layer. The size is 0 when no key comes (an unset size, as the calls take it).
+    WireError(INVALID) as decode_keys, with its messages (a short body goes its way)."""
+    if len(body) >= LAYOUT_KEYS_HEAD.size:
+        layout_id, key_size, n = LAYOUT_KEYS_HEAD.unpack_from(body)
+        end = LAYOUT_KEYS_HEAD.size + n * key_size
+        if 1 <= key_size <= MAX_KEY_BYTES and end <= len(body):
+            return layout_id, key_size if n else 0, bytes(body[LAYOUT_KEYS_HEAD.size:end])
+    if len(body) < LAYOUT_HEAD.size:
+        raise WireError(f"body of {len(body)} bytes is too short for this op "
+                        f"(needs {LAYOUT_HEAD.size})", Status.INVALID)
+    block, _ = decode_keys(body, LAYOUT_HEAD.size)
+    return bytes(body[:LAYOUT_HEAD.size]), block.key_size if block.n else 0, block.data
+
+
 def u64(values: np.ndarray) -> bytes:
     """An int64 array as little-endian bytes (offsets in responses)."""
     return np.ascontiguousarray(values, dtype="<i8").tobytes()
@@ -287,6 +305,7 @@ def unpack_u64(raw: bytes | memoryview) -> np.ndarray:
 # Fixed parts of the bodies, before any packed keys (docs/fastpath.md lists each op).
 LOOKUP_HEAD = struct.Struct("<IH")        # lease_ms, number of layout ids (16 B each)
 LAYOUT_HEAD = struct.Struct("<16s")       # EXISTS, GET, PUT, DELETE: layout id
+LAYOUT_KEYS_HEAD = struct.Struct("<16sBI")  # ... and then their keys' key_size, n
 LEASED_HEAD = struct.Struct("<16s16sI")   # ACQUIRE, RESERVE: layout, region token, lease_ms
 LEASE = struct.Struct("<Q")               # COMMIT, ABORT, RELEASE: lease id; their answers
 READ = struct.Struct("<I")                # RELEASE, optionally after the lease id: pages read

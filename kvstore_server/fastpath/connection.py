@@ -54,6 +54,13 @@ __all__ = ["Connection"]
 log = logging.getLogger(__name__)
 
 _NAMES: dict[int, str] = {op: "Fast" + op.name.title() for op in fw.Op}
+# Plain ints and the OK code, looked up once: every frame compares its op with these, and
+# an IntEnum member read through its class, or hashed as a dict key, runs Python code.
+_HELLO = int(fw.Op.HELLO)
+_RELEASE = int(fw.Op.RELEASE)
+_CALL = int(fw.Op.CALL)
+_QUIET = fw.QUIET
+_OK_CODE = fw.GRPC_CODES[fw.Status.OK]
 SCRATCH_BYTES = 256 << 10      # per connection: where a refused Put's data is dropped
 # A request body up to this long that is over the server's limit is read past and refused
 # (the connection goes on); a longer one is taken for a malformed frame: the connection
@@ -194,21 +201,22 @@ class Connection:
             # idle timeout (Reader.idle_waits). A setsockopt pair around each Put's pages
             # cost two system calls a Put. Over TLS a Python timeout is one value for
             # both, switched around the wait for each header.
+            plain, reader = self.plain, self._reader
+            max_body, max_call_body = self.ops.max_body, self.ops.max_call_body
             while True:
-                if not self.plain:
+                if not plain:
                     self.sock.settimeout(self.idle_timeout or None)
                 h = self._read_header()
                 if h is None:
                     return
-                if not self.plain:
+                if not plain:
                     self.sock.settimeout(self.stream_timeout or None)
-                if h.op == fw.Op.HELLO:
+                if h.op == _HELLO:
                     raise fw.WireError("HELLO comes once, first")
-                if h.body_len > (self.ops.max_call_body if h.op == fw.Op.CALL
-                                 else self.ops.max_body):
+                if h.body_len > (max_call_body if h.op == _CALL else max_body):
                     self._refuse_body(session, h)
                     continue
-                self._call(session, h, self._read_body(h))
+                self._call(session, h, reader.take(h.body_len))
         except Refused as exc:
             self._refused(exc.status.name.lower())
             log.debug("fast path: refused a connection: %s", exc)
@@ -238,11 +246,10 @@ class Connection:
 
     def _call(self, s: Session, h: fw.Header, body: memoryview) -> None:
         start = time.perf_counter()
-        status = fw.Status.OK
-        gone = False
+        code = _OK_CODE
         op = h.op               # an int decode_header checked; the tables take it as is
         # A quiet RELEASE gets no answer, not even an error (fastwire.QUIET).
-        reply = self._reply if not (op == fw.Op.RELEASE and h.flags & fw.QUIET) else _quiet
+        reply = _quiet if op == _RELEASE and h.flags & _QUIET else self._reply
         try:
             try:
                 s.who = self._principal()
@@ -254,21 +261,21 @@ class Connection:
                 reply(op, answer)
         except StoreError as exc:
             status = status_of(exc)
+            code = fw.GRPC_CODES[status]
             reply(op, exc.message.encode(), status, fw.reason_flags(exc.reason))
         except fw.WireError as exc:
             if exc.status is fw.Status.PROTOCOL:
                 raise
-            status = exc.status
-            reply(op, str(exc).encode(), status)
+            code = fw.GRPC_CODES[exc.status]
+            reply(op, str(exc).encode(), exc.status)
         except (KeyError_, ValueError) as exc:
-            status = fw.Status.INVALID
-            reply(op, str(exc).encode(), status)
+            code = fw.GRPC_CODES[fw.Status.INVALID]
+            reply(op, str(exc).encode(), fw.Status.INVALID)
         except (ClientGone, OSError):
-            gone = True
+            code = grpc.StatusCode.CANCELLED
             raise
         finally:
-            self._observe(_NAMES[op], time.perf_counter() - start,
-                          grpc.StatusCode.CANCELLED if gone else fw.GRPC_CODES[status])
+            self._observe(_NAMES[op], time.perf_counter() - start, code)
 
     def _refuse_body(self, s: Session, h: fw.Header) -> None:
         """A request over the body limit (more keys than the server takes): its bytes are

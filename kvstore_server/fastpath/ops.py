@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import struct
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -29,12 +30,18 @@ from ..rpc.carriage import Carriage
 from ..rpc.limits import RequestLimits, request_message_bytes
 from ..rpc.status import status_of
 from ..store import Store
+from ..store.layouts import LayoutInfo
 from .io import IOV_BATCH, SEND_BYTES, Reader, runs, send_batch, send_file, send_views
 
 __all__ = ["SEND_SENDFILE", "SEND_SENDMSG", "Ops", "Session", "status_of"]
 
 SEND_SENDFILE = "sendfile"
 SEND_SENDMSG = "sendmsg"
+
+# An aligned GET answer's header: the frame header, then ALIGN_PAD zero bytes of body.
+_GET_HEAD = struct.Struct(fw.HEADER.format + f"{fw.ALIGN_PAD}x")
+_ALIGNED_HEAD = _GET_HEAD.size
+_GET = int(fw.Op.GET)
 
 
 @dataclasses.dataclass(slots=True)
@@ -56,6 +63,12 @@ class Session:
     # and capped (MAX_TRACKED): a client that lets its leases expire instead of ending
     # them would otherwise grow it without bound.
     leases: dict[int, None] = dataclasses.field(default_factory=dict)
+    # An aligned Get answer's header and pad, packed in place for each Get (Ops.get).
+    head: bytearray = dataclasses.field(default_factory=lambda: bytearray(_GET_HEAD.size))
+    head_view: memoryview = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.head_view = memoryview(self.head)
 
     def took(self, lease_id: int) -> None:
         if lease_id:
@@ -141,13 +154,13 @@ class Ops:
                 + b"".join(fw.u64(o) for o in offsets))
 
     def exists(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
-        layout_id, block = _layout_keys(body)
-        present = self.calls.exists(s.who, layout_id, block.data, _size(block))
+        layout_id, key_size, keys = fw.decode_layout_keys(body)
+        present = self.calls.exists(s.who, layout_id, keys, key_size)
         return fw.COUNT.pack(len(present)) + np.packbits(present, bitorder="little").tobytes()
 
     def delete(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
-        layout_id, block = _layout_keys(body)
-        return fw.COUNT.pack(self.calls.delete(s.who, layout_id, block.data, _size(block)))
+        layout_id, key_size, keys = fw.decode_layout_keys(body)
+        return fw.COUNT.pack(self.calls.delete(s.who, layout_id, keys, key_size))
 
     def acquire(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
         layout_id, token, lease_ms = _unpack(fw.LEASED_HEAD, body, 0)
@@ -193,42 +206,75 @@ class Ops:
     # -- page bytes ---------------------------------------------------------------------
     def get(self, s: Session, h: fw.Header, body: memoryview) -> None:
         """Answers itself: the header, then the pages straight out of the pool."""
-        layout_id, block = _layout_keys(body)
-        if h.flags not in (fw.PAGE_MAJOR, fw.LAYER_MAJOR):
-            raise fw.WireError(f"unknown GET order {h.flags}", fw.Status.INVALID)
-        with self.calls.get(s.who, layout_id, block.data, _size(block)) as pinned:
+        layout_id, key_size, keys = fw.decode_layout_keys(body)
+        order = h.flags
+        if order != fw.PAGE_MAJOR and order != fw.LAYER_MAJOR:
+            raise fw.WireError(f"unknown GET order {order}", fw.Status.INVALID)
+        reading = self.calls.get(s.who, layout_id, keys, key_size)
+        try:
+            pinned = reading.pinned
             info = pinned.info
             pb = info.page_bytes
             offsets = pinned.offsets
-            nbytes = len(offsets) * pb
-            head = fw.encode_header(fw.Op.GET, len(s.pad), nbytes) + s.pad
-            if h.flags == fw.LAYER_MAJOR and info.layout.num_layers > 1:
-                s.sock.sendall(head)
-                self._send_layers(s, offsets, pb, info.layer_bytes, info.layout.num_layers)
-            elif s.plain and self.send_mode == SEND_SENDFILE:
-                s.sock.sendall(head)
-                for i, j, off in runs(offsets, pb):
-                    send_file(s.sock, self.pool_fd, off, (j - i) * pb)
-            else:
-                if len(offsets) == 1:                   # no runs to find
+            n = len(offsets)
+            nbytes = n * pb
+            if s.plain and self.send_mode == SEND_SENDMSG and s.pad and nbytes <= SEND_BYTES \
+                    and (order == fw.PAGE_MAJOR or info.layout.num_layers == 1):
+                # The common case, and an engine's per-layer one: the header and every
+                # run of pages in one sendmsg, which the kernel takes whole (a one-page
+                # get is one system call), aligned (s.pad), with no per-call objects
+                # but the pages' views.
+                _GET_HEAD.pack_into(s.head, 0, fw.MAGIC, fw.VERSION, _GET, 0, 0, fw.ALIGN_PAD,
+                                    nbytes)
+                mem = self.mem
+                if n == 1:                              # no runs to find
                     off = int(offsets[0])
-                    pages = [self.mem[off:off + pb]]
+                    batch = [s.head_view, mem[off:off + pb]]
                 else:
-                    pages = [self.mem[off:off + (j - i) * pb]
-                             for i, j, off in runs(offsets, pb)]
-                if s.plain and len(pages) < IOV_BATCH and nbytes <= SEND_BYTES and (
-                        s.pad or nbytes < HEAD_ALONE_BYTES):
-                    # The header and every run of pages in one sendmsg, which the
-                    # kernel takes whole: a one-page get is one system call. Aligned
-                    # (s.pad), at any size up to SEND_BYTES.
-                    send_batch(s.sock, [memoryview(head), *pages])
-                elif s.pad or nbytes < HEAD_ALONE_BYTES:
-                    self._send_views(s, [memoryview(head), *pages])
-                else:
-                    # Large, to a client that does not read aligned answers: the header
-                    # alone, so the pages keep their alignment (HEAD_ALONE_BYTES).
-                    s.sock.sendall(head)
-                    self._send_views(s, pages)
+                    batch = [s.head_view]
+                    batch += [mem[off:off + (j - i) * pb] for i, j, off in runs(offsets, pb)]
+                if len(batch) <= IOV_BATCH:
+                    if s.sock.sendmsg(batch) != nbytes + _ALIGNED_HEAD:
+                        send_batch(s.sock, batch)   # sent in part (a timeout cut it short)
+                    return
+                self._send_views(s, batch)
+                return
+            self._send_get(s, order, info, offsets, nbytes)
+        finally:
+            reading.__exit__(None, None, None)      # releases the pins
+
+    def _send_get(self, s: Session, order: int, info: LayoutInfo, offsets: np.ndarray,
+                  nbytes: int) -> None:
+        """A Get's answer where get's one sendmsg does not fit it: layer-major, sendfile,
+        TLS, past SEND_BYTES, or to a client that does not read aligned answers."""
+        pb = info.page_bytes
+        head = fw.encode_header(fw.Op.GET, len(s.pad), nbytes) + s.pad
+        if order == fw.LAYER_MAJOR and info.layout.num_layers > 1:
+            s.sock.sendall(head)
+            self._send_layers(s, offsets, pb, info.layer_bytes, info.layout.num_layers)
+        elif s.plain and self.send_mode == SEND_SENDFILE:
+            s.sock.sendall(head)
+            for i, j, off in runs(offsets, pb):
+                send_file(s.sock, self.pool_fd, off, (j - i) * pb)
+        else:
+            if len(offsets) == 1:                   # no runs to find
+                off = int(offsets[0])
+                pages = [self.mem[off:off + pb]]
+            else:
+                pages = [self.mem[off:off + (j - i) * pb]
+                         for i, j, off in runs(offsets, pb)]
+            if s.plain and len(pages) < IOV_BATCH and nbytes <= SEND_BYTES and (
+                    s.pad or nbytes < HEAD_ALONE_BYTES):
+                # The header and every run of pages in one sendmsg: a small get to a
+                # client that does not read aligned answers.
+                send_batch(s.sock, [memoryview(head), *pages])
+            elif s.pad or nbytes < HEAD_ALONE_BYTES:
+                self._send_views(s, [memoryview(head), *pages])
+            else:
+                # Large, to a client that does not read aligned answers: the header
+                # alone, so the pages keep their alignment (HEAD_ALONE_BYTES).
+                s.sock.sendall(head)
+                self._send_views(s, pages)
 
     def _send_layers(self, s: Session, offsets: np.ndarray, pb: int, lb: int,
                      layers: int) -> None:
@@ -252,9 +298,8 @@ class Ops:
         """Receives the data into reserved slots, or drains it when the put is refused,
         so the connection stays in step either way."""
         try:
-            layout_id, block = _layout_keys(body)
-            writing = self.calls.put(s.who, layout_id, block.data, _size(block),
-                                     data_len=h.data_len)
+            layout_id, key_size, keys = fw.decode_layout_keys(body)
+            writing = self.calls.put(s.who, layout_id, keys, key_size, data_len=h.data_len)
         except Exception:
             s.reader.skip(h.data_len, s.scratch)
             raise
@@ -268,12 +313,6 @@ class Ops:
                     s.reader.read_into(mem[off:off + (j - i) * pb])
             stored = writing.commit()
         return fw.PUT_DONE.pack(stored, res.skipped, res.in_flight)
-
-
-def _layout_keys(body: memoryview) -> tuple[bytes, fw.KeysBlock]:
-    (layout_id,) = _unpack(fw.LAYOUT_HEAD, body, 0)
-    block, _ = fw.decode_keys(body, fw.LAYOUT_HEAD.size)
-    return layout_id, block
 
 
 def _size(block: fw.KeysBlock) -> int:

@@ -90,6 +90,36 @@ def test_bad_keys_are_invalid_not_fatal(block, words):
     assert info.value.status is fw.Status.INVALID
 
 
+@pytest.mark.parametrize("keys", [
+    b"", bytes(range(16)), bytes(range(48)) + b"trailing bytes are not keys",
+])
+def test_a_layout_and_its_keys_decode_in_one_unpack_as_in_two(keys):
+    """decode_layout_keys (one unpack, what GET and PUT use) reads what LAYOUT_HEAD then
+    decode_keys read, and answers no keys with size 0 (an unset size)."""
+    layout = bytes(range(100, 116))
+    packed = keys[:48] if len(keys) > 48 else keys
+    body = memoryview(layout + fw.encode_keys(16, packed) + keys[48:])
+    block, _ = fw.decode_keys(body, fw.LAYOUT_HEAD.size)
+    assert fw.decode_layout_keys(body) == (layout, 16 if packed else 0, block.data)
+    assert fw.decode_layout_keys(memoryview(layout + fw.encode_keys(0, b""))) == (layout, 0, b"")
+
+
+@pytest.mark.parametrize("block, words", [
+    (struct.pack("<BI", 16, 1 << 30) + bytes(64), "need 17179869184"),
+    (struct.pack("<BI", 0, 3), "key_size must be"),
+    (struct.pack("<BI", 65, 1) + bytes(65), "key_size must be"),
+    (struct.pack("<BI", 16, 3) + bytes(47), "need 48"),
+    (b"\x10\x00", "ends before its keys"),
+])
+def test_a_layout_with_bad_keys_is_refused_as_decode_keys_refuses_it(block, words):
+    with pytest.raises(fw.WireError, match=words) as info:
+        fw.decode_layout_keys(memoryview(bytes(16) + block))
+    assert info.value.status is fw.Status.INVALID
+    with pytest.raises(fw.WireError, match="too short for this op") as info:
+        fw.decode_layout_keys(memoryview(bytes(15)))
+    assert info.value.status is fw.Status.INVALID
+
+
 def test_runs_join_adjacent_offsets_and_isolate_skipped():
     offsets = np.array([0, 10, 20, 50, -1, -1, 60, 70], dtype=np.int64)
     assert list(runs(offsets, 10)) == [(0, 3, 0), (3, 4, 50), (4, 5, -1), (5, 6, -1),
