@@ -242,6 +242,10 @@ class EventFeed:
     def _confirm_runs(self, out: list[Stored | Removed]) -> None:
         with self._cv:
             runs, self._runs = list(self._runs), collections.deque()
+        # Most runs name only pages announced already (a session's next turn, a shared
+        # system prompt): a set comparison passes them over without a loop of ours per key.
+        held = self._held.keys()
+        runs = [run for run in runs if not set(run.keys) <= held]
         if not runs:
             return
         assert self._handles is not None
