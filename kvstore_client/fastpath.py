@@ -49,7 +49,7 @@ from kvstore_protocol.carriage import encode_call, messages
 
 from .errors import KVStoreError
 from .fastconn import Broken, Conn, Timeout, deadline
-from .handles import Pins
+from .handles import FastLease, Pins
 from .holdings import Holdings
 from .transport import NotCarried
 from .unixpeer import ServerIdentity, UntrustedSocket, check_path, check_peer
@@ -102,20 +102,6 @@ def _pins(answer: memoryview, count: int, layout_ids: list[bytes]) -> Pins:
                            f"{count} pages; asked over {len(ids)} layouts", "Lookup")
     rows = offsets.reshape(n, count)
     return Pins(region, ttl_ms / 1000.0, {lid: rows[i] for i, lid in enumerate(ids)})
-
-
-class FastLease:
-    """What acquire and reserve answer: a lease id, the pages' pool offsets, and for a
-    reserve the keys already stored (skipped) and those another put is writing."""
-
-    __slots__ = ("in_flight", "lease_id", "offsets", "skipped")
-
-    def __init__(self, lease_id: int, offsets: np.ndarray, skipped: int = 0,
-                 in_flight: int = 0) -> None:
-        self.lease_id = lease_id
-        self.offsets = offsets
-        self.skipped = skipped
-        self.in_flight = in_flight
 
 
 def keys_body(layout_id: bytes, key_size: int, packed: bytes) -> bytes:

@@ -26,8 +26,7 @@ from kvstore_protocol.grpc_frames import PUT_DATA_TAG, frame
 
 from .buffers import LayerMajorWriter
 from .errors import KVStoreError, PagesMissing, from_rpc_error
-from .fastpath import FastLease
-from .handles import LayoutHandle, Pins
+from .handles import FastLease, LayoutHandle, Pins
 from .rpc import Rpc
 
 __all__ = ["CHUNK_BYTES", "GrpcTransport"]

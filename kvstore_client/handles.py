@@ -1,5 +1,5 @@
 """Values a KVStoreClient hands its callers for page calls: a layout handle, a put's result,
-a lookup's lease."""
+a lookup's lease; and what either transport's acquire and reserve answer (FastLease)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 
 from kvstore_protocol.layout import PageLayout
 
-__all__ = ["LayoutHandle", "Lease", "Pins", "PutResult"]
+__all__ = ["FastLease", "LayoutHandle", "Lease", "Pins", "PutResult"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,3 +49,17 @@ class Lease:
     lease_id: int
     count: int
     pins: Pins | None = None      # asked for and answered: where the pages lie
+
+
+class FastLease:
+    """What acquire and reserve answer: a lease id, the pages' pool offsets, and for a
+    reserve the keys already stored (skipped) and those another put is writing."""
+
+    __slots__ = ("in_flight", "lease_id", "offsets", "skipped")
+
+    def __init__(self, lease_id: int, offsets: np.ndarray, skipped: int = 0,
+                 in_flight: int = 0) -> None:
+        self.lease_id = lease_id
+        self.offsets = offsets
+        self.skipped = skipped
+        self.in_flight = in_flight

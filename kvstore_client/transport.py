@@ -27,8 +27,7 @@ from .errors import KVStoreError, Reason
 if TYPE_CHECKING:
     from google.protobuf.message import Message
 
-    from .fastpath import FastLease
-    from .handles import LayoutHandle, Pins
+    from .handles import FastLease, LayoutHandle, Pins
 
 __all__ = ["NotCarried", "Recovery", "Transport"]
 
