@@ -139,37 +139,54 @@ class LeaseBook:
                 info.served += min(pages_read, count)
                 info.bytes_out += min(pages_read, count) * info.page_bytes
 
-    # A few pages (up to _FEW_PINS) are the common acquire of an engine's hot path, and
-    # numpy's ufunc.at and fancy indexing cost as much on an array of one as on hundreds:
-    # a few scalar reads and writes cost less. Many slots keep the vector form
-    # (SlotTable.add_pins: a key may repeat; a scalar loop counts repeats by itself).
+    # A few pages (up to _FEW_PINS) are the common pin of an engine's hot path. A slot
+    # named once each (their list has no repeat) takes one fancy-indexed add: a scalar
+    # numpy read and write a slot cost more from 2 slots on. A repeated slot is counted
+    # one by one (a fancy-indexed add counts it once); many slots keep the vector form
+    # (SlotTable.add_pins, which looks for repeats in numpy).
     def pin(self, slots: np.ndarray) -> None:
         """One more pin on each slot (a slot named twice, twice)."""
         table = self._s.slots
-        if len(slots) <= _FEW_PINS:
-            pins = table.pins
-            for slot in slots.tolist():
-                pins[slot] += 1
-        else:
+        if len(slots) > _FEW_PINS:
             table.add_pins(slots, 1)
+            return
+        listed = slots.tolist()
+        pins = table.pins
+        if len(listed) == 1:
+            pins[listed[0]] += 1
+        elif len(set(listed)) == len(listed):
+            pins[slots] += 1
+        else:
+            for slot in listed:
+                pins[slot] += 1
 
     def unpin(self, slots: np.ndarray) -> None:
         """One pin fewer on each slot; a DOOMED slot's last goes free."""
         table = self._s.slots
-        if len(slots) <= _FEW_PINS:
-            pins, state = table.pins, table.state
-            doomed = []
-            for slot in slots.tolist():
-                pins[slot] -= 1
-                if pins[slot] == 0 and state[slot] == _DOOMED:
-                    doomed.append(slot)
-            if doomed:
-                self._eviction.free(np.array(doomed, dtype=np.int64))
+        if len(slots) > _FEW_PINS:
+            table.add_pins(slots, -1)
+            doomed = slots[(table.state[slots] == _DOOMED) & (table.pins[slots] == 0)]
+            if doomed.size:
+                self._eviction.free(np.unique(doomed))
             return
-        table.add_pins(slots, -1)
-        doomed = slots[(table.state[slots] == _DOOMED) & (table.pins[slots] == 0)]
-        if doomed.size:
-            self._eviction.free(np.unique(doomed))
+        listed = slots.tolist()
+        pins, state = table.pins, table.state
+        if len(listed) > 1 and len(set(listed)) == len(listed):
+            left = pins[slots] - 1
+            pins[slots] = left
+            # DOOMED is rare (a page deleted or evicted while leased): one read says.
+            if _DOOMED in state[slots].tolist():
+                doomed = slots[(left == 0) & (state[slots] == _DOOMED)]
+                if doomed.size:
+                    self._eviction.free(doomed)
+            return
+        freed = []
+        for slot in listed:
+            pins[slot] -= 1
+            if pins[slot] == 0 and state[slot] == _DOOMED:
+                freed.append(slot)
+        if freed:
+            self._eviction.free(np.array(freed, dtype=np.int64))
 
     def take(self, lease_id: int, kind: LeaseKind, tenant: str | None = None) -> Lease:
         """End a live lease of this kind that the caller owns (EXPIRED if none such)."""

@@ -1,0 +1,102 @@
+"""The store's few-key paths (a call of up to 16 keys walks Python ints and scalar pins)
+against a model of what the batch paths answer: counts, pins, frees, the pool's use."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from kvstore_protocol.layout import PageLayout
+from kvstore_server.region import Region
+from kvstore_server.store import Store
+
+MiB = 1 << 20
+LAYOUT = PageLayout(model="few", num_layers=4, page_tokens=16, num_kv_heads=1, head_size=32)
+
+
+@pytest.fixture
+def store():
+    region = Region(64 * MiB)
+    yield Store(region, lease_ttl=30.0)
+    region.close()
+
+
+def _key(i: int, size: int = 16) -> bytes:
+    return i.to_bytes(8, "little").ljust(size, b"k")
+
+
+def _rank(layout: PageLayout, rank: int) -> PageLayout:
+    fields = {f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)}
+    return PageLayout(**{**fields, "tp_rank": rank, "tp_size": 2})
+
+
+def _put(store, info, ks):
+    res = store.reserve(info.layout_id, ks)
+    return store.commit(res.lease_id)
+
+
+@pytest.mark.parametrize("key_size", [16, 24])
+def test_few_key_lookups_pins_and_deletes_agree_with_a_model(store, key_size):
+    """Random prefixes of 0-20 keys (across the few-key bound), repeats included, over
+    one or two layouts with holes: the count is the shortest leading run, a leased
+    lookup pins each named page once per naming, and its release after a delete frees
+    exactly the deleted pages (a repeated slot unpinned as often as pinned)."""
+    rng = np.random.default_rng(key_size)
+    a = store.register_layout(LAYOUT)
+    b = store.register_layout(_rank(LAYOUT, 1))
+    stored = {a.layout_id: set(), b.layout_id: set()}
+    for info in (a, b):
+        held = [i for i in range(64) if rng.random() < 0.8]
+        _put(store, info, [_key(i, key_size) for i in held])
+        stored[info.layout_id].update(held)
+    for _ in range(300):
+        n = int(rng.integers(0, 21))
+        names = [int(i) for i in rng.integers(0, 64, n)]
+        if n > 2 and rng.random() < 0.3:
+            names[-1] = names[0]                       # a repeat
+        layouts = [a.layout_id] if rng.random() < 0.5 else [a.layout_id, b.layout_id]
+        ks = [_key(i, key_size) for i in names]
+        expect = min(next((j for j, i in enumerate(names) if i not in stored[lid]), n)
+                     for lid in layouts)
+        assert store.lookup(layouts, ks)[0] == expect
+        before = store._slots.pins.copy()
+        count, lease_id = store.lookup(layouts, ks, 30.0)
+        assert count == expect and bool(lease_id) == bool(expect)
+        assert int(store._slots.pins.sum() - before.sum()) == expect * len(layouts)
+        if not lease_id:
+            continue
+        gone = names[0]
+        used = store.pool.used_bytes
+        assert store.delete(layouts[0], [_key(gone, key_size)]) == 1
+        assert store.pool.used_bytes == used               # leased: doomed, not freed
+        stored[layouts[0]].discard(gone)
+        assert store.release(lease_id)
+        assert (store._slots.pins == before).all()
+        assert store.pool.used_bytes == used - store.pool.slot_bytes(a.cls)
+        _put(store, a if layouts[0] == a.layout_id else b, [_key(gone, key_size)])
+        stored[layouts[0]].add(gone)
+    assert int(store._slots.pins.sum()) == 0
+
+
+@pytest.mark.parametrize("n", [1, 3, 16, 17, 40])
+def test_deletes_of_ready_writing_absent_and_repeated_keys(store, n):
+    """A delete of n keys (the few-key path to 16, the batch past it) counts each stored
+    page once however often it is named, drops a page being written (its commit then
+    stores nothing of it) and frees every slot once: the pool ends where it began."""
+    info = store.register_layout(LAYOUT)
+    empty = store.pool.used_bytes
+    ready = [_key(i) for i in range(n)]
+    _put(store, info, ready)
+    writing = [_key(1000 + i) for i in range(max(1, n // 3))]
+    res = store.reserve(info.layout_id, writing)
+    absent = [_key(2000 + i) for i in range(2)]
+    named = ready + ready[: n // 2 + 1] + writing + absent
+    assert store.delete(info.layout_id, named) == n
+    assert store.lookup([info.layout_id], ready[:1])[0] == 0
+    assert store.commit(res.lease_id) == 0              # deleted while being written
+    assert store.exists(info.layout_id, ready + writing).tolist() == [False] * len(
+        ready + writing)
+    assert store.pool.used_bytes == empty
+    assert store.delete(info.layout_id, named) == 0
+    _put(store, info, ready + writing)                  # slots reused, each once
+    assert store.lookup([info.layout_id], ready + writing)[0] == len(ready + writing)
