@@ -29,7 +29,7 @@ LAYOUT = PageLayout(model="calls", num_layers=32, page_tokens=16, num_kv_heads=1
                     head_size=32)
 CALLS = ("lookup 1", "lookup 16", "lookup 16 miss", "leased lookup 16 + release",
          "acquire 1 + release", "get 1 (calls)", "reserve 1 + commit", "put 1 (calls)",
-         "reserve 16 + commit", "dict lookup 16 (baseline)")
+         "reserve 16 + commit", "delete 1", "dict lookup 16 (baseline)")
 
 
 def _timed(fn: Callable[[], Callable[[], object] | None], n: int) -> float:
@@ -120,13 +120,25 @@ def per_call_us(n: int = 2000, rounds: int = 5) -> dict[str, float]:
             calls.commit(who, r.lease_id)
             return lambda: store.delete(layout, [ks[i:i + 16] for i in range(0, 256, 16)])
 
+        stored: list[bytes] = []
+
+        def store_one() -> None:
+            key = next(fresh).to_bytes(16, "little")
+            store.commit(store.reserve(layout, [key]).lease_id)
+            stored.append(key)
+
+        def delete1() -> Callable[[], object] | None:
+            calls.delete(who, client_id, stored.pop(), 16)
+            return store_one
+
         def baseline() -> Callable[[], object] | None:
             for key in keys:
                 as_dict.get(key)
             return None
 
         fns = dict(zip(CALLS, (lookup1, lookup16, lookup_miss, leased, acquire, get,
-                               reserve1, put1, reserve16, baseline), strict=True))
+                               reserve1, put1, reserve16, delete1, baseline), strict=True))
+        store_one()                     # the page the first delete takes
         out: dict[str, list[float]] = {name: [] for name in CALLS}
         for _ in range(rounds):
             for name, fn in fns.items():

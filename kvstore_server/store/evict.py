@@ -26,6 +26,7 @@ from .state import StoreState
 __all__ = ["Eviction"]
 
 DOOMED = SlotState.DOOMED
+_FEW = 16                # slots freed by counting in Python (see free)
 
 
 class Eviction:
@@ -67,6 +68,9 @@ class Eviction:
             hook(slots)
         s = self._s
         pinned = s.slots.pins[slots] > 0
+        if not pinned.any():                # the common case: one call fewer each side
+            self.free(slots)
+            return
         s.slots.state[slots[pinned]] = DOOMED
         s.policy.remove(slots[pinned])
         self.free(slots[~pinned])
@@ -78,9 +82,17 @@ class Eviction:
             return
         s = self._s
         owners = s.slots.layout_of[slots]
-        per_layout = np.bincount(owners[owners >= 0], minlength=len(s.layouts))
-        for idx in np.flatnonzero(per_layout).tolist():
-            s.tenants.refund(s.layouts.by_idx[idx], int(per_layout[idx]))
+        if len(owners) <= _FEW:             # a few: counted in Python, no bincount
+            per: dict[int, int] = {}
+            for idx in owners.tolist():
+                if idx >= 0:
+                    per[idx] = per.get(idx, 0) + 1
+            for idx, count in per.items():
+                s.tenants.refund(s.layouts.by_idx[idx], count)
+        else:
+            per_layout = np.bincount(owners[owners >= 0], minlength=len(s.layouts))
+            for idx in np.flatnonzero(per_layout).tolist():
+                s.tenants.refund(s.layouts.by_idx[idx], int(per_layout[idx]))
         s.slots.clear(slots)
         s.policy.remove(slots)
         s.pool.free(slots)

@@ -55,6 +55,7 @@ from .below import Below
 from .evict import Eviction
 from .eviction import PolicyFactory, make_policy
 from .holdback import HoldBack
+from .index import FEW_KEYS
 from .layouts import DEFAULT_MAX_LAYOUTS, LayoutInfo, LayoutRegistry
 from .lease_book import LeaseBook
 from .leases import DEFAULT_LEASE_MEMORY, FOREVER, LeaseKind, LeaseTable
@@ -80,6 +81,7 @@ FREE, WRITING, READY, DOOMED = SlotState
 _READY = int(READY)                           # for numpy: see lease_book._DOOMED
 
 _NONE_MISSING = np.empty(0, dtype=np.int64)      # acquire: no key is missing
+_FEW_STORES = 4         # a commit's slots up to this many are stored one by one
 
 
 def _absent(slots: np.ndarray) -> list[int]:
@@ -274,7 +276,7 @@ class Store:
             wanted = []
             seen = set()
             in_flight = 0
-            for i in _absent(s.find(info, keys)):
+            for i in self._absent(info, keys):
                 key = keys.key(i)
                 if key in info.writing:
                     in_flight += 1
@@ -305,6 +307,16 @@ class Store:
             self._eviction.note_usage()
             slots, offsets = self._placed(len(keys), wanted, got)
             return Reservation(lease.lease_id, info, slots, offsets, in_flight)
+
+    def _absent(self, info: LayoutInfo, keys: Packed) -> list[int]:
+        """Indices of the keys not READY in this layout (under the lock): a few keys
+        found as a list (find_few), with no array made and read back."""
+        if len(keys) <= FEW_KEYS:
+            index = info.ready.get(keys.size)
+            if index is None or not len(keys):
+                return list(range(len(keys)))
+            return [i for i, slot in enumerate(index.find_few(keys.data)) if slot < 0]
+        return _absent(self._s.find(info, keys))
 
     def _placed(self, n: int, wanted: list[int], got: np.ndarray
                 ) -> tuple[np.ndarray, np.ndarray]:
@@ -353,9 +365,20 @@ class Store:
             live_arr = np.array(live, dtype=np.int64)
             if live:
                 info.index_for(len(live_keys[0])).insert(b"".join(live_keys), live)
-            s.slots.state[live_arr] = _READY
-            s.slots.committed_at[live_arr] = s.clock() - s.started_at
-            s.touch(live_arr)
+            if len(live) <= _FEW_STORES:
+                # A few: scalar stores, where each fancy store costs several (as touch).
+                now = s.clock() - s.started_at
+                state, committed, touched = (s.slots.state, s.slots.committed_at,
+                                             s.slots.touched_at)
+                for slot in live:
+                    state[slot] = _READY
+                    committed[slot] = now
+                    touched[slot] = now
+                s.policy.touch(live_arr[::-1])
+            else:
+                s.slots.state[live_arr] = _READY
+                s.slots.committed_at[live_arr] = s.clock() - s.started_at
+                s.touch(live_arr)
             info.bytes_in += len(live) * info.page_bytes
             if self.through is None or not write_through or not live:
                 return len(live)
@@ -427,24 +450,39 @@ class Store:
         with s.lock:
             info = s.layouts.info(layout_id)
             index = info.ready.get(keys.size)
-            ready = (index.remove(keys.rows) if index is not None and len(keys)
-                     else np.full(len(keys), -1, dtype=np.int64))
-            writing = [info.writing.pop(keys.key(int(i)), -1) for i in np.flatnonzero(ready < 0)]
-            # A key may repeat in one request: drop its slot once, or the pool would take
-            # it back twice and later hand it to two pages.
-            gone = np.unique(ready[ready >= 0])
+            if len(keys) <= FEW_KEYS:
+                # A few keys (an engine's per-block delete): found and removed as Python
+                # ints (find_few, remove_slots of a list), no per-key array.
+                found = (index.find_few(keys.data) if index is not None and len(keys)
+                         else [-1] * len(keys))
+                # A key may repeat in one request: drop its slot once, or the pool would
+                # take it back twice and later hand it to two pages.
+                distinct = sorted({slot for slot in found if slot >= 0})
+                if distinct and index is not None:
+                    index.remove_slots(distinct)
+                at_ready = [i for i, slot in enumerate(found) if slot >= 0]
+                at_absent = [i for i, slot in enumerate(found) if slot < 0]
+                gone = np.array(distinct, dtype=np.int64)
+            else:
+                ready = (index.remove(keys.rows) if index is not None and len(keys)
+                         else np.full(len(keys), -1, dtype=np.int64))
+                at_ready = np.flatnonzero(ready >= 0).tolist()
+                at_absent = np.flatnonzero(ready < 0).tolist()
+                gone = np.unique(ready[ready >= 0])      # a repeated key: dropped once
+            writing = [slot for i in at_absent
+                       if (slot := info.writing.pop(keys.key(i), -1)) >= 0]
             self._eviction.drop(gone)
-            self._eviction.drop(np.array([w for w in writing if w >= 0], dtype=np.int64))
+            if writing:
+                self._eviction.drop(np.array(writing, dtype=np.int64))
             deleted = len(gone)
-        in_dram = list(dict.fromkeys(keys.select(np.flatnonzero(ready >= 0))))
+        in_dram = list(dict.fromkeys(keys.select(at_ready)))
         removed = list(in_dram)
         if s.lower.holds_pages and len(keys):
             # A page on both tiers counts once; one only on the tier below counts too
             # (it used to answer 0 for them). The tier returns once the delete is durable.
             s.lower.delete(layout_id, in_dram)
             held = set(in_dram)
-            others = [k for k in dict.fromkeys(keys.select(np.flatnonzero(ready < 0)))
-                      if k not in held]
+            others = [k for k in dict.fromkeys(keys.select(at_absent)) if k not in held]
             below = s.lower.delete(layout_id, others)
             deleted += below
             if below:            # which of them the tier held it does not say: all
