@@ -73,6 +73,7 @@ class Pool:
         self.cls = np.full(1024, -1, dtype=np.int32)  # slot id -> size class (-1 = none)
         self._extent_of = np.zeros(1024, dtype=np.int32)
         self._spare_ids: list[int] = []               # ids of released extents, reused first
+        self._parked: dict[int, int] = {}             # size class -> its parked extent's id
         self._next_id = 0
         self.used_bytes = 0                           # bytes of slots handed out
 
@@ -166,7 +167,7 @@ class Pool:
             self.used_bytes -= c.slot_bytes
             c.partial[ext_id] = None
             if len(ext.free) == len(ext.ids):
-                self._release_extent(ext_id)
+                self._park(ext_id)
 
     def can_grow(self, cls: int) -> bool:
         """Whether a new extent for cls would fit in the free slabs right now."""
@@ -205,9 +206,21 @@ class Pool:
 
     def _new_extent(self, cls: int) -> _Extent | None:
         c = self._classes[cls]
+        parked = self._parked.pop(cls, None)
+        if parked is not None:                  # its slabs are still free: taken back
+            ext = self._extents[parked]
+            self._slab_free[ext.first_slab:ext.first_slab + ext.n_slabs] = False
+            c.partial[parked] = None
+            self._class_extents[cls] += 1
+            return ext
         first = self._find_run(c.extent_slabs)
         if first is None:
             return None
+        for other, ext_id in list(self._parked.items()):     # a parked one under the run
+            ext = self._extents[ext_id]
+            if first < ext.first_slab + ext.n_slabs and ext.first_slab < first + c.extent_slabs:
+                del self._parked[other]
+                self._release_extent(ext_id)
         self._slab_free[first:first + c.extent_slabs] = False
         ids = self._new_ids(c.slots_per_extent)
         base = self.base + first * self.slab_bytes
@@ -222,10 +235,25 @@ class Pool:
         self._class_extents[cls] += 1
         return ext
 
-    def _release_extent(self, ext_id: int) -> None:
-        ext = self._extents.pop(ext_id)
+    # An extent whose slots all came free goes back to the region at once: its slabs
+    # are free, the class no longer counts it. But its ids and offsets stay made, and the
+    # class's next new extent takes it back (no run to find, no ids to make: a put that
+    # lands in an empty class, and a delete that empties it, made and unmade a whole
+    # extent each time, ids and all). Only when another class's new extent is given its
+    # slabs are its ids given up (_release_extent). One parked extent per class.
+    def _park(self, ext_id: int) -> None:
+        """The extent's slabs back to the region, its ids kept for its class's next extent."""
+        ext = self._extents[ext_id]
+        earlier = self._parked.get(ext.cls)
+        if earlier is not None:
+            self._release_extent(earlier)
+        self._parked[ext.cls] = ext_id
         self._classes[ext.cls].partial.pop(ext_id, None)
         self._class_extents[ext.cls] -= 1
         self._slab_free[ext.first_slab:ext.first_slab + ext.n_slabs] = True
+
+    def _release_extent(self, ext_id: int) -> None:
+        """A parked extent's ids go back to the spares (its slabs are free already)."""
+        ext = self._extents.pop(ext_id)
         self.cls[ext.ids] = -1
         self._spare_ids.extend(ext.ids.tolist())

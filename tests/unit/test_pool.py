@@ -65,3 +65,28 @@ def test_one_alloc_hands_out_slots_in_offset_order():
     pool.free(rng.permutation(first[:20]))
     again = pool.offset[pool.alloc(cls, 20)]
     assert (np.diff(again) > 0).all()
+
+
+def test_an_emptied_extent_is_parked_for_its_class_and_given_up_for_another():
+    """The last slot of an extent freed: its slabs are free at once (the class counts
+    no extent, another class may take them), but its class's next page takes the same
+    extent back, ids and offsets as they were; another class given its slabs makes it
+    give its ids up, and they are handed out again."""
+    pool = Pool(32 * MiB)
+    small = pool.class_for(64 * 1024)
+    first = pool.alloc(small, 1)
+    where = int(pool.offset[first[0]])
+    capacity = pool.id_capacity
+    pool.free(first)
+    for _ in range(3):                         # a put into an empty class, its delete
+        pool.free(pool.alloc(small, 1))
+        assert pool.class_extent_bytes(small) == 0 and pool.used_bytes == 0
+        assert pool.free_slots(small) == 0 and pool.can_grow(small)
+    again = pool.alloc(small, 1)
+    assert int(pool.offset[again[0]]) == where and pool.id_capacity == capacity
+    pool.free(again)
+    big = pool.class_for(8 * MiB)
+    taken = pool.alloc(big, 4)                 # every slab, the parked extent's too
+    assert len(taken) == 4 and pool.alloc(small, 1).size == 0
+    pool.free(taken)
+    assert pool.alloc(small, 1).size == 1 and pool.id_capacity <= capacity + 4
