@@ -38,7 +38,7 @@ DOOMED = SlotState.DOOMED
 # The same as a plain int, for numpy: an IntEnum compared with an array sends numpy's
 # attribute probes through the enum's metaclass on every comparison.
 _DOOMED = int(DOOMED)
-_FEW_PINS = 16         # up to this many slots, pins are counted one by one (see pin)
+_FEW_PINS = 16         # up to this many slots, pins skip add_pins' numpy search for repeats (see pin)
 
 
 def owns(tenant: str | None, lease: Lease) -> bool:
