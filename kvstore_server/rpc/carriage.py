@@ -26,7 +26,6 @@ INTERNAL, logged, and the connection goes on (the frame was read whole).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -37,22 +36,16 @@ from kvstore_protocol.keys import KeyError_
 
 from ..auth import Principal
 from ..errors import Outcome, StoreError
+from .carried import Carried
 from .parsing import checked, parser
 from .status import Invalid
 
 if TYPE_CHECKING:
     from .service import KVStoreService
 
-__all__ = ["Carriage", "Carried"]
+__all__ = ["Carriage"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Carried:
-    """The context a carried call runs in: who the fast-path connection acts for."""
-
-    who: Principal
 
 
 class Carriage:

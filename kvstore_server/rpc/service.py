@@ -42,7 +42,7 @@ from ..metrics import Metrics
 from ..region import TOKEN_OFFSET
 from ..store import Store
 from .calls import Calls
-from .carriage import Carried
+from .carried import Carried
 from .limits import RequestLimits
 from .lookup_streams import LookupStreams
 from .parsing import Unparsed, checked, parser
