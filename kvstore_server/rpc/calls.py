@@ -81,7 +81,7 @@ class Reading:
         return self.pinned
 
     def __exit__(self, *exc: object) -> None:
-        self._store.release(self.pinned.lease_id)
+        self._store.unpin_read(self.pinned)
 
 
 class Writing:
@@ -268,8 +268,7 @@ class Calls:
         layout = self.layout(who, layout_id)
         self.limits.get_bytes(len(keys), self.store.info(layout).page_bytes,
                               self.store.pool.capacity_bytes)
-        return Reading(self.store, self.store.acquire(layout, keys, ttl=FOREVER,
-                                                      quota=who.quota_bytes))
+        return Reading(self.store, self.store.pin_read(layout, keys, quota=who.quota_bytes))
 
     def put(self, who: Principal, layout_id: bytes, data: bytes, key_size: int,
             data_len: int | None = None) -> Writing:

@@ -281,7 +281,7 @@ class Admin:
                 bytes_in=sum(i.bytes_in for i in by_idx),
                 bytes_out=sum(i.bytes_out for i in by_idx),
                 served=sum(i.served for i in by_idx),
-                leases=len(self._book.table),
+                leases=len(self._book.table) + self._book.reading,
                 leased_pages=int(np.count_nonzero(live > 0)),
                 held_back_leases=len(self._book.held_back),
                 held_back_pages=self._book.held_back.pages(),

@@ -58,6 +58,9 @@ class LeaseBook:
         self._s = state
         self._eviction = eviction               # frees a DOOMED slot at its last unpin
         self.table = LeaseTable(state.clock)
+        # Gets in flight that pinned their pages with no lease (Store.pin_read): counted
+        # with the table's leases in the stats, as their leases were.
+        self.reading = 0
         self.held_back = HoldBack()             # slots of expired leases, pinned a while longer
         self.ttl = ttl                          # the longest lease a client gets, and the hold-back
         self.memory = memory                    # bytes clients' leases may take; 0 = unlimited

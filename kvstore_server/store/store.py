@@ -442,6 +442,36 @@ class Store:
                                  reason=Reason.PAGES_MISSING)
         raise AssertionError("unreachable")
 
+    def pin_read(self, layout_id: bytes, keys: Packed, quota: int = 0) -> Pinned:
+        """acquire(ttl=FOREVER) for pages the server sends itself and unpins in a
+        `finally` (a Get on either transport; end it with unpin_read): the same pins,
+        touches and counts, but no lease when every page is in DRAM (lease_id 0). Such a
+        lease was never a client's to end, nor expired or broken, and granting and
+        ending it was a quarter of a one-page Get's store time. The stats count it as
+        a lease still (LeaseBook.reading). A page on the tier below is read back by
+        acquire, under a lease as before."""
+        s = self._s
+        with s.lock:
+            info = s.layouts.info(layout_id)
+            slots = s.find(info, keys)
+            if slots[0] >= 0 if len(slots) == 1 else not (slots < 0).any():
+                self._book.pin(slots)
+                self._book.reading += 1
+                s.touch(slots)
+                info.bytes_out += len(keys) * info.page_bytes
+                info.served += len(keys)
+                return Pinned(0, info, slots, s.pool.offset[slots])
+        return self.acquire(layout_id, keys, FOREVER, quota)
+
+    def unpin_read(self, pinned: Pinned) -> None:
+        """End a pin_read: its pins go (a DOOMED page is freed with its last)."""
+        if pinned.lease_id:
+            self._book.release(pinned.lease_id)
+            return
+        with self._s.lock:
+            self._book.reading -= 1
+            self._book.unpin(pinned.slots)
+
     # -- deletes --------------------------------------------------------------------
     def delete(self, layout_id: bytes, keys: Packed | Sequence[bytes]) -> int:
         """Delete pages; a leased one turns invisible now and is freed at release."""
