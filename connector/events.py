@@ -40,6 +40,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -54,6 +55,7 @@ _QUEUED = 4096                  # saved runs waiting for their Exists
 _LOG_EVERY_S = 60.0             # at most one log line a minute for a failing poll
 
 BlockHash = Hashable            # the engine's hash of one block (vLLM: an int once exported)
+ExtraKeys = tuple[Any, ...] | None      # what besides tokens a block's hash covers (or none)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -61,7 +63,10 @@ class SavedRun:
     """A request's leading pages in the store: keys[i] is page i's key; hashes are the
     engine's block hashes from the prompt's start (blocks_per_page a page) and tokens its
     token ids (page_tokens a page). The engine's own lists of a finished request, not
-    copies: the loop only hands them over, the poll thread slices them."""
+    copies: the loop only hands them over, the poll thread slices them. extra: for a
+    request whose block hashes cover more than its tokens (multimodal inputs, a cache
+    salt, a LoRA), the extra keys of its blocks [start, end), one entry a block, made on
+    the poll thread only for the blocks announced; None for the rest."""
 
     keys: Sequence[bytes]
     hashes: Sequence[BlockHash]
@@ -69,6 +74,7 @@ class SavedRun:
     blocks_per_page: int
     page_tokens: int
     lora_name: str | None = None
+    extra: Callable[[int, int], Sequence[ExtraKeys]] | None = None
 
     def page_hashes(self, i: int) -> tuple[BlockHash, ...]:
         return tuple(self.hashes[i * self.blocks_per_page:(i + 1) * self.blocks_per_page])
@@ -82,6 +88,7 @@ class Stored:
     parent: BlockHash | None
     tokens: tuple[int, ...]
     lora_name: str | None = None
+    extra_keys: tuple[ExtraKeys, ...] | None = None     # one a block; None: no block has
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -288,7 +295,11 @@ class EventFeed:
         parent = run.hashes[first * per - 1] if first else None
         hashes = tuple(run.hashes[first * per:(last + 1) * per])
         tokens = tuple(run.tokens[first * run.page_tokens:(last + 1) * run.page_tokens])
+        extra = None
+        if run.extra is not None:
+            extra = tuple(run.extra(first * per, (last + 1) * per))
+            extra = extra if any(k is not None for k in extra) else None
         for i in pages:
             self._held[run.keys[i]] = run.page_hashes(i)
         self.counts.stored += len(pages)
-        out.append(Stored(hashes, parent, tokens, run.lora_name))
+        out.append(Stored(hashes, parent, tokens, run.lora_name, extra))

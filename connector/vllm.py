@@ -28,6 +28,7 @@ connector.groups, which reads vLLM's cache config the same way.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -177,6 +178,20 @@ def _tp_rank() -> int:
         return 0    # not initialised: a single process (tests, CPU harness)
 
 
+def _block_extra_keys(request: Request, block_size: int, start: int,
+                      end: int) -> list[tuple[Any, ...] | None]:
+    """vLLM's extra keys of the request's blocks [start, end), one entry a block, as its
+    block hasher made them (not the lookahead window of a hash_lookahead engine)."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+    out: list[tuple[Any, ...] | None] = []
+    mm = 0
+    for block in range(start, end):
+        keys, mm = generate_block_hash_extra_keys(request, block * block_size,
+                                                  (block + 1) * block_size, mm)
+        out.append(keys)
+    return out
+
+
 def _warn_on_fail_policy(transfer: Any) -> None:
     """Say at start, loudly, that vLLM will fail requests whose load from the store fails.
 
@@ -294,7 +309,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self.events is None:
             return []
         from vllm.distributed.kv_events import BlockRemoved, BlockStored
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as export
+        from vllm.v1.core.kv_cache_utils import (
+            maybe_convert_block_hash as export,
+            to_event_extra_keys,
+        )
         out: list[KVCacheEvent] = []
         medium = self.config.events_medium
         for event in self.events.take():
@@ -305,6 +323,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                         parent_block_hash=None if event.parent is None else export(event.parent),
                         token_ids=list(event.tokens), block_size=self.block_size,
                         lora_id=None, medium=medium, lora_name=event.lora_name,
+                        extra_keys=None if event.extra_keys is None
+                        else to_event_extra_keys(event.extra_keys),
                         group_idx=group))
                 elif isinstance(event, Removed):
                     out.append(BlockRemoved(block_hashes=[export(h) for h in event.hashes],
@@ -317,10 +337,17 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if not keys:
             return None
         lora = request.lora_request
+        # What besides tokens vLLM's block hashes cover, as its own BlockStored says it:
+        # worked out on the event thread, for the blocks announced, and only for the
+        # requests that have any (nothing more on the loop for the others).
+        extra = None
+        if (request.mm_features or request.cache_salt or lora is not None
+                or getattr(request, "prompt_embeds", None) is not None):
+            extra = functools.partial(_block_extra_keys, request, self.block_size)
         # The request's own lists, not copies: it has finished, vLLM changes them no more.
         return SavedRun(keys, request.block_hashes, request.all_token_ids,
                         self.page_tokens // self.block_size, self.page_tokens,
-                        lora.name if lora is not None else None)
+                        lora.name if lora is not None else None, extra)
 
     # -- scheduler side -------------------------------------------------------------------
     @property

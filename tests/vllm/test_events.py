@@ -257,3 +257,37 @@ def test_a_hybrid_models_pages_are_announced_for_its_full_attention_groups(tmp_p
     finally:
         sub.close()
         driver.scheduler.shutdown()
+
+
+def test_a_salted_requests_pages_carry_vllms_extra_keys(stream):
+    """A request with a cache salt (its block hashes cover the salt): the store's
+    BlockStored carries the same extra_keys vLLM's own BlockStored gives those blocks
+    (the salt on the first block, none on the rest); an unsalted request's carry none."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as export
+    from vllm.v1.request import Request
+
+    srv, driver, sub = stream
+    plain = make_request("plain", SECOND, max_tokens=2)      # seeds vLLM's hasher too
+    salted = Request(request_id="salted", prompt_token_ids=list(FIRST),
+                     sampling_params=plain.sampling_params, pooling_params=None,
+                     block_hasher=get_request_block_hasher(16, sha256), cache_salt="tenant-7")
+    hashes = [export(h) for h in salted.block_hashes]
+    for request in (salted, plain):
+        driver.add(request)
+        for _ in range(200):
+            if request.request_id not in driver.scheduler.requests:
+                break
+            driver.step()
+            time.sleep(0.01)
+    step_until(driver, sub, lambda s: len([h for ev in stored(s) for h in ev.block_hashes])
+               >= 4 + 3)
+    ours = {h: keys for ev in stored(sub)
+            for h, keys in zip(ev.block_hashes, ev.extra_keys or [None] * len(ev.block_hashes))}
+    gpu = {h: keys for _, ev in sub.events(None)
+           if isinstance(ev, BlockStored) and ev.medium == "GPU"
+           for h, keys in zip(ev.block_hashes, ev.extra_keys or [None] * len(ev.block_hashes))}
+    assert [ours[h] for h in hashes[:4]] == [gpu[h] for h in hashes[:4]]
+    assert ours[hashes[0]] == ("tenant-7",) and ours[hashes[1]] is None
+    assert all(ev.extra_keys is None for ev in stored(sub) if ev.block_hashes[0] not in hashes)
