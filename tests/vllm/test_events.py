@@ -264,11 +264,13 @@ def test_a_salted_requests_pages_carry_vllms_extra_keys(stream):
     BlockStored carries the same extra_keys vLLM's own BlockStored gives those blocks
     (the salt on the first block, none on the rest); an unsalted request's carry none."""
     from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as export
+    from vllm.v1.core.kv_cache_utils import (
+        get_request_block_hasher,
+        maybe_convert_block_hash as export,
+    )
     from vllm.v1.request import Request
 
-    srv, driver, sub = stream
+    _, driver, sub = stream
     plain = make_request("plain", SECOND, max_tokens=2)      # seeds vLLM's hasher too
     salted = Request(request_id="salted", prompt_token_ids=list(FIRST),
                      sampling_params=plain.sampling_params, pooling_params=None,
