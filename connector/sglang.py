@@ -153,6 +153,11 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         # SGLang's), finds it answering (connector.breaker).
         self._breaker = Breaker(self.settings.probe_interval, self._probe)
 
+    @property
+    def breaker(self) -> Breaker:
+        """The store's breaker: open while it is not answering, until a probe finds it is."""
+        return self._breaker
+
     # -- setup ----------------------------------------------------------------------
     @property
     def _ns(self) -> LayoutHandle:

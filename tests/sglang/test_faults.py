@@ -22,6 +22,7 @@ from test_hicache_storage import _backend, _filled, _indices, _keys, _tokens
 from kvstore_client import KVStoreClient
 from kvstore_connector.sglang import Failures
 from kvstore_testing.serverproc import free_port, sigstop
+from tests.waiting import wait_for
 
 
 def _fault(srv, how: str) -> None:
@@ -134,10 +135,9 @@ def test_a_hung_store_costs_each_thread_one_timeout_then_nothing(fresh_server):
         assert len(times) > 20, (name, len(times))
         assert times[-1] < TIMEOUT * 2 + SLACK, (name, times[-3:])   # get: exists + get
         assert times[-2] < SLACK, (name, times[-3:])
-    assert backend._breaker.probes >= 2           # probed meanwhile, off SGLang's threads
-    deadline = time.monotonic() + 5
-    while backend._breaker.open and time.monotonic() < deadline:
-        time.sleep(0.05)
+    assert backend.breaker.probes >= 2           # probed meanwhile, off SGLang's threads
+    wait_for(lambda: not backend.breaker.open, "a probe to find the store answering",
+             timeout=5, interval=0.05)
     assert backend.batch_exists(keys) == 2
     assert backend.batch_get_v1(keys, _indices(pool, [2, 3])) == [True, True]
     assert [_tokens(pool, p) for p in (2, 3)] == [_tokens(pool, p) for p in (0, 1)]

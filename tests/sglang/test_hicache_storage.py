@@ -21,6 +21,7 @@ from kvstore_bench.sglang_bench import host_pool, make_backend, storage_config
 from kvstore_connector.config import ConnectorConfig
 from kvstore_connector.sglang import Failures, KVStoreHiCacheStorage, store_key
 from kvstore_testing.serverproc import sigstop
+from tests.waiting import wait_for
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 PAGES = 6
@@ -313,8 +314,7 @@ def test_a_hung_store_costs_one_timeout_then_misses_until_a_probe_answers(fresh_
     finally:
         os.kill(srv.proc.pid, signal.SIGCONT)
     # The breaker's probe, on its own thread every probe_interval, finds it answering.
-    deadline = time.monotonic() + 5
-    while backend._breaker.open and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: not backend.breaker.open, "a probe to find the store answering",
+             timeout=5, interval=0.05)
     assert backend.batch_exists(keys) == 2
 
