@@ -44,6 +44,8 @@ from .fastpath import FastPath
 from .grpc_transport import GrpcTransport
 from .handles import LayoutHandle, Lease, PutResult
 from .layerget import Dest
+from .lookup_stream import LookupStream
+from .presence import PresenceMap
 from .rpc import Rpc, packed
 from .shm import Acquired, Reservation, SharedRegion, copy_layer, copy_pages
 from .transport import Transport
@@ -197,6 +199,15 @@ class KVStoreClient:
     @property
     def shared_memory(self) -> bool | None:
         return self._shm.shared_memory
+
+    @property
+    def lookup_stream(self) -> LookupStream | None:
+        """The stream lookups take (None: unary calls); its `opened` counts streams opened."""
+        return self._lookups
+
+    def presence_map(self) -> PresenceMap | None:
+        """The server's presence map while it is live (kvstore_client.presence), else None."""
+        return self._shm.presence()
 
     def fast_path(self) -> FastPath | None:
         """The fast path this client's page calls take now (opened if due), or None: gRPC."""

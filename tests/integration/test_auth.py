@@ -327,7 +327,7 @@ def test_a_revoked_token_stops_working_on_an_open_lookup_stream(fresh_server, tm
     srv = fresh_server(auth_file=str(path))
     with client(srv, "a", data_plane=False) as c:       # the fast path: test_fastpath.py
         ns = c.register_layout(LAYOUT)
-        assert c.lookup(ns, [b"k" * 16]) == 0 and c._lookups.opened == 1
+        assert c.lookup(ns, [b"k" * 16]) == 0 and c.lookup_stream.opened == 1
         path.write_text(auth_toml(b="", ops=""))       # a removed
         srv.send_signal(signal.SIGHUP)
         wait_for(lambda: "auth reloaded" in srv.log(), "the reload")

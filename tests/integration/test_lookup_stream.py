@@ -48,13 +48,13 @@ def test_lookups_share_one_stream_and_answer_as_lookup(fresh_server):
         for ns, want in ((a, 10), (b, 25), ([a, b], 10)):
             assert c.lookup(ns, keys) == want
             assert unary.lookup(ns, keys) == want      # the same, over unary Lookup
-        assert unary._lookups is None
+        assert unary.lookup_stream is None
         assert c.lookup(a, keys[11:]) == 29
         assert c.lookup(a, Packed(b"".join(keys[:5]), 16)) == 5
         lease = c.lookup_lease(a, keys, 5000)          # leases over the stream too
         assert lease.count == 10 and lease.lease_id
         assert c.release_lease(lease)
-        assert c._lookups.opened == 1                  # every lookup above on one stream
+        assert c.lookup_stream.opened == 1             # every lookup above on one stream
         assert _open_streams(port) == 1
     wait_for(lambda: _open_streams(port) == 0, "the close to reach the server")
 
@@ -71,7 +71,7 @@ def test_a_bad_request_gets_lookups_error_and_the_next_lookup_works(fresh_server
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert "lookup names 300 layouts; at most 256" in err.value.message
         assert c.lookup(ns, keys) == 8
-        assert c._lookups.opened == 2                  # the bad request ended the first
+        assert c.lookup_stream.opened == 2             # the bad request ended the first
     # On the wire: the stream ends with the status Lookup gives, message and all.
     with grpc.insecure_channel(srv.address) as channel:
         call = channel.stream_stream("/kvstore.v1.KVStore/LookupStream")(
@@ -95,14 +95,14 @@ def test_past_the_limit_clients_fall_back_to_lookup(fresh_server):
         assert first.lookup(ns, keys) == 12
         for _ in range(3):
             assert second.lookup(ns, keys[:7] + [b"missing".ljust(16)]) == 7
-        assert second._lookups.opened == 1             # tried once, then unary calls
-        assert first._lookups.opened == 1 and _open_streams(port) == 1
+        assert second.lookup_stream.opened == 1        # tried once, then unary calls
+        assert first.lookup_stream.opened == 1 and _open_streams(port) == 1
     srv_off = fresh_server(lookup_streams=0)           # streams off: every lookup unary
     with KVStoreClient(srv_off.address, data_plane=False, shared_memory=False) as c:
         ns = c.register_layout(PageLayout(**LAYOUT))
         _stored(c, ns, keys)
         assert c.lookup(ns, keys) == 12 and c.lookup(ns, keys) == 12
-        assert c._lookups.opened == 1
+        assert c.lookup_stream.opened == 1
 
 
 def test_a_lookup_on_the_stream_keeps_its_deadline(fresh_server):
@@ -127,7 +127,7 @@ def test_a_lookup_on_the_stream_keeps_its_deadline(fresh_server):
         assert 0.4 <= waited < 1.5
         c.timeout = 5.0
         assert c.lookup(ns, keys) == 4                 # a new stream
-        assert c._lookups.opened == 2
+        assert c.lookup_stream.opened == 2
 
 
 def test_stop_does_not_wait_for_idle_streams(fresh_server):

@@ -170,7 +170,7 @@ def test_a_map_closed_by_another_thread_answers_nothing(server):
     with KVStoreClient(server.address) as client:
         ns = client.register_layout(_salted("closed"))
         assert client.lookup(ns, KEYS) == 0
-        held = client._shm.presence()
+        held = client.presence_map()
         assert held is not None and held.absent([ns.layout_id], KEYS[0])
         held.close()
         assert not held.absent([ns.layout_id], KEYS[0])
