@@ -15,6 +15,7 @@ from kvstore_server.far.breaker import BreakerState
 from kvstore_server.far.client import FarClient
 from kvstore_server.far.keys import page_key
 from kvstore_server.far.settings import parse_far
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -65,10 +66,8 @@ def test_kill_a_master_under_load(fresh_cluster):
         cluster.kill(victim)
         killed_at = time.monotonic()
         # after the failover (node timeout 1 s, then an election) every page is a hit
-        while time.monotonic() - killed_at < 30:
-            if all(p is not None for p in client.get(layout, keys)):
-                break
-            time.sleep(0.2)
+        wait_for(lambda: all(p is not None for p in client.get(layout, keys)),
+                 "the killed master's slots to come back", timeout=30, interval=0.2)
         recovered = time.monotonic() - killed_at
         time.sleep(0.5)
     finally:

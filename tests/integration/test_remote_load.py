@@ -22,6 +22,7 @@ from kvstore_connector.meta import LoadSpec, StepMeta  # noqa: E402
 from kvstore_connector.worker import WorkerHalf  # noqa: E402
 from kvstore_connector.worker.remote import SLABS  # noqa: E402
 from kvstore_testing.serverproc import sigstop  # noqa: E402
+from tests.waiting import wait_for  # noqa: E402
 
 BLOCK = 16
 
@@ -79,11 +80,11 @@ class Rig:
                 between(layer)
         worker.wait_for_save()
         waiting = {s.req_id for s in loads if s.is_async}
-        deadline = time.monotonic() + 30
-        while waiting and time.monotonic() < deadline:
-            waiting -= worker.finished()
-            time.sleep(0.01)
-        assert not waiting, f"async loads never reported: {waiting}"
+
+        def reported() -> bool:
+            waiting.difference_update(worker.finished())
+            return not waiting
+        wait_for(reported, "every async load reported", timeout=30, interval=0.01)
         worker.finished()
         return worker.load_errors()
 
