@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import time
 
 import pytest
 
 from kvstore_server.far.client import FarClient
 from kvstore_server.far.settings import parse_far
 from kvstore_testing.clusterproc import server_binaries
+from tests.waiting import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -31,15 +31,15 @@ def standalone(tmp_path_factory):
                              "--requirepass", "s3cret"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 20
-        while True:
+        def listening() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError("standalone server did not start")
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError as exc:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("standalone server did not start") from exc
-                time.sleep(0.05)
+            except OSError:
+                return False
+            return True
+        wait_for(listening, "the standalone server to listen", timeout=20, interval=0.05)
         yield port
     finally:
         proc.terminate()
