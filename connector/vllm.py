@@ -349,6 +349,16 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                         self.page_tokens // self.block_size, self.page_tokens,
                         lora.name if lora is not None else None, extra)
 
+    @property
+    def scheduler_half(self) -> SchedulerHalf | None:
+        """The scheduler half; None on a worker-role connector."""
+        return self._scheduler
+
+    @property
+    def group_workers(self) -> GroupWorkers | None:
+        """The worker halves of the engine's cache groups; None until KV caches register."""
+        return self._worker
+
     # -- scheduler side -------------------------------------------------------------------
     @property
     def _sched(self) -> SchedulerHalf:

@@ -31,7 +31,6 @@ import collections
 import contextlib
 import os
 import signal
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,9 +49,10 @@ from vllm.v1.outputs import ModelRunnerOutput
 from connector.scheduler.hashing import page_keys
 from kvstore_client import KVStoreClient
 from kvstore_testing.serverproc import ServerProcess, sigstop
+from tests.waiting import wait_for
 
 __all__ = ["ENGINES", "FAULTS", "SHAPE", "Engine", "Fault", "RunResult", "Workload", "check_run",
-           "new_server", "run_warm", "run_with_fault", "wait_for", "workload"]
+           "new_server", "run_warm", "run_with_fault", "workload"]
 
 SHAPE = ModelShape()
 FAULTS = ["sigkill", "sigterm-disk", "evict", "sigstop", "device"]
@@ -215,15 +215,6 @@ def stored_pages_check(engine, address):
     return checked
 
 
-def wait_for(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 class Fault:
     """One fault, at the first step from `at` on whose plan has loads (the hung store:
     before step `at` is scheduled, so its lookups meet it; it resumes three steps later)."""
@@ -234,7 +225,7 @@ class Fault:
         self.kind, self.at, self.server, self.engine = kind, at, server, engine
         self.exact = exact
         self.fired_at = 0
-        self._transfer = engine.worker.connector._worker.workers[0].transfer
+        self._transfer = engine.worker.connector.group_workers.workers[0].transfer
         self._real_load = self._transfer.load
 
     def before_schedule(self, step: int) -> None:
@@ -262,8 +253,9 @@ class Fault:
             # the restarted store, which is what these faults are here to check (once in
             # CI: 35 pages saved, all before the kill, none stored after). A store that
             # stops answering in the middle of calls is the sigstop fault.
-            lookups = self.engine.connector._scheduler._worker
-            assert lookups is None or wait_for(lookups.idle), "the lookup thread stayed busy"
+            lookups = self.engine.connector.scheduler_half.prefetch
+            assert lookups is None or wait_for(lookups.idle, "the lookup thread idle",
+                                               timeout=5.0, interval=0.05)
         if self.kind == "sigkill":
             self.server.stop(signal.SIGKILL)
             self.server.start()
@@ -370,13 +362,13 @@ def check_run(engine: Engine, server: ServerProcess, ids: list[str],
     # Nothing leaked: vLLM's blocks, the connector's state, the store's leases.
     pool = engine.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == engine.num_blocks - 1
-    sched_half = engine.connector._scheduler
+    sched_half = engine.connector.scheduler_half
     # Lease releases wait while the breaker is open; its probe closes it once the store
     # answers, and the next build sends them.
-    assert wait_for(lambda: not sched_half.breaker.open, 5.0), "the store never came back"
+    wait_for(lambda: not sched_half.breaker.open, "the store back", timeout=5.0, interval=0.05)
     sched_half.build()
     assert not sched_half._requests and not sched_half._unconfirmed
-    worker_half = engine.worker.connector._worker.workers[0]
+    worker_half = engine.worker.connector.group_workers.workers[0]
     assert not worker_half._async and not worker_half._saves and not worker_half._loads
     engine.worker.connector.shutdown()
     engine.connector.shutdown()
@@ -384,7 +376,8 @@ def check_run(engine: Engine, server: ServerProcess, ids: list[str],
         # A call that timed out while the store hung can still take a lease when the store
         # resumes, which no one then releases: it expires by itself (lease_ms 3 s for a
         # lookup, the server's lease_ttl 5 s for Acquire and Reserve).
-        assert wait_for(lambda: client.stats().leases == 0, 8.0), "leases left in the store"
+        wait_for(lambda: client.stats().leases == 0, "no lease left in the store", timeout=8.0,
+                 interval=0.05)
     return checked
 
 

@@ -66,7 +66,7 @@ def check_stored(driver, address: str, req_id: str, pages: int) -> int:
     """Compare every group's stored pages of the request with the KV the model wrote;
     returns how many pages were compared."""
     model = driver.worker.model
-    sched = driver.connector._scheduler
+    sched = driver.connector.scheduler_half
     keys = sched._requests[req_id].keys[:pages] if req_id in sched._requests else None
     if keys is None:
         from kvstore_connector.scheduler.hashing import page_keys
@@ -155,14 +155,14 @@ def test_the_groups_share_one_client_mapping_and_registration(tmp_path, store):
     first = hybrid_engine(tmp_path, DRAFT, spec(store.address), {"a": PROMPT})
     first.add(make_request("a", PROMPT, max_tokens=2))
     run(first)
-    workers = first.worker.connector._worker.workers
+    workers = first.worker.connector.group_workers.workers
     assert len(workers) == 3
     clients = {id(w.client): w.client for w in workers}
     assert len(clients) == 1
     assert next(iter(clients.values())).region() is not None    # the pool is mapped
     tables = {id(w._mappings): w._mappings for w in workers}
     assert sum(len(t) for t in tables.values()) == 1             # registered once
-    first.worker.connector._worker.close()
+    first.worker.connector.group_workers.close()
     assert sum(len(t) for t in tables.values()) == 0
 
 

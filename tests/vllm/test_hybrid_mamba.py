@@ -37,7 +37,7 @@ def stored(driver, address: str, prompt: list[int], req_id: str) -> dict[str, li
     model = driver.worker.model
     names = list(driver.worker.shape_h.layer_names)
     keys = page_keys(prompt[:len(prompt) // BLOCK_SIZE * BLOCK_SIZE], BLOCK_SIZE,
-                     connector._scheduler.seed)
+                     connector.scheduler_half.seed)
     out = {}
     with KVStoreClient(address) as c:
         for group, layouts in zip(connector.groups, connector.group_layouts):

@@ -26,6 +26,7 @@ from vllm.v1.request import RequestStatus
 
 from kvstore_client import KVStoreClient
 from kvstore_testing.serverproc import ServerProcess
+from tests.waiting import wait_for
 
 SHAPE = ModelShape()
 PROMPT = list(range(1000, 1064))           # 64 tokens: 3 pages can be claimed (not the last)
@@ -149,10 +150,8 @@ def test_a_burst_is_looked_up_off_the_loop_and_admitted_at_a_later_ask(model_dir
         run_to_completion(burst, r)
         assert r not in burst.scheduler.requests
     with KVStoreClient(store.address) as c:
-        deadline = time.monotonic() + 5
-        while c.stats().leases:
-            assert time.monotonic() < deadline, "leases left in the store"
-            time.sleep(0.05)
+        wait_for(lambda: not c.stats().leases, "no lease left in the store", timeout=5,
+                 interval=0.05)
 
 
 def test_layerwise_load_runs_in_the_same_step(model_dir, store):
@@ -244,7 +243,7 @@ class SaveGate:
 
 def test_a_finished_requests_blocks_wait_for_its_saves_to_land(model_dir, store):
     driver = engine(model_dir, store.address)
-    gate = SaveGate(driver.worker.connector._worker.workers[0].transfer)
+    gate = SaveGate(driver.worker.connector.group_workers.workers[0].transfer)
     pool = driver.scheduler.kv_cache_manager.block_pool
     free = pool.get_num_free_blocks()
     driver.add(make_request("a", PROMPT, max_tokens=1))
