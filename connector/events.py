@@ -251,8 +251,8 @@ class EventFeed:
             runs, self._runs = list(self._runs), collections.deque()
         # Most runs name only pages announced already (a session's next turn, a shared
         # system prompt): a set comparison passes them over without a loop of ours per key.
-        held = self._held.keys()
-        runs = [run for run in runs if not set(run.keys) <= held]
+        announced = self._held.keys()
+        runs = [run for run in runs if not set(run.keys) <= announced]
         if not runs:
             return
         assert self._handles is not None
