@@ -10,6 +10,7 @@ from kvstore_protocol.layout import PageLayout
 from kvstore_server.errors import Outcome, StoreError
 from kvstore_server.region import Region
 from kvstore_server.store import Store
+from kvstore_server.store.leases import footprint
 
 MiB = 1 << 20
 # 256 KiB pages: 4 layers of 64 KiB
@@ -146,9 +147,8 @@ def test_held_back_slots_count_in_lease_memory_and_go_with_force(store):
     store.acquire(info.layout_id, keys("k", 8), ttl=1.0)
     store.test_clock.now += 1.5
     store.expire_leases()
-    held = store._held_back.held
-    assert held > 0 and store._leases.held == 0
-    store.lease_memory = held                               # exactly what is held back
+    assert store.stats().held_back_pages == 8 and store.stats().leases == 0
+    store.lease_memory = footprint(8)                       # exactly what is held back
     with pytest.raises(StoreError) as err:
         store.acquire(info.layout_id, keys("k", 1))
     assert err.value.outcome is Outcome.EXHAUSTED and "held back" in err.value.message
@@ -292,19 +292,23 @@ def test_unknown_layout_and_oversized_page(store):
     assert err.value.outcome is Outcome.INVALID
 
 
-def test_layouts_past_max_layouts_are_refused(store):
+def test_layouts_past_max_layouts_are_refused():
     """Layouts are kept for the store's life, so their number is capped: a known one is
     still answered, a new one past the cap is EXHAUSTED, naming the setting."""
-    store._layouts.max_layouts = 3
-    salted = [dataclasses.replace(LAYOUT, salt=f"s{i}") for i in range(4)]
-    infos = [store.register_layout(layout) for layout in salted[:3]]
-    assert store.register_layout(salted[1]) is infos[1]
-    with pytest.raises(StoreError, match="--max-layouts") as err:
-        store.register_layout(salted[3])
-    assert err.value.outcome is Outcome.EXHAUSTED
-    with pytest.raises(StoreError, match="--max-layouts"):
-        store.register_layout(salted[0], "another-tenant")     # a new one of its own
-    assert store.lookup([infos[2].layout_id], keys("a", 1)) == (0, 0)
+    region = Region(16 * MiB)
+    try:
+        store = Store(region, lease_ttl=5.0, max_layouts=3)
+        salted = [dataclasses.replace(LAYOUT, salt=f"s{i}") for i in range(4)]
+        infos = [store.register_layout(layout) for layout in salted[:3]]
+        assert store.register_layout(salted[1]) is infos[1]
+        with pytest.raises(StoreError, match="--max-layouts") as err:
+            store.register_layout(salted[3])
+        assert err.value.outcome is Outcome.EXHAUSTED
+        with pytest.raises(StoreError, match="--max-layouts"):
+            store.register_layout(salted[0], "another-tenant")     # a new one of its own
+        assert store.lookup([infos[2].layout_id], keys("a", 1)) == (0, 0)
+    finally:
+        region.close()
 
 
 def test_admin_evict_by_bytes_layout_and_all(store):
