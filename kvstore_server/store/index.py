@@ -71,9 +71,11 @@ _REACH_BYTE = 0 if sys.byteorder == "little" else 7   # the reach's byte in a me
 # an engine's remote calls name a layer's or a block's few pages. A find hashes in Python
 # and gathers the home records in one `take`, no dearer than the batch up to FEW_KEYS and
 # cheaper on a loaded machine, where the batch's many calls find the caches cold
-# (`kvstore-bench store --calls` compares them); an insert stays key by key to _FEW.
+# (`kvstore-bench store --calls` compares them). An insert walks key by key as far: the
+# batch insert's calls cost more than the walk at every count up to it (that bench's
+# "reserve 16 + commit").
 FEW_KEYS = 16
-_FEW = 8
+_FEW = FEW_KEYS
 
 # Odd 64-bit constants (from MurmurHash3's fmix64): multiplying by one is a bijection.
 _K1 = np.uint64(0xFF51AFD7ED558CCD)
@@ -145,7 +147,7 @@ class KeyIndex:
     def find_few(self, data: bytes) -> list[int]:
         """find() of a few keys (up to FEW_KEYS) given packed (n * key_size bytes), as a
         list, with no numpy call on the way in (_find_rows)."""
-        if self._nw == 2 and self.key_size == 16 and len(data) > 16:
+        if self.key_size == 16 and data:
             if len(data) % 16:
                 raise ValueError(f"{len(data)} bytes is not a whole number of 16-byte keys")
             return self._find_pairs(memoryview(data).cast("Q").tolist())
@@ -229,6 +231,9 @@ class KeyIndex:
         _find_one): Store's lookup asks it for a prefix's first key."""
         if len(key) != self.key_size:
             raise ValueError(f"key of {len(key)} bytes, expected {self.key_size}")
+        if self.key_size == 16:                 # its two words, read as _find_pairs does
+            words = memoryview(key).cast("Q").tolist()
+            return self._find_at(words, self._hash_one(words))
         padded = bytes(key).ljust(8 * self._nw, b"\0")
         return self._find_one([int.from_bytes(padded[i:i + 8], sys.byteorder)
                                for i in range(0, len(padded), 8)])
@@ -301,18 +306,22 @@ class KeyIndex:
     def _insert_few(self, rows: list[list[int]], slots: list[int]) -> None:
         """insert() of a few keys (_FEW), each its words in Python ints: the same checks,
         then each record into the first free bucket from its home, as _place does."""
+        if len(rows) == 1:
+            self._insert_one(rows[0], slots[0])
+            return
         if min(slots) < 0 or max(slots) > MAX_SLOT:
             raise ValueError(f"slot ids must be in 0..{MAX_SLOT}")
         if len(set(slots)) < len(slots):
             raise ValueError("repeated slot id in one insert")
         pos = self._pos
-        if any(slot < len(pos) and pos[slot] >= 0 for slot in slots):
+        inside = [slot for slot in slots if slot < len(pos)]
+        if inside and max(pos.take(inside).tolist()) >= 0:     # one read, not one a slot
             raise ValueError("slot id already holds a key")
         if len(set(map(tuple, rows))) < len(rows):
             raise ValueError("repeated key in one insert")
         homes = [self._hash_one(row) for row in rows]     # hashed once, found and placed
         bits = self._bits_int
-        if any(self._find_at(row, home) >= 0 for row, home in zip(rows, homes, strict=True)):
+        if self._any_present(rows, homes):
             raise ValueError("key already present")
 
         if 2 * (self._live + self._tombs + len(rows)) > len(self._table):
@@ -329,6 +338,40 @@ class KeyIndex:
         if self.watch is not None:
             self.watch(np.array(rows, dtype=np.uint64), 1)
 
+    def _insert_one(self, row: list[int], slot: int) -> None:
+        """_insert_few of one key (a one-page put's commit): the same checks, with no
+        set or list made for them."""
+        if not 0 <= slot <= MAX_SLOT:
+            raise ValueError(f"slot ids must be in 0..{MAX_SLOT}")
+        if slot < len(self._pos) and self._pos[slot] >= 0:
+            raise ValueError("slot id already holds a key")
+        home = self._hash_one(row)
+        if self._find_at(row, home) >= 0:
+            raise ValueError("key already present")
+        if 2 * (self._live + self._tombs + 1) > len(self._table):
+            self._rehash(max(len(self._table), self._fit(1)))
+            home = self._hash_one(row)
+        if slot >= len(self._pos):
+            self._pos = np.pad(self._pos, (0, max(slot + 1 - len(self._pos), len(self._pos))),
+                               constant_values=-1)
+        self._live += 1
+        self._place_one(row, slot, home)
+        if self.watch is not None:
+            self.watch(np.array([row], dtype=np.uint64), 1)
+
+    def _any_present(self, rows: list[list[int]], homes: list[int]) -> bool:
+        """Whether some key (its words, its home) is in the table: their home records
+        read in one `take`, probed past home only where the home has a reach."""
+        nw = self._nw
+        for row, home, record in zip(rows, homes, self._table.take(homes, axis=0).tolist(),
+                                     strict=True):
+            meta = record[nw]
+            if meta >> 32 >= _LIVE and record[:nw] == row:
+                return True
+            if meta & 0xFF and self._probe_one(row, home, meta & 0xFF) >= 0:
+                return True
+        return False
+
     def _place_one(self, row: list[int], slot: int, home: int) -> None:
         """One record into the first free bucket from its home (an empty one or a
         tombstone: the bucket keeps its reach), its home's reach raised to cover it."""
@@ -342,7 +385,11 @@ class KeyIndex:
             at = (at + 1) & mask
         if meta >> 32 == 1:                      # a tombstone
             self._tombs -= 1
-        table[at, :nw] = row
+        if nw <= 2:                              # scalar stores: a slice store costs more
+            for j, word in enumerate(row):
+                table[at, j] = word
+        else:
+            table[at, :nw] = row
         table[at, nw] = ((slot + _LIVE) << 32) | (meta & 0xFF)
         self._pos[slot] = at
         far = (at - home) & mask

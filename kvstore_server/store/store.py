@@ -345,12 +345,10 @@ class Store:
             slots = lease.slots
             slot_list = slots.tolist()
             pins = s.slots.pins
-            if len(slot_list) <= FEW_LEADING:
-                # A few scalar stores: a fancy-indexed -= cost a few µs even of one slot.
-                for slot in slot_list:      # a reservation's slots are distinct
-                    pins[slot] -= 1
+            if len(slot_list) == 1:         # one scalar store: a fancy-indexed -= costs more
+                pins[slot_list[0]] -= 1
             else:
-                pins[slots] -= 1
+                pins[slots] -= 1            # a reservation's slots are distinct
             live, live_keys = [], []
             writing = info.writing
             # States read once as a list: a numpy scalar read a key cost half the hold.

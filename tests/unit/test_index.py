@@ -115,6 +115,8 @@ def test_insert_errors_leave_the_index_unchanged():
         (b"cccc", [-1]),
         (b"cccc", [MAX_SLOT + 1]),
         (b"ccccdddd", [2]),                # one slot for two keys
+        (b"aaaa", [5]),                    # one key (its own path), already present
+        (b"cccc", [1]),                    # one key into a slot that holds one
     ]
     for keys, slots in bad:
         with pytest.raises(ValueError):
@@ -257,7 +259,7 @@ def test_few_keys_take_python_ints_and_agree_with_the_batch(key_size):
     keys put a few at a time, among tombstones, through growth and rehashes, must be
     found as a dict finds them, by both paths."""
     rng = np.random.default_rng(100 + key_size)
-    pool = key_pool(key_size, 4000, rng)
+    pool = key_pool(key_size, 8000, rng)        # 800 inserts of up to _FEW (16) keys
     ix, model = KeyIndex(key_size, capacity=8), {}
     free = list(range(len(pool)))[::-1]
     for step in range(800):
