@@ -18,6 +18,7 @@ BENCHES = {
     "pins": "pins_bench",
     "shm": "shm_bench",
     "load": "load_bench",
+    "hooks": "hooks_bench",
     "remote-load": "remote_load_bench",
     "e2e": "e2e_bench",
     "hybrid": "hybrid_bench",

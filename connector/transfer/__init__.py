@@ -24,6 +24,8 @@ Lifecycle (one KVTransfer per worker, used from the engine's thread; not thread-
            xfer.save_layer(l, pool, res.offsets, block_ids)   after layer l wrote its KV:
                                                     the save stream waits for the current
                                                     stream's work so far, then copies out
+           (or b = xfer.save_batch(pool, res.offsets, block_ids) once, then
+            xfer.save_into(b, l) per layer: the pages checked and planned once)
            h = xfer.finish_save(wait=False)         a handle on every save enqueued since
                                                     the last finish_save (one event);
            h.done() / h.synchronize()               then res.commit()
@@ -80,10 +82,10 @@ The package, one idea a module: `plan` (geometry and page checks: numpy, no devi
 (KVTransfer: streams, save bookkeeping and the choice of path).
 """
 
-from .core import KVTransfer
+from .core import KVTransfer, SaveBatch
 from .handles import LoadHandle, SaveHandle
 from .plan import CopyMethod
 from .runtime import HostRegistration, TransferError, pinned_empty
 
-__all__ = ["CopyMethod", "HostRegistration", "KVTransfer", "LoadHandle", "SaveHandle",
-           "TransferError", "pinned_empty"]
+__all__ = ["CopyMethod", "HostRegistration", "KVTransfer", "LoadHandle", "SaveBatch",
+           "SaveHandle", "TransferError", "pinned_empty"]

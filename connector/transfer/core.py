@@ -23,7 +23,7 @@ from .plan import CopyMethod, Plan, as_tensor, check_pages, geometry, page_runs
 from .runtime import on_device, on_stream, query, record
 from .uploads import IndexUploads
 
-__all__ = ["KVTransfer"]
+__all__ = ["KVTransfer", "SaveBatch"]
 
 # When a load goes by the copy engine (dma.py): only when its pages form runs of at least
 # this many on average (a lone 64 KiB slab copies too slowly by DMA to pay for it) ...
@@ -80,12 +80,16 @@ _SaveKey = tuple[int, bytes, bytes, tuple[int, ...]]
 
 
 @dataclasses.dataclass(slots=True)
-class _SaveBatch:
-    """One save's pages from its first save_layer until finish_save."""
+class SaveBatch:
+    """One save's pages, checked, planned and uploaded once (KVTransfer.save_batch), until
+    the next finish_save: each layer's hook then costs the host a few attribute reads, no
+    array hashing or dict lookups (a short prompt's forward is bound by the host)."""
 
     plan: Plan                                # checked pages, index uploaded
     runs: list[tuple[int, int]] | None        # its runs of adjacent pages if it goes by
                                               # DMA; None: by the kernel
+    group: int                                # layers one launch (or DMA piece) covers
+    epoch: int                                # the finish_save period it belongs to
     held: tuple[int, int] | None = None       # [first, last] layers saved, not launched
 
 
@@ -149,7 +153,9 @@ class KVTransfer:
             else None
         self._pending_saves = False       # save_layer since the last finish_save
         self._pending_keep: list = []     # what those saves read or write
-        self._saves: dict[_SaveKey, _SaveBatch] = {}    # until finish_save
+        self._saves: dict[_SaveKey, SaveBatch] = {}     # save_layer's, until finish_save
+        self._batches: list[SaveBatch] = []     # every batch until finish_save
+        self._save_epoch = 0                    # finish_save calls so far
         self._dma_saved = False           # a DMA save since the last finish_save
         self._last_save = None            # the newest save event (fence_saves)
         # Recorded on the engine's stream and waited for at once by the load stream
@@ -297,12 +303,11 @@ class KVTransfer:
         need = -(-launch_bytes // max(1, pages * self.geo.layer_bytes))
         return min(len(self.layers), max(self._group, need))
 
-    def _save_group(self, batch: _SaveBatch) -> int:
+    def _save_group(self, pages: int, runs: list[tuple[int, int]] | None) -> int:
         """Layers one kernel launch of a save covers (_SAVE_LAUNCH_BYTES), or one piece
         of a DMA save (_DMA_SAVE_PIECE_BYTES; one layer where the layers' caches do not
         share a table, as the gather reads one table)."""
-        pages = len(batch.plan.offsets)
-        if batch.runs is None:
+        if runs is None:
             return self._layers_per_launch(pages, _SAVE_LAUNCH_BYTES)
         if len(self._tables) != 1:
             return 1
@@ -344,7 +349,8 @@ class KVTransfer:
         if not 0 <= layer < len(self.layers):
             raise IndexError(f"layer {layer} out of range [0, {len(self.layers)})")
         # Called once per layer with the same pages: check and upload them once per
-        # finish_save. The key holds the host array's identity and every value.
+        # finish_save. The key holds the host array's identity and every value (a caller
+        # that holds the pages' batch, save_batch, skips this per layer).
         offsets = np.asarray(offsets, dtype=np.int64)
         block_ids = np.asarray(block_ids, dtype=np.int64)
         key = (id(host), offsets.tobytes(), block_ids.tobytes(), block_ids.shape)
@@ -352,19 +358,41 @@ class KVTransfer:
         if batch is None or batch.plan.host is not host:
             if batch is not None and batch.held is not None:
                 self._flush_save(batch)       # another array under a reused id
-            plan = self._plan(host, offsets, block_ids, save=True, uploads=self._save_uploads)
-            batch = self._saves[key] = _SaveBatch(plan, self._dma_save_runs(plan))
+            batch = self._saves[key] = self.save_batch(host, offsets, block_ids)
+        self.save_into(batch, layer)
+
+    def save_batch(self, host: np.ndarray, offsets: np.ndarray,
+                   block_ids: np.ndarray) -> SaveBatch:
+        """The pages of one save (as save_layer takes them), checked and their index
+        uploaded once for every layer: save_into(batch, layer) per layer until the next
+        finish_save. ValueError says what is wrong with them."""
+        plan = self._plan(host, offsets, block_ids, save=True, uploads=self._save_uploads)
+        runs = self._dma_save_runs(plan)
+        batch = SaveBatch(plan, runs, self._save_group(len(plan.offsets), runs),
+                          self._save_epoch)
+        self._batches.append(batch)
+        return batch
+
+    def save_into(self, batch: SaveBatch, layer: int) -> None:
+        """save_layer of the batch's pages (save_batch); the batch is good until the next
+        finish_save, which launches what it holds."""
+        if not 0 <= layer < len(self.layers):
+            raise IndexError(f"layer {layer} out of range [0, {len(self.layers)})")
+        if batch.epoch != self._save_epoch:
+            raise ValueError("a save batch is good until the next finish_save only")
         if self.method is CopyMethod.COPIES:
             with on_stream(self._save_stream, self.device):
                 copies.copy_layer(self.geo, self.layers[layer], layer, batch.plan,
                                   to_cache=False, device=self.device)
             self._saved(batch.plan)
             return
-        if batch.held is not None and layer != batch.held[1] + 1:
+        held = batch.held
+        if held is not None and layer != held[1] + 1:
             self._flush_save(batch)           # not the next layer: launch what is held
-        first = layer if batch.held is None else batch.held[0]
+            held = None
+        first = layer if held is None else held[0]
         batch.held = (first, layer)
-        if layer - first + 1 >= self._save_group(batch) or layer == len(self.layers) - 1:
+        if layer - first + 1 >= batch.group or layer == len(self.layers) - 1:
             self._flush_save(batch)
 
     def _dma_save_runs(self, plan: Plan) -> list[tuple[int, int]] | None:
@@ -379,11 +407,11 @@ class KVTransfer:
             return runs
         return None
 
-    def _flush_save(self, batch: _SaveBatch) -> None:
+    def _flush_save(self, batch: SaveBatch) -> None:
         assert batch.held is not None
         (first, last), batch.held = batch.held, None
         plan, runs = batch.plan, batch.runs
-        group = self._save_group(batch)
+        group = batch.group
         save = self._save_stream
         assert save is not None             # COPIES saves never get here
         # A flush is a save piece's fixed host cost, once per piece, and a short save is
@@ -423,7 +451,7 @@ class KVTransfer:
     def finish_save(self, wait: bool = True) -> SaveHandle:
         """A handle on every save enqueued since the last call; wait=True blocks until they
         have landed (TransferError if one failed)."""
-        for batch in self._saves.values():
+        for batch in self._batches:
             if batch.held is not None:
                 self._flush_save(batch)
         events, keep = [], tuple(self._pending_keep)
@@ -436,7 +464,8 @@ class KVTransfer:
             events = [record(self._save_stream)]
             self._last_save = events[0]
         self._pending_saves, self._pending_keep = False, []
-        self._saves = {}
+        self._saves, self._batches = {}, []
+        self._save_epoch += 1
         if self._save_uploads is not None:
             self._save_uploads.reset()        # every save that reads them is queued
         handle = SaveHandle(self.device, events if (self.cuda and events) else None, keep)

@@ -669,7 +669,13 @@ class WorkerHalf:
                 self._save_layer(save, layer)
 
     def _save_layer(self, save: PendingSave, layer: int) -> None:
-        self.transfer.save_layer(layer, save.host, save.offsets, save.block_ids)
+        """The layer's copy of the save's pages: planned at its first layer, once a step
+        (transfer.save_batch), so a hook costs no per-layer checks or lookups."""
+        batch = save.batch
+        if batch is None:
+            batch = save.batch = self.transfer.save_batch(save.host, save.offsets,
+                                                          save.block_ids)
+        self.transfer.save_into(batch, layer)
 
     def wait_for_save(self) -> None:
         """Take the step's reservation (waiting for its Reserve if it is still out) and

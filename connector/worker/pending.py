@@ -69,6 +69,9 @@ class PendingSave:
     # the reservation cannot lose parts (one part only), a dropped part aborts it.
     forget: Callable[[list[bytes]], object] | None = None
     region: object = None      # the pool mapping the offsets belong to (None: a buffer)
+    # Its pages planned for the transfer (transfer.SaveBatch) at its first layer's copy,
+    # for every later layer of the step; dropped once the step's copies are enqueued.
+    batch: Any = None
     handle: Any = None      # the copies' SaveHandle, once the step enqueued them all
     landed: bool = False       # the copies have landed (or failed: then all dropped)
     held: int = 0              # steps it has waited on loads' outcomes since landing
@@ -156,6 +159,7 @@ class SaveQueue:
         """The step's copies are all enqueued: `handle` says when they have landed."""
         for save in self.step:
             save.handle = handle
+            save.batch = None
         self.inflight += self.step
         self.step = []
 
