@@ -125,7 +125,9 @@ def run(tokens: list[int], steps: int, layer_us: float) -> list[dict]:
                     with _no_copies(stub):
                         for _ in range(3):                  # warm: first plans, threads
                             rig.step(layer_us, True)
-                        base, conn, hooks = [], [], {h: [] for h in HOOKS}
+                        base: list[float] = []
+                        conn: list[float] = []
+                        hooks: dict[str, list[float]] = {h: [] for h in HOOKS}
                         for _ in range(steps):
                             base.append(rig.step(layer_us, False)[0])
                             took, spent = rig.step(layer_us, True)

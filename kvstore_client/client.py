@@ -43,7 +43,7 @@ from .errors import KVStoreError, PagesMissing
 from .fastpath import FastPath
 from .grpc_transport import GrpcTransport
 from .handles import LayoutHandle, Lease, PutResult
-from .layerget import Dest
+from .layerget import Dest, Landed
 from .lookup_stream import LookupStream
 from .presence import PresenceMap
 from .rpc import Rpc, packed
@@ -409,14 +409,16 @@ class KVStoreClient:
             raise PagesMissing.of(exc) from None
 
     def get_layers(self, ns: LayoutHandle, keys: Sequence[bytes], dest: Dest | None = None,
-                   stop: threading.Event | None = None
+                   stop: threading.Event | None = None, landed: Landed | None = None
                    ) -> Generator[tuple[int, np.ndarray], None, None]:
         """Yield (layer, slab) as each layer arrives; slab is a contiguous (N, layer_bytes)
         array holding every page's bytes of that layer: a new one, or dest(layer), the
         caller's (pinned memory, say; called once per layer, it may block until one is
         free). Over the fast path a large get is striped over the pooled connections
         (kvstore_client.layerget); setting `stop` from another thread ends it (the
-        iteration raises), and a failing get sets it, so a dest that waits can give up."""
+        iteration raises), and a failing get sets it, so a dest that waits can give up.
+        landed(layer, slab), if given, is called before each yield, over the fast path
+        on the thread that received the layer's last bytes (no hop to the caller's)."""
         keys = list(keys)
         n, lb = len(keys), ns.layer_bytes
         if n == 0:
@@ -427,11 +429,14 @@ class KVStoreClient:
                 for layer in range(ns.layout.num_layers):
                     slab = dest(layer)
                     copy_layer(slab, acq.region.mem, acq.offsets, layer, ns.page_bytes)
+                    if landed is not None:
+                        landed(layer, slab)
                     yield layer, slab
             return
         try:
             yield from self._data.get_layers(ns, *packed_keys(keys), dest, stop,
-                                             lambda: self.register_layout(ns.layout))
+                                             lambda: self.register_layout(ns.layout),
+                                             landed)
         except KVStoreError as exc:
             raise PagesMissing.of(exc) from None
 

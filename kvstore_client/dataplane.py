@@ -37,7 +37,7 @@ from .errors import KVStoreError
 from .fastpath import FastPath, FastPathUnavailable, UntrustedPeer
 from .grpc_transport import GrpcTransport
 from .holdings import Holdings
-from .layerget import Dest, LayerGet
+from .layerget import Dest, Landed, LayerGet
 from .transport import NotCarried, Recovery, Transport
 
 if TYPE_CHECKING:
@@ -226,22 +226,27 @@ class Chooser:
         return self._recovery.run(once, handle)
 
     def get_layers(self, ns: LayoutHandle, key_size: int, packed: bytes, dest: Dest,
-                   stop: threading.Event | None, reregister: Callable[[], object]
-                   ) -> Iterator[tuple[int, np.ndarray]]:
+                   stop: threading.Event | None, reregister: Callable[[], object],
+                   landed: Landed | None = None) -> Iterator[tuple[int, np.ndarray]]:
         """(layer, slab) as each layer arrives: over the fast path striped across its
         connections (kvstore_client.layerget), else, or when it went away before the
         first layer, over gRPC. A stream is mended only before its first byte (LayerGet
-        registers the layout again); after it, the caller sees the error."""
+        registers the layout again); after it, the caller sees the error. landed(layer,
+        slab) is called before each yield: over the fast path on the stripe thread that
+        completed the layer (LayerGet), over gRPC here."""
         fast = self.fast()
         if fast is not None:
             try:
                 yield from LayerGet(fast, ns.layout_id, key_size, packed,
                                     ns.layout.num_layers, ns.layer_bytes, dest, stop,
-                                    reregister)
+                                    reregister, landed)
                 return
             except FastPathUnavailable:     # raised before any layer: gRPC instead
                 self.drop(fast)
-        yield from self.grpc.get_layers(ns, key_size, packed, dest, stop)
+        for layer, slab in self.grpc.get_layers(ns, key_size, packed, dest, stop):
+            if landed is not None:
+                landed(layer, slab)
+            yield layer, slab
 
     def close(self) -> None:
         self.grpc.close()

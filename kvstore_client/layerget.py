@@ -4,6 +4,10 @@
                                dest, stop):
         ...             buf is dest(layer), whole: every page's bytes of that layer
 
+    LayerGet(..., landed=fn)    fn(layer, buf) is called as each layer is whole, by the
+                                stripe thread that completed it, before that stripe
+                                receives its next layer (then iterating only waits)
+
 The server answers a GET flagged LAYER_MAJOR with every page's layer 0, then every page's
 layer 1, ... (kvstore_protocol.fastwire). A large Get is split by pages into stripes, one
 pooled connection and one thread each, so that several sockets receive at once; every
@@ -13,6 +17,13 @@ the first stripe to reach it, and may block until the caller has a buffer free (
 of pinned slabs, say); the other stripes wait for that buffer. A layer is handed out once
 every stripe has filled its rows. Every stripe goes through the layers in order, so the
 layers complete in order.
+
+`landed` acts on a layer where it completes, on the stripe thread that received its last
+rows: handed to the caller's thread instead (a queue, then a wakeup), each layer's copy
+to the GPU waited for a thread switch first. The stripe that completes layer L calls
+landed(L) before it receives any rows of L+1, and L+1 completes only once every stripe
+has its rows, so the calls come in layer order, one at a time. A stripe waits for a layer's
+buffer on one condition shared by all layers (no object per layer).
 
 A stripe always runs on a thread of its own, even a lone one: the caller's thread only
 waits for finished layers, so it can notice `stop` and end the get at any time.
@@ -30,7 +41,6 @@ client's timeout for progress (kvstore_client.fastconn).
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import itertools
 import queue
@@ -47,10 +57,12 @@ from .errors import KVStoreError, Reason
 from .fastconn import Broken, Conn, Timeout, deadline
 from .fastpath import STRIPE_MIN_BYTES, FastPath, keys_body
 
-__all__ = ["Dest", "LayerGet", "stripe_bounds"]
+__all__ = ["Dest", "Landed", "LayerGet", "stripe_bounds"]
 
 # dest(layer) -> the (n_pages, layer_bytes) uint8 C-contiguous array that layer lands in.
 Dest = Callable[[int], np.ndarray]
+# landed(layer, buf): the layer is whole in buf (called on the stripe thread).
+Landed = Callable[[int, np.ndarray], object]
 
 _POLL_S = 0.05          # how often a waiting thread looks at `stop`
 
@@ -72,9 +84,11 @@ class LayerGet:
     def __init__(self, fast: FastPath, layout_id: bytes, key_size: int, packed: bytes,
                  layers: int, layer_bytes: int, dest: Dest,
                  stop: threading.Event | None = None,
-                 reregister: Callable[[], object] | None = None) -> None:
+                 reregister: Callable[[], object] | None = None,
+                 landed: Landed | None = None) -> None:
         """stop: set by the caller to end the get, and by the get when it fails;
-        reregister: registers the layout again (a server that restarted forgot it)."""
+        reregister: registers the layout again (a server that restarted forgot it);
+        landed: called with each whole layer on the stripe thread that completed it."""
         self.n = len(packed) // key_size if key_size else 0
         self.layers = layers
         self.layer_bytes = layer_bytes
@@ -85,9 +99,13 @@ class LayerGet:
         self._packed = packed
         self._dest = dest
         self._reregister = reregister
+        self._landed = landed
         self._bounds = stripe_bounds(self.n, layers, layer_bytes, fast.connections)
-        self._lock = threading.Lock()     # guards _buffers, _left, _conns, _error
-        self._buffers: dict[int, concurrent.futures.Future] = {}   # layer -> its buffer
+        self._lock = threading.Lock()     # guards the fields below
+        self._cond = threading.Condition(self._lock)      # a buffer is in, or dest failed
+        self._buffers: list[np.ndarray | None] = [None] * layers   # until the layer is whole
+        self._asked = [False] * layers    # a stripe has called dest for the layer
+        self._dest_failed = False         # a dest call raised (its stripe reports it)
         self._left = [len(self._bounds) - 1] * layers     # stripes yet to fill a layer
         self._conns: dict[int, Conn] = {}                 # stripe -> its connection now
         self._error: BaseException | None = None          # the first stripe's failure
@@ -196,28 +214,29 @@ class LayerGet:
         """Layer's buffer: made by this stripe's dest() call if it is the first to reach
         the layer, else waited for."""
         with self._lock:
-            future = self._buffers.get(layer)
-            mine = future is None
-            if mine:
-                future = self._buffers[layer] = concurrent.futures.Future()
-        assert future is not None
+            buf = self._buffers[layer]
+            if buf is not None:
+                return buf
+            mine = not self._asked[layer]
+            self._asked[layer] = True
         if mine:
             try:
                 buf = self._checked(self._dest(layer))
-            except BaseException as exc:
-                future.set_exception(exc)
+            except BaseException:
+                with self._cond:
+                    self._dest_failed = True      # this stripe reports it
+                    self._cond.notify_all()
                 raise
-            future.set_result(buf)
+            with self._cond:
+                self._buffers[layer] = buf
+                self._cond.notify_all()
             return buf
-        while True:
-            if self.stop.is_set():
-                raise _Stopped
-            try:
-                return future.result(timeout=_POLL_S)
-            except concurrent.futures.TimeoutError:
-                continue
-            except BaseException:  # noqa: BLE001 - the stripe that called dest reports it
-                raise _Stopped from None
+        with self._cond:
+            while (buf := self._buffers[layer]) is None:
+                if self.stop.is_set() or self._dest_failed:
+                    raise _Stopped
+                self._cond.wait(_POLL_S)
+            return buf
 
     def _checked(self, buf: np.ndarray) -> np.ndarray:
         want = (self.n, self.layer_bytes)
@@ -233,8 +252,12 @@ class LayerGet:
             self._left[layer] -= 1
             if self._left[layer]:
                 return
-            future = self._buffers.pop(layer)
-            self._done.put((layer, future.result()))
+            buf = self._buffers[layer]
+            self._buffers[layer] = None
+        assert buf is not None
+        if self._landed is not None:
+            self._landed(layer, buf)
+        self._done.put((layer, buf))
 
     def _shut_all(self) -> None:
         """Wake every stripe blocked in a receive: the socket is shut under it (the

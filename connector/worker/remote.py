@@ -11,7 +11,9 @@ the forward's first layer wait for every byte of every layer. Instead, per load:
                             connections, into slabs of a ring of pinned host memory
                             (connector.worker.staging); as each layer lands its copy to
                             the blocks is enqueued on the load stream
-                            (KVTransfer.load_layer) and the slab goes back to the ring with the copy's event
+                            (KVTransfer.load_layer), by the stripe's thread that received
+                            the layer's last bytes, and the slab goes back to the ring
+                            with the copy's event
     wait_layer(L) (engine)  waits on the host until layer L's copy is enqueued, then makes
                             the compute stream wait on L's event only
     done / synchronize      the thread has ended and the last copy has landed; raise
@@ -189,17 +191,23 @@ class RemoteLoad:
         except BaseException as exc:  # noqa: BLE001 - reported by done() and synchronize()
             self._fail(exc)
             return
-        layers = self._client.get_layers(self._ns, keys, dest, attempt)
+        def arrived(layer: int, slab: np.ndarray) -> None:
+            event = None
+            with self._cond:                    # an enqueue and a stop exclude each other
+                # Stopped: nothing more is copied; the get raises why at its next layer.
+                if not attempt.is_set():
+                    event = self._transfer.load_layer(layer, slab, blocks)
+                    self._landed(layer, event)
+                    landed.add(layer)
+            ring.give(taken.pop(layer), event)
+
+        # Each layer's copy is enqueued by the thread that received its last bytes
+        # (client.get_layers' `landed`), not handed to this one first: this thread only
+        # waits for the get to end.
+        layers = self._client.get_layers(self._ns, keys, dest, attempt, arrived)
         try:
-            for layer, slab in layers:
-                event = None
-                with self._cond:                # an enqueue and a stop exclude each other
-                    # Stopped: nothing more is copied; the get raises why at its next layer.
-                    if not attempt.is_set():
-                        event = self._transfer.load_layer(layer, slab, blocks)
-                        self._landed(layer, event)
-                        landed.add(layer)
-                ring.give(taken.pop(layer), event)
+            for _ in layers:
+                pass
             if len(landed) < self._layers:      # stopped after its last layer came
                 raise _Stopped
         except BaseException as exc:  # noqa: BLE001 - reported by done() and synchronize()

@@ -165,6 +165,27 @@ def test_a_large_load_is_striped_and_exact(srv):
     remote.close()
 
 
+def test_each_layer_is_copied_by_the_stripe_that_completed_it_in_order(srv, small_stripes):
+    """Striped over three connections: every layer's copy is enqueued once, in layer
+    order, by a stripe's thread (kvstore-layers-*), not by the load's own thread after a
+    hand-over, and the pages land exact."""
+    rig = Rig(srv.address, SHAPES["kv2-fp16-page32"], pages=24, seed=9)
+    remote = rig.worker(srv.address, shared_memory=False, remote_connections=3)
+    real = remote.transfer.load_layer
+    calls: list[tuple[int, str]] = []
+
+    def spy(layer, slab, blocks):
+        calls.append((layer, threading.current_thread().name))
+        return real(layer, slab, blocks)
+
+    remote.transfer.load_layer = spy
+    assert rig.step(remote, rig.specs([])) == set()
+    assert [layer for layer, _ in calls] == list(range(len(rig.names)))
+    assert all(name.startswith("kvstore-layers-") for _, name in calls), calls
+    rig.expected(remote)
+    remote.close()
+
+
 def test_layer_zero_is_ready_while_later_layers_are_still_on_the_wire(srv, small_stripes):
     """The server is stopped once layer 0's copy is enqueued: the forward's wait for
     layer 0 returns while the others cannot have arrived; they land once it resumes."""

@@ -102,20 +102,16 @@ def test_a_cold_round_sharing_prefixes_sends_only_pages_the_store_lacks(srv):
 
 def _slowed(worker, delay: float) -> None:
     """The worker's remote Gets deliver each layer `delay` s late (a slow link, or a
-    receiving thread that waits for a busy host's CPU)."""
+    receiving thread that waits for a busy host's CPU): the thread that received it
+    sleeps before handing it over (the worker's copy is enqueued by `landed`)."""
     real = worker.client.get_layers
 
-    def get_layers(*args, **kwargs):
-        inner = real(*args, **kwargs)
-
-        def slow():
-            try:
-                for item in inner:
-                    time.sleep(delay)
-                    yield item
-            finally:
-                inner.close()
-        return slow()
+    def get_layers(ns, keys, dest=None, stop=None, landed=None):
+        def late(layer, slab):
+            time.sleep(delay)
+            if landed is not None:
+                landed(layer, slab)
+        return real(ns, keys, dest, stop, late)
 
     worker.client.get_layers = get_layers
 
@@ -164,21 +160,15 @@ def test_a_load_that_stops_coming_still_fails_within_its_budget(srv):
     release = threading.Event()
     held: list[float] = []
 
-    def stalls(ns, keys, dest=None, stop=None):
-        inner = real(ns, keys, dest, stop)
-
-        def gen():
-            try:
-                for layer, slab in inner:
-                    if layer == 1:            # held until the load is stopped
-                        held.append(time.monotonic())
-                        while not (stop is not None and stop.is_set()) \
-                                and not release.is_set():
-                            time.sleep(0.01)
-                    yield layer, slab
-            finally:
-                inner.close()
-        return gen()
+    def stalls(ns, keys, dest=None, stop=None, landed=None):
+        def held_at_one(layer, slab):
+            if layer == 1:                    # held until the load is stopped
+                held.append(time.monotonic())
+                while not (stop is not None and stop.is_set()) and not release.is_set():
+                    time.sleep(0.01)
+            if landed is not None:
+                landed(layer, slab)
+        return real(ns, keys, dest, stop, held_at_one)
 
     remote.client.get_layers = stalls
     start = time.monotonic()
