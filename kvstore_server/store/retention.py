@@ -150,11 +150,6 @@ class RetentionTable:
         t = self._tenant(tenant)
         key = (tenant, name)
         session = self._sessions.get(key)
-        if session is not None and not len(slots) and limits.quota:
-            # No pages: most often an extension (the client sends only what it added
-            # since, here nothing): only the expiry moves.
-            self._expire_at(key, session, now + ttl)
-            return RetainOutcome.RETAINED, np.zeros(0, dtype=np.int64)
         quota = limits.quota_bytes(pool_bytes, tenant_quota)
         outcome = RetainOutcome.RETAINED
         if not limits.quota:
@@ -193,8 +188,14 @@ class RetentionTable:
         self._expire_at(key, session, now + ttl)
         return outcome, new
 
-    def has(self, tenant: str, name: str) -> bool:
-        return (tenant, name) in self._sessions
+    def extend(self, tenant: str, name: str, until: float) -> bool:
+        """Move an existing session's expiry to `until`; False if there is no such one."""
+        key = (tenant, name)
+        session = self._sessions.get(key)
+        if session is None:
+            return False
+        self._expire_at(key, session, until)
+        return True
 
     def held(self, tenant: str, name: str) -> int:
         """Pages the session keeps now (0: no such session)."""

@@ -29,6 +29,7 @@ __all__ = ["Retained", "Retention"]
 
 # Sessions of one RetainMany retained per lock hold (each hold looks the keys up once).
 _MANY_CHUNK = 32
+_NONE = np.zeros(0, dtype=np.int64)     # the slots of no keys
 
 log = logging.getLogger("kvstore_server.store")
 
@@ -93,7 +94,7 @@ class Retention:
         for start in range(0, len(asks), _MANY_CHUNK):
             with s.lock:
                 info = s.layouts.info(layout_id)
-                found = s.find(info, keys)
+                found = s.find(info, keys) if len(keys) else _NONE
                 out += [self._retain_found(info, found[idx], session, ttl, quota)
                         for session, ttl, idx in asks[start:start + _MANY_CHUNK]]
         return out
@@ -102,8 +103,12 @@ class Retention:
                       quota: int) -> Retained:
         """retain's work under the lock, its keys' slots found (-1: absent)."""
         s = self._s
-        if not len(found) and not self.table.has(info.tenant, session):
-            return Retained(0)      # an extension (no keys) of a session it does not hold
+        if not len(found):
+            # An extension (no keys): the session's expiry moves, if it has one; nothing
+            # to look up, pin or touch (a connector's every turn that added no pages).
+            if not self.table.extend(info.tenant, session, s.clock() + ttl):
+                return Retained(0)
+            return Retained(0, held=self.table.held(info.tenant, session))
         run = found[:int(np.argmin(found >= 0))] if (found < 0).any() else found
         outcome, new = self.table.retain(
             info.tenant, session, run, self._retained_bytes, s.clock(), ttl,
