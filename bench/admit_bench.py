@@ -25,7 +25,9 @@ for session retention as it ends (request i of each burst the next turn of sessi
 5 s), as a vLLM request's
 `kv_transfer_params` would (connector.scheduler.retention): its stored keys are handed to the
 retention thread inside "release ms", and that thread's RetainMany calls (one per step's
-asks) run beside the next burst. --events: the connector's KV-event feed runs
+asks) run beside the next burst of the same case: every timed burst follows an untimed
+one of its own case, as an engine's admissions follow the ends of the requests before,
+and a case's retention calls are waited for before the next case starts. --events: the connector's KV-event feed runs
 (connector.events): each finished request's stored pages are queued for it inside
 "release ms", and it polls the store every 0.5 s beside the bursts.
 
@@ -94,6 +96,13 @@ class Extras:
 
     retainer: Retainer | None = None
     events: EventFeed | None = None
+
+    def settle(self, timeout: float = 10.0) -> None:
+        """Wait for the retention thread to send what it holds (not timed)."""
+        deadline = time.monotonic() + timeout
+        while (self.retainer is not None and not self.retainer.idle()
+               and time.monotonic() < deadline):
+            time.sleep(0.001)
 
     def close(self) -> None:
         if self.retainer is not None:
@@ -198,8 +207,15 @@ def main(argv: list[str] | None = None) -> int:
             if (args.retain or args.events) and rep % 2 == 0:     # cases are (plain, +) pairs
                 order = [c for i in range(0, len(cases), 2) for c in (cases[i + 1], cases[i])]
             for case in order:
-                burst = _burst(scheds[case], prompts, case.gap_s,
-                               extras.get(case, Extras()), hashes)
+                extra = extras.get(case, Extras())
+                # An engine's steady state: the requests before end (their retention,
+                # their events) as these arrive. So each timed burst follows an untimed
+                # one of its own case, and what its extras leave running is waited for
+                # before the next case: every case's threads run beside its own loop,
+                # never beside another case's.
+                _burst(scheds[case], prompts, case.gap_s, extra, hashes)
+                burst = _burst(scheds[case], prompts, case.gap_s, extra, hashes)
+                extra.settle()
                 if rep:
                     runs[case].append(burst)
         hashing = []

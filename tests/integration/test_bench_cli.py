@@ -138,6 +138,7 @@ def test_admit_with_retention_asks_sends_every_ask():
     out = bench("admit", "--requests", "4", "--system-len", "64", "--user-len", "16",
                 "--reps", "1", "--gap-ms", "5", "--retain", timeout=120)
     assert out.returncode == 0, out.stderr
-    # 4 requests x 2 bursts (one warm-up) x 3 cases, each retaining its 4 stored pages.
-    assert "retention asks: 24, retained 24, refused 0, failed 0, dropped 0" in out.stdout, \
+    # 4 requests x 2 reps (one warm-up) x 2 bursts (one untimed before the timed one)
+    # x 3 cases, each retaining its 4 stored pages.
+    assert "retention asks: 48, retained 48, refused 0, failed 0, dropped 0" in out.stdout, \
         out.stdout
