@@ -116,6 +116,9 @@ class _Steps:
 
 
 def run(tokens: list[int], steps: int, layer_us: float) -> list[dict]:
+    # One thread for torch's CPU copies, as an engine's host thread is one: on a shared
+    # machine torch's thread pool made the copies' time swing from run to run.
+    torch.set_num_threads(1)
     out = []
     with ServerProcess(dram="1GiB").start(wait=60) as srv:
         for n in tokens:

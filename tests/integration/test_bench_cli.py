@@ -54,7 +54,8 @@ def test_bad_option_names_the_benchmark():
 
 
 # The benchmarks with a --quick smoke run; sglang's needs SGLang (make test-sglang's venv).
-QUICK = ["store", "fastpath", "shm", "disk", "sglang", "far", "peers", "remote-load"]
+QUICK = ["store", "fastpath", "shm", "disk", "sglang", "far", "peers", "remote-load",
+         "hooks"]
 # Benches whose quick run has a test file of its own (it needs arguments or checks more).
 QUICK_ELSEWHERE = {"hybrid": "tests/integration/test_hybrid_bench.py"}
 

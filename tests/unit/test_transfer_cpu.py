@@ -286,6 +286,32 @@ def test_bad_inputs_raise_and_write_nothing():
         assert bool((t.view(torch.int16) == POISON).all())
 
 
+def test_a_save_batch_saves_what_save_layer_saves_and_ends_at_finish_save():
+    """save_batch plans the pages once, save_into copies each layer: the same bytes as
+    save_layer's (pages out of order, one already stored); after finish_save the batch
+    is refused, since its index may be overwritten by the next save's."""
+    xfer, layout, caches = _xfer(layers=3)
+    for t in caches:
+        t.view(torch.int16).copy_(torch.arange(t.numel(), dtype=torch.int16).view(t.shape))
+    offsets = np.array([2 * layout.page_bytes, -1, 0])
+    blocks = np.array([[4, 5], [0, 1], [2, 3]])
+    by_layer = np.zeros(3 * layout.page_bytes, dtype=np.uint8)
+    by_batch = np.zeros_like(by_layer)
+    for layer in range(3):
+        xfer.save_layer(layer, by_layer, offsets, blocks)
+    xfer.finish_save()
+    batch = xfer.save_batch(by_batch, offsets, blocks)
+    with pytest.raises(IndexError):
+        xfer.save_into(batch, 3)
+    for layer in range(3):
+        xfer.save_into(batch, layer)
+    xfer.finish_save()
+    assert by_layer.any() and np.array_equal(by_batch, by_layer)
+    assert not by_batch[layout.page_bytes:2 * layout.page_bytes].any()   # the skipped page
+    with pytest.raises(ValueError, match="finish_save"):
+        xfer.save_into(batch, 0)
+
+
 def test_long_block_id_lists_are_checked_too():
     """Past plan._IDS_IN_PYTHON ids the checks go by numpy: the same errors."""
     xfer, layout, _ = _xfer()
