@@ -227,9 +227,12 @@ class Ops:
                 _GET_HEAD.pack_into(s.head, 0, fw.MAGIC, fw.VERSION, _GET, 0, 0, fw.ALIGN_PAD,
                                     nbytes)
                 mem = self.mem
-                if n == 1:                              # no runs to find
-                    off = int(offsets[0])
-                    batch = [s.head_view, mem[off:off + pb]]
+                offs = offsets.tolist()
+                first = offs[0] if n else 0
+                if offs == list(range(first, first + nbytes, pb)):
+                    # One run (a page, or pages stored side by side, as a Put's are):
+                    # one view, found with one compare in C, not runs()'s walk.
+                    batch = [s.head_view, mem[first:first + nbytes]]
                 else:
                     batch = [s.head_view]
                     batch += [mem[off:off + (j - i) * pb] for i, j, off in runs(offsets, pb)]
