@@ -412,10 +412,15 @@ class Store:
         for attempt in (0, 1):
             with s.lock:
                 info = s.layouts.info(layout_id)
-                slots = s.find(info, keys)
-                if len(slots) == 1 and slots[0] >= 0:   # one page, present: no numpy
-                    missing = _NONE_MISSING
+                index = info.ready.get(keys.size)
+                if index is not None and 0 < len(keys) <= FEW_KEYS:
+                    # A few keys found as a list: which are missing is read from it.
+                    found = index.find_few(keys.data)
+                    slots = np.array(found, dtype=np.int64)
+                    missing = (np.array([i for i, slot in enumerate(found) if slot < 0],
+                                        dtype=np.int64) if -1 in found else _NONE_MISSING)
                 else:
+                    slots = s.find(info, keys)
                     missing = np.flatnonzero(slots < 0)
                 if not missing.size:
                     if ttl != FOREVER and not book.may_lease(len(slots)):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kvstore_protocol.layout import PageLayout
+from kvstore_server.errors import Outcome, StoreError
 from kvstore_server.region import Region
 from kvstore_server.store import Store
 
@@ -100,3 +101,27 @@ def test_deletes_of_ready_writing_absent_and_repeated_keys(store, n):
     assert store.delete(info.layout_id, named) == 0
     _put(store, info, ready + writing)                  # slots reused, each once
     assert store.lookup([info.layout_id], ready + writing)[0] == len(ready + writing)
+
+
+@pytest.mark.parametrize("n", [1, 5, 16, 17])
+def test_acquires_of_a_few_keys_name_the_first_missing_and_pin_each_naming(store, n):
+    """An acquire of n keys (a list to 16, the batch past it): NOT_FOUND names the first
+    key stored nowhere; stored keys, one named twice, are pinned once per naming, at
+    their pool offsets, and the release takes every pin back."""
+    info = store.register_layout(LAYOUT)
+    ks = [_key(i) for i in range(n)]
+    _put(store, info, ks)
+    hole = [_key(500)] if n == 1 else ks[: n // 2] + [_key(500)] + ks[n // 2 + 1:]
+    with pytest.raises(StoreError) as err:
+        store.acquire(info.layout_id, hole)
+    at = 0 if n == 1 else n // 2
+    assert err.value.outcome is Outcome.NOT_FOUND and f"key {at} of {len(hole)}" in \
+        err.value.message
+    named = ks + ks[:1]
+    pinned = store.acquire(info.layout_id, named, ttl=30.0)
+    slots = pinned.slots.tolist()
+    assert slots[-1] == slots[0] and len(set(slots)) == n
+    assert pinned.offsets.tolist() == store.pool.offset[pinned.slots].tolist()
+    assert int(store._slots.pins[slots[0]]) == 2 and int(store._slots.pins.sum()) == n + 1
+    assert store.release(pinned.lease_id)
+    assert int(store._slots.pins.sum()) == 0
