@@ -84,11 +84,6 @@ class Rpc:
         self.commit = unary(s + "Commit", pb.CommitRequest, pb.CommitResponse)
         self.abort = unary(s + "Abort", pb.AbortRequest, pb.AbortResponse)
         self.acquire = unary(s + "Acquire", pb.AcquireRequest, pb.AcquireResponse)
-        self.retain = unary(s + "Retain", pb.RetainRequest, pb.RetainResponse)
-        self.retain_many = unary(s + "RetainMany", pb.RetainManyRequest, pb.RetainManyResponse)
-        self.release_retention = unary(s + "ReleaseRetention", pb.ReleaseRetentionRequest,
-                                       pb.ReleaseRetentionResponse)
-        self.removals = unary(s + "Removals", pb.RemovalsRequest, pb.RemovalsResponse)
         self.stats = unary(a + "Stats", apb.StatsRequest, apb.StatsResponse)
         self.evict = unary(a + "Evict", apb.EvictRequest, apb.EvictResponse)
         self.clear = unary(a + "Clear", apb.ClearRequest, apb.ClearResponse)

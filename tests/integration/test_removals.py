@@ -156,8 +156,8 @@ def test_a_tenant_reads_only_its_own_layouts(fresh_server, tmp_path):
         # b names a's layout (raw, without the client's re-registering recovery): it is
         # unknown to b, whatever a holds.
         with pytest.raises(grpc.RpcError) as err:
-            b._rpc.removals(pb.RemovalsRequest(layout_ids=[na.layout_id],
-                                               epoch=start_b.epoch), timeout=10)
+            b._rpc.unary("Removals")(pb.RemovalsRequest(layout_ids=[na.layout_id],
+                                                          epoch=start_b.epoch), timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "unknown layout" in err.value.details()
         assert b.removals([nb], start_b.next_seq, start_b.epoch).entries == ()

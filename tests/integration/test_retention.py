@@ -258,7 +258,7 @@ def test_retain_many_is_bounded_and_checked(srv):
                                        keys=pb.PackedKeys(data=b"".join(keys("k", 1)),
                                                           key_size=16), **fields)
             with pytest.raises(grpc.RpcError) as info:
-                a._rpc.retain_many(req, timeout=10)
+                a._rpc.unary("RetainMany")(req, timeout=10)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             return info.value.details()
 
