@@ -6,23 +6,27 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["MAX_KEY_BYTES", "KeyError_", "Packed", "pack_keys", "unpack_keys"]
+__all__ = ["MAX_KEY_BYTES", "KeyError_", "MalformedKeys", "Packed", "pack_keys", "unpack_keys"]
 
 MAX_KEY_BYTES = 64
 
 
-class KeyError_(ValueError):
+class MalformedKeys(ValueError):
     """Malformed keys (wrong sizes, empty, mixed lengths)."""
+
+
+# The old name, deprecated: callers may catch it; it goes in the release after 0.1.
+KeyError_ = MalformedKeys
 
 
 def pack_keys(keys: Sequence[bytes] | bytes, key_size: int | None = None) -> tuple[bytes, int]:
     """(packed bytes, key size) from a list of equal-length keys, or pass packed through."""
     if isinstance(keys, (bytes, bytearray, memoryview)):
         if not key_size:
-            raise KeyError_("packed keys need key_size")
+            raise MalformedKeys("packed keys need key_size")
         data = bytes(keys)
         if len(data) % key_size:
-            raise KeyError_(f"{len(data)} bytes of packed keys is not a multiple of "
+            raise MalformedKeys(f"{len(data)} bytes of packed keys is not a multiple of "
                             f"key_size {key_size}")
         _check_size(key_size)
         return data, key_size
@@ -34,22 +38,22 @@ def pack_keys(keys: Sequence[bytes] | bytes, key_size: int | None = None) -> tup
         data = b"".join(keys)
     except TypeError:
         bad = next(i for i, k in enumerate(keys) if not isinstance(k, (bytes, bytearray)))
-        raise KeyError_(f"key {bad} is {type(keys[bad]).__name__}, not bytes") from None
+        raise MalformedKeys(f"key {bad} is {type(keys[bad]).__name__}, not bytes") from None
     size = len(keys[0])
     # map(len) runs in C; a Python loop over 4,096 keys would cost half a millisecond.
     if len(set(map(len, keys))) != 1:
         bad = next(i for i, k in enumerate(keys) if len(k) != size)
-        raise KeyError_(f"keys must all have one length: key 0 has {size} bytes, "
+        raise MalformedKeys(f"keys must all have one length: key 0 has {size} bytes, "
                         f"key {bad} has {len(keys[bad])}")
     _check_size(size)
     return data, size
 
 
 def unpack_keys(data: bytes, key_size: int) -> list[bytes]:
-    """The keys of a packed buffer; KeyError_ with a message when malformed."""
+    """The keys of a packed buffer; MalformedKeys with a message when malformed."""
     _check_size(key_size)
     if len(data) % key_size:
-        raise KeyError_(f"{len(data)} bytes of packed keys is not a multiple of "
+        raise MalformedKeys(f"{len(data)} bytes of packed keys is not a multiple of "
                         f"key_size {key_size}")
     if not data:
         return []
@@ -60,7 +64,7 @@ def unpack_keys(data: bytes, key_size: int) -> list[bytes]:
 
 def _check_size(key_size: int) -> None:
     if not 1 <= key_size <= MAX_KEY_BYTES:
-        raise KeyError_(f"key_size must be 1..{MAX_KEY_BYTES} bytes, got {key_size}")
+        raise MalformedKeys(f"key_size must be 1..{MAX_KEY_BYTES} bytes, got {key_size}")
 
 
 
@@ -76,7 +80,7 @@ class Packed:
         if data or size:
             _check_size(size)
         if data and len(data) % size:
-            raise KeyError_(f"{len(data)} bytes of packed keys is not a multiple of "
+            raise MalformedKeys(f"{len(data)} bytes of packed keys is not a multiple of "
                             f"key_size {size}")
         self.data = bytes(data)
         self.size = size

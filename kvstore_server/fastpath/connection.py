@@ -40,7 +40,7 @@ import grpc
 
 from kvstore_protocol import fastwire as fw
 from kvstore_protocol.carriage import call_body_bytes
-from kvstore_protocol.keys import KeyError_
+from kvstore_protocol.keys import MalformedKeys
 
 from ..auth import ANONYMOUS, Authenticator, Principal, Role, token_digest
 from ..errors import Outcome, StoreError
@@ -268,7 +268,7 @@ class Connection:
                 raise
             code = fw.GRPC_CODES[exc.status]
             reply(op, str(exc).encode(), exc.status)
-        except (KeyError_, ValueError) as exc:
+        except (MalformedKeys, ValueError) as exc:
             code = fw.GRPC_CODES[fw.Status.INVALID]
             reply(op, str(exc).encode(), fw.Status.INVALID)
         except (ClientGone, OSError):

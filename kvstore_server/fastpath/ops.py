@@ -1,7 +1,7 @@
 """The fast path's calls: each decodes its body, calls the one transport-neutral call
 (kvstore_server.rpc.calls, which applies every rule the gRPC path applies), and encodes.
 
-A call returns its answer's body, or raises: StoreError, a malformed key (KeyError_,
+A call returns its answer's body, or raises: StoreError, a malformed key (MalformedKeys,
 ValueError) or WireError(INVALID) become an error frame and the connection goes on.
 GET and PUT move page bytes themselves, between the socket and the pool:
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore_protocol import fastwire as fw
 from kvstore_protocol.carriage import admin_call, decode_call, messages, service_call
-from kvstore_protocol.keys import KeyError_
+from kvstore_protocol.keys import MalformedKeys
 
 from ..auth import Principal
 from ..errors import Outcome, StoreError
@@ -70,7 +70,7 @@ class Carriage:
         request = checked(parse(payload))
         try:
             response = getattr(self._service, method)(request, Carried(who))
-        except (StoreError, KeyError_, ValueError):
+        except (StoreError, MalformedKeys, ValueError):
             raise                         # outcomes: the connection answers them
         except Invalid as exc:
             raise fw.WireError(str(exc), fw.Status.INVALID) from None

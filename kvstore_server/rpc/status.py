@@ -3,7 +3,7 @@ the one map of outcomes to statuses (kvstore_server.codes, below this layer so t
 interceptor refuses a call with the same codes), or of what went wrong:
 
     StoreError(outcome) -> codes.CODES[outcome] (and its reason, if any)
-    malformed input (Invalid, KeyError_, ValueError) -> INVALID_ARGUMENT
+    malformed input (Invalid, MalformedKeys, ValueError) -> INVALID_ARGUMENT
     anything else -> INTERNAL, logged with its traceback (the caller sees no internals)
 
 Where a client must react (errors.Reason: a layout unknown after a restart, a stale
@@ -17,7 +17,7 @@ import logging
 
 import grpc
 
-from kvstore_protocol.keys import KeyError_
+from kvstore_protocol.keys import MalformedKeys
 from kvstore_protocol.reasons import REASON_KEY
 
 from ..codes import CODES, status_of
@@ -27,7 +27,7 @@ __all__ = ["CODES", "REASON_KEY", "Invalid", "abort", "code_of", "status_of"]
 
 log = logging.getLogger(__name__)
 
-_MALFORMED = (KeyError_, ValueError)
+_MALFORMED = (MalformedKeys, ValueError)
 
 
 class Invalid(Exception):
