@@ -124,7 +124,7 @@ class Calls:
     # -- the rules -----------------------------------------------------------------------
     def keys(self, data: bytes, key_size: int, method: str) -> Packed:
         """The request's keys, refused (INVALID) past the keys-per-request limit."""
-        return self.limits.keys(data, key_size, method)
+        return self.limits.checked_keys(data, key_size, method)
 
     def layout(self, who: Principal, layout_id: bytes) -> bytes:
         """The store's id of the caller's layout (access.caller_layout)."""

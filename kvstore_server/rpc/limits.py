@@ -68,7 +68,7 @@ class RequestLimits:
         if self.max_keys < 1:
             raise ValueError(f"max_keys must be >= 1, got {self.max_keys}")
 
-    def keys(self, data: bytes, key_size: int, method: str) -> Packed:
+    def checked_keys(self, data: bytes, key_size: int, method: str) -> Packed:
         """The request's packed keys, refused (INVALID) past max_keys before any copy."""
         n = len(data) // key_size if key_size > 0 else 0
         if n > self.max_keys:
