@@ -486,7 +486,7 @@ class FarClient:
                 if value is None or isinstance(value, Exception) or not len(value):
                     continue            # absent (GETRANGE answers ""), or failed: counted
                 if len(value) > limits[i]:
-                    self.counters.reject(codec.Reason.OVERSIZED)
+                    self.counters.reject(codec.ValueVerdict.OVERSIZED)
                     continue
                 decoded = codec.decode(value, layout_id, keys[i], self.settings.keys)
                 if decoded.payload is None:

@@ -46,7 +46,7 @@ from typing import Protocol
 
 from .secret import INSECURE, Keyring
 
-__all__ = ["HEADER_BYTES", "MAX_PAGE", "Decoded", "Keys", "Reason", "decode", "encode",
+__all__ = ["HEADER_BYTES", "MAX_PAGE", "Decoded", "Keys", "ValueVerdict", "decode", "encode",
            "value_bytes"]
 
 MAGIC = b"KVFP"
@@ -66,7 +66,7 @@ class Keys(Protocol):
     def keyring(self) -> Keyring: ...
 
 
-class Reason(enum.Enum):
+class ValueVerdict(enum.Enum):
     """Why a value was or was not served."""
 
     OK = "ok"
@@ -84,11 +84,11 @@ class Reason(enum.Enum):
 class Decoded:
     """A decoded value: `payload` is a view into the value, or None with the reason."""
 
-    reason: Reason
+    reason: ValueVerdict
     payload: memoryview | None = None
 
 
-_MISSING = Decoded(Reason.MISSING)
+_MISSING = Decoded(ValueVerdict.MISSING)
 
 
 def _mac(start: hmac.HMAC, signed, key: bytes, payload) -> bytes:
@@ -128,25 +128,25 @@ def decode(value, layout_id: bytes, key: bytes, keys: Keys = INSECURE) -> Decode
     try:
         view = memoryview(value).cast("B")
     except TypeError:
-        return Decoded(Reason.FOREIGN)
+        return Decoded(ValueVerdict.FOREIGN)
     if view.nbytes >= 5 and view[:4] == MAGIC and view[4] == 1:
-        return Decoded(Reason.UNSIGNED)
+        return Decoded(ValueVerdict.UNSIGNED)
     if view.nbytes < HEADER_BYTES:
-        return Decoded(Reason.FOREIGN if view[:4] != MAGIC[:view.nbytes] or not view.nbytes
-                       else Reason.TRUNCATED)
+        return Decoded(ValueVerdict.FOREIGN if view[:4] != MAGIC[:view.nbytes] or not view.nbytes
+                       else ValueVerdict.TRUNCATED)
     magic, version, klen, _, lid, length, key_id, mac = _HEADER.unpack_from(view)
     if magic != MAGIC or version != VERSION:
-        return Decoded(Reason.FOREIGN)
+        return Decoded(ValueVerdict.FOREIGN)
     if view.nbytes < HEADER_BYTES + klen:
-        return Decoded(Reason.TRUNCATED)
+        return Decoded(ValueVerdict.TRUNCATED)
     if lid != layout_id or klen != len(key) or view[HEADER_BYTES:HEADER_BYTES + klen] != key:
-        return Decoded(Reason.WRONG_KEY)
+        return Decoded(ValueVerdict.WRONG_KEY)
     payload = view[HEADER_BYTES + klen:]
     if payload.nbytes != length:
-        return Decoded(Reason.TRUNCATED)
+        return Decoded(ValueVerdict.TRUNCATED)
     signing = keys.keyring().key(key_id)
     if signing is None:
-        return Decoded(Reason.UNKNOWN_KEY)
+        return Decoded(ValueVerdict.UNKNOWN_KEY)
     if not hmac.compare_digest(_mac(signing.mac, view[:_SIGNED], key, payload), mac):
-        return Decoded(Reason.CORRUPT)
-    return Decoded(Reason.OK, payload)
+        return Decoded(ValueVerdict.CORRUPT)
+    return Decoded(ValueVerdict.OK, payload)

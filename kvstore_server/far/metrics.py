@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .codec import Reason
+from .codec import ValueVerdict
 
 __all__ = ["FarCollector", "FarCounters"]
 
@@ -35,7 +35,7 @@ class FarCounters:
     deletes_dropped: int = 0    # deleted keys not retried: too many already waiting
     deletes_pending: int = 0    # a gauge, set by writer.py: deleted keys and clears that
                                 # the cluster has not confirmed yet
-    rejected: dict = dataclasses.field(default_factory=dict)   # Reason -> values refused
+    rejected: dict = dataclasses.field(default_factory=dict)   # ValueVerdict -> values refused
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def add(self, **deltas: int) -> None:
@@ -43,7 +43,7 @@ class FarCounters:
             for name, delta in deltas.items():
                 setattr(self, name, getattr(self, name) + delta)
 
-    def reject(self, reason: Reason, n: int = 1) -> None:
+    def reject(self, reason: ValueVerdict, n: int = 1) -> None:
         with self._lock:
             self.rejected[reason] = self.rejected.get(reason, 0) + n
 
@@ -82,7 +82,7 @@ class FarCollector:
         rejected = CounterMetricFamily(
             "kvstore_far_rejected", "Values in the cluster refused (never served), by reason",
             labels=["reason"])
-        for reason in (r for r in Reason if r not in (Reason.OK, Reason.MISSING)):
+        for reason in (r for r in ValueVerdict if r not in (ValueVerdict.OK, ValueVerdict.MISSING)):
             rejected.add_metric([reason.value], c.rejected.get(reason, 0))
         yield rejected
         pages, nbytes = self._queue_depth()

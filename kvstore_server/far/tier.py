@@ -50,7 +50,7 @@ from ..tier import PageInfo, Tier, TierInvalidation, TierName, TierStats
 from ..tier_metrics import TierGauges
 from .breaker import BreakerState
 from .client import CLEAR_BUDGET, FarClient
-from .codec import Reason
+from .codec import ValueVerdict
 from .metrics import FarCollector
 from .reads import ParallelReader
 from .records import REFRESH, LayoutRecord
@@ -139,7 +139,7 @@ class FarTier:
             if page is None:
                 return
             if page.nbytes != views[i].nbytes:   # same layout, other size: not this page
-                self.client.counters.reject(Reason.TRUNCATED)
+                self.client.counters.reject(ValueVerdict.TRUNCATED)
                 return
             views[i][:] = page
             got[i] = True

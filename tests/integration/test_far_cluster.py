@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from kvstore_server.far import inplace
 from kvstore_server.far.breaker import BreakerState, FarBreaker
 from kvstore_server.far.client import FarClient, connect
-from kvstore_server.far.codec import Reason, encode
+from kvstore_server.far.codec import ValueVerdict, encode
 from kvstore_server.far.keys import BUCKETS, page_key
 from kvstore_server.far.metrics import FarCollector
 from kvstore_server.far.settings import parse_far
@@ -127,15 +127,15 @@ def _evals(cluster) -> list[int]:
     return counts
 
 
-@pytest.mark.parametrize("reason", [Reason.FOREIGN, Reason.WRONG_KEY, Reason.TRUNCATED,
-                                    Reason.CORRUPT])
+@pytest.mark.parametrize("reason", [ValueVerdict.FOREIGN, ValueVerdict.WRONG_KEY,
+                                    ValueVerdict.TRUNCATED, ValueVerdict.CORRUPT])
 def test_planted_values_are_never_served(far_cluster, client, reason):
     layout, key = os.urandom(16), os.urandom(16)
     good = encode(layout, key, os.urandom(4096))
-    value = {Reason.FOREIGN: b"somebody else's value",
-             Reason.WRONG_KEY: encode(layout, os.urandom(16), os.urandom(4096)),
-             Reason.TRUNCATED: good[:-1],
-             Reason.CORRUPT: good[:-1] + bytes([good[-1] ^ 1])}[reason]
+    value = {ValueVerdict.FOREIGN: b"somebody else's value",
+             ValueVerdict.WRONG_KEY: encode(layout, os.urandom(16), os.urandom(4096)),
+             ValueVerdict.TRUNCATED: good[:-1],
+             ValueVerdict.CORRUPT: good[:-1] + bytes([good[-1] ^ 1])}[reason]
     r = raw(far_cluster)
     try:
         r.set(page_key("kvstore", layout, key), value)

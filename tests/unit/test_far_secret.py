@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from kvstore_server.far.codec import Reason, decode, encode
+from kvstore_server.far.codec import ValueVerdict, decode, encode
 from kvstore_server.far.secret import CHECK_INTERVAL, SecretFile
 
 LAYOUT, KEY = bytes(16), b"k" * 16
@@ -38,11 +38,11 @@ def test_a_rotation_rolls_through_without_a_restart(tmp_path):
     clock.now += CHECK_INTERVAL
     by_new = encode(LAYOUT, KEY, b"page", keys)
     assert by_new[32:40] != by_old[32:40]
-    assert decode(by_old, LAYOUT, KEY, keys).reason is Reason.OK
+    assert decode(by_old, LAYOUT, KEY, keys).reason is ValueVerdict.OK
     write(path, NEW)                                    # step 3: the old one dropped
     clock.now += CHECK_INTERVAL
-    assert decode(by_old, LAYOUT, KEY, keys).reason is Reason.UNKNOWN_KEY
-    assert decode(by_new, LAYOUT, KEY, keys).reason is Reason.OK
+    assert decode(by_old, LAYOUT, KEY, keys).reason is ValueVerdict.UNKNOWN_KEY
+    assert decode(by_new, LAYOUT, KEY, keys).reason is ValueVerdict.OK
 
 
 @pytest.mark.parametrize("edit", ["short", "", None])
@@ -56,5 +56,5 @@ def test_a_bad_edit_keeps_the_secrets_in_force(tmp_path, edit):
     else:
         write(path, edit)
     clock.now += CHECK_INTERVAL
-    assert decode(value, LAYOUT, KEY, keys).reason is Reason.OK
+    assert decode(value, LAYOUT, KEY, keys).reason is ValueVerdict.OK
     assert encode(LAYOUT, KEY, b"page", keys) == value
