@@ -42,10 +42,10 @@ from .dataplane import Chooser, packed_keys, tls_context
 from .errors import KVStoreError, PagesMissing
 from .fastpath import FastPath
 from .grpc_transport import GrpcTransport
-from .handles import LayoutHandle, Lease, PutResult
 from .layerget import Dest, Landed
 from .lookup_stream import LookupStream
 from .presence import PresenceMap
+from .results import LayoutHandle, Lease, PutResult
 from .rpc import Rpc, packed
 from .shm import Acquired, Reservation, SharedRegion, copy_layer, copy_pages
 from .transport import Transport

@@ -41,7 +41,7 @@ from .layerget import Dest, Landed, LayerGet
 from .transport import NotCarried, Recovery, Transport
 
 if TYPE_CHECKING:
-    from .handles import LayoutHandle
+    from .results import LayoutHandle
     from .shm import SharedRegion
     from .unixpeer import ServerIdentity
 

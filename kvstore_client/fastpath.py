@@ -49,8 +49,8 @@ from kvstore_protocol.carriage import encode_call, messages
 
 from .errors import KVStoreError
 from .fastconn import Broken, Conn, Timeout, deadline
-from .handles import FastLease, Pins
 from .holdings import Holdings
+from .results import FastLease, Pins
 from .transport import NotCarried
 from .unixpeer import ServerIdentity, UntrustedSocket, check_path, check_peer
 

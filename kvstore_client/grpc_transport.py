@@ -26,7 +26,7 @@ from kvstore_protocol.grpc_frames import PUT_DATA_TAG, frame
 
 from .buffers import LayerMajorWriter
 from .errors import KVStoreError, PagesMissing, from_rpc_error
-from .handles import FastLease, LayoutHandle, Pins
+from .results import FastLease, LayoutHandle, Pins
 from .rpc import Rpc
 
 __all__ = ["CHUNK_BYTES", "GrpcTransport"]

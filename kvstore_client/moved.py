@@ -1,4 +1,4 @@
-"""Old import paths of modules that moved to kvstore_protocol, kept for one release.
+"""Old import paths of modules that moved (most to kvstore_protocol), kept for one release.
 
 What both ends of the protocol agree on (the generated protobuf code, keys, layouts, both
 framings, units, reasons) was in this package, and the server imported it from here,
@@ -6,6 +6,8 @@ which loaded the whole client library into the daemon. It now lives in kvstore_p
 `import kvstore_client.keys` (and the others in MOVED) still works until the release after
 0.1: it gives the very module kvstore_protocol.keys, so a monkeypatch or an isinstance
 check sees one object, with a DeprecationWarning. Change such imports to the new path.
+One module was renamed in place: kvstore_client.handles is kvstore_client.results (it holds
+the values page calls return, not handles).
 
 The old paths are aliases found by an import hook, not files, so the moved files have one
 path in the repository and history follows them.
@@ -33,6 +35,8 @@ MOVED = {
     "kvstore_client.malloc": "kvstore_protocol.malloc",
     "kvstore_client.units": "kvstore_protocol.units",
     "kvstore_client.wire": "kvstore_protocol.grpc_frames",
+    # Renamed in place: it holds the values page calls return, not handles.
+    "kvstore_client.handles": "kvstore_client.results",
 }
 
 

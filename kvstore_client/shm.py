@@ -33,7 +33,7 @@ from kvstore_protocol.region import HANDOUT_MAGIC, TOKEN_BYTES, region_id
 from .unixpeer import ServerIdentity, UntrustedSocket, check_path, check_peer
 
 if TYPE_CHECKING:
-    from .handles import LayoutHandle
+    from .results import LayoutHandle
 
 __all__ = ["Acquired", "Reservation", "SharedRegion", "copy_layer", "copy_pages", "open_pool",
            "region_id"]

@@ -27,7 +27,7 @@ from .errors import KVStoreError, Reason
 if TYPE_CHECKING:
     from google.protobuf.message import Message
 
-    from .handles import FastLease, LayoutHandle, Pins
+    from .results import FastLease, LayoutHandle, Pins
 
 __all__ = ["NotCarried", "Recovery", "Transport"]
 

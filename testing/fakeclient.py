@@ -26,7 +26,7 @@ import numpy as np
 
 from kvstore_client.client import Retention
 from kvstore_client.errors import KVStoreError
-from kvstore_client.handles import LayoutHandle, Lease, PutResult
+from kvstore_client.results import LayoutHandle, Lease, PutResult
 from kvstore_client.shm import Acquired, Reservation, SharedRegion
 from kvstore_protocol.keys import Packed
 from kvstore_protocol.layout import PageLayout

@@ -50,7 +50,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvstore_client import KVStoreClient, PageLayout
-from kvstore_client.handles import Pins
+from kvstore_client.results import Pins
 from kvstore_protocol.keys import Packed
 
 from ..breaker import Breaker

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import grpc
 
 from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
-from kvstore_client.handles import Pins
+from kvstore_client.results import Pins
 from kvstore_protocol.keys import Packed
 
 from ..breaker import Breaker, not_answering

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvstore_client.handles import Pins
+from kvstore_client.results import Pins
 
 __all__ = ["DOWN", "Answer", "Job", "LookupWorker", "Pending"]
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvstore_client.handles import Pins
+from kvstore_client.results import Pins
 
 from ..groups import NULL_BLOCK
 from .hashing import page_keys

@@ -23,7 +23,7 @@ import pytest
 
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout, PagesMissing
 from kvstore_client.errors import Reason, reason_of
-from kvstore_client.handles import LayoutHandle
+from kvstore_client.results import LayoutHandle
 from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb, kvstore_pb2_grpc as pbg
 from kvstore_testing.serverproc import ServerProcess
 

@@ -61,7 +61,8 @@ def test_the_running_server_loads_no_client_module(tmp_path):
 @pytest.mark.parametrize("old", ["kvstore_client.keys", "kvstore_client.layout",
                                  "kvstore_client.convert", "kvstore_client.units",
                                  "kvstore_client.fastwire", "kvstore_client.malloc",
-                                 "kvstore_client.wire", "kvstore_client._proto"])
+                                 "kvstore_client.wire", "kvstore_client._proto",
+                                 "kvstore_client.handles"])
 def test_an_old_path_is_the_moved_module(old):
     import importlib
 
