@@ -77,13 +77,17 @@ def test_keys_round_trip():
     assert (keys.key_size, keys.n, keys.data, end) == (16, 5, packed, len(body))
 
 
-@pytest.mark.parametrize("block, words", [
+# Key blocks the decoder must refuse, and words its message must hold.
+BAD_KEY_BLOCKS = [
     (struct.pack("<BI", 16, 1 << 30) + bytes(64), "need 17179869184"),
     (struct.pack("<BI", 0, 3), "key_size must be"),
     (struct.pack("<BI", 65, 1) + bytes(65), "key_size must be"),
     (struct.pack("<BI", 16, 3) + bytes(47), "need 48"),
     (b"\x10\x00", "ends before its keys"),
-])
+]
+
+
+@pytest.mark.parametrize("block, words", BAD_KEY_BLOCKS)
 def test_bad_keys_are_invalid_not_fatal(block, words):
     with pytest.raises(fw.WireError, match=words) as info:
         fw.decode_keys(memoryview(block), 0)
@@ -104,13 +108,7 @@ def test_a_layout_and_its_keys_decode_in_one_unpack_as_in_two(keys):
     assert fw.decode_layout_keys(memoryview(layout + fw.encode_keys(0, b""))) == (layout, 0, b"")
 
 
-@pytest.mark.parametrize("block, words", [
-    (struct.pack("<BI", 16, 1 << 30) + bytes(64), "need 17179869184"),
-    (struct.pack("<BI", 0, 3), "key_size must be"),
-    (struct.pack("<BI", 65, 1) + bytes(65), "key_size must be"),
-    (struct.pack("<BI", 16, 3) + bytes(47), "need 48"),
-    (b"\x10\x00", "ends before its keys"),
-])
+@pytest.mark.parametrize("block, words", BAD_KEY_BLOCKS)
 def test_a_layout_with_bad_keys_is_refused_as_decode_keys_refuses_it(block, words):
     with pytest.raises(fw.WireError, match=words) as info:
         fw.decode_layout_keys(memoryview(bytes(16) + block))
