@@ -62,6 +62,7 @@ from .far import wiring as far_wiring
 from .fastpath import FastPathServer, SocketFolder, remove_stale_folders, socket_path
 from .fastpath.tls import fast_tls_context
 from .metrics import Metrics
+from .parentwatch import watch_parent
 from .preflight import check_host
 from .region import Progress, Region, region_bytes, remove_own, remove_stale
 from .removals import RemovalRing
@@ -430,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     # (pool file removed) with one line, not a traceback or a leaked pool.
     signal.signal(signal.SIGTERM, _stop_starting)
     signal.signal(signal.SIGINT, _stop_starting)
+    watch_parent()        # after the handlers: the watch stops the server by SIGTERM
     try:
         return _run(argv)
     except _StopDuringStartUp as exc:

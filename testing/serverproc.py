@@ -76,7 +76,9 @@ class ServerProcess:
             flags["far_secret_file"] = fleet_secret_file()    # one fleet: every test server
         for name, value in flags.items():
             self.args += ["--" + name.replace("_", "-"), str(value)]
-        self.env = {**os.environ, **(env or {})}
+        # The server ends with this process even when it is killed before it can stop
+        # the server (kvstore_server.parentwatch); `env` may say otherwise.
+        self.env = {**os.environ, "KVSTORE_EXIT_WITH_PARENT": "1", **(env or {})}
         self.proc: subprocess.Popen | None = None
         fd, self.log_path = tempfile.mkstemp(prefix="kvstore-server-", suffix=".log")
         os.close(fd)
