@@ -215,7 +215,8 @@ class EngineProc(_Logged):
     def reset_prefix_cache(self) -> None:
         """Empty vLLM's own prefix cache: what a repeat round reuses must then come from
         the store."""
-        self.call({"op": "reset_prefix_cache"})
+        answer = self.call({"op": "reset_prefix_cache"})
+        assert answer["reset"], "vLLM kept refusing to reset its prefix cache (blocks in use)"
 
     def close(self) -> int:
         if self.proc.poll() is None:
