@@ -265,6 +265,15 @@ class ServeProc(_Logged):
             text = r.read().decode()
             return json.loads(text) if text.strip().startswith("{") else {}
 
+    def reset_prefix_cache(self, timeout: float = 60.0) -> None:
+        """Empty vLLM's own prefix cache, asking again while vLLM refuses (a finished
+        request's blocks are held until its save is reported: driver.py says why)."""
+        deadline = time.monotonic() + timeout
+        while not self.post("/reset_prefix_cache").get("success"):
+            assert time.monotonic() < deadline, \
+                "vllm serve kept refusing to reset its prefix cache (blocks in use)"
+            time.sleep(0.05)
+
     def complete(self, model: str, prompt: list[int], max_tokens: int) -> dict:
         """One /v1/completions with a token prompt: {"tokens", "logprobs", "cached"}."""
         answer = self.post("/v1/completions", {

@@ -122,7 +122,7 @@ def test_a_cold_round(serve, llama, llama_reference):
 
 
 def test_a_repeat_round_is_served_by_the_store(serve, store, llama, llama_reference):
-    serve.post("/reset_prefix_cache")
+    serve.reset_prefix_cache()
     before, external = store_hits(store.address), \
         serve.metrics().get("vllm:external_prefix_cache_hits", 0)
     cached = assert_exact(ROUND, _round(serve, str(llama), ROUND, False), llama_reference,
@@ -136,7 +136,7 @@ def test_a_repeat_round_is_served_by_the_store(serve, store, llama, llama_refere
 
 def test_a_concurrent_round(serve, store, llama, llama_reference):
     assert_exact(SECOND, _round(serve, str(llama), SECOND, True), llama_reference, "cold")
-    serve.post("/reset_prefix_cache")
+    serve.reset_prefix_cache()
     before = store_hits(store.address)
     cached = assert_exact(SECOND, _round(serve, str(llama), SECOND, True), llama_reference,
                           "concurrent repeat")
@@ -151,7 +151,7 @@ def test_a_concurrent_round(serve, store, llama, llama_reference):
 def _round_under(fault, serve, store, llama, llama_reference, what: str) -> None:
     """A concurrent repeat round (hits planned from the store) with `fault` done while it
     runs; every answer arrives, token-identical, within FAULT_ROUND_S of the fault's end."""
-    serve.post("/reset_prefix_cache")
+    serve.reset_prefix_cache()
     result: dict = {}
 
     def run() -> None:
@@ -189,7 +189,7 @@ def test_the_store_killed_and_restarted_mid_round(serve, store, llama, llama_ref
     while store_hits(store.address) == hits:
         assert time.monotonic() < deadline, \
             f"no store hit {rounds} rounds after the restart: {store_stats(store.address)}"
-        serve.post("/reset_prefix_cache")
+        serve.reset_prefix_cache()
         assert_exact(ROUND, _round(serve, str(llama), ROUND, True), llama_reference, "after")
         rounds += 1
     print(f"the restarted store hit in round {rounds} after the fault round")
@@ -245,7 +245,7 @@ def test_a_client_gone_mid_request_is_aborted(serve, store, llama, llama_referen
     (its tokens stop well short of max_tokens, the server is idle again within ABORT_S),
     the server keeps serving, later answers exact, and the store holds no lease."""
     model = str(llama)
-    serve.post("/reset_prefix_cache")      # the prefix is loaded from the store
+    serve.reset_prefix_cache()      # the prefix is loaded from the store
     prompt = ROUND[4][:256] + SECOND[6] + THIRD[7][:1200]     # 2,956 tokens
     generated = serve.metrics().get("vllm:generation_tokens", 0)
     got = _dropped(serve, model, prompt, after)
@@ -259,7 +259,7 @@ def test_a_client_gone_mid_request_is_aborted(serve, store, llama, llama_referen
     assert len(got) >= after and generated < ABORTED_MAX_TOKENS / 2
     if not after:
         assert generated <= 1, "the request was not dropped in its prefill"
-    serve.post("/reset_prefix_cache")
+    serve.reset_prefix_cache()
     hits = store_hits(store.address)
     assert_exact(ROUND, _round(serve, model, ROUND, True), llama_reference, "after the drop")
     hits = store_hits(store.address) - hits

@@ -31,7 +31,7 @@ def test_serve_runs_a_sliding_window_model_with_hma_on_exact_and_from_the_store(
     # them means HMA stayed on (off, vLLM would give every layer full attention's group).
     groups = [line for line in serve.connector_lines("INFO") if "KV-cache groups" in line]
     assert groups and "sliding" in groups[-1], groups
-    serve.post("/reset_prefix_cache")
+    serve.reset_prefix_cache()
     before = store_hits(store.address)
     cached = assert_exact(ROUND, [serve.complete(str(gemma3), p, MAX_TOKENS) for p in ROUND],
                           gemma3_reference, "repeat")
