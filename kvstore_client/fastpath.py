@@ -430,18 +430,19 @@ class FastPath:
         return bool(self._end(fw.Op.RELEASE, "ReleaseLease", lease_id, self._reads,
                               pages_read))
 
-    def release_later(self, lease_id: int) -> None:
+    def release_later(self, lease_id: int, pages_read: int = 0) -> None:
         """Release without waiting for the answer: it is read before the next call on
         its lane. If the connection broke, the server has released its leases."""
         lane = self._reads
+        body = fw.LEASE.pack(lease_id) + (fw.READ.pack(pages_read) if pages_read else b"")
         with lane.lock:
             conn = lane.conn
             if conn is not None:
                 try:
                     if conn.quiet:      # no answer comes (fastwire.QUIET)
-                        conn.send(fw.Op.RELEASE, fw.LEASE.pack(lease_id), flags=fw.QUIET)
+                        conn.send(fw.Op.RELEASE, body, flags=fw.QUIET)
                     else:
-                        conn.send(fw.Op.RELEASE, fw.LEASE.pack(lease_id))
+                        conn.send(fw.Op.RELEASE, body)
                         conn.owed += 1
                     self._holdings.ended(lease_id)
                     return
@@ -454,7 +455,7 @@ class FastPath:
         # No connection on the lane, or its send failed: the lease was taken elsewhere
         # (over gRPC while the fast path was down, or on a connection since retired or
         # closed): end it by waiting, on a connection of its own.
-        self.release(lease_id)
+        self.release(lease_id, pages_read)
 
     def lookup_later(self, layout_ids: list[bytes], key_size: int, packed: bytes) -> bool:
         """A LOOKUP flagged MISSED whose answer is read before the next call on the reads

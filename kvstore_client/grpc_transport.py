@@ -108,11 +108,12 @@ class GrpcTransport:
             pb.ReleaseLeaseRequest(lease_id=lease_id, pages_read=pages_read),
             timeout=self.timeout)).released
 
-    def release_later(self, lease_id: int) -> None:
+    def release_later(self, lease_id: int, pages_read: int = 0) -> None:
         """End a lease without waiting for the answer: the caller has finished reading,
         and a lost release only costs the pages their pin until the lease expires."""
-        future = self._rpc.release.future(pb.ReleaseLeaseRequest(lease_id=lease_id),
-                                          timeout=self.timeout)
+        future = self._rpc.release.future(
+            pb.ReleaseLeaseRequest(lease_id=lease_id, pages_read=pages_read),
+            timeout=self.timeout)
         self._releases.add(future)
         future.add_done_callback(self._release_done)
 

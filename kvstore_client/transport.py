@@ -74,8 +74,8 @@ class Transport(Protocol):
 
     def release(self, lease_id: int, pages_read: int = 0) -> bool: ...
 
-    def release_later(self, lease_id: int) -> None:
-        """End a lease without waiting for the answer."""
+    def release_later(self, lease_id: int, pages_read: int = 0) -> None:
+        """End a lease without waiting for the answer (pages_read: as release's)."""
         ...
 
     def unary(self, method: str, request: Message) -> Message:

@@ -156,3 +156,22 @@ def test_pages_read_under_a_leased_lookups_pins_are_served_once(fresh_server):
         s = fast.stats()
     assert sorted(lay.served for lay in s.layouts) == [10, 10]
     assert s.tiers[0].served == 20 and s.leases == 0
+
+
+def test_a_release_sent_without_waiting_ends_the_lease_and_counts_pages_read(fresh_server):
+    """release_lease_later (a remote engine's release, one round trip less): over the fast
+    path (a quiet RELEASE, no answer) and over gRPC alike, the lease ends, its pages_read
+    count as served, and the next call on the connection gets its own answer."""
+    srv = fresh_server(dram="64MiB")
+    with KVStoreClient(srv.address, shared_memory=False, data_plane=True) as fast, \
+            KVStoreClient(srv.address, shared_memory=False, data_plane=False) as rpc:
+        ns = put_pages(fast)
+        for c, read in ((fast, 3), (rpc, 4)):
+            lease = c.lookup_lease(c.register_layout(LAYOUT), KEYS, lease_ms=60_000)
+            assert lease.count == len(KEYS) and lease.lease_id
+            c.release_lease_later(lease, pages_read=read)
+            assert c.lookup(ns, KEYS[:2]) == 2            # the next call's own answer
+            wait_for(lambda: fast.stats().leases == 0, timeout=10)
+        c.release_lease_later(0)                          # no lease: nothing sent
+        s = fast.stats()
+    assert [lay.served for lay in s.layouts] == [7] and s.leases == 0
