@@ -154,7 +154,8 @@ class Server:
             policy = load_policy(config.eviction_policy)
         except ValueError as exc:
             raise ConfigError(f"eviction_policy: {exc}") from None
-        # Pages leaving this server, for engines' KV-event streams: DRAM and disk record.
+        # Pages leaving this server, for engines' KV-event streams: DRAM, disk and the
+        # far tier's watch record.
         removals = RemovalRing(config.removal_ring)
         self.disk: DiskTier | None = None
         if config.disk:
@@ -218,6 +219,9 @@ class Server:
         # The far tier writes each layout's record beside its pages, so that Invalidate
         # finds the layouts of a model that only other servers registered (far/records.py)
         far_wiring.know_layouts(self.far, self.store.info)
+        # Pages only the far tier holds for this server are checked, so that what the
+        # cluster removes by itself (--far-ttl, maxmemory) reaches the ring (far/watch.py)
+        far_wiring.watch(self.far, removals, self.store.in_dram, self.disk)
         log.info("presence map: %s", "on (same-host clients answer misses without a call)"
                  if self.store.presence is not None else
                  "off (a tier below DRAM holds pages the map cannot see)")

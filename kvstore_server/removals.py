@@ -12,13 +12,21 @@ leaves the last of this server's tiers that held it:
     Clear, an admin eviction of a whole layout from the tiers below     ──► DELETED / EVICTED
     Invalidate                                                           ──► INVALIDATED
 
-A whole layout's removal is one entry with an empty key ("every page of this layout"), so
-an invalidation of a million pages takes one slot, not the ring. A page that moves down
-(DRAM -> disk -> far) is not removed: this server still answers for it. What nobody here
-sees is not reported: the far tier's own expiry (--far-ttl) and its cluster's maxmemory
-eviction. The rule where unsure: report. A removal reported for a page still held makes
-a router under-estimate (a cheap miss of its score); one not reported makes it send
-requests for a prefix that is gone.
+    the far tier drops a page only it holds for this server: its --far-ttl
+        expiry, the cluster's maxmemory eviction, a write that failed, another
+        server's delete (far/watch.py: a check within far.watch.DELAY s)  ──► EVICTED
+
+"The store holds a page" means a lookup by this server would hit it, in any tier: DRAM,
+disk or the far tier. So a page that moves down (DRAM -> disk -> far) is not removed:
+this server still answers for it; it is removed when the last tier that held it for
+this server lets it go, the far tier included. A whole layout's removal is one entry
+with an empty key ("every page of this layout"), so an invalidation of a million pages
+takes one slot, not the ring. The rule where unsure: report. A removal reported for a
+page still held makes a router under-estimate (a cheap miss of its score); one not
+reported makes it send requests for a prefix that is gone. Hence a DRAM or disk
+eviction that the far tier does not take is reported even where the cluster may hold a
+copy of the page that another server wrote (--far-write off): asking the cluster would
+put a round trip on the eviction's path.
 
 Readers poll with a cursor (after_seq) and the ring's epoch (a random id per server
 start). The ring is bounded (`capacity` entries, ~70 bytes each); when it has overwritten

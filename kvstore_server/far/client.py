@@ -444,17 +444,27 @@ class FarClient:
                timeout: float | None = None) -> list[bool]:
         """One bit per key: True when the far tier holds a value under the key's name.
         (A value still has to pass the codec when it is read.)"""
+        bits, _ = self.exists_answered(layout_id, keys, timeout)
+        hits = sum(bits)
+        self.counters.add(hits=hits, misses=len(keys) - hits)
+        return bits
+
+    def exists_answered(self, layout_id: bytes, keys: Sequence[bytes],
+                        timeout: float | None = None) -> tuple[list[bool], list[bool]]:
+        """(held, answered) per key, not counted as hits or misses: answered is False
+        where the key's master did not answer in time (watch.py tells "gone" from
+        "not known")."""
         groups = list(group_by_bucket(self.settings.namespace, layout_id, list(keys)).values())
         out = self._run([["EVAL_RO", EXISTS_SCRIPT, str(len(g)), *(k for _, k in g)]
                          for g in groups], timeout or self.settings.timeout)
         bits = [False] * len(keys)
+        answered = [False] * len(keys)
         for group, reply in zip(groups, out or (), strict=False):
-            if isinstance(reply, list):
-                for (i, _), bit in zip(group, reply, strict=False):
+            if isinstance(reply, list) and len(reply) == len(group):
+                for (i, _), bit in zip(group, reply, strict=True):
                     bits[i] = bit == 1
-        hits = sum(bits)
-        self.counters.add(hits=hits, misses=len(keys) - hits)
-        return bits
+                    answered[i] = True
+        return bits, answered
 
     def get(self, layout_id: bytes, keys: Sequence[bytes], timeout: float | None = None,
             max_page: int = codec.MAX_PAGE) -> list[memoryview | None]:

@@ -8,7 +8,8 @@ tier's parts:
     offer(layout, key, page)     -> WriteBehind.offer: a copy queued, never waits;
                                     refused under --far-write off only
     contains(layout, keys)       -> FarClient.exists: one round trip per shard, within
-                                    --far-timeout; what it cannot learn in time is a miss
+                                    --far-timeout; what it cannot learn in time is a miss;
+                                    what it finds is watched (watch.py)
     read_into(layout, keys, outs)-> FarClient.read in parts of about 1 MiB, several in
                                     flight (reads.py), each verified page copied into its
                                     out buffer from glide's reply as its part lands
@@ -29,6 +30,10 @@ tier's parts:
     register_metrics(registry)   -> its capacity, use and pages (tier_metrics.py) and
                                     kvstore_far_* (metrics.py)
     flush(timeout) / close()     -> the write-behind queue's, then glide's
+    watch                        -> the pages only this tier holds for this server,
+                                    checked so that what the cluster removes by itself
+                                    (--far-ttl, maxmemory) reaches the removal ring
+                                    within watch.DELAY s (watch.py)
 
 Every method answers; none raises on the cluster's behalf (misses, False, 0), but for
 an admin's evict that did not reach the whole cluster: the operator must learn that.
@@ -55,6 +60,7 @@ from .metrics import FarCollector
 from .reads import ParallelReader
 from .records import REFRESH, LayoutRecord
 from .settings import WritePolicy
+from .watch import FarWatch
 from .writer import WriteBehind
 
 if TYPE_CHECKING:
@@ -94,6 +100,7 @@ class FarTier:
             unlink=lambda layout_id, keys: client.unlink(layout_id, keys)[1],
             clear=lambda layout_id: client.clear(layout_id, retry=True).complete)
         self.reader = ParallelReader(client.read, client.settings.timeout)
+        self.watch = FarWatch(client.exists_answered, self.writer.unwritten)
 
     @property
     def tiers(self) -> tuple[Tier, ...]:
@@ -123,12 +130,25 @@ class FarTier:
         # open breakers turned pages away here, only a read could probe, and such a host
         # wrote none of the pages put after the cluster came back. A batch that
         # meets an open breaker is not sent (counted as skipped), the queue bounds the rest.
+        # Offers come from the tiers above letting the page go (DRAM's eviction, the
+        # disk's): from now on only this tier holds it for this server, so it is watched
+        # (watch.py). A commit's write-through offer comes through through_offer instead.
+        if not self.through_offer(layout_id, key, page):
+            return False
+        self.watch.add(layout_id, [key])
+        return True
+
+    def through_offer(self, layout_id: bytes, key: bytes, page) -> bool:
+        """A copy of a page that stays in DRAM (--far-write through, at commit)."""
         if not self.writes:
             return False
         return self.writer.offer(layout_id, key, page)
 
     def contains(self, layout_id: bytes, keys: Sequence[bytes]) -> np.ndarray:
-        return np.array(self.client.exists(layout_id, keys), dtype=bool)
+        held = np.array(self.client.exists(layout_id, keys), dtype=bool)
+        if held.any():          # held for this server by this tier only: watched
+            self.watch.add(layout_id, [keys[i] for i in np.flatnonzero(held).tolist()])
+        return held
 
     def read_into(self, layout_id: bytes, keys: Sequence[bytes],
                   outs: Sequence) -> list[bool]:
@@ -155,6 +175,7 @@ class FarTier:
         keys = list(dict.fromkeys(keys))
         if not keys:
             return 0
+        self.watch.forget(layout_id, keys)      # the store records the delete
         generation, writing = self.writer.forget(layout_id, keys)
         held, unconfirmed = self.client.unlink(layout_id, keys, self.client.settings.timeout)
         skip = writing.union(unconfirmed)
@@ -200,6 +221,7 @@ class FarTier:
         if layout_id is None and not everything:
             return 0, 0
         target = None if everything else layout_id
+        self.watch.forget_layout(target)        # the store records the eviction
         # Pages still queued would land after the clear: they are dropped, not sent first
         # (sending them waited up to 5 s behind a hung master, past kvstore-admin's own
         # deadline), and the batch being written is cleared again once it has landed.
@@ -234,6 +256,7 @@ class FarTier:
                 self._recorded.pop(layout_id, None)
         for layout_id in ids:
             self.writer.forget_all(layout_id)
+            self.watch.forget_layout(layout_id)     # the store records the invalidation
         result = self.client.clear_layouts(ids, half)
         failure = []
         if unread:
@@ -255,6 +278,7 @@ class FarTier:
 
     def close(self) -> None:
         """Write what is queued for at most CLOSE_TIMEOUT s, then drop glide's client."""
+        self.watch.close()
         left = self.writer.depth()[0]
         self.writer.close(CLOSE_TIMEOUT)
         self.reader.close()

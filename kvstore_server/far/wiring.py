@@ -21,7 +21,7 @@ from .settings import WritePolicy, from_config
 if TYPE_CHECKING:
     from .tier import FarTier
 
-__all__ = ["know_layouts", "open_far", "through"]
+__all__ = ["know_layouts", "open_far", "through", "watch"]
 
 log = logging.getLogger("kvstore.far")
 
@@ -53,10 +53,42 @@ def open_far(config) -> FarTier | None:
 
 
 def through(tier: FarTier | None) -> FarTier | None:
-    """The tier every commit is offered to: the far tier under --far-write through."""
+    """The tier every commit is offered to: the far tier under --far-write through, as a
+    view whose offer() is through_offer (the page stays in DRAM: not watched, watch.py)."""
     if tier is not None and tier.client.settings.write is WritePolicy.THROUGH:
-        return tier
+        from .tier import FarTier
+
+        class Through(FarTier):
+            """The same far tier (its state shared), but for what offer() means."""
+
+            def __init__(self, of: FarTier) -> None:    # no FarTier.__init__: its state is of
+                self.__dict__ = of.__dict__
+
+            def offer(self, layout_id: bytes, key: bytes, page) -> bool:
+                return self.through_offer(layout_id, key, page)
+
+        return Through(tier)
     return None
+
+
+def watch(tier: FarTier | None, removals, in_dram, disk) -> None:
+    """Start the far tier's watch of far-only pages (watch.py): what the cluster removes
+    by itself is recorded in `removals` (the store's ring) unless in_dram(layout, keys)
+    or the disk tier (or None) holds the page."""
+    if tier is None:
+        return
+    import numpy as np
+
+    def held_above(layout_id: bytes, keys) -> np.ndarray:
+        held = np.asarray(in_dram(layout_id, keys), dtype=bool)
+        rest = np.flatnonzero(~held)
+        if disk is not None and rest.size:
+            held[rest] = disk.contains(layout_id, [keys[i] for i in rest.tolist()])
+        return held
+
+    tier.watch.removals = removals
+    tier.watch.held_above = held_above
+    tier.watch.start()
 
 
 def know_layouts(tier: FarTier | None, info) -> None:

@@ -109,6 +109,12 @@ class WriteBehind:
             self._cond.notify()
         return True
 
+    def unwritten(self) -> set[tuple[bytes, bytes]]:
+        """(layout, key) of the pages queued or being written: not in the cluster yet,
+        not gone from it either (watch.py). At most the queue's pages."""
+        with self._cond:
+            return {(lid, key) for lid, key, _ in self._queue} | self._writing
+
     def depth(self) -> tuple[int, int]:
         """(pages, bytes) waiting."""
         with self._cond:

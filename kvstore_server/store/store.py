@@ -245,6 +245,22 @@ class Store:
     def layouts(self) -> list[LayoutInfo]:
         return list(self._s.layouts.by_idx)
 
+    def in_dram(self, layout_id: bytes, keys: Sequence[bytes]) -> np.ndarray:
+        """One bool per key: its page READY in DRAM (the far tier's watch of far-only
+        pages, far/watch.py); all False for a layout not registered."""
+        held = np.zeros(len(keys), dtype=bool)
+        try:
+            info = self._s.layouts.info(layout_id)
+        except StoreError:
+            return held
+        by_size: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            by_size.setdefault(len(key), []).append(i)
+        with self._s.lock:
+            for at in by_size.values():
+                held[at] = self._s.find(info, Packed.of([keys[i] for i in at])) >= 0
+        return held
+
     # -- lookups: Lookups' ------------------------------------------------------------
     def lookup(self, layout_ids: Sequence[bytes], keys: Packed | Sequence[bytes],
                lease_ttl: float = 0.0) -> tuple[int, int]:

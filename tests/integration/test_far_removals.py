@@ -1,0 +1,196 @@
+"""What the far tier removes by itself reaches the removal ring (far/watch.py), against
+real servers and a real 3-master cluster: a page only the far tier holds for a server,
+expired by --far-ttl or deleted by another server of the fleet, is reported EVICTED
+within watch.DELAY s, and through the connector's event feed as Removed; a page that
+left DRAM into the far tier is not reported, nor one read back into DRAM before the
+cluster dropped its copy; a page another server's Exists found in the far tier is
+reported by that server too."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import xxhash
+
+from connector.events import EventFeed, Removed, SavedRun, Stored
+from kvstore_client import KVStoreClient, PageLayout
+from kvstore_server.far.watch import DELAY
+from kvstore_testing.serverproc import ServerProcess
+from tests.waiting import wait_for
+
+LAYOUT = PageLayout(model="farremovals", num_layers=2, page_tokens=16, num_kv_heads=4,
+                    head_size=64)                               # 16 KiB pages
+EVICTED, DELETED = 1, 2
+TTL = 2.0
+
+
+def keys(n: int, tag: str = "p") -> list[bytes]:
+    return [xxhash.xxh3_128_digest(f"{tag}:{i}".encode()) for i in range(n)]
+
+
+def pages(n: int) -> np.ndarray:
+    return np.random.default_rng(n).integers(0, 256, (n, LAYOUT.page_bytes), dtype=np.uint8)
+
+
+def far_writes(c: KVStoreClient) -> int:
+    return next(t for t in c.stats().tiers if t.name == "far").writes
+
+
+@pytest.fixture
+def fleet(far_cluster):
+    """start(**flags) -> a server of one fleet writing the far tier on eviction."""
+    namespace = "r" + os.urandom(4).hex()
+    servers = []
+
+    def start(**flags):
+        flags.setdefault("far_timeout", "500ms")
+        srv = ServerProcess(far=",".join(far_cluster.urls), far_namespace=namespace,
+                            far_write="evict", dram="16MiB", **flags).start()
+        servers.append(srv)
+        return srv
+
+    yield start
+    for srv in servers:
+        srv.stop()
+
+
+class Ring:
+    """A reader of one server's removal ring from now on."""
+
+    def __init__(self, c: KVStoreClient, ns) -> None:
+        self.c, self.ns = c, ns
+        self.cursor = c.removals([ns])
+        self.seen: list = []
+
+    def read(self) -> list:
+        while True:
+            got = self.c.removals([self.ns], self.cursor.next_seq, self.cursor.epoch)
+            assert not got.gap
+            self.seen += got.entries
+            self.cursor = got
+            if not got.more:
+                return self.seen
+
+    def keys(self) -> set[bytes]:
+        return {e.key for e in self.read()}
+
+
+def test_a_far_only_page_expired_by_the_far_ttl_is_reported(fleet):
+    a = fleet(far_ttl=f"{TTL:g}s")
+    ks, data = keys(8), pages(8)
+    with KVStoreClient(a.address) as c:
+        ns = c.register_layout(LAYOUT)
+        ring = Ring(c, ns)
+        c.put(ns, ks, data)
+        c.evict(everything=True, tier="dram")           # only the far tier holds them
+        assert wait_for(lambda: far_writes(c) == 8)
+        written = time.monotonic()
+        assert c.exists(ns, ks) == [True] * 8
+        assert ring.read() == []                        # moved down, not removed
+        assert np.array_equal(c.get(ns, ks[:2]), data[:2])     # read back into DRAM
+        # The cluster expires the rest: reported within the stated delay, EVICTED.
+        assert wait_for(lambda: ring.keys() >= set(ks[2:]), "the expired pages reported",
+                        timeout=TTL + DELAY + 3, interval=0.1)
+        assert time.monotonic() - written <= TTL + DELAY + 1
+        assert {e.cause for e in ring.read()} == {EVICTED}
+        assert c.exists(ns, ks[2:]) == [False] * 6
+        time.sleep(2.5)                                 # two more rounds of checks
+        assert ring.keys() == set(ks[2:])               # DRAM holds the first two
+        assert c.exists(ns, ks[:2]) == [True, True]
+
+
+def test_a_far_only_page_deleted_by_another_server_is_reported(fleet):
+    a, b = fleet(), fleet()
+    ks, data = keys(6, "d"), pages(6)
+    with KVStoreClient(a.address) as ca, KVStoreClient(b.address) as cb:
+        na, nb = ca.register_layout(LAYOUT), cb.register_layout(LAYOUT)
+        ring = Ring(ca, na)
+        ca.put(na, ks, data)
+        ca.evict(everything=True, tier="dram")
+        assert wait_for(lambda: far_writes(ca) == 6)
+        assert cb.exists(nb, ks) == [True] * 6          # B sees A's pages in the cluster
+        cb.delete(nb, ks[:3])                           # ... and deletes three
+        assert wait_for(lambda: ring.keys() >= set(ks[:3]), "B's deletes reported on A",
+                        timeout=DELAY + 3, interval=0.1)
+        time.sleep(2.5)
+        assert ring.keys() == set(ks[:3])
+        assert {e.cause for e in ring.read()} == {EVICTED}
+
+
+def test_a_page_another_server_found_only_in_the_far_tier_is_reported_there(fleet):
+    a, b = fleet(far_ttl=f"{TTL:g}s"), fleet(far_ttl=f"{TTL:g}s")
+    ks = keys(5, "b")
+    with KVStoreClient(a.address) as ca, KVStoreClient(b.address) as cb:
+        na, nb = ca.register_layout(LAYOUT), cb.register_layout(LAYOUT)
+        ring = Ring(cb, nb)
+        ca.put(na, ks, pages(5))
+        ca.evict(everything=True, tier="dram")
+        assert wait_for(lambda: far_writes(ca) == 5)
+        assert cb.exists(nb, ks) == [True] * 5      # B answers for them: an engine may
+        assert wait_for(lambda: ring.keys() == set(ks), "B to report the expired pages",
+                        timeout=TTL + DELAY + 3, interval=0.1)
+
+
+def test_the_event_feed_announces_a_far_expiry_removed(fleet):
+    a = fleet(far_ttl=f"{TTL:g}s")
+    ks = keys(4, "f")
+    with KVStoreClient(a.address, shared_memory=False) as c:
+        ns = c.register_layout(LAYOUT)
+        feed = EventFeed(c, [LAYOUT], interval=0.2)
+        try:
+            c.put(ns, ks, pages(4))
+            feed.poll_now()
+            feed.saved(SavedRun(tuple(ks), (100, 101, 102, 103), tuple(range(64)),
+                                blocks_per_page=1, page_tokens=16))
+            feed.poll_now()
+            assert [type(e) for e in feed.take()] == [Stored]
+            c.evict(everything=True, tier="dram")
+            assert wait_for(lambda: far_writes(c) == 4)
+            got: list = []
+
+            def removed() -> bool:
+                got.extend(feed.take())
+                return sum(len(e.hashes) for e in got if isinstance(e, Removed)) == 4
+            assert wait_for(removed, "the feed to announce the expired pages",
+                            timeout=TTL + DELAY + 3, interval=0.1)
+            assert all(isinstance(e, Removed) for e in got)
+        finally:
+            feed.close()
+
+
+def test_a_hung_cluster_reports_nothing_and_holds_nothing_up(fresh_cluster):
+    cluster = fresh_cluster(3)
+    srv = ServerProcess(far=",".join(cluster.urls), far_namespace="h", far_write="evict",
+                        far_timeout="100ms", dram="16MiB").start()
+    ks = keys(12, "h")
+    masters = cluster.master_nodes()
+    try:
+        with KVStoreClient(srv.address, retries=0) as c:
+            ns = c.register_layout(LAYOUT)
+            ring = Ring(c, ns)
+            c.put(ns, ks, pages(12))
+            c.evict(everything=True, tier="dram")
+            assert wait_for(lambda: far_writes(c) == 12)
+            for node in masters:
+                node.proc.send_signal(signal.SIGSTOP)
+            try:
+                ended = time.monotonic() + 3.0                 # three rounds unanswered
+                while time.monotonic() < ended:
+                    started = time.monotonic()
+                    assert c.lookup(ns, ks) == 0                # a miss, not an error
+                    assert time.monotonic() - started < 2.0
+                    time.sleep(0.3)
+                assert ring.read() == []                        # not known is not gone
+            finally:
+                for node in masters:
+                    node.proc.send_signal(signal.SIGCONT)
+            assert wait_for(lambda: c.lookup(ns, ks) == 12, "the cluster answering again",
+                            timeout=20, interval=0.2)
+            time.sleep(2.5)
+            assert ring.read() == []                            # it still held them
+    finally:
+        srv.stop()
