@@ -47,6 +47,7 @@ change to the record would have to be made in both.
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import sys
 from collections.abc import Callable
@@ -75,6 +76,19 @@ _REACH_BYTE = 0 if sys.byteorder == "little" else 7   # the reach's byte in a me
 # batch insert's calls cost more than the walk at every count up to it (that bench's
 # "reserve 16 + commit").
 FEW_KEYS = 16
+
+# The slots of a few 16-byte keys all found, by (the index's generation, the packed keys):
+# an engine asks the same prefix again at every scheduler step (a waiting request's
+# lookup, its per-layer gets), and hashing its keys in Python ints was about half of a
+# 16-key lookup (`kvstore-bench store --calls`: lookup 16 36 -> 20 µs). Only a removal
+# can make an entry wrong (an insert takes absent keys only, a rehash keeps every slot),
+# and every removal gives its index a new generation, never reused, so its entries are
+# never read again; a partial answer is not kept (an insert could complete it). One table
+# for every index, bounded (cleared when full): 4,096 layouts each with its own would
+# hold far more memory than the hashing costs.
+_FOUND: dict[tuple[int, bytes], list[int]] = {}
+_FOUND_MAX = 1024
+_GENERATIONS = itertools.count()
 _FEW = FEW_KEYS
 
 # Odd 64-bit constants (from MurmurHash3's fmix64): multiplying by one is a bijection.
@@ -127,6 +141,7 @@ class KeyIndex:
         # Told of every key that comes or goes, as (words, +1 or -1): the presence map
         # (kvstore_server.store.presence). None: nobody is told.
         self.watch: Callable[[np.ndarray, int], None] | None = None
+        self._gen = next(_GENERATIONS)                 # _FOUND's key: see find_few
 
     def __len__(self) -> int:
         return self._live
@@ -152,6 +167,18 @@ class KeyIndex:
                 return [self.find_one(data)]
             if len(data) % 16:
                 raise ValueError(f"{len(data)} bytes is not a whole number of 16-byte keys")
+            if type(data) is bytes:
+                memo = (self._gen, data)
+                hit = _FOUND.get(memo)
+                if hit is not None:
+                    return list(hit)
+                found = self._find_pairs(memoryview(data).cast("Q").tolist())
+                if -1 not in found:
+                    if len(_FOUND) >= _FOUND_MAX:
+                        _FOUND.clear()
+                    _FOUND[memo] = found
+                    return list(found)
+                return found
             return self._find_pairs(memoryview(data).cast("Q").tolist())
         return self._find_rows(self._word_rows(data))
 
@@ -405,6 +432,7 @@ class KeyIndex:
     def remove_slots(self, slots) -> None:
         """Remove the entries held by slots (a slot repeated is removed once); KeyError
         if one holds none, and then nothing is removed."""
+        self._gen = next(_GENERATIONS)             # what _FOUND holds of it is stale
         if isinstance(slots, list) and len(slots) <= _FEW:
             self._remove_few(list(dict.fromkeys(slots)))
             return
@@ -423,6 +451,7 @@ class KeyIndex:
     def _remove_few(self, slots: list[int]) -> None:
         """remove_slots() of a few distinct slots, by scalar reads and stores: its
         vector form is about 15 numpy calls whatever the count."""
+        self._gen = next(_GENERATIONS)             # what _FOUND holds of it is stale
         pos, table, nw = self._pos, self._table, self._nw
         buckets = []
         for slot in slots:

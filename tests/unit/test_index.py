@@ -321,3 +321,30 @@ def test_few_keys_found_past_the_tables_end():
     assert index.find_few(packed(keys)) == [5, 6, 7]
     assert index.find_few(packed(keys[1:] + homed[3:4])) == [6, 7, -1]
     assert index.find(packed(keys * 6)).tolist() == [5, 6, 7] * 6      # the batch
+
+
+def test_few_keys_found_again_are_never_answered_from_before_a_removal():
+    """find_few remembers a few 16-byte keys all found (index._FOUND): asked again, the
+    same slots; after any removal (by slot, by key, few or many), the keys' new slots or
+    -1, never the slots they held before; a partial answer is not remembered, so keys
+    inserted since are found; another index with the same keys has its own answers."""
+    keys = [i.to_bytes(16, "little") for i in range(100, 116)]
+    data = packed(keys)
+    index = KeyIndex(16, seed=3)
+    index.insert(data, list(range(16)))
+    assert index.find_few(data) == list(range(16))
+    assert index.find_few(data) == list(range(16))             # remembered
+    other = KeyIndex(16, seed=3)
+    other.insert(data, list(range(50, 66)))
+    assert other.find_few(data) == list(range(50, 66))
+    index.remove_slots([3])                                     # few, by slot
+    assert index.find_few(data) == [*range(3), -1, *range(4, 16)]
+    index.insert(keys[3], [40])                                  # completes the answer
+    assert index.find_few(data) == [*range(3), 40, *range(4, 16)]
+    index.remove(packed(keys[:1]))                              # by key
+    index.insert(keys[0], [41])
+    assert index.find_few(data) == [41, 1, 2, 40, *range(4, 16)]
+    index.remove_slots(np.arange(4, 16))                        # many, by slot
+    index.insert(packed(keys[4:]), list(range(70, 82)))
+    assert index.find_few(data) == [41, 1, 2, 40, *range(70, 82)]
+    assert other.find_few(data) == list(range(50, 66))
