@@ -11,7 +11,12 @@ in its own process, in the same run, with the same destination and source buffer
 - a lookup of 16 keys, and a leased lookup of 16 keys with its release (what a remote
   engine's hit pins and unpins), the release waited for or sent ahead of the next call
   (release_lease_later), p50, against the raw peer's request and 16-byte answer;
-- where iperf3 is installed, its one loopback stream: the wire's ceiling for C.
+- where iperf3 is installed, its one loopback stream: the wire's ceiling for C;
+- for gets of 1 and 8 pages a call, the CPU each end spends a call (server or raw peer,
+  and the client), where the kernel reports it (/proc/PID/task/*/schedstat): where a
+  call's time goes. On loopback both ends share the machine's cores and a call is one
+  ping-pong, so its latency is about the sum of the two (the raw peer's sum is the
+  kernel's part: its sockets, copies and wake-ups).
 
 Each round measures every pattern, the raw peer and the fast path one after the other;
 a ratio is taken within a round, and the table gives the median over rounds (>= 3 by
@@ -23,6 +28,7 @@ remote connector drives it: key packing and the client's own Python are in the f
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import subprocess
 import sys
@@ -41,6 +47,7 @@ from .rawpeer import RawClient
 __all__ = ["Sweep", "report", "sweep"]
 
 KiB, MiB = 1 << 10, 1 << 20
+CPU_PAGES = (1, 8)          # pages a call of the gets whose CPU per call is counted
 
 
 def _layout(page_bytes: int) -> PageLayout:
@@ -83,6 +90,39 @@ def _times(fn: Callable[[], object], calls: int) -> list[float]:
     return out
 
 
+def _cpu_s(pid: int) -> float:
+    """Seconds process pid's threads have run on a CPU (schedstat counts nanoseconds;
+    /proc/PID/stat's ticks of 10 ms are too coarse for a few hundred calls)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):    # a thread that just ended
+            pass
+    return total / 1e9
+
+
+HAS_SCHEDSTAT = os.path.exists("/proc/self/schedstat")
+
+
+def _cpu_times(fn: Callable[[], object], calls: int, pid: int
+               ) -> tuple[list[float], float, float]:
+    """_times, and the CPU seconds a call costs the process pid (the server or the raw
+    peer) and this one (the client); 0.0 for both where schedstat is not there."""
+    if not HAS_SCHEDSTAT:
+        return _times(fn, calls), 0.0, 0.0
+    fn()                                      # warm, outside the count
+    server, client = _cpu_s(pid), time.process_time()
+    out = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    client = time.process_time() - client
+    return out, (_cpu_s(pid) - server) / calls, client / calls
+
+
 class _RawPeer:
     """bench/rawpeer.py in a process of its own, as the server is."""
 
@@ -98,10 +138,11 @@ class _RawPeer:
 
 
 def _round(c: KVStoreClient, raw: RawClient, spec: Sweep, out: np.ndarray, src: np.ndarray,
-           r: int) -> dict[str, float]:
+           r: int, pids: tuple[int, int]) -> dict[str, float]:
     """One round: every pattern, raw peer then fast path. Keys name what stored pages
     a get reads; a put writes fresh keys each call (deleted after it, untimed), so the
-    server stores each page instead of skipping it."""
+    server stores each page instead of skipping it. pids: the server's and the raw
+    peer's processes, whose CPU a get of 1 or 8 pages is counted in."""
     fig: dict[str, float] = {}
     for page in spec.page_sizes:
         ns = c.register_layout(_layout(page))
@@ -113,9 +154,15 @@ def _round(c: KVStoreClient, raw: RawClient, spec: Sweep, out: np.ndarray, src: 
             dst = out.reshape(-1)[:nbytes].reshape(n, page)
             flat = memoryview(dst.reshape(-1))
             data = src.reshape(-1)[:nbytes].reshape(n, page)
-            t_raw = _times(lambda: raw.get(flat), calls)
-            t_fast = _times(lambda: c.get_into(ns, stored[:n], dst), calls)
             tag = f"{page // KiB}k x{n}"
+            if n in CPU_PAGES:
+                t_raw, fig[f"get {tag} raw srv cpu"], fig[f"get {tag} raw cli cpu"] = \
+                    _cpu_times(lambda: raw.get(flat), calls, pids[1])
+                t_fast, fig[f"get {tag} fast srv cpu"], fig[f"get {tag} fast cli cpu"] = \
+                    _cpu_times(lambda: c.get_into(ns, stored[:n], dst), calls, pids[0])
+            else:
+                t_raw = _times(lambda: raw.get(flat), calls)
+                t_fast = _times(lambda: c.get_into(ns, stored[:n], dst), calls)
             fig[f"get {tag} raw"] = nbytes / statistics.median(t_raw) / 1e9
             fig[f"get {tag} fast"] = nbytes / statistics.median(t_fast) / 1e9
             if n == 1:
@@ -186,8 +233,9 @@ def sweep(spec: Sweep) -> list[dict[str, float]]:
                 c.get_into(ns, keys, check)
                 if not np.array_equal(check, pages):
                     raise SystemExit(f"{page} B pages came back different")
+            pids = (srv.proc.pid, peer.proc.pid)
             for r in range(spec.rounds):
-                figures.append(_round(c, raw, spec, out, src, r))
+                figures.append(_round(c, raw, spec, out, src, r, pids))
             raw.close()
     finally:
         peer.close()
@@ -234,6 +282,22 @@ def report(spec: Sweep, rounds: list[dict[str, float]], iperf: float | None) -> 
                         "leased lookup of 16 keys + release not waited for")):
         lines.append(f"| {label} | {_med(rounds, key):.0f} | {_med(rounds, 'rtt raw us'):.0f} | "
                      f"{_ratio(rounds, key, 'rtt raw us'):.2f} |")
+    cpu = [(page, n) for page in spec.page_sizes for n in spec.pages_a_call
+           if n in CPU_PAGES and f"get {page // KiB}k x{n} fast srv cpu" in rounds[0]]
+    if HAS_SCHEDSTAT and cpu:
+        lines += ["", "| get, CPU a call in us | fast: server | fast: client | raw: peer | "
+                  "raw: client | fast / raw, both ends |", "|---|---|---|---|---|---|"]
+        for page, n in cpu:
+            tag = f"get {page // KiB}k x{n}"
+            size = f"{page // MiB} MiB" if page >= MiB else f"{page // KiB} KiB"
+            ends = [_med(rounds, f"{tag} {who} cpu") * 1e6
+                    for who in ("fast srv", "fast cli", "raw srv", "raw cli")]
+            both = statistics.median(
+                (f[f"{tag} fast srv cpu"] + f[f"{tag} fast cli cpu"])
+                / max(f[f"{tag} raw srv cpu"] + f[f"{tag} raw cli cpu"], 1e-9)
+                for f in rounds)
+            lines.append(f"| {n} x {size} | " + " | ".join(f"{v:.0f}" for v in ends)
+                         + f" | {both:.2f} |")
     lines += ["", ("iperf3, one loopback stream (the wire's ceiling): "
                    f"{iperf:.2f} GB/s" if iperf is not None else
                    "iperf3: not installed, no ceiling measured")]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 
 import pytest
@@ -39,4 +40,11 @@ def test_quick_sweep_prints_a_ratio_for_every_pattern():
             "leased lookup of 16 keys + release not waited for"} <= set(calls), text
     for row in calls.values():
         assert all(re.fullmatch(NUMBER, cell.strip()) for cell in row[1:]), row
+    # Where the kernel counts it, the CPU a get costs each end, for 1 and 8 pages a call.
+    if os.path.exists("/proc/self/schedstat"):
+        cpu = {r[0].strip(): r for r in rows if len(r) == 6 and "CPU" not in r[0]}
+        want = {f"{n} x 64 KiB" for n in spec.pages_a_call if n in (1, 8)}
+        assert want <= set(cpu), text
+        for row in cpu.values():
+            assert all(re.fullmatch(NUMBER, cell.strip()) for cell in row[1:]), row
     assert "iperf3" in text
