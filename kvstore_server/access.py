@@ -16,10 +16,25 @@ from .tenants import scoped_layout_id
 __all__ = ["caller_layout", "check_region_token", "may_map"]
 
 
+# A tenant's scoped id is a BLAKE2b of its name and the layout id (tenants.py), the same
+# every time: hashed once per (tenant, layout), not on every call of an authenticated
+# caller (caller_layout with auth on, in-process: 4.1 -> 2.7 µs). Only the hash is kept:
+# the owner is checked below on every call. Bounded (cleared when full): names and ids
+# come from callers.
+_SCOPED: dict[tuple[str, bytes], bytes] = {}
+_SCOPED_MAX = 4096
+
+
 def caller_layout(store: Store, auth_on: bool, caller: Principal, layout_id: bytes) -> bytes:
     """The store's id of the caller's layout. A layout the caller did not register is
     "unknown layout", under the id it sent, whoever else has one."""
-    scoped = scoped_layout_id(caller.name, layout_id)
+    named = (caller.name, layout_id)
+    scoped = _SCOPED.get(named)
+    if scoped is None:
+        scoped = scoped_layout_id(caller.name, layout_id)
+        if len(_SCOPED) >= _SCOPED_MAX:
+            _SCOPED.clear()
+        _SCOPED[named] = scoped
     if auth_on:
         # Checked by owner, not by id: the built-in tenant's ids are the clients' own,
         # so a tenant named "default" could otherwise send another tenant's scoped id
