@@ -52,10 +52,12 @@ class FarCollector:
     """kvstore_far_* families from the counters, the queue depth and the breaker state."""
 
     def __init__(self, counters: FarCounters, queue_depth: Callable[[], tuple[int, int]],
-                 breaker_state: Callable[[], int]) -> None:
+                 breaker_state: Callable[[], int],
+                 watch: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
         self._c = counters
         self._queue_depth = queue_depth         # () -> (pages, bytes) waiting
         self._breaker_state = breaker_state
+        self._watch = watch                     # () -> (pages watched, reported gone)
 
     def collect(self):
         c = self._c
@@ -99,6 +101,18 @@ class FarCollector:
                                     "yet (retried until it does)")
         pending.add_metric([], c.deletes_pending)
         yield pending
+        watched, gone = self._watch()
+        family = GaugeMetricFamily("kvstore_far_watched_pages",
+                                   "Pages only the far tier holds for this server, checked "
+                                   "for removals the cluster makes by itself (watch.py)")
+        family.add_metric([], watched)
+        yield family
+        family = CounterMetricFamily("kvstore_far_removals_found",
+                                     "Watched pages the cluster no longer held (TTL, its "
+                                     "eviction, a failed write, another server's delete), "
+                                     "reported to the removal ring")
+        family.add_metric([], gone)
+        yield family
         state = GaugeMetricFamily("kvstore_far_breaker_state",
                                   "Far tier breaker: 0 closed, 1 open, 2 half-open")
         state.add_metric([], int(self._breaker_state()))

@@ -209,7 +209,8 @@ class FarTier:
     def register_metrics(self, registry: CollectorRegistry) -> None:
         registry.register(TierGauges(self.levels))
         registry.register(FarCollector(self.client.counters, self.writer.depth,
-                                       lambda: self.client.breaker.state))
+                                       lambda: self.client.breaker.state,
+                                       lambda: (len(self.watch), self.watch.reported)))
 
     def evict(self, *, nbytes: int | None = None, layout_id: bytes | None = None,
               everything: bool = False) -> tuple[int, int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ import xxhash
 from connector.events import EventFeed, Removed, SavedRun, Stored
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_server.far.watch import DELAY
-from kvstore_testing.serverproc import ServerProcess
+from kvstore_testing.serverproc import ServerProcess, free_port
 from tests.waiting import wait_for
 
 LAYOUT = PageLayout(model="farremovals", num_layers=2, page_tokens=16, num_kv_heads=4,
@@ -79,8 +80,15 @@ class Ring:
         return {e.key for e in self.read()}
 
 
+def metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    return next(float(line.split()[-1]) for line in text.decode().splitlines()
+                if line.startswith(name + " "))
+
+
 def test_a_far_only_page_expired_by_the_far_ttl_is_reported(fleet):
-    a = fleet(far_ttl=f"{TTL:g}s")
+    port = free_port()
+    a = fleet(far_ttl=f"{TTL:g}s", metrics_port=port)
     ks, data = keys(8), pages(8)
     with KVStoreClient(a.address) as c:
         ns = c.register_layout(LAYOUT)
@@ -101,6 +109,8 @@ def test_a_far_only_page_expired_by_the_far_ttl_is_reported(fleet):
         time.sleep(2.5)                                 # two more rounds of checks
         assert ring.keys() == set(ks[2:])               # DRAM holds the first two
         assert c.exists(ns, ks[:2]) == [True, True]
+        assert metric(port, "kvstore_far_removals_found_total") == 6
+        assert metric(port, "kvstore_far_watched_pages") == 0
 
 
 def test_a_far_only_page_deleted_by_another_server_is_reported(fleet):
@@ -192,5 +202,37 @@ def test_a_hung_cluster_reports_nothing_and_holds_nothing_up(fresh_cluster):
                             timeout=20, interval=0.2)
             time.sleep(2.5)
             assert ring.read() == []                            # it still held them
+    finally:
+        srv.stop()
+
+
+def test_pages_the_cluster_evicts_under_maxmemory_are_reported(fresh_cluster):
+    cluster = fresh_cluster(3)
+    for node in cluster.master_nodes():
+        cluster.cli_call(node, "CONFIG", "SET", "maxmemory-policy", "allkeys-lru")
+        cluster.cli_call(node, "CONFIG", "SET", "maxmemory", "3mb")
+    srv = ServerProcess(far=",".join(cluster.urls), far_namespace="m", far_write="evict",
+                        far_timeout="500ms", dram="16MiB").start()
+    ks = keys(600, "m")                 # ~9.4 MiB of pages for ~6 MiB of room at most
+    try:
+        with KVStoreClient(srv.address) as c:
+            ns = c.register_layout(LAYOUT)
+            ring = Ring(c, ns)
+            for part in range(0, len(ks), 100):
+                c.put(ns, ks[part:part + 100], pages(100))
+                c.evict(everything=True, tier="dram")
+                sent = part + 100
+
+                def landed(sent=sent) -> bool:
+                    far = next(t for t in c.stats().tiers if t.name == "far")
+                    return far.writes + far.drops >= sent
+                assert wait_for(landed, "the write-behind queue to drain")
+            held = c.exists(ns, ks)     # DRAM is empty: this is the cluster's answer
+            gone = {k for k, h in zip(ks, held, strict=True) if not h}
+            assert 0 < len(gone) < len(ks)
+            assert wait_for(lambda: ring.keys() >= gone, "the evicted pages reported",
+                            timeout=DELAY + 3, interval=0.1)
+            time.sleep(2.5)
+            assert ring.keys() == gone          # and nothing the cluster still holds
     finally:
         srv.stop()
