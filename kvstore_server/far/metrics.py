@@ -102,17 +102,17 @@ class FarCollector:
         pending.add_metric([], c.deletes_pending)
         yield pending
         watched, gone = self._watch()
-        family = GaugeMetricFamily("kvstore_far_watched_pages",
-                                   "Pages only the far tier holds for this server, checked "
-                                   "for removals the cluster makes by itself (watch.py)")
-        family.add_metric([], watched)
-        yield family
-        family = CounterMetricFamily("kvstore_far_removals_found",
-                                     "Watched pages the cluster no longer held (TTL, its "
-                                     "eviction, a failed write, another server's delete), "
-                                     "reported to the removal ring")
-        family.add_metric([], gone)
-        yield family
+        watching = GaugeMetricFamily("kvstore_far_watched_pages",
+                                     "Pages only the far tier holds for this server, checked "
+                                     "for removals the cluster makes by itself (watch.py)")
+        watching.add_metric([], watched)
+        yield watching
+        found = CounterMetricFamily("kvstore_far_removals_found",
+                                    "Watched pages the cluster no longer held (TTL, its "
+                                    "eviction, a failed write, another server's delete), "
+                                    "reported to the removal ring")
+        found.add_metric([], gone)
+        yield found
         state = GaugeMetricFamily("kvstore_far_breaker_state",
                                   "Far tier breaker: 0 closed, 1 open, 2 half-open")
         state.add_metric([], int(self._breaker_state()))
