@@ -7,14 +7,16 @@ C threads. Beside them: `evictor` (watermarks), `lease-reaper` (expired leases),
 two `stream-watchdog` threads (streams that stop moving; lookup streams left idle),
 `disk-health` and `disk-writer` (with a disk tier), `fast-accept-tcp`, `fast-accept-unix`
 and one `fast-conn` per fast-path connection, `pool-handout` (with --shm-group), the
-metrics port's HTTP thread, and with a far tier `kvstore-far-writer`, the `far-read` pool
+metrics port's HTTP thread, and with a far tier `kvstore-far-writer`, `kvstore-far-watch`
+(far-only pages checked for what the cluster drops, far/watch.py), the `far-read` pool
 and the cluster client's own threads.
 
 Locks, in the only order they are taken (never the reverse): the store's lock
 (`StoreState.lock`, a TimedLock: evictions spill under it) -> the disk tier's lock (its
 `offer` copies into staging) -> the far writer's queue condition (a page leaving the
 host). Every other lock (the fast-path server's, the stream gate's, the watchdog's, a
-breaker's, the auth reload lock) is a leaf: nothing else is taken while it is held.
+breaker's, the auth reload lock, the far watch's: its thread asks the store, the disk
+tier and the cluster with it released) is a leaf: nothing else is taken while it is held.
 Reads from the tiers below DRAM (store/below.py) and the copies of page bytes into and out
 of the pool for clients happen outside the store's lock; a spill's copy into the disk
 tier's staging is the one made under it.
