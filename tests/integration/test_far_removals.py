@@ -113,6 +113,25 @@ def test_a_far_only_page_expired_by_the_far_ttl_is_reported(fleet):
         assert metric(port, "kvstore_far_watched_pages") == 0
 
 
+def test_with_a_disk_tier_only_what_left_the_disk_too_is_reported(fleet, tmp_path):
+    a = fleet(far_ttl=f"{TTL:g}s", disk="1MiB", disk_dir=str(tmp_path / "disk"))
+    ks = keys(160, "k")                 # 2.5 MiB through a 1 MiB disk: most go further
+    with KVStoreClient(a.address) as c:
+        ns = c.register_layout(LAYOUT)
+        ring = Ring(c, ns)
+        for part in range(0, len(ks), 20):
+            c.put(ns, ks[part:part + 20], pages(20))
+            c.evict(everything=True, tier="dram")       # DRAM -> disk -> far
+        assert wait_for(lambda: far_writes(c) >= 80)
+        time.sleep(TTL + DELAY + 1)
+        held = c.exists(ns, ks)         # what the disk still holds, the far copies gone
+        gone = {k for k, h in zip(ks, held, strict=True) if not h}
+        assert 0 < len(gone) < len(ks)
+        assert wait_for(lambda: ring.keys() == gone, "the pages only the far tier held",
+                        timeout=DELAY + 2, interval=0.1)
+        assert {e.cause for e in ring.read()} == {EVICTED}
+
+
 def test_a_far_only_page_deleted_by_another_server_is_reported(fleet):
     a, b = fleet(), fleet()
     ks, data = keys(6, "d"), pages(6)
