@@ -31,8 +31,8 @@ invalidations made through this server are recorded by the store when made; they
 the watch of those pages (forget) so nothing is reported twice.
 
 Why a check and not the cluster's keyspace notifications (`notify-keyspace-events Ex`/
-`e`): they are per node (a subscriber per master, followed through failovers and slot
-moves; glide's cluster client subscribes on one node only), they need a setting the
+`e`): each node sends only its own (a subscriber per master, followed through failovers
+and slot moves: glide's Pub/Sub subscribes a client, not a node), they need a setting the
 operator may not allow, and Pub/Sub delivers at most once (a reconnect loses what fell in
 between), so a check would be needed behind them anyway. The check needs nothing from
 the operator and costs the cluster at most `per_round` EXISTS a round per server.
