@@ -249,10 +249,7 @@ class EventFeed:
     def _confirm_runs(self, out: list[Stored | Removed]) -> None:
         with self._cv:
             runs, self._runs = list(self._runs), collections.deque()
-        # Most runs name only pages announced already (a session's next turn, a shared
-        # system prompt): a set comparison passes them over without a loop of ours per key.
-        announced = self._held.keys()
-        runs = [run for run in runs if not set(run.keys) <= announced]
+        runs = self._news(runs)
         if not runs:
             return
         assert self._handles is not None
@@ -271,13 +268,39 @@ class EventFeed:
             self.counts.forgotten += len(oldest)
             self._remove(oldest, out)
 
+    def _news(self, runs: list[SavedRun]) -> list[SavedRun]:
+        """The runs that may announce a page: not those whose pages are all announced
+        (a session's next turn, a shared system prompt), nor those that repeat a run
+        before them in the poll (requests of one prompt: the same keys, no more pages
+        hashed): the first announces what it could."""
+        contains = self._held.__contains__
+        first: dict[tuple[int, bytes], tuple[Sequence[bytes], int]] = {}
+        out = []
+        for run in runs:
+            keys = run.keys
+            tag = (len(keys), keys[-1])
+            seen = first.get(tag)
+            if seen is None:
+                first[tag] = (keys, self._whole(run))
+            elif (seen[0] is keys or seen[0] == keys) and self._whole(run) <= seen[1]:
+                continue
+            # all() over map(): no frame of ours per key, and it stops at the first new.
+            if not all(map(contains, keys)):
+                out.append(run)
+        return out
+
+    @staticmethod
+    def _whole(run: SavedRun) -> int:
+        """The run's leading pages it can announce: those the engine has hashed."""
+        return min(len(run.keys), len(run.hashes) // max(1, run.blocks_per_page),
+                   len(run.tokens) // max(1, run.page_tokens))
+
     def _announce(self, run: SavedRun, present: set[bytes],
                   out: list[Stored | Removed]) -> None:
         """Stored events for the run's pages held now and not yet announced: one per
         stretch of consecutive pages, each after the block before it. A page whose
         blocks the engine has not all hashed is not announced."""
-        whole = min(len(run.keys), len(run.hashes) // max(1, run.blocks_per_page),
-                    len(run.tokens) // max(1, run.page_tokens))
+        whole = self._whole(run)
         stretch: list[int] = []
         for i, key in enumerate(run.keys[:whole]):
             if key in present and key not in self._held:

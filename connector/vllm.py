@@ -331,9 +331,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                             medium=medium, group_idx=group))
         return out
 
-    def _saved_run(self, request: Request) -> SavedRun | None:
-        """The request's pages in the store, with its block hashes, for the events."""
-        keys = self._sched.stored_keys(request.request_id)
+    def _saved_run(self, request: Request, keys: list[bytes]) -> SavedRun | None:
+        """The request's pages in the store (keys: stored_keys'), with its block hashes,
+        for the events."""
         if not keys:
             return None
         lora = request.lora_request
@@ -442,10 +442,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # report exactly these requests.
         self._requests.pop(request.request_id, None)
         delay = request.request_id in self._saving
-        if request.kv_transfer_params:
-            self._retain(request, delay)
+        retain = self.retainer is not None and bool(request.kv_transfer_params)
+        # One list of its stored keys for both, read by their threads only.
+        keys = (self._sched.stored_keys(request.request_id)
+                if retain or self.events is not None else [])
+        if retain:
+            self._retain(request, keys, delay)
         if self.events is not None:
-            run = self._saved_run(request)
+            run = self._saved_run(request, keys)
             if run is not None and delay:       # announced once its saves have landed
                 self._events_after_save[request.request_id] = run
             elif run is not None:
@@ -454,9 +458,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._saving.discard(request.request_id)
         return delay, None
 
-    def _retain(self, request: Request, after_save: bool) -> None:
-        """A request's session retention (connector.scheduler.retention): sent now, or once its
-        saves have landed (finished_sending)."""
+    def _retain(self, request: Request, keys: list[bytes], after_save: bool) -> None:
+        """A request's session retention (connector.scheduler.retention) of its stored
+        keys: sent now, or once its saves have landed (finished_sending)."""
         if self.retainer is None:
             return
         try:
@@ -466,7 +470,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             return
         if ask is None:
             return
-        waiting = (ask, self._sched.stored_keys(request.request_id))
+        waiting = (ask, keys)
         if after_save:
             self._retain_after_save[request.request_id] = waiting
         else:

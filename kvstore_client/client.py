@@ -370,10 +370,12 @@ class KVStoreClient:
             table: dict[bytes, int] = {}
             sessions = []
             for session, ttl, keys in part:
-                idx = np.array([table.setdefault(k, len(table)) for k in keys], dtype="<u4")
+                # No keys (a session's turn that added no pages, the common ask): no index.
+                idx = np.array([table.setdefault(k, len(table)) for k in keys],
+                               dtype="<u4").tobytes() if keys else b""
                 sessions.append(pb.RetainSession(
                     session=session, ttl_ms=max(1, round(ttl * 1000)) if ttl > 0 else 0,
-                    key_index=idx.tobytes()))
+                    key_index=idx))
             req = pb.RetainManyRequest(layout_id=ns.layout_id, keys=packed(list(table)),
                                        sessions=sessions)
             out += self._retain_part(ns, req)

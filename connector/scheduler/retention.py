@@ -59,9 +59,10 @@ _LINGER_S = 0.02
 _SENT_KEPT = 1 << 16            # sessions remembered (past it the expired are forgotten)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class _Sent:
-    """What the store keeps of a session in one layout, as its last answer said."""
+    """What the store keeps of a session in one layout, as its last answer said. Not
+    frozen: a turn that adds no pages (most turns) only moves `until`, in place."""
 
     pages: int          # its leading pages
     last: bytes         # the key of the last of them
@@ -118,9 +119,9 @@ class Retainer:
     def __init__(self, store: StoreLookups) -> None:
         self.store = store
         self.counts = RetentionCounts()
-        self._queue: collections.deque[tuple[RetainAsk, tuple[bytes, ...]]] = \
+        self._queue: collections.deque[tuple[RetainAsk, Sequence[bytes]]] = \
             collections.deque()
-        self._cv = threading.Condition()
+        self._cv = threading.Condition(threading.Lock())
         self._closed = False
         self._busy = False
         self._warned: dict[str, float] = {}     # refusal reason -> when last logged
@@ -131,7 +132,8 @@ class Retainer:
         self._thread.start()
 
     def submit(self, ask: RetainAsk, keys: Sequence[bytes]) -> None:
-        """Queue one request's ask with the keys of its stored leading pages."""
+        """Queue one request's ask with the keys of its stored leading pages (handed
+        over, not copied: the caller changes them no more)."""
         with self._cv:
             self.counts.asked += 1
             if len(self._queue) >= _QUEUED:
@@ -140,8 +142,12 @@ class Retainer:
                     log.warning("kvstore retention: %d asks dropped so far (%d queued: the "
                                 "store is slow or down)", self.counts.dropped, _QUEUED)
                 return
-            self._queue.append((ask, tuple(keys)))
-            self._cv.notify()
+            self._queue.append((ask, keys))
+            # Only the first ask wakes the thread: it then lingers for the step's others,
+            # which would each wake it again (a thread switch on the loop's time) to find
+            # its linger not over.
+            if len(self._queue) == 1:
+                self._cv.notify()
 
     def malformed(self, req_id: str, exc: ValueError) -> None:
         """Count and log an ask that did not parse (the request is served as ever)."""
@@ -173,7 +179,7 @@ class Retainer:
                     self._busy = False
                     self._cv.notify_all()
 
-    def _send(self, batch: list[tuple[RetainAsk, tuple[bytes, ...]]]) -> None:
+    def _send(self, batch: list[tuple[RetainAsk, Sequence[bytes]]]) -> None:
         """One batch: releases one call each (rare: a session's last turn), the retains
         one RetainMany a layout. Every ask ends counted: retained, refused or failed."""
         if not self.store.breaker.allow():
@@ -197,11 +203,7 @@ class Retainer:
         pages = 0
         try:
             for handle in self.store.handles():
-                for i, kept in self._retain(handle, retains).items():
-                    if kept.refused:
-                        refused.setdefault(i, kept.refused)
-                    else:
-                        pages += kept.pages
+                pages += self._retain(handle, retains, refused)
         except KVStoreError as exc:
             self._count(failed=len(retains))
             log.warning("retaining %d sessions failed: %s", len(retains), exc)
@@ -210,59 +212,69 @@ class Retainer:
         for i, reason in refused.items():
             self._refused(retains[i][0].session, reason)
 
-    def _retain(self, handle: LayoutHandle, retains: list[tuple[RetainAsk, tuple[bytes, ...]]]
-                ) -> dict[int, Retention]:
+    def _retain(self, handle: LayoutHandle, retains: list[tuple[RetainAsk, Sequence[bytes]]],
+                refused: dict[int, str]) -> int:
         """One layout's RetainMany of the asks, each sending only the pages past what the
         store keeps of its session; again with the whole prefix for those the store no
-        longer keeps. Answers by ask, `pages` the session's prefix retained."""
+        longer keeps. Returns the pages of the prefixes retained; a refused ask's reason
+        goes into `refused` (by index, the first layout's). Most asks of a steady engine
+        are a session's turn that added no pages: one dict look-up and a float each."""
         now = time.monotonic()
         if len(self._sent) > _SENT_KEPT:
             self._sent = {k: v for k, v in self._sent.items() if v.until > now}
             if len(self._sent) > _SENT_KEPT:
                 self._sent.clear()          # every session sent whole next time
         lid = handle.layout_id
-        base = [self._kept(lid, ask.session, keys, now) for ask, keys in retains]
-        got = self.store.client.retain_many(
-            handle, [(ask.session, ask.ttl_s, keys[b:])
-                     for (ask, keys), b in zip(retains, base, strict=True)])
-        out: dict[int, Retention] = {}
+        sent_of = self._sent
+        known: list[_Sent | None] = []
+        base: list[int] = []
+        asks: list[tuple[str, float, Sequence[bytes]]] = []
+        for ask, keys in retains:
+            sent = sent_of.get((lid, ask.session))
+            # What the store keeps of the session, as far as we know: its leading pages.
+            b = sent.pages if (sent is not None and sent.until > now
+                               and sent.pages <= len(keys)
+                               and keys[sent.pages - 1] == sent.last) else 0
+            known.append(sent)
+            base.append(b)
+            asks.append((ask.session, ask.ttl_s, keys[b:] if b else keys))
+        got = self.store.client.retain_many(handle, asks)
+        pages = 0
         again = []
         for i, kept in enumerate(got):
-            if base[i] and not kept.refused and kept.held < base[i] + kept.pages:
+            if kept.refused:
+                refused.setdefault(i, kept.refused)
+            elif base[i] and kept.held < base[i] + kept.pages:
                 again.append(i)             # the session lost pages: send its prefix
-                continue
-            out[i] = self._note(lid, retains[i], base[i], kept, now)
+            else:
+                pages += self._note(lid, retains[i], base[i], kept, known[i], now)
         if again:
             got = self.store.client.retain_many(
                 handle, [(retains[i][0].session, retains[i][0].ttl_s, retains[i][1])
                          for i in again])
             for i, kept in zip(again, got, strict=True):
-                out[i] = self._note(lid, retains[i], 0, kept, now)
-        return out
+                if kept.refused:
+                    refused.setdefault(i, kept.refused)
+                else:
+                    pages += self._note(lid, retains[i], 0, kept, None, now)
+        return pages
 
-    def _kept(self, layout_id: bytes, session: str, keys: tuple[bytes, ...],
-              now: float) -> int:
-        """Leading pages of keys the store keeps for the session, as far as we know."""
-        sent = self._sent.get((layout_id, session))
-        if (sent is None or sent.until <= now or sent.pages > len(keys)
-                or keys[sent.pages - 1] != sent.last):
-            return 0
-        return sent.pages
-
-    def _note(self, layout_id: bytes, ask_keys: tuple[RetainAsk, tuple[bytes, ...]],
-              base: int, kept: Retention, now: float) -> Retention:
-        """Remember what the store keeps of the session; the answer as for its prefix."""
+    def _note(self, layout_id: bytes, ask_keys: tuple[RetainAsk, Sequence[bytes]],
+              base: int, kept: Retention, known: _Sent | None, now: float) -> int:
+        """Remember what the store keeps of the session (retained: not refused), known
+        what we knew before the call; the pages of its prefix retained."""
         ask, keys = ask_keys
         pages = base + kept.pages
-        if kept.refused:
-            return Retention(pages, kept.refused, kept.held)
         if not base and kept.pages and not kept.held:
             self._deltas = False            # an older store: it does not say
-        if self._deltas and pages:
-            self._sent[layout_id, ask.session] = _Sent(pages, keys[pages - 1], now + ask.ttl_s)
+        key = (layout_id, ask.session)
+        if not self._deltas or not pages:
+            self._sent.pop(key, None)
+        elif base == pages and known is not None and self._sent.get(key) is known:
+            known.until = now + ask.ttl_s   # no pages added (base: known's): expiry moved
         else:
-            self._sent.pop((layout_id, ask.session), None)
-        return Retention(pages, held=kept.held)
+            self._sent[key] = _Sent(pages, keys[pages - 1], now + ask.ttl_s)
+        return pages
 
     def _count(self, **add: int) -> None:
         with self._cv:

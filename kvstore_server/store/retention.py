@@ -84,6 +84,10 @@ class _Session:
     slots: np.ndarray           # int64 slot ids it pins, distinct, sorted
     gens: np.ndarray            # each slot's generation when retained (see forget)
     expires_at: float
+    # Its slots still holding their pages, as counted when the table's forgets stood at
+    # held_at (RetentionTable.held: counted again only after a forget).
+    held: int = 0
+    held_at: int = -1
 
 
 class RetentionTable:
@@ -107,6 +111,9 @@ class RetentionTable:
         self._gen = np.zeros(0, dtype=np.int64)
         self._owner = np.zeros(0, dtype=np.int32)
         self._charged = np.zeros(0, dtype=np.int64)
+        # forget() calls that moved a retained slot's generation: a session's held count
+        # stands until the next one (each turn's retain answers it; most delete nothing).
+        self._forgets = 0
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -185,6 +192,7 @@ class RetentionTable:
         self._entries[t] += len(have) + len(new) - len(session.slots)
         session.slots = np.union1d(have, new)
         session.gens = self._gen[session.slots]
+        session.held, session.held_at = len(session.slots), self._forgets
         self._expire_at(key, session, now + ttl)
         return outcome, new
 
@@ -200,8 +208,12 @@ class RetentionTable:
     def held(self, tenant: str, name: str) -> int:
         """Pages the session keeps now (0: no such session)."""
         session = self._sessions.get((tenant, name))
-        return 0 if session is None else int(np.count_nonzero(
-            self._gen[session.slots] == session.gens))
+        if session is None:
+            return 0
+        if session.held_at != self._forgets:
+            session.held = int(np.count_nonzero(self._gen[session.slots] == session.gens))
+            session.held_at = self._forgets
+        return session.held
 
     def _expire_at(self, key: tuple[str, str], session: _Session, when: float) -> None:
         session.expires_at = when
@@ -264,4 +276,6 @@ class RetentionTable:
         self._refund(held)
         self.count[held] = 0
         self._gen[held] += 1
+        if held.size:
+            self._forgets += 1
         return held, counts

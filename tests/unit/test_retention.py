@@ -265,3 +265,26 @@ def test_the_same_pages_again_move_the_expiry_and_pin_once(store):
     assert (store.stats().retained_pages, store.stats().pinned_pages) == (6, 6)
     assert store.release_retention("s", "default") == 6
     assert store.stats().pinned_pages == 0
+
+
+def test_held_counts_again_after_a_delete_of_its_pages_and_only_then(store):
+    """A session's `held` (each turn's answer) is kept between turns and counted again
+    once a delete takes one of its pages; another session's delete leaves it as it was."""
+    info = store.register_layout(LAYOUT)
+    mine, theirs = keys("held", 5), keys("other", 3)
+    put(store, info, mine)
+    put(store, info, theirs)
+    assert retain(store, info, mine).held == 5
+    assert retain(store, info, theirs, session="t").held == 3
+
+    def extend(session):
+        return store.retain_many(info.layout_id, Packed.of([]),
+                                 [(session, 10.0, np.zeros(0, np.int64))])[0].held
+
+    assert (extend("s"), extend("t")) == (5, 3)
+    assert store.delete(info.layout_id, theirs[:1]) == 1
+    assert (extend("s"), extend("t")) == (5, 2)
+    assert store.delete(info.layout_id, mine[3:]) == 2
+    assert (extend("s"), extend("t")) == (3, 2)
+    assert retain(store, info, mine[:3]).held == 3
+    assert extend("s") == 3
