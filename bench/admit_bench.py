@@ -195,9 +195,10 @@ def main(argv: list[str] | None = None) -> int:
                 srv.address, shared_memory=False, retries=0, timeout=5.0,
                 data_plane=case.fast))
         extras = {case: Extras(
-            Retainer(sched.store) if args.retain else None,
+            Retainer(sched.store, sched.gate) if args.retain else None,
             EventFeed(KVStoreClient(srv.address, shared_memory=False, retries=0,
-                                    timeout=5.0), [LAYOUT]) if args.events else None)
+                                    timeout=5.0), [LAYOUT], gate=sched.gate)
+            if args.events else None)
             for case, sched in scheds.items() if case.extras}
         runs: dict[Case, list[Burst]] = {case: [] for case in cases}
         for rep in range(args.reps + 1):                # the first burst warms up

@@ -9,7 +9,7 @@ needs no code of ours:
         │                 engine's block hashes of each page; queued, nothing else on the
         │                 scheduler's loop
         ▼
-    poll thread, every `interval` s:
+    poll thread, every `interval` s, between two of the scheduler's steps (quiet.StepGate):
         1. the store's removal ring (kvstore_server.removals) after our cursor: a page we
            announced that left any of our layouts ──► Removed(its hashes); a whole layout
            (invalidation, clear) or a gap (the ring overwrote what we had not read, or the
@@ -45,6 +45,8 @@ from typing import Any
 import numpy as np
 
 from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
+
+from .scheduler.quiet import StepGate
 
 __all__ = ["EventCounts", "EventFeed", "Removed", "SavedRun", "Stored"]
 
@@ -116,11 +118,14 @@ class EventFeed:
 
     def __init__(self, client: KVStoreClient, layouts: Sequence[PageLayout], *,
                  interval: float = 0.5, max_tracked: int = DEFAULT_TRACKED,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 gate: StepGate | None = None) -> None:
         """layouts: every layout whose pages make up what the engine loads (each rank,
         each group); a page counts as held while all of them hold it. interval: seconds
-        between polls."""
+        between polls. gate: the scheduler's steps (connector.scheduler.quiet): a poll
+        waits for the step under way to end."""
         self.client = client
+        self._gate = gate
         self.layouts = list(layouts)
         self.interval = interval
         self.max_tracked = max_tracked
@@ -183,6 +188,8 @@ class EventFeed:
             with self._cv:
                 if self._closed:
                     return
+            if self._gate is not None:
+                self._gate.wait()           # beside the engine's forward, not its step
             try:
                 self._poll()
             except KVStoreError as exc:

@@ -281,7 +281,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                                                      self.block_size))
             # Session retention asked in kv_transfer_params (connector.scheduler.retention): sent
             # once a request's saves have landed, off the loop.
-            self.retainer = Retainer(self._scheduler.store)
+            self.retainer = Retainer(self._scheduler.store, self._scheduler.gate)
             self.events = self._event_feed(vllm_config)
         log.info("kvstore connector (%s) for %s: server %s, %d-token pages, %s loads, "
                  "KV-cache groups: %s", role.name.lower(), self.layouts[0].model,
@@ -302,7 +302,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # A client of its own: its calls never queue behind the loop's lookups.
         return EventFeed(open_client(self.config, self.config.timeout, retries=0,
                                      shared_memory=False), layouts,
-                         interval=self.config.events_interval)
+                         interval=self.config.events_interval, gate=self._sched.gate)
 
     def take_events(self) -> list[KVCacheEvent]:
         """Store events since the last call (vLLM publishes them with its own)."""

@@ -12,6 +12,7 @@ It runs beside the engine's scheduler and never touches a tensor; its plan for a
     unconfirmed   loads whose outcome is not known yet, and the leases they hold
     mamba         Mamba / linear-attention state as store pages
     retention     session retention a request asks for, on a thread of its own
+    quiet         whether a step is under way: those threads call the store between steps
 """
 
 from __future__ import annotations

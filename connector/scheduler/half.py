@@ -68,6 +68,7 @@ from .hashing import KEY_BYTES
 from .lookups import StoreLookups
 from .mamba import StateCheckpoints, StateLookups, saveable_rows
 from .prefetch import DOWN, Answer, Job, LookupWorker, Pending
+from .quiet import StepGate
 from .requests import RequestState, new_keys
 from .unconfirmed import UnconfirmedLoads
 
@@ -142,6 +143,9 @@ class SchedulerHalf:
                         if config.lookups is LookupMode.PREFETCH else None)
         self._pending: dict[str, Pending] = {}
         self._waited = 0.0
+        # A step runs from its first ask to its build: the connector's own threads
+        # (retention, KV events) make their calls between steps (quiet.StepGate).
+        self.gate = StepGate()
 
     @property
     def client(self) -> KVStoreClient:
@@ -190,6 +194,7 @@ class SchedulerHalf:
         """Tokens to load beyond the engine's own `num_local_tokens`; None = ask again."""
         if not self.config.role.loads:
             return 0
+        self.gate.begin()
         prefetch = self._worker is not None
         state = self._state(req_id, tokens, convert=not prefetch)
         state.local_tokens = num_local_tokens
@@ -458,6 +463,7 @@ class SchedulerHalf:
         self._loads.clear()
         self._saves.clear()
         self._release_dropped()
+        self.gate.end()
         return meta
 
     def _release_dropped(self) -> None:

@@ -41,6 +41,7 @@ from kvstore_client import KVStoreError, LayoutHandle
 from kvstore_client.client import Retention
 
 from .lookups import StoreLookups
+from .quiet import StepGate
 
 __all__ = ["PARAM", "RetainAsk", "Retainer", "RetentionCounts", "ask_of"]
 
@@ -116,8 +117,10 @@ def ask_of(params: Mapping[str, Any] | None) -> RetainAsk | None:
 class Retainer:
     """Sends the asks of finished requests to the store, on a thread of its own."""
 
-    def __init__(self, store: StoreLookups) -> None:
+    def __init__(self, store: StoreLookups, gate: StepGate | None = None) -> None:
+        """gate: the scheduler's steps (quiet.StepGate): calls wait for a step's end."""
         self.store = store
+        self._gate = gate
         self.counts = RetentionCounts()
         self._queue: collections.deque[tuple[RetainAsk, Sequence[bytes]]] = \
             collections.deque()
@@ -169,6 +172,12 @@ class Retainer:
                     return
                 # Let the step's other asks join: one call carries them all.
                 self._cv.wait_for(lambda: self._closed, _LINGER_S)
+                closed = self._closed
+            # Not during the scheduler's step: beside the work it planned (and without
+            # our lock: the loop's asks go on queueing meanwhile).
+            if self._gate is not None and not closed:
+                self._gate.wait()
+            with self._cv:
                 batch = list(self._queue)
                 self._queue.clear()
                 self._busy = True

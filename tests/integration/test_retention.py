@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import urllib.request
 
 import grpc
@@ -22,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout
 from kvstore_connector.config import ConnectorConfig
 from kvstore_connector.scheduler.lookups import StoreLookups
+from kvstore_connector.scheduler.quiet import StepGate
 from kvstore_connector.scheduler.retention import RetainAsk, Retainer
 from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore_testing.serverproc import free_port
@@ -325,5 +327,28 @@ def test_the_connector_sends_a_session_only_what_it_added(srv):
             assert metric(srv, "kvstore_retained_pages") == 8
             c = retainer.counts
             assert (c.retained, c.pages, c.failed) == (4, 5 + 5 + 8 + 8, 0)
+        finally:
+            retainer.close(5.0)
+
+
+def test_the_retain_thread_calls_between_the_schedulers_steps(srv):
+    """Asks queued during a step go to the store once the step's plan is built (the
+    engine then runs it), not while its lookups run; all in one call."""
+    with client(srv, "a") as a:
+        ns = a.register_layout(LAYOUT)
+        ks = keys("step", 4)
+        a.put(ns, ks, pages(4, ns.page_bytes))
+        gate = StepGate()
+        retainer = Retainer(StoreLookups(ConnectorConfig(server=srv.address), [LAYOUT], a),
+                            gate)
+        try:
+            gate.begin()
+            retainer.submit(RetainAsk("one", 60.0), ks[:2])
+            retainer.submit(RetainAsk("two", 60.0), ks)
+            time.sleep(0.03)                    # past the linger, within the bound
+            assert not retainer.idle() and retainer.counts.retained == 0
+            gate.end()
+            wait_for(retainer.idle, "the retains to be sent")
+            assert (retainer.counts.retained, retainer.counts.pages) == (2, 6)
         finally:
             retainer.close(5.0)
