@@ -25,11 +25,12 @@ for session retention as it ends (request i of each burst the next turn of sessi
 5 s), as a vLLM request's
 `kv_transfer_params` would (connector.scheduler.retention): its stored keys are handed to the
 retention thread inside "release ms", and that thread's RetainMany calls (one per step's
-asks) run beside the next burst of the same case: every timed burst follows an untimed
+asks) run beside the next burst of the same case, between its steps (they wait for the
+scheduler half's step under way to end, as in an engine): every timed burst follows an untimed
 one of its own case, as an engine's admissions follow the ends of the requests before,
 and a case's retention calls are waited for before the next case starts. --events: the connector's KV-event feed runs
 (connector.events): each finished request's stored pages are queued for it inside
-"release ms", and it polls the store every 0.5 s beside the bursts.
+"release ms", and it polls the store every 0.5 s beside the bursts, between their steps.
 
     kvstore-bench admit [--mode sync,prefetch] [--gap-ms 1,10] [--requests 64]
         [--system-len 2048] [--user-len 128] [--reps 7] [--retain] [--events]

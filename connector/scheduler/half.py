@@ -143,8 +143,9 @@ class SchedulerHalf:
                         if config.lookups is LookupMode.PREFETCH else None)
         self._pending: dict[str, Pending] = {}
         self._waited = 0.0
-        # A step runs from its first ask to its build: the connector's own threads
-        # (retention, KV events) make their calls between steps (quiet.StepGate).
+        # A step runs from its first ask to the first build that leaves no prefetched
+        # lookup pending: the connector's own threads (retention, KV events) make their
+        # calls between steps (quiet.StepGate), not beside its lookups.
         self.gate = StepGate()
 
     @property
@@ -463,7 +464,8 @@ class SchedulerHalf:
         self._loads.clear()
         self._saves.clear()
         self._release_dropped()
-        self.gate.end()
+        if not self._pending:
+            self.gate.end()           # else the lookup worker is still busy with the step's
         return meta
 
     def _release_dropped(self) -> None:
@@ -520,6 +522,7 @@ class SchedulerHalf:
         self._unconfirmed.request_finished(req_id)
 
     def close(self) -> None:
+        self.gate.end()               # no thread waits for a step that will not end
         for state in self._requests.values():
             self._drop_lease(state)
         self._unconfirmed.fail_all()

@@ -11,7 +11,8 @@ way to end (its build), and run beside the work it planned:
     loop:    hit hit hit ... build ──────── forward ──────── hit hit ... build ───
     threads:                      RetainMany, Removals+Exists
 
-The wait is bounded (MAX_WAIT_S): a step that does not end soon (a long burst of
+With prefetched lookups, a step lasts until a build finds none pending: the lookup
+worker's calls are the step's too. The wait is bounded (MAX_WAIT_S): a step that does not end soon (a long burst of
 synchronous lookups, an engine that stopped asking) delays a call by at most that. The
 loop's side is an attribute write per ask and, at a step's end, a notify only while a
 thread is waiting.

@@ -11,7 +11,8 @@ was to be saved), the connector asks the store to retain the leading pages the r
 is known to have stored (hits and saves), under that session, in every layout the engine
 writes; `release` ends the session instead, after the request's own pages are saved. The
 calls go on a thread of their own, never on the scheduler's loop, behind the scheduler
-half's breaker (a store that does not answer is not asked), and in batches: the asks that
+half's breaker (a store that does not answer is not asked), between the scheduler's steps
+(quiet.StepGate: a call waits for the step under way to end), and in batches: the asks that
 arrive within _LINGER_S of the first (an engine step's) go in one RetainMany a layout
 (kvstore_client.KVStoreClient.retain_many), not one call a request. And only what is new:
 a session comes back turn after turn with the prefix it retained before and a few pages
