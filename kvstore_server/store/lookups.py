@@ -121,10 +121,11 @@ class Lookups:
                 return True
         return False
 
-    # A few keys (an engine's per-block or per-layer call): each layout's first key is
-    # found alone (a prefix missing it counts 0 with nothing more hashed), the rest in
-    # one find_few, as Python lists up to the first absent key: the array forms of
-    # _first_absent, find and _leading cost about as much again as the finds.
+    # A few keys (an engine's per-block or per-layer call): each layout's leading run by
+    # KeyIndex.find_leading (its first key alone, so a prefix missing it counts 0 with
+    # nothing more hashed; a run asked again, remembered), as Python lists up to the
+    # first absent key: the array forms of _first_absent, find and _leading cost about
+    # as much again as the finds.
     @staticmethod
     def _find_leading(infos: list[LayoutInfo], keys: Packed) -> list[list[int]]:
         """Each layout's slots of the leading keys it holds, as many as every layout
@@ -136,15 +137,10 @@ class Lookups:
             index = info.ready.get(size)
             if index is None or not count:
                 return []
-            first = index.find_one(data[:size])
-            if first < 0:
+            slots = index.find_leading(data[:count * size])
+            if not slots:
                 return []
-            slots = [first]
-            if count > 1:
-                slots += index.find_few(data[size:count * size])
-                if -1 in slots:
-                    count = slots.index(-1)
-                    del slots[count:]
+            count = len(slots)
             out.append(slots)
         return out
 

@@ -348,3 +348,26 @@ def test_few_keys_found_again_are_never_answered_from_before_a_removal():
     index.insert(packed(keys[4:]), list(range(70, 82)))
     assert index.find_few(data) == [41, 1, 2, 40, *range(70, 82)]
     assert other.find_few(data) == list(range(50, 66))
+
+
+@pytest.mark.parametrize("key_size", [16, 20])
+def test_find_leading_stops_at_the_first_absent_key_and_never_answers_from_before_a_removal(
+        key_size):
+    """find_leading: the slots of the leading keys present, [] when the first is absent;
+    a whole run found is remembered (16-byte keys), and a removal of any of its keys,
+    or an insert that lengthens a partial run, shows in the next answer."""
+    keys = [i.to_bytes(key_size, "little") for i in range(200, 216)]
+    data = packed(keys)
+    index = KeyIndex(key_size, seed=5)
+    assert index.find_leading(data) == []
+    index.insert(packed(keys[:5] + keys[6:]), [*range(5), *range(6, 16)])
+    assert index.find_leading(data) == list(range(5))           # stops at keys[5]
+    index.insert(keys[5], [5])
+    assert index.find_leading(data) == list(range(16))
+    assert index.find_leading(data) == list(range(16))          # remembered (16 bytes)
+    assert index.find_leading(packed(keys[:3])) == [0, 1, 2]
+    index.remove_slots([9])
+    assert index.find_leading(data) == list(range(9))
+    index.remove(packed(keys[:1]))
+    assert index.find_leading(data) == []
+    assert index.find_leading(packed(keys[1:4])) == [1, 2, 3]
