@@ -30,7 +30,9 @@ scheduler half's step under way to end, as in an engine): every timed burst foll
 one of its own case, as an engine's admissions follow the ends of the requests before,
 and a case's retention calls are waited for before the next case starts. --events: the connector's KV-event feed runs
 (connector.events): each finished request's stored pages are queued for it inside
-"release ms", and it polls the store every 0.5 s beside the bursts, between their steps.
+"release ms", and it polls the store every 0.5 s beside the bursts, between their steps
+(the steps of whichever case runs: the cases share one connector.scheduler.quiet.StepGate,
+as one engine's threads share its scheduler's).
 
     kvstore-bench admit [--mode sync,prefetch] [--gap-ms 1,10] [--requests 64]
         [--system-len 2048] [--user-len 128] [--reps 7] [--retain] [--events]
@@ -52,6 +54,7 @@ from kvstore_connector.config import ConnectorConfig, LookupMode
 from kvstore_connector.events import EventFeed, SavedRun
 from kvstore_connector.scheduler import SchedulerHalf
 from kvstore_connector.scheduler.hashing import page_keys
+from kvstore_connector.scheduler.quiet import StepGate
 from kvstore_connector.scheduler.retention import RetainAsk, Retainer
 from kvstore_testing.serverproc import ServerProcess
 
@@ -190,11 +193,15 @@ def main(argv: list[str] | None = None) -> int:
             keys = page_keys(system, LAYOUT.page_tokens, LAYOUT.chain_seed)
             filler.put(ns, keys, np.zeros((len(keys), ns.page_bytes), np.uint8))
         scheds = {}
+        # One engine's scheduler marks its steps for every background thread of it: here
+        # each case's threads wait for the steps of whichever case runs (the event feeds
+        # poll all along), not only their own, so that no case's loop meets another's.
+        gate = StepGate()
         for case in cases:
             config = ConnectorConfig(server=srv.address, lookup_timeout=5.0, lookups=case.mode)
             scheds[case] = SchedulerHalf(config, [LAYOUT], 16, client=KVStoreClient(
                 srv.address, shared_memory=False, retries=0, timeout=5.0,
-                data_plane=case.fast))
+                data_plane=case.fast), gate=gate)
         extras = {case: Extras(
             Retainer(sched.store, sched.gate) if args.retain else None,
             EventFeed(KVStoreClient(srv.address, shared_memory=False, retries=0,

@@ -85,14 +85,16 @@ class SchedulerHalf:
     def __init__(self, config: ConnectorConfig, layouts: Sequence[PageLayout], block_size: int,
                  client: KVStoreClient | None = None, *, lag: int = 1,
                  groups: Sequence[CacheGroup] = (),
-                 checkpoints: StateCheckpoints | None = None) -> None:
+                 checkpoints: StateCheckpoints | None = None,
+                 gate: StepGate | None = None) -> None:
         """lag: how many builds later a step's outcome is known (the engine's number of
         batches in flight: vLLM's max_concurrent_batches). layouts: every rank's layout
         of every group; one Lookup over them all answers what every group holds.
         groups: a hybrid engine's KV-cache groups (connector.groups); none = one group,
         full attention. Block ids then come one list per group. checkpoints: where a
         Mamba group's prefill checkpoint states are written (connector.scheduler.mamba); None:
-        none is saved."""
+        none is saved. gate: where its steps are marked (quiet.StepGate; None: a gate of
+        its own); scheduler halves of one process may share one."""
         if not layouts:
             raise ValueError("the scheduler half needs at least one layout (one per rank)")
         self.groups = tuple(groups)
@@ -146,7 +148,7 @@ class SchedulerHalf:
         # A step runs from its first ask to the first build that leaves no prefetched
         # lookup pending: the connector's own threads (retention, KV events) make their
         # calls between steps (quiet.StepGate), not beside its lookups.
-        self.gate = StepGate()
+        self.gate = gate or StepGate()
 
     @property
     def client(self) -> KVStoreClient:
