@@ -21,7 +21,7 @@ from .settings import WritePolicy, from_config
 if TYPE_CHECKING:
     from .tier import FarTier
 
-__all__ = ["know_layouts", "open_far", "through", "watch"]
+__all__ = ["ThroughView", "know_layouts", "open_far", "through", "watch"]
 
 log = logging.getLogger("kvstore.far")
 
@@ -52,22 +52,20 @@ def open_far(config) -> FarTier | None:
     return tier
 
 
-def through(tier: FarTier | None) -> FarTier | None:
-    """The tier every commit is offered to: the far tier under --far-write through, as a
-    view whose offer() is through_offer (the page stays in DRAM: not watched, watch.py)."""
+class ThroughView:
+    """The far tier as a commit's write-through sees it: offer() is through_offer, as the
+    page stays in DRAM (not watched: watch.py)."""
+
+    __slots__ = ("offer",)
+
+    def __init__(self, tier: FarTier) -> None:
+        self.offer = tier.through_offer
+
+
+def through(tier: FarTier | None) -> ThroughView | None:
+    """What every commit is offered to: the far tier under --far-write through."""
     if tier is not None and tier.client.settings.write is WritePolicy.THROUGH:
-        from .tier import FarTier
-
-        class Through(FarTier):
-            """The same far tier (its state shared), but for what offer() means."""
-
-            def __init__(self, of: FarTier) -> None:    # no FarTier.__init__: its state is of
-                self.__dict__ = of.__dict__
-
-            def offer(self, layout_id: bytes, key: bytes, page) -> bool:
-                return self.through_offer(layout_id, key, page)
-
-        return Through(tier)
+        return ThroughView(tier)
     return None
 
 

@@ -477,7 +477,6 @@ class KeyIndex:
     def _remove_few(self, slots: list[int]) -> None:
         """remove_slots() of a few distinct slots, by scalar reads and stores: its
         vector form is about 15 numpy calls whatever the count."""
-        self._gen = next(_GENERATIONS)             # what _FOUND holds of it is stale
         pos, table, nw = self._pos, self._table, self._nw
         buckets = []
         for slot in slots:

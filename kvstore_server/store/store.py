@@ -37,7 +37,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -91,6 +91,13 @@ def _absent(slots: np.ndarray) -> list[int]:
     return np.flatnonzero(slots < 0).tolist()
 
 
+class ThroughTier(Protocol):
+    """What the store asks of the tier it writes through to at commit: offer() alone (a
+    Tier, or the far tier's write-through view, far.wiring.through)."""
+
+    def offer(self, layout_id: bytes, key: bytes, page) -> bool: ...
+
+
 class Store:
     """Pages of every layout in one shared region, with leases and policy eviction."""
 
@@ -101,7 +108,7 @@ class Store:
                  clock: Callable[[], float] = time.monotonic,
                  lower: Tier | None = None,
                  policy: PolicyFactory | str | None = None,
-                 through: Tier | None = None, presence: bool = False,
+                 through: ThroughTier | None = None, presence: bool = False,
                  retention: RetentionLimits | None = None,
                  removals: RemovalRing | None = None) -> None:
         """lower: the tier below DRAM (tier.py); evicted pages are offered to it, and a
