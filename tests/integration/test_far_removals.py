@@ -252,6 +252,13 @@ def test_pages_the_cluster_evicts_under_maxmemory_are_reported(fresh_cluster):
             assert wait_for(lambda: ring.keys() >= gone, "the evicted pages reported",
                             timeout=DELAY + 3, interval=0.1)
             time.sleep(2.5)
-            assert ring.keys() == gone          # and nothing the cluster still holds
+            # And nothing the cluster still holds. It may evict more after the snapshot
+            # above (its own writes past maxmemory, a layout record's refresh among them):
+            # those may be reported too, as long as they are gone. The ring is read first:
+            # what it reports was gone then, and nothing writes those keys again.
+            reported = ring.keys()
+            held_now = c.exists(ns, ks)
+            gone_now = {k for k, h in zip(ks, held_now, strict=True) if not h}
+            assert gone <= reported <= gone_now, (len(gone), len(reported), len(gone_now))
     finally:
         srv.stop()
