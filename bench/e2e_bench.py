@@ -765,7 +765,13 @@ def hit_checks(r: dict) -> list[str]:
             over = (p["dram_hit_s"] - p["rest_s"]) * 1e3 - p["load_device_ms"]
             checks.append(f"overhead {over:.1f} ms {'ok' if over <= HIT_OVERHEAD_MS else 'FAIL'}")
         miss = p.get("miss_save_ratio") or p["miss_save_s"] / p["recompute_s"]
-        if p["tokens"] >= MISS_SAVE_FROM:
+        if p["tokens"] >= MISS_SAVE_FROM and "declined_ratio" in p:
+            # Below the floor the connector saves nothing of the request (its pages could
+            # only ever be declined): a miss there is the declined round itself.
+            with_floor = 1.0 / p["declined_ratio"]
+            checks.append(f"miss+save {miss:.2f}x without the floor, {with_floor:.2f}x with "
+                          f"it {'ok' if with_floor <= MISS_SAVE_RATIO else 'FAIL'}")
+        elif p["tokens"] >= MISS_SAVE_FROM:
             checks.append(f"miss+save {miss:.2f}x {'ok' if miss <= MISS_SAVE_RATIO else 'FAIL'}")
         lines.append(f"  {p['preset']} {p['tokens']}: " + ", ".join(checks))
     return lines
