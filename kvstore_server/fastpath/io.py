@@ -230,17 +230,20 @@ def send_views(sock: socket.socket, views: Iterable[memoryview]) -> None:
         send_batch(sock, batch)
 
 
-def send_batch(sock: socket.socket, batch: list[memoryview]) -> None:
-    """sendmsg until every view of the batch (at most IOV_BATCH) is sent."""
+def send_batch(sock: socket.socket, batch: list[memoryview], sent: int = 0) -> None:
+    """sendmsg until every view of the batch (at most IOV_BATCH) is sent; sent: bytes
+    of it a sendmsg already took (one a timeout cut short)."""
     i = 0
     while i < len(batch):
-        sent = sock.sendmsg(batch[i:])
+        if not sent:
+            sent = sock.sendmsg(batch[i:])
         # Skip the views sent whole; resend the rest of a partly sent one.
         while i < len(batch) and sent >= batch[i].nbytes:
             sent -= batch[i].nbytes
             i += 1
         if sent:
             batch[i] = batch[i][sent:]
+            sent = 0
 
 
 def send_file(sock: socket.socket, fd: int, offset: int, count: int) -> None:

@@ -237,8 +237,11 @@ class Ops:
                     batch = [s.head_view]
                     batch += [mem[off:off + (j - i) * pb] for i, j, off in runs(offsets, pb)]
                 if len(batch) <= IOV_BATCH:
-                    if s.sock.sendmsg(batch) != nbytes + _ALIGNED_HEAD:
-                        send_batch(s.sock, batch)   # sent in part (a timeout cut it short)
+                    sent = s.sock.sendmsg(batch)
+                    if sent != nbytes + _ALIGNED_HEAD:
+                        # Sent in part (a timeout cut it short): the rest, from where it
+                        # stopped.
+                        send_batch(s.sock, batch, sent)
                     return
                 self._send_views(s, batch)
                 return

@@ -268,3 +268,64 @@ def test_a_large_page_major_get_sends_its_header_alone(pages, alone):
         assert sent_by_sendmsg == pages * pb
     else:
         assert [n for n, _ in sender.calls] == [want]
+
+
+class _CutShortSocket(socket.socket):
+    """A real socket whose first sendmsg takes only part of what it is handed, as one
+    that SO_SNDTIMEO cuts short does."""
+
+    cut: int
+
+    def sendmsg(self, buffers, *args):
+        if not self.cut:
+            return super().sendmsg(buffers, *args)
+        joined = b"".join(bytes(b) for b in buffers)[:self.cut]
+        self.cut = 0
+        self.sendall(joined)
+        return len(joined)
+
+
+@pytest.mark.parametrize("cut", [10, 24 + fw.ALIGN_PAD + 100])    # in the header; a page
+def test_a_get_cut_short_sends_the_rest_not_all_again(cut):
+    """A Get whose one sendmsg a send timeout cut short goes on from where it stopped:
+    the receiver gets the header, the pad and the page once each (the whole batch was
+    sent again after the part already sent, and the connection fell out of step)."""
+    from kvstore_client import PageLayout
+    from kvstore_server.auth import ANONYMOUS
+    from kvstore_server.fastpath.io import Reader
+    from kvstore_server.fastpath.ops import Ops, Session
+    from kvstore_server.region import HEADER_BYTES, Region
+    from kvstore_server.store import Store
+
+    layout = PageLayout(model="cut-short", num_layers=1, page_tokens=16, num_kv_heads=1,
+                        head_size=64)
+    store = Store(Region((4 << 20) + HEADER_BYTES))
+    info = store.register_layout(layout)
+    pb = info.page_bytes
+    key = b"k".ljust(16, b".")
+    data = np.random.default_rng(cut).integers(0, 256, pb, dtype=np.uint8)
+    res = store.reserve(info.layout_id, [key])
+    store.mem[int(res.offsets[0]):int(res.offsets[0]) + pb] = data
+    store.commit(res.lease_id)
+    ops = Ops(store, auth_on=False)
+    a, b = socket.socketpair()
+    sender = _CutShortSocket(fileno=a.detach())
+    sender.cut = cut
+    body = memoryview(info.layout_id + fw.encode_keys(16, key))
+    pad = bytes(fw.ALIGN_PAD)
+    session = Session(sender, Reader(sender), True, memoryview(bytearray(16)), ANONYMOUS, pad)
+    try:
+        ops.get(session, fw.Header(fw.Op.GET, 0, fw.PAGE_MAJOR, len(body), 0), body)
+        sender.shutdown(socket.SHUT_WR)
+        got = bytearray()
+        while chunk := b.recv(1 << 20):
+            got.extend(chunk)
+    finally:
+        sender.close()
+        b.close()
+        ops.close()
+        store.region.close()
+    answer = fw.decode_header(got[:fw.HEADER.size], request=False)
+    assert (answer.op, answer.status, answer.body_len, answer.data_len) == (
+        fw.Op.GET, 0, len(pad), pb)
+    assert bytes(got[fw.HEADER.size:]) == pad + data.tobytes()
