@@ -278,9 +278,24 @@ class Calls:
         keys = self.keys(data, key_size, "Put")
         layout = self.layout(who, layout_id)
         page_bytes = self.store.info(layout).page_bytes
-        if data_len is not None and len(keys) * page_bytes != data_len:
-            raise StoreError(Outcome.INVALID, (
-                f"Put of {len(keys)} pages of {page_bytes} bytes needs "
-                f"{len(keys) * page_bytes} bytes of data, the request says {data_len}"))
+        if data_len is not None:
+            _fills(len(keys), page_bytes, data_len)
         reservation = self.store.reserve(layout, keys, ttl=FOREVER, quota=who.quota_bytes)
         return Writing(self.store, reservation, page_bytes)
+
+    def put_bytes(self, who: Principal, layout_id: bytes, data: bytes, key_size: int,
+                  pages: memoryview) -> tuple[int, int, int]:
+        """put of pages the transport has already received (every key's, in key order),
+        stored in one step (Store.put_bytes): (stored, skipped, in flight)."""
+        keys = self.keys(data, key_size, "Put")
+        layout = self.layout(who, layout_id)
+        _fills(len(keys), self.store.info(layout).page_bytes, len(pages))
+        return self.store.put_bytes(layout, keys, pages, quota=who.quota_bytes)
+
+
+def _fills(n: int, page_bytes: int, data_len: int) -> None:
+    """INVALID unless data_len bytes are exactly n pages."""
+    if n * page_bytes != data_len:
+        raise StoreError(Outcome.INVALID, (
+            f"Put of {n} pages of {page_bytes} bytes needs {n * page_bytes} bytes of data, "
+            f"the request says {data_len}"))

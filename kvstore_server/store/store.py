@@ -296,40 +296,83 @@ class Store:
         s, book = self._s, self._book
         with s.lock:
             info = s.layouts.info(layout_id)
-            wanted = []
-            seen = set()
-            in_flight = 0
-            for i in self._absent(info, keys):
-                key = keys.key(i)
-                if key in info.writing:
-                    in_flight += 1
-                elif key not in seen:
-                    wanted.append(i)
-                    seen.add(key)
+            wanted, in_flight = self._wanted(info, keys)
             if ttl != FOREVER and not book.may_lease(len(wanted), len(wanted)):
                 raise StoreError(Outcome.EXHAUSTED,
                                  book.full(f"Reserve of {len(wanted)} pages refused"))
-            if quota:
-                self._eviction.room_for(info, len(wanted), quota)
-            got = self._eviction.alloc(info.cls, len(wanted))
-            if len(got) < len(wanted):
-                s.pool.free(got)
-                raise StoreError(Outcome.EXHAUSTED,
-                                 f"pool full: no room for {len(wanted)} pages of "
-                                 f"{info.page_bytes} bytes; every page is leased or being "
-                                 "written")
+            got = self._claim(info, keys, len(wanted), quota)
             new_keys = keys.select(wanted)
-            s.slots.grow(s.pool.id_capacity)
-            s.slots.take(got, info.idx, keys.size)
             for key, slot in zip(new_keys, got.tolist(), strict=True):
                 info.writing[key] = slot
-            s.tenants.charge(info, len(got))
             lease = book.table.grant(LeaseKind.RESERVE, got,
                                      book.ttl if ttl is None else ttl,
                                      info.idx, new_keys, owner=info.tenant)
-            self._eviction.note_usage()
             slots, offsets = self._placed(len(keys), wanted, got)
             return Reservation(lease.lease_id, info, slots, offsets, in_flight)
+
+    def put_bytes(self, layout_id: bytes, keys: Packed, data: memoryview,
+                  quota: int = 0) -> tuple[int, int, int]:
+        """reserve, the pages' bytes (data: every key's page, in key order) copied in and
+        commit, in one hold of the lock, with no lease between: for a put whose bytes the
+        server already holds (fastpath Ops.put says why). (stored, skipped, in flight)."""
+        keys = Packed.of(keys)
+        s = self._s
+        with s.lock:
+            info = s.layouts.info(layout_id)
+            pb = info.page_bytes
+            if len(data) != len(keys) * pb:
+                raise StoreError(Outcome.INVALID, (
+                    f"Put of {len(keys)} pages of {pb} bytes needs {len(keys) * pb} bytes "
+                    f"of data, got {len(data)}"))
+            wanted, in_flight = self._wanted(info, keys)
+            got = self._claim(info, keys, len(wanted), quota)
+            slot_list = got.tolist()
+            offset, mem = s.pool.offset, s.mem.data
+            for i, slot in zip(wanted, slot_list, strict=True):
+                off = int(offset[slot])
+                mem[off:off + pb] = data[i * pb:(i + 1) * pb]
+            pins = s.slots.pins
+            for slot in slot_list:              # the reservation's pin (slots.take)
+                pins[slot] -= 1
+            live_keys = keys.select(wanted)
+            offer = self._make_ready(info, slot_list, live_keys)
+        if offer is not None:
+            self._offer_through(info, live_keys, *offer)
+        return len(wanted), len(keys) - len(wanted) - in_flight, in_flight
+
+    def _wanted(self, info: LayoutInfo, keys: Packed) -> tuple[list[int], int]:
+        """(indexes of the keys a put stores: not READY, not being written, each named
+        once; how many are being written by another reservation), under the lock."""
+        wanted = []
+        seen = set()
+        in_flight = 0
+        for i in self._absent(info, keys):
+            key = keys.key(i)
+            if key in info.writing:
+                in_flight += 1
+            elif key not in seen:
+                wanted.append(i)
+                seen.add(key)
+        return wanted, in_flight
+
+    def _claim(self, info: LayoutInfo, keys: Packed, n: int, quota: int) -> np.ndarray:
+        """n WRITING slots of info's class, charged to its tenant (under the lock):
+        room made within the quota, EXHAUSTED where the pool has none."""
+        s = self._s
+        if quota:
+            self._eviction.room_for(info, n, quota)
+        got = self._eviction.alloc(info.cls, n)
+        if len(got) < n:
+            s.pool.free(got)
+            raise StoreError(Outcome.EXHAUSTED,
+                             f"pool full: no room for {n} pages of "
+                             f"{info.page_bytes} bytes; every page is leased or being "
+                             "written")
+        s.slots.grow(s.pool.id_capacity)
+        s.slots.take(got, info.idx, keys.size)
+        s.tenants.charge(info, len(got))
+        self._eviction.note_usage()
+        return got
 
     def _absent(self, info: LayoutInfo, keys: Packed) -> list[int]:
         """Indices of the keys not READY in this layout (under the lock): a few keys
@@ -383,39 +426,55 @@ class Store:
                     live_keys.append(key)
                 elif state == DOOMED and pins[slot] == 0:
                     self._eviction.free([slot])     # deleted while being written
-            live_arr = np.array(live, dtype=np.int64)
-            if live:
-                info.index_for(len(live_keys[0])).insert(b"".join(live_keys), live)
-            if len(live) <= _FEW_STORES:
-                # A few: scalar stores, where each fancy store costs several (as touch).
-                now = s.clock() - s.started_at
-                state, committed, touched = (s.slots.state, s.slots.committed_at,
-                                             s.slots.touched_at)
-                for slot in live:
-                    state[slot] = _READY
-                    committed[slot] = now
-                    touched[slot] = now
-                s.policy.touch(live_arr[::-1])
-            else:
-                s.slots.state[live_arr] = _READY
-                s.slots.committed_at[live_arr] = s.clock() - s.started_at
-                s.touch(live_arr)
-            info.bytes_in += len(live) * info.page_bytes
-            if self.through is None or not write_through or not live:
-                return len(live)
-            # Offered outside the lock (each offer copies a page into the tier's queue:
-            # 64 pages of 1 MiB would hold the lock for milliseconds), the slots pinned
-            # meanwhile so that no eviction or delete reuses them under the copy.
-            book.pin(live_arr)
-            offsets = s.pool.offset[live_arr].tolist()
+            offer = self._make_ready(info, live, live_keys, write_through)
+        if offer is not None:
+            self._offer_through(info, live_keys, *offer)
+        return len(live)
+
+    def _make_ready(self, info: LayoutInfo, live: list[int], live_keys: list[bytes],
+                    offer: bool = True) -> tuple[np.ndarray, list[int]] | None:
+        """Written slots become READY pages of their keys (under the lock). Where they
+        are to be offered to the through tier: the slots, pinned for _offer_through, and
+        their offsets; else None."""
+        s = self._s
+        live_arr = np.array(live, dtype=np.int64)
+        if live:
+            info.index_for(len(live_keys[0])).insert(b"".join(live_keys), live)
+        if len(live) <= _FEW_STORES:
+            # A few: scalar stores, where each fancy store costs several (as touch).
+            now = s.clock() - s.started_at
+            state, committed, touched = (s.slots.state, s.slots.committed_at,
+                                         s.slots.touched_at)
+            for slot in live:
+                state[slot] = _READY
+                committed[slot] = now
+                touched[slot] = now
+            s.policy.touch(live_arr[::-1])
+        else:
+            s.slots.state[live_arr] = _READY
+            s.slots.committed_at[live_arr] = s.clock() - s.started_at
+            s.touch(live_arr)
+        info.bytes_in += len(live) * info.page_bytes
+        if self.through is None or not offer or not live:
+            return None
+        # Offered outside the lock (each offer copies a page into the tier's queue:
+        # 64 pages of 1 MiB would hold the lock for milliseconds), the slots pinned
+        # meanwhile so that no eviction or delete reuses them under the copy.
+        self._book.pin(live_arr)
+        return live_arr, s.pool.offset[live_arr].tolist()
+
+    def _offer_through(self, info: LayoutInfo, live_keys: list[bytes], live: np.ndarray,
+                       offsets: list[int]) -> None:
+        """Offer the pages _make_ready pinned to the through tier, then unpin them."""
+        s = self._s
+        assert self.through is not None
         pb = info.page_bytes
         try:
             for key, off in zip(live_keys, offsets, strict=True):
                 self.through.offer(info.layout_id, key, s.mem[off:off + pb])
         finally:
             with s.lock:
-                book.unpin(live_arr)
-        return len(live)
+                self._book.unpin(live)
 
     def abort(self, lease_id: int, tenant: str | None = None) -> bool:
         """Drop a reservation: its slots are freed and its keys never become visible.
