@@ -17,7 +17,8 @@ may break every client's lease (break_leases).
 Concurrency: one lock guards the registry, the slot table, the policy, the ledger and the
 leases. Critical sections are short and vectorised; the bytes are copied outside the lock,
 into slots a RESERVE lease owns or out of slots a READ lease pins, so no copy can race
-with a reuse of its slot. The tier below is asked outside the lock too (it has its own),
+with a reuse of its slot; only put_bytes copies under it, a few pages the caller bounds
+(the fast path's small put: 256 KiB at most). The tier below is asked outside the lock too (it has its own),
 except offer, which never waits.
 
 Store is the per-request lifecycle over one lock, and the front of its parts, each an
