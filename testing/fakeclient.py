@@ -84,6 +84,9 @@ class FakeClient:
             return False
         return self._call("ReleaseLease", self.store.release, lease_id, None, pages_read)
 
+    def release_lease_later(self, lease: Lease | int, pages_read: int = 0) -> None:
+        self.release_lease(lease, pages_read)
+
     def exists(self, ns: LayoutHandle, keys: Sequence[bytes]) -> list[bool]:
         return self._call("Exists", self.store.exists, ns.layout_id, keys).tolist()
 

@@ -64,9 +64,15 @@ class DelayProxies:
             await sender
 
     def close(self) -> None:
+        # The connections' pumps end here, on the loop: left pending, each would be
+        # finalized whenever the GC meets it, on whatever thread runs then.
         async def stop():
             for server in self._servers:
                 server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         asyncio.run_coroutine_threadsafe(stop(), self._loop).result(5)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
