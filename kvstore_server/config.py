@@ -106,6 +106,9 @@ class ServerConfig:
     far_queue: int = 256 << 20      # bytes the write-behind queue may hold
     far_secret_file: str = ""       # the fleet's secrets, one a line: sign and check values
     far_insecure: bool = False      # run the far tier without a secret (values forgeable)
+    far_watch_pages: int = 1 << 16  # far-only pages watched for the cluster's removals
+    far_watch_round: int = 1 << 14  # of them, checked a round
+    far_watch_interval: float = 1.0  # seconds between two rounds
 
 
 def _share_or_size(value: object) -> float:
@@ -174,6 +177,9 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "far_queue": parse_size,
     "far_secret_file": str,
     "far_insecure": _bool,
+    "far_watch_pages": int,
+    "far_watch_round": int,
+    "far_watch_interval": parse_duration,
 }
 
 
@@ -304,6 +310,13 @@ def argument_parser() -> argparse.ArgumentParser:
     r.add_argument("--far-insecure", nargs="?", const="true", metavar="BOOL",
                    help="run the far tier without a secret: anyone who can write the "
                         "cluster can forge pages (default false)")
+    r.add_argument("--far-watch-pages", metavar="N",
+                   help="far-only pages watched for removals the cluster makes by itself; "
+                        "past it the oldest is reported removed (default 65536)")
+    r.add_argument("--far-watch-round", metavar="N",
+                   help="watched pages one round checks, one EXISTS each (default 16384)")
+    r.add_argument("--far-watch-interval", metavar="DURATION",
+                   help="time between two rounds of the watch (default 1s)")
     return p
 
 

@@ -26,6 +26,14 @@ Redis >= 6) comes from the URL only: it is not a secret.
     --far-insecure   run the far tier without a secret: values are checked for damage
                      but anyone who can write the cluster can forge them
 
+    The removal watch (watch.py: the pages only the far tier holds for this server,
+    checked so that what the cluster removes by itself is reported):
+    --far-watch-pages     pages watched at most (default 65536, ~200 bytes each); past
+                          it the oldest is reported removed (an under-estimate)
+    --far-watch-round     pages one round checks at most, one EXISTS each (default 16384)
+    --far-watch-interval  time between two rounds (default 1s)
+    A removal the cluster makes reaches the ring within pages / round + 1 intervals.
+
 A server refuses to start a far tier with neither of the last two: the MAC is what makes
 "a page served from the far tier is the page stored under that key" true against anyone
 who holds the cluster's password (every server of the fleet does), so running without
@@ -41,10 +49,16 @@ from urllib.parse import unquote, urlsplit
 
 from .codec import Keys
 from .secret import INSECURE, SecretFile
+from .watch import CAPACITY, INTERVAL, PER_ROUND
 
 __all__ = ["ClusterMode", "FarSettings", "WritePolicy", "from_config", "parse_far"]
 
 _SCHEMES = {"redis": False, "valkey": False, "rediss": True, "valkeys": True}  # -> TLS
+# The watch's bounds: its memory (~200 bytes a page: 800 MiB at the most) and the
+# cluster's load (a round's EXISTS at most every 100 ms); an hour between rounds is
+# already a router told of removals an hour late.
+_WATCH_PAGES_MAX = 1 << 22
+_WATCH_INTERVAL = (0.1, 3600.0)
 
 
 class ClusterMode(enum.Enum):
@@ -76,6 +90,9 @@ class FarSettings:
     ca_pem: bytes | None = field(default=None, repr=False)  # TLS roots; None: the system's
     keys: Keys = field(default=INSECURE, repr=False)   # sign and check values (codec.py)
     signed: bool = False                    # keys come from a secret file, not INSECURE
+    watch_pages: int = CAPACITY             # the removal watch (watch.py): pages at most,
+    watch_round: int = PER_ROUND            # pages checked a round,
+    watch_interval: float = INTERVAL        # seconds between rounds
 
 
 def _node(url: str) -> tuple[str, int, bool, str | None, str | None]:
@@ -99,7 +116,9 @@ def _node(url: str) -> tuple[str, int, bool, str | None, str | None]:
 def parse_far(urls: str, *, cluster: str = "auto", password_file: str = "", ttl: float = 0.0,
               timeout: float = 0.05, write: str = "evict", namespace: str = "kvstore",
               queue_bytes: int = 256 << 20, ca_file: str = "",
-              secret_file: str = "") -> FarSettings | None:
+              secret_file: str = "", watch_pages: int = CAPACITY,
+              watch_round: int = PER_ROUND,
+              watch_interval: float = INTERVAL) -> FarSettings | None:
     """FarSettings from the flags' values; None when `urls` is empty (no far tier).
     ValueError says what is wrong."""
     if not urls.strip():
@@ -142,10 +161,24 @@ def parse_far(urls: str, *, cluster: str = "auto", password_file: str = "", ttl:
                          f"got {namespace!r}")
     if queue_bytes < (1 << 20):
         raise ValueError("far_queue must be at least 1MiB")
+    _check_watch(watch_pages, watch_round, watch_interval)
     keys = SecretFile(secret_file) if secret_file else INSECURE
     return FarSettings(tuple((h, p) for h, p, *_ in nodes), tls, username, password, mode,
                        ttl, timeout, policy, namespace, queue_bytes, ca_pem, keys,
-                       bool(secret_file))
+                       bool(secret_file), watch_pages, watch_round, watch_interval)
+
+
+def _check_watch(pages: int, per_round: int, interval: float) -> None:
+    """ValueError for a removal watch outside its bounds (see _WATCH_PAGES_MAX)."""
+    if not 1 <= pages <= _WATCH_PAGES_MAX:
+        raise ValueError(f"far_watch_pages must be 1 to {_WATCH_PAGES_MAX}, got {pages}")
+    if not 1 <= per_round <= pages:
+        raise ValueError(f"far_watch_round must be 1 to far_watch_pages ({pages}), got "
+                         f"{per_round}")
+    low, high = _WATCH_INTERVAL
+    if not low <= interval <= high:
+        raise ValueError(f"far_watch_interval must be {low:g}s to {high:g}s, got "
+                         f"{interval:g}s")
 
 
 def from_config(config) -> FarSettings | None:
@@ -155,7 +188,10 @@ def from_config(config) -> FarSettings | None:
                          password_file=config.far_password_file, ttl=config.far_ttl,
                          timeout=config.far_timeout, write=config.far_write,
                          namespace=config.far_namespace, queue_bytes=config.far_queue,
-                         ca_file=config.far_ca_file, secret_file=config.far_secret_file)
+                         ca_file=config.far_ca_file, secret_file=config.far_secret_file,
+                         watch_pages=config.far_watch_pages,
+                         watch_round=config.far_watch_round,
+                         watch_interval=config.far_watch_interval)
     if settings is not None and config.far_secret_file and config.far_insecure:
         raise ValueError("far_secret_file and far_insecure contradict each other: choose one")
     if settings is not None and not settings.signed and not config.far_insecure:

@@ -100,7 +100,10 @@ class FarTier:
             unlink=lambda layout_id, keys: client.unlink(layout_id, keys)[1],
             clear=lambda layout_id: client.clear(layout_id, retry=True).complete)
         self.reader = ParallelReader(client.read, client.settings.timeout)
-        self.watch = FarWatch(client.exists_answered, self.writer.unwritten)
+        settings = client.settings
+        self.watch = FarWatch(client.exists_answered, self.writer.unwritten,
+                              capacity=settings.watch_pages, per_round=settings.watch_round,
+                              interval=settings.watch_interval)
 
     @property
     def tiers(self) -> tuple[Tier, ...]:

@@ -58,6 +58,8 @@ __all__ = ["CAPACITY", "CHECK_TIMEOUT", "DELAY", "INTERVAL", "PER_ROUND", "FarWa
 
 log = logging.getLogger("kvstore.far")
 
+# The defaults of --far-watch-pages, --far-watch-round and --far-watch-interval
+# (settings.py), each server's own.
 CAPACITY = 1 << 16          # far-only pages watched (past it: reported, under-estimate)
 PER_ROUND = 1 << 14         # pages one round checks at most (one EXISTS each)
 INTERVAL = 1.0              # seconds between two rounds

@@ -262,3 +262,29 @@ def test_pages_the_cluster_evicts_under_maxmemory_are_reported(fresh_cluster):
             assert gone <= reported <= gone_now, (len(gone), len(reported), len(gone_now))
     finally:
         srv.stop()
+
+
+def test_the_watch_holds_at_most_far_watch_pages(fleet):
+    """--far-watch-pages bounds the watch: of 12 far-only pages a server watches the 4
+    newest, and reports the 8 oldest removed (an under-estimate) though the cluster
+    holds them."""
+    port = free_port()
+    a = fleet(metrics_port=port, far_watch_pages=4, far_watch_round=2,
+              far_watch_interval="200ms")
+    ks = keys(12, "w")
+    with KVStoreClient(a.address) as c:
+        ns = c.register_layout(LAYOUT)
+        ring = Ring(c, ns)
+        for k, data in zip(ks, pages(12)):
+            c.put(ns, [k], data[None])
+            c.evict(everything=True, tier="dram")       # oldest first into the far tier
+            assert wait_for(lambda: far_writes(c) >= ks.index(k) + 1)
+        assert wait_for(lambda: metric(port, "kvstore_far_watched_pages") == 4,
+                        "the watch at its bound", timeout=10, interval=0.1)
+        assert wait_for(lambda: ring.keys() == set(ks[:8]), "the oldest reported",
+                        timeout=10, interval=0.1)
+        assert {e.cause for e in ring.read()} == {EVICTED}
+        assert c.exists(ns, ks) == [True] * 12          # still in the cluster
+        time.sleep(1.0)                                 # five more rounds
+        assert ring.keys() == set(ks[:8])
+        assert metric(port, "kvstore_far_watched_pages") == 4

@@ -24,6 +24,20 @@ def test_flags():
     assert (s.ttl, s.timeout, s.namespace, s.queue_bytes) == (600, 0.02, "fleet1", 64 << 20)
 
 
+def test_the_removal_watch_from_flags_toml_and_its_defaults(tmp_path):
+    s = parse_far("valkey://h")
+    assert (s.watch_pages, s.watch_round, s.watch_interval) == (65536, 16384, 1.0)
+    c = load_config(["--far", "redis://h", "--far-insecure", "--far-watch-pages", "1000",
+                     "--far-watch-round", "100", "--far-watch-interval", "250ms"], environ={})
+    s = from_config(c)
+    assert (s.watch_pages, s.watch_round, s.watch_interval) == (1000, 100, 0.25)
+    toml = tmp_path / "kv.toml"
+    toml.write_text('far = "redis://h"\nfar-insecure = true\nfar-watch-pages = 64\n'
+                    'far-watch-round = 64\nfar-watch-interval = "5s"\n')
+    s = from_config(load_config(["--config", str(toml)], environ={}))
+    assert (s.watch_pages, s.watch_round, s.watch_interval) == (64, 64, 5.0)
+
+
 def test_defaults_are_tens_of_ms_and_evict():
     s = parse_far("valkey://h")
     assert s.nodes == (("h", 6379),) and s.timeout == 0.05 and s.write is WritePolicy.EVICT
@@ -63,6 +77,12 @@ def test_credentials_from_url_and_file(tmp_path):
     (["--far", "redis://h", "--far-ca-file", "/etc/hostname"], "needs rediss"),
     (["--far", "rediss://h", "--far-ca-file", "/nonexistent/ca.pem"], "CA file"),
     (["--far", "rediss://h", "--far-ca-file", "/etc/hostname"], "no PEM certificate"),
+    (["--far", "redis://h", "--far-watch-pages", "0"], "far_watch_pages must be 1 to"),
+    (["--far", "redis://h", "--far-watch-pages", "many"], "far_watch_pages"),
+    (["--far", "redis://h", "--far-watch-pages", "8", "--far-watch-round", "9"],
+     r"far_watch_round must be 1 to far_watch_pages \(8\), got 9"),
+    (["--far", "redis://h", "--far-watch-interval", "10ms"], "far_watch_interval"),
+    (["--far", "redis://h", "--far-watch-interval", "2h"], "far_watch_interval"),
 ])
 def test_bad_values_say_what_is_wrong(argv, words):
     with pytest.raises(ConfigError, match=words):
