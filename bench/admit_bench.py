@@ -143,17 +143,22 @@ def _burst(sched: SchedulerHalf, prompts: list[np.ndarray], gap_s: float,
         loop += time.perf_counter() - started
         waiting = asked_again
     started = time.perf_counter()
-    for slot, (req_id, tokens) in enumerate(zip(ids, token_lists, strict=True)):
+    for slot, req_id in enumerate(ids):
         # As the vLLM adapter's request_finished does. Request i of every burst is the
         # next turn of agent session i: a tenant holds at most 1,024 sessions.
+        # One list of its stored keys for both; its token ids as the scheduler half
+        # holds them (the engine's list stays the engine's).
+        keys = (sched.stored_keys(req_id)
+                if extras.retainer is not None or extras.events is not None else [])
         if extras.retainer is not None:
-            extras.retainer.submit(RetainAsk(f"agent-{slot}", 5.0), sched.stored_keys(req_id))
+            extras.retainer.submit(RetainAsk(f"agent-{slot}", 5.0), keys)
         if extras.events is not None:
-            keys = sched.stored_keys(req_id)
-            extras.events.saved(SavedRun(keys, hashes, tokens, 1, 16))
+            extras.events.saved(SavedRun(keys, hashes, sched.stored_tokens(req_id), 1, 16))
         sched.finished(req_id)
     sched.build()                       # sends (or hands over) the lease releases
-    return Burst(loop, steps, time.perf_counter() - started, hit)
+    release = time.perf_counter() - started
+    del token_lists                     # the engine's lists end with its requests
+    return Burst(loop, steps, release, hit)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,6 +46,7 @@ import numpy as np
 
 from kvstore_client import KVStoreClient, KVStoreError, LayoutHandle, PageLayout
 
+from .eventruns import PackedRun, token_tuple
 from .scheduler.quiet import StepGate
 
 __all__ = ["EventCounts", "EventFeed", "Removed", "SavedRun", "Stored"]
@@ -64,15 +65,16 @@ ExtraKeys = tuple[Any, ...] | None      # what besides tokens a block's hash cov
 class SavedRun:
     """A request's leading pages in the store: keys[i] is page i's key; hashes are the
     engine's block hashes from the prompt's start (blocks_per_page a page) and tokens its
-    token ids (page_tokens a page). The engine's own lists of a finished request, not
-    copies: the loop only hands them over, the poll thread slices them. extra: for a
+    token ids (page_tokens a page): best the int32 array the scheduler half holds
+    (SchedulerHalf.stored_tokens), which the GC does not walk while the run waits
+    (connector.eventruns). Not copied: the poll thread slices them. extra: for a
     request whose block hashes cover more than its tokens (multimodal inputs, a cache
     salt, a LoRA), the extra keys of its blocks [start, end), one entry a block, made on
     the poll thread only for the blocks announced; None for the rest."""
 
     keys: Sequence[bytes]
     hashes: Sequence[BlockHash]
-    tokens: Sequence[int]
+    tokens: Sequence[int] | np.ndarray
     blocks_per_page: int
     page_tokens: int
     lora_name: str | None = None
@@ -134,7 +136,7 @@ class EventFeed:
         self._handles: list[LayoutHandle] | None = None
         self._epoch = 0                 # the ring's epoch and our cursor in it
         self._seq = 0
-        self._runs: collections.deque[SavedRun] = collections.deque()   # guarded by _cv
+        self._runs: collections.deque[PackedRun] = collections.deque()  # guarded by _cv
         self._out: list[Stored | Removed] = []                          # guarded by _cv
         # key -> its page's block hashes, oldest announced first (poll thread only).
         self._held: collections.OrderedDict[bytes, tuple[BlockHash, ...]] = \
@@ -150,12 +152,12 @@ class EventFeed:
         """Queue a request's stored pages, to announce once the store confirms them."""
         if not run.keys:
             return
-
+        packed = PackedRun.of(run)
         with self._cv:
             if len(self._runs) >= _QUEUED:
                 self.counts.dropped += 1
                 return
-            self._runs.append(run)
+            self._runs.append(packed)
 
     def take(self) -> list[Stored | Removed]:
         """The events since the last call, in order."""
@@ -255,8 +257,8 @@ class EventFeed:
 
     def _confirm_runs(self, out: list[Stored | Removed]) -> None:
         with self._cv:
-            runs, self._runs = list(self._runs), collections.deque()
-        runs = self._news(runs)
+            queued, self._runs = list(self._runs), collections.deque()
+        runs = self._news(queued)
         if not runs:
             return
         assert self._handles is not None
@@ -275,25 +277,26 @@ class EventFeed:
             self.counts.forgotten += len(oldest)
             self._remove(oldest, out)
 
-    def _news(self, runs: list[SavedRun]) -> list[SavedRun]:
+    def _news(self, runs: list[PackedRun]) -> list[SavedRun]:
         """The runs that may announce a page: not those whose pages are all announced
         (a session's next turn, a shared system prompt), nor those that repeat a run
         before them in the poll (requests of one prompt: the same keys, no more pages
-        hashed): the first announces what it could."""
+        hashed): the first announces what it could. Only these are unpacked."""
         contains = self._held.__contains__
-        first: dict[tuple[int, bytes], tuple[Sequence[bytes], int]] = {}
+        first: dict[tuple[int, Hashable], tuple[PackedRun, int]] = {}
         out = []
         for run in runs:
-            keys = run.keys
-            tag = (len(keys), keys[-1])
+            tag = run.tag
             seen = first.get(tag)
             if seen is None:
-                first[tag] = (keys, self._whole(run))
-            elif (seen[0] is keys or seen[0] == keys) and self._whole(run) <= seen[1]:
+                first[tag] = (run, run.whole())
+            elif seen[0].same_keys(run) and run.whole() <= seen[1]:
                 continue
+            keys = run.key_list()
             # all() over map(): no frame of ours per key, and it stops at the first new.
             if not all(map(contains, keys)):
-                out.append(run)
+                out.append(SavedRun(keys, run.hash_list(), run.tokens, run.blocks_per_page,
+                                    run.page_tokens, run.lora_name, run.extra))
         return out
 
     @staticmethod
@@ -324,7 +327,8 @@ class EventFeed:
         per = run.blocks_per_page
         parent = run.hashes[first * per - 1] if first else None
         hashes = tuple(run.hashes[first * per:(last + 1) * per])
-        tokens = tuple(run.tokens[first * run.page_tokens:(last + 1) * run.page_tokens])
+        tokens = token_tuple(run.tokens, first * run.page_tokens,
+                             (last + 1) * run.page_tokens)
         extra = None
         if run.extra is not None:
             extra = tuple(run.extra(first * per, (last + 1) * per))

@@ -344,8 +344,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if (request.mm_features or request.cache_salt or lora is not None
                 or getattr(request, "prompt_embeds", None) is not None):
             extra = functools.partial(_block_extra_keys, request, self.block_size)
-        # The request's own lists, not copies: it has finished, vLLM changes them no more.
-        return SavedRun(keys, request.block_hashes, request.all_token_ids,
+        # Its token ids as the int32 array its keys were hashed from, not vLLM's list:
+        # the GC does not walk it while the run waits for the feed's poll. Its block
+        # hashes are vLLM's own list, not a copy: it has finished, vLLM changes them no
+        # more (the feed joins them).
+        return SavedRun(keys, request.block_hashes,
+                        self._sched.stored_tokens(request.request_id),
                         self.page_tokens // self.block_size, self.page_tokens,
                         lora.name if lora is not None else None, extra)
 

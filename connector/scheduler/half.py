@@ -521,6 +521,15 @@ class SchedulerHalf:
         state = self._requests.get(req_id)
         return [] if state is None else state.keys[:state.saved_pages]
 
+    def stored_tokens(self, req_id: str) -> np.ndarray:
+        """The token ids (int32) of those pages, for the KV events (connector.events):
+        a view of the array the request's keys were hashed from, which the GC does not
+        walk while the events wait, where the engine's list of ids is walked."""
+        state = self._requests.get(req_id)
+        if state is None:
+            return np.zeros(0, np.int32)
+        return state.tokens[:state.saved_pages * self.page_tokens]
+
     def finished(self, req_id: str) -> None:
         """The request is done (or aborted); nothing of it is held for later."""
         state = self._requests.pop(req_id, None)

@@ -1,9 +1,12 @@
 """The connector's KV-event feed (connector.events) against a real server: pages are
 announced once the store holds them and not if they left first; a ring that overwrote
 what the feed had not read, or a restarted server, makes it announce every page removed;
-it remembers at most max_tracked pages."""
+it remembers at most max_tracked pages; a run waiting for the poll keeps nothing the
+garbage collector walks, and is announced as it was handed over."""
 
 from __future__ import annotations
+
+import gc
 
 import numpy as np
 
@@ -92,5 +95,39 @@ def test_at_most_max_tracked_pages_are_remembered(fresh_server):
             assert events(feed) == [Stored((100, 101, 102, 103), None, tuple(range(64))),
                                     Removed((100, 101))]
             assert feed.counts.forgotten == 2
+        finally:
+            feed.close()
+
+
+def test_a_waiting_run_keeps_nothing_the_gc_walks_and_is_announced_as_handed_over(
+        fresh_server):
+    """As the vLLM adapter hands a run over (its keys' list, vLLM's list of bytes block
+    hashes, the scheduler half's int32 token ids): while it waits for the poll, the feed
+    holds no container the GC walks (the engine's lists would make every collection on
+    its loop walk them); the Stored event has the same hashes and the ids as ints."""
+    srv = fresh_server(dram="16MiB")
+    with KVStoreClient(srv.address, shared_memory=False) as c:
+        feed = EventFeed(c, [LAYOUT], interval=30)
+        try:
+            ks = keys("t", 4)
+            put(c, ks)
+            feed.poll_now()
+            hashes = [bytes([i]) * 32 for i in range(8)]            # two blocks a page
+            tokens = np.arange(1000, 1000 + 64 + 5, dtype=np.int32)
+            feed.saved(SavedRun(list(ks), list(hashes), tokens, blocks_per_page=2,
+                                page_tokens=16))
+            queued = [o for o in gc.get_referents(*feed._runs) if not isinstance(o, type)]
+            assert queued and [o for o in queued if gc.is_tracked(o)] == []
+            got = events(feed)
+            assert got == [Stored(tuple(hashes), None, tuple(range(1000, 1064)))]
+            assert all(type(t) is int for t in got[0].tokens)
+            assert all(type(h) is bytes for h in got[0].hashes)
+            # Hashes that are not bytes of one width are kept as given.
+            more = keys("u", 1)
+            put(c, more)
+            odd = (b"x" * 32, b"y" * 16)
+            feed.saved(SavedRun(list(more), odd, tokens[:16].tolist(), blocks_per_page=2,
+                                page_tokens=16))
+            assert events(feed) == [Stored(odd, None, tuple(range(1000, 1016)))]
         finally:
             feed.close()
