@@ -446,6 +446,10 @@ class _Bench:
         # sends its release: without one, nothing could be evicted (after --breakdown's
         # hits the disk hit was always skipped).
         self.store.scheduler_half.build()
+        # That release is sent without waiting for its answer (release_lease_later), on
+        # another connection than the evictions below: wait until the server has it.
+        while self.client.stats().leases and time.monotonic() < deadline:
+            time.sleep(0.01)
         self.client.evict(everything=True, tier="disk")   # pages of earlier runs
 
         def tiers() -> dict:
