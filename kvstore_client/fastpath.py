@@ -439,8 +439,9 @@ class FastPath:
             conn = lane.conn
             if conn is not None:
                 try:
-                    if conn.quiet:      # no answer comes (fastwire.QUIET)
-                        conn.send(fw.Op.RELEASE, body, flags=fw.QUIET)
+                    if conn.quiet:      # no answer comes (fastwire.QUIET): it rides
+                        # ahead of the lane's next request, in its segment (send_ahead)
+                        conn.send_ahead(fw.Op.RELEASE, body, flags=fw.QUIET)
                     else:
                         conn.send(fw.Op.RELEASE, body)
                         conn.owed += 1

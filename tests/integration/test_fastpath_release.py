@@ -1,0 +1,87 @@
+"""A release not waited for (release_lease_later) over TCP: a QUIET RELEASE that the
+kernel holds and sends in one segment with the lane's next request (Conn.send_ahead)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import numpy as np
+import pytest
+
+from kvstore_client import KVStoreClient, PageLayout
+from kvstore_testing.serverproc import ServerProcess
+from tests.waiting import wait_for
+
+LAYOUT = PageLayout(model="fp-release", num_layers=1, page_tokens=1, num_kv_heads=1,
+                    head_size=8, dtype="int8")                            # 16-byte pages
+KEYS = [f"release-{i}".encode().ljust(16, b".") for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def srv():
+    with ServerProcess(dram="64MiB") as server:
+        yield server
+
+
+def _tcp_client(srv: ServerProcess) -> KVStoreClient:
+    return KVStoreClient(srv.address, shared_memory=False, data_plane=True,
+                         data_address=f"127.0.0.1:{srv.port + 1}")
+
+
+def _leases(srv: ServerProcess) -> int:
+    with KVStoreClient(srv.address, data_plane=False) as c:
+        return c.stats().leases
+
+
+def test_a_release_sent_ahead_is_applied_before_the_next_call_is_answered(srv):
+    """The server reads a connection's frames in order: once the next call is answered,
+    the release that rode ahead of it has been applied, with no waiting."""
+    with _tcp_client(srv) as c:
+        ns = c.register_layout(LAYOUT)
+        c.put(ns, KEYS, np.ones((len(KEYS), ns.page_bytes), np.uint8))
+        assert c.fast_path()._reads.conn is None or c.fast_path()._reads.conn.tcp
+        for _ in range(3):
+            lease = c.lookup_lease(ns, KEYS, lease_ms=60_000)
+            assert lease.count == len(KEYS)
+            assert c.fast_path()._reads.conn.tcp and c.fast_path()._reads.conn.quiet
+            c.release_lease_later(lease)
+            again = c.lookup_lease(ns, KEYS[:1], lease_ms=60_000)    # the same lane
+            assert again.count == 1
+            assert _leases(srv) == 1, "the release sent ahead was not applied"
+            c.release_lease(again)
+            assert _leases(srv) == 0
+
+
+def test_a_release_with_no_call_after_it_still_reaches_the_server(srv):
+    """Nothing follows on the lane: the kernel sends the held frame by itself (its probe
+    timer, TCP_RTO_MIN), so the pages are not pinned until the lease's ttl."""
+    with _tcp_client(srv) as c:
+        ns = c.register_layout(LAYOUT)
+        c.put(ns, KEYS, np.ones((len(KEYS), ns.page_bytes), np.uint8))
+        lease = c.lookup_lease(ns, KEYS, lease_ms=600_000)
+        assert _leases(srv) == 1
+        c.release_lease_later(lease)
+        wait_for(lambda: _leases(srv) == 0, "the held release to be sent", timeout=10)
+        assert c.fast_path()._reads.conn is not None        # not by closing the lane
+
+
+def test_a_lane_that_breaks_after_a_release_sent_ahead_loses_no_lease(srv):
+    """The connection is reset with the release still in its send queue (lost): the
+    server ends the leases of a connection that ended, and the next call goes on a
+    fresh connection."""
+    with _tcp_client(srv) as c:
+        ns = c.register_layout(LAYOUT)
+        c.put(ns, KEYS, np.ones((len(KEYS), ns.page_bytes), np.uint8))
+        lease = c.lookup_lease(ns, KEYS, lease_ms=600_000)
+        c.release_lease_later(lease)
+        conn = c.fast_path()._reads.conn
+        # SO_LINGER 0: close() resets the connection and drops what was not sent.
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.sock.close()
+        wait_for(lambda: _leases(srv) == 0, "the reset connection's lease to end",
+                 timeout=10)
+        again = c.lookup_lease(ns, KEYS[:2], lease_ms=60_000)
+        assert again.count == 2 and c.fast_path()._reads.conn is not conn
+        c.release_lease(again)
+        assert _leases(srv) == 0
