@@ -32,7 +32,8 @@ from ..rpc.limits import RequestLimits, request_message_bytes
 from ..rpc.status import status_of
 from ..store import Store
 from ..store.layouts import LayoutInfo
-from .io import IOV_BATCH, SEND_BYTES, Reader, runs, send_batch, send_file, send_views
+from .io import (IOV_BATCH, SEND_BYTES, Reader, runs, send_batch, send_file, send_slabs,
+                 send_views)
 
 __all__ = ["SEND_SENDFILE", "SEND_SENDMSG", "Ops", "Session", "status_of"]
 
@@ -286,11 +287,14 @@ class Ops:
     def _send_layers(self, s: Session, offsets: np.ndarray, pb: int, lb: int,
                      layers: int) -> None:
         """Each layer's slab of every page, layer after layer, as one stream of views:
-        send_views fills each sendmsg with up to IOV_BATCH slabs across layers (it was
-        one sendmsg per layer: 32 for 8 pages of 32 layers, now 1), and takes the views
-        as they are made, so no more than one call's are alive at once."""
-        offs = offsets.tolist()
+        each sendmsg holds slabs across layers (it was one sendmsg per layer: 32 for 8
+        pages of 32 layers, now 1), and no more than about one call's views are alive
+        at once (send_slabs; send_views for TLS or a slab larger than a call)."""
         mem = self.mem
+        if s.plain and lb <= SEND_BYTES:
+            send_slabs(s.sock, mem, offsets, layers, lb)
+            return
+        offs = offsets.tolist()
         self._send_views(s, (mem[off + base:off + base + lb]
                              for base in range(0, layers * lb, lb) for off in offs))
 
