@@ -32,8 +32,7 @@ from ..rpc.limits import RequestLimits, request_message_bytes
 from ..rpc.status import status_of
 from ..store import Store
 from ..store.layouts import LayoutInfo
-from .io import (IOV_BATCH, SEND_BYTES, Reader, runs, send_batch, send_file, send_slabs,
-                 send_views)
+from .io import IOV_BATCH, SEND_BYTES, Reader, runs, send_batch, send_file, send_slabs, send_views
 
 __all__ = ["SEND_SENDFILE", "SEND_SENDMSG", "Ops", "Session", "status_of"]
 
