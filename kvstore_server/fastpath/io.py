@@ -18,8 +18,8 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-__all__ = ["IOV_BATCH", "ClientGone", "Reader", "drain", "recv_exact", "runs", "send_batch",
-           "send_file", "send_slabs", "send_views", "set_timeouts"]
+__all__ = ["IOV_BATCH", "ClientGone", "Reader", "drain", "recv_exact", "runs", "runs_of",
+           "send_batch", "send_file", "send_slabs", "send_views", "set_timeouts"]
 
 # A sendmsg takes at most IOV_MAX (1024 on Linux) buffers.
 IOV_BATCH = 1024
@@ -186,7 +186,7 @@ def runs(offsets: np.ndarray, size: int) -> Iterator[tuple[int, int, int]]:
     if not n:
         return
     if n <= _RUNS_IN_PYTHON:
-        yield from _runs_small(offsets.tolist(), size)
+        yield from runs_of(offsets.tolist(), size)
         return
     offs = np.asarray(offsets, dtype=np.int64)
     breaks = np.flatnonzero((np.diff(offs) != size) | (offs[1:] < 0) | (offs[:-1] < 0)) + 1
@@ -196,8 +196,8 @@ def runs(offsets: np.ndarray, size: int) -> Iterator[tuple[int, int, int]]:
     yield from zip(starts, ends, first, strict=True)
 
 
-def _runs_small(offs: list[int], size: int) -> Iterator[tuple[int, int, int]]:
-    """runs() of a short list of offsets, in Python ints."""
+def runs_of(offs: list[int], size: int) -> Iterator[tuple[int, int, int]]:
+    """runs() of a list of offsets, in Python ints (a short one: see _RUNS_IN_PYTHON)."""
     n = len(offs)
     i = 0
     while i < n:

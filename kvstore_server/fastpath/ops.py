@@ -32,7 +32,17 @@ from ..rpc.limits import RequestLimits, request_message_bytes
 from ..rpc.status import status_of
 from ..store import Store
 from ..store.layouts import LayoutInfo
-from .io import IOV_BATCH, SEND_BYTES, Reader, runs, send_batch, send_file, send_slabs, send_views
+from .io import (
+    IOV_BATCH,
+    SEND_BYTES,
+    Reader,
+    runs,
+    runs_of,
+    send_batch,
+    send_file,
+    send_slabs,
+    send_views,
+)
 
 __all__ = ["SEND_SENDFILE", "SEND_SENDMSG", "Ops", "Session", "status_of"]
 
@@ -209,6 +219,13 @@ class Ops:
         """Answers itself: the header, then the pages straight out of the pool."""
         layout_id, key_size, keys = fw.decode_layout_keys(body)
         order = h.flags
+        if order == fw.PAGE_MAJOR and s.pad and s.plain and self.send_mode == SEND_SENDMSG:
+            # The common Get, a page or a block of pages in DRAM to a client that reads
+            # aligned answers: pinned and sent with no arrays (store/few_reads.py).
+            few = self.calls.get_few(s.who, layout_id, keys, key_size)
+            if few is not None:
+                self._send_few(s, *few)
+                return
         if order != fw.PAGE_MAJOR and order != fw.LAYER_MAJOR:
             raise fw.WireError(f"unknown GET order {order}", fw.Status.INVALID)
         reading = self.calls.get(s.who, layout_id, keys, key_size)
@@ -249,6 +266,33 @@ class Ops:
             self._send_get(s, order, info, offsets, nbytes)
         finally:
             reading.__exit__(None, None, None)      # releases the pins
+
+    def _send_few(self, s: Session, info: LayoutInfo, slots: list[int],
+                  offs: list[int]) -> None:
+        """A Calls.get_few's pages: the aligned header and every run of pages in one
+        sendmsg (up to SEND_BYTES; the kernel takes it whole, so a one-page Get is one
+        system call), then the pins go. They stay until every byte is sent: a sendmsg cut
+        short by a slow reader is resumed from where it stopped, under the same pins."""
+        try:
+            pb = info.page_bytes
+            nbytes = len(offs) * pb
+            _GET_HEAD.pack_into(s.head, 0, fw.MAGIC, fw.VERSION, _GET, 0, 0, fw.ALIGN_PAD,
+                                nbytes)
+            mem = self.mem
+            first = offs[0]
+            if len(offs) == 1 or offs == list(range(first, first + nbytes, pb)):
+                batch = [s.head_view, mem[first:first + nbytes]]     # one run: one view
+            else:
+                batch = [s.head_view]
+                batch += [mem[off:off + (j - i) * pb] for i, j, off in runs_of(offs, pb)]
+            if nbytes > SEND_BYTES:
+                send_views(s.sock, batch)
+                return
+            sent = s.sock.sendmsg(batch)
+            if sent != nbytes + _ALIGNED_HEAD:
+                send_batch(s.sock, batch, sent)     # sent in part: the rest
+        finally:
+            self.store.unpin_few(slots)
 
     def _send_get(self, s: Session, order: int, info: LayoutInfo, offsets: np.ndarray,
                   nbytes: int) -> None:

@@ -270,6 +270,18 @@ class Calls:
                               self.store.pool.capacity_bytes)
         return Reading(self.store, self.store.pin_read(layout, keys, quota=who.quota_bytes))
 
+    def get_few(self, who: Principal, layout_id: bytes, data: bytes, key_size: int
+                ) -> tuple[LayoutInfo, list[int], list[int]] | None:
+        """get's pins as Python ints, for up to FEW_KEYS keys all in DRAM: (layout, slots,
+        pool offsets), under the same rules as get; None where get must be asked instead
+        (nothing pinned: a key below DRAM or missing, or more keys). The caller ends it
+        with store.unpin_few once the pages are sent (store/few_reads.py)."""
+        keys = self.keys(data, key_size, "Get")
+        layout = self.layout(who, layout_id)
+        self.limits.get_bytes(len(keys), self.store.info(layout).page_bytes,
+                              self.store.pool.capacity_bytes)
+        return self.store.pin_few(layout, keys)
+
     def put(self, who: Principal, layout_id: bytes, data: bytes, key_size: int,
             data_len: int | None = None) -> Writing:
         """Slots the transport writes the pages into. data_len: the bytes the request

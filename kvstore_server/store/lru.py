@@ -42,7 +42,7 @@ class LRUPolicy:
         """Mark ids used now, in order: ids[-1] becomes the most recent. Also adds them."""
         ids = np.asarray(ids, dtype=np.int64)
         if ids.size <= _FEW:
-            self._touch_few(ids.tolist())
+            self.touch_few(ids.tolist())
             return
         stamps = np.arange(self._clock, self._clock + ids.size)
         # Grown only when an id lies past the end (IndexError): a max() on every touch
@@ -54,8 +54,9 @@ class LRUPolicy:
             self._stamp[ids] = stamps
         self._clock += ids.size
 
-    def _touch_few(self, ids: list[int]) -> None:
-        """touch() of a few ids, one scalar store each."""
+    def touch_few(self, ids: list[int]) -> None:
+        """touch() of a few ids given as a list, one scalar store each (store.few_reads
+        touches a Get's pages so, with no array made)."""
         stamp = self._stamp
         if ids and max(ids) >= len(stamp):
             self._grow(max(ids))

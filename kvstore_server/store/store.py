@@ -55,6 +55,7 @@ from .admin import Admin, Invalidation
 from .below import Below
 from .evict import Eviction
 from .eviction import PolicyFactory, make_policy
+from .few_reads import FewReads
 from .holdback import HoldBack
 from .index import FEW_KEYS
 from .layouts import DEFAULT_MAX_LAYOUTS, LayoutInfo, LayoutRegistry
@@ -146,6 +147,7 @@ class Store:
         self._eviction.dropping.append(self._retention.forget)
         self._below = Below(s, self)
         self._lookups = Lookups(s, self._book, self._below)
+        self._few = FewReads(s, self._book, self._eviction)
         self._admin = Admin(s, self._eviction, self._book, self._retention, self._below)
 
     # -- the parts' state, as the server and the tests read it ----------------------
@@ -548,6 +550,16 @@ class Store:
                 info.served += len(keys)
                 return Pinned(0, info, slots, s.pool.offset[slots])
         return self.acquire(layout_id, keys, FOREVER, quota)
+
+    def pin_few(self, layout_id: bytes, keys: Packed
+                ) -> tuple[LayoutInfo, list[int], list[int]] | None:
+        """pin_read of up to FEW_KEYS keys all in DRAM, as ints: (layout, slots, offsets),
+        or None (nothing pinned: ask pin_read). End it with unpin_few (few_reads.py)."""
+        return self._few.pin(layout_id, keys)
+
+    def unpin_few(self, slots: list[int]) -> None:
+        """End a pin_few: its pins go (a DOOMED page is freed with its last)."""
+        self._few.unpin(slots)
 
     def unpin_read(self, pinned: Pinned) -> None:
         """End a pin_read: its pins go (a DOOMED page is freed with its last)."""

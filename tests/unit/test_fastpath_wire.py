@@ -143,7 +143,7 @@ def test_runs_are_the_same_walked_in_python_and_in_numpy(n):
             expected.append((i, j, int(offsets[i])))
             i = j
         assert list(runs(offsets, 10)) == expected
-        assert list(io._runs_small(offsets.tolist(), 10)) == expected
+        assert list(io.runs_of(offsets.tolist(), 10)) == expected
 
 
 @pytest.mark.parametrize("value, expected", [

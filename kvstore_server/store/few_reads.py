@@ -1,0 +1,96 @@
+"""Gets of a few keys whose pages are all in DRAM, pinned and unpinned as Python ints.
+
+A Get of a page or a block (an engine's per-layer and per-block calls) is the common
+call over the fast path, and the generic pin (Store.pin_read) builds for it what a Get
+of thousands needs: arrays of slots and offsets, a values object, numpy's batch forms of
+the pin, the touch and the unpin, each a few calls into numpy that cost as much for one
+key as for hundreds. Here, for up to FEW_KEYS keys, one hold of the lock finds, pins and
+touches them as Python ints, and one more unpins them:
+
+    pin   find_few -> every key READY? -> pins += 1 each, touched now, counted served
+                                      -> else None: the caller takes pin_read's way
+                                         (a read-back from below, or NOT_FOUND)
+    unpin pins -= 1 each; a DOOMED page (deleted or evicted while sent) goes free with
+          its last pin, as LeaseBook.unpin frees it
+
+The pins are the same pins pin_read takes: no eviction, delete or put reuses a pinned
+slot until its unpin, so the caller sends the pages' bytes after the lock is dropped. The
+stats count such a read as a lease (LeaseBook.reading), as they count pin_read's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvstore_protocol.keys import Packed
+
+from .evict import Eviction
+from .index import FEW_KEYS
+from .layouts import LayoutInfo
+from .lease_book import LeaseBook
+from .slots import SlotState
+from .state import StoreState
+
+__all__ = ["FewReads"]
+
+_DOOMED = int(SlotState.DOOMED)
+
+
+class FewReads:
+    """pin and unpin of up to FEW_KEYS keys all in DRAM (see the module docstring)."""
+
+    def __init__(self, s: StoreState, book: LeaseBook, eviction: Eviction) -> None:
+        self._s = s
+        self._book = book
+        self._eviction = eviction
+        # The policy's touch of a list of ids where it has one (lru.LRUPolicy.touch_few);
+        # else its array form, through StoreState.touch.
+        self._touch_few = getattr(s.policy, "touch_few", None)
+
+    def pin(self, layout_id: bytes, keys: Packed
+            ) -> tuple[LayoutInfo, list[int], list[int]] | None:
+        """(layout, slots, pool offsets) of keys all READY in DRAM, pinned; None where one
+        is not (nothing pinned), or for more than FEW_KEYS keys or none."""
+        n = keys.n
+        if not 0 < n <= FEW_KEYS:
+            return None
+        s = self._s
+        with s.lock:
+            info = s.layouts.info(layout_id)
+            index = info.ready.get(keys.size)
+            if index is None:
+                return None
+            slots = index.find_few(keys.data)
+            if -1 in slots:
+                return None
+            table = s.slots
+            pins, touched = table.pins, table.touched_at
+            now = s.clock() - s.started_at
+            for slot in slots:              # a slot named twice is pinned twice
+                pins[slot] += 1
+                touched[slot] = now
+            self._book.reading += 1
+            # Reversed, as StoreState.touch: the first key becomes the most recent.
+            if self._touch_few is not None:
+                self._touch_few(slots[::-1])
+            else:
+                s.policy.touch(np.array(slots[::-1], dtype=np.int64))
+            info.bytes_out += n * info.page_bytes
+            info.served += n
+            offset = s.pool.offset
+            return info, slots, [int(offset[slot]) for slot in slots]
+
+    def unpin(self, slots: list[int]) -> None:
+        """End a pin: one pin fewer on each slot; a DOOMED slot's last goes free."""
+        s = self._s
+        with s.lock:
+            self._book.reading -= 1
+            pins, state = s.slots.pins, s.slots.state
+            freed = []
+            for slot in slots:
+                left = pins[slot] - 1
+                pins[slot] = left
+                if left == 0 and state[slot] == _DOOMED:
+                    freed.append(slot)
+            if freed:
+                self._eviction.free(freed)

@@ -1,0 +1,101 @@
+"""The lean read of a few keys (Store.pin_few, store/few_reads.py) against the generic one
+(pin_read): the same pages, pins, touches and counts; None, with nothing pinned, where
+pin_read must answer; and a page pinned so is neither evicted nor reused until unpinned."""
+
+import numpy as np
+import pytest
+
+from kvstore_protocol.keys import Packed
+from kvstore_protocol.layout import PageLayout
+from kvstore_server.region import Region
+from kvstore_server.store import Store
+from kvstore_server.store.slots import SlotState
+
+MiB = 1 << 20
+LAYOUT = PageLayout(model="fewreads", num_layers=4, page_tokens=16, num_kv_heads=1,
+                    head_size=32)
+
+
+@pytest.fixture
+def store():
+    region = Region(16 * MiB)
+    yield Store(region, lease_ttl=30.0)
+    region.close()
+
+
+def _keys(prefix: str, n: int, size: int = 16) -> list[bytes]:
+    return [f"{prefix}{i}".encode().ljust(size, b"_") for i in range(n)]
+
+
+def _put(store: Store, info, ks: list[bytes]) -> None:
+    res = store.reserve(info.layout_id, ks)
+    for i, off in enumerate(res.offsets.tolist()):
+        if off >= 0:
+            store.mem[off:off + info.page_bytes] = i % 251
+    store.commit(res.lease_id)
+
+
+@pytest.mark.parametrize("key_size", [16, 24])
+@pytest.mark.parametrize("pick", [[0], [3, 1, 2], [0, 0, 5], list(range(16))])
+def test_pin_few_agrees_with_pin_read(store, key_size, pick):
+    info = store.register_layout(LAYOUT)
+    ks = _keys("k", 16, key_size)
+    _put(store, info, ks)
+    asked = Packed(b"".join(ks[i] for i in pick), key_size)
+    before = (info.served, info.bytes_out)
+    generic = store.pin_read(info.layout_id, asked)
+    pins = store._slots.pins.copy()
+    store.unpin_read(generic)
+    got = store.pin_few(info.layout_id, asked)
+    assert got is not None
+    layout, slots, offsets = got
+    assert layout is info
+    assert slots == generic.slots.tolist() and offsets == generic.offsets.tolist()
+    assert np.array_equal(store._slots.pins, pins)             # the same pins, twice named twice
+    assert store.stats().leases == 1                           # counted as a lease, as pin_read's
+    # The first key the most recent, as pin_read's touch leaves it.
+    assert (store._s.policy.stamp(np.array([slots[0]]))[0]
+            == store._s.policy.stamp(np.array(sorted(set(slots)))).max())
+    store.unpin_few(slots)
+    assert not store._slots.pins.any()
+    assert store.stats().leases == 0
+    assert (info.served, info.bytes_out) == (before[0] + 2 * len(pick),
+                                             before[1] + 2 * len(pick) * info.page_bytes)
+
+
+def test_pin_few_answers_none_and_pins_nothing_where_pin_read_must_answer(store):
+    info = store.register_layout(LAYOUT)
+    ks = _keys("k", 20)
+    _put(store, info, ks[:17])
+    absent = _keys("absent", 1)[0]
+    for asked in (Packed(ks[0] + absent, 16),           # a key missing: NOT_FOUND or read-back
+                  Packed(b"".join(ks[:17]), 16),        # more than FEW_KEYS
+                  Packed(b"", 0),                       # none
+                  Packed(b"x" * 24, 24)):               # a key size the layout never saw
+        assert store.pin_few(info.layout_id, asked) is None
+    assert not store._slots.pins.any()
+    assert store.stats().leases == 0
+
+
+def test_a_page_pinned_by_pin_few_is_not_evicted_and_a_delete_frees_it_at_unpin(store):
+    info = store.register_layout(LAYOUT)
+    ks = _keys("k", 4)
+    _put(store, info, ks)
+    _, slots, offsets = store.pin_few(info.layout_id, Packed(ks[0], 16))
+    page = bytes(store.mem[offsets[0]:offsets[0] + info.page_bytes])
+    pages, _, leased = store.evict(everything=True)
+    assert leased == 1 and pages == 3                  # the pinned page stays
+    assert store.delete(info.layout_id, [ks[0]]) == 1
+    assert store._slots.state[slots[0]] == int(SlotState.DOOMED)
+    # Nothing reuses the slot while it is pinned: a put of as many pages as fit.
+    more = _keys("m", store.pool.capacity_bytes // info.page_bytes)
+    for key in more:
+        try:
+            _put(store, info, [key])
+        except Exception:  # noqa: BLE001 - the pool full is the point
+            break
+    assert bytes(store.mem[offsets[0]:offsets[0] + info.page_bytes]) == page
+    used = store.stats().used_bytes
+    store.unpin_few(slots)
+    assert store._slots.state[slots[0]] == int(SlotState.FREE)
+    assert store.stats().used_bytes == used - info.page_bytes
