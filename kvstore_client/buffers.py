@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["LayerMajorWriter", "as_uint8", "page_aligned_empty"]
+__all__ = ["LayerMajorWriter", "as_uint8", "byte_view", "page_aligned_empty"]
 
 
 def as_uint8(data, nbytes: int, *, writable: bool = False, what: str = "pages") -> np.ndarray:
@@ -32,6 +32,23 @@ def as_uint8(data, nbytes: int, *, writable: bool = False, what: str = "pages") 
     if writable and not arr.flags.writeable:
         raise ValueError(f"{what} buffer is read-only")
     return arr
+
+
+def byte_view(data, nbytes: int, *, writable: bool = False, what: str = "pages"
+              ) -> memoryview:
+    """as_uint8(...).data: a flat byte view of `data` (no copy) holding exactly nbytes,
+    what a transport sends from or receives into. A C-contiguous numpy array (what an
+    engine passes per layer) is cast by memoryview alone, a fraction of numpy's
+    reshape, view and export; anything else, or a mismatch, goes through as_uint8 and
+    its errors."""
+    if type(data) is np.ndarray and data.flags.c_contiguous:
+        try:
+            view = data.data.cast("B")
+        except (TypeError, ValueError):          # a format memoryview does not cast
+            view = None
+        if view is not None and view.nbytes == nbytes and not (writable and view.readonly):
+            return view
+    return as_uint8(data, nbytes, writable=writable, what=what).data
 
 
 def page_aligned_empty(shape: tuple[int, ...], page: int = 4096) -> np.ndarray:

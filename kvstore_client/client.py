@@ -20,6 +20,7 @@ next split.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -36,7 +37,7 @@ from kvstore_protocol.layout import PageLayout
 
 from .admin import AdminClient, ClearResult, EvictResult, LayoutStats, PageInfo, Stats
 from .attach import RegionAttachment
-from .buffers import as_uint8, page_aligned_empty
+from .buffers import as_uint8, byte_view, page_aligned_empty
 from .channel import PEM, open_channel, with_token
 from .dataplane import Chooser, packed_keys, tls_context
 from .errors import KVStoreError, PagesMissing
@@ -171,7 +172,9 @@ class KVStoreClient:
         self.admin = AdminClient(self._rpc)
         self._data = Chooser(
             GrpcTransport(self._rpc), address, enabled=data_plane, data_address=data_address, token=token,
-            tls=tls_context(tls_ca, tls_cert, tls_key), timeout=lambda: self.timeout,
+            tls=tls_context(tls_ca, tls_cert, tls_key),
+            # self.timeout, read at every call without a Python frame (a C partial)
+            timeout=functools.partial(getattr, self._rpc, "timeout"),
             connections=data_connections, region=self.region,
             reregister=lambda handle: self.register_layout(handle.layout),
             reattach=lambda keep: self._shm.attach(force=True, keep=keep),
@@ -241,16 +244,16 @@ class KVStoreClient:
         """Store pages (N, page_bytes) under keys; keys already present are skipped."""
         keys = list(keys)
         total = len(keys) * ns.page_bytes
-        flat = as_uint8(pages, total)
         if keys and self.region() is not None:
-            by_page = flat.reshape(len(keys), ns.page_bytes)
+            by_page = as_uint8(pages, total).reshape(len(keys), ns.page_bytes)
             with self.reserve(ns, keys) as res:
                 copy_pages(by_page, res.region.mem, res.offsets, to_pool=True)
                 stored = res.commit()
             return PutResult(stored, res.skipped, res.in_flight)
+        view = byte_view(pages, total)
         key_size, data = packed_keys(keys)
         return PutResult(*self._data.call("Put", ns, lambda t: t.put(
-            ns.layout_id, key_size, data, flat.data)))
+            ns.layout_id, key_size, data, view)))
 
     def lookup(self, ns: LayoutHandle | Sequence[LayoutHandle],
                keys: Sequence[bytes] | Packed) -> int:
@@ -406,22 +409,24 @@ class KVStoreClient:
 
     def get_into(self, ns: LayoutHandle, keys: Sequence[bytes], out) -> None:
         """Fill a caller's (N, page_bytes) buffer (numpy, torch CPU, pinned, bytearray)."""
-        keys = list(keys)
-        n, layers = len(keys), ns.layout.num_layers
+        keys = keys if type(keys) is list else list(keys)
+        n = len(keys)
+        if self.region() is None:
+            view = byte_view(out, n * ns.page_bytes, writable=True, what="out")
+            if not n:
+                return
+            key_size, data = packed_keys(keys)
+            try:
+                self._data.call("Get", ns, lambda t: t.get_into(
+                    ns.layout_id, key_size, data, view, ns.page_bytes, ns.layout.num_layers))
+            except KVStoreError as exc:
+                raise PagesMissing.of(exc) from None
+            return
         flat = as_uint8(out, n * ns.page_bytes, writable=True, what="out")
-        if keys and self.region() is not None:
+        if n:
             with self._acquire_or_keyerror(ns, keys) as acq:
                 copy_pages(flat.reshape(n, ns.page_bytes), acq.region.mem, acq.offsets,
                            to_pool=False)
-            return
-        if not keys:
-            return
-        key_size, data = packed_keys(keys)
-        try:
-            self._data.call("Get", ns, lambda t: t.get_into(
-                ns.layout_id, key_size, data, flat.data, ns.page_bytes, layers))
-        except KVStoreError as exc:
-            raise PagesMissing.of(exc) from None
 
     def get_layers(self, ns: LayoutHandle, keys: Sequence[bytes], dest: Dest | None = None,
                    stop: threading.Event | None = None, landed: Landed | None = None

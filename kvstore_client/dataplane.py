@@ -59,7 +59,7 @@ def packed_keys(keys) -> tuple[int, bytes]:
     """(key size, packed bytes) of a Packed or a list of equal-length keys."""
     if isinstance(keys, Packed):
         return keys.size, keys.data
-    data, size = pack_keys(list(keys))
+    data, size = pack_keys(keys if type(keys) is list else list(keys))
     return size, data
 
 
@@ -212,18 +212,34 @@ class Chooser:
         """fn on the fast path where it is open, else (or once it went away) on gRPC,
         mended after a server restart (transport.Recovery); handle: the layout the call
         names, registered again if the server forgot it."""
-        def once() -> T:
-            fast = self.fast()
-            if fast is not None:
-                try:
-                    return fn(fast)
-                except FastPathUnavailable:
-                    self.drop(fast)         # the server went away: gRPC retries
-                except NotCarried:
-                    pass                    # this call only: gRPC, the fast path stays
-            return fn(self.grpc)
+        fast = self._fast
+        if fast is not None:
+            # The common case, a fast path open and nothing to mend: one try, no closure
+            # and no loop around it (an engine pays this per layer). What it raises is
+            # handled as the loop below would.
+            try:
+                return fn(fast)
+            except KVStoreError as exc:
+                if not self._recovery.mends(exc, handle):
+                    raise
+                return self._recovery.run(lambda: self._once(fn), handle, exc)
+            except FastPathUnavailable:
+                self.drop(fast)             # the server went away: gRPC retries
+            except NotCarried:              # this call only: gRPC, the fast path stays
+                return self._recovery.run(lambda: fn(self.grpc), handle)
+        return self._recovery.run(lambda: self._once(fn), handle)
 
-        return self._recovery.run(once, handle)
+    def _once(self, fn: Callable[[Transport], T]) -> T:
+        """fn on the fast path where it is open (opened if due), else on gRPC."""
+        fast = self.fast()
+        if fast is not None:
+            try:
+                return fn(fast)
+            except FastPathUnavailable:
+                self.drop(fast)             # the server went away: gRPC retries
+            except NotCarried:
+                pass                        # this call only: gRPC, the fast path stays
+        return fn(self.grpc)
 
     def get_layers(self, ns: LayoutHandle, key_size: int, packed: bytes, dest: Dest,
                    stop: threading.Event | None, reregister: Callable[[], object],

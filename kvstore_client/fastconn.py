@@ -31,6 +31,11 @@ _GET = int(fw.Op.GET)
 _PUT = int(fw.Op.PUT)
 _HEADER = fw.HEADER
 _HEAD = fw.HEADER.size
+_MAGIC = fw.MAGIC
+_VERSION = fw.VERSION
+# A GET request's header, layout id and keys' head, packed at once (Conn.get).
+_GET_REQUEST = struct.Struct(fw.HEADER.format + fw.LAYOUT_KEYS_HEAD.format.lstrip("<"))
+_SMALL_BODY = 65536          # a body below this goes in one send with its header
 
 
 class Broken(ConnectionError):
@@ -166,20 +171,23 @@ class Conn:
                 raise
             raise _failed(exc, "receiving") from None
 
-    def get(self, body: bytes, out: memoryview) -> None:
-        """A page-major GET whose answer fills out: the request in one send, the answer's
-        header, pad and pages in one recvmsg_into where the kernel has them all (a page
-        or a few: one system call each way). What an engine calls per layer, so it
-        checks the answer with one unpack and one compare, and builds nothing else."""
-        if not self.plain:                    # TLS: no recvmsg
-            self.send(_GET, body)
-            self.answer_into(_GET, "Get", out)
-            return
+    def get(self, layout_id: bytes, key_size: int, packed: bytes, out: memoryview) -> None:
+        """A page-major GET of the packed keys whose answer fills out: the request in one
+        send (header, layout and keys' head packed at once), the answer's header, pad
+        and pages in one recvmsg_into where the kernel has them all (a page or a few:
+        one system call each way). What an engine calls per layer, so it checks the
+        answer with one unpack and one compare, and builds nothing else."""
+        n = len(packed) // key_size if key_size else 0
+        frame = _GET_REQUEST.pack(_MAGIC, _VERSION, _GET, 0, fw.PAGE_MAJOR,
+                                  fw.LAYOUT_KEYS_HEAD.size + len(packed), 0, layout_id,
+                                  key_size, n) + packed
         try:
-            self.sock.sendall(_HEADER.pack(fw.MAGIC, fw.VERSION, _GET, 0, fw.PAGE_MAJOR,
-                                           len(body), 0) + body)
+            self.sock.sendall(frame)
         except OSError as exc:
             raise _failed(exc, "sending") from None
+        if not self.plain:                    # TLS: no recvmsg
+            self.answer_into(_GET, "Get", out)
+            return
         pre = self._pre
         try:
             got = self.sock.recvmsg_into([pre, out])[0]
@@ -283,17 +291,68 @@ class Conn:
                             "lease it would have ended expires by itself",
                             bytes(body).decode(errors="replace"))
 
+    def call(self, op: int, body: bytes, method: str, flags: int = 0) -> bytes:
+        """A request with no data, and its answer's body (_answer_body). Sent first, then
+        the answers owed to requests sent without waiting are read, then this one's:
+        sending first lets the server go from a release straight to this call; reading
+        the owed answers first took a round trip more."""
+        if len(body) < _SMALL_BODY:
+            try:
+                self.sock.sendall(_HEADER.pack(_MAGIC, _VERSION, op, 0, flags, len(body), 0)
+                                  + body)
+            except OSError as exc:
+                raise _failed(exc, "sending") from None
+        else:
+            self.send(op, body, flags=flags)
+        if self.owed:
+            self.settle()
+        return self._answer_body(op, method)
+
+    def put(self, body: bytes, data: memoryview) -> bytes:
+        """A PUT of data (the pages) under body's layout and keys; its answer's body."""
+        if (data.nbytes <= SEND_BYTES and len(body) < _SMALL_BODY and self.plain
+                and data.ndim == 1 and data.itemsize == 1):
+            # A Put of a few pages: frame and pages in one sendmsg, not two sends.
+            try:
+                self._sendmsg(_HEADER.pack(_MAGIC, _VERSION, _PUT, 0, 0, len(body),
+                                           data.nbytes) + body, data)
+            except OSError as exc:
+                raise _failed(exc, "sending") from None
+        else:
+            self.send(_PUT, body, data)
+        return self._answer_body(_PUT, "Put")
+
+    def _answer_body(self, op: int, method: str) -> bytes:
+        """The body of the answer to op, copied (the connection may serve another call
+        before the caller reads it). One whole in one receive, as a small answer is, is
+        checked with one unpack; anything else goes through answer's checks."""
+        buf = self._rbuf
+        try:
+            got = self.sock.recv_into(buf)
+        except OSError as exc:
+            raise _failed(exc, "receiving") from None
+        if got >= _HEAD:
+            magic, version, h_op, status, _, body_len, data_len = _HEADER.unpack_from(buf)
+            if (got == _HEAD + body_len and h_op == op and not status and not data_len
+                    and magic == _MAGIC and version == _VERSION):
+                return bytes(buf[_HEAD:got])
+        return bytes(self._answer_got(got, op, method)[1])
+
     def answer(self, op: int, method: str) -> tuple[fw.Header, memoryview]:
         """The header and body of the answer; KVStoreError if it is an error frame.
         The body is a view of this connection's buffer, valid until its next call.
 
         Nothing can follow the answer on the wire (the server answers only what was
         asked, and owed answers were read first), so one recv never reads past it."""
-        buf = self._rbuf
         try:
-            got = self.sock.recv_into(buf)
+            got = self.sock.recv_into(self._rbuf)
         except OSError as exc:
             raise _failed(exc, "receiving") from None
+        return self._answer_got(got, op, method)
+
+    def _answer_got(self, got: int, op: int, method: str) -> tuple[fw.Header, memoryview]:
+        """answer, once its first receive brought `got` bytes into the buffer."""
+        buf = self._rbuf
         if not got:
             raise Broken("the server closed the connection")
         if got < fw.HEADER.size:

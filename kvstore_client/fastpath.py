@@ -85,7 +85,7 @@ class HelloTimedOut(FastPathUnavailable):
     not a second try over gRPC that would cost another timeout."""
 
 
-def _pins(answer: memoryview, count: int, layout_ids: list[bytes]) -> Pins:
+def _pins(answer: bytes, count: int, layout_ids: list[bytes]) -> Pins:
     """The pins after a LOOKUP answer's count and lease: one row of offsets per distinct
     layout id, in the order first named (as the server dedupes them)."""
     pos = fw.COUNT_LEASE.size
@@ -94,7 +94,7 @@ def _pins(answer: memoryview, count: int, layout_ids: list[bytes]) -> Pins:
                            "Lookup")
     region, ttl_ms, n = fw.PINS_HEAD.unpack_from(answer, pos)
     ids = list(dict.fromkeys(layout_ids))
-    # A copy: the answer is a view of the connection's buffer, which the next call reuses.
+    # A copy: numpy's view of bytes is read-only, and a caller may keep or change them.
     offsets = fw.unpack_u64(answer[pos + fw.PINS_HEAD.size:]).copy()
     if n != len(ids) or len(offsets) != n * count:
         raise KVStoreError(grpc.StatusCode.INTERNAL,
@@ -288,13 +288,22 @@ class FastPath:
         except HelloTimedOut as exc:
             raise deadline(method, exc) from None
 
-    def _run(self, method: str, fn: Callable[[Conn], T]) -> T:
-        """fn on a pooled connection; once more on a fresh one if it broke."""
+    def _run(self, method: str, fn: Callable[..., T], *args) -> T:
+        """fn(conn, *args) on a pooled connection; once more on a fresh one if it broke.
+        fn is a Conn method, args its own: no closure a call (an engine calls per layer)."""
         for attempt in (0, 1):
-            conn = self._open(method, fresh=attempt > 0)
+            if attempt:
+                conn = self._open(method, fresh=True)
+            else:
+                try:
+                    conn = self._idle.pop()
+                except IndexError:
+                    conn = self._open(method, fresh=False)
             try:
-                conn.use_timeout(self._timeout())
-                result = fn(conn)
+                timeout = self._timeout()
+                if timeout != conn.timeout:
+                    conn.use_timeout(timeout)
+                result = fn(conn, *args)
             except Timeout as exc:
                 conn.close()
                 raise deadline(method, exc) from None
@@ -311,7 +320,10 @@ class FastPath:
             except BaseException:
                 conn.close()          # mid-frame state unknown: never reuse it
                 raise
-            self._give(conn)
+            if self._closed or len(self._idle) >= 2 * self.connections:
+                conn.close()          # as _give, inline
+            else:
+                self._idle.append(conn)
             return result
         raise AssertionError("unreachable")
 
@@ -323,7 +335,9 @@ class FastPath:
                 if lane.conn is None:
                     lane.conn = self._open(method, fresh=attempt > 0)
                 try:
-                    lane.conn.use_timeout(self._timeout())
+                    timeout = self._timeout()
+                    if timeout != lane.conn.timeout:
+                        lane.conn.use_timeout(timeout)
                     return fn(lane.conn)     # _simple reads owed answers first
                 except Timeout as exc:
                     # Out of step: not used again, but kept while it holds leases.
@@ -341,13 +355,9 @@ class FastPath:
 
     @staticmethod
     def _simple(conn: Conn, op: fw.Op, body: bytes, method: str,
-                flags: int = 0) -> memoryview:
-        """Send, then read the answers owed to releases sent without waiting, then this
-        call's answer. Sending first lets the server go from the release straight to
-        this call; reading the owed answers first took a round trip more."""
-        conn.send(op, body, flags=flags)
-        conn.settle()
-        return conn.answer(op, method)[1]
+                flags: int = 0) -> bytes:
+        """A lane's call: Conn.call (which reads the answers owed first)."""
+        return conn.call(op, body, method, flags)
 
     # -- control ------------------------------------------------------------------------
     def lookup(self, layout_ids: list[bytes], key_size: int, packed: bytes,
@@ -356,9 +366,13 @@ class FastPath:
         None). pins: ask for where they lie (fastwire.PINS; a leased lookup only)."""
         body = (fw.LOOKUP_HEAD.pack(lease_ms, len(layout_ids)) + b"".join(layout_ids)
                 + fw.encode_keys(key_size, packed))
-        flags = fw.PINS if pins and lease_ms else 0
+        if not lease_ms:
+            answer = self._run("Lookup", Conn.call, fw.Op.LOOKUP, body, "Lookup")
+            count, lease_id = fw.COUNT_LEASE.unpack_from(answer)
+            return count, lease_id, None
+        flags = fw.PINS if pins else 0
 
-        def call(c: Conn) -> memoryview:
+        def call(c: Conn) -> bytes:
             answer = self._simple(c, fw.Op.LOOKUP, body, "Lookup", flags)
             if lease_ms and len(answer) == fw.COUNT_LEASE.size:
                 # Without pins the lease is the connection's (with them it ends only by
@@ -366,23 +380,23 @@ class FastPath:
                 self._holdings.took(c, fw.COUNT_LEASE.unpack_from(answer)[1])
             return answer
 
-        answer = (self._leased if lease_ms else self._run)("Lookup", call)
+        answer = self._leased("Lookup", call)
         count, lease_id = fw.COUNT_LEASE.unpack_from(answer)
         if len(answer) == fw.COUNT_LEASE.size or not flags:
             return count, lease_id, None
         return count, lease_id, _pins(answer, count, layout_ids)
 
     def exists(self, layout_id: bytes, key_size: int, packed: bytes) -> list[bool]:
-        answer = self._run("Exists", lambda c: self._simple(
-            c, fw.Op.EXISTS, keys_body(layout_id, key_size, packed), "Exists"))
+        answer = self._run("Exists", Conn.call, fw.Op.EXISTS,
+                           keys_body(layout_id, key_size, packed), "Exists")
         (n,) = fw.COUNT.unpack_from(answer)
         bits = np.unpackbits(np.frombuffer(answer[fw.COUNT.size:], dtype=np.uint8),
                              bitorder="little")
         return bits[:n].astype(bool).tolist()
 
     def delete(self, layout_id: bytes, key_size: int, packed: bytes) -> int:
-        answer = self._run("Delete", lambda c: self._simple(
-            c, fw.Op.DELETE, keys_body(layout_id, key_size, packed), "Delete"))
+        answer = self._run("Delete", Conn.call, fw.Op.DELETE,
+                           keys_body(layout_id, key_size, packed), "Delete")
         return fw.COUNT.unpack_from(answer)[0]
 
     def acquire(self, layout_id: bytes, key_size: int, packed: bytes, region_token: bytes,
@@ -404,7 +418,7 @@ class FastPath:
         return FastLease(lease_id, fw.unpack_u64(answer[fw.RESERVED.size:]).copy(), skipped,
                          in_flight)
 
-    def _took(self, conn: Conn, answer: memoryview) -> memoryview:
+    def _took(self, conn: Conn, answer: bytes) -> bytes:
         """An ACQUIRE's or RESERVE's answer, its lease (first in it) held by conn."""
         self._holdings.took(conn, fw.LEASE.unpack_from(answer)[0])
         return answer
@@ -522,35 +536,29 @@ class FastPath:
             ) -> tuple[int, int, int]:
         """(stored, skipped, in flight); data: the pages, back to back, as one flat byte
         view."""
-        body = keys_body(layout_id, key_size, packed)
-
-        def call(c: Conn) -> tuple[int, int, int]:
-            c.send(fw.Op.PUT, body, data)
-            return fw.PUT_DONE.unpack_from(c.answer(fw.Op.PUT, "Put")[1])
-
-        return self._run("Put", call)
+        answer = self._run("Put", Conn.put, keys_body(layout_id, key_size, packed), data)
+        return fw.PUT_DONE.unpack_from(answer)
 
     def get_into(self, layout_id: bytes, key_size: int, packed: bytes, out: memoryview,
                  page_bytes: int, layers: int = 1) -> None:
         """The pages of the keys, page after page, into out (n * page_bytes bytes);
         striped over several connections when it is large. layers: unused here (the
         fast path's GET answers page-major; gRPC's answers layer-major)."""
+        if out.nbytes < 2 * STRIPE_MIN_BYTES or self.connections == 1:
+            self._run("Get", Conn.get, layout_id, key_size, packed, out)   # one stripe
+            return
         n = len(packed) // key_size if key_size else 0
-        stripes = min(self.connections, n, max(1, out.nbytes // STRIPE_MIN_BYTES))
+        stripes = min(self.connections, n, out.nbytes // STRIPE_MIN_BYTES)
         if stripes <= 1:
-            self._get_part(layout_id, key_size, packed, out)
+            self._run("Get", Conn.get, layout_id, key_size, packed, out)
             return
         if self._stripes is None:
             self._stripes = concurrent.futures.ThreadPoolExecutor(
                 self.connections, thread_name_prefix="kvstore-fast")
         bounds = np.linspace(0, n, stripes + 1).astype(int).tolist()
         parts = [self._stripes.submit(
-            self._get_part, layout_id, key_size, packed[a * key_size:b * key_size],
-            out[a * page_bytes:b * page_bytes]) for a, b in itertools.pairwise(bounds)]
+            self._run, "Get", Conn.get, layout_id, key_size,
+            packed[a * key_size:b * key_size], out[a * page_bytes:b * page_bytes])
+            for a, b in itertools.pairwise(bounds)]
         for part in parts:
             part.result()
-
-    def _get_part(self, layout_id: bytes, key_size: int, packed: bytes, out: memoryview
-                  ) -> None:
-        body = keys_body(layout_id, key_size, packed)
-        self._run("Get", lambda c: c.get(body, out))

@@ -96,21 +96,31 @@ class Recovery:
         self._reattach = reattach
         self._reregister = reregister
 
-    def run(self, fn: Callable[[], T], handle: LayoutHandle | None) -> T:
+    @staticmethod
+    def mends(exc: KVStoreError, handle: LayoutHandle | None) -> bool:
+        """Whether a refusal calls for a mend (run would try the call again after it)."""
+        return exc.reason is Reason.SHM_TOKEN_STALE or (
+            handle is not None and exc.reason is Reason.LAYOUT_UNKNOWN)
+
+    def run(self, fn: Callable[[], T], handle: LayoutHandle | None,
+            failed: KVStoreError | None = None) -> T:
         """fn(), run again after each mend its refusal calls for (each at most once);
-        handle: the layout the call names (None: no layout to register again)."""
+        handle: the layout the call names (None: no layout to register again). failed:
+        the refusal of a first try made outside this loop (Chooser.call's), mended
+        first, as if fn had raised it here."""
         reattached = reregistered = False
         while True:
+            if failed is not None:
+                if not reattached and failed.reason is Reason.SHM_TOKEN_STALE:
+                    reattached = True             # the server restarted: map its new region
+                    self._reattach()
+                elif (handle is not None and not reregistered
+                        and failed.reason is Reason.LAYOUT_UNKNOWN):
+                    reregistered = True           # the server restarted: register again
+                    self._reregister(handle)
+                else:
+                    raise failed
             try:
                 return fn()
             except KVStoreError as exc:
-                if not reattached and exc.reason is Reason.SHM_TOKEN_STALE:
-                    reattached = True             # the server restarted: map its new region
-                    self._reattach()
-                    continue
-                if (handle is not None and not reregistered
-                        and exc.reason is Reason.LAYOUT_UNKNOWN):
-                    reregistered = True           # the server restarted: register again
-                    self._reregister(handle)
-                    continue
-                raise
+                failed = exc
