@@ -251,11 +251,12 @@ class Connection:
         # A quiet RELEASE gets no answer, not even an error (fastwire.QUIET).
         reply = _quiet if op == _RELEASE and h.flags & _QUIET else self._reply
         try:
-            try:
-                s.who = self._principal()
-            except StoreError:                  # revoked: a PUT's pages still follow,
-                s.reader.skip(h.data_len, s.scratch)   # read past them to stay in step
-                raise
+            if self.auth is not None:       # without an auth file: ANONYMOUS, as set
+                try:
+                    s.who = self._principal()
+                except StoreError:              # revoked: a PUT's pages still follow,
+                    s.reader.skip(h.data_len, s.scratch)   # read past them to stay in step
+                    raise
             answer = self._table[op](s, h, body)
             if answer is not None:
                 reply(op, answer)

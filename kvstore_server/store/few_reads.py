@@ -20,8 +20,6 @@ stats count such a read as a lease (LeaseBook.reading), as they count pin_read's
 
 from __future__ import annotations
 
-import numpy as np
-
 from kvstore_protocol.keys import Packed
 
 from .evict import Eviction
@@ -43,9 +41,6 @@ class FewReads:
         self._s = s
         self._book = book
         self._eviction = eviction
-        # The policy's touch of a list of ids where it has one (lru.LRUPolicy.touch_few);
-        # else its array form, through StoreState.touch.
-        self._touch_few = getattr(s.policy, "touch_few", None)
 
     def pin(self, layout_id: bytes, keys: Packed
             ) -> tuple[LayoutInfo, list[int], list[int]] | None:
@@ -63,18 +58,11 @@ class FewReads:
             slots = index.find_few(keys.data)
             if -1 in slots:
                 return None
-            table = s.slots
-            pins, touched = table.pins, table.touched_at
-            now = s.clock() - s.started_at
+            pins = s.slots.pins
             for slot in slots:              # a slot named twice is pinned twice
                 pins[slot] += 1
-                touched[slot] = now
             self._book.reading += 1
-            # Reversed, as StoreState.touch: the first key becomes the most recent.
-            if self._touch_few is not None:
-                self._touch_few(slots[::-1])
-            else:
-                s.policy.touch(np.array(slots[::-1], dtype=np.int64))
+            s.touch_few(slots)
             info.bytes_out += n * info.page_bytes
             info.served += n
             offset = s.pool.offset

@@ -76,9 +76,8 @@ class Lookups:
                 if not leading:
                     return self._missed(infos, len(keys))
                 count = min(map(len, leading))
-                return self._count_and_lease(
-                    infos, keys, [np.array(f[:count], dtype=np.int64) for f in leading],
-                    count, lease_ttl, offsets)
+                return self._count_few(infos, keys, [f[:count] for f in leading], count,
+                                       lease_ttl, offsets)
             # One key is found once: its own find says whether it is absent.
             if not s.lower.holds_pages and len(keys) > 1 and self._first_absent(infos, keys):
                 return self._missed(infos, len(keys))
@@ -157,7 +156,7 @@ class Lookups:
         """Count the hits, touch the run's DRAM pages, and lease them if asked: the
         pages of the tier below are counted, not leased; Acquire reads them back.
         Returns (count, lease id or 0, offsets per layout if asked: see lookup_pinned)."""
-        s, book = self._s, self._book
+        s = self._s
         run = [slots[:count] for slots in found]
         # Without a tier below, every page of the run is in DRAM (count stops at the
         # first one absent): no mask to take.
@@ -166,6 +165,30 @@ class Lookups:
             info.hits += count
             info.misses += len(keys) - count
             s.touch(run_slots)
+        return self._lease(infos, run, dram, count, lease_ttl, offsets)
+
+    def _count_few(self, infos: list[LayoutInfo], keys: Packed, run: list[list[int]],
+                   count: int, lease_ttl: float, offsets: bool
+                   ) -> tuple[int, int, list[np.ndarray]]:
+        """_count_and_lease of a few keys' runs (count >= 1 each, all in DRAM), as lists:
+        the hits counted and the pages touched with no array made (StoreState.touch_few);
+        arrays only for a lease, which keeps its slots as one."""
+        s = self._s
+        for info, slots in zip(infos, run, strict=True):
+            info.hits += count
+            info.misses += len(keys) - count
+            s.touch_few(slots)
+        if lease_ttl <= 0:
+            return count, 0, []
+        arrays = [np.array(slots, dtype=np.int64) for slots in run]
+        return self._lease(infos, arrays, arrays, count, lease_ttl, offsets)
+
+    def _lease(self, infos: list[LayoutInfo], run: list[np.ndarray], dram: list[np.ndarray],
+               count: int, lease_ttl: float, offsets: bool
+               ) -> tuple[int, int, list[np.ndarray]]:
+        """The lease on a lookup's counted DRAM pages (dram: each layout's), where asked:
+        (count, lease id or 0, the run's offsets per layout if asked)."""
+        s, book = self._s, self._book
         pinned = dram[0] if len(dram) == 1 else np.concatenate(dram)
         if lease_ttl <= 0 or not pinned.size:
             return count, 0, []

@@ -68,3 +68,18 @@ class StoreState:
         # Reversed: the prefix's head becomes the most recent, its tail goes first.
         self.policy.touch(slots[::-1])
         self.slots.touched_at[slots] = self.clock() - self.started_at
+
+    def touch_few(self, slots: list[int]) -> None:
+        """touch() of a few slots given as a list (a Get's, a few-key lookup's run): scalar
+        stores, and the policy's list form where it has one (lru.LRUPolicy.touch_few),
+        with no array made: numpy's fancy forms cost as much for one slot as for
+        hundreds (under the lock)."""
+        now = self.clock() - self.started_at
+        touched = self.slots.touched_at
+        for slot in slots:
+            touched[slot] = now
+        touch_few = getattr(self.policy, "touch_few", None)
+        if touch_few is not None:
+            touch_few(slots[::-1])
+        else:
+            self.policy.touch(np.array(slots[::-1], dtype=np.int64))

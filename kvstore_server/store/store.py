@@ -440,26 +440,25 @@ class Store:
         are to be offered to the through tier: the slots, pinned for _offer_through, and
         their offsets; else None."""
         s = self._s
-        live_arr = np.array(live, dtype=np.int64)
         if live:
             info.index_for(len(live_keys[0])).insert(b"".join(live_keys), live)
         if len(live) <= _FEW_STORES:
             # A few: scalar stores, where each fancy store costs several (as touch).
             now = s.clock() - s.started_at
-            state, committed, touched = (s.slots.state, s.slots.committed_at,
-                                         s.slots.touched_at)
+            state, committed = s.slots.state, s.slots.committed_at
             for slot in live:
                 state[slot] = _READY
                 committed[slot] = now
-                touched[slot] = now
-            s.policy.touch(live_arr[::-1])
+            s.touch_few(live)
         else:
+            live_arr = np.array(live, dtype=np.int64)
             s.slots.state[live_arr] = _READY
             s.slots.committed_at[live_arr] = s.clock() - s.started_at
             s.touch(live_arr)
         info.bytes_in += len(live) * info.page_bytes
         if self.through is None or not offer or not live:
             return None
+        live_arr = np.array(live, dtype=np.int64)
         # Offered outside the lock (each offer copies a page into the tier's queue:
         # 64 pages of 1 MiB would hold the lock for milliseconds), the slots pinned
         # meanwhile so that no eviction or delete reuses them under the copy.

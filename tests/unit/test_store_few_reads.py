@@ -99,3 +99,41 @@ def test_a_page_pinned_by_pin_few_is_not_evicted_and_a_delete_frees_it_at_unpin(
     store.unpin_few(slots)
     assert store._slots.state[slots[0]] == int(SlotState.FREE)
     assert store.stats().used_bytes == used - info.page_bytes
+
+
+class _ArrayOnlyPolicy:
+    """A policy with only the interface's array touch (no touch_few), as a plugin may be."""
+
+    def __init__(self):
+        from kvstore_server.store.lru import LRUPolicy
+        self.inner = LRUPolicy()
+        self.touched: list[list[int]] = []
+
+    def touch(self, ids):
+        assert isinstance(ids, np.ndarray)
+        self.touched.append(ids.tolist())
+        self.inner.touch(ids)
+
+    def remove(self, ids):
+        self.inner.remove(ids)
+
+    def victims(self, n, eligible=None):
+        return self.inner.victims(n, eligible)
+
+
+def test_the_list_touches_reach_a_policy_that_only_takes_arrays():
+    region = Region(16 * MiB)
+    try:
+        store = Store(region, policy=_ArrayOnlyPolicy)
+        info = store.register_layout(LAYOUT)
+        ks = _keys("k", 4)
+        _put(store, info, ks)
+        policy = store._s.policy
+        policy.touched.clear()
+        _, slots, _ = store.pin_few(info.layout_id, Packed(ks[2] + ks[0], 16))
+        store.unpin_few(slots)
+        assert store.lookup([info.layout_id], ks[:3]) == (3, 0)
+        found = store.pin_read(info.layout_id, Packed(b"".join(ks[:3]), 16)).slots.tolist()
+        assert policy.touched == [slots[::-1], found[::-1], found[::-1]]
+    finally:
+        region.close()
