@@ -240,9 +240,10 @@ class KVStoreClient:
         return LayoutHandle(layout, resp.layout_id, resp.page_bytes, resp.layer_bytes)
 
     # -- pages ----------------------------------------------------------------------
-    def put(self, ns: LayoutHandle, keys: Sequence[bytes], pages) -> PutResult:
-        """Store pages (N, page_bytes) under keys; keys already present are skipped."""
-        keys = list(keys)
+    def put(self, ns: LayoutHandle, keys: Sequence[bytes] | Packed, pages) -> PutResult:
+        """Store pages (N, page_bytes) under keys; keys already present are skipped.
+        keys: equal-length bytes, or a Packed (kvstore_protocol.keys), sent as it is."""
+        keys = keys if type(keys) is list or isinstance(keys, Packed) else list(keys)
         total = len(keys) * ns.page_bytes
         if keys and self.region() is not None:
             by_page = as_uint8(pages, total).reshape(len(keys), ns.page_bytes)
@@ -407,9 +408,11 @@ class KVStoreClient:
         self.get_into(ns, keys, out)
         return out
 
-    def get_into(self, ns: LayoutHandle, keys: Sequence[bytes], out) -> None:
-        """Fill a caller's (N, page_bytes) buffer (numpy, torch CPU, pinned, bytearray)."""
-        keys = keys if type(keys) is list else list(keys)
+    def get_into(self, ns: LayoutHandle, keys: Sequence[bytes] | Packed, out) -> None:
+        """Fill a caller's (N, page_bytes) buffer (numpy, torch CPU, pinned, bytearray).
+        keys: equal-length bytes, or a Packed (kvstore_protocol.keys), sent as it is: an
+        engine that asks per layer packs its keys once."""
+        keys = keys if type(keys) is list or isinstance(keys, Packed) else list(keys)
         n = len(keys)
         if self.region() is None:
             view = byte_view(out, n * ns.page_bytes, writable=True, what="out")
@@ -465,7 +468,7 @@ class KVStoreClient:
         """The server's pool mapped here, or None when only gRPC can be used."""
         return self._shm.region()
 
-    def reserve(self, ns: LayoutHandle, keys: Sequence[bytes], lease_ms: int = 0) -> Reservation:
+    def reserve(self, ns: LayoutHandle, keys: Sequence[bytes] | Packed, lease_ms: int = 0) -> Reservation:
         """WRITING slots in the shared pool for the keys not yet stored (two-phase put).
         Write `views[i]`, then `commit()`; or `abort()`. lease_ms 0 = the server's ttl."""
         key_size, data = packed_keys(keys)
@@ -482,7 +485,7 @@ class KVStoreClient:
         return Reservation(ns, r.lease_id, r.offsets, r.skipped, region,
                            self._commit_lease, self._abort_lease, r.in_flight)
 
-    def acquire(self, ns: LayoutHandle, keys: Sequence[bytes], lease_ms: int = 0) -> Acquired:
+    def acquire(self, ns: LayoutHandle, keys: Sequence[bytes] | Packed, lease_ms: int = 0) -> Acquired:
         """Pin the pages of keys in the shared pool and return read-only views of them;
         `release()` when done. NOT_FOUND (KVStoreError) if a key is missing."""
         key_size, data = packed_keys(keys)
@@ -494,7 +497,7 @@ class KVStoreClient:
         region, r = self._data.call("Acquire", ns, call)
         return Acquired(ns, r.lease_id, r.offsets, region, self.release_lease_later)
 
-    def _acquire_or_keyerror(self, ns: LayoutHandle, keys: Sequence[bytes]) -> Acquired:
+    def _acquire_or_keyerror(self, ns: LayoutHandle, keys: Sequence[bytes] | Packed) -> Acquired:
         try:
             return self.acquire(ns, keys)
         except KVStoreError as exc:
