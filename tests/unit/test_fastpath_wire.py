@@ -329,3 +329,17 @@ def test_a_get_cut_short_sends_the_rest_not_all_again(cut):
     assert (answer.op, answer.status, answer.body_len, answer.data_len) == (
         fw.Op.GET, 0, len(pad), pb)
     assert bytes(got[fw.HEADER.size:]) == pad + data.tobytes()
+
+
+def test_a_connections_scratch_starts_on_a_page_boundary():
+    """A small Put's pages are copied from it into page-aligned pool slots: a source a few
+    bytes short of a page boundary made that copy many times slower (connection.py)."""
+    import ctypes
+
+    from kvstore_server.fastpath.connection import SCRATCH_BYTES, _scratch
+
+    scratch = _scratch()
+    assert len(scratch) == SCRATCH_BYTES and not scratch.readonly
+    assert ctypes.addressof(ctypes.c_char.from_buffer(scratch)) % 4096 == 0
+    scratch[-1] = 7
+    assert scratch[-1] == 7
