@@ -24,6 +24,7 @@ Ratios are per run; the report gives each figure's median over the runs. The dev
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import socket
@@ -454,9 +455,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", action="store_true",
                    help="only: what engines call, pages a call by page size, lookups and "
                         "leases, against a raw TCP peer (bench/fastpath_sweep.py)")
-    p.add_argument("--rounds", type=int, default=0, help="--sweep's rounds (default 3)")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="--sweep's rounds (default 3), --client-ab's blocks (default 20)")
+    p.add_argument("--client-ab", metavar="DIR",
+                   help="only: this checkout's client against the one in DIR (another "
+                        "checkout), alternated blocks of calls against one server "
+                        "(bench/fastpath_clients.py)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.client_ab:
+        from .fastpath_clients import ClientAB, client_ab
+        spec = ClientAB.quick() if args.quick else ClientAB()
+        if args.rounds:
+            spec = dataclasses.replace(spec, blocks=args.rounds)
+        print(client_ab(args.client_ab, spec))
+        return 0
     if args.sweep:
         from .fastpath_sweep import main_sweep
         print(main_sweep(args.quick, args.rounds))
