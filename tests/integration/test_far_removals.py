@@ -287,7 +287,7 @@ def test_the_watch_holds_at_most_far_watch_pages(fleet):
         def reported() -> tuple[list[int], str]:
             """The indices of the keys reported, and the far tier's counters."""
             far = next(t for t in c.stats().tiers if t.name == "far")
-            return (sorted(ks.index(k) for k in ring.keys()),
+            return (sorted({ks.index(e.key) for e in ring.read()}),
                     f"writes {far.writes}, drops {far.drops}, errors {far.errors}")
 
         wait_value(reported, lambda got: got[0] == list(range(8)), "the 8 oldest reported",
