@@ -30,6 +30,7 @@ blocking SSL socket whose SO_RCVTIMEO fires retries the read without end.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import mmap
 import socket
@@ -48,7 +49,7 @@ from ..errors import Outcome, StoreError
 from ..peercert import Digest, der_digest
 from ..rpc.limits import MAX_KEYS_LIMIT, request_message_bytes
 from .io import ClientGone, Reader, set_timeouts
-from .ops import Ops, Session, status_of, table
+from .ops import SEND_SENDMSG, Ops, Session, status_of, table
 
 __all__ = ["Connection"]
 
@@ -209,6 +210,9 @@ class Connection:
             session = Session(self.sock, self._reader, self.plain,
                               _scratch(), ANONYMOUS,
                               bytes(fw.ALIGN_PAD) if self._granted & fw.ALIGNED else b"")
+            if session.pad and self.plain and self.ops.send_mode == SEND_SENDMSG:
+                # A small Get's answer may go under the store's lock (Ops.send_now).
+                session.now = functools.partial(self.ops.send_now, session)
             # A plain socket's timeouts are set once, at HELLO: every receive and send
             # waits --stream-timeout, and the wait for a header lets it pass until the
             # idle timeout (Reader.idle_waits). A setsockopt pair around each Put's pages

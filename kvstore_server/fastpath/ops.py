@@ -78,6 +78,12 @@ class Session:
     head: bytearray = dataclasses.field(default_factory=lambda: bytearray(_GET_HEAD.size))
     head_view: memoryview = dataclasses.field(init=False)
 
+    # A small Get's answer sent under the store's lock (Ops.send_now, bound to this
+    # session at HELLO where it applies), and the bytes of it such a send took when it
+    # was cut short: the rest goes after its pages are pinned (Ops._send_few).
+    now: Callable[[LayoutInfo, list[int]], bool] | None = None
+    sent: int = 0
+
     def __post_init__(self) -> None:
         self.head_view = memoryview(self.head)
 
@@ -91,6 +97,11 @@ class Session:
 # The largest pins a LOOKUP answers (fastwire.PINS): beyond, it answers the count alone
 # and the worker acquires. 2 MiB is 32 ranks of a 128k-token prompt in 16-token pages.
 _MAX_PINS_BYTES = 2 << 20
+
+# The largest Get answer sent under the store's lock (Ops.send_now): its send never waits
+# for the peer, but the kernel copies it meanwhile, and every other call waits for the lock.
+# A page or two of an engine's per-layer Get; larger ones are pinned and sent after.
+NOW_BYTES = 128 << 10
 
 # Leases a connection remembers; the oldest beyond this have long expired by their ttl.
 MAX_TRACKED = 65536
@@ -222,9 +233,10 @@ class Ops:
         if order == fw.PAGE_MAJOR and s.pad and s.plain and self.send_mode == SEND_SENDMSG:
             # The common Get, a page or a block of pages in DRAM to a client that reads
             # aligned answers: pinned and sent with no arrays (store/few_reads.py).
-            few = self.calls.get_few(s.who, layout_id, keys, key_size)
+            few = self.calls.get_few(s.who, layout_id, keys, key_size, s.now)
             if few is not None:
-                self._send_few(s, *few)
+                if few[1]:                  # pinned: not sent whole under the lock
+                    self._send_few(s, *few)
                 return
         if order != fw.PAGE_MAJOR and order != fw.LAYER_MAJOR:
             raise fw.WireError(f"unknown GET order {order}", fw.Status.INVALID)
@@ -288,11 +300,37 @@ class Ops:
             if nbytes > SEND_BYTES:
                 send_views(s.sock, batch)
                 return
+            sent, s.sent = s.sent, 0
+            if sent:                                # send_now took a part: the rest
+                send_batch(s.sock, batch, sent)
+                return
             sent = s.sock.sendmsg(batch)
             if sent != nbytes + _ALIGNED_HEAD:
                 send_batch(s.sock, batch, sent)     # sent in part: the rest
         finally:
             self.store.unpin_few(slots)
+
+    def send_now(self, s: Session, info: LayoutInfo, offs: list[int]) -> bool:
+        """Under the store's lock (store/few_reads.py): a Get answer of one run of pages, up
+        to NOW_BYTES, in one sendmsg that never waits (MSG_DONTWAIT). True when the kernel
+        took it whole: its pages need no pin. Else s.sent says how much it took, and the
+        caller pins the pages and sends the rest (_send_few)."""
+        pb = info.page_bytes
+        nbytes = len(offs) * pb
+        first = offs[0]
+        if nbytes > NOW_BYTES or (len(offs) > 1 and
+                                  offs != list(range(first, first + nbytes, pb))):
+            return False
+        _GET_HEAD.pack_into(s.head, 0, fw.MAGIC, fw.VERSION, _GET, 0, 0, fw.ALIGN_PAD, nbytes)
+        try:
+            sent = s.sock.sendmsg([s.head_view, self.mem[first:first + nbytes]], (),
+                                  socket.MSG_DONTWAIT)
+        except BlockingIOError:                     # no room at all: pinned, then sent
+            return False
+        if sent == nbytes + _ALIGNED_HEAD:
+            return True
+        s.sent = sent
+        return False
 
     def _send_get(self, s: Session, order: int, info: LayoutInfo, offsets: np.ndarray,
                   nbytes: int) -> None:

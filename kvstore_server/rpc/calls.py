@@ -25,7 +25,7 @@ the pages it pinned, Writing aborts a reservation that was not committed.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -270,17 +270,19 @@ class Calls:
                               self.store.pool.capacity_bytes)
         return Reading(self.store, self.store.pin_read(layout, keys, quota=who.quota_bytes))
 
-    def get_few(self, who: Principal, layout_id: bytes, data: bytes, key_size: int
+    def get_few(self, who: Principal, layout_id: bytes, data: bytes, key_size: int,
+                now: Callable[[LayoutInfo, list[int]], bool] | None = None
                 ) -> tuple[LayoutInfo, list[int], list[int]] | None:
         """get's pins as Python ints, for up to FEW_KEYS keys all in DRAM: (layout, slots,
         pool offsets), under the same rules as get; None where get must be asked instead
         (nothing pinned: a key below DRAM or missing, or more keys). The caller ends it
-        with store.unpin_few once the pages are sent (store/few_reads.py)."""
+        with store.unpin_few once the pages are sent (store/few_reads.py); now: the
+        transport's send without waiting, under the store's lock (FewReads.pin)."""
         keys = self.keys(data, key_size, "Get")
         layout = self.layout(who, layout_id)
         self.limits.get_bytes(len(keys), self.store.info(layout).page_bytes,
                               self.store.pool.capacity_bytes)
-        return self.store.pin_few(layout, keys)
+        return self.store.pin_few(layout, keys, now)
 
     def put(self, who: Principal, layout_id: bytes, data: bytes, key_size: int,
             data_len: int | None = None) -> Writing:

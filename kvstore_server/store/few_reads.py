@@ -7,7 +7,9 @@ the pin, the touch and the unpin, each a few calls into numpy that cost as much 
 key as for hundreds. Here, for up to FEW_KEYS keys, one hold of the lock finds, pins and
 touches them as Python ints, and one more unpins them:
 
-    pin   find_few -> every key READY? -> pins += 1 each, touched now, counted served
+    pin   find_few -> every key READY? -> touched now, counted served
+                                      -> used at once (`now`)? done: nothing pinned
+                                      -> else pins += 1 each
                                       -> else None: the caller takes pin_read's way
                                          (a read-back from below, or NOT_FOUND)
     unpin pins -= 1 each; a DOOMED page (deleted or evicted while sent) goes free with
@@ -16,9 +18,18 @@ touches them as Python ints, and one more unpins them:
 The pins are the same pins pin_read takes: no eviction, delete or put reuses a pinned
 slot until its unpin, so the caller sends the pages' bytes after the lock is dropped. The
 stats count such a read as a lease (LeaseBook.reading), as they count pin_read's.
+
+`now` lets a caller use the pages before the lock is dropped, where it can do so without
+waiting: the fast path's one-page Get hands the kernel its answer with a send that never
+blocks (MSG_DONTWAIT), and the kernel has copied every byte of it when the send returns
+whole. Its pages then need no pin, and the Get holds the lock once, not twice; a send cut
+short pins them as above, and the rest is sent after. The hold grows by that one send of
+a bounded size (the caller's to bound), which never waits for the peer.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from kvstore_protocol.keys import Packed
 
@@ -42,10 +53,13 @@ class FewReads:
         self._book = book
         self._eviction = eviction
 
-    def pin(self, layout_id: bytes, keys: Packed
+    def pin(self, layout_id: bytes, keys: Packed,
+            now: Callable[[LayoutInfo, list[int]], bool] | None = None
             ) -> tuple[LayoutInfo, list[int], list[int]] | None:
         """(layout, slots, pool offsets) of keys all READY in DRAM, pinned; None where one
-        is not (nothing pinned), or for more than FEW_KEYS keys or none."""
+        is not (nothing pinned), or for more than FEW_KEYS keys or none. now(layout,
+        offsets): called under the lock; True when it has used the pages whole, and then
+        nothing is pinned (slots is [], and there is nothing to unpin)."""
         n = keys.n
         if not 0 < n <= FEW_KEYS:
             return None
@@ -58,18 +72,23 @@ class FewReads:
             slots = index.find_few(keys.data)
             if -1 in slots:
                 return None
-            pins = s.slots.pins
-            for slot in slots:              # a slot named twice is pinned twice
-                pins[slot] += 1
-            self._book.reading += 1
             s.touch_few(slots)
             info.bytes_out += n * info.page_bytes
             info.served += n
             offset = s.pool.offset
-            return info, slots, [int(offset[slot]) for slot in slots]
+            offsets = [int(offset[slot]) for slot in slots]
+            if now is not None and now(info, offsets):
+                return info, [], offsets
+            pins = s.slots.pins
+            for slot in slots:              # a slot named twice is pinned twice
+                pins[slot] += 1
+            self._book.reading += 1
+            return info, slots, offsets
 
     def unpin(self, slots: list[int]) -> None:
         """End a pin: one pin fewer on each slot; a DOOMED slot's last goes free."""
+        if not slots:                       # used under the lock: nothing pinned
+            return
         s = self._s
         with s.lock:
             self._book.reading -= 1

@@ -550,11 +550,13 @@ class Store:
                 return Pinned(0, info, slots, s.pool.offset[slots])
         return self.acquire(layout_id, keys, FOREVER, quota)
 
-    def pin_few(self, layout_id: bytes, keys: Packed
+    def pin_few(self, layout_id: bytes, keys: Packed,
+                now: Callable[[LayoutInfo, list[int]], bool] | None = None
                 ) -> tuple[LayoutInfo, list[int], list[int]] | None:
         """pin_read of up to FEW_KEYS keys all in DRAM, as ints: (layout, slots, offsets),
-        or None (nothing pinned: ask pin_read). End it with unpin_few (few_reads.py)."""
-        return self._few.pin(layout_id, keys)
+        or None (nothing pinned: ask pin_read); now: pages used under the lock, unpinned
+        (FewReads.pin). End it with unpin_few (few_reads.py)."""
+        return self._few.pin(layout_id, keys, now)
 
     def unpin_few(self, slots: list[int]) -> None:
         """End a pin_few: its pins go (a DOOMED page is freed with its last)."""

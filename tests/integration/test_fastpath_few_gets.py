@@ -7,6 +7,8 @@ Gets on one open connection refused at the second."""
 from __future__ import annotations
 
 import signal
+import socket
+import time
 
 import numpy as np
 
@@ -102,3 +104,45 @@ def test_many_lean_gets_leave_no_pin_and_count_each(fresh_server):
         served = sum(len(ks[i % 8:i % 8 + 2]) for i in range(50))
         assert sum(layout.served for layout in after.layouts) - before == served
         assert np.array_equal(c.get(ns, ks), data)
+
+
+def test_a_get_to_a_slow_reader_keeps_its_page_pinned_until_sent(fresh_server):
+    """Gets the kernel cannot take whole at once (the reader has stopped reading) are
+    pinned and sent after: a delete and puts meanwhile neither free nor overwrite the page
+    while its bytes are still going out, and once read every answer is the page as put."""
+    srv = fresh_server()
+    with KVStoreClient(srv.address, shared_memory=False, data_plane=True) as c:
+        ns = c.register_layout(LAYOUTS["mla"])          # 72 KiB pages: sent under the lock
+        ks = keys("slow", 1)
+        data = pages(1, ns.page_bytes, seed=5)
+        c.put(ns, ks, data)
+        raw = Raw.__new__(Raw)
+        raw.sock = socket.socket()
+        raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        host, _, port = fast_address(srv).rpartition(":")
+        raw.sock.connect((host, int(port)))
+        raw.sock.settimeout(10)
+        raw.send(fw.Op.HELLO, b"", flags=fw.ALIGNED)
+        assert raw.answer()[0] == 0
+        asked = 40
+        for _ in range(asked):
+            raw.send(fw.Op.GET, keys_body(ns.layout_id, ks))
+        time.sleep(0.5)                                  # the server waits on our window
+        assert c.delete(ns, ks) == 1
+        others = keys("other", 8)
+        c.put(ns, others, pages(8, ns.page_bytes, seed=6))   # would take a freed slot
+        statuses = []
+        for _ in range(asked):
+            status, body, data_len = raw.answer()
+            statuses.append(status)
+            if status == 0:
+                assert body == bytes(fw.ALIGN_PAD)
+                assert raw.recv_exact(data_len) == data[0].tobytes()
+            else:
+                assert status == fw.Status.NOT_FOUND, body
+        raw.close()
+        served = statuses.index(fw.Status.NOT_FOUND) if fw.Status.NOT_FOUND in statuses \
+            else asked
+        assert served >= 1 and all(s == fw.Status.NOT_FOUND for s in statuses[served:])
+        stats = c.stats()
+        assert stats.pinned_pages == 0 and stats.leases == 0

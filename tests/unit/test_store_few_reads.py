@@ -137,3 +137,33 @@ def test_the_list_touches_reach_a_policy_that_only_takes_arrays():
         assert policy.touched == [slots[::-1], found[::-1], found[::-1]]
     finally:
         region.close()
+
+
+def test_pages_used_under_the_lock_are_counted_and_left_unpinned(store):
+    info = store.register_layout(LAYOUT)
+    ks = _keys("k", 4)
+    _put(store, info, ks)
+    seen = []
+
+    def used(layout, offsets):
+        seen.append((layout, offsets))
+        return True
+
+    got = store.pin_few(info.layout_id, Packed(ks[1] + ks[2], 16), used)
+    assert got is not None and got[1] == [] and seen == [(info, got[2])]
+    assert not store._slots.pins.any() and store.stats().leases == 0
+    assert info.served == 2
+    store.unpin_few(got[1])                      # nothing to unpin: a no-op
+    assert not store._slots.pins.any() and store.stats().leases == 0
+    # Not used whole: pinned as without it.
+    _, slots, _ = store.pin_few(info.layout_id, Packed(ks[1], 16), lambda *_: False)
+    assert store._slots.pins[slots[0]] == 1 and store.stats().leases == 1
+    store.unpin_few(slots)
+
+    def broken(layout, offsets):
+        raise ConnectionResetError("gone")
+
+    with pytest.raises(ConnectionResetError):
+        store.pin_few(info.layout_id, Packed(ks[0], 16), broken)
+    assert not store._slots.pins.any() and store.stats().leases == 0
+    assert store.pin_few(info.layout_id, Packed(ks[0], 16)) is not None   # the lock is free
