@@ -104,6 +104,7 @@ from .hostmem import Mappings
 from .loading import no_release, start_step_loads
 from .outcomes import LoadOutcomes, Verdict
 from .pending import Part, PendingSave, SaveQueue, Settle
+from .putting import Puts
 from .remote import RemoteLoadFailed, RemoteLoads
 from .reserving import StepReserve
 from .sending import Held, to_send
@@ -238,6 +239,7 @@ class WorkerHalf:
         self._layer_handles: list[Landing] = []    # their distinct handles (wait_for_layer)
         self._async: dict[str, _Load] = {}         # loads reported when done
         self._saves = SaveQueue()                  # reserved, copying, waiting to commit
+        self._puts = Puts()                        # the buffer path's Puts, under way
         self._reserving = StepReserve()            # the step's Reserve, until answered
         self._unsaved: list[int] = []              # layers whose save hooks were put off
         self._errors: set[int] = set()
@@ -600,6 +602,26 @@ class WorkerHalf:
     def _poll_saves(self, step: bool = False) -> None:
         """Finish the saves whose copies have landed (never waits)."""
         self._finish_saves(self._saves.poll(self._outcomes, step, self._copy_failed))
+        self._count_puts(self._puts.done())
+
+    def _count_puts(self, finished: list[tuple[PendingSave, object]]) -> None:
+        """The buffer path's Puts that have returned (connector.worker.putting)."""
+        for save, got in finished:
+            if isinstance(got, KVStoreError):
+                self._trip(got)
+                log.warning("saving %d pages of %s failed: %s", len(save.offsets),
+                            ", ".join(sorted(save.req_ids)), got)
+            elif isinstance(got, BaseException):
+                raise got                 # as a Put on this thread raised it
+            else:
+                self._count_saved(save, got)
+
+    def _count_saved(self, save: PendingSave, got: object) -> None:
+        # A Put answers what it stored (a page another engine stored meanwhile is
+        # skipped there); a Reservation's commit, the slots this save filled.
+        stored = got.stored if isinstance(got, PutResult) else save.stored_pages()
+        self._stats.pages_saved += stored
+        self._stats.bytes_saved += stored * self.ns.page_bytes
 
     @staticmethod
     def _copy_failed(save: PendingSave, exc: Exception) -> None:
@@ -624,12 +646,10 @@ class WorkerHalf:
             if dropped:
                 assert save.forget is not None   # PARTIAL only where parts can be forgotten
                 save.forget(dropped)          # never published: see connector.worker.pending
-            got = save.commit()
-            # A Put answers what it stored (a page another engine stored meanwhile is
-            # skipped there); a Reservation's commit, the slots this save filled.
-            stored = got.stored if isinstance(got, PutResult) else save.stored_pages()
-            self._stats.pages_saved += stored
-            self._stats.bytes_saved += stored * self.ns.page_bytes
+            if save.region is None:       # a buffer: its Put goes on a thread (putting)
+                self._puts.start(save)
+                return
+            self._count_saved(save, save.commit())
         except KVStoreError as exc:
             self._trip(exc)
             log.warning("finishing the save of %d pages of %s failed: %s",
@@ -680,7 +700,9 @@ class WorkerHalf:
     def wait_for_save(self) -> None:
         """Take the step's reservation (waiting for its Reserve if it is still out) and
         copy the layers it owes; check the step's loads; hand the step's save copies to
-        the poll, unwaited."""
+        the poll, unwaited. The Puts started since the last one (no shared pool) have
+        had this step's forward to go out; they are waited for now (putting.py)."""
+        self._count_puts(self._puts.done(wait=True))
         self._save_unsaved()
         self.transfer.forget_mark()
         self._take_reserve()
@@ -746,7 +768,7 @@ class WorkerHalf:
         if not self._finishing:
             return set()
         self._poll_saves()
-        done = self._finishing - self._saves.busy()
+        done = self._finishing - self._saves.busy() - self._puts.busy()
         self._finishing -= done
         return done
 
@@ -779,6 +801,10 @@ class WorkerHalf:
                              else self.transfer.finish_save(wait=True))
         # Loads' outcomes not known now never come: those saves are dropped.
         self._finish_saves(self._saves.settle(self._outcomes, give_up=True))
+        try:
+            self._count_puts(self._puts.done(wait=True))     # each bounded by its timeout
+        finally:
+            self._puts.close()
         if self._shared_store is not None:
             return                # the owner closes it after every worker that uses it
         self._mappings.close()

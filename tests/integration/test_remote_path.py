@@ -7,13 +7,15 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvstore_client import KVStoreClient  # noqa: E402
+from kvstore_client import KVStoreClient, KVStoreError  # noqa: E402
 from kvstore_connector.config import ConnectorConfig  # noqa: E402
+from tests.waiting import wait_for  # noqa: E402
 
 from .test_connector import (  # noqa: E402
     BLOCK,
@@ -202,3 +204,67 @@ def test_the_fail_loads_hook_fails_the_first_load_of_the_requests_it_names(srv):
         w.close()
     with pytest.raises(ValueError, match="fail_loads"):
         ConnectorConfig.from_mapping({"fail_loads": "(unclosed"})
+
+
+def _gated_puts(worker) -> tuple[threading.Event, threading.Event, threading.Event]:
+    """The worker's Puts wait for `gate` once sent (a slow link): (gate, entered, returned)."""
+    gate, entered, returned = threading.Event(), threading.Event(), threading.Event()
+    real = worker.client.put
+
+    def put(ns, keys, pages):
+        entered.set()
+        gate.wait(30)
+        try:
+            return real(ns, keys, pages)
+        finally:
+            returned.set()
+
+    worker.client.put = put
+    return gate, entered, returned
+
+
+def test_a_put_goes_out_beside_the_next_forward_and_sent_waits_for_it(srv):
+    """The step boundary that finds a save's copies landed starts its Put on a thread and
+    returns; the engine keeps the request's blocks until the Put has answered; the end of
+    the next step's forward waits for it, and then the pages are stored and counted."""
+    eng = Engine(srv.address, shared_memory=False)
+    eng.blocks_of = {}
+    gate, entered, returned = _gated_puts(eng.worker)
+    a = prompt(3 * BLOCK, 7)
+    _run(eng, {"a": (a, None)})
+    try:
+        # A boundary (finished) starts the Put once the copies have landed, and returns
+        # while it is out.
+        assert wait_for(lambda: eng.worker.finished() is not None and entered.is_set(),
+                        "the Put to be sent")
+        assert not returned.is_set()
+        assert eng.worker.sent(["a"]) == set(), "blocks freed under a Put still out"
+        assert _dram_pages(srv.address) == 0
+    finally:
+        gate.set()
+    eng.step([])                  # its forward's end waits for the Put
+    assert returned.is_set()
+    assert eng.worker.sent([]) == {"a"}
+    assert _dram_pages(srv.address) == 3
+    assert eng.worker.take_stats().pages_saved == 3
+    got = stored_pages(srv.address, eng.layout, keys_of(a, 3, eng.layout))
+    assert np.array_equal(got, np.stack(expected_pages(a, 3)))
+    eng.close()
+
+
+def test_a_put_that_finds_the_store_gone_opens_the_breaker_on_the_engine_thread(srv):
+    """A Put that fails on its thread is reported at the next step's end: the breaker
+    opens (the store is not answering), nothing is counted as saved."""
+    eng = Engine(srv.address, shared_memory=False)
+    eng.blocks_of = {}
+
+    def put(ns, keys, pages):
+        raise KVStoreError(grpc.StatusCode.UNAVAILABLE, "the store went away")
+
+    eng.worker.client.put = put
+    _run(eng, {"a": (prompt(2 * BLOCK, 8), None)})
+    eng.step([])
+    eng.step([])
+    assert eng.worker.breaker.open
+    assert eng.worker.take_stats().pages_saved == 0
+    eng.close()
