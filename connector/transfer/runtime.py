@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import weakref
 
 import numpy as np
 import torch
@@ -34,6 +35,12 @@ class HostRegistration:
     per request.
     Without CUDA this is a no-op object.
     Memory some other registration already covers is used as is and not unregistered.
+
+    One dropped without close() is unregistered when it is collected, before its memory
+    can go: a registration left on memory that was then unmapped stays in the driver, and
+    the next pinned allocation the process makes at those addresses fails ("resource
+    already mapped"), reported by whatever CUDA call comes next: the engine's own model
+    code (seen on an H100 after the connector's tests left workers unclosed).
     """
 
     def __init__(self, mem: np.ndarray) -> None:
@@ -52,16 +59,16 @@ class HostRegistration:
             raise TransferError(f"cudaHostRegister of {self.nbytes} bytes at {self.ptr:#x} "
                                 f"failed with CUDA error {rc}")
         self.registered = True
+        # The finalizer holds mem, so the memory stays mapped until it has run; not at
+        # interpreter exit (the CUDA context may be gone by then, and exit unmaps all).
+        self._unregister = weakref.finalize(self, _unregister, self.ptr, mem)
+        self._unregister.atexit = False
 
     def close(self) -> None:
         """Unregister; waits for the device first, since a copy may still use the memory."""
         if self.registered:
             self.registered = False
-            torch.cuda.synchronize()
-            rc = _rc(torch.cuda.cudart().cudaHostUnregister(self.ptr))
-            if rc != 0:
-                clear_cuda_error()
-                raise TransferError(f"cudaHostUnregister failed with CUDA error {rc}")
+            self._unregister()
 
     def __enter__(self) -> HostRegistration:
         return self
@@ -75,6 +82,16 @@ def pinned_empty(nbytes: int, device: torch.device) -> np.ndarray:
     copies to and from it run at PCIe speed and may be asynchronous)."""
     pin = device.type == "cuda"
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin).numpy()
+
+
+def _unregister(ptr: int, mem: np.ndarray) -> None:
+    """cudaHostUnregister(ptr) once the device is done with it; mem: kept mapped until
+    then (HostRegistration's finalizer)."""
+    torch.cuda.synchronize()
+    rc = _rc(torch.cuda.cudart().cudaHostUnregister(ptr))
+    if rc != 0:
+        clear_cuda_error()
+        raise TransferError(f"cudaHostUnregister failed with CUDA error {rc}")
 
 
 # -- the runtime ---------------------------------------------------------------------------
