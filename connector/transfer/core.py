@@ -70,6 +70,11 @@ _SCATTER_CTAS = 0
 # launches but hold the forward longer at its first layers; 8 MiB gave the faster hits of
 # the sizes tried at 1,024 and 4,096 tokens.
 _DMA_LOAD_PIECE_BYTES = 8 << 20
+# A copy-engine piece covers at least this many bytes of a page (its row in the 2D copy):
+# layers lie back to back in a pool page, so a piece of several layers is one wider row.
+# The copy engine moved the 1B preset's 32 KiB layer rows out of and into the registered
+# pool at about 47 GB/s where 64 KiB rows went at the pinned copy's 55 (H100).
+_DMA_MIN_ROW_BYTES = 64 << 10
 # Programs of a DMA save's gather (blocks -> staging, on the device): 0 = one per tile, so
 # the gather is over in microseconds and holds no SM for long (see DmaSaver).
 _GATHER_CTAS = 0
@@ -294,7 +299,7 @@ class KVTransfer:
         if len(self._tables) != 1:
             return 1
         need = -(-_DMA_LOAD_PIECE_BYTES // max(1, pages * self.geo.layer_bytes))
-        return min(len(self.layers), need)
+        return min(len(self.layers), max(need, -(-_DMA_MIN_ROW_BYTES // self.geo.layer_bytes)))
 
     def _layers_per_launch(self, pages: int, launch_bytes: int = _LAUNCH_BYTES) -> int:
         """Layers one kernel launch of `pages` pages covers (_GROUP, _LAUNCH_BYTES)."""
@@ -312,7 +317,7 @@ class KVTransfer:
         if len(self._tables) != 1:
             return 1
         need = -(-_DMA_SAVE_PIECE_BYTES // max(1, pages * self.geo.layer_bytes))
-        return min(len(self.layers), need)
+        return min(len(self.layers), max(need, -(-_DMA_MIN_ROW_BYTES // self.geo.layer_bytes)))
 
     def _table(self, layer: int) -> tuple[kernel.LayerTable, int]:
         """The layer table holding `layer`, and the layer's index in it."""
