@@ -33,9 +33,6 @@ _DMA_MIN_RUN = 8
 # short load does not earn back. At 1,024 tokens of the 8B preset (4 MiB a layer) a load
 # reaches 92% of a pinned copy (docs/perf/load-e21a8ae119.json).
 _DMA_MIN_LAYER_BYTES = 4 << 20
-# ... and only for rows of at least this many bytes: with the 1B preset's 128-byte rows the
-# kernel alone loads faster than DMA (docs/perf/load-e833749c3f.json measures that layout).
-_DMA_MIN_UNIT = 256
 # Saves go by the copy engine on CUDA when their pages form runs of this many on average
 # and a layer of the save is at least _DMA_SAVE_MIN_LAYER_BYTES (dma.DmaSaver says why): a
 # kernel save holds SMs for as long as its bytes take on PCIe, while the forward's GEMMs
@@ -73,7 +70,10 @@ _DMA_LOAD_PIECE_BYTES = 8 << 20
 # A copy-engine piece covers at least this many bytes of a page (its row in the 2D copy):
 # layers lie back to back in a pool page, so a piece of several layers is one wider row.
 # The copy engine moved the 1B preset's 32 KiB layer rows out of and into the registered
-# pool at about 47 GB/s where 64 KiB rows went at the pinned copy's 55 (H100).
+# pool at about 46 GB/s where 64 KiB rows went at the pinned copy's 55 (H100). With two
+# layers a row, 1B loads by the copy engine reached 50 / 53 / 53 GB/s at 4k / 16k / 32k
+# tokens against 35 / 41 / 44 by the kernel's 128-byte reads, and saves 49 / 52 / 53
+# against 43 with one layer a row, all in one run beside a 54-55 GB/s pinned copy.
 _DMA_MIN_ROW_BYTES = 64 << 10
 # Programs of a DMA save's gather (blocks -> staging, on the device): 0 = one per tile, so
 # the gather is over in microseconds and holds no SM for long (see DmaSaver).
@@ -283,12 +283,14 @@ class KVTransfer:
 
     def _dma_load_runs(self, offsets: np.ndarray) -> list[tuple[int, int]] | None:
         """The runs of adjacent pages of a load that goes by the copy engine (dma.py), or
-        None for a load by the kernel (_DMA_MIN_RUN, _DMA_MIN_LAYER_BYTES, _DMA_MIN_UNIT)."""
+        None for a load by the kernel (_DMA_MIN_RUN, _DMA_MIN_LAYER_BYTES).
+        Short rows (the 1B preset's 128-byte head rows) go this way too: the scatter
+        reorders them device to device, and the copy engine's rows are whole layers
+        (_DMA_MIN_ROW_BYTES)."""
         pages = len(offsets)
         if self.method is CopyMethod.DMA:
             return page_runs(offsets, len(self.layers) * self.geo.layer_bytes)
-        if not (self._dma_auto and pages * self.geo.layer_bytes >= _DMA_MIN_LAYER_BYTES
-                and self.geo.unit >= _DMA_MIN_UNIT):
+        if not (self._dma_auto and pages * self.geo.layer_bytes >= _DMA_MIN_LAYER_BYTES):
             return None
         runs = page_runs(offsets, len(self.layers) * self.geo.layer_bytes)
         return runs if runs and pages >= _DMA_MIN_RUN * len(runs) else None
