@@ -58,6 +58,10 @@ DEFAULT_CAPACITY = 1 << 17
 MAX_READ = 16384
 # Ring positions one read scans at a time (one numpy pass each).
 _SCAN = 1 << 16
+# Up to this many keys a record writes entry by entry: the batch form's half-dozen numpy
+# calls (frombuffer, arange, four fancy stores) cost a one-key delete more than the rest
+# of its record.
+_FEW = 8
 
 
 class Cause(enum.IntEnum):
@@ -124,6 +128,9 @@ class RemovalRing:
         else:
             if not keys:
                 return
+            if len(keys) <= _FEW:
+                self._record_few(layout_id, keys, cause)
+                return
             size = len(keys[0])
             if all(len(k) == size for k in keys):
                 rows = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(keys), size)
@@ -144,6 +151,20 @@ class RemovalRing:
             self._size[pos] = size
             self._keys[pos, :size] = rows
             self._head += n
+
+    def _record_few(self, layout_id: bytes, keys: Sequence[bytes], cause: Cause) -> None:
+        """record() of a few keys (a one-key delete): an entry at a time, scalar stores."""
+        code = int(cause)
+        with self._lock:
+            idx = self._layout_idx(layout_id)
+            cap = self.capacity
+            for key in keys:
+                pos = self._head % cap           # seq head + 1 lies at head % cap
+                self._layout[pos] = idx
+                self._cause[pos] = code
+                self._size[pos] = len(key)
+                self._keys[pos, :len(key)] = np.frombuffer(key, dtype=np.uint8)
+                self._head += 1
 
     def record_layout(self, layout_id: bytes, cause: Cause) -> None:
         """Every page of a layout left (an invalidation, a clear)."""

@@ -41,7 +41,7 @@ class Eviction:
         self.pressure = threading.Event()      # set when usage crosses the high watermark
         # Called (under the lock) with slots whose pages are deleted, before they are
         # freed or doomed: sessions' retention lets go of them here.
-        self.dropping: list[Callable[[np.ndarray], None]] = []
+        self.dropping: list[Callable[[np.ndarray | list[int]], None]] = []
 
     def room_for(self, info: LayoutInfo, n: int, quota: int) -> None:
         """Evict info's tenant's coldest pages so that n more fit its quota (quota.py)."""
@@ -60,13 +60,21 @@ class Eviction:
         n_ids = self._s.pool.id_capacity
         return self.evictable() & np.isin(self._s.slots.layout_of[:n_ids], layouts)
 
-    def drop(self, slots: np.ndarray) -> None:
-        """Slots already out of the index: free them, or doom them while pinned."""
-        if not slots.size:
+    def drop(self, slots: np.ndarray | list[int]) -> None:
+        """Slots already out of the index: free them, or doom them while pinned. A few
+        distinct slots may come as a list (a few-key delete): read and freed as Python
+        ints, as free() frees them."""
+        if not len(slots):
             return
         for hook in self.dropping:          # a delete ends retention (sessions)
             hook(slots)
         s = self._s
+        if isinstance(slots, list) and len(slots) <= _FEW:
+            pins = s.slots.pins
+            if not any(pins[slot] for slot in slots):
+                self._free_few(slots)
+                return
+            slots = np.array(slots, dtype=np.int64)
         pinned = s.slots.pins[slots] > 0
         if not pinned.any():                # the common case: one call fewer each side
             self.free(slots)
@@ -77,6 +85,9 @@ class Eviction:
 
     def free(self, slots) -> None:
         """Give slots back to the pool, refunding their tenants."""
+        if isinstance(slots, list) and len(slots) <= _FEW:
+            self._free_few(slots)
+            return
         slots = np.asarray(slots, dtype=np.int64)
         if not slots.size:
             return
@@ -95,6 +106,31 @@ class Eviction:
                 s.tenants.refund(s.layouts.by_idx[idx], int(per_layout[idx]))
         s.slots.clear(slots)
         s.policy.remove(slots)
+        s.pool.free(slots)
+
+    # A one-key delete freed its slot through about 20 numpy calls (a fancy read of its
+    # owner, two fancy stores, the policy's, the pool's asarray), each costing as much for
+    # one slot as for thousands, and more with the caches cold as they are when a request
+    # comes: a delete cost the server more than a put. A few slots as Python ints instead.
+    def _free_few(self, slots: list[int]) -> None:
+        """free() of a few slots given as a list: scalar reads and stores."""
+        if not slots:
+            return
+        s = self._s
+        layout_of = s.slots.layout_of
+        per: dict[int, int] = {}
+        for slot in slots:
+            idx = int(layout_of[slot])
+            if idx >= 0:
+                per[idx] = per.get(idx, 0) + 1
+        for idx, count in per.items():
+            s.tenants.refund(s.layouts.by_idx[idx], count)
+        s.slots.clear_few(slots)
+        remove_few = getattr(s.policy, "remove_few", None)
+        if remove_few is not None:
+            remove_few(slots)
+        else:
+            s.policy.remove(np.array(slots, dtype=np.int64))
         s.pool.free(slots)
 
     def evictable(self) -> np.ndarray:

@@ -75,6 +75,14 @@ class LRUPolicy:
         if ids.size:
             self._stamp[ids] = 0
 
+    def remove_few(self, ids: list[int]) -> None:
+        """remove() of a few ids given as a list, one scalar store each."""
+        stamp = self._stamp
+        n = len(stamp)
+        for i in ids:
+            if i < n:
+                stamp[i] = 0
+
     def victims(self, n: int, eligible: np.ndarray | None = None) -> np.ndarray:
         """Up to n tracked ids, least recently used first, among those where
         eligible[id] is True (a bool mask over ids; None = all tracked ids)."""

@@ -157,9 +157,9 @@ class Pool:
         # instead of one per page; see bench/shm_bench.py, "pool runs").
         return ids[np.argsort(self.offset[ids], kind="stable")]
 
-    def free(self, ids: np.ndarray) -> None:
+    def free(self, ids: np.ndarray | list[int]) -> None:
         """Return slots; an extent whose slots are all free goes back to the region."""
-        for slot in np.asarray(ids, dtype=np.int64).tolist():
+        for slot in ids if isinstance(ids, list) else np.asarray(ids, dtype=np.int64).tolist():
             ext_id = int(self._extent_of[slot])
             ext = self._extents[ext_id]
             c = self._classes[ext.cls]

@@ -151,10 +151,14 @@ class Retention:
                         sum(len(s) for s in ended))
         return len(ended)
 
-    def forget(self, slots: np.ndarray) -> None:
+    def forget(self, slots: np.ndarray | list[int]) -> None:
         """These slots' pages are deleted (under the lock): their sessions' pins go, so
-        that the delete frees them now (or at their leases' release)."""
-        held, counts = self.table.forget(slots)
+        that the delete frees them now (or at their leases' release). With no session
+        open no slot is retained (a session's end lets go of its slots), so nothing is
+        looked at: a delete of a few keys pays no numpy call for retention it has none of."""
+        if not len(self.table):
+            return
+        held, counts = self.table.forget(np.asarray(slots, dtype=np.int64))
         if held.size:
             pins = self._s.slots.pins
             pins[held] -= counts.astype(pins.dtype)

@@ -94,6 +94,13 @@ class SlotTable:
         self.state[slots] = _FREE
         self.layout_of[slots] = -1
 
+    def clear_few(self, slots: list[int]) -> None:
+        """clear() of a few slots given as a list: scalar stores."""
+        state, layout_of = self.state, self.layout_of
+        for slot in slots:
+            state[slot] = _FREE
+            layout_of[slot] = -1
+
     # A lease pins a slot once each time its key is named, and a request may name a key
     # twice. np.add.at counts repeats but costs many times what a fancy-indexed add does,
     # which counts a repeated slot once, and a leased Lookup of a long prompt pins and

@@ -591,7 +591,7 @@ class Store:
                     index.remove_slots(distinct)
                 at_ready = [i for i, slot in enumerate(found) if slot >= 0]
                 at_absent = [i for i, slot in enumerate(found) if slot < 0]
-                gone = np.array(distinct, dtype=np.int64)
+                gone = distinct            # a list: dropped by scalar reads and stores
             else:
                 ready = (index.remove(keys.rows) if index is not None and len(keys)
                          else np.full(len(keys), -1, dtype=np.int64))
@@ -600,7 +600,8 @@ class Store:
                 gone = np.unique(ready[ready >= 0])      # a repeated key: dropped once
             writing = [slot for i in at_absent
                        if (slot := info.writing.pop(keys.key(i), -1)) >= 0]
-            self._eviction.drop(gone)
+            if len(gone):
+                self._eviction.drop(gone)
             if writing:
                 self._eviction.drop(np.array(writing, dtype=np.int64))
             deleted = len(gone)

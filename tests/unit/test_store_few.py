@@ -125,3 +125,35 @@ def test_acquires_of_a_few_keys_name_the_first_missing_and_pin_each_naming(store
     assert int(store._slots.pins[slots[0]]) == 2 and int(store._slots.pins.sum()) == n + 1
     assert store.release(pinned.lease_id)
     assert int(store._slots.pins.sum()) == 0
+
+
+@pytest.mark.parametrize("n", [1, 4, 16, 17])
+def test_a_delete_frees_its_slots_whole_whether_few_or_many(store, n):
+    """A delete of n keys (a list freed slot by slot to 16, arrays past it) leaves no
+    trace of its pages: slots FREE and owned by no layout, out of the eviction order,
+    the tenant refunded, each key recorded once as DELETED in the removals ring; a
+    session that retained one lets go of it and the slot goes free at once."""
+    from kvstore_protocol.keys import Packed
+    from kvstore_server.removals import Cause
+    from kvstore_server.store.slots import SlotState
+
+    info = store.register_layout(LAYOUT)
+    ks = [_key(i) for i in range(n + 1)]
+    _put(store, info, ks)
+    slots = store._find(info, Packed.of(ks[:n])).tolist()
+    kept = int(store._find(info, Packed.of(ks[n:])).tolist()[0])
+    assert store.retain(info.layout_id, Packed.of(ks[:1]), "s", 30.0).pages == 1
+    head = store.removals.head
+    charged = store._s.tenants.bytes[info.tenant]
+    assert store.delete(info.layout_id, ks[:n] + ks[:1]) == n
+    assert all(store._slots.state[s] == SlotState.FREE for s in slots)
+    assert all(store._slots.layout_of[s] == -1 for s in slots)
+    assert int(store._slots.pins.sum()) == 0             # the session's pin went too
+    assert store._s.policy.victims(100).tolist() == [kept]
+    assert store._s.tenants.bytes[info.tenant] == charged - n * info.page_bytes
+    read = store.removals.read([info.layout_id], head, store.removals.epoch)
+    assert len(read) == n and set(read.causes) == {int(Cause.DELETED)}
+    assert read.keys == b"".join(ks[:n])
+    _put(store, info, ks[:n])                            # each slot free once: reused
+    assert store.lookup([info.layout_id], ks)[0] == n + 1
+
