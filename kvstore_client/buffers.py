@@ -41,10 +41,12 @@ def byte_view(data, nbytes: int, *, writable: bool = False, what: str = "pages"
     engine passes per layer) is cast by memoryview alone, a fraction of numpy's
     reshape, view and export; anything else, or a mismatch, goes through as_uint8 and
     its errors."""
-    if type(data) is np.ndarray and data.flags.c_contiguous:
+    if type(data) is np.ndarray:
+        # memoryview's cast refuses what is not C-contiguous (TypeError), so numpy's
+        # flags object, made anew at each read, need not be asked first.
         try:
-            view = data.data.cast("B")
-        except (TypeError, ValueError):          # a format memoryview does not cast
+            view = memoryview(data).cast("B")
+        except (TypeError, ValueError, NotImplementedError):   # or a format it lacks
             view = None
         if view is not None and view.nbytes == nbytes and not (writable and view.readonly):
             return view

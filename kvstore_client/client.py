@@ -46,7 +46,7 @@ from .grpc_transport import GrpcTransport
 from .layerget import Dest, Landed
 from .lookup_stream import LookupStream
 from .presence import PresenceMap
-from .results import LayoutHandle, Lease, PutResult
+from .results import LayoutHandle, Lease, Pins, PutResult
 from .rpc import Rpc, packed
 from .shm import Acquired, Reservation, SharedRegion, copy_layer, copy_pages
 from .transport import Transport
@@ -245,7 +245,7 @@ class KVStoreClient:
         keys: equal-length bytes, or a Packed (kvstore_protocol.keys), sent as it is."""
         keys = keys if type(keys) is list or isinstance(keys, Packed) else list(keys)
         total = len(keys) * ns.page_bytes
-        if keys and self.region() is not None:
+        if keys and self._shm.region() is not None:
             by_page = as_uint8(pages, total).reshape(len(keys), ns.page_bytes)
             with self.reserve(ns, keys) as res:
                 copy_pages(by_page, res.region.mem, res.offsets, to_pool=True)
@@ -253,13 +253,13 @@ class KVStoreClient:
             return PutResult(stored, res.skipped, res.in_flight)
         view = byte_view(pages, total)
         key_size, data = packed_keys(keys)
-        return PutResult(*self._data.call("Put", ns, lambda t: t.put(
-            ns.layout_id, key_size, data, view)))
+        return PutResult(*self._data.ask("Put", ns, "put", ns.layout_id, key_size, data,
+                                         view))
 
     def lookup(self, ns: LayoutHandle | Sequence[LayoutHandle],
                keys: Sequence[bytes] | Packed) -> int:
         """How many leading keys are stored (in every layout, when several are given)."""
-        return self._lookup_call(ns, keys, 0).count
+        return self._lookup_call(ns, keys, 0)[0]
 
     def lookup_lease(self, ns: LayoutHandle | Sequence[LayoutHandle],
                      keys: Sequence[bytes] | Packed,
@@ -272,17 +272,22 @@ class KVStoreClient:
         ended by the connection closing: release it, or it lasts its ttl."""
         if lease_ms <= 0:
             raise ValueError("lease_ms must be positive")
-        return self._lookup_call(ns, keys, lease_ms, pins)
+        count, lease_id, got_pins = self._lookup_call(ns, keys, lease_ms, pins)
+        return Lease(lease_id, count, got_pins)
 
-    def _lookup_call(self, ns, keys, lease_ms: int, pins: bool = False) -> Lease:
-        handles = [ns] if isinstance(ns, LayoutHandle) else list(ns)
-        ids = [h.layout_id for h in handles]
+    def _lookup_call(self, ns, keys, lease_ms: int, pins: bool = False
+                     ) -> tuple[int, int, Pins | None]:
+        """(count, lease id or 0, pins or None); lookup reads the count alone, so no
+        Lease is made for it."""
+        if isinstance(ns, LayoutHandle):
+            first, ids = ns, [ns.layout_id]
+        else:
+            handles = list(ns)
+            first, ids = handles[0], [h.layout_id for h in handles]
         key_size, data = packed_keys(keys)
         if self._presence_ok and data and self._missed_here(ids, key_size, data):
-            return Lease(0, 0)
-        count, lease_id, got_pins = self._data.call("Lookup", handles[0], lambda t: t.lookup(
-            ids, key_size, data, lease_ms, pins))
-        return Lease(lease_id, count, got_pins)
+            return 0, 0, None
+        return self._data.ask("Lookup", first, "lookup", ids, key_size, data, lease_ms, pins)
 
     def _missed_here(self, layout_ids: list[bytes], key_size: int, data: bytes) -> bool:
         """Whether the server's presence map (kvstore_client.presence) proves the first key
@@ -414,14 +419,14 @@ class KVStoreClient:
         engine that asks per layer packs its keys once."""
         keys = keys if type(keys) is list or isinstance(keys, Packed) else list(keys)
         n = len(keys)
-        if self.region() is None:
+        if self._shm.region() is None:
             view = byte_view(out, n * ns.page_bytes, writable=True, what="out")
             if not n:
                 return
             key_size, data = packed_keys(keys)
             try:
-                self._data.call("Get", ns, lambda t: t.get_into(
-                    ns.layout_id, key_size, data, view, ns.page_bytes, ns.layout.num_layers))
+                self._data.ask("Get", ns, "get_into", ns.layout_id, key_size, data, view,
+                               ns.page_bytes, ns.layout.num_layers)
             except KVStoreError as exc:
                 raise PagesMissing.of(exc) from None
             return

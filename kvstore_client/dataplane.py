@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, TypeVar
 import grpc
 import numpy as np
 
-from kvstore_protocol.keys import Packed, pack_keys
+from kvstore_protocol.keys import MAX_KEY_BYTES, Packed, pack_keys
 
 from .errors import KVStoreError
 from .fastpath import FastPath, FastPathUnavailable, UntrustedPeer
@@ -57,6 +57,16 @@ RETRY_S = 30.0           # after the fast path could not be reached, gRPC for th
 
 def packed_keys(keys) -> tuple[int, bytes]:
     """(key size, packed bytes) of a Packed or a list of equal-length keys."""
+    if type(keys) is list and keys:
+        # The common list, checked in C with no further frame: keys of one length
+        # within the bounds; anything else goes to pack_keys for its errors.
+        size = len(keys[0])
+        if 0 < size <= MAX_KEY_BYTES and (len(keys) == 1 or
+                                          len(set(map(len, keys))) == 1):
+            try:
+                return size, b"".join(keys)
+            except TypeError:
+                pass
     if isinstance(keys, Packed):
         return keys.size, keys.data
     data, size = pack_keys(keys if type(keys) is list else list(keys))
@@ -228,6 +238,29 @@ class Chooser:
             except NotCarried:              # this call only: gRPC, the fast path stays
                 return self._recovery.run(lambda: fn(self.grpc), handle)
         return self._recovery.run(lambda: self._once(fn), handle)
+
+    def ask(self, method: str, handle: LayoutHandle | None, op: str, *args):
+        """call's form for the calls an engine makes per layer (get_into, put, lookup):
+        the Transport method named op, with args. The open fast path's method is taken
+        by name (getattr, in C), so a call makes no closure and runs one Python frame
+        fewer; on a loaded machine each frame the call runs costs several times what it
+        costs in a loop, its code and objects cold after the thread slept in recv.
+        Refusals, a fast path gone and calls not carried are handled as in call."""
+        fast = self._fast
+        if fast is not None:
+            try:
+                return getattr(fast, op)(*args)
+            except KVStoreError as exc:
+                if not self._recovery.mends(exc, handle):
+                    raise
+                return self._recovery.run(
+                    lambda: self._once(lambda t: getattr(t, op)(*args)), handle, exc)
+            except FastPathUnavailable:
+                self.drop(fast)             # the server went away: gRPC retries
+            except NotCarried:              # this call only: gRPC, the fast path stays
+                return self._recovery.run(lambda: getattr(self.grpc, op)(*args), handle)
+        return self._recovery.run(lambda: self._once(lambda t: getattr(t, op)(*args)),
+                                  handle)
 
     def _once(self, fn: Callable[[Transport], T]) -> T:
         """fn on the fast path where it is open (opened if due), else on gRPC."""

@@ -36,6 +36,7 @@ import itertools
 import logging
 import socket
 import ssl
+import struct
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -64,6 +65,11 @@ log = logging.getLogger(__name__)
 # below it, the extra round trips and thread hand-offs cost more than they bring.
 STRIPE_MIN_BYTES = 16 << 20
 
+
+# A LOOKUP's head with one layout (fastwire: LOOKUP_HEAD, the layout id, the keys' head).
+_ONE_LAYOUT_LOOKUP = struct.Struct("<IH16sBI")
+_LOOKUP = int(fw.Op.LOOKUP)
+_COUNT_LEASE = fw.COUNT_LEASE
 
 # Answers to lookups sent without waiting that a reads lane leaves unread (lookup_later).
 _OWED_MAX = 32
@@ -364,11 +370,15 @@ class FastPath:
                lease_ms: int = 0, pins: bool = False) -> tuple[int, int, Pins | None]:
         """(leading keys present in every layout, lease id or 0, where the pages lie or
         None). pins: ask for where they lie (fastwire.PINS; a leased lookup only)."""
-        body = (fw.LOOKUP_HEAD.pack(lease_ms, len(layout_ids)) + b"".join(layout_ids)
-                + fw.encode_keys(key_size, packed))
+        n = len(packed) // key_size if key_size else 0
+        if len(layout_ids) == 1:          # the common lookup: its head in one pack
+            body = _ONE_LAYOUT_LOOKUP.pack(lease_ms, 1, layout_ids[0], key_size, n) + packed
+        else:
+            body = (fw.LOOKUP_HEAD.pack(lease_ms, len(layout_ids)) + b"".join(layout_ids)
+                    + fw.encode_keys(key_size, packed))
         if not lease_ms:
-            answer = self._run("Lookup", Conn.call, fw.Op.LOOKUP, body, "Lookup")
-            count, lease_id = fw.COUNT_LEASE.unpack_from(answer)
+            count, lease_id = _COUNT_LEASE.unpack_from(
+                self._run("Lookup", Conn.call, _LOOKUP, body, "Lookup"))
             return count, lease_id, None
         flags = fw.PINS if pins else 0
 
