@@ -140,7 +140,7 @@ class KeyIndex:
         self._live = 0                                 # live entries
         # Told of every key that comes or goes, as (words, +1 or -1): the presence map
         # (kvstore_server.store.presence). None: nobody is told.
-        self.watch: Callable[[np.ndarray, int], None] | None = None
+        self.watch: Callable[[np.ndarray | list[list[int]], int], None] | None = None
         self._gen = next(_GENERATIONS)                 # _FOUND's key: see find_few
 
     def __len__(self) -> int:
@@ -391,7 +391,7 @@ class KeyIndex:
                 home = self._hash_one(row)
             self._place_one(row, slot, home)
         if self.watch is not None:
-            self.watch(np.array(rows, dtype=np.uint64), 1)
+            self.watch(rows, 1)
 
     def _insert_one(self, row: list[int], slot: int) -> None:
         """_insert_few of one key (a one-page put's commit): the same checks, with no
@@ -412,7 +412,7 @@ class KeyIndex:
         self._live += 1
         self._place_one(row, slot, home)
         if self.watch is not None:
-            self.watch(np.array([row], dtype=np.uint64), 1)
+            self.watch([row], 1)
 
     def _any_present(self, rows: list[list[int]], homes: list[int]) -> bool:
         """Whether some key (its words, its home) is in the table: their home records

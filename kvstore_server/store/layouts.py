@@ -63,7 +63,7 @@ class LayoutInfo:
     writing: dict[bytes, int] = dataclasses.field(default_factory=dict)
     # Told of every key that enters or leaves `ready` (KeyIndex.watch): the presence map's
     # (kvstore_server.store.presence), or None
-    watch: Callable[[np.ndarray, int], None] | None = None
+    watch: Callable[[np.ndarray | list[list[int]], int], None] | None = None
     hits: int = 0
     misses: int = 0
     evictions: int = 0

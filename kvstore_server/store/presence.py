@@ -36,8 +36,10 @@ _SHIFT_INT, _MASK = 64 - BITS, (1 << 64) - 1
 # (np.unique among them) cost more than a few keys' arithmetic in Python.
 _FEW = 8
 
-# watch(words, delta): a batch of keys as (n, words) uint64, each zero-padded, +1 or -1.
-Watch = Callable[[np.ndarray, int], None]
+# watch(words, delta): a batch of keys as (n, words) uint64, each zero-padded, or a few
+# keys' words as lists of Python ints (KeyIndex's few-key inserts: an array made for
+# one key only to be read back as a list cost a one-page put ~1 us); +1 or -1.
+Watch = Callable[[np.ndarray | list[list[int]], int], None]
 
 
 class Presence:
@@ -60,7 +62,10 @@ class Presence:
         layout_salt = np.uint64(salt(layout_id))
         layout_int = int(layout_salt)
 
-        def counted(words: np.ndarray, delta: int) -> None:
+        def counted(words: np.ndarray | list[list[int]], delta: int) -> None:
+            if type(words) is list:
+                self._count_few(layout_int, words, delta)
+                return
             if not len(words):
                 return
             if len(words) <= _FEW:

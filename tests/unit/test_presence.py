@@ -103,3 +103,23 @@ def test_a_few_keys_at_a_time_count_as_one_batch_does(key_size):
     for row in words[::2]:
         by_few(row[None, :], -1)
     assert np.array_equal(batch_area, few_area)
+
+
+@pytest.mark.parametrize("key_size", [7, 16, 24])
+def test_a_few_keys_inserted_one_call_at_a_time_count_where_the_client_reads(key_size):
+    """The few-key inserts (one key, a few) tell the map their words as lists: each key
+    lands in the bucket the client computes, and a delete of them takes it back."""
+    rng = np.random.default_rng(key_size)
+    keys = [bytes(rng.integers(0, 256, key_size, dtype=np.uint8)) for _ in range(7)]
+    presence, _, area = _map()
+    index = KeyIndex(key_size, seed=3)
+    index.watch = presence.watch(LAYOUT)
+    index.insert(keys[0], [0])                                  # one key
+    index.insert(b"".join(keys[1:4]), [1, 2, 3])                # a few
+    index.insert(np.frombuffer(b"".join(keys[4:]), np.uint8).reshape(3, key_size),
+                 np.arange(4, 7))
+    salt = client_side.salt(LAYOUT)
+    buckets = [client_side.bucket(salt, k) for k in keys]
+    assert np.array_equal(area, np.bincount(buckets, minlength=AREA_BYTES).astype(np.uint8))
+    index.remove_slots([0, 2])
+    assert area.sum() == 5 and area[buckets[0]] == buckets.count(buckets[0]) - 1
