@@ -139,31 +139,41 @@ def client_ab(folder: str, spec: ClientAB) -> str:
     got: dict[tuple[str, str], list[tuple[float, float]]] = {}
     try:
         with ServerProcess(dram="512MiB").start(wait=300) as srv:
-            clients = {who: mod.KVStoreClient(srv.address, timeout=120, shared_memory=False,
-                                              data_plane=True, data_connections=1)
-                       for who, mod in (("this", kvstore_client), ("other", other))}
             raw = RawClient("127.0.0.1", peer.port)
             try:
-                pats = {who: _patterns(c, src, who) for who, c in clients.items()}
                 out64 = memoryview(page_aligned_empty((64 * KiB,)))
                 out16 = memoryview(bytearray(16))
                 floors = {"raw get 64 KiB": lambda: raw.get(out64),
                           "raw round trip, 16 bytes": lambda: raw.get(out16)}
                 for b in range(spec.blocks):
-                    order = ("this", "other") if b % 2 else ("other", "this")
-                    for name in pats["this"]:
-                        for who in order:
-                            got.setdefault((name, who), []).append(
-                                _block(pats[who][name], spec.calls))
+                    # Fresh clients each block, so fresh connections and server threads:
+                    # a connection whose server thread the scheduler keeps on the other
+                    # core (or on the same one) is faster or slower by itself, by more
+                    # than a client change saves; two identical clients kept on their
+                    # connections differed by 5-8% in the median ratio.
+                    clients = {who: mod.KVStoreClient(
+                        srv.address, timeout=120, shared_memory=False, data_plane=True,
+                        data_connections=1)
+                        for who, mod in (("this", kvstore_client), ("other", other))}
+                    try:
+                        pats = {who: _patterns(c, src, f"{who}{b}")
+                                for who, c in clients.items()}
+                        order = ("this", "other") if b % 2 else ("other", "this")
+                        for name in pats["this"]:
+                            for who in order:
+                                got.setdefault((name, who), []).append(
+                                    _block(pats[who][name], spec.calls))
+                    finally:
+                        for c in clients.values():
+                            c.close()
                     for name, fn in floors.items():
                         got.setdefault((name, "raw"), []).append(_block(fn, spec.calls))
             finally:
                 raw.close()
-                for c in clients.values():
-                    c.close()
     finally:
         peer.close()
-    return _report(spec, folder, list(pats["this"]), list(floors), got)
+    names = list(dict.fromkeys(name for name, who in got if who == "this"))
+    return _report(spec, folder, names, list(floors), got)
 
 
 def _report(spec: ClientAB, folder: str, names: list[str], floors: list[str],
