@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import socket
@@ -48,6 +49,7 @@ from google.protobuf.message import DecodeError, Message
 from kvstore_protocol import fastwire as fw
 from kvstore_protocol.carriage import encode_call, messages
 
+from .ahead import Flusher
 from .errors import KVStoreError
 from .fastconn import Broken, Conn, Timeout, deadline
 from .holdings import Holdings
@@ -69,6 +71,7 @@ STRIPE_MIN_BYTES = 16 << 20
 # A LOOKUP's head with one layout (fastwire: LOOKUP_HEAD, the layout id, the keys' head).
 _ONE_LAYOUT_LOOKUP = struct.Struct("<IH16sBI")
 _LOOKUP = int(fw.Op.LOOKUP)
+_RELEASE = int(fw.Op.RELEASE)
 _COUNT_LEASE = fw.COUNT_LEASE
 
 # Answers to lookups sent without waiting that a reads lane leaves unread (lookup_later).
@@ -161,6 +164,8 @@ class FastPath:
         self._reads = _Lane()
         self._writes = _Lane()
         self._stripes: concurrent.futures.ThreadPoolExecutor | None = None
+        # Sends the reads lane's held releases when no request carries them.
+        self._ahead = Flusher(self._flush_ahead)
         self._closed = False
         self.tenant = ""
         # Whether the server carries unary calls in CALL frames (granted at HELLO).
@@ -268,6 +273,7 @@ class FastPath:
         """Close every connection. keep_leased: a lane's connection that holds leases
         is retired instead (Holdings), so that they do not end with it."""
         self._closed = True
+        self._ahead.close()
         while True:
             try:
                 self._idle.pop().close()
@@ -276,6 +282,8 @@ class FastPath:
         for lane in (self._reads, self._writes):
             with lane.lock:
                 if lane.conn is not None:
+                    with contextlib.suppress(OSError, ConnectionError):
+                        lane.conn.send_held()       # a kept connection, too
                     if keep_leased:
                         self._holdings.let_go(lane.conn)
                     else:
@@ -463,9 +471,16 @@ class FastPath:
             conn = lane.conn
             if conn is not None:
                 try:
-                    if conn.quiet:      # no answer comes (fastwire.QUIET): it rides
-                        # ahead of the lane's next request, in its segment (send_ahead)
-                        conn.send_ahead(fw.Op.RELEASE, body, flags=fw.QUIET)
+                    if conn.quiet and conn.tcp:
+                        # No answer comes (fastwire.QUIET): held, it goes in the lane's
+                        # next request's send (kvstore_client.ahead). Over TCP only: a
+                        # same-host client (the Unix socket) copies from the pool and
+                        # may look at the server's leases at once (stats, an evict).
+                        conn.hold(_RELEASE, body, fw.QUIET)
+                        self._ahead.arm()
+                    elif conn.quiet:
+                        conn.hold(_RELEASE, body, fw.QUIET)
+                        conn.send_held()
                     else:
                         conn.send(fw.Op.RELEASE, body)
                         conn.owed += 1
@@ -481,6 +496,23 @@ class FastPath:
         # (over gRPC while the fast path was down, or on a connection since retired or
         # closed): end it by waiting, on a connection of its own.
         self.release(lease_id, pages_read)
+
+    def _flush_ahead(self) -> None:
+        """Send the reads lane's held releases that no request carried (ahead.Flusher)."""
+        lane = self._reads
+        with lane.lock:
+            self._ahead.disarm()
+            conn = lane.conn
+            if conn is None or not conn.held:
+                return
+            try:
+                conn.send_held()
+            except Broken:
+                self._holdings.lost(conn)
+                lane.conn = None
+            except Timeout:
+                self._holdings.let_go(conn)
+                lane.conn = None
 
     def lookup_later(self, layout_ids: list[bytes], key_size: int, packed: bytes) -> bool:
         """A LOOKUP flagged MISSED whose answer is read before the next call on the reads

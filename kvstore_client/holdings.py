@@ -22,6 +22,7 @@ opens, so a lease taken before a fast path was dropped is ended through the next
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -74,7 +75,9 @@ class Holdings:
 
     def let_go(self, conn: Conn) -> None:
         """conn is not to be used again (out of step): closed, or kept while it holds
-        leases."""
+        leases. What it holds to send (a release, Conn.hold) is sent first."""
+        with contextlib.suppress(OSError, ConnectionError):
+            conn.send_held()
         oldest = None
         with self._lock:
             if self._held.get(conn):

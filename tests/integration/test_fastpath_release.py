@@ -1,15 +1,18 @@
 """A release not waited for (release_lease_later) over TCP: a QUIET RELEASE that the
-kernel holds and sends in one segment with the lane's next request (Conn.send_ahead)."""
+client holds and sends in one send with the lane's next request (Conn.hold), or by
+itself HOLD_S later when none follows (kvstore_client.ahead), or when the client closes."""
 
 from __future__ import annotations
 
 import socket
 import struct
+import time
 
 import numpy as np
 import pytest
 
 from kvstore_client import KVStoreClient, PageLayout
+from kvstore_client.ahead import HOLD_S
 from kvstore_testing.serverproc import ServerProcess
 from tests.waiting import wait_for
 
@@ -85,3 +88,51 @@ def test_a_lane_that_breaks_after_a_release_sent_ahead_loses_no_lease(srv):
         assert again.count == 2 and c.fast_path()._reads.conn is not conn
         c.release_lease(again)
         assert _leases(srv) == 0
+
+
+def test_a_held_release_goes_in_the_next_requests_send(srv):
+    """Held in the client, not sent, until the lane's next request: then both go in one
+    send, and the release is applied before that request is answered."""
+    with _tcp_client(srv) as c:
+        ns = c.register_layout(LAYOUT)
+        c.put(ns, KEYS, np.ones((len(KEYS), ns.page_bytes), np.uint8))
+        lease = c.lookup_lease(ns, KEYS, lease_ms=600_000)
+        conn = c.fast_path()._reads.conn
+        c.release_lease_later(lease)
+        assert conn.held, "the release was sent at once, not held"
+        again = c.lookup_lease(ns, KEYS[:1], lease_ms=600_000)
+        assert conn.held == b"" and c.fast_path()._reads.conn is conn
+        assert _leases(srv) == 1
+        c.release_lease(again)
+        assert _leases(srv) == 0
+
+
+def test_a_held_release_with_no_request_after_it_is_sent_by_the_flusher(srv):
+    """No request follows: the flusher sends it by itself within HOLD_S (and a bit), on
+    the same connection, and the lease ends well before its ttl."""
+    with _tcp_client(srv) as c:
+        ns = c.register_layout(LAYOUT)
+        c.put(ns, KEYS, np.ones((len(KEYS), ns.page_bytes), np.uint8))
+        for _ in range(3):                      # armed again after each flush
+            lease = c.lookup_lease(ns, KEYS, lease_ms=600_000)
+            conn = c.fast_path()._reads.conn
+            c.release_lease_later(lease)
+            began = time.monotonic()
+            wait_for(lambda: _leases(srv) == 0, "the flusher to send the release",
+                     timeout=10)
+            assert time.monotonic() - began < HOLD_S + 2.0
+            assert conn.held == b"" and c.fast_path()._reads.conn is conn
+
+
+def test_a_held_release_of_a_pinned_lease_is_sent_when_the_client_closes(srv):
+    """A lease with pins outlives its connection (another process reads under it), so
+    a release held when the client closes must still be sent: close sends it."""
+    c = _tcp_client(srv)
+    ns = c.register_layout(LAYOUT)
+    c.put(ns, KEYS, np.ones((len(KEYS), ns.page_bytes), np.uint8))
+    lease = c.lookup_lease(ns, KEYS, lease_ms=600_000, pins=True)
+    assert lease.pins is not None, "no pins: the test needs a lease that outlives closing"
+    c.release_lease_later(lease)
+    assert c.fast_path()._reads.conn.held
+    c.close()
+    wait_for(lambda: _leases(srv) == 0, "the held release sent at close", timeout=10)

@@ -6,6 +6,10 @@ from kvstore_client.holdings import Holdings
 class FakeConn:
     def __init__(self):
         self.closed = False
+        self.sent_held = 0      # calls of send_held (a held release goes before retiring)
+
+    def send_held(self):
+        self.sent_held += 1
 
     def close(self):
         self.closed = True
@@ -17,6 +21,7 @@ def test_a_retired_connection_closes_with_its_last_lease():
     h.took(conn, 2)
     h.let_go(conn)                      # out of step: kept for its leases
     assert not conn.closed and h.holds(conn)
+    assert conn.sent_held == 1          # what it held went out before it was kept
     h.ended(1)
     assert not conn.closed
     h.ended(2)
