@@ -486,8 +486,8 @@ class KeyIndex:
             buckets.append(bucket)
         if not buckets:
             return
-        if self.watch is not None:
-            self.watch(table[buckets, :nw], -1)
+        if self.watch is not None:          # the words as lists (presence.Watch)
+            self.watch([table[bucket, :nw].tolist() for bucket in buckets], -1)
         for bucket, slot in zip(buckets, slots, strict=True):
             table[bucket, nw] = (int(table[bucket, nw]) & 0xFF) | (1 << 32)
             pos[slot] = -1
