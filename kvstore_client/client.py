@@ -310,8 +310,7 @@ class KVStoreClient:
         lease_id = lease.lease_id if isinstance(lease, Lease) else lease
         if not lease_id:
             return False
-        return self._data.call("ReleaseLease", None,
-                               lambda t: t.release(lease_id, pages_read))
+        return self._data.ask("ReleaseLease", None, "release", lease_id, pages_read)
 
     # A remote engine's leased lookup is two round trips when it waits for the release's
     # answer, and the answer only says whether the lease was still there: the release
@@ -323,8 +322,7 @@ class KVStoreClient:
         server; one never sent costs the pages their pin until the lease expires."""
         lease_id = lease.lease_id if isinstance(lease, Lease) else lease
         if lease_id:
-            self._data.call("ReleaseLease", None,
-                            lambda t: t.release_later(lease_id, pages_read))
+            self._data.ask("ReleaseLease", None, "release_later", lease_id, pages_read)
 
     def exists(self, ns: LayoutHandle, keys: Sequence[bytes]) -> list[bool]:
         key_size, data = packed_keys(keys)

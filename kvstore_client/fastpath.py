@@ -391,8 +391,8 @@ class FastPath:
         flags = fw.PINS if pins else 0
 
         def call(c: Conn) -> bytes:
-            answer = self._simple(c, fw.Op.LOOKUP, body, "Lookup", flags)
-            if lease_ms and len(answer) == fw.COUNT_LEASE.size:
+            answer = c.call(_LOOKUP, body, "Lookup", flags)
+            if len(answer) == fw.COUNT_LEASE.size:
                 # Without pins the lease is the connection's (with them it ends only by
                 # RELEASE or its ttl: another process reads under it).
                 self._holdings.took(c, fw.COUNT_LEASE.unpack_from(answer)[1])
@@ -444,7 +444,7 @@ class FastPath:
     def _end(self, op: fw.Op, method: str, lease_id: int, lane: _Lane, read: int = 0) -> int:
         body = fw.LEASE.pack(lease_id) + (fw.READ.pack(read) if read else b"")
         try:
-            answer = self._leased(method, lambda c: self._simple(c, op, body, method), lane)
+            answer = self._leased(method, lambda c: c.call(op, body, method), lane)
         finally:
             # Ended, refused or timed out: its connection no longer keeps it (a retired
             # one holding nothing else closes, which ends it on the server at the latest).
