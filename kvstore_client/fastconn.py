@@ -36,6 +36,9 @@ _VERSION = fw.VERSION
 # A GET request's header, layout id and keys' head, packed at once (Conn.get).
 _GET_REQUEST = struct.Struct(fw.HEADER.format + fw.LAYOUT_KEYS_HEAD.format.lstrip("<"))
 _SMALL_BODY = 65536          # a body below this goes in one send with its header
+# A PUT request's header, layout id and keys' head, packed at once (Conn.put).
+_PUT_REQUEST = _GET_REQUEST
+_KEYS_HEAD = fw.LAYOUT_KEYS_HEAD.size
 
 
 class Broken(ConnectionError):
@@ -326,18 +329,31 @@ class Conn:
             self.settle()
         return self._answer_body(op, method)
 
-    def put(self, body: bytes, data: memoryview) -> bytes:
-        """A PUT of data (the pages) under body's layout and keys; its answer's body."""
-        if (data.nbytes <= SEND_BYTES and len(body) < _SMALL_BODY and self.plain
+    def put(self, layout_id: bytes, key_size: int, packed: bytes, data: memoryview
+            ) -> bytes:
+        """A PUT of data (the pages) under the layout and packed keys; its answer's
+        body. A Put of a few pages (what an engine saves per layer): header, layout,
+        keys' head in one pack, and frame and pages in one sendmsg."""
+        body_len = _KEYS_HEAD + len(packed)
+        nbytes = data.nbytes
+        if (nbytes <= SEND_BYTES and body_len < _SMALL_BODY and self.plain
                 and data.ndim == 1 and data.itemsize == 1):
-            # A Put of a few pages: frame and pages in one sendmsg, not two sends.
+            frame = _PUT_REQUEST.pack(_MAGIC, _VERSION, _PUT, 0, 0, body_len, nbytes,
+                                      layout_id, key_size,
+                                      len(packed) // key_size if key_size else 0) + packed
             try:
-                self._sendmsg(_HEADER.pack(_MAGIC, _VERSION, _PUT, 0, 0, len(body),
-                                           data.nbytes) + body, data)
+                sent = self.sock.sendmsg([frame, data])
+                if sent < len(frame) + nbytes:      # SO_SNDTIMEO cut it short
+                    if sent < len(frame):
+                        self.sock.sendall(frame[sent:])
+                        sent = len(frame)
+                    self.sock.sendall(data[sent - len(frame):])
             except OSError as exc:
                 raise _failed(exc, "sending") from None
         else:
-            self.send(_PUT, body, data)
+            self.send(_PUT, fw.LAYOUT_KEYS_HEAD.pack(
+                layout_id, key_size, len(packed) // key_size if key_size else 0) + packed,
+                data)
         return self._answer_body(_PUT, "Put")
 
     def _answer_body(self, op: int, method: str) -> bytes:

@@ -73,6 +73,7 @@ _ONE_LAYOUT_LOOKUP = struct.Struct("<IH16sBI")
 _LOOKUP = int(fw.Op.LOOKUP)
 _RELEASE = int(fw.Op.RELEASE)
 _COUNT_LEASE = fw.COUNT_LEASE
+_PUT_DONE = fw.PUT_DONE
 
 # Answers to lookups sent without waiting that a reads lane leaves unread (lookup_later).
 _OWED_MAX = 32
@@ -578,8 +579,8 @@ class FastPath:
             ) -> tuple[int, int, int]:
         """(stored, skipped, in flight); data: the pages, back to back, as one flat byte
         view."""
-        answer = self._run("Put", Conn.put, keys_body(layout_id, key_size, packed), data)
-        return fw.PUT_DONE.unpack_from(answer)
+        return _PUT_DONE.unpack_from(self._run("Put", Conn.put, layout_id, key_size, packed,
+                                               data))
 
     def get_into(self, layout_id: bytes, key_size: int, packed: bytes, out: memoryview,
                  page_bytes: int, layers: int = 1) -> None:
