@@ -120,7 +120,7 @@ def test_a_held_release_with_no_request_after_it_is_sent_by_the_flusher(srv):
             began = time.monotonic()
             wait_for(lambda: _leases(srv) == 0, "the flusher to send the release",
                      timeout=10)
-            assert time.monotonic() - began < HOLD_S + 2.0
+            assert time.monotonic() - began < HOLD_S + 5.0
             assert conn.held == b"" and c.fast_path()._reads.conn is conn
 
 
