@@ -19,7 +19,7 @@ import threading
 
 import numpy as np
 
-from .rawpeer import read_head
+from .rawpeer import exit_with_parent, read_head
 
 __all__ = ["REQUEST", "pages", "serve"]
 
@@ -81,4 +81,5 @@ def serve(n: int, page_bytes: int, layers: int, seed: int) -> None:
 
 
 if __name__ == "__main__":
+    exit_with_parent()
     serve(*(int(a) for a in sys.argv[1:5]))

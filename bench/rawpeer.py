@@ -14,17 +14,33 @@ ceiling a striped fast-path get is measured against.
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import sys
 import threading
+import time
 
 import numpy as np
 
-__all__ = ["RawClient", "read_head", "serve"]
+__all__ = ["RawClient", "exit_with_parent", "read_head", "serve"]
 
 REQUEST = struct.Struct("<cQ")
 CHUNK = 1 << 20
+
+
+def exit_with_parent() -> None:
+    """End this process once the one that started it is gone. A bench killed part-way (a
+    time limit, ^C) cannot stop its peer, which would otherwise keep its port and memory
+    and share the machine's cores with the next run."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def read_head(conn: socket.socket, head: bytearray) -> bool:
@@ -124,4 +140,5 @@ class RawClient:
 
 
 if __name__ == "__main__":
+    exit_with_parent()
     serve(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0)
