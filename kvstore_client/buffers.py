@@ -45,7 +45,7 @@ def byte_view(data, nbytes: int, *, writable: bool = False, what: str = "pages"
         # memoryview's cast refuses what is not C-contiguous (TypeError), so numpy's
         # flags object, made anew at each read, need not be asked first.
         try:
-            view = memoryview(data).cast("B")
+            view = memoryview(data).cast("B")  # type: ignore[arg-type]  # an ndarray is a buffer
         except (TypeError, ValueError, NotImplementedError):   # or a format it lacks
             view = None
         if view is not None and view.nbytes == nbytes and not (writable and view.readonly):

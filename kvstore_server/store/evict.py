@@ -69,11 +69,12 @@ class Eviction:
         for hook in self.dropping:          # a delete ends retention (sessions)
             hook(slots)
         s = self._s
-        if isinstance(slots, list) and len(slots) <= _FEW:
-            pins = s.slots.pins
-            if not any(pins[slot] for slot in slots):
-                self._free_few(slots)
-                return
+        if isinstance(slots, list):
+            if len(slots) <= _FEW:
+                pins = s.slots.pins
+                if not any(pins[slot] for slot in slots):
+                    self._free_few(slots)
+                    return
             slots = np.array(slots, dtype=np.int64)
         pinned = s.slots.pins[slots] > 0
         if not pinned.any():                # the common case: one call fewer each side

@@ -63,7 +63,7 @@ class Presence:
         layout_int = int(layout_salt)
 
         def counted(words: np.ndarray | list[list[int]], delta: int) -> None:
-            if type(words) is list:
+            if isinstance(words, list):
                 self._count_few(layout_int, words, delta)
                 return
             if not len(words):

@@ -579,6 +579,7 @@ class Store:
         with s.lock:
             info = s.layouts.info(layout_id)
             index = info.ready.get(keys.size)
+            gone: np.ndarray | list[int]
             if len(keys) <= FEW_KEYS:
                 # A few keys (an engine's per-block delete): found and removed as Python
                 # ints (find_few, remove_slots of a list), no per-key array.
