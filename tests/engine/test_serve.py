@@ -179,20 +179,25 @@ def _round_under(fault, serve, store, llama, llama_reference, what: str) -> None
                       for t in stats))
 
 
-def test_the_store_killed_and_restarted_mid_round(serve, store, llama, llama_reference):
-    _round_under(store.kill_and_restart, serve, store, llama, llama_reference,
-                 "store SIGKILLed and restarted")
-    # and the restarted store serves the next repeat rounds: once the scheduler's breaker
-    # has closed (its probe: every 2 s) and a round has saved (rounds take 1-2 s here, so
-    # the first two after a restart can both go without it), within AFTER_RESTART_S
+def _hit_again(serve, store, llama, llama_reference, what: str) -> None:
+    """The store serves the next repeat rounds after a fault: once the scheduler's breaker
+    has closed (its probe: every 2 s) and, after a restart, a round has saved (rounds take
+    1-2 s here, so the first two after a restart can both go without it), within
+    AFTER_RESTART_S. Rounds until then are checked exact too."""
     hits, rounds, deadline = store_hits(store.address), 0, time.monotonic() + AFTER_RESTART_S
     while store_hits(store.address) == hits:
         assert time.monotonic() < deadline, \
-            f"no store hit {rounds} rounds after the restart: {store_stats(store.address)}"
+            f"no store hit {rounds} rounds after the {what}: {store_stats(store.address)}"
         serve.reset_prefix_cache()
         assert_exact(ROUND, _round(serve, str(llama), ROUND, True), llama_reference, "after")
         rounds += 1
-    print(f"the restarted store hit in round {rounds} after the fault round")
+    print(f"the store hit in round {rounds} after the {what}")
+
+
+def test_the_store_killed_and_restarted_mid_round(serve, store, llama, llama_reference):
+    _round_under(store.kill_and_restart, serve, store, llama, llama_reference,
+                 "store SIGKILLed and restarted")
+    _hit_again(serve, store, llama, llama_reference, "restart")
     # the killed store's leases died with it; the new one's are all given back
     stats = wait_no_leases(store.address)
     assert stats["leases"] == 0 and stats["leased_pages"] == 0, stats
@@ -205,6 +210,8 @@ def test_the_store_stopped_past_the_timeout_mid_round(serve, store, llama, llama
         store.srv.proc.send_signal(signal.SIGCONT)
 
     _round_under(hang, serve, store, llama, llama_reference, "store SIGSTOPped for 4 s")
+    # and the store serves again once it runs: the tests after this one count its hits
+    _hit_again(serve, store, llama, llama_reference, "stop")
 
 
 def _dropped(serve, model: str, prompt: list[int], after: int) -> list[int]:
