@@ -455,8 +455,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", action="store_true",
                    help="only: what engines call, pages a call by page size, lookups and "
                         "leases, against a raw TCP peer (bench/fastpath_sweep.py)")
+    p.add_argument("--split", action="store_true",
+                   help="only: where a call's CPU goes, Python or kernel, at each end, "
+                        "against the raw peer (bench/fastpath_split.py)")
     p.add_argument("--rounds", type=int, default=0,
-                   help="--sweep's rounds (default 3), --client-ab's blocks (default 20)")
+                   help="--sweep's and --split's rounds (default 3), --client-ab's blocks "
+                        "(default 20)")
     p.add_argument("--client-ab", metavar="DIR",
                    help="only: this checkout's client against the one in DIR (another "
                         "checkout), alternated blocks of calls against one server "
@@ -469,6 +473,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.rounds:
             spec = dataclasses.replace(spec, blocks=args.rounds)
         print(client_ab(args.client_ab, spec))
+        return 0
+    if args.split:
+        from .fastpath_split import main_split
+        print(main_split(args.quick, args.rounds))
         return 0
     if args.sweep:
         from .fastpath_sweep import main_sweep

@@ -10,7 +10,8 @@ in its own process, in the same run, with the same destination and source buffer
 - one page a call, p50 of the call in microseconds (1x1 latency);
 - a lookup of 16 keys, and a leased lookup of 16 keys with its release (what a remote
   engine's hit pins and unpins), the release waited for or sent ahead of the next call
-  (release_lease_later), p50, against the raw peer's request and 16-byte answer;
+  (release_lease_later), p50, each against the raw peer's request and 16-byte answer in
+  the blocks between its own;
 - where iperf3 is installed, its one loopback stream: the wire's ceiling for C;
 - for gets of 1 and 8 pages a call, the CPU each end spends a call (server or raw peer,
   and the client), where the kernel reports it (/proc/PID/task/*/schedstat): where a
@@ -18,9 +19,12 @@ in its own process, in the same run, with the same destination and source buffer
   ping-pong, so its latency is about the sum of the two (the raw peer's sum is the
   kernel's part: its sockets, copies and wake-ups).
 
-Each round measures every pattern, the raw peer and the fast path one after the other;
-a ratio is taken within a round, and the table gives the median over rounds (>= 3 by
-default), so a noisy neighbour on the shared 2-core machine moves both sides alike.
+Each round measures every pattern, the raw peer and the fast path in alternating blocks
+(BLOCKS a side: see there why); a ratio is taken within a round, and the table gives the
+median over rounds (>= 3 by default), so a noisy neighbour on the shared 2-core machine
+moves both sides alike. The round trips of a few bytes come first in a round (_round
+says why). `kvstore-bench fastpath --split` (bench/fastpath_split.py) says what the CPU
+of a call is spent on at each end: Python or the kernel.
 The fast path is driven through KVStoreClient (shared_memory=False), as an engine's
 remote connector drives it: key packing and the client's own Python are in the figure.
 """
@@ -105,22 +109,63 @@ def _cpu_s(pid: int) -> float:
 
 HAS_SCHEDSTAT = os.path.exists("/proc/self/schedstat")
 
+# A call that times itself (a put times its put, not the delete after it).
+Timed = Callable[[], float]
 
-def _cpu_times(fn: Callable[[], object], calls: int, pid: int
-               ) -> tuple[list[float], float, float]:
-    """_times, and the CPU seconds a call costs the process pid (the server or the raw
-    peer) and this one (the client); 0.0 for both where schedstat is not there."""
-    if not HAS_SCHEDSTAT:
-        return _times(fn, calls), 0.0, 0.0
-    fn()                                      # warm, outside the count
-    server, client = _cpu_s(pid), time.process_time()
-    out = []
-    for _ in range(calls):
+
+def _timed(fn: Callable[[], object]) -> Timed:
+    def call() -> float:
         t0 = time.perf_counter()
         fn()
-        out.append(time.perf_counter() - t0)
-    client = time.process_time() - client
-    return out, (_cpu_s(pid) - server) / calls, client / calls
+        return time.perf_counter() - t0
+    return call
+
+
+# Each pattern runs the raw peer and the fast path in alternating blocks, BLOCKS a side,
+# not one block each. Why: on the dev VM the same raw round trip of 16 bytes took a
+# median of 18-26 us in one half-second and 60-80 us in the next (an idle core's wake-up
+# swings with the host), and a swing between the two blocks of a pattern moved its
+# ratio by up to 3x. Alternating blocks put both sides in the same stretches of time.
+BLOCKS = 4
+
+
+@dataclasses.dataclass(slots=True)
+class Side:
+    """One side of a pattern: its calls' times, and the CPU they cost (seconds, summed
+    over its blocks) the far end (server or raw peer) and this process (the client)."""
+
+    times: list[float] = dataclasses.field(default_factory=list)
+    far_cpu: float = 0.0
+    client_cpu: float = 0.0
+
+    def p50(self) -> float:
+        return statistics.median(self.times)
+
+    def cpu_a_call(self) -> tuple[float, float]:
+        return self.far_cpu / len(self.times), self.client_cpu / len(self.times)
+
+
+def _block(fn: Timed, calls: int, side: Side, pid: int | None) -> None:
+    fn()                          # warm: the first call after the other side's is not it
+    if pid is not None:
+        far, client = _cpu_s(pid), time.process_time()
+    side.times += [fn() for _ in range(calls)]
+    if pid is not None:
+        side.far_cpu += _cpu_s(pid) - far
+        side.client_cpu += time.process_time() - client
+
+
+def _paired(raw: Timed, fast: Timed, calls: int, pids: tuple[int, int] | None = None
+            ) -> tuple[Side, Side]:
+    """calls of each side, in BLOCKS alternating blocks (see above); pids (the server's,
+    the raw peer's): also count the CPU a call costs each end, where schedstat is."""
+    per = max(1, -(-calls // BLOCKS))
+    count = pids is not None and HAS_SCHEDSTAT
+    r, f = Side(), Side()
+    for _ in range(BLOCKS):
+        _block(raw, per, r, pids[1] if count and pids else None)
+        _block(fast, per, f, pids[0] if count and pids else None)
+    return r, f
 
 
 class _RawPeer:
@@ -139,11 +184,32 @@ class _RawPeer:
 
 def _round(c: KVStoreClient, raw: RawClient, spec: Sweep, out: np.ndarray, src: np.ndarray,
            r: int, pids: tuple[int, int]) -> dict[str, float]:
-    """One round: every pattern, raw peer then fast path. Keys name what stored pages
-    a get reads; a put writes fresh keys each call (deleted after it, untimed), so the
-    server stores each page instead of skipping it. pids: the server's and the raw
-    peer's processes, whose CPU a get of 1 or 8 pages is counted in."""
+    """One round: every pattern, raw peer and fast path in alternating blocks (_paired).
+    Keys name what stored pages a get reads; a put writes fresh keys each call (deleted
+    after it, untimed), so the server stores each page instead of skipping it. pids: the
+    server's and the raw peer's processes, whose CPU a get of 1 or 8 pages is counted in."""
     fig: dict[str, float] = {}
+    # Round trips of a few bytes first, before the round's large transfers: after those
+    # the dev VM's raw round trip stayed at 60-80 us for seconds, against 18-26 before.
+    # A lookup's answer is 16 bytes, the raw peer's too.
+    small = c.register_layout(_layout(64 * KiB))
+    keys16 = [f"s{64 * KiB}-{i}".encode().ljust(16, b".") for i in range(16)]
+    sixteen = memoryview(bytearray(16))
+    raw_rtt = _timed(lambda: raw.get(sixteen))
+
+    def lease_release() -> None:
+        c.release_lease(c.lookup_lease(small, keys16, 10_000))
+
+    def lease_release_later() -> None:
+        # The release rides ahead of the next call (KVStoreClient.release_lease_later).
+        c.release_lease_later(c.lookup_lease(small, keys16, 10_000))
+
+    for key, fn in (("lookup16", lambda: c.lookup(small, keys16)),
+                    ("lease+release", lease_release),
+                    ("lease+release later", lease_release_later)):
+        t_raw, t_fast = _paired(raw_rtt, _timed(fn), spec.small_calls)
+        fig[f"{key} raw us"] = t_raw.p50() * 1e6
+        fig[f"{key} fast us"] = t_fast.p50() * 1e6
     for page in spec.page_sizes:
         ns = c.register_layout(_layout(page))
         assert ns.page_bytes == page, (ns.page_bytes, page)
@@ -155,20 +221,19 @@ def _round(c: KVStoreClient, raw: RawClient, spec: Sweep, out: np.ndarray, src: 
             flat = memoryview(dst.reshape(-1))
             data = src.reshape(-1)[:nbytes].reshape(n, page)
             tag = f"{page // KiB}k x{n}"
-            if n in CPU_PAGES:
-                t_raw, fig[f"get {tag} raw srv cpu"], fig[f"get {tag} raw cli cpu"] = \
-                    _cpu_times(lambda: raw.get(flat), calls, pids[1])
-                t_fast, fig[f"get {tag} fast srv cpu"], fig[f"get {tag} fast cli cpu"] = \
-                    _cpu_times(lambda: c.get_into(ns, stored[:n], dst), calls, pids[0])
-            else:
-                t_raw = _times(lambda: raw.get(flat), calls)
-                t_fast = _times(lambda: c.get_into(ns, stored[:n], dst), calls)
-            fig[f"get {tag} raw"] = nbytes / statistics.median(t_raw) / 1e9
-            fig[f"get {tag} fast"] = nbytes / statistics.median(t_fast) / 1e9
+            t_raw, t_fast = _paired(_timed(lambda: raw.get(flat)),
+                                    _timed(lambda: c.get_into(ns, stored[:n], dst)), calls,
+                                    pids if n in CPU_PAGES else None)
+            if n in CPU_PAGES and HAS_SCHEDSTAT:
+                fig[f"get {tag} raw srv cpu"], fig[f"get {tag} raw cli cpu"] = \
+                    t_raw.cpu_a_call()
+                fig[f"get {tag} fast srv cpu"], fig[f"get {tag} fast cli cpu"] = \
+                    t_fast.cpu_a_call()
+            fig[f"get {tag} raw"] = nbytes / t_raw.p50() / 1e9
+            fig[f"get {tag} fast"] = nbytes / t_fast.p50() / 1e9
             if n == 1:
-                fig[f"get {tag} raw us"] = statistics.median(t_raw) * 1e6
-                fig[f"get {tag} fast us"] = statistics.median(t_fast) * 1e6
-            t_raw = _times(lambda: raw.put(memoryview(data.reshape(-1))), calls)
+                fig[f"get {tag} raw us"] = t_raw.p50() * 1e6
+                fig[f"get {tag} fast us"] = t_fast.p50() * 1e6
             seq = iter(range(1 << 30))
 
             def put_fresh() -> float:
@@ -181,31 +246,10 @@ def _round(c: KVStoreClient, raw: RawClient, spec: Sweep, out: np.ndarray, src: 
                 c.delete(ns, keys)
                 return took
 
-            put_fresh()
-            t_fast = [put_fresh() for _ in range(calls)]
-            fig[f"put {tag} raw"] = nbytes / statistics.median(t_raw) / 1e9
-            fig[f"put {tag} fast"] = nbytes / statistics.median(t_fast) / 1e9
-    # Round trips of a few bytes: a lookup's answer is 16 bytes, the raw peer's too.
-    small = c.register_layout(_layout(64 * KiB))
-    keys16 = [f"s{64 * KiB}-{i}".encode().ljust(16, b".") for i in range(16)]
-    sixteen = memoryview(bytearray(16))
-    fig["rtt raw us"] = statistics.median(_times(lambda: raw.get(sixteen),
-                                                 spec.small_calls)) * 1e6
-    fig["lookup16 fast us"] = statistics.median(_times(lambda: c.lookup(small, keys16),
-                                                       spec.small_calls)) * 1e6
-
-    def lease_release() -> None:
-        c.release_lease(c.lookup_lease(small, keys16, 10_000))
-
-    fig["lease+release fast us"] = statistics.median(_times(lease_release,
-                                                            spec.small_calls)) * 1e6
-
-    def lease_release_later() -> None:
-        # The release rides ahead of the next call (KVStoreClient.release_lease_later).
-        c.release_lease_later(c.lookup_lease(small, keys16, 10_000))
-
-    fig["lease+release later fast us"] = statistics.median(
-        _times(lease_release_later, spec.small_calls)) * 1e6
+            t_raw, t_fast = _paired(_timed(lambda: raw.put(memoryview(data.reshape(-1)))),
+                                    put_fresh, calls)
+            fig[f"put {tag} raw"] = nbytes / t_raw.p50() / 1e9
+            fig[f"put {tag} fast"] = nbytes / t_fast.p50() / 1e9
     return fig
 
 
@@ -280,8 +324,9 @@ def report(spec: Sweep, rounds: list[dict[str, float]], iperf: float | None) -> 
                        ("lease+release fast us", "leased lookup of 16 keys + release"),
                        ("lease+release later fast us",
                         "leased lookup of 16 keys + release not waited for")):
-        lines.append(f"| {label} | {_med(rounds, key):.0f} | {_med(rounds, 'rtt raw us'):.0f} | "
-                     f"{_ratio(rounds, key, 'rtt raw us'):.2f} |")
+        raw_key = key.replace(" fast ", " raw ")
+        lines.append(f"| {label} | {_med(rounds, key):.0f} | {_med(rounds, raw_key):.0f} | "
+                     f"{_ratio(rounds, key, raw_key):.2f} |")
     cpu = [(page, n) for page in spec.page_sizes for n in spec.pages_a_call
            if n in CPU_PAGES and f"get {page // KiB}k x{n} fast srv cpu" in rounds[0]]
     if HAS_SCHEDSTAT and cpu:
