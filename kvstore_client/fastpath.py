@@ -355,18 +355,27 @@ class FastPath:
                         lane.conn.use_timeout(timeout)
                     return fn(lane.conn)     # _simple reads owed answers first
                 except Timeout as exc:
-                    # Out of step: not used again, but kept while it holds leases.
-                    self._holdings.let_go(lane.conn)
-                    lane.conn = None
+                    self._drop(lane, exc)
                     raise deadline(method, exc) from None
                 except Broken as exc:
-                    self._holdings.lost(lane.conn)
-                    lane.conn = None
+                    self._drop(lane, exc)
                     if attempt:
                         raise KVStoreError(grpc.StatusCode.UNAVAILABLE,
                                            f"fast-path connection broke twice: {exc}",
                                            method) from None
             raise AssertionError("unreachable")
+
+    def _drop(self, lane: _Lane, exc: Broken | Timeout) -> None:
+        """Take the lane's connection out of use after exc, mid-frame (under the lane's
+        lock). Broken: its leases ended with it on the server. Timed out: out of step, so
+        not used again, but kept open while it holds leases (Holdings.let_go)."""
+        conn, lane.conn = lane.conn, None
+        if conn is None:
+            return
+        if isinstance(exc, Timeout):
+            self._holdings.let_go(conn)
+        else:
+            self._holdings.lost(conn)
 
     @staticmethod
     def _simple(conn: Conn, op: fw.Op, body: bytes, method: str,
@@ -487,12 +496,8 @@ class FastPath:
                         conn.owed += 1
                     self._holdings.ended(lease_id)
                     return
-                except Broken:
-                    self._holdings.lost(conn)
-                    lane.conn = None
-                except Timeout:
-                    self._holdings.let_go(conn)
-                    lane.conn = None
+                except (Broken, Timeout) as exc:
+                    self._drop(lane, exc)
         # No connection on the lane, or its send failed: the lease was taken elsewhere
         # (over gRPC while the fast path was down, or on a connection since retired or
         # closed): end it by waiting, on a connection of its own.
@@ -508,12 +513,8 @@ class FastPath:
                 return
             try:
                 conn.send_held()
-            except Broken:
-                self._holdings.lost(conn)
-                lane.conn = None
-            except Timeout:
-                self._holdings.let_go(conn)
-                lane.conn = None
+            except (Broken, Timeout) as exc:
+                self._drop(lane, exc)
 
     def lookup_later(self, layout_ids: list[bytes], key_size: int, packed: bytes) -> bool:
         """A LOOKUP flagged MISSED whose answer is read before the next call on the reads
@@ -536,15 +537,8 @@ class FastPath:
                 return True
             except (KVStoreError, FastPathUnavailable):
                 return False
-            except Broken:
-                if lane.conn is not None:
-                    self._holdings.lost(lane.conn)
-                    lane.conn = None
-                return False
-            except Timeout:
-                if lane.conn is not None:
-                    self._holdings.let_go(lane.conn)
-                    lane.conn = None
+            except (Broken, Timeout) as exc:
+                self._drop(lane, exc)
                 return False
 
     # -- calls with no frame of their own ---------------------------------------------
