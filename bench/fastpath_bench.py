@@ -455,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", action="store_true",
                    help="only: what engines call, pages a call by page size, lookups and "
                         "leases, against a raw TCP peer (bench/fastpath_sweep.py)")
+    p.add_argument("--one-cpu", action="store_true",
+                   help="--sweep with every thread of both ends on one CPU "
+                        "(bench/fastpath_sweep.py says why)")
     p.add_argument("--split", action="store_true",
                    help="only: where a call's CPU goes, Python or kernel, at each end, "
                         "against the raw peer (bench/fastpath_split.py)")
@@ -480,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.sweep:
         from .fastpath_sweep import main_sweep
-        print(main_sweep(args.quick, args.rounds))
+        print(main_sweep(args.quick, args.rounds, args.one_cpu))
         return 0
     if args.tls:
         from .fastpath_tls import tls_report

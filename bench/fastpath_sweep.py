@@ -31,13 +31,14 @@ remote connector drives it: key packing and the client's own Python are in the f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -74,6 +75,7 @@ class Sweep:
     min_calls: int = 3
     max_calls: int = 400
     small_calls: int = 400          # lookups and lease round trips a round
+    one_cpu: bool = False           # both ends on one CPU (_pinned says why)
 
     @staticmethod
     def quick() -> Sweep:
@@ -127,6 +129,7 @@ def _timed(fn: Callable[[], object]) -> Timed:
 # swings with the host), and a swing between the two blocks of a pattern moved its
 # ratio by up to 3x. Alternating blocks put both sides in the same stretches of time.
 BLOCKS = 4
+WARM_S = 0.3                # of raw round trips before a round's small calls (_round)
 
 
 @dataclasses.dataclass(slots=True)
@@ -189,13 +192,20 @@ def _round(c: KVStoreClient, raw: RawClient, spec: Sweep, out: np.ndarray, src: 
     after it, untimed), so the server stores each page instead of skipping it. pids: the
     server's and the raw peer's processes, whose CPU a get of 1 or 8 pages is counted in."""
     fig: dict[str, float] = {}
-    # Round trips of a few bytes first, before the round's large transfers: after those
-    # the dev VM's raw round trip stayed at 60-80 us for seconds, against 18-26 before.
+    # Round trips of a few bytes first, before the round's large transfers, and after
+    # WARM_S of the raw peer's own. Why: where the scheduler puts the two ends decides a
+    # small call's time on the dev VM (_pinned); after large transfers they ran on two
+    # CPUs, and the raw peer's 16 bytes took 60-80 us for the first thousand or so round
+    # trips, until the scheduler had put its two ends on one CPU (18-26 us). Without the
+    # warm-up a small call's ratio moved with its pattern's place in the round.
     # A lookup's answer is 16 bytes, the raw peer's too.
     small = c.register_layout(_layout(64 * KiB))
     keys16 = [f"s{64 * KiB}-{i}".encode().ljust(16, b".") for i in range(16)]
     sixteen = memoryview(bytearray(16))
     raw_rtt = _timed(lambda: raw.get(sixteen))
+    end = time.perf_counter() + WARM_S
+    while time.perf_counter() < end:
+        raw_rtt()
 
     def lease_release() -> None:
         c.release_lease(c.lookup_lease(small, keys16, 10_000))
@@ -253,6 +263,31 @@ def _round(c: KVStoreClient, raw: RawClient, spec: Sweep, out: np.ndarray, src: 
     return fig
 
 
+# `--one-cpu`: the server, the raw peer and this process on one CPU, every thread. Why:
+# on the dev VM a round trip whose two ends ran on one CPU took 17-18 us (the raw peer's
+# 16 bytes), and 57-92 us where they ran on two, as a woken virtual CPU is slow to start;
+# free, the scheduler moves the two ends between those from one second to the next (two
+# CPUs after large transfers, one after a thousand small round trips), and a small
+# call's ratio with them. On one CPU a call costs what both ends' work adds up to, as on
+# hosts whose wake-ups are cheap; large transfers then share the CPU's copies.
+@contextlib.contextmanager
+def _pinned(pids: tuple[int, ...]) -> Iterator[None]:
+    """Every thread of pids and of this process on this process's first allowed CPU, for
+    the block; this process's threads get their CPUs back after it."""
+    mine = os.sched_getaffinity(0)
+    cpu = {min(mine)}
+    for pid in (*pids, os.getpid()):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(int(task), cpu)
+    try:
+        yield
+    finally:
+        for task in os.listdir("/proc/self/task"):
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(int(task), mine)
+
+
 def sweep(spec: Sweep) -> list[dict[str, float]]:
     """Rounds of every pattern, one server and one raw peer for all of them."""
     biggest = max(spec.page_sizes) * max(spec.pages_a_call)
@@ -278,8 +313,9 @@ def sweep(spec: Sweep) -> list[dict[str, float]]:
                 if not np.array_equal(check, pages):
                     raise SystemExit(f"{page} B pages came back different")
             pids = (srv.proc.pid, peer.proc.pid)
-            for r in range(spec.rounds):
-                figures.append(_round(c, raw, spec, out, src, r, pids))
+            with _pinned(pids) if spec.one_cpu else contextlib.nullcontext():
+                for r in range(spec.rounds):
+                    figures.append(_round(c, raw, spec, out, src, r, pids))
             raw.close()
     finally:
         peer.close()
@@ -298,7 +334,9 @@ def _ratio(rounds: list[dict[str, float]], num: str, den: str) -> float:
 def report(spec: Sweep, rounds: list[dict[str, float]], iperf: float | None) -> str:
     lines = [f"medians of {len(rounds)} rounds; raw = bench/rawpeer.py, a plain TCP peer in "
              "its own process, same run, same call pattern and buffers; one connection each; "
-             "ratio = fast / raw within a round, then the median", "",
+             "ratio = fast / raw within a round, then the median; "
+             + ("every thread of both ends on one CPU (--one-cpu)" if spec.one_cpu else
+                "threads where the scheduler puts them"), "",
              "| page | pages a call | get fast GB/s | get raw GB/s | get fast/raw | "
              "put fast GB/s | put raw GB/s | put fast/raw |",
              "|---|---|---|---|---|---|---|---|"]
@@ -349,7 +387,7 @@ def report(spec: Sweep, rounds: list[dict[str, float]], iperf: float | None) -> 
     return "\n".join(lines)
 
 
-def main_sweep(quick: bool, rounds: int) -> str:
+def main_sweep(quick: bool, rounds: int, one_cpu: bool = False) -> str:
     spec = Sweep.quick() if quick else Sweep()
-    spec = dataclasses.replace(spec, rounds=rounds or spec.rounds)
+    spec = dataclasses.replace(spec, rounds=rounds or spec.rounds, one_cpu=one_cpu)
     return report(spec, sweep(spec), iperf3_gbps())

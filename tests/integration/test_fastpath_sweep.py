@@ -48,3 +48,19 @@ def test_quick_sweep_prints_a_ratio_for_every_pattern():
         for row in cpu.values():
             assert all(re.fullmatch(NUMBER, cell.strip()) for cell in row[1:]), row
     assert "iperf3" in text
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin to one")
+def test_one_cpu_sweep_says_so_and_gives_this_process_its_cpus_back():
+    before = os.sched_getaffinity(0)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = fastpath_bench.main(["--sweep", "--quick", "--one-cpu", "--rounds", "1"])
+    assert rc == 0
+    text = out.getvalue()
+    assert "every thread of both ends on one CPU (--one-cpu)" in text.splitlines()[0], text
+    assert "lookup of 16 keys" in text
+    # The bench pinned this process's threads for its rounds, and only for them.
+    assert os.sched_getaffinity(0) == before
+    for task in os.listdir("/proc/self/task"):
+        assert os.sched_getaffinity(int(task)) == before, task
