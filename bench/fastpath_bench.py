@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="only: what engines call, pages a call by page size, lookups and "
                         "leases, against a raw TCP peer (bench/fastpath_sweep.py)")
     p.add_argument("--one-cpu", action="store_true",
-                   help="--sweep with every thread of both ends on one CPU "
+                   help="--sweep or --split with every thread of both ends on one CPU "
                         "(bench/fastpath_sweep.py says why)")
     p.add_argument("--split", action="store_true",
                    help="only: where a call's CPU goes, Python or kernel, at each end, "
@@ -479,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.split:
         from .fastpath_split import main_split
-        print(main_split(args.quick, args.rounds))
+        print(main_split(args.quick, args.rounds, args.one_cpu))
         return 0
     if args.sweep:
         from .fastpath_sweep import main_sweep

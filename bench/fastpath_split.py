@@ -14,10 +14,14 @@ The raw peer does the least a call can (read a 9-byte request, send the bytes), 
 user time is about the interpreter's floor a call, and the kernel's part is what the same
 bytes cost the kernel over loopback. Each pattern runs the two sides in alternating
 blocks (the sweep says why) for `seconds` a side a round; figures are medians over rounds.
+With `--one-cpu` every thread of both ends runs on one CPU (the sweep's `_pinned` says
+why): on the dev VM the same calls then cost both ends less than half the CPU, user time
+included, that they cost with the ends on two CPUs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -30,7 +34,7 @@ from kvstore_client import KVStoreClient
 from kvstore_client.buffers import page_aligned_empty
 from kvstore_testing.serverproc import ServerProcess
 
-from .fastpath_sweep import BLOCKS, _layout, _RawPeer
+from .fastpath_sweep import BLOCKS, _layout, _pinned, _RawPeer
 from .rawpeer import RawClient
 
 __all__ = ["Split", "split", "split_report"]
@@ -45,6 +49,7 @@ class Split:
 
     rounds: int = 3
     seconds: float = 1.5
+    one_cpu: bool = False      # every thread of both ends on one CPU (fastpath_sweep._pinned)
 
     @staticmethod
     def quick() -> Split:
@@ -115,16 +120,18 @@ def split(spec: Split) -> list[dict[str, tuple[float, float, float, float]]]:
                                    lambda: c.get_into(ns, keys[:8], eight)),
                 "lookup of 16 keys": (lambda: raw.get(sixteen), lambda: c.lookup(ns, keys)),
             }
-            for _ in range(spec.rounds):
-                fig = {}
-                for name, (raw_fn, fast_fn) in patterns.items():
-                    r, f = _Count(), _Count()
-                    for _ in range(BLOCKS):
-                        _block(raw_fn, peer.proc.pid, spec.seconds / BLOCKS, r)
-                        _block(fast_fn, srv.proc.pid, spec.seconds / BLOCKS, f)
-                    fig[f"raw {name}"] = r.per_call_us()
-                    fig[f"fast {name}"] = f.per_call_us()
-                rounds.append(fig)
+            pids = (srv.proc.pid, peer.proc.pid)
+            with _pinned(pids) if spec.one_cpu else contextlib.nullcontext():
+                for _ in range(spec.rounds):
+                    fig = {}
+                    for name, (raw_fn, fast_fn) in patterns.items():
+                        r, f = _Count(), _Count()
+                        for _ in range(BLOCKS):
+                            _block(raw_fn, peer.proc.pid, spec.seconds / BLOCKS, r)
+                            _block(fast_fn, srv.proc.pid, spec.seconds / BLOCKS, f)
+                        fig[f"raw {name}"] = r.per_call_us()
+                        fig[f"fast {name}"] = f.per_call_us()
+                    rounds.append(fig)
             raw.close()
     finally:
         peer.close()
@@ -136,7 +143,8 @@ def split_report(spec: Split, rounds: list[dict[str, tuple[float, float, float, 
     lines = [f"medians of {len(rounds)} rounds of {spec.seconds:g} s a side; us of CPU a "
              "call, user (Python) and system (kernel) time, from /proc/PID/stat ticks; "
              "far end = the server or the raw peer (bench/rawpeer.py), client = this "
-             "process", "",
+             "process; " + ("every thread of both ends on one CPU (--one-cpu)" if spec.one_cpu
+                            else "threads where the scheduler puts them"), "",
              "| call | end | raw user | raw system | fast user | fast system | "
              "fast - raw, user | fast - raw, system |",
              "|---|---|---|---|---|---|---|---|"]
@@ -153,7 +161,7 @@ def split_report(spec: Split, rounds: list[dict[str, tuple[float, float, float, 
     return "\n".join(lines)
 
 
-def main_split(quick: bool, rounds: int) -> str:
+def main_split(quick: bool, rounds: int, one_cpu: bool = False) -> str:
     spec = Split.quick() if quick else Split()
-    spec = dataclasses.replace(spec, rounds=rounds or spec.rounds)
+    spec = dataclasses.replace(spec, rounds=rounds or spec.rounds, one_cpu=one_cpu)
     return split_report(spec, split(spec))
