@@ -145,14 +145,18 @@ HEADLINES = (
          Pick("put vs raw send", ("median",)),
          Pick("one 64 KiB page p50 us", ("fast", "grpc")),
          Pick("acquire+release 1 page p50 us", ("fast unix", "grpc")))),
-    Row("fast path per call, as an engine calls it (fast / raw TCP peer, same run)",
-        "fastpath-3fd6c1cbbc",
+    Row("fast path per call, as an engine calls it (fast / raw TCP peer, same run, every "
+        "thread of both on one CPU)",
+        "fastpath-6b4f7b2b9e",
         (Pick("64 KiB 1", ("get fast/raw", "put fast/raw")),
-         Pick("64 KiB 128", ("get fast/raw", "put fast/raw")),
-         Pick("1 MiB 32", ("get fast/raw", "put fast/raw")),
+         Pick("64 KiB 8", ("get fast/raw", "put fast/raw")),
+         Pick("64 KiB 32", ("get fast/raw", "put fast/raw")),
+         Pick("1 MiB 1", ("get fast/raw", "put fast/raw")),
          Pick("4 MiB 32", ("get fast/raw", "put fast/raw")),
          Pick("get of one 64 KiB page", ("fast p50 us", "raw p50 us")),
-         Pick("leased lookup of 16 keys + release", ("fast p50 us", "raw p50 us")))),
+         Pick("lookup of 16 keys", ("fast p50 us", "raw p50 us")),
+         Pick("leased lookup of 16 keys + release not waited for",
+              ("fast p50 us", "raw p50 us")))),
     Row("a store in another network namespace, over a veth pair", "fastpath-netns-8c625dd33e",
         (Pick("get 1 MiB pages, 1 connection, GB/s", ("fast path", "raw socket", "gRPC")),
          Pick("put 1 MiB pages, 1 connection, GB/s", ("fast / raw",)),
@@ -221,14 +225,23 @@ def _joined(*views: Callable[[dict[str, Record]], str]) -> Callable[[dict[str, R
 
 _TLS = ("plain", "TLS")
 # The whole `kvstore-bench fastpath --sweep`: every page size and pages a call, and the
-# one-call round trips, each fast against the raw peer of the same run.
+# one-call round trips, each fast against the raw peer of the same run; with the threads
+# where the scheduler puts them, and all on one CPU (--one-cpu).
 _SWEEP_RECORD = "fastpath-3fd6c1cbbc"
+_SWEEP_ONE_CPU_RECORD = "fastpath-6b4f7b2b9e"
 _SWEEP = (
     *(Pick(f"{size} {n}", ("get fast/raw", "put fast/raw"))
       for size in ("64 KiB", "1 MiB", "4 MiB") for n in (1, 8, 32, 128)),
     *(Pick(what, ("fast p50 us", "raw p50 us"))
       for what in ("get of one 64 KiB page", "get of one 1 MiB page", "lookup of 16 keys",
-                   "leased lookup of 16 keys + release")))
+                   "leased lookup of 16 keys + release",
+                   "leased lookup of 16 keys + release not waited for")))
+# `kvstore-bench fastpath --split` (and --one-cpu): each end's CPU a call, user and
+# system time, fast against raw.
+_SPLIT = tuple(Pick(f"{call} {end}", ("raw user", "fast user", "fast - raw, user",
+                                      "fast - raw, system"))
+               for call in ("get 1 x 64 KiB", "get 8 x 64 KiB", "lookup of 16 keys")
+               for end in ("far end", "client"))
 _FAR_CLIENTS = (
     *(Pick(name, after="lookup of 4096 keys") for name in (
         "glide EVAL_RO/bucket", "redis-py EVAL_RO/bucket", "glide EXISTS/key",
@@ -271,6 +284,8 @@ VIEWS: dict[str, Callable[[dict[str, Record]], str]] = {
         Pick("rounds"), Pick("errors returned to clients"), Pick("wrong pages"),
         Pick("hits"), Pick("every page a hit again"))),
     "fastpath-sweep": _figures(_SWEEP_RECORD, _SWEEP),
+    "fastpath-sweep-one-cpu": _figures(_SWEEP_ONE_CPU_RECORD, _SWEEP),
+    "fastpath-split": _figures("fastpath-e623177c0a", _SPLIT, ("fastpath-4cc547bfe8", _SPLIT)),
     "fastpath-small-calls": _figures("fastpath-713bcc3c98", (
         Pick("acquire+release 1 page p50 us", ("fast unix", "grpc")),
         Pick("lookup 16 keys p50 us", ("fast", "fast unix", "grpc", "raw")),
