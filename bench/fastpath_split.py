@@ -15,8 +15,8 @@ user time is about the interpreter's floor a call, and the kernel's part is what
 bytes cost the kernel over loopback. Each pattern runs the two sides in alternating
 blocks (the sweep says why) for `seconds` a side a round; figures are medians over rounds.
 With `--one-cpu` every thread of both ends runs on one CPU (the sweep's `_pinned` says
-why): on the dev VM the same calls then cost both ends less than half the CPU, user time
-included, that they cost with the ends on two CPUs.
+why): on the dev VM the same calls then cost both ends about half to two thirds of the
+CPU they cost with the ends on two CPUs, user time included.
 """
 
 from __future__ import annotations

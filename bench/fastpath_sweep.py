@@ -125,9 +125,10 @@ def _timed(fn: Callable[[], object]) -> Timed:
 
 # Each pattern runs the raw peer and the fast path in alternating blocks, BLOCKS a side,
 # not one block each. Why: on the dev VM the same raw round trip of 16 bytes took a
-# median of 18-26 us in one half-second and 60-80 us in the next (an idle core's wake-up
-# swings with the host), and a swing between the two blocks of a pattern moved its
-# ratio by up to 3x. Alternating blocks put both sides in the same stretches of time.
+# median of 18-26 us in one half-second and 60-80 us in the next (as the scheduler moved
+# its two ends between one CPU and two: _pinned), and a swing between the two blocks of
+# a pattern moved its ratio by up to 3x. Alternating blocks put both sides in the same
+# stretches of time.
 BLOCKS = 4
 WARM_S = 0.3                # of raw round trips before a round's small calls (_round)
 
@@ -163,11 +164,11 @@ def _paired(raw: Timed, fast: Timed, calls: int, pids: tuple[int, int] | None = 
     """calls of each side, in BLOCKS alternating blocks (see above); pids (the server's,
     the raw peer's): also count the CPU a call costs each end, where schedstat is."""
     per = max(1, -(-calls // BLOCKS))
-    count = pids is not None and HAS_SCHEDSTAT
+    server, peer = pids if pids is not None and HAS_SCHEDSTAT else (None, None)
     r, f = Side(), Side()
     for _ in range(BLOCKS):
-        _block(raw, per, r, pids[1] if count and pids else None)
-        _block(fast, per, f, pids[0] if count and pids else None)
+        _block(raw, per, r, peer)
+        _block(fast, per, f, server)
     return r, f
 
 
