@@ -148,21 +148,12 @@ class Ops:
 
     # -- control ------------------------------------------------------------------------
     def lookup(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
-        lease_ms, n_layouts = _unpack(fw.LOOKUP_HEAD, body, 0)
-        if n_layouts > fw.MAX_LAYOUTS:
-            raise fw.WireError(f"lookup names {n_layouts} layouts; at most "
-                               f"{fw.MAX_LAYOUTS}", fw.Status.INVALID)
-        pos = fw.LOOKUP_HEAD.size
-        end = pos + 16 * n_layouts
-        if end > len(body):
-            raise fw.WireError("body ends inside its layout ids", fw.Status.INVALID)
-        ids = [bytes(body[i:i + 16]) for i in range(pos, end, 16)]
-        block, _ = fw.decode_keys(body, end)
+        ids, data, key_size, lease_ms = _lookup_body(body)
         if h.flags & fw.MISSED:
             # Answered 0 by the client itself (fastwire.MISSED): only counted.
-            self.calls.count_misses(s.who, ids, block.data, _size(block))
+            self.calls.count_misses(s.who, ids, data, key_size)
             return fw.COUNT_LEASE.pack(0, 0)
-        found = self.calls.lookup(s.who, ids, block.data, _size(block), lease_ms,
+        found = self.calls.lookup(s.who, ids, data, key_size, lease_ms,
                                   pins=bool(h.flags & fw.PINS))
         answer = fw.COUNT_LEASE.pack(found.count, found.lease_id)
         offsets = found.offsets
@@ -423,6 +414,32 @@ class Ops:
         stored, skipped, in_flight = self.calls.put_bytes(s.who, layout_id, keys, key_size,
                                                           pages)
         return fw.PUT_DONE.pack(stored, skipped, in_flight)
+
+
+# A LOOKUP body of one layout (an engine's: its rank's) up to its keys, in one unpack.
+_ONE_LAYOUT_LOOKUP = struct.Struct("<IH16sBI")
+
+
+def _lookup_body(body: memoryview) -> tuple[list[bytes], bytes, int, int]:
+    """(layout ids, packed keys, one key's size as the calls take it, lease_ms) of a
+    LOOKUP body; WireError(INVALID) as decode_keys where it is malformed."""
+    if len(body) >= _ONE_LAYOUT_LOOKUP.size:
+        lease_ms, n_layouts, layout_id, key_size, n = _ONE_LAYOUT_LOOKUP.unpack_from(body)
+        end = _ONE_LAYOUT_LOOKUP.size + n * key_size
+        if n_layouts == 1 and 1 <= key_size <= fw.MAX_KEY_BYTES and end <= len(body):
+            return ([layout_id], bytes(body[_ONE_LAYOUT_LOOKUP.size:end]),
+                    key_size if n else 0, lease_ms)
+    lease_ms, n_layouts = _unpack(fw.LOOKUP_HEAD, body, 0)
+    if n_layouts > fw.MAX_LAYOUTS:
+        raise fw.WireError(f"lookup names {n_layouts} layouts; at most "
+                           f"{fw.MAX_LAYOUTS}", fw.Status.INVALID)
+    pos = fw.LOOKUP_HEAD.size
+    end = pos + 16 * n_layouts
+    if end > len(body):
+        raise fw.WireError("body ends inside its layout ids", fw.Status.INVALID)
+    ids = [bytes(body[i:i + 16]) for i in range(pos, end, 16)]
+    block, _ = fw.decode_keys(body, end)
+    return ids, block.data, _size(block), lease_ms
 
 
 def _size(block: fw.KeysBlock) -> int:

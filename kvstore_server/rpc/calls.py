@@ -165,7 +165,10 @@ class Calls:
         keys = self.keys(data, key_size, "Lookup")
         self.limits.lookup(len(layout_ids), len(keys))
         ttl = self.ttl(lease_ms) if lease_ms else 0.0
-        layouts = [self.layout(who, layout_id) for layout_id in layout_ids]
+        if len(layout_ids) == 1:            # an engine's: its rank's layout
+            layouts = [caller_layout(self.store, self.auth_on, who, layout_ids[0])]
+        else:
+            layouts = [self.layout(who, layout_id) for layout_id in layout_ids]
         if pins and ttl and who.shared_memory:
             count, lease_id, offsets = self.store.lookup_pinned(layouts, keys, ttl)
             return Found(count, lease_id, offsets, ttl)

@@ -12,7 +12,9 @@ many of its victims are enough, among which slots, for the three reasons to evic
 
 A second policy is one new module that defines POLICY (a class whose instances have
 EvictionPolicy's three methods), chosen by the server's eviction_policy setting: a name
-is a module of this package ("lru"), a dotted name any importable module.
+is a module of this package ("lru"), a dotted name any importable module. Two faster
+forms of touch are optional, used where a policy has them (StoreState.touch_few):
+touch_few(ids: list[int]), and touch_span(first, n), the ids first + n - 1 down to first.
 """
 
 from __future__ import annotations

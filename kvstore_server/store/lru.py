@@ -67,6 +67,17 @@ class LRUPolicy:
             clock += 1
         self._clock = clock
 
+    def touch_span(self, first: int, n: int) -> None:
+        """touch() of the ids first + n - 1 down to first, in that order (first becomes
+        the most recent): a prefix's run of slots stored side by side, touched tail
+        first. One slice store of a descending range, not a store per id."""
+        end = first + n
+        if end > len(self._stamp):
+            self._grow(end - 1)
+        clock = self._clock
+        self._stamp[first:end] = np.arange(clock + n - 1, clock - 1, -1)
+        self._clock = clock + n
+
     def remove(self, ids: np.ndarray) -> None:
         """Stop tracking ids (freed or deleted). Ids never touched are fine: a slot
         reserved and then aborted was never tracked, and may lie past the stamp array."""

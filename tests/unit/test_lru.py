@@ -42,3 +42,17 @@ def test_remove_of_ids_never_touched():
     lru.touch(np.array([1]))
     lru.remove(np.array([1, 2, 4000]))
     assert lru.victims(10).size == 0
+
+
+def test_touch_span_orders_as_the_reversed_touch_and_grows():
+    # touch_span(first, n) is touch() of first + n - 1 down to first: a run of slots
+    # side by side, touched tail first, so first ends the most recent.
+    by_span, by_ids = LRUPolicy(capacity=4), LRUPolicy(capacity=4)
+    for lru in (by_span, by_ids):
+        lru.touch(np.array([2, 3]))
+    by_span.touch_span(5, 20)                 # past the initial capacity: grows
+    by_ids.touch(np.arange(24, 4, -1))
+    assert by_span.victims(30).tolist() == by_ids.victims(30).tolist()
+    assert by_span.victims(30).tolist()[:3] == [2, 3, 24]
+    by_span.touch(np.array([24]))             # stamps go on from where the span ended
+    assert by_span.victims(30).tolist()[-2:] == [5, 24]
