@@ -4,8 +4,14 @@ Run as its own process, where the server would run (`python -m kvstore_bench.raw
 HOST PORT`; it prints its port when listening). Each connection is served by a thread,
 request after request; a request is 9 bytes, `op u8 | nbytes u64` (little-endian):
 
-    G  the peer sends nbytes (from one buffer, sendall of 1 MiB views): a get
-    P  the peer receives nbytes (recv_into one buffer), then sends one byte: a put
+    G  the peer sends nbytes from its buffer (sendall of 1 MiB views): a get
+    P  the peer receives nbytes into its buffer, then sends one byte: a put
+
+A call's bytes are distinct memory, as a store's pages are: the n-th MiB of a call is the
+n-th MiB of the buffer (wrapping past its end), both ways. Sending the first MiB again
+for every MiB of a call read a source that stayed in the CPU's cache, where a store's
+call of 8 or 32 pages of 1 MiB reads 8 or 32 MiB of its pool: a cheaper call than any
+store can make, and so a higher bar only for the large calls.
 
 `RawClient` is the client side: get, put, and a striped get over several connections at
 once (threads, each receiving its slice straight into the caller's buffer), the
@@ -55,6 +61,8 @@ def read_head(conn: socket.socket, head: bytearray) -> bool:
 
 
 def _serve_conn(conn: socket.socket, data: memoryview, sink: memoryview) -> None:
+    """Answer one connection's requests until it closes: gets from data, puts into
+    sink (this connection's own)."""
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     head = bytearray(REQUEST.size)
     with conn:
@@ -62,20 +70,23 @@ def _serve_conn(conn: socket.socket, data: memoryview, sink: memoryview) -> None
             if not read_head(conn, head):
                 return
             op, nbytes = REQUEST.unpack(head)
+            pos = 0                          # where in data this call's bytes are
             if op == b"G":
                 # In pieces of CHUNK: the server sends at most 2 MiB a sendmsg, as sends
                 # of a few MiB moved more over loopback than one of 128 MiB
                 # (kvstore_server/fastpath/io.py), so a large get compares like with like.
                 while nbytes:
-                    take = min(nbytes, CHUNK)
-                    conn.sendall(data[:take])
+                    take = min(nbytes, CHUNK, len(data) - pos)
+                    conn.sendall(data[pos:pos + take])
                     nbytes -= take
+                    pos = (pos + take) % len(data)
             else:
                 while nbytes:
-                    got = conn.recv_into(sink, min(nbytes, len(sink)))
+                    got = conn.recv_into(sink[pos:], min(nbytes, len(sink) - pos))
                     if not got:
                         return
                     nbytes -= got
+                    pos = (pos + got) % len(sink)
                 conn.sendall(b"k")
 
 
@@ -89,7 +100,9 @@ def serve(host: str, port: int = 0, buffer_bytes: int = 64 << 20) -> None:
         print(srv.getsockname()[1], flush=True)
         while True:
             conn, _ = srv.accept()
-            sink = memoryview(bytearray(CHUNK))
+            # A connection's own, as large as the gets' buffer: a put's bytes land in
+            # distinct memory as a store's do (np.zeros: a page is mapped when written).
+            sink = memoryview(np.zeros(buffer_bytes, dtype=np.uint8)).cast("B")
             threading.Thread(target=_serve_conn, args=(conn, data, sink), daemon=True).start()
 
 
