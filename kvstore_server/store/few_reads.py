@@ -38,7 +38,7 @@ from .index import FEW_KEYS
 from .layouts import LayoutInfo
 from .lease_book import LeaseBook
 from .slots import SlotState
-from .state import StoreState
+from .state import StoreState, side_by_side
 
 __all__ = ["FewReads"]
 
@@ -72,16 +72,25 @@ class FewReads:
             slots = index.find_few(keys.data)
             if -1 in slots:
                 return None
-            s.touch_few(slots)
+            run = side_by_side(slots)       # slices, not a store per slot
+            first = slots[0]
+            if run:
+                s.touch_span(first, n)
+                offsets = s.pool.offset[first:first + n].tolist()
+            else:
+                s.touch_few(slots)
+                offset = s.pool.offset
+                offsets = [int(offset[slot]) for slot in slots]
             info.bytes_out += n * info.page_bytes
             info.served += n
-            offset = s.pool.offset
-            offsets = [int(offset[slot]) for slot in slots]
             if now is not None and now(info, offsets):
                 return info, [], offsets
             pins = s.slots.pins
-            for slot in slots:              # a slot named twice is pinned twice
-                pins[slot] += 1
+            if run:
+                pins[first:first + n] += 1
+            else:
+                for slot in slots:          # a slot named twice is pinned twice
+                    pins[slot] += 1
             self._book.reading += 1
             return info, slots, offsets
 
@@ -93,6 +102,15 @@ class FewReads:
         with s.lock:
             self._book.reading -= 1
             pins, state = s.slots.pins, s.slots.state
+            if side_by_side(slots):
+                first, end = slots[0], slots[0] + len(slots)
+                pins[first:end] -= 1
+                # DOOMED is rare (a page deleted or evicted while sent): one read says.
+                if _DOOMED in state[first:end]:
+                    freed = [slot for slot in slots if not pins[slot] and state[slot] == _DOOMED]
+                    if freed:
+                        self._eviction.free(freed)
+                return
             freed = []
             for slot in slots:
                 left = pins[slot] - 1

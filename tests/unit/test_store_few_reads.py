@@ -36,7 +36,7 @@ def _put(store: Store, info, ks: list[bytes]) -> None:
 
 
 @pytest.mark.parametrize("key_size", [16, 24])
-@pytest.mark.parametrize("pick", [[0], [3, 1, 2], [0, 0, 5], list(range(16))])
+@pytest.mark.parametrize("pick", [[0], [3, 1, 2], [0, 0, 5], list(range(16)), [4, 5, 6, 7, 8]])
 def test_pin_few_agrees_with_pin_read(store, key_size, pick):
     info = store.register_layout(LAYOUT)
     ks = _keys("k", 16, key_size)
@@ -99,6 +99,26 @@ def test_a_page_pinned_by_pin_few_is_not_evicted_and_a_delete_frees_it_at_unpin(
     store.unpin_few(slots)
     assert store._slots.state[slots[0]] == int(SlotState.FREE)
     assert store.stats().used_bytes == used - info.page_bytes
+
+
+def test_a_run_side_by_side_pinned_by_pin_few_frees_its_deleted_pages_at_unpin(store):
+    # Slots side by side are pinned and unpinned by slices (state.side_by_side): a page
+    # deleted meanwhile still goes free with its last pin, the others stay stored.
+    info = store.register_layout(LAYOUT)
+    ks = _keys("k", 8)
+    _put(store, info, ks)
+    _, slots, _ = store.pin_few(info.layout_id, Packed(b"".join(ks[2:8]), 16))
+    assert slots == list(range(slots[0], slots[0] + 6))
+    assert store.delete(info.layout_id, [ks[3], ks[5]]) == 2
+    doomed = [slots[1], slots[3]]
+    assert store._slots.state[doomed].tolist() == [int(SlotState.DOOMED)] * 2
+    used = store.stats().used_bytes
+    store.unpin_few(slots)
+    assert store._slots.state[doomed].tolist() == [int(SlotState.FREE)] * 2
+    assert store.stats().used_bytes == used - 2 * info.page_bytes
+    assert not store._slots.pins.any()
+    assert store.exists(info.layout_id, ks).tolist() == [True] * 3 + [False] + [True] \
+        + [False] + [True] * 2
 
 
 class _ArrayOnlyPolicy:
