@@ -105,8 +105,9 @@ class FewReads:
             if side_by_side(slots):
                 first, end = slots[0], slots[0] + len(slots)
                 pins[first:end] -= 1
-                # DOOMED is rare (a page deleted or evicted while sent): one read says.
-                if _DOOMED in state[first:end]:
+                # DOOMED is rare (a page deleted or evicted while sent): one read says
+                # (of a list: `in` on the array itself costs several times more).
+                if _DOOMED in state[first:end].tolist():
                     freed = [slot for slot in slots if not pins[slot] and state[slot] == _DOOMED]
                     if freed:
                         self._eviction.free(freed)
