@@ -70,6 +70,9 @@ SCRATCH_BYTES = 256 << 10      # per connection: a small Put's pages, a refused 
 # for a CALL's body too (a request message, limits.request_message_bytes).
 _SKIPPABLE_BODY = max(fw.request_body_bytes(MAX_KEYS_LIMIT),
                       call_body_bytes(request_message_bytes(MAX_KEYS_LIMIT)))
+# Quiet RELEASEs held back for the frame behind them (Connection._apply) at most: a
+# client that sends nothing but releases has them applied in batches of this many.
+_LATER_MAX = 64
 # The longest HELLO body read: a token (a bearer token is tens of bytes; 4 KiB leaves room
 # for any a deployment makes). A HELLO that declares more is refused before its body is
 # read: nothing is allocated for a length an unauthenticated peer declares.
@@ -213,27 +216,7 @@ class Connection:
             if session.pad and self.plain and self.ops.send_mode == SEND_SENDMSG:
                 # A small Get's answer may go under the store's lock (Ops.send_now).
                 session.now = functools.partial(self.ops.send_now, session)
-            # A plain socket's timeouts are set once, at HELLO: every receive and send
-            # waits --stream-timeout, and the wait for a header lets it pass until the
-            # idle timeout (Reader.idle_waits). A setsockopt pair around each Put's pages
-            # cost two system calls a Put. Over TLS a Python timeout is one value for
-            # both, switched around the wait for each header.
-            plain, reader = self.plain, self._reader
-            max_body, max_call_body = self.ops.max_body, self.ops.max_call_body
-            while True:
-                if not plain:
-                    self.sock.settimeout(self.idle_timeout or None)
-                h = self._read_header()
-                if h is None:
-                    return
-                if not plain:
-                    self.sock.settimeout(self.stream_timeout or None)
-                if h.op == _HELLO:
-                    raise fw.WireError("HELLO comes once, first")
-                if h.body_len > (max_call_body if h.op == _CALL else max_body):
-                    self._refuse_body(session, h)
-                    continue
-                self._call(session, h, reader.take(h.body_len))
+            self._frames(session)
         except Refused as exc:
             self._refused(exc.status.name.lower())
             log.debug("fast path: refused a connection: %s", exc)
@@ -294,6 +277,57 @@ class Connection:
             raise
         finally:
             self._observe(_NAMES[op], time.perf_counter() - start, code)
+
+    def _frames(self, session: Session) -> None:
+        """Answer frames until the peer closes between two (returns) or the connection
+        fails (raises: run says how each ends)."""
+        # A plain socket's timeouts are set once, at HELLO: every receive and send waits
+        # --stream-timeout, and the wait for a header lets it pass until the idle
+        # timeout (Reader.idle_waits). A setsockopt pair around each Put's pages cost
+        # two system calls a Put. Over TLS a Python timeout is one value for both,
+        # switched around the wait for each header.
+        plain, reader = self.plain, self._reader
+        max_body, max_call_body = self.ops.max_body, self.ops.max_call_body
+        later: list[tuple[fw.Header, bytes]] = []     # quiet RELEASEs held back (_apply)
+        while True:
+            if later and reader.buffered() < fw.HEADER.size:
+                self._apply(session, later)       # nothing more to answer first
+            if not plain:
+                self.sock.settimeout(self.idle_timeout or None)
+            h = self._read_header()
+            if h is None:
+                return
+            if not plain:
+                self.sock.settimeout(self.stream_timeout or None)
+            if h.op == _HELLO:
+                raise fw.WireError("HELLO comes once, first")
+            if h.body_len > (max_call_body if h.op == _CALL else max_body):
+                self._refuse_body(session, h)
+                continue
+            body = reader.take(h.body_len)
+            if h.op == _RELEASE and h.flags & _QUIET and reader.buffered() >= fw.HEADER.size:
+                later.append((h, bytes(body)))
+                if len(later) >= _LATER_MAX:        # a stream of releases alone
+                    self._apply(session, later)
+                continue
+            self._call(session, h, body)
+            if later:
+                self._apply(session, later)
+
+    # A client sends a quiet RELEASE (fastwire.QUIET: no answer) in the same send as
+    # its next request (kvstore_client.ahead): a scheduler's leased lookup follows the
+    # release of the one before. Applied in order, the release's work came before that
+    # request's answer, in the caller's latency, though nothing answers it. So a quiet
+    # RELEASE with another frame already behind it waits for that frame's answer, and
+    # is applied right after it; one with nothing behind it is applied before the
+    # connection waits for more, as before. Nothing can tell the two orders apart but
+    # the time the pages stay pinned, a frame longer; a connection that ends first
+    # releases them with the rest of its leases (_end_leases).
+    def _apply(self, s: Session, later: list[tuple[fw.Header, bytes]]) -> None:
+        """Apply the quiet RELEASEs held back (in the order they came), and forget them."""
+        for h, body in later:
+            self._call(s, h, memoryview(body))
+        later.clear()
 
     def _refuse_body(self, s: Session, h: fw.Header) -> None:
         """A request over the body limit (more keys than the server takes): its bytes are

@@ -134,6 +134,10 @@ class Reader:
             self._end += got
         return True
 
+    def buffered(self) -> int:
+        """Bytes received and not yet taken: what the peer sent ahead."""
+        return self._end - self._start
+
     def head(self, n: int) -> memoryview | None:
         """The next n bytes (a frame's header), valid until the next read; None when the
         peer closed between frames. Waits up to idle_waits receive timeouts for them."""

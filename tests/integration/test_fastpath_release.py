@@ -13,7 +13,9 @@ import pytest
 
 from kvstore_client import KVStoreClient, PageLayout
 from kvstore_client.ahead import HOLD_S
+from kvstore_protocol import fastwire as fw
 from kvstore_testing.serverproc import ServerProcess
+from tests.integration.test_fastpath import Raw, fast_address, keys_body
 from tests.waiting import wait_for
 
 LAYOUT = PageLayout(model="fp-release", num_layers=1, page_tokens=1, num_kv_heads=1,
@@ -37,9 +39,9 @@ def _leases(srv: ServerProcess) -> int:
         return c.stats().leases
 
 
-def test_a_release_sent_ahead_is_applied_before_the_next_call_is_answered(srv):
-    """The server reads a connection's frames in order: once the next call is answered,
-    the release that rode ahead of it has been applied, with no waiting."""
+def test_a_release_sent_ahead_is_applied_once_the_next_call_is_answered(srv):
+    """The release that rode ahead of the next call is applied right after that call's
+    answer (Connection._apply), with no waiting for anything more from the client."""
     with _tcp_client(srv) as c:
         ns = c.register_layout(LAYOUT)
         c.put(ns, KEYS, np.ones((len(KEYS), ns.page_bytes), np.uint8))
@@ -51,7 +53,8 @@ def test_a_release_sent_ahead_is_applied_before_the_next_call_is_answered(srv):
             c.release_lease_later(lease)
             again = c.lookup_lease(ns, KEYS[:1], lease_ms=60_000)    # the same lane
             assert again.count == 1
-            assert _leases(srv) == 1, "the release sent ahead was not applied"
+            wait_for(lambda: _leases(srv) == 1, "the release sent ahead to be applied",
+                     timeout=5)
             c.release_lease(again)
             assert _leases(srv) == 0
 
@@ -92,7 +95,7 @@ def test_a_lane_that_breaks_after_a_release_sent_ahead_loses_no_lease(srv):
 
 def test_a_held_release_goes_in_the_next_requests_send(srv):
     """Held in the client, not sent, until the lane's next request: then both go in one
-    send, and the release is applied before that request is answered."""
+    send, and the release is applied once that request is answered."""
     with _tcp_client(srv) as c:
         ns = c.register_layout(LAYOUT)
         c.put(ns, KEYS, np.ones((len(KEYS), ns.page_bytes), np.uint8))
@@ -102,7 +105,7 @@ def test_a_held_release_goes_in_the_next_requests_send(srv):
         assert conn.held, "the release was sent at once, not held"
         again = c.lookup_lease(ns, KEYS[:1], lease_ms=600_000)
         assert conn.held == b"" and c.fast_path()._reads.conn is conn
-        assert _leases(srv) == 1
+        wait_for(lambda: _leases(srv) == 1, "the held release to be applied", timeout=5)
         c.release_lease(again)
         assert _leases(srv) == 0
 
@@ -136,3 +139,32 @@ def test_a_held_release_of_a_pinned_lease_is_sent_when_the_client_closes(srv):
     assert c.fast_path()._reads.conn.held
     c.close()
     wait_for(lambda: _leases(srv) == 0, "the held release sent at close", timeout=10)
+
+
+def test_quiet_releases_ahead_of_a_request_are_all_applied_after_its_answer(srv):
+    """More quiet releases than the server holds back at once (connection._LATER_MAX),
+    then a lookup, in one send: the lookup is answered as if they had come alone, and
+    every one of them is applied, those held back for it right after its answer."""
+    n = 100
+    with _tcp_client(srv) as c:
+        ns = c.register_layout(LAYOUT)
+        c.put(ns, KEYS, np.ones((len(KEYS), ns.page_bytes), np.uint8))
+        # Leased on another connection: a lease is its tenant's, not its connection's.
+        with KVStoreClient(srv.address, data_plane=False) as g:
+            leases = [g.lookup_lease(ns, KEYS[:1], lease_ms=600_000) for _ in range(n)]
+        assert _leases(srv) == n
+        raw = Raw(fast_address(srv))
+        try:
+            quiet = b"".join(fw.encode_header(fw.Op.RELEASE, fw.LEASE.size, flags=fw.QUIET)
+                             + fw.LEASE.pack(lease.lease_id) for lease in leases)
+            lookup = fw.LOOKUP_HEAD.pack(0, 1) + ns.layout_id + fw.encode_keys(
+                16, b"".join(KEYS))
+            raw.sock.sendall(quiet + fw.encode_header(fw.Op.LOOKUP, len(lookup)) + lookup)
+            status, body, _ = raw.answer()          # the lookup's: no release answers
+            assert status == 0 and fw.COUNT_LEASE.unpack_from(body) == (len(KEYS), 0)
+            wait_for(lambda: _leases(srv) == 0, "every quiet release to be applied",
+                     timeout=5)
+            status, body = raw.call(fw.Op.EXISTS, keys_body(ns.layout_id, KEYS[:1]))
+            assert status == 0                      # and the connection is in step
+        finally:
+            raw.close()
