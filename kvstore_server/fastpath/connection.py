@@ -289,30 +289,40 @@ class Connection:
         plain, reader = self.plain, self._reader
         max_body, max_call_body = self.ops.max_body, self.ops.max_call_body
         later: list[tuple[fw.Header, bytes]] = []     # quiet RELEASEs held back (_apply)
-        while True:
-            if later and reader.buffered() < fw.HEADER.size:
-                self._apply(session, later)       # nothing more to answer first
-            if not plain:
-                self.sock.settimeout(self.idle_timeout or None)
-            h = self._read_header()
-            if h is None:
-                return
-            if not plain:
-                self.sock.settimeout(self.stream_timeout or None)
-            if h.op == _HELLO:
-                raise fw.WireError("HELLO comes once, first")
-            if h.body_len > (max_call_body if h.op == _CALL else max_body):
-                self._refuse_body(session, h)
-                continue
-            body = reader.take(h.body_len)
-            if h.op == _RELEASE and h.flags & _QUIET and reader.buffered() >= fw.HEADER.size:
-                later.append((h, bytes(body)))
-                if len(later) >= _LATER_MAX:        # a stream of releases alone
+        try:
+            while True:
+                if later and reader.buffered() < fw.HEADER.size:
+                    self._apply(session, later)       # nothing more to answer first
+                if not plain:
+                    self.sock.settimeout(self.idle_timeout or None)
+                h = self._read_header()
+                if h is None:
+                    return
+                if not plain:
+                    self.sock.settimeout(self.stream_timeout or None)
+                if h.op == _HELLO:
+                    raise fw.WireError("HELLO comes once, first")
+                if h.body_len > (max_call_body if h.op == _CALL else max_body):
+                    self._refuse_body(session, h)
+                    continue
+                body = reader.take(h.body_len)
+                if h.op == _RELEASE and h.flags & _QUIET \
+                        and reader.buffered() >= fw.HEADER.size:
+                    later.append((h, bytes(body)))
+                    if len(later) >= _LATER_MAX:        # a stream of releases alone
+                        self._apply(session, later)
+                    continue
+                self._call(session, h, body)
+                if later:
                     self._apply(session, later)
-                continue
-            self._call(session, h, body)
+        finally:
+            # Ended with releases held back (the frame behind them broke off, or was
+            # malformed): they are applied all the same. A lease taken elsewhere (on
+            # another connection, over gRPC) is not among this one's, which _end_leases
+            # ends; its release came whole and must not be lost.
             if later:
-                self._apply(session, later)
+                with contextlib.suppress(Exception):
+                    self._apply(session, later)
 
     # A client sends a quiet RELEASE (fastwire.QUIET: no answer) in the same send as
     # its next request (kvstore_client.ahead): a scheduler's leased lookup follows the

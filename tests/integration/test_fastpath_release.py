@@ -168,3 +168,24 @@ def test_quiet_releases_ahead_of_a_request_are_all_applied_after_its_answer(srv)
             assert status == 0                      # and the connection is in step
         finally:
             raw.close()
+
+
+def test_a_quiet_release_held_back_is_applied_when_the_frame_behind_it_breaks_off(srv):
+    """The release is held back for the frame behind it, and that frame never comes
+    whole (the client goes): the release still applies. The lease was taken over gRPC,
+    so the end of this connection's own leases would not have ended it."""
+    with _tcp_client(srv) as c:
+        ns = c.register_layout(LAYOUT)
+        c.put(ns, KEYS, np.ones((len(KEYS), ns.page_bytes), np.uint8))
+    with KVStoreClient(srv.address, data_plane=False) as g:
+        lease = g.lookup_lease(ns, KEYS, lease_ms=600_000)
+    assert _leases(srv) == 1
+    raw = Raw(fast_address(srv))
+    try:
+        quiet = fw.encode_header(fw.Op.RELEASE, fw.LEASE.size, flags=fw.QUIET) \
+            + fw.LEASE.pack(lease.lease_id)
+        # A LOOKUP that says 100 bytes of body follow, and 10 that do.
+        raw.sock.sendall(quiet + fw.encode_header(fw.Op.LOOKUP, 100) + bytes(10))
+    finally:
+        raw.close()
+    wait_for(lambda: _leases(srv) == 0, "the held-back release to be applied", timeout=5)
