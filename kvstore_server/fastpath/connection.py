@@ -73,6 +73,12 @@ _SKIPPABLE_BODY = max(fw.request_body_bytes(MAX_KEYS_LIMIT),
 # Quiet RELEASEs held back for the frame behind them (Connection._apply) at most: a
 # client that sends nothing but releases has them applied in batches of this many.
 _LATER_MAX = 64
+# The calls refused (RESOURCE_EXHAUSTED) when the leases clients hold reach
+# --lease-memory: releases held back are applied before one of these, so that holding
+# them back never fails a call that applying them first would have let through. A leased
+# LOOKUP at the limit answers its count without a lease instead (the release follows its
+# answer at once), and a Put's or Get's own pins are not counted.
+_BUDGETED = frozenset({int(fw.Op.ACQUIRE), int(fw.Op.RESERVE)})
 # The longest HELLO body read: a token (a bearer token is tens of bytes; 4 KiB leaves room
 # for any a deployment makes). A HELLO that declares more is refused before its body is
 # read: nothing is allocated for a length an unauthenticated peer declares.
@@ -312,6 +318,8 @@ class Connection:
                     if len(later) >= _LATER_MAX:        # a stream of releases alone
                         self._apply(session, later)
                     continue
+                if later and h.op in _BUDGETED:
+                    self._apply(session, later)       # their leases' memory first
                 self._call(session, h, body)
                 if later:
                     self._apply(session, later)
@@ -329,8 +337,9 @@ class Connection:
     # release of the one before. Applied in order, the release's work came before that
     # request's answer, in the caller's latency, though nothing answers it. So a quiet
     # RELEASE with another frame already behind it waits for that frame's answer, and
-    # is applied right after it; one with nothing behind it is applied before the
-    # connection waits for more, as before. Nothing can tell the two orders apart but
+    # is applied right after it (before it, where that frame is an ACQUIRE or RESERVE:
+    # _BUDGETED); one with nothing behind it is applied before the connection waits for
+    # more, as before. Nothing can tell the two orders apart but
     # the time the pages stay pinned, a frame longer; a connection that ends first
     # releases them with the rest of its leases (_end_leases).
     def _apply(self, s: Session, later: list[tuple[fw.Header, bytes]]) -> None:

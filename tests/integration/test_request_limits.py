@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from kvstore_client import KVStoreClient, KVStoreError, PageLayout, PutResult
+from kvstore_protocol import fastwire as fw
 from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb, kvstore_pb2_grpc
+from tests.integration.test_fastpath import Raw, unix_path
 from tests.waiting import wait_for
 
 # 64 KiB pages: 1,025 of them are more than the 64 MiB pool.
@@ -217,3 +219,39 @@ def test_leases_past_lease_memory_are_not_given(small):
         assert stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease_id)).released
     client.acquire(ns, [key] * 16_384).release()
     wait_for(lambda: client.stats().leases == 0, "the release, which is sent async")
+
+
+@pytest.mark.parametrize("small", [{"lease_memory": "1MiB"}], indirect=True, ids=["leases"])
+def test_a_quiet_release_ahead_of_an_acquire_makes_its_room_first(small):
+    """The leases fill --lease-memory; a quiet RELEASE of one and an ACQUIRE of as much
+    come in one send. A quiet release is held back for the frame behind it
+    (fastpath/connection.py), but not for an ACQUIRE, which the leases' memory can
+    refuse: the release applies first and the acquire is granted."""
+    srv, client, ns, stub = small
+    key = b"ahead-key-000000"
+    client.put(ns, [key], np.zeros((1, ns.page_bytes), np.uint8))
+    flood = pb.LookupRequest(layout_ids=[ns.layout_id], keys=pb.PackedKeys(
+        data=key * 16_384, key_size=len(key)), lease_ms=600_000)
+    held = [a.lease_id for a in (stub.Lookup(flood, timeout=30) for _ in range(40))
+            if a.lease_id]
+    with pytest.raises(KVStoreError) as refused:               # full
+        client.acquire(ns, [key] * 16_384)
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    raw = Raw(unix_path(srv), hello=False)
+    try:
+        raw.send(fw.Op.HELLO, flags=fw.QUIET)
+        status, _, _ = raw.answer()
+        assert status == 0
+        acquire = fw.LEASED_HEAD.pack(ns.layout_id, client.region().token, 30_000) \
+            + fw.encode_keys(len(key), key * 16_384)
+        raw.sock.sendall(fw.encode_header(fw.Op.RELEASE, fw.LEASE.size, flags=fw.QUIET)
+                         + fw.LEASE.pack(held[0])
+                         + fw.encode_header(fw.Op.ACQUIRE, len(acquire)) + acquire)
+        status, answer, _ = raw.answer()
+        assert status == 0, bytes(answer)
+        (lease_id,) = fw.LEASE.unpack_from(answer)
+        assert lease_id and client.stats().leases == len(held)    # one out, one in
+    finally:
+        raw.close()
+    for lease_id in held[1:]:
+        assert stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease_id)).released
