@@ -37,7 +37,6 @@ import itertools
 import logging
 import socket
 import ssl
-import struct
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -68,8 +67,7 @@ log = logging.getLogger(__name__)
 STRIPE_MIN_BYTES = 16 << 20
 
 
-# A LOOKUP's head with one layout (fastwire: LOOKUP_HEAD, the layout id, the keys' head).
-_ONE_LAYOUT_LOOKUP = struct.Struct("<IH16sBI")
+_ONE_LAYOUT_LOOKUP = fw.ONE_LAYOUT_LOOKUP
 _LOOKUP = int(fw.Op.LOOKUP)
 _RELEASE = int(fw.Op.RELEASE)
 _COUNT_LEASE = fw.COUNT_LEASE

@@ -41,7 +41,7 @@ from .reasons import Reason
 
 __all__ = ["ALIGNED", "ALIGN_PAD", "CALLS", "COUNT", "COUNT_LEASE", "GRPC_CODES", "HEADER", "LAYER_MAJOR", "LAYOUT_HEAD",
            "LAYOUT_ID_BYTES", "LAYOUT_KEYS_HEAD", "LEASE", "LEASED_HEAD", "LOOKUP_HEAD", "MAGIC", "MAX_ANSWER_BODY",
-           "MAX_BODY", "MAX_DATA", "MAX_LAYOUTS", "MISSED", "PAGE_MAJOR", "PINS", "PINS_HEAD",
+           "MAX_BODY", "MAX_DATA", "MAX_LAYOUTS", "MISSED", "ONE_LAYOUT_LOOKUP", "PAGE_MAJOR", "PINS", "PINS_HEAD",
            "PUT_DONE", "QUIET", "READ", "REASON_FLAGS", "REGION_TOKEN_BYTES", "RESERVED", "VERSION",
            "Header", "KeysBlock", "Op", "Status", "WireError", "decode_header", "decode_keys",
            "decode_layout_keys",
@@ -306,6 +306,8 @@ def unpack_u64(raw: bytes | memoryview) -> np.ndarray:
 LOOKUP_HEAD = struct.Struct("<IH")        # lease_ms, number of layout ids (16 B each)
 LAYOUT_HEAD = struct.Struct("<16s")       # EXISTS, GET, PUT, DELETE: layout id
 LAYOUT_KEYS_HEAD = struct.Struct("<16sBI")  # ... and then their keys' key_size, n
+ONE_LAYOUT_LOOKUP = struct.Struct("<IH16sBI")  # LOOKUP_HEAD, one layout id, its keys'
+#                                          key_size, n: an engine's lookup, one pack
 LEASED_HEAD = struct.Struct("<16s16sI")   # ACQUIRE, RESERVE: layout, region token, lease_ms
 LEASE = struct.Struct("<Q")               # COMMIT, ABORT, RELEASE: lease id; their answers
 READ = struct.Struct("<I")                # RELEASE, optionally after the lease id: pages read

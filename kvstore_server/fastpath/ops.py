@@ -417,7 +417,7 @@ class Ops:
 
 
 # A LOOKUP body of one layout (an engine's: its rank's) up to its keys, in one unpack.
-_ONE_LAYOUT_LOOKUP = struct.Struct("<IH16sBI")
+_ONE_LAYOUT_LOOKUP = fw.ONE_LAYOUT_LOOKUP
 
 
 def _lookup_body(body: memoryview) -> tuple[list[bytes], bytes, int, int]:
