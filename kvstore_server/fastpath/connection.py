@@ -339,9 +339,9 @@ class Connection:
     # RELEASE with another frame already behind it waits for that frame's answer, and
     # is applied right after it (before it, where that frame is an ACQUIRE or RESERVE:
     # _BUDGETED); one with nothing behind it is applied before the connection waits for
-    # more, as before. Nothing can tell the two orders apart but
-    # the time the pages stay pinned, a frame longer; a connection that ends first
-    # releases them with the rest of its leases (_end_leases).
+    # more, as before. Nothing can tell the two orders apart but the time the pages
+    # stay pinned, a frame longer; a connection that ends with some held back applies
+    # them on its way out (_frames).
     def _apply(self, s: Session, later: list[tuple[fw.Header, bytes]]) -> None:
         """Apply the quiet RELEASEs held back (in the order they came), and forget them."""
         for h, body in later:

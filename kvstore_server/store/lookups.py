@@ -79,14 +79,10 @@ class Lookups:
             s.touch_few(slots)
             if lease_ttl <= 0:
                 return count, 0
-            book = self._book
-            if not book.may_lease(count):
-                book.full("a leased Lookup answered without a lease")
-                return count, 0
             pinned = np.array(slots, dtype=np.int64)
-            book.pin(pinned)                        # a key may repeat: pinned as often
-            return count, book.table.grant(LeaseKind.READ, pinned, lease_ttl,
-                                           owner=info.tenant).lease_id
+            count, lease_id, _ = self._lease([info], [pinned], [pinned], count, lease_ttl,
+                                             offsets=False)
+            return count, lease_id
 
     def lookup_pinned(self, layout_ids: Sequence[bytes], keys: Packed | Sequence[bytes],
                       lease_ttl: float = 0.0) -> tuple[int, int, list[np.ndarray]]:
