@@ -13,16 +13,17 @@ or it keeps sending requests for a prefix that is gone. Hence:
         or a lookup or Exists here finds it in the far tier only (FarTier.contains: an
         engine may announce it from that answer)
         ──► watched: (layout, key), newest last, at most `capacity`
-    every `interval` s, one round on the watch thread: the oldest `per_round` pages
+    every `interval` s, one round on the watch thread: the `per_round` pages checked
+    longest ago (new pages after all the others)
         ├─ still queued or being written (writer.unwritten)          ──► kept
         ├─ back in DRAM or on disk (read back from the far tier)      ──► not watched:
         │      held above; watched again when that tier lets it go
         ├─ EXISTS (one round trip per shard): held                    ──► kept, last
         ├─ not answered in time (a master slow or down, breaker open) ──► kept, last
         └─ answered "no such key"                                     ──► ring: EVICTED
-    past `capacity`, the oldest page stops being watched: at the next round it is
-        reported EVICTED unless DRAM or disk holds it (a router under-estimates, never
-        over-)
+    past `capacity`, the page watched longest (added first, whatever the rounds did with
+        it since) stops being watched: at the next round it is reported EVICTED unless
+        DRAM or disk holds it (a router under-estimates, never over-)
 
 So a far-only page's removal by the cluster reaches the ring within
 capacity / per_round rounds plus one: DELAY seconds with the defaults (5 s), then the
@@ -94,7 +95,14 @@ class FarWatch:
         self.removals: RemovalRing | None = None
         self.held_above: HeldFn = _nowhere
         self._lock = threading.Condition()      # guards the fields below
+        # Two orders of the same pages. A round checks the pages longest unchecked and
+        # puts the ones it keeps last in _pages; the capacity drops the page longest
+        # watched, first in _age. One order for both would let a round's rotation decide
+        # which page the capacity drops: a page added a moment ago could go before one
+        # watched for an hour. _age also holds the pages of a round in flight, so a page
+        # forgotten or dropped meanwhile is not put back when its round ends.
         self._pages: collections.OrderedDict[_Page, None] = collections.OrderedDict()
+        self._age: collections.OrderedDict[_Page, None] = collections.OrderedDict()
         self._overflow: collections.deque[_Page] = collections.deque()
         self._closed = False
         self.reported = 0                       # pages recorded as gone (tests, stats)
@@ -110,7 +118,7 @@ class FarWatch:
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._pages) + len(self._overflow)
+            return len(self._age) + len(self._overflow)
 
     # -- the store's threads (under its lock: only dict and deque work here) ---------
     def add(self, layout_id: bytes, keys: Sequence[bytes]) -> None:
@@ -121,8 +129,12 @@ class FarWatch:
                 page = (layout_id, key)
                 self._pages[page] = None
                 self._pages.move_to_end(page)
-            while len(self._pages) > self.capacity:
-                self._overflow.append(self._pages.popitem(last=False)[0])
+                self._age[page] = None
+                self._age.move_to_end(page)
+            while len(self._age) > self.capacity:
+                oldest = self._age.popitem(last=False)[0]
+                self._pages.pop(oldest, None)
+                self._overflow.append(oldest)
             while len(self._overflow) > self.per_round:    # a flood: reported unchecked
                 spilled.append(self._overflow.popleft())
         for lid, k in spilled:
@@ -133,16 +145,19 @@ class FarWatch:
         with self._lock:
             for key in keys:
                 self._pages.pop((layout_id, key), None)
+                self._age.pop((layout_id, key), None)
 
     def forget_layout(self, layout_id: bytes | None) -> None:
         """A layout's pages (None: all) cleared or invalidated (recorded by the store)."""
         with self._lock:
             if layout_id is None:
                 self._pages.clear()
+                self._age.clear()
                 self._overflow.clear()
                 return
-            for page in [p for p in self._pages if p[0] == layout_id]:
-                del self._pages[page]
+            for page in [p for p in self._age if p[0] == layout_id]:
+                del self._age[page]
+                self._pages.pop(page, None)
             self._overflow = collections.deque(p for p in self._overflow
                                                if p[0] != layout_id)
 
@@ -180,26 +195,30 @@ class FarWatch:
             gone += self._record(layout_id, [k for k, up in zip(keys, above.tolist(),
                                                                 strict=True) if not up])
         unwritten = self._unwritten() if batch else set()
-        keep: list[_Page] = [p for p in batch if p in unwritten]
+        keep: set[_Page] = {p for p in batch if p in unwritten}
+        found_gone: set[_Page] = set()
         for layout_id, keys in _by_layout([p for p in batch if p not in unwritten]).items():
             above = self.held_above(layout_id, keys)
             asked = [k for k, up in zip(keys, above.tolist(), strict=True) if not up]
             if not asked:
                 continue
             held, answered = self._exists(layout_id, asked, CHECK_TIMEOUT)
-            keep += [(layout_id, k) for k, h, a in zip(asked, held, answered, strict=True)
-                     if h or not a]
-            gone += self._record(layout_id, [k for k, h, a in zip(asked, held, answered,
-                                                                  strict=True)
-                                             if a and not h])
+            keep.update((layout_id, k) for k, h, a in zip(asked, held, answered, strict=True)
+                        if h or not a)
+            lost = [k for k, h, a in zip(asked, held, answered, strict=True) if a and not h]
+            found_gone.update((layout_id, k) for k in lost)
+            gone += self._record(layout_id, lost)
         with self._lock:
-            for page in keep:           # behind what was added meanwhile, unless re-added
-                if page in self._pages:
-                    continue
-                if len(self._pages) < self.capacity:
+            for page in batch:
+                if page in self._pages or page not in self._age:
+                    continue            # added again meanwhile, or forgotten or dropped
+                if page in keep:        # behind what was added meanwhile
                     self._pages[page] = None
-                else:                   # full meanwhile: the next round's overflow
-                    self._overflow.append(page)
+                else:                   # gone, or held in DRAM or on disk again
+                    del self._age[page]
+            if found_gone and self._overflow:   # dropped meanwhile: reported once only
+                self._overflow = collections.deque(p for p in self._overflow
+                                                   if p not in found_gone)
             self.rounds += 1
             self._lock.notify_all()
         return gone

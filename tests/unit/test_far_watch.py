@@ -83,3 +83,42 @@ def test_past_capacity_the_oldest_are_reported_unless_held_above():
     assert len(w) == 4
     w.forget_layout(LAYOUT)
     assert len(w) == 0 and w.check() == 0
+
+
+def test_the_capacity_drops_the_page_watched_longest_whatever_the_rounds_did():
+    """A round puts the pages it keeps behind the others for the next rounds; the capacity
+    still drops the page added first, not the one the rounds happen to reach next."""
+    cluster, ring = Cluster(), RemovalRing(64)
+    w = watch_of(cluster, ring, capacity=4, per_round=2)
+    cluster.held = {key(i) for i in range(10)}
+    for i in range(4):
+        w.add(LAYOUT, [key(i)])
+    assert w.check() == 0               # 0 and 1 checked: the next round checks 2 and 3
+    assert cluster.asked == [key(0), key(1)]
+    w.add(LAYOUT, [key(4)])             # over the capacity: 0 goes, the page added first
+    assert w.check() == 1 and reported(ring) == [key(0)]
+    assert cluster.asked[2:] == [key(2), key(3)]
+    assert len(w) == 4
+
+
+def test_a_page_forgotten_or_dropped_during_its_round_is_not_watched_again():
+    """The round's pages are out of the check order while the cluster answers: a delete
+    through this server, or the capacity, may reach them then."""
+    cluster, ring = Cluster(), RemovalRing(64)
+    w = watch_of(cluster, ring, capacity=2, per_round=2)
+    answers = cluster.exists
+
+    def exists_while_the_server_works(layout_id, keys, timeout):
+        w.forget(LAYOUT, [key(0)])      # deleted through this server
+        w.add(LAYOUT, [key(2)])         # over the capacity: 1 is dropped
+        return answers(layout_id, keys, timeout)
+
+    w._exists = exists_while_the_server_works
+    cluster.held = {key(0)}             # 0 is held, 1 is gone from the cluster
+    w.add(LAYOUT, [key(0), key(1)])
+    assert w.check() == 1 and reported(ring) == [key(1)]
+    w._exists = answers
+    cluster.held = {key(2)}
+    assert w.check() == 0               # 1, dropped and gone, is not reported twice
+    assert reported(ring) == [key(1)]
+    assert len(w) == 1 and w.check() == 0 and cluster.asked[-1] == key(2)
