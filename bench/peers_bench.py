@@ -1,6 +1,6 @@
 """Our fast path beside other stores on loopback, one value a call: `kvstore-bench peers`.
 
-    kvstore-bench peers [--quick] [--rounds 3]
+    kvstore-bench peers [--quick] [--rounds 3] [--lmcache-python PATH]
 
 Installs nothing. Each system runs as a server in a process of its own on 127.0.0.1,
 and is read with the same pattern an engine's remote hit of one page uses: one value a
@@ -15,9 +15,12 @@ call, received into one reused page-sized buffer (page-aligned), for values of 6
   and the raw peer do; "redis glide" is valkey-glide-sync's get (already a dependency),
   which hands back a new bytes object that is then copied into the buffer. The first is
   the fair comparison of the servers; the second shows what a stock client adds;
-- lmcache: where the `lmcache` package imports. It is not driven by this command yet
-  (its server's protocol differs between releases): the line says so, as it says when
-  the package is missing.
+- lmcache: LMCache's standalone server (`python -m lmcache.v1.server`, CPU storage), run
+  by the Python --lmcache-python names (by default this one, where `lmcache` is installed
+  for it; otherwise the line says it was skipped and how to run it). The package wants
+  torch, so it usually lives in an environment of its own; this side needs neither:
+  bench/lmcache_peer.py speaks the server's wire format, and a GET's bytes are received
+  straight into the buffer, as for "redis RESP". Its wire format is that of LMCache 0.5.x.
 
 A round measures every system at every size, in an order that rotates each round, so
 load from other work on the machine falls on all of them alike; figures are medians
@@ -33,6 +36,7 @@ import shutil
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -44,6 +48,7 @@ from kvstore_client.buffers import page_aligned_empty
 from kvstore_testing.serverproc import ServerProcess
 
 from .fastpath_sweep import _layout, _RawPeer, _times
+from .lmcache_peer import LMCacheClient, LMCacheServer, cache_key, lmcache_imports
 from .rawpeer import RawClient
 
 __all__ = ["RespClient", "main"]
@@ -170,11 +175,8 @@ def _glide_getter(port: int, key: bytes) -> tuple[Reader, Callable[[], None]]:
     return get, client.close
 
 
-def _lmcache_line() -> str:
-    if importlib.util.find_spec("lmcache") is None:
-        return "lmcache: the lmcache package is not installed; skipped"
-    return ("lmcache: the package is installed, but this command does not drive its "
-            "server yet; skipped")
+LMCACHE_SKIPPED = ("lmcache: the lmcache package is not installed for this Python; skipped "
+                   "(--lmcache-python PATH runs LMCache's server with a Python that has it)")
 
 
 def _size(size: int) -> str:
@@ -187,11 +189,12 @@ def _calls(size: int, quick: bool) -> int:
     return {64 * KiB: 400, 1 * MiB: 150}.get(size, 50)
 
 
-def run(quick: bool, rounds: int) -> str:
+def run(quick: bool, rounds: int, lmcache_python: str | None = None) -> str:
+    """The report; lmcache_python runs LMCache's server (None: lmcache is skipped)."""
     buf = page_aligned_empty((max(SIZES),))
     src = np.random.default_rng(7).integers(0, 256, max(SIZES), dtype=np.uint8)
     redis_bin = shutil.which("redis-server")
-    closers: list[Callable[[], None]] = []
+    closers: list[Callable[[], object]] = []
     peer = _RawPeer()
     closers.append(peer.close)
     try:
@@ -220,16 +223,29 @@ def run(quick: bool, rounds: int) -> str:
             readers["redis RESP"], readers["redis glide"] = {}, {}
             for size in SIZES:
                 key = KEY + b"-%d" % size
-                resp.set(key, memoryview(src[:size]))
+                resp.set(key, src[:size].data)
                 readers["redis RESP"][size] = resp.getter(key, size)
                 get, close = _glide_getter(redis.port, key)
                 closers.append(close)
                 readers["redis glide"][size] = get
+        if lmcache_python is not None:
+            try:
+                lmc = LMCacheServer(lmcache_python)
+            except RuntimeError as e:
+                raise SystemExit(f"kvstore-bench peers: {e}") from None
+            closers.append(lmc.close)
+            lmc_client = LMCacheClient(lmc.port)
+            closers.append(lmc_client.close)
+            readers["lmcache"] = {}
+            for i, size in enumerate(SIZES):
+                lmc_key = cache_key(i)
+                lmc_client.put(lmc_key, src[:size].data)
+                readers["lmcache"][size] = lmc_client.getter(lmc_key, size)
         # Every reader gives back what was stored (the raw peer sends ones), before
         # anything is timed.
         for name, by_size in readers.items():
             for size, read in by_size.items():
-                out = memoryview(buf[:size])
+                out = buf[:size].data
                 buf[:size] = 0
                 read(out)
                 want = np.ones(size, dtype=np.uint8) if name == "raw" else src[:size]
@@ -240,22 +256,25 @@ def run(quick: bool, rounds: int) -> str:
         for r in range(rounds):
             fig: dict[tuple[str, int], float] = {}
             for size in SIZES:
-                out = memoryview(buf[:size])
+                out = buf[:size].data
                 order = names[r % len(names):] + names[:r % len(names)]
                 for name in order:
-                    t = statistics.median(_times(lambda read=readers[name][size]: read(out),
-                                                 _calls(size, quick)))
+                    read = readers[name][size]
+                    t = statistics.median(_times(lambda: read(out), _calls(size, quick)))
                     fig[(name, size)] = t * 1e6 if size < MiB else size / t / 1e9
             figures.append(fig)
     finally:
-        for close in reversed(closers):
+        for closer in reversed(closers):
             with contextlib.suppress(Exception):    # the rest still close
-                close()
-    return _report(names, figures, redis_bin is not None)
+                closer()
+    skipped = [] if redis_bin is not None else ["redis: redis-server is not on PATH; skipped"]
+    if lmcache_python is None:
+        skipped.append(LMCACHE_SKIPPED)
+    return _report(names, figures, skipped)
 
 
 def _report(names: list[str], figures: list[dict[tuple[str, int], float]],
-            redis: bool) -> str:
+            skipped: list[str]) -> str:
     def med(name: str, size: int) -> float:
         return statistics.median(f[(name, size)] for f in figures)
 
@@ -280,10 +299,8 @@ def _report(names: list[str], figures: list[dict[tuple[str, int], float]],
         if name != "kvstore":
             lines.append(f"| {name} | "
                          + " | ".join(f"{speed(name, s):.2f}" for s in SIZES) + " |")
-    lines.append("")
-    if not redis:
-        lines.append("redis: redis-server is not on PATH; skipped")
-    lines.append(_lmcache_line())
+    if skipped:
+        lines += ["", *skipped]
     return "\n".join(lines)
 
 
@@ -294,11 +311,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="one round of a few calls: checks that it runs, measures nothing")
     p.add_argument("--rounds", type=int, default=0,
                    help="rounds to take medians over (default 3; --quick: 1)")
+    p.add_argument("--lmcache-python", metavar="PATH",
+                   help="a Python with the lmcache package, to run LMCache's server with "
+                        "(default: this one, where lmcache is installed for it)")
     args = p.parse_args(argv)
     rounds = args.rounds or (1 if args.quick else 3)
     if rounds < 1:
         p.error("--rounds must be at least 1")
-    print(run(args.quick, rounds))
+    lmcache_python = args.lmcache_python
+    if lmcache_python is None:
+        if importlib.util.find_spec("lmcache") is not None:
+            lmcache_python = sys.executable
+    elif not lmcache_imports(lmcache_python):
+        p.error(f"--lmcache-python {lmcache_python}: the lmcache package is not installed "
+                "for that Python (or it does not run)")
+    print(run(args.quick, rounds, lmcache_python))
     return 0
 
 

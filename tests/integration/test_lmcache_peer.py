@@ -3,7 +3,9 @@ where a Python with the lmcache package is at hand, and against a scripted peer 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import os
 import socket
 import sys
@@ -12,6 +14,7 @@ import threading
 import numpy as np
 import pytest
 
+from kvstore_bench import cli
 from kvstore_bench.lmcache_peer import (
     REPLY,
     REQUEST,
@@ -73,6 +76,17 @@ def test_a_get_returns_the_bytes_put(lmcache_port):
         c.health()                              # the connection is still in step
     finally:
         c.close()
+
+
+@needs_lmcache
+@pytest.mark.slow
+def test_quick_peers_has_an_lmcache_row():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["peers", "--quick", "--lmcache-python", str(LMCACHE_PYTHON)]) == 0
+    text = out.getvalue()
+    assert sum(line.startswith("| lmcache |") for line in text.splitlines()) == 2, text
+    assert "lmcache: " not in text, text         # nothing said to be skipped
 
 
 def _scripted_peer(reply: bytes) -> tuple[int, threading.Thread, list[bytes]]:

@@ -14,6 +14,7 @@ import shutil
 import pytest
 
 from kvstore_bench import cli
+from kvstore_bench.peers_bench import LMCACHE_SKIPPED
 
 pytestmark = pytest.mark.slow
 
@@ -34,6 +35,10 @@ def test_quick_peers_prints_every_system_and_says_what_it_skipped():
         systems |= {"redis RESP", "redis glide"}
     else:
         assert "redis: redis-server is not on PATH; skipped" in text
+    if importlib.util.find_spec("lmcache") is not None:
+        systems.add("lmcache")              # its server, run by this Python
+    else:
+        assert LMCACHE_SKIPPED in text
     # Each system once in the figures, and every one but ours once in the ratios.
     assert set(rows) == systems | {"system", "against"}, text
     for name in systems:
@@ -43,8 +48,6 @@ def test_quick_peers_prints_every_system_and_says_what_it_skipped():
     # Two headers, a figure row per system, a ratio row per system but ours.
     table = [line for line in text.splitlines() if line.startswith("| ")]
     assert len(table) == 2 + len(systems) + len(systems) - 1, text
-    if importlib.util.find_spec("lmcache") is None:
-        assert "lmcache: the lmcache package is not installed; skipped" in text
 
 
 def test_rounds_below_one_are_refused(capsys):
@@ -52,3 +55,12 @@ def test_rounds_below_one_are_refused(capsys):
         cli.main(["peers", "--rounds", "-1"])
     assert exc.value.code == 2
     assert "--rounds must be at least 1" in capsys.readouterr().err
+
+
+def test_a_python_without_lmcache_is_refused_before_anything_runs(capsys, tmp_path):
+    missing = str(tmp_path / "no-python")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["peers", "--lmcache-python", missing])
+    assert exc.value.code == 2
+    assert f"--lmcache-python {missing}: the lmcache package is not installed" \
+        in capsys.readouterr().err
