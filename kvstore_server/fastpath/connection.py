@@ -73,6 +73,12 @@ _SKIPPABLE_BODY = max(fw.request_body_bytes(MAX_KEYS_LIMIT),
 # Quiet RELEASEs held back for the frame behind them (Connection._apply) at most: a
 # client that sends nothing but releases has them applied in batches of this many.
 _LATER_MAX = 64
+# The longest RELEASE body held back: a lease id and the pages read (ops.release refuses
+# any other length). Each one held is a copy of its body, and a body may be as long as
+# the server's request limit (about 1 MiB by default; up to 64 KiB of it is read ahead
+# with the header behind it): held back 64 at a time, a connection of such releases held
+# megabytes. A longer one is applied, that is refused, at once.
+_LATER_BODY = fw.LEASE.size + fw.READ.size
 # The calls refused (RESOURCE_EXHAUSTED) when the leases clients hold reach
 # --lease-memory: releases held back are applied before one of these, so that holding
 # them back never fails a call that applying them first would have let through. A leased
@@ -312,7 +318,7 @@ class Connection:
                     self._refuse_body(session, h)
                     continue
                 body = reader.take(h.body_len)
-                if h.op == _RELEASE and h.flags & _QUIET \
+                if h.op == _RELEASE and h.flags & _QUIET and h.body_len <= _LATER_BODY \
                         and reader.buffered() >= fw.HEADER.size:
                     later.append((h, bytes(body)))
                     if len(later) >= _LATER_MAX:        # a stream of releases alone

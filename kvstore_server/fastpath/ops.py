@@ -192,19 +192,21 @@ class Ops:
         return fw.RESERVED.pack(res.lease_id, res.skipped, res.in_flight) + fw.u64(res.offsets)
 
     def commit(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
-        (lease_id,) = _unpack(fw.LEASE, body, 0)
+        (lease_id,) = _lease_body(body, "COMMIT")
         s.leases.pop(lease_id, None)
         return fw.LEASE.pack(self.calls.commit(s.who, lease_id))
 
     def abort(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
-        (lease_id,) = _unpack(fw.LEASE, body, 0)
+        (lease_id,) = _lease_body(body, "ABORT")
         s.leases.pop(lease_id, None)
         return fw.LEASE.pack(int(self.calls.abort(s.who, lease_id)))
 
     def release(self, s: Session, h: fw.Header, body: memoryview) -> bytes:
-        (lease_id,) = _unpack(fw.LEASE, body, 0)
         # The pages read under it, where the client says (a longer body: fastwire.READ).
-        (read,) = _unpack(fw.READ, body, fw.LEASE.size) if len(body) > fw.LEASE.size else (0,)
+        if len(body) == fw.LEASE.size + fw.READ.size:
+            lease_id, read = _LEASE_READ.unpack(body)
+        else:
+            (lease_id,), read = _lease_body(body, "RELEASE", fw.READ.size), 0
         s.leases.pop(lease_id, None)
         return fw.LEASE.pack(int(self.calls.release(s.who, lease_id, read)))
 
@@ -445,6 +447,21 @@ def _lookup_body(body: memoryview) -> tuple[list[bytes], bytes, int, int]:
 def _size(block: fw.KeysBlock) -> int:
     """One key's size as the calls take it: 0 with no keys (an unset size)."""
     return block.key_size if block.n else 0
+
+
+_LEASE_READ = struct.Struct("<" + fw.LEASE.format.lstrip("<") + fw.READ.format.lstrip("<"))
+
+
+# A lease id's body is that and nothing more. Bytes past it were read and ignored, so a
+# frame that lied about its op or its length was served as if well formed.
+def _lease_body(body: memoryview, op: str, extra: int = 0) -> tuple:
+    """The lease id of a COMMIT's, ABORT's or RELEASE's body; extra: the length of the
+    longer form the op also takes (a RELEASE's pages read)."""
+    if len(body) != fw.LEASE.size:
+        longer = f" or {fw.LEASE.size + extra} (and the pages read)" if extra else ""
+        raise fw.WireError(f"a {op} body is {fw.LEASE.size} bytes (a lease id){longer}, "
+                           f"not {len(body)}", fw.Status.INVALID)
+    return fw.LEASE.unpack(body)
 
 
 def _unpack(st, body: memoryview, pos: int) -> tuple:
