@@ -1,6 +1,6 @@
 # Conveniences over scripts/; CI runs .ci/run. Each target uses .venv (made on first use),
 # not the system Python, which lacks grpcio-tools.
-.PHONY: test test-vllm test-engine test-sglang proto proto-check
+.PHONY: test test-vllm test-engine test-sglang test-lmcache proto proto-check
 test:
 	scripts/test -q
 test-vllm:
@@ -9,6 +9,8 @@ test-engine:
 	scripts/test-engine -q
 test-sglang:
 	scripts/test-sglang -q
+test-lmcache:
+	scripts/test-lmcache -q
 proto:
 	scripts/venv-run python scripts/gen_protos.py
 proto-check:

@@ -10,6 +10,7 @@ import os
 import socket
 import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,13 +24,17 @@ from kvstore_bench.lmcache_peer import (
     cache_key,
 )
 
-# A Python where lmcache is installed: KVSTORE_LMCACHE_PYTHON, else this one if it has it.
-# The package wants torch, so it is rarely installed with the tests.
+# A Python where lmcache is installed: KVSTORE_LMCACHE_PYTHON, else the venv that
+# scripts/venv-lmcache.sh builds, else this one if it has it. The package wants torch, so
+# it is rarely installed with the tests; scripts/test-lmcache (CI too) builds the venv.
+_VENV = Path(__file__).resolve().parents[2] / ".venv-lmcache" / "bin" / "python"
 LMCACHE_PYTHON = os.environ.get("KVSTORE_LMCACHE_PYTHON") or (
+    str(_VENV) if _VENV.exists() else
     sys.executable if importlib.util.find_spec("lmcache") is not None else None)
 needs_lmcache = pytest.mark.skipif(
     LMCACHE_PYTHON is None,
-    reason="needs a Python with the lmcache package: set KVSTORE_LMCACHE_PYTHON to it")
+    reason="needs a Python with the lmcache package: scripts/test-lmcache builds one "
+           "(.venv-lmcache), or set KVSTORE_LMCACHE_PYTHON to one")
 
 SIZES = (64 << 10, 1 << 20, 4 << 20)
 
