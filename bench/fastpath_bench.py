@@ -12,7 +12,9 @@ Each run measures, against one real kvstore-server on loopback and in turn:
 - a same-host acquire + release of one page, p50: fast path on the Unix socket, gRPC;
 - with `--send`, the server's two ways to send pages (sendfile, sendmsg) against each
   other, on a bare fast-path server in its own process.
-`--tls` instead measures the fast path with and without TLS side by side
+`--sweep`, `--split` and `--floor` measure what engines call against a raw TCP peer, and
+which end a small call's time goes to (bench/fastpath_sweep.py, fastpath_split.py,
+fastpath_floor.py). `--tls` instead measures the fast path with and without TLS side by side
 (bench/fastpath_tls.py); `kvstore-bench fastpath-netns` puts the server in another
 network namespace (bench/netns_bench.py).
 Ratios are per run; the report gives each figure's median over the runs. The dev VM has
@@ -456,14 +458,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="only: what engines call, pages a call by page size, lookups and "
                         "leases, against a raw TCP peer (bench/fastpath_sweep.py)")
     p.add_argument("--one-cpu", action="store_true",
-                   help="--sweep or --split with every thread of both ends on one CPU "
-                        "(bench/fastpath_sweep.py says why)")
+                   help="--sweep, --split or --floor with every thread of both ends on one "
+                        "CPU (bench/fastpath_sweep.py says why)")
     p.add_argument("--split", action="store_true",
                    help="only: where a call's CPU goes, Python or kernel, at each end, "
                         "against the raw peer (bench/fastpath_split.py)")
+    p.add_argument("--floor", action="store_true",
+                   help="only: how much of a small call's time each end adds, our client "
+                        "and our server each against a least one of the same protocol "
+                        "(bench/fastpath_floor.py)")
     p.add_argument("--rounds", type=int, default=0,
-                   help="--sweep's and --split's rounds (default 3), --client-ab's blocks "
-                        "(default 20)")
+                   help="--sweep's, --split's and --floor's rounds (default 3), "
+                        "--client-ab's blocks (default 20)")
     p.add_argument("--client-ab", metavar="DIR",
                    help="only: this checkout's client against the one in DIR (another "
                         "checkout), alternated blocks of calls against one server "
@@ -476,6 +482,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.rounds:
             spec = dataclasses.replace(spec, blocks=args.rounds)
         print(client_ab(args.client_ab, spec))
+        return 0
+    if args.floor:
+        from .fastpath_floor import main_floor
+        print(main_floor(args.quick, args.rounds, args.one_cpu))
         return 0
     if args.split:
         from .fastpath_split import main_split
