@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
                         "and our server each against a least one of the same protocol "
                         "(bench/fastpath_floor.py)")
     p.add_argument("--rounds", type=int, default=0,
-                   help="--sweep's, --split's and --floor's rounds (default 3), "
+                   help="--sweep's and --split's rounds (default 3), --floor's (5), "
                         "--client-ab's blocks (default 20)")
     p.add_argument("--client-ab", metavar="DIR",
                    help="only: this checkout's client against the one in DIR (another "

@@ -59,7 +59,7 @@ SIDES = ("raw", "floor", "client", "server", "both", "store")
 class Floor:
     """rounds: medians over this many; calls: of each side a round, in BLOCKS blocks."""
 
-    rounds: int = 3
+    rounds: int = 5
     calls: int = 800
     one_cpu: bool = False
 
