@@ -45,7 +45,7 @@ from kvstore_client.fastpath import FastPath
 from kvstore_protocol import fastwire as fw
 from kvstore_testing.serverproc import ServerProcess
 
-from .fastpath_sweep import BLOCKS, _layout, _pinned, _RawPeer
+from .fastpath_sweep import _layout, _pinned, _RawPeer
 from .rawpeer import RawClient
 
 __all__ = ["Floor", "floor", "floor_report", "main_floor"]
@@ -57,7 +57,7 @@ SIDES = ("raw", "floor", "client", "server", "both", "store")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Floor:
-    """rounds: medians over this many; calls: of each side a round, in BLOCKS blocks."""
+    """rounds: medians over this many; calls: of each side a round, in _BLOCKS blocks."""
 
     rounds: int = 5
     calls: int = 800
@@ -212,13 +212,21 @@ def _check(patterns: dict[str, dict[str, Callable[[], object]]], out: np.ndarray
                 raise SystemExit(f"{name}, {side}: the pages came back different")
 
 
+# Blocks a side a round, of calls // _BLOCKS calls each. More than the sweep's BLOCKS: on
+# the dev VM a get of 8 pages of 64 KiB took 84 us a call for a second or two and 125 for
+# the next, on every connection alike (bench/floorpeer.py's, six connections, one CPU),
+# and with 4 blocks of 200 calls a side such a swing fell on some sides of a round and
+# not others, moving a side's median by 50-100 us in one run of three.
+_BLOCKS = 16
+
+
 def _sides(sides: dict[str, Callable[[], object]], calls: int) -> dict[str, float]:
-    """Each side's p50 over `calls` calls, the sides in BLOCKS alternating blocks."""
+    """Each side's p50 over `calls` calls, the sides in _BLOCKS alternating blocks."""
     times: dict[str, list[float]] = {side: [] for side in sides}
-    per = max(1, -(-calls // BLOCKS))
+    per = max(1, -(-calls // _BLOCKS))
     for fn in sides.values():
         fn()                                  # warm: the first call of a side is not it
-    for _ in range(BLOCKS):
+    for _ in range(_BLOCKS):
         for side, fn in sides.items():
             got = times[side]
             for _ in range(per):

@@ -1,6 +1,6 @@
 """Our fast path beside other stores on loopback, one value a call: `kvstore-bench peers`.
 
-    kvstore-bench peers [--quick] [--rounds 3] [--lmcache-python PATH]
+    kvstore-bench peers [--quick] [--rounds 3] [--one-cpu] [--lmcache-python PATH]
 
 Installs nothing. Each system runs as a server in a process of its own on 127.0.0.1,
 and is read with the same pattern an engine's remote hit of one page uses: one value a
@@ -47,7 +47,7 @@ from kvstore_client import KVStoreClient
 from kvstore_client.buffers import page_aligned_empty
 from kvstore_testing.serverproc import ServerProcess
 
-from .fastpath_sweep import _layout, _RawPeer, _times
+from .fastpath_sweep import _layout, _pinned, _RawPeer, _times
 from .lmcache_peer import LMCacheClient, LMCacheServer, cache_key, lmcache_imports
 from .rawpeer import RawClient
 
@@ -189,19 +189,24 @@ def _calls(size: int, quick: bool) -> int:
     return {64 * KiB: 400, 1 * MiB: 150}.get(size, 50)
 
 
-def run(quick: bool, rounds: int, lmcache_python: str | None = None) -> str:
-    """The report; lmcache_python runs LMCache's server (None: lmcache is skipped)."""
+def run(quick: bool, rounds: int, lmcache_python: str | None = None,
+        one_cpu: bool = False) -> str:
+    """The report; lmcache_python runs LMCache's server (None: lmcache is skipped);
+    one_cpu: every server's threads and this process's on one CPU while timed."""
     buf = page_aligned_empty((max(SIZES),))
     src = np.random.default_rng(7).integers(0, 256, max(SIZES), dtype=np.uint8)
     redis_bin = shutil.which("redis-server")
     closers: list[Callable[[], object]] = []
     peer = _RawPeer()
     closers.append(peer.close)
+    pids = [peer.proc.pid]                   # the servers' processes (one_cpu)
     try:
         raw = RawClient("127.0.0.1", peer.port)
         closers.append(raw.close)
         srv = ServerProcess(dram=f"{256 + 2 * sum(SIZES) // MiB}MiB").start(wait=300)
         closers.append(srv.stop)
+        assert srv.proc is not None
+        pids.append(srv.proc.pid)
         c = KVStoreClient(srv.address, timeout=120, shared_memory=False, data_plane=True,
                           data_connections=1)
         closers.append(c.close)
@@ -218,6 +223,7 @@ def run(quick: bool, rounds: int, lmcache_python: str | None = None) -> str:
         if redis_bin is not None:
             redis = RedisServer(redis_bin)
             closers.append(redis.close)
+            pids.append(redis.proc.pid)
             resp = RespClient(redis.port)
             closers.append(resp.close)
             readers["redis RESP"], readers["redis glide"] = {}, {}
@@ -234,6 +240,7 @@ def run(quick: bool, rounds: int, lmcache_python: str | None = None) -> str:
             except RuntimeError as e:
                 raise SystemExit(f"kvstore-bench peers: {e}") from None
             closers.append(lmc.close)
+            pids.append(lmc.proc.pid)
             lmc_client = LMCacheClient(lmc.port)
             closers.append(lmc_client.close)
             readers["lmcache"] = {}
@@ -253,16 +260,8 @@ def run(quick: bool, rounds: int, lmcache_python: str | None = None) -> str:
                     raise SystemExit(f"{name}: the {_size(size)} value came back different")
         names = list(readers)
         figures: list[dict[tuple[str, int], float]] = []
-        for r in range(rounds):
-            fig: dict[tuple[str, int], float] = {}
-            for size in SIZES:
-                out = buf[:size].data
-                order = names[r % len(names):] + names[:r % len(names)]
-                for name in order:
-                    read = readers[name][size]
-                    t = statistics.median(_times(lambda: read(out), _calls(size, quick)))
-                    fig[(name, size)] = t * 1e6 if size < MiB else size / t / 1e9
-            figures.append(fig)
+        with _pinned(tuple(pids)) if one_cpu else contextlib.nullcontext():
+            _rounds(readers, names, buf, rounds, quick, figures)
     finally:
         for closer in reversed(closers):
             with contextlib.suppress(Exception):    # the rest still close
@@ -270,11 +269,27 @@ def run(quick: bool, rounds: int, lmcache_python: str | None = None) -> str:
     skipped = [] if redis_bin is not None else ["redis: redis-server is not on PATH; skipped"]
     if lmcache_python is None:
         skipped.append(LMCACHE_SKIPPED)
-    return _report(names, figures, skipped)
+    return _report(names, figures, skipped, one_cpu)
+
+
+def _rounds(readers: dict[str, dict[int, Reader]], names: list[str], buf: np.ndarray,
+            rounds: int, quick: bool, figures: list[dict[tuple[str, int], float]]) -> None:
+    """Every system at every size, `rounds` times, in an order that rotates; each
+    round's figures appended to figures."""
+    for r in range(rounds):
+        fig: dict[tuple[str, int], float] = {}
+        for size in SIZES:
+            out = buf[:size].data
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                read = readers[name][size]
+                t = statistics.median(_times(lambda: read(out), _calls(size, quick)))
+                fig[(name, size)] = t * 1e6 if size < MiB else size / t / 1e9
+        figures.append(fig)
 
 
 def _report(names: list[str], figures: list[dict[tuple[str, int], float]],
-            skipped: list[str]) -> str:
+            skipped: list[str], one_cpu: bool = False) -> str:
     def med(name: str, size: int) -> float:
         return statistics.median(f[(name, size)] for f in figures)
 
@@ -286,7 +301,9 @@ def _report(names: list[str], figures: list[dict[tuple[str, int], float]],
 
     heads = [f"{_size(s)} {'p50 us' if s < MiB else 'GB/s'}" for s in SIZES]
     lines = [f"medians of {len(figures)} rounds; one value a call into one reused "
-             "page-sized buffer; each server in its own process on 127.0.0.1", "",
+             "page-sized buffer; each server in its own process on 127.0.0.1"
+             + ("; every thread of the servers and the client on one CPU (--one-cpu)"
+                if one_cpu else ""), "",
              "| system | " + " | ".join(heads) + " |", "|---" * (len(SIZES) + 1) + "|"]
     for name in names:
         cells = [f"{med(name, s):.0f}" if s < MiB else f"{med(name, s):.2f}" for s in SIZES]
@@ -311,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="one round of a few calls: checks that it runs, measures nothing")
     p.add_argument("--rounds", type=int, default=0,
                    help="rounds to take medians over (default 3; --quick: 1)")
+    p.add_argument("--one-cpu", action="store_true",
+                   help="every thread of the servers and of this process on one CPU while "
+                        "timed, as `fastpath --sweep --one-cpu` (bench/fastpath_sweep.py "
+                        "says why): on a VM whose idle CPUs wake slowly, free threads time "
+                        "the scheduler more than the servers")
     p.add_argument("--lmcache-python", metavar="PATH",
                    help="a Python with the lmcache package, to run LMCache's server with "
                         "(default: this one, where lmcache is installed for it)")
@@ -325,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     elif not lmcache_imports(lmcache_python):
         p.error(f"--lmcache-python {lmcache_python}: the lmcache package is not installed "
                 "for that Python (or it does not run)")
-    print(run(args.quick, rounds, lmcache_python))
+    print(run(args.quick, rounds, lmcache_python, args.one_cpu))
     return 0
 
 

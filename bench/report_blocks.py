@@ -286,6 +286,12 @@ VIEWS: dict[str, Callable[[dict[str, Record]], str]] = {
     "fastpath-sweep": _figures(_SWEEP_RECORD, _SWEEP),
     "fastpath-sweep-one-cpu": _figures(_SWEEP_ONE_CPU_RECORD, _SWEEP),
     "fastpath-split": _figures("fastpath-e623177c0a", _SPLIT, ("fastpath-4cc547bfe8", _SPLIT)),
+    "fastpath-floor": _figures("fastpath-0f925144f7", tuple(
+        Pick(call, ("our client", "our server", "the two on each other", "KVStoreClient's own",
+                    "store / raw"))
+        for call in ("lookup of 16 keys", "get 1 x 64 KiB", "get 8 x 64 KiB"))),
+    "peers": _figures("peers-67ef7875a8", tuple(
+        Pick(name, ("64 KiB", "1 MiB", "4 MiB")) for name in ("raw", "redis RESP", "lmcache"))),
     "fastpath-small-calls": _figures("fastpath-713bcc3c98", (
         Pick("acquire+release 1 page p50 us", ("fast unix", "grpc")),
         Pick("lookup 16 keys p50 us", ("fast", "fast unix", "grpc", "raw")),

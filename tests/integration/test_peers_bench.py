@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import os
 import re
 import shutil
 
@@ -64,3 +65,16 @@ def test_a_python_without_lmcache_is_refused_before_anything_runs(capsys, tmp_pa
     assert exc.value.code == 2
     assert f"--lmcache-python {missing}: the lmcache package is not installed" \
         in capsys.readouterr().err
+
+
+def test_one_cpu_runs_every_server_on_this_process_s_cpu_and_says_so():
+    """--one-cpu pins every thread of the servers and of this process to one CPU while
+    the rounds are timed, and gives this process its CPUs back after."""
+    mine = os.sched_getaffinity(0)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = cli.main(["peers", "--quick", "--one-cpu"])
+    assert rc == 0
+    assert "every thread of the servers and the client on one CPU (--one-cpu)" \
+        in out.getvalue().splitlines()[0]
+    assert os.sched_getaffinity(0) == mine
