@@ -74,10 +74,11 @@ _SKIPPABLE_BODY = max(fw.request_body_bytes(MAX_KEYS_LIMIT),
 # client that sends nothing but releases has them applied in batches of this many.
 _LATER_MAX = 64
 # The longest RELEASE body held back: a lease id and the pages read (ops.release refuses
-# any other length). Each one held is a copy of its body, and a body may be as long as
-# the server's request limit (about 1 MiB by default; up to 64 KiB of it is read ahead
-# with the header behind it): held back 64 at a time, a connection of such releases held
-# megabytes. A longer one is applied, that is refused, at once.
+# any other length). Each one held is a copy of its body, and a body that came with the
+# header behind it may be as long as the connection's read buffer (Reader.BUFFER, 64
+# KiB): held back 64 at a time, a peer that sent each body's end with the next header
+# had a connection hold 4 MiB (tests/integration/test_fastpath_release.py). A longer one
+# is applied, that is refused, at once.
 _LATER_BODY = fw.LEASE.size + fw.READ.size
 # The calls refused (RESOURCE_EXHAUSTED) when the leases clients hold reach
 # --lease-memory: releases held back are applied before one of these, so that holding
