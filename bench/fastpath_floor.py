@@ -32,8 +32,6 @@ import contextlib
 import dataclasses
 import socket
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 
@@ -68,19 +66,9 @@ class Floor:
         return Floor(rounds=1, calls=40)
 
 
-class _FloorPeer:
+def _floor_peer(page_bytes: int) -> _RawPeer:
     """bench/floorpeer.py in a process of its own."""
-
-    def __init__(self, page_bytes: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore_bench.floorpeer",
-                                      "127.0.0.1", str(page_bytes)], stdout=subprocess.PIPE,
-                                     text=True)
-        assert self.proc.stdout is not None
-        self.port = int(self.proc.stdout.readline())
-
-    def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
+    return _RawPeer("floorpeer", str(page_bytes))
 
 
 class _Lean:
@@ -132,7 +120,7 @@ class _Lean:
 
 def floor(spec: Floor) -> list[dict[str, dict[str, float]]]:
     """Per round: pattern -> side -> p50 seconds."""
-    peer, floor_peer = _RawPeer(), _FloorPeer(PAGE)
+    peer, floor_peer = _RawPeer(), _floor_peer(PAGE)
     closers: list[Callable[[], object]] = [peer.close, floor_peer.close]
     rounds = []
     try:

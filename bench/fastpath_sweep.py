@@ -173,11 +173,12 @@ def _paired(raw: Timed, fast: Timed, calls: int, pids: tuple[int, int] | None = 
 
 
 class _RawPeer:
-    """bench/rawpeer.py in a process of its own, as the server is."""
+    """bench/rawpeer.py in a process of its own, as the server is (or another peer module
+    of this package that prints its port once listening: bench/floorpeer.py)."""
 
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore_bench.rawpeer",
-                                      "127.0.0.1", "0"], stdout=subprocess.PIPE, text=True)
+    def __init__(self, module: str = "rawpeer", arg: str = "0") -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", f"kvstore_bench.{module}",
+                                      "127.0.0.1", arg], stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         self.port = int(self.proc.stdout.readline())
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvstore_bench import fastpath_bench
-from kvstore_bench.fastpath_floor import PAGE, SIDES, _FloorPeer, _Lean
+from kvstore_bench.fastpath_floor import PAGE, SIDES, _floor_peer, _Lean
 from kvstore_protocol import fastwire as fw
 
 pytestmark = pytest.mark.slow
@@ -39,7 +39,7 @@ def test_quick_floor_prints_each_side_and_what_each_end_adds():
 def test_the_floor_peer_answers_the_protocol():
     """A lookup counts every key; a get sends the aligned header and the pages asked for,
     ones, from its own buffer; a frame it does not answer closes the connection."""
-    peer = _FloorPeer(PAGE)
+    peer = _floor_peer(PAGE)
     try:
         lean = _Lean(peer.port)
         assert lean.lookup(bytes(16), b"k" * 16 * 5)() == 5
