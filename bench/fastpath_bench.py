@@ -467,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="only: how much of a small call's time each end adds, our client "
                         "and our server each against a least one of the same protocol "
                         "(bench/fastpath_floor.py)")
+    p.add_argument("--turns", type=int, default=0, metavar="N",
+                   help="--sweep: the connections each side's calls go round, one call "
+                        "each in turn (default 8; bench/fastpath_sweep.py says why)")
     p.add_argument("--rounds", type=int, default=0,
                    help="--sweep's and --split's rounds (default 3), --floor's (5), "
                         "--client-ab's blocks (default 20)")
@@ -493,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.sweep:
         from .fastpath_sweep import main_sweep
-        print(main_sweep(args.quick, args.rounds, args.one_cpu))
+        print(main_sweep(args.quick, args.rounds, args.one_cpu, args.turns))
         return 0
     if args.tls:
         from .fastpath_tls import tls_report

@@ -6,7 +6,7 @@ against a raw TCP peer (bench/rawpeer.py: a 9-byte request, then the bytes, no p
 in its own process, in the same run, with the same destination and source buffers:
 
 - get_into and put of N pages a call (N = 1, 8, 32, 128) of 64 KiB, 1 MiB and 4 MiB
-  pages, one connection: GB/s of the median call, and the ratio to the raw peer;
+  pages: GB/s of the median call, and the ratio to the raw peer;
 - one page a call, p50 of the call in microseconds (1x1 latency);
 - a lookup of 16 keys, and a leased lookup of 16 keys with its release (what a remote
   engine's hit pins and unpins), the release waited for or sent ahead of the next call
@@ -27,18 +27,24 @@ says why). `kvstore-bench fastpath --split` (bench/fastpath_split.py) says what 
 of a call is spent on at each end: Python or the kernel.
 The fast path is driven through KVStoreClient (shared_memory=False), as an engine's
 remote connector drives it: key packing and the client's own Python are in the figure.
+
+Each side's gets and puts of TURNS_FROM bytes or more go round CONNECTIONS connections, one
+call each in turn (_Turns says why): clients of one connection each, and as many raw
+clients; smaller calls stay on one connection a side.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -53,6 +59,37 @@ __all__ = ["Sweep", "report", "sweep"]
 
 KiB, MiB = 1 << 10, 1 << 20
 CPU_PAGES = (1, 8)          # pages a call of the gets whose CPU per call is counted
+CONNECTIONS = 8             # each side's, its large calls taken in turn (_Turns)
+TURNS_FROM = 1 * MiB        # a call of this many bytes or more goes round them (_Turns)
+
+T = TypeVar("T")
+
+
+# Why each side's large gets and puts go round several connections: on the dev VM one
+# loopback connection's large copies keep a speed of their own for as long as it lives.
+# Eight raw clients of one connection each, the same code and the same 1 MiB get to the
+# same raw peer on one CPU, took 147, 149, 169, 181-234, 250, 305 and 309-382 us a call
+# (p50 of 300), each about the same from one round to the next; the raw peer's CPU for
+# the send went with it (77-197 us), the client's less. The kernel copies a send into
+# memory of the sending thread's own (its page fragments), and each connection is a
+# thread of its own at the far end. With one connection a side, the raw client against
+# itself (A against B, alternating blocks, 5 rounds of 1 MiB gets) read A/B 0.59
+# (0.49-0.97 a round); going round 8 connections a side, 0.98 (0.97-0.98). So at 1 MiB a
+# call a ratio of one connection against another says which was lucky; going round
+# several says what the two ends cost (a server in Python pays for it too: each call
+# wakes another of its threads, which waits for the interpreter's lock; docs/fastpath.md).
+# Smaller calls stay on one connection a side: at 64 KiB and 512 KiB a call the raw
+# client against itself read 1.00 on one connection a side (1.04 going round 8), and
+# going round cost the heavier side its caches: our lookup of 16 keys took 5 us more and
+# a get of one 64 KiB page 6-12 us more, each call meeting another connection's objects
+# out of the CPU's caches. Lookups and leases are on one connection in a client too (its
+# reads lane).
+class _Turns(Generic[T]):
+    """Items taken in turn, one a call (next())."""
+
+    def __init__(self, items: Sequence[T]) -> None:
+        self.items = list(items)
+        self.next = itertools.cycle(self.items).__next__
 
 
 def _layout(page_bytes: int) -> PageLayout:
@@ -76,6 +113,7 @@ class Sweep:
     max_calls: int = 400
     small_calls: int = 400          # lookups and lease round trips a round
     one_cpu: bool = False           # both ends on one CPU (_pinned says why)
+    connections: int = CONNECTIONS  # each side's large calls go round these (_Turns)
 
     @staticmethod
     def quick() -> Sweep:
@@ -187,12 +225,14 @@ class _RawPeer:
         self.proc.wait()
 
 
-def _round(c: KVStoreClient, raw: RawClient, spec: Sweep, out: np.ndarray, src: np.ndarray,
-           r: int, pids: tuple[int, int]) -> dict[str, float]:
-    """One round: every pattern, raw peer and fast path in alternating blocks (_paired).
-    Keys name what stored pages a get reads; a put writes fresh keys each call (deleted
-    after it, untimed), so the server stores each page instead of skipping it. pids: the
-    server's and the raw peer's processes, whose CPU a get of 1 or 8 pages is counted in."""
+def _round(cs: _Turns[KVStoreClient], raws: _Turns[RawClient], spec: Sweep, out: np.ndarray,
+           src: np.ndarray, r: int, pids: tuple[int, int]) -> dict[str, float]:
+    """One round: every pattern, raw peer and fast path in alternating blocks (_paired),
+    each side's calls of TURNS_FROM bytes or more going round its connections (cs, raws),
+    smaller ones on the first of them. Keys name what stored pages a get reads; a put
+    writes fresh keys each call (deleted after it, untimed), so the server stores each
+    page instead of skipping it. pids: the server's and the raw peer's processes, whose
+    CPU a get of 1 or 8 pages is counted in."""
     fig: dict[str, float] = {}
     # Round trips of a few bytes first, before the round's large transfers, and after
     # WARM_S of the raw peer's own. Why: where the scheduler puts the two ends decides a
@@ -201,29 +241,30 @@ def _round(c: KVStoreClient, raw: RawClient, spec: Sweep, out: np.ndarray, src: 
     # trips, until the scheduler had put its two ends on one CPU (18-26 us). Without the
     # warm-up a small call's ratio moved with its pattern's place in the round.
     # A lookup's answer is 16 bytes, the raw peer's too.
-    small = c.register_layout(_layout(64 * KiB))
+    one, raw_one = cs.items[0], raws.items[0]       # the smaller calls' (_Turns says why)
+    small = one.register_layout(_layout(64 * KiB))
     keys16 = [f"s{64 * KiB}-{i}".encode().ljust(16, b".") for i in range(16)]
     sixteen = memoryview(bytearray(16))
-    raw_rtt = _timed(lambda: raw.get(sixteen))
+    raw_rtt = _timed(lambda: raw_one.get(sixteen))
     end = time.perf_counter() + WARM_S
     while time.perf_counter() < end:
         raw_rtt()
 
     def lease_release() -> None:
-        c.release_lease(c.lookup_lease(small, keys16, 10_000))
+        one.release_lease(one.lookup_lease(small, keys16, 10_000))
 
     def lease_release_later() -> None:
         # The release rides ahead of the next call (KVStoreClient.release_lease_later).
-        c.release_lease_later(c.lookup_lease(small, keys16, 10_000))
+        one.release_lease_later(one.lookup_lease(small, keys16, 10_000))
 
-    for key, fn in (("lookup16", lambda: c.lookup(small, keys16)),
+    for key, fn in (("lookup16", lambda: one.lookup(small, keys16)),
                     ("lease+release", lease_release),
                     ("lease+release later", lease_release_later)):
         t_raw, t_fast = _paired(raw_rtt, _timed(fn), spec.small_calls)
         fig[f"{key} raw us"] = t_raw.p50() * 1e6
         fig[f"{key} fast us"] = t_fast.p50() * 1e6
     for page in spec.page_sizes:
-        ns = c.register_layout(_layout(page))
+        ns = one.register_layout(_layout(page))
         assert ns.page_bytes == page, (ns.page_bytes, page)
         stored = [f"s{page}-{i}".encode().ljust(16, b".") for i in range(max(spec.pages_a_call))]
         for n in spec.pages_a_call:
@@ -233,8 +274,10 @@ def _round(c: KVStoreClient, raw: RawClient, spec: Sweep, out: np.ndarray, src: 
             flat = memoryview(dst.reshape(-1))
             data = src.reshape(-1)[:nbytes].reshape(n, page)
             tag = f"{page // KiB}k x{n}"
-            t_raw, t_fast = _paired(_timed(lambda: raw.get(flat)),
-                                    _timed(lambda: c.get_into(ns, stored[:n], dst)), calls,
+            c, raw = ((cs.next, raws.next) if nbytes >= TURNS_FROM
+                      else ((lambda: one), (lambda: raw_one)))
+            t_raw, t_fast = _paired(_timed(lambda: raw().get(flat)),
+                                    _timed(lambda: c().get_into(ns, stored[:n], dst)), calls,
                                     pids if n in CPU_PAGES else None)
             if n in CPU_PAGES and HAS_SCHEDSTAT:
                 fig[f"get {tag} raw srv cpu"], fig[f"get {tag} raw cli cpu"] = \
@@ -252,13 +295,14 @@ def _round(c: KVStoreClient, raw: RawClient, spec: Sweep, out: np.ndarray, src: 
                 call = next(seq)
                 keys = [f"p{r}.{page}.{n}.{call}.{i}".encode().ljust(32, b".")
                         for i in range(n)]
+                client = c()
                 t0 = time.perf_counter()
-                c.put(ns, keys, data)
+                client.put(ns, keys, data)
                 took = time.perf_counter() - t0
-                c.delete(ns, keys)
+                client.delete(ns, keys)
                 return took
 
-            t_raw, t_fast = _paired(_timed(lambda: raw.put(memoryview(data.reshape(-1)))),
+            t_raw, t_fast = _paired(_timed(lambda: raw().put(memoryview(data.reshape(-1)))),
                                     put_fresh, calls)
             fig[f"put {tag} raw"] = nbytes / t_raw.p50() / 1e9
             fig[f"put {tag} fast"] = nbytes / t_fast.p50() / 1e9
@@ -301,9 +345,14 @@ def sweep(spec: Sweep) -> list[dict[str, float]]:
     figures = []
     try:
         with ServerProcess(dram=f"{dram}MiB").start(wait=300) as srv, \
+                contextlib.ExitStack() as stack:
+            cs = _Turns([stack.enter_context(
                 KVStoreClient(srv.address, timeout=120, shared_memory=False, data_plane=True,
-                              data_connections=1) as c:
-            raw = RawClient("127.0.0.1", peer.port)
+                              data_connections=1)) for _ in range(spec.connections)])
+            raws = _Turns([RawClient("127.0.0.1", peer.port) for _ in range(spec.connections)])
+            for raw in raws.items:
+                stack.callback(raw.close)
+            c = cs.items[0]
             for page in spec.page_sizes:
                 ns = c.register_layout(_layout(page))
                 n = max(spec.pages_a_call)
@@ -311,14 +360,15 @@ def sweep(spec: Sweep) -> list[dict[str, float]]:
                 pages = src.reshape(-1)[:n * page].reshape(n, page)
                 c.put(ns, keys, pages)
                 check = page_aligned_empty((n, page))
-                c.get_into(ns, keys, check)
-                if not np.array_equal(check, pages):
-                    raise SystemExit(f"{page} B pages came back different")
+                for client in cs.items:            # every connection reads them back whole
+                    check[:] = 0
+                    client.get_into(ns, keys, check)
+                    if not np.array_equal(check, pages):
+                        raise SystemExit(f"{page} B pages came back different")
             pids = (srv.proc.pid, peer.proc.pid)
             with _pinned(pids) if spec.one_cpu else contextlib.nullcontext():
                 for r in range(spec.rounds):
-                    figures.append(_round(c, raw, spec, out, src, r, pids))
-            raw.close()
+                    figures.append(_round(cs, raws, spec, out, src, r, pids))
     finally:
         peer.close()
     return figures
@@ -335,7 +385,9 @@ def _ratio(rounds: list[dict[str, float]], num: str, den: str) -> float:
 
 def report(spec: Sweep, rounds: list[dict[str, float]], iperf: float | None) -> str:
     lines = [f"medians of {len(rounds)} rounds; raw = bench/rawpeer.py, a plain TCP peer in "
-             "its own process, same run, same call pattern and buffers; one connection each; "
+             "its own process, same run, same call pattern and buffers; gets and puts of "
+             f"{TURNS_FROM // MiB} MiB or more go round {spec.connections} connections a "
+             "side, one call each in turn, smaller calls on one; "
              "ratio = fast / raw within a round, then the median; "
              + ("every thread of both ends on one CPU (--one-cpu)" if spec.one_cpu else
                 "threads where the scheduler puts them"), "",
@@ -389,7 +441,8 @@ def report(spec: Sweep, rounds: list[dict[str, float]], iperf: float | None) -> 
     return "\n".join(lines)
 
 
-def main_sweep(quick: bool, rounds: int, one_cpu: bool = False) -> str:
+def main_sweep(quick: bool, rounds: int, one_cpu: bool = False, connections: int = 0) -> str:
     spec = Sweep.quick() if quick else Sweep()
-    spec = dataclasses.replace(spec, rounds=rounds or spec.rounds, one_cpu=one_cpu)
+    spec = dataclasses.replace(spec, rounds=rounds or spec.rounds, one_cpu=one_cpu,
+                               connections=connections or spec.connections)
     return report(spec, sweep(spec), iperf3_gbps())

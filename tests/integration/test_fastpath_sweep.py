@@ -22,11 +22,13 @@ NUMBER = r"\d+(\.\d+)?"
 def test_quick_sweep_prints_a_ratio_for_every_pattern():
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        rc = fastpath_bench.main(["--sweep", "--quick"])
+        rc = fastpath_bench.main(["--sweep", "--quick", "--turns", "2"])
     assert rc == 0
     text = out.getvalue()
     spec = Sweep.quick()
     assert text.startswith(f"medians of {spec.rounds} rounds"), text
+    # Calls of 1 MiB or more go round --turns connections a side (fastpath_sweep._Turns).
+    assert "of 1 MiB or more go round 2 connections a side," in text.splitlines()[0], text
     rows = [line.strip("|").split("|") for line in text.splitlines()
             if line.startswith("| ") and not line.startswith(("| page", "| one call"))]
     grid = [r for r in rows if len(r) == 8]
