@@ -9,7 +9,7 @@ call, received into one reused page-sized buffer (page-aligned), for values of 6
 
 - raw: bench/rawpeer.py, a 9-byte request and then the bytes (no protocol: the floor);
 - kvstore: kvstore-server, read by KVStoreClient.get_into over the fast path
-  (shared_memory=False, one data connection), as a remote engine reads it;
+  (shared_memory=False, a data connection a client), as a remote engine reads it;
 - redis, where `redis-server` is on PATH, two ways: "redis RESP" sends GET and receives
   the bulk reply's bytes straight into the buffer (recv_into), the same work our client
   and the raw peer do; "redis glide" is valkey-glide-sync's get (already a dependency),
@@ -25,6 +25,9 @@ call, received into one reused page-sized buffer (page-aligned), for values of 6
 A round measures every system at every size, in an order that rotates each round, so
 load from other work on the machine falls on all of them alike; figures are medians
 over rounds (>= 3 by default), ratios are taken within a round and then the median.
+Values of 1 MiB or more are read over 8 connections to each system, one call each in
+turn, the 64 KiB one over one connection: one loopback connection's large copies keep a
+speed of their own (bench/fastpath_sweep.py's _Turns says why, and why not below 1 MiB).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import itertools
 import shutil
 import socket
 import statistics
@@ -47,7 +51,7 @@ from kvstore_client import KVStoreClient
 from kvstore_client.buffers import page_aligned_empty
 from kvstore_testing.serverproc import ServerProcess
 
-from .fastpath_sweep import _layout, _pinned, _RawPeer, _times
+from .fastpath_sweep import CONNECTIONS, TURNS_FROM, _layout, _pinned, _RawPeer, _times
 from .lmcache_peer import LMCacheClient, LMCacheServer, cache_key, lmcache_imports
 from .rawpeer import RawClient
 
@@ -59,6 +63,18 @@ KEY = b"peers-page"
 
 # A reader: receives the value of `size` bytes into the buffer given.
 Reader = Callable[[memoryview], object]
+
+
+def _reader(per_connection: list[Reader], size: int) -> Reader:
+    """The reader of a value of `size` bytes: the first connection's below TURNS_FROM,
+    else one connection's after another, a call each (fastpath_sweep._Turns says why)."""
+    if size < TURNS_FROM or len(per_connection) == 1:
+        return per_connection[0]
+    take = itertools.cycle(per_connection).__next__
+
+    def read(out: memoryview) -> object:
+        return take()(out)
+    return read
 
 
 def _recv_into_all(sock: socket.socket, views: list[memoryview]) -> None:
@@ -161,18 +177,21 @@ class RedisServer:
         self.dir.cleanup()
 
 
-def _glide_getter(port: int, key: bytes) -> tuple[Reader, Callable[[], None]]:
-    """valkey-glide-sync's get, its bytes copied into the buffer; and its close."""
+def _glide_client(port: int) -> tuple[Callable[[bytes], Reader], Callable[[], None]]:
+    """A valkey-glide-sync client: getter(key) reads key with its get, the bytes copied
+    into the buffer; and its close."""
     import glide_sync as glide
     client = glide.GlideClient.create(glide.GlideClientConfiguration(
         [glide.NodeAddress("127.0.0.1", port)], request_timeout=60_000))
 
-    def get(out: memoryview) -> None:
-        value = client.get(key)
-        if value is None or len(value) != out.nbytes:
-            raise RuntimeError("glide GET came back short")
-        out[:] = value
-    return get, client.close
+    def getter(key: bytes) -> Reader:
+        def get(out: memoryview) -> None:
+            value = client.get(key)
+            if value is None or len(value) != out.nbytes:
+                raise RuntimeError("glide GET came back short")
+            out[:] = value
+        return get
+    return getter, client.close
 
 
 LMCACHE_SKIPPED = ("lmcache: the lmcache package is not installed for this Python; skipped "
@@ -190,9 +209,10 @@ def _calls(size: int, quick: bool) -> int:
 
 
 def run(quick: bool, rounds: int, lmcache_python: str | None = None,
-        one_cpu: bool = False) -> str:
+        one_cpu: bool = False, turns: int = CONNECTIONS) -> str:
     """The report; lmcache_python runs LMCache's server (None: lmcache is skipped);
-    one_cpu: every server's threads and this process's on one CPU while timed."""
+    one_cpu: every server's threads and this process's on one CPU while timed; turns:
+    the connections to each system that values of TURNS_FROM bytes or more go round."""
     buf = page_aligned_empty((max(SIZES),))
     src = np.random.default_rng(7).integers(0, 256, max(SIZES), dtype=np.uint8)
     redis_bin = shutil.which("redis-server")
@@ -200,40 +220,45 @@ def run(quick: bool, rounds: int, lmcache_python: str | None = None,
     peer = _RawPeer()
     closers.append(peer.close)
     pids = [peer.proc.pid]                   # the servers' processes (one_cpu)
+    conns = range(turns if max(SIZES) >= TURNS_FROM else 1)
     try:
-        raw = RawClient("127.0.0.1", peer.port)
-        closers.append(raw.close)
+        raws = [RawClient("127.0.0.1", peer.port) for _ in conns]
+        closers += [raw.close for raw in raws]
         srv = ServerProcess(dram=f"{256 + 2 * sum(SIZES) // MiB}MiB").start(wait=300)
         closers.append(srv.stop)
         assert srv.proc is not None
         pids.append(srv.proc.pid)
-        c = KVStoreClient(srv.address, timeout=120, shared_memory=False, data_plane=True,
-                          data_connections=1)
-        closers.append(c.close)
+        cs = [KVStoreClient(srv.address, timeout=120, shared_memory=False, data_plane=True,
+                            data_connections=1) for _ in conns]
+        closers += [c.close for c in cs]
         readers: dict[str, dict[int, Reader]] = {"raw": {}, "kvstore": {}}
         for size in SIZES:
-            readers["raw"][size] = raw.get
-            ns = c.register_layout(_layout(size))
+            readers["raw"][size] = _reader([raw.get for raw in raws], size)
+            ns = cs[0].register_layout(_layout(size))
             key = KEY + b"-%d" % size
-            c.put(ns, [key], src[:size].reshape(1, size))
+            cs[0].put(ns, [key], src[:size].reshape(1, size))
 
-            def ours(out: memoryview, ns=ns, key=key, size=size) -> None:
-                c.get_into(ns, [key], np.frombuffer(out, dtype=np.uint8).reshape(1, size))
-            readers["kvstore"][size] = ours
+            def ours(c: KVStoreClient, ns=ns, key=key, size=size) -> Reader:
+                def read(out: memoryview) -> None:
+                    c.get_into(ns, [key], np.frombuffer(out, dtype=np.uint8).reshape(1, size))
+                return read
+            readers["kvstore"][size] = _reader([ours(c) for c in cs], size)
         if redis_bin is not None:
             redis = RedisServer(redis_bin)
             closers.append(redis.close)
             pids.append(redis.proc.pid)
-            resp = RespClient(redis.port)
-            closers.append(resp.close)
+            resps = [RespClient(redis.port) for _ in conns]
+            closers += [resp.close for resp in resps]
+            glides = [_glide_client(redis.port) for _ in conns]
+            closers += [close for _, close in glides]
             readers["redis RESP"], readers["redis glide"] = {}, {}
             for size in SIZES:
                 key = KEY + b"-%d" % size
-                resp.set(key, src[:size].data)
-                readers["redis RESP"][size] = resp.getter(key, size)
-                get, close = _glide_getter(redis.port, key)
-                closers.append(close)
-                readers["redis glide"][size] = get
+                resps[0].set(key, src[:size].data)
+                readers["redis RESP"][size] = _reader(
+                    [resp.getter(key, size) for resp in resps], size)
+                readers["redis glide"][size] = _reader(
+                    [getter(key) for getter, _ in glides], size)
         if lmcache_python is not None:
             try:
                 lmc = LMCacheServer(lmcache_python)
@@ -241,23 +266,27 @@ def run(quick: bool, rounds: int, lmcache_python: str | None = None,
                 raise SystemExit(f"kvstore-bench peers: {e}") from None
             closers.append(lmc.close)
             pids.append(lmc.proc.pid)
-            lmc_client = LMCacheClient(lmc.port)
-            closers.append(lmc_client.close)
+            lmc_clients = [LMCacheClient(lmc.port) for _ in conns]
+            closers += [client.close for client in lmc_clients]
             readers["lmcache"] = {}
             for i, size in enumerate(SIZES):
                 lmc_key = cache_key(i)
-                lmc_client.put(lmc_key, src[:size].data)
-                readers["lmcache"][size] = lmc_client.getter(lmc_key, size)
+                lmc_clients[0].put(lmc_key, src[:size].data)
+                readers["lmcache"][size] = _reader(
+                    [client.getter(lmc_key, size) for client in lmc_clients], size)
         # Every reader gives back what was stored (the raw peer sends ones), before
         # anything is timed.
+        # A reader that goes round its connections is checked on each of them.
         for name, by_size in readers.items():
             for size, read in by_size.items():
                 out = buf[:size].data
-                buf[:size] = 0
-                read(out)
                 want = np.ones(size, dtype=np.uint8) if name == "raw" else src[:size]
-                if not np.array_equal(buf[:size], want):
-                    raise SystemExit(f"{name}: the {_size(size)} value came back different")
+                for _ in range(len(conns) if size >= TURNS_FROM else 1):
+                    buf[:size] = 0
+                    read(out)
+                    if not np.array_equal(buf[:size], want):
+                        raise SystemExit(f"{name}: the {_size(size)} value came back "
+                                         "different")
         names = list(readers)
         figures: list[dict[tuple[str, int], float]] = []
         with _pinned(tuple(pids)) if one_cpu else contextlib.nullcontext():
@@ -269,7 +298,7 @@ def run(quick: bool, rounds: int, lmcache_python: str | None = None,
     skipped = [] if redis_bin is not None else ["redis: redis-server is not on PATH; skipped"]
     if lmcache_python is None:
         skipped.append(LMCACHE_SKIPPED)
-    return _report(names, figures, skipped, one_cpu)
+    return _report(names, figures, skipped, one_cpu, len(conns))
 
 
 def _rounds(readers: dict[str, dict[int, Reader]], names: list[str], buf: np.ndarray,
@@ -289,7 +318,7 @@ def _rounds(readers: dict[str, dict[int, Reader]], names: list[str], buf: np.nda
 
 
 def _report(names: list[str], figures: list[dict[tuple[str, int], float]],
-            skipped: list[str], one_cpu: bool = False) -> str:
+            skipped: list[str], one_cpu: bool = False, turns: int = 1) -> str:
     def med(name: str, size: int) -> float:
         return statistics.median(f[(name, size)] for f in figures)
 
@@ -302,6 +331,8 @@ def _report(names: list[str], figures: list[dict[tuple[str, int], float]],
     heads = [f"{_size(s)} {'p50 us' if s < MiB else 'GB/s'}" for s in SIZES]
     lines = [f"medians of {len(figures)} rounds; one value a call into one reused "
              "page-sized buffer; each server in its own process on 127.0.0.1"
+             + (f"; values of {TURNS_FROM // MiB} MiB or more over {turns} connections to "
+                "each, one call each in turn" if turns > 1 else "")
              + ("; every thread of the servers and the client on one CPU (--one-cpu)"
                 if one_cpu else ""), "",
              "| system | " + " | ".join(heads) + " |", "|---" * (len(SIZES) + 1) + "|"]
@@ -333,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
                         "timed, as `fastpath --sweep --one-cpu` (bench/fastpath_sweep.py "
                         "says why): on a VM whose idle CPUs wake slowly, free threads time "
                         "the scheduler more than the servers")
+    p.add_argument("--turns", type=int, default=CONNECTIONS, metavar="N",
+                   help="connections to each system that values of 1 MiB or more go "
+                        "round, one call each in turn (default 8; bench/fastpath_sweep.py "
+                        "says why)")
     p.add_argument("--lmcache-python", metavar="PATH",
                    help="a Python with the lmcache package, to run LMCache's server with "
                         "(default: this one, where lmcache is installed for it)")
@@ -347,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     elif not lmcache_imports(lmcache_python):
         p.error(f"--lmcache-python {lmcache_python}: the lmcache package is not installed "
                 "for that Python (or it does not run)")
-    print(run(args.quick, rounds, lmcache_python, args.one_cpu))
+    if args.turns < 1:
+        p.error("--turns must be at least 1")
+    print(run(args.quick, rounds, lmcache_python, args.one_cpu, args.turns))
     return 0
 
 

@@ -25,9 +25,11 @@ NUMBER = r"\d+(\.\d+)?"
 def test_quick_peers_prints_every_system_and_says_what_it_skipped():
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        rc = cli.main(["peers", "--quick"])
+        rc = cli.main(["peers", "--quick", "--turns", "2"])
     assert rc == 0
     text = out.getvalue()
+    # Values of 1 MiB or more go round --turns connections to each system.
+    assert "values of 1 MiB or more over 2 connections to each" in text.splitlines()[0], text
     rows = {r[0].strip(): r[1:] for r in (line.strip("|").split("|")
                                           for line in text.splitlines()
                                           if line.startswith("| ") and "---" not in line)}
@@ -56,6 +58,13 @@ def test_rounds_below_one_are_refused(capsys):
         cli.main(["peers", "--rounds", "-1"])
     assert exc.value.code == 2
     assert "--rounds must be at least 1" in capsys.readouterr().err
+
+
+def test_turns_below_one_are_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["peers", "--turns", "0"])
+    assert exc.value.code == 2
+    assert "--turns must be at least 1" in capsys.readouterr().err
 
 
 def test_a_python_without_lmcache_is_refused_before_anything_runs(capsys, tmp_path):
