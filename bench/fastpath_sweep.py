@@ -55,7 +55,7 @@ from kvstore_testing.serverproc import ServerProcess
 from .iperf import iperf3_gbps
 from .rawpeer import RawClient
 
-__all__ = ["Sweep", "report", "sweep"]
+__all__ = ["Sweep", "congestion_control", "report", "sweep"]
 
 KiB, MiB = 1 << 10, 1 << 20
 CPU_PAGES = (1, 8)          # pages a call of the gets whose CPU per call is counted
@@ -84,6 +84,20 @@ T = TypeVar("T")
 # a get of one 64 KiB page 6-12 us more, each call meeting another connection's objects
 # out of the CPU's caches. Lookups and leases are on one connection in a client too (its
 # reads lane).
+def congestion_control() -> str:
+    """The TCP congestion control new connections get on this machine ("?" where it
+    cannot be read). Why a report names it: on the dev VM it is bbr, whose state of its
+    own in each connection (pacing, its bandwidth probes) is what made one loopback
+    connection's large gets faster or slower than another's (_Turns above); with reno
+    or cubic the raw client against itself read 1.00 on one connection a side at 512
+    KiB and 1 MiB a call, and a 1 MiB get took about half the time at both ends."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
 class _Turns(Generic[T]):
     """Items taken in turn, one a call (next())."""
 
@@ -388,6 +402,7 @@ def report(spec: Sweep, rounds: list[dict[str, float]], iperf: float | None) -> 
              "its own process, same run, same call pattern and buffers; gets and puts of "
              f"{TURNS_FROM // MiB} MiB or more go round {spec.connections} connections a "
              "side, one call each in turn, smaller calls on one; "
+             f"TCP congestion control {congestion_control()}; "
              "ratio = fast / raw within a round, then the median; "
              + ("every thread of both ends on one CPU (--one-cpu)" if spec.one_cpu else
                 "threads where the scheduler puts them"), "",

@@ -51,7 +51,15 @@ from kvstore_client import KVStoreClient
 from kvstore_client.buffers import page_aligned_empty
 from kvstore_testing.serverproc import ServerProcess
 
-from .fastpath_sweep import CONNECTIONS, TURNS_FROM, _layout, _pinned, _RawPeer, _times
+from .fastpath_sweep import (
+    CONNECTIONS,
+    TURNS_FROM,
+    _layout,
+    _pinned,
+    _RawPeer,
+    _times,
+    congestion_control,
+)
 from .lmcache_peer import LMCacheClient, LMCacheServer, cache_key, lmcache_imports
 from .rawpeer import RawClient
 
@@ -330,7 +338,8 @@ def _report(names: list[str], figures: list[dict[tuple[str, int], float]],
 
     heads = [f"{_size(s)} {'p50 us' if s < MiB else 'GB/s'}" for s in SIZES]
     lines = [f"medians of {len(figures)} rounds; one value a call into one reused "
-             "page-sized buffer; each server in its own process on 127.0.0.1"
+             "page-sized buffer; each server in its own process on 127.0.0.1; TCP "
+             f"congestion control {congestion_control()}"
              + (f"; values of {TURNS_FROM // MiB} MiB or more over {turns} connections to "
                 "each, one call each in turn" if turns > 1 else "")
              + ("; every thread of the servers and the client on one CPU (--one-cpu)"
