@@ -13,6 +13,7 @@ import dataclasses
 import ipaddress
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,6 +32,9 @@ __all__ = ["LOG_LEVELS", "ConfigError", "ServerConfig", "data_address", "is_loop
            "load_config"]
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# A TCP congestion control's name as the kernel spells them (TCP_CA_NAME_MAX is 16 with
+# its NUL); whether this kernel has it, and lets this user pick it, is found at start.
+_CONGESTION = re.compile(r"[a-z0-9_-]{1,15}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -91,6 +95,11 @@ class ServerConfig:
     # (kvstore_server.fastpath.unixsock); "" = shm_dir, where clients already see the pool
     socket_dir: str = ""
     data_connections: int = 256     # fast-path connections open at once, one thread each
+    # TCP congestion control of the fast path's TCP connections (set on its listener,
+    # which accepted connections take), e.g. "reno" or "cubic"; "" = the host's default
+    # (net.ipv4.tcp_congestion_control). docs/fastpath.md says when to set it: on hosts
+    # whose default is bbr, a Get's answer is paced.
+    data_congestion: str = ""
     # fast-path connections not yet authenticated (TLS handshake, HELLO), apart from those
     data_hello_connections: int = 64
     # The shared far tier on a Valkey/Redis Cluster (kvstore_server.far.settings says
@@ -165,6 +174,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "data_socket": _bool,
     "socket_dir": str,
     "data_connections": int,
+    "data_congestion": str,
     "data_hello_connections": int,
     "far": str,
     "far_cluster": str,
@@ -278,6 +288,10 @@ def argument_parser() -> argparse.ArgumentParser:
                         "sockets (default: --shm-dir)")
     f.add_argument("--data-connections", metavar="N",
                    help="fast-path connections open at once (default 256)")
+    f.add_argument("--data-congestion", metavar="NAME",
+                   help="TCP congestion control of the fast path's connections, e.g. reno "
+                        "or cubic (default: the host's, net.ipv4.tcp_congestion_control; "
+                        "docs/fastpath.md says when to set it)")
     f.add_argument("--data-hello-connections", metavar="N",
                    help="fast-path connections not yet authenticated, apart from "
                         "--data-connections (default 64)")
@@ -409,6 +423,9 @@ def _check_listeners(c: ServerConfig) -> str:
         raise ConfigError("data_connections must be >= 1")
     if c.data_hello_connections < 1:
         raise ConfigError("data_hello_connections must be >= 1")
+    if c.data_congestion and not _CONGESTION.fullmatch(c.data_congestion):
+        raise ConfigError(f"data_congestion must name a TCP congestion control (letters, "
+                          f"digits, _ or -, at most 15), got {c.data_congestion!r}")
     data = data_address(c)
     if data is not None and not (c.auth_file or c.tls_client_ca or c.insecure_listen
                                  or is_loopback(data[0])):

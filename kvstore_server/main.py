@@ -62,6 +62,7 @@ from .config import (
 from .disk.tier import DiskTier
 from .far import wiring as far_wiring
 from .fastpath import FastPathServer, SocketFolder, remove_stale_folders, socket_path
+from .fastpath.congestion import CongestionRefused
 from .fastpath.tls import fast_tls_context
 from .metrics import Metrics
 from .parentwatch import watch_parent
@@ -263,9 +264,11 @@ class Server:
             self.store, self.metrics, self.auth, tcp=tcp, unix=self.unix_socket, tls=tls,
             max_connections=config.data_connections, stream_timeout=config.stream_timeout,
             hello_connections=config.data_hello_connections,
-            limits=self.limits)
+            limits=self.limits, congestion=config.data_congestion)
         try:
             return make(tcp)
+        except CongestionRefused as exc:
+            raise ConfigError(f"data_congestion: {exc}") from None
         except OSError as exc:
             if config.data_listen.strip().lower() != "auto":
                 raise listen_error("data_listen", config.data_listen, exc) from None
@@ -291,8 +294,10 @@ class Server:
         self.lookups.start()
         if self.fast is not None:
             self.fast.start()
-            log.info("fast path on %s%s%s", f"tcp port {self.fast.port}" if self.fast.port
+            log.info("fast path on %s%s%s%s", f"tcp port {self.fast.port}" if self.fast.port
                      else "no tcp port", " (TLS)" if self.fast.port and self.fast.tls else "",
+                     f" (TCP congestion control {self.fast.congestion})"
+                     if self.fast.port else "",
                      f", unix socket {self.fast.unix_path}" if self.fast.unix_path else "")
         host = self.config.listen.rpartition(":")[0]
         log.info("kvstore-server %s listening on %s:%d; pool %s in %s%s; lease ttl %.3gs",

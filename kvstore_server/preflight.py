@@ -7,7 +7,8 @@ to change. Why up front: before these checks a pool larger than /dev/shm died of
 half-way through its pre-fault, and a bad TLS or disk setting was found only after a
 64 GiB pool had been faulted in (minutes), under a systemd unit that restarts on failure.
 
-What is checked, in order: the group, each TLS file, the auth file, the disk tier's
+What is checked, in order: the group, each TLS file, the auth file, the fast path's TCP
+congestion control (a socket of its own is given it, as the listener will be), the disk tier's
 folder (writable; free space plus its slot files' space covers `disk`), the pool's folder
 (a writable folder with room for the pool) and the host's memory (MemAvailable, and the
 cgroup's memory.max where one is set; tmpfs pages count against both). The memory figures
@@ -19,11 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 
 from kvstore_protocol.units import format_size
 
 from .auth import Authenticator
 from .config import ConfigError, ServerConfig
+from .fastpath.congestion import CongestionRefused, set_congestion
 
 __all__ = ["HostMemory", "check_host", "host_memory"]
 
@@ -52,6 +55,12 @@ def check_host(config: ServerConfig, pool_bytes: int, memory: HostMemory | None 
         _readable(setting, getattr(c, setting))
     if c.auth_file:
         Authenticator(c.auth_file)      # ConfigError names the file and the entry
+    if c.data_congestion:
+        with socket.socket() as probe:
+            try:
+                set_congestion(probe, c.data_congestion)
+            except CongestionRefused as exc:
+                raise ConfigError(f"data_congestion: {exc}") from None
     if c.disk:
         _check_disk_dir(c.disk_dir, c.disk)
     # With a group the pool is a memfd (region.py): shm_dir holds only its socket.

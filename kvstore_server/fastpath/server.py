@@ -35,6 +35,7 @@ from ..rpc.limits import RequestLimits
 from ..rpc.service import KVStoreService
 from ..store import Store
 from .admission import Admission, Ticket
+from .congestion import CongestionRefused, congestion_of, set_congestion
 from .connection import Connection
 from .ops import SEND_SENDMSG, Ops
 from .unixsock import unix_listener
@@ -56,7 +57,8 @@ class FastPathServer:
                  tcp: tuple[str, int] | None, unix: str, tls: ssl.SSLContext | None = None,
                  max_connections: int = 256, idle_timeout: float = 300.0,
                  stream_timeout: float = 30.0, send_mode: str = SEND_SENDMSG,
-                 limits: RequestLimits | None = None, hello_connections: int = 64) -> None:
+                 limits: RequestLimits | None = None, hello_connections: int = 64,
+                 congestion: str = "") -> None:
         """tcp: (host, port) to listen on, port 0 = any; None = no TCP. unix: the path of
         a Unix socket to listen on too (unixsock.socket_path), "" = none. tls: wraps TCP
         connections (never the Unix socket).
@@ -64,7 +66,8 @@ class FastPathServer:
         refuse the same requests (None = the defaults). max_connections: authenticated
         connections; hello_connections: connections not yet authenticated (admission.py).
         stream_timeout: the longest one receive or send inside a frame waits (0 = the
-        idle timeout)."""
+        idle timeout). congestion: the TCP connections' congestion control ("" = the
+        host's; CongestionRefused where the kernel will not give it: congestion.py)."""
         self.store = store
         self.metrics = metrics
         self.auth = auth
@@ -88,18 +91,22 @@ class FastPathServer:
         self._stopping = threading.Event()
         self.port = 0
         self.unix_path = ""
+        self.congestion = ""                   # the TCP connections' (logged at start)
         if tcp is not None:
             family = socket.AF_INET6 if ":" in tcp[0] else socket.AF_INET
             lsock = socket.socket(family, socket.SOCK_STREAM)
             lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
+                if congestion:
+                    set_congestion(lsock, congestion)
                 lsock.bind((tcp[0].strip("[]"), tcp[1]))
-            except OSError:
+            except (OSError, CongestionRefused):
                 lsock.close()
                 self.ops.close()
                 raise
             lsock.listen(128)
             self.port = lsock.getsockname()[1]
+            self.congestion = congestion_of(lsock)
             self._listeners.append((lsock, True))
         if unix:
             try:

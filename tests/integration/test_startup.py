@@ -187,6 +187,15 @@ def test_metrics_port_in_use(shm_dir):
     assert str(port) in out and "in use" in out and "allocating" not in out
 
 
+def test_a_congestion_control_the_kernel_does_not_have(shm_dir):
+    """--data-congestion is tried on a socket before the pool exists (preflight.py):
+    a name the kernel lacks is one line that names the setting and what the kernel has."""
+    out = start_fails(shm_dir, "--dram", "2GiB", "--data-congestion", "nosuch",
+                      setting="data_congestion")
+    assert "no TCP congestion control 'nosuch'" in out and "reno" in out, out
+    assert "allocating" not in out, out
+
+
 def test_data_port_in_use(shm_dir):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

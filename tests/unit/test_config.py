@@ -49,6 +49,8 @@ def test_file_then_environment_then_flags(tmp_path):
     (["--max-keys-per-request", "100000000000"], "max_keys_per_request must be 1 to"),
     (["--lease-memory=-1"], "lease_memory"),
     (["--max-layouts", "0"], "max_layouts"),
+    (["--data-congestion", "Bad Name"], "data_congestion"),
+    (["--data-congestion", "x" * 16], "data_congestion"),
 ])
 def test_bad_values_name_the_setting(argv, words):
     with pytest.raises(ConfigError, match=words):

@@ -1,0 +1,61 @@
+"""The TCP congestion control of the fast path's TCP connections (--data-congestion).
+
+Set on the listener, which every accepted connection takes, so a Get's answer is sent
+under it. Why an operator may want to choose it: some hosts default to bbr, which paces
+what a connection sends at the rate it has measured, in state of each connection's own.
+A store's answers are bursts after idle gaps, and pacing spreads them out. Across a veth
+pair (1500-byte MTU, the full TCP path at both ends) on the dev VM, a raw peer's 1 MiB
+answer, one a call, took a median 382-392 µs under bbr against 188 under cubic and 214
+under reno, and a 64 KiB one 60 µs against 29 (docs/fastpath.md). Neither is right
+everywhere: bbr is the better choice across a lossy or long path, which is why the
+default is the host's own.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+__all__ = ["CongestionRefused", "congestion_of", "set_congestion"]
+
+_NAME_MAX = 16          # TCP_CA_NAME_MAX: the name and its NUL
+
+
+class CongestionRefused(ValueError):
+    """The kernel would not give the listener that congestion control; says why."""
+
+
+def _sysctl(name: str) -> str:
+    try:
+        with open(f"/proc/sys/net/ipv4/{name}") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def set_congestion(sock: socket.socket, name: str) -> None:
+    """Give sock (a TCP listener, before accept) the congestion control `name`;
+    CongestionRefused, saying which names the kernel offers or allows, when it cannot."""
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            why = (f"this kernel has no TCP congestion control {name!r} (it has: "
+                   f"{_sysctl('tcp_available_congestion_control')}; one built as a module "
+                   f"loads with `modprobe tcp_{name}`)")
+        elif exc.errno == errno.EPERM:
+            why = (f"TCP congestion control {name!r} is not allowed for this user (allowed: "
+                   f"{_sysctl('tcp_allowed_congestion_control')}; root can add it to "
+                   "net.ipv4.tcp_allowed_congestion_control)")
+        else:
+            why = f"TCP congestion control {name!r}: {exc.strerror or exc}"
+        raise CongestionRefused(why) from None
+
+
+def congestion_of(sock: socket.socket) -> str:
+    """The congestion control sock has (its own, or the host's default)."""
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, _NAME_MAX)
+    except OSError:
+        return "?"
+    return raw.split(b"\0", 1)[0].decode(errors="replace")

@@ -1,0 +1,79 @@
+"""--data-congestion: the fast path's TCP connections take the congestion control asked
+for (set on the listener, which accepted connections take), the server says which in its
+log, and calls over it work as over any other. Read from the kernel's own view of the
+server's sockets (`ss -ti`), so the test needs iproute2's ss."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from kvstore_client import KVStoreClient, PageLayout
+from kvstore_testing.serverproc import ServerProcess
+
+pytestmark = pytest.mark.skipif(shutil.which("ss") is None, reason="needs iproute2's ss")
+
+LAYOUT = PageLayout(model="congestion", num_layers=2, page_tokens=16, num_kv_heads=2,
+                    head_size=64, dtype="bfloat16")
+
+
+def _sysctl(name: str) -> list[str]:
+    with open(f"/proc/sys/net/ipv4/{name}") as f:
+        return f.read().split()
+
+
+def _host_default() -> str:
+    return _sysctl("tcp_congestion_control")[0]
+
+
+def _server_side(port: int) -> list[set[str]]:
+    """The words of ss's info line for each established connection whose local port is
+    port: the server's end of each fast-path connection."""
+    out = subprocess.run(["ss", "-tinH", "state", "established", f"( sport = :{port} )"],
+                         capture_output=True, text=True, check=True).stdout
+    lines = out.splitlines()
+    return [set(info.split()) for info in lines[1::2]]
+
+
+def _calls_over_the_fast_path(srv: ServerProcess) -> list[set[str]]:
+    """A put, a lookup and a get whose bytes are checked, over the fast path; then what ss
+    says of the server's end of the client's connections (held open while it looks: a
+    client that fell back to gRPC would have none on the data port)."""
+    keys = [f"k{i}".encode() for i in range(4)]
+    pages = np.arange(4 * LAYOUT.page_bytes, dtype=np.uint64).astype(np.uint8).reshape(
+        4, LAYOUT.page_bytes)
+    with KVStoreClient(srv.address, shared_memory=False, data_plane=True,
+                       data_connections=1) as c:
+        ns = c.register_layout(LAYOUT)
+        c.put(ns, keys, pages)
+        assert c.lookup(ns, keys) == 4
+        np.testing.assert_array_equal(c.get(ns, keys), pages)
+        seen = _server_side(srv.port + 1)
+        assert seen, "no fast-path connection seen by ss"
+        return seen
+
+
+@pytest.mark.parametrize("name", ["reno", "cubic"])
+def test_connections_take_the_congestion_control_asked_for(name):
+    # Two names, so that at least one is not the host's default whatever that is; one
+    # this kernel lacks, or does not let this user pick, cannot be had here.
+    if name not in _sysctl("tcp_available_congestion_control"):
+        pytest.skip(f"this kernel has no {name}")
+    if os.geteuid() and name not in _sysctl("tcp_allowed_congestion_control"):
+        pytest.skip(f"{name} is not allowed for this user")
+    with ServerProcess(dram="64MiB", data_congestion=name).start(wait=120) as srv:
+        seen = _calls_over_the_fast_path(srv)
+        assert all(name in words for words in seen), seen
+        assert f"(TCP congestion control {name})" in srv.log()
+
+
+def test_without_it_connections_take_the_host_s():
+    default = _host_default()
+    with ServerProcess(dram="64MiB").start(wait=120) as srv:
+        seen = _calls_over_the_fast_path(srv)
+        assert all(default in words for words in seen), seen
+        assert f"(TCP congestion control {default})" in srv.log()
