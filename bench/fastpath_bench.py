@@ -470,6 +470,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=0, metavar="N",
                    help="--sweep: the connections each side's calls go round, one call "
                         "each in turn (default 8; bench/fastpath_sweep.py says why)")
+    p.add_argument("--congestion", metavar="NAME", default="",
+                   help="--sweep: the TCP congestion control the server (--data-congestion) "
+                        "and the raw peer send under (default: the host's; "
+                        "bench/fastpath_sweep.py says why it matters)")
     p.add_argument("--rounds", type=int, default=0,
                    help="--sweep's and --split's rounds (default 3), --floor's (5), "
                         "--client-ab's blocks (default 20)")
@@ -496,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.sweep:
         from .fastpath_sweep import main_sweep
-        print(main_sweep(args.quick, args.rounds, args.one_cpu, args.turns))
+        print(main_sweep(args.quick, args.rounds, args.one_cpu, args.turns, args.congestion))
         return 0
     if args.tls:
         from .fastpath_tls import tls_report

@@ -128,6 +128,9 @@ class Sweep:
     small_calls: int = 400          # lookups and lease round trips a round
     one_cpu: bool = False           # both ends on one CPU (_pinned says why)
     connections: int = CONNECTIONS  # each side's large calls go round these (_Turns)
+    # The TCP congestion control both ends' answers are sent under: the server's
+    # --data-congestion and the raw peer's; "" = the host's (congestion_control says why)
+    congestion: str = ""
 
     @staticmethod
     def quick() -> Sweep:
@@ -228,9 +231,11 @@ class _RawPeer:
     """bench/rawpeer.py in a process of its own, as the server is (or another peer module
     of this package that prints its port once listening: bench/floorpeer.py)."""
 
-    def __init__(self, module: str = "rawpeer", arg: str = "0") -> None:
+    def __init__(self, module: str = "rawpeer", arg: str = "0", congestion: str = "") -> None:
+        """congestion: rawpeer's TCP congestion control ("" = the host's)."""
         self.proc = subprocess.Popen([sys.executable, "-m", f"kvstore_bench.{module}",
-                                      "127.0.0.1", arg], stdout=subprocess.PIPE, text=True)
+                                      "127.0.0.1", arg, *([congestion] if congestion else [])],
+                                     stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         self.port = int(self.proc.stdout.readline())
 
@@ -355,10 +360,11 @@ def sweep(spec: Sweep) -> list[dict[str, float]]:
     dram = -(-(stored + 2 * biggest + 256 * MiB) // (256 * MiB)) * 256
     out = page_aligned_empty((biggest,))
     src = np.random.default_rng(7).integers(0, 256, biggest, dtype=np.uint8)
-    peer = _RawPeer()
+    peer = _RawPeer(congestion=spec.congestion)
     figures = []
+    extra = {"data_congestion": spec.congestion} if spec.congestion else {}
     try:
-        with ServerProcess(dram=f"{dram}MiB").start(wait=300) as srv, \
+        with ServerProcess(dram=f"{dram}MiB", **extra).start(wait=300) as srv, \
                 contextlib.ExitStack() as stack:
             cs = _Turns([stack.enter_context(
                 KVStoreClient(srv.address, timeout=120, shared_memory=False, data_plane=True,
@@ -402,8 +408,9 @@ def report(spec: Sweep, rounds: list[dict[str, float]], iperf: float | None) -> 
              "its own process, same run, same call pattern and buffers; gets and puts of "
              f"{TURNS_FROM // MiB} MiB or more go round {spec.connections} connections a "
              "side, one call each in turn, smaller calls on one; "
-             f"TCP congestion control {congestion_control()}; "
-             "ratio = fast / raw within a round, then the median; "
+             + (f"TCP congestion control {spec.congestion} at both ends (--congestion); "
+                if spec.congestion else f"TCP congestion control {congestion_control()}; ")
+             + "ratio = fast / raw within a round, then the median; "
              + ("every thread of both ends on one CPU (--one-cpu)" if spec.one_cpu else
                 "threads where the scheduler puts them"), "",
              "| page | pages a call | get fast GB/s | get raw GB/s | get fast/raw | "
@@ -456,8 +463,10 @@ def report(spec: Sweep, rounds: list[dict[str, float]], iperf: float | None) -> 
     return "\n".join(lines)
 
 
-def main_sweep(quick: bool, rounds: int, one_cpu: bool = False, connections: int = 0) -> str:
+def main_sweep(quick: bool, rounds: int, one_cpu: bool = False, connections: int = 0,
+               congestion: str = "") -> str:
     spec = Sweep.quick() if quick else Sweep()
     spec = dataclasses.replace(spec, rounds=rounds or spec.rounds, one_cpu=one_cpu,
-                               connections=connections or spec.connections)
+                               connections=connections or spec.connections,
+                               congestion=congestion)
     return report(spec, sweep(spec), iperf3_gbps())

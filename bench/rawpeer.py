@@ -1,7 +1,7 @@
 """A raw TCP peer for the benchmarks: the same bytes as a store call, with no protocol.
 
 Run as its own process, where the server would run (`python -m kvstore_bench.rawpeer
-HOST PORT`; it prints its port when listening). Each connection is served by a thread,
+HOST PORT [CONGESTION]`; it prints its port when listening). Each connection is served by a thread,
 request after request; a request is 9 bytes, `op u8 | nbytes u64` (little-endian):
 
     G  the peer sends nbytes from its buffer (sendall of 1 MiB views): a get
@@ -28,6 +28,8 @@ import threading
 import time
 
 import numpy as np
+
+from kvstore_server.fastpath.congestion import set_congestion
 
 __all__ = ["RawClient", "exit_with_parent", "read_head", "serve"]
 
@@ -90,11 +92,16 @@ def _serve_conn(conn: socket.socket, data: memoryview, sink: memoryview) -> None
                 conn.sendall(b"k")
 
 
-def serve(host: str, port: int = 0, buffer_bytes: int = 64 << 20) -> None:
-    """Serve until killed; prints the port once listening."""
+def serve(host: str, port: int = 0, buffer_bytes: int = 64 << 20,
+          congestion: str = "") -> None:
+    """Serve until killed; prints the port once listening. congestion: the TCP
+    congestion control its connections send under ("" = the host's), as the server's
+    --data-congestion."""
     data = memoryview(np.ones(buffer_bytes, dtype=np.uint8)).cast("B")
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as srv:
         srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if congestion:
+            set_congestion(srv, congestion)       # accepted connections take it
         srv.bind((host, port))
         srv.listen(64)
         print(srv.getsockname()[1], flush=True)
@@ -154,4 +161,5 @@ class RawClient:
 
 if __name__ == "__main__":
     exit_with_parent()
-    serve(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+    serve(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0,
+          congestion=sys.argv[3] if len(sys.argv) > 3 else "")

@@ -77,3 +77,22 @@ def test_without_it_connections_take_the_host_s():
         seen = _calls_over_the_fast_path(srv)
         assert all(default in words for words in seen), seen
         assert f"(TCP congestion control {default})" in srv.log()
+
+
+def test_the_bench_s_raw_peer_sends_under_the_same():
+    """`kvstore-bench fastpath --sweep --congestion NAME` gives the raw peer the server's
+    congestion control (bench/rawpeer.py), so both ends' answers are sent alike."""
+    from kvstore_bench.fastpath_sweep import _RawPeer
+    from kvstore_bench.rawpeer import RawClient
+    name = next(n for n in ("reno", "cubic") if n != _host_default())
+    peer = _RawPeer(congestion=name)
+    try:
+        client = RawClient("127.0.0.1", peer.port)
+        out = memoryview(bytearray(1 << 16))
+        client.get(out)                          # the peer's bytes came: it is serving
+        assert bytes(out[:4]) == b"\x01" * 4
+        seen = _server_side(peer.port)
+        assert seen and all(name in words for words in seen), seen
+        client.close()
+    finally:
+        peer.close()
