@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from kvstore_server.fastpath.congestion import set_congestion
+from kvstore_protocol.congestion import set_congestion
 
 __all__ = ["RawClient", "exit_with_parent", "read_head", "serve"]
 

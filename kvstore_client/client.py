@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import socket
 import threading
 import time
 import weakref
@@ -31,6 +32,7 @@ import grpc
 import numpy as np
 
 from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore_protocol.congestion import set_congestion
 from kvstore_protocol.convert import layout_to_proto
 from kvstore_protocol.keys import Packed
 from kvstore_protocol.layout import PageLayout
@@ -142,6 +144,9 @@ class KVStoreClient:
     local_socket: with shared_memory=False, still reach the fast path over the server's
     Unix socket when this host has it (a client that only asks and leases). clock: the
     monotonic clock the presence map's heartbeat is compared with (a test may advance it).
+    data_congestion: the TCP congestion control of the fast path's TCP connections, what
+    a Put's pages are sent under, e.g. "reno" ("" = the host's; a name the host lacks or
+    does not let this user pick: ValueError here; docs/fastpath.md says when to set it).
     """
 
     def __init__(self, address: str, *, timeout: float = 10.0, retries: int = 3,
@@ -151,8 +156,14 @@ class KVStoreClient:
                  channel: grpc.Channel | None = None, data_plane: bool | None = None,
                  data_address: str | None = None, data_connections: int = 4,
                  local_socket: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 data_congestion: str = "") -> None:
         self.address = address
+        if data_congestion:
+            # Tried on a socket now: a name this host lacks is an error here, not a fast
+            # path that falls back to gRPC later.
+            with socket.socket() as probe:
+                set_congestion(probe, data_congestion)
         self._channel = (with_token(channel, token) if channel is not None else
                          open_channel(address, token=token, tls_ca=tls_ca, tls_cert=tls_cert,
                                       tls_key=tls_key))
@@ -175,7 +186,7 @@ class KVStoreClient:
             tls=tls_context(tls_ca, tls_cert, tls_key),
             # self.timeout, read at every call without a Python frame (a C partial)
             timeout=functools.partial(getattr, self._rpc, "timeout"),
-            connections=data_connections, region=self.region,
+            connections=data_connections, congestion=data_congestion, region=self.region,
             reregister=lambda handle: self.register_layout(handle.layout),
             reattach=lambda keep: self._shm.attach(force=True, keep=keep),
             identity=self._shm.identity,

@@ -107,7 +107,8 @@ class Chooser:
                  reregister: Callable[[LayoutHandle], object],
                  reattach: Callable[[bool], None],
                  identity: Callable[[], ServerIdentity | None] = lambda: None,
-                 locate: Callable[[], ServerIdentity | None] | None = None) -> None:
+                 locate: Callable[[], ServerIdentity | None] | None = None,
+                 congestion: str = "") -> None:
         """grpc_transport: what every call falls back to. enabled: the fast path's; None
         = use it when reachable, True = require it, False = never. reregister(handle):
         register a layout again (a restarted server forgot it).
@@ -117,7 +118,8 @@ class Chooser:
         identity: the server's Unix socket and user as the last Attach said, for a client
         that maps the pool (RegionAttachment.identity). locate: the same from a fresh
         Attach when no pool is mapped (RegionAttachment.local_socket), or None not to look
-        for the socket then."""
+        for the socket then. congestion: the TCP congestion control of the fast path's
+        TCP connections ("" = the host's; kvstore_protocol.congestion)."""
         self.grpc = grpc_transport
         self.enabled = enabled
         self._grpc_address = address
@@ -126,6 +128,7 @@ class Chooser:
         self._tls = tls
         self._timeout = timeout
         self._connections = connections
+        self._congestion = congestion
         self._region = region
         self._reattach = reattach
         # Not keeping the mapping: a refusal for a stale token means the server restarted.
@@ -182,7 +185,8 @@ class Chooser:
                 candidate = FastPath(address, token=self._token,
                                      tls=None if "/" in address else self._tls,
                                      timeout=self._timeout, connections=self._connections,
-                                     holdings=self._holdings, identity=server)
+                                     holdings=self._holdings, identity=server,
+                                     congestion=self._congestion)
                 try:
                     candidate.check()
                 except UntrustedPeer as exc:

@@ -47,6 +47,7 @@ from google.protobuf.message import DecodeError, Message
 
 from kvstore_protocol import fastwire as fw
 from kvstore_protocol.carriage import encode_call, messages
+from kvstore_protocol.congestion import set_congestion
 
 from .ahead import Flusher
 from .errors import KVStoreError
@@ -135,19 +136,22 @@ class FastPath:
                  tls: ssl.SSLContext | None = None,
                  timeout: float | Callable[[], float] = 10.0,
                  connections: int = 4, holdings: Holdings | None = None,
-                 identity: ServerIdentity | None = None) -> None:
+                 identity: ServerIdentity | None = None, congestion: str = "") -> None:
         """address: HOST:PORT, or a path (with a '/') of a Unix socket, which is used only
         when identity (from Attach) says who must listen there (kvstore_client.unixpeer). tls: wrap TCP
         connections (the server name is the host of address). connections: most
         connections one Get is striped over. holdings: which connection holds each
         lease, shared by the fast paths of one client (kvstore_client.holdings); None:
-        one of its own, closed with this."""
+        one of its own, closed with this. congestion: the TCP connections' congestion
+        control, what a Put's pages are sent under ("" = the host's;
+        kvstore_protocol.congestion)."""
         self.address = address
         self.identity = identity
         self._own_holdings = holdings is None
         self._holdings = holdings if holdings is not None else Holdings()
         self.token = token or ""
         self.tls = tls
+        self.congestion = congestion
         # Seconds a call may wait for progress; a callable is asked at every call, so a
         # client whose timeout changes (KVStoreClient.timeout) is obeyed at once.
         self._timeout = timeout if callable(timeout) else (lambda: timeout)
@@ -180,6 +184,8 @@ class FastPath:
                 host = host.strip("[]")
                 sock = socket.create_connection((host, int(port)), timeout=self._timeout())
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self.congestion:
+                    set_congestion(sock, self.congestion)
                 if self.tls is not None:
                     sock = self.tls.wrap_socket(sock, server_hostname=host)
         except UntrustedSocket as exc:

@@ -44,6 +44,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore_protocol._proto.kvstore.v1 import admin_pb2, kvstore_pb2
+from kvstore_protocol.congestion import CongestionRefused
 from kvstore_protocol.grpc_frames import CHANNEL_OPTIONS
 from kvstore_protocol.malloc import keep_freed_buffers, limit_arenas
 from kvstore_protocol.presence_map import BEAT_SECONDS
@@ -62,7 +63,6 @@ from .config import (
 from .disk.tier import DiskTier
 from .far import wiring as far_wiring
 from .fastpath import FastPathServer, SocketFolder, remove_stale_folders, socket_path
-from .fastpath.congestion import CongestionRefused
 from .fastpath.tls import fast_tls_context
 from .metrics import Metrics
 from .parentwatch import watch_parent

@@ -22,11 +22,11 @@ import dataclasses
 import os
 import socket
 
+from kvstore_protocol.congestion import CongestionRefused, set_congestion
 from kvstore_protocol.units import format_size
 
 from .auth import Authenticator
 from .config import ConfigError, ServerConfig
-from .fastpath.congestion import CongestionRefused, set_congestion
 
 __all__ = ["HostMemory", "check_host", "host_memory"]
 

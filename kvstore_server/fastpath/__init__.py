@@ -2,8 +2,7 @@
 
 server.py listens (TCP, and a Unix socket in a folder of its own: unixsock.py),
 connection.py serves one connection, ops.py decodes and encodes the calls (the rules are
-kvstore_server/calls.py's, shared with gRPC), io.py the socket I/O, congestion.py the
-TCP congestion control of its connections (--data-congestion).
+kvstore_server/calls.py's, shared with gRPC), io.py the socket I/O.
 The wire format itself lives in kvstore_protocol.fastwire, which both ends import.
 """
 

@@ -27,6 +27,7 @@ import time
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvstore_protocol import fastwire as fw
+from kvstore_protocol.congestion import CongestionRefused, congestion_of, set_congestion
 
 from ..auth import Authenticator
 from ..metrics import Metrics
@@ -35,7 +36,6 @@ from ..rpc.limits import RequestLimits
 from ..rpc.service import KVStoreService
 from ..store import Store
 from .admission import Admission, Ticket
-from .congestion import CongestionRefused, congestion_of, set_congestion
 from .connection import Connection
 from .ops import SEND_SENDMSG, Ops
 from .unixsock import unix_listener
@@ -67,7 +67,8 @@ class FastPathServer:
         connections; hello_connections: connections not yet authenticated (admission.py).
         stream_timeout: the longest one receive or send inside a frame waits (0 = the
         idle timeout). congestion: the TCP connections' congestion control ("" = the
-        host's; CongestionRefused where the kernel will not give it: congestion.py)."""
+        host's; CongestionRefused where the kernel will not give it:
+        kvstore_protocol.congestion)."""
         self.store = store
         self.metrics = metrics
         self.auth = auth

@@ -1,7 +1,8 @@
 """--data-congestion: the fast path's TCP connections take the congestion control asked
 for (set on the listener, which accepted connections take), the server says which in its
-log, and calls over it work as over any other. Read from the kernel's own view of the
-server's sockets (`ss -ti`), so the test needs iproute2's ss."""
+log, and calls over it work as over any other; KVStoreClient(data_congestion=...) does
+the same for its end. Read from the kernel's own view of the sockets (`ss -ti`), so the
+test needs iproute2's ss."""
 
 from __future__ import annotations
 
@@ -30,13 +31,17 @@ def _host_default() -> str:
     return _sysctl("tcp_congestion_control")[0]
 
 
-def _server_side(port: int) -> list[set[str]]:
-    """The words of ss's info line for each established connection whose local port is
-    port: the server's end of each fast-path connection."""
-    out = subprocess.run(["ss", "-tinH", "state", "established", f"( sport = :{port} )"],
+def _ends(port: int, side: str) -> list[set[str]]:
+    """The words of ss's info line for each established connection with port as its
+    local ("sport": the server's ends) or remote ("dport": the clients' ends) port."""
+    out = subprocess.run(["ss", "-tinH", "state", "established", f"( {side} = :{port} )"],
                          capture_output=True, text=True, check=True).stdout
     lines = out.splitlines()
     return [set(info.split()) for info in lines[1::2]]
+
+
+def _server_side(port: int) -> list[set[str]]:
+    return _ends(port, "sport")
 
 
 def _calls_over_the_fast_path(srv: ServerProcess) -> list[set[str]]:
@@ -96,3 +101,23 @@ def test_the_bench_s_raw_peer_sends_under_the_same():
         client.close()
     finally:
         peer.close()
+
+
+def test_a_client_s_connections_take_the_one_it_asks_for():
+    name = next(n for n in ("reno", "cubic") if n != _host_default())
+    with ServerProcess(dram="64MiB").start(wait=120) as srv, \
+            KVStoreClient(srv.address, shared_memory=False, data_plane=True,
+                          data_connections=1, data_congestion=name) as c:
+        ns = c.register_layout(LAYOUT)
+        pages = np.full((2, LAYOUT.page_bytes), 7, dtype=np.uint8)
+        c.put(ns, [b"a", b"b"], pages)
+        np.testing.assert_array_equal(c.get(ns, [b"a", b"b"]), pages)
+        mine, theirs = _ends(srv.port + 1, "dport"), _server_side(srv.port + 1)
+        assert mine and all(name in words for words in mine), mine
+        # The server's ends keep its own (the host's default here).
+        assert theirs and all(_host_default() in words for words in theirs), theirs
+
+
+def test_a_client_asking_for_one_the_host_lacks_is_refused_at_once():
+    with pytest.raises(ValueError, match="no TCP congestion control 'nosuch'"):
+        KVStoreClient("127.0.0.1:1", data_congestion="nosuch")

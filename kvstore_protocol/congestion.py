@@ -1,14 +1,16 @@
-"""The TCP congestion control of the fast path's TCP connections (--data-congestion).
+"""The TCP congestion control a fast-path connection sends under, as asked by either end:
+the server's data port (--data-congestion: set on the listener, which every accepted
+connection takes, so a Get's answer is sent under it) and a client's connections
+(KVStoreClient(data_congestion=...): a Put's pages).
 
-Set on the listener, which every accepted connection takes, so a Get's answer is sent
-under it. Why an operator may want to choose it: some hosts default to bbr, which paces
-what a connection sends at the rate it has measured, in state of each connection's own.
-A store's answers are bursts after idle gaps, and pacing spreads them out. Across a veth
-pair (1500-byte MTU, the full TCP path at both ends) on the dev VM, a raw peer's 1 MiB
-answer, one a call, took a median 382-392 µs under bbr against 188 under cubic and 214
-under reno, and a 64 KiB one 60 µs against 29 (docs/fastpath.md). Neither is right
-everywhere: bbr is the better choice across a lossy or long path, which is why the
-default is the host's own.
+Why either end may want to choose it: some hosts default to bbr, which paces what a
+connection sends at the rate it has measured, in state of each connection's own. A
+store's answers and a remote engine's saves are bursts after idle gaps, and pacing
+spreads them out. Across a veth pair (1500-byte MTU, the full TCP path at both ends) on
+the dev VM, our server's 1 MiB answer, one a call, took 281-288 µs under reno against
+642-658 under bbr, and a raw client's 1 MiB put 219 µs against 556 (docs/fastpath.md).
+Neither is right everywhere: bbr is the better choice across a lossy or long path, which
+is why the default is the host's own.
 """
 
 from __future__ import annotations
