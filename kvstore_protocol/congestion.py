@@ -24,7 +24,7 @@ _NAME_MAX = 16          # TCP_CA_NAME_MAX: the name and its NUL
 
 
 class CongestionRefused(ValueError):
-    """The kernel would not give the listener that congestion control; says why."""
+    """The kernel would not give the socket that congestion control; says why."""
 
 
 def _sysctl(name: str) -> str:
@@ -36,8 +36,9 @@ def _sysctl(name: str) -> str:
 
 
 def set_congestion(sock: socket.socket, name: str) -> None:
-    """Give sock (a TCP listener, before accept) the congestion control `name`;
-    CongestionRefused, saying which names the kernel offers or allows, when it cannot."""
+    """Give sock (a TCP listener, whose accepted connections take it, or a connection)
+    the congestion control `name`; CongestionRefused, saying which names the kernel
+    offers or allows, when it cannot."""
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
     except OSError as exc:
