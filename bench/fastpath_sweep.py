@@ -88,9 +88,10 @@ def congestion_control() -> str:
     """The TCP congestion control new connections get on this machine ("?" where it
     cannot be read). Why a report names it: on the dev VM it is bbr, whose state of its
     own in each connection (pacing, its bandwidth probes) is what made one loopback
-    connection's large gets faster or slower than another's (_Turns above); with reno
-    or cubic the raw client against itself read 1.00 on one connection a side at 512
-    KiB and 1 MiB a call, and a 1 MiB get took about half the time at both ends."""
+    connection's large gets faster or slower than another's (_Turns above). With cubic
+    the raw client against itself read 1.00 on one connection a side at 512 KiB and 1
+    MiB a call; with reno (--congestion) a 1 MiB get took 191-214 us from the raw peer
+    against about 310 under bbr, and 274-316 from ours against about 380."""
     try:
         with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
             return f.read().strip()
