@@ -468,8 +468,9 @@ def main(argv: list[str] | None = None) -> int:
                         "and our server each against a least one of the same protocol "
                         "(bench/fastpath_floor.py)")
     p.add_argument("--turns", type=int, default=0, metavar="N",
-                   help="--sweep: the connections each side's calls go round, one call "
-                        "each in turn (default 8; bench/fastpath_sweep.py says why)")
+                   help="--sweep: the connections each side's calls of 1 MiB or more go "
+                        "round, one call each in turn (default 8; bench/fastpath_sweep.py "
+                        "says why)")
     p.add_argument("--congestion", metavar="NAME", default="",
                    help="--sweep: the TCP congestion control the server (--data-congestion) "
                         "and the raw peer send under (default: the host's; "

@@ -78,12 +78,13 @@ T = TypeVar("T")
 # call a ratio of one connection against another says which was lucky; going round
 # several says what the two ends cost (a server in Python pays for it too: each call
 # wakes another of its threads, which waits for the interpreter's lock; docs/fastpath.md).
-# Smaller calls stay on one connection a side: at 64 KiB and 512 KiB a call the raw
-# client against itself read 1.00 on one connection a side (1.04 going round 8), and
-# going round cost the heavier side its caches: our lookup of 16 keys took 5 us more and
-# a get of one 64 KiB page 6-12 us more, each call meeting another connection's objects
-# out of the CPU's caches. Lookups and leases are on one connection in a client too (its
-# reads lane).
+# Smaller calls stay on one connection a side: at 64 and 128 KiB a call the raw client
+# against itself read 0.99-1.02 on one connection a side (at 512 KiB 1.00 in three runs of
+# five, 0.70 and 1.25 in the others: docs/fastpath.md), and going round cost the heavier
+# side its caches: our lookup of 16 keys took 5 us more, a get of one 64 KiB page 6-12
+# us more and one of 8 pages 229-322 us against 166-176, each call meeting another
+# connection's objects out of the CPU's caches. Lookups and leases are on one connection
+# in a client too (its reads lane).
 def congestion_control() -> str:
     """The TCP congestion control new connections get on this machine ("?" where it
     cannot be read). Why a report names it: on the dev VM it is bbr, whose state of its

@@ -228,7 +228,7 @@ def run(quick: bool, rounds: int, lmcache_python: str | None = None,
     peer = _RawPeer()
     closers.append(peer.close)
     pids = [peer.proc.pid]                   # the servers' processes (one_cpu)
-    conns = range(turns if max(SIZES) >= TURNS_FROM else 1)
+    conns = range(turns)
     try:
         raws = [RawClient("127.0.0.1", peer.port) for _ in conns]
         closers += [raw.close for raw in raws]
