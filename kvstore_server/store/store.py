@@ -299,12 +299,11 @@ class Store:
         s, book = self._s, self._book
         with s.lock:
             info = s.layouts.info(layout_id)
-            wanted, in_flight = self._wanted(info, keys)
+            wanted, new_keys, in_flight = self._wanted(info, keys)
             if ttl != FOREVER and not book.may_lease(len(wanted), len(wanted)):
                 raise StoreError(Outcome.EXHAUSTED,
                                  book.full(f"Reserve of {len(wanted)} pages refused"))
             got = self._claim(info, keys, len(wanted), quota)
-            new_keys = keys.select(wanted)
             for key, slot in zip(new_keys, got.tolist(), strict=True):
                 info.writing[key] = slot
             lease = book.table.grant(LeaseKind.RESERVE, got,
@@ -327,7 +326,7 @@ class Store:
                 raise StoreError(Outcome.INVALID, (
                     f"Put of {len(keys)} pages of {pb} bytes needs {len(keys) * pb} bytes "
                     f"of data, got {len(data)}"))
-            wanted, in_flight = self._wanted(info, keys)
+            wanted, live_keys, in_flight = self._wanted(info, keys)
             got = self._claim(info, keys, len(wanted), quota)
             slot_list = got.tolist()
             offset, mem = s.pool.offset, s.mem.data
@@ -337,26 +336,31 @@ class Store:
             pins = s.slots.pins
             for slot in slot_list:              # the reservation's pin (slots.take)
                 pins[slot] -= 1
-            live_keys = keys.select(wanted)
             offer = self._make_ready(info, slot_list, live_keys)
         if offer is not None:
             self._offer_through(info, live_keys, *offer)
         return len(wanted), len(keys) - len(wanted) - in_flight, in_flight
 
-    def _wanted(self, info: LayoutInfo, keys: Packed) -> tuple[list[int], int]:
+    def _wanted(self, info: LayoutInfo, keys: Packed
+                ) -> tuple[list[int], list[bytes], int]:
         """(indexes of the keys a put stores: not READY, not being written, each named
-        once; how many are being written by another reservation), under the lock."""
-        wanted = []
-        seen = set()
+        once; those keys; how many are being written by another reservation), under the
+        lock. The keys come back with their indexes: each is sliced once, here."""
+        wanted: list[int] = []
+        new_keys: list[bytes] = []
+        seen: set[bytes] = set()
         in_flight = 0
+        writing = info.writing
+        data, size = keys.data, keys.size
         for i in self._absent(info, keys):
-            key = keys.key(i)
-            if key in info.writing:
+            key = data[i * size:(i + 1) * size]
+            if key in writing:
                 in_flight += 1
             elif key not in seen:
                 wanted.append(i)
+                new_keys.append(key)
                 seen.add(key)
-        return wanted, in_flight
+        return wanted, new_keys, in_flight
 
     def _claim(self, info: LayoutInfo, keys: Packed, n: int, quota: int) -> np.ndarray:
         """n WRITING slots of info's class, charged to its tenant (under the lock):
