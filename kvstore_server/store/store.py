@@ -351,9 +351,8 @@ class Store:
         seen: set[bytes] = set()
         in_flight = 0
         writing = info.writing
-        data, size = keys.data, keys.size
         for i in self._absent(info, keys):
-            key = data[i * size:(i + 1) * size]
+            key = keys.key(i)
             if key in writing:
                 in_flight += 1
             elif key not in seen:
