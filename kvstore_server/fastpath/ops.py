@@ -17,6 +17,7 @@ import dataclasses
 import os
 import socket
 import struct
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -72,8 +73,11 @@ class Session:
     # Lease ids taken on this connection and not yet ended through it: released when it
     # closes, so a client that dies holding leases leaves no pin behind. Insertion-ordered
     # and capped (MAX_TRACKED): a client that lets its leases expire instead of ending
-    # them would otherwise grow it without bound.
-    leases: dict[int, None] = dataclasses.field(default_factory=dict)
+    # them would otherwise grow it without bound. An OrderedDict, whose oldest entry goes
+    # in O(1): a dict's first key, found by iterating, is found past every entry deleted
+    # before it, and at the cap each call dropped one more, so a connection past it cost
+    # the server 11 µs more a leased call (30 -> 41 µs of CPU, a real server, one CPU).
+    leases: OrderedDict[int, None] = dataclasses.field(default_factory=OrderedDict)
     # An aligned Get answer's header and pad, packed in place for each Get (Ops.get).
     head: bytearray = dataclasses.field(default_factory=lambda: bytearray(_GET_HEAD.size))
     head_view: memoryview = dataclasses.field(init=False)
@@ -91,7 +95,7 @@ class Session:
         if lease_id:
             self.leases[lease_id] = None
             if len(self.leases) > MAX_TRACKED:
-                del self.leases[next(iter(self.leases))]
+                self.leases.popitem(last=False)
 
 
 # The largest pins a LOOKUP answers (fastwire.PINS): beyond, it answers the count alone
