@@ -19,6 +19,7 @@ Slot ids are small integers, recycled, so per-slot state can live in flat numpy 
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 
 import numpy as np
 
@@ -47,7 +48,13 @@ class _SizeClass:
     slot_bytes: int
     extent_slabs: int       # slabs per extent, chosen to waste the least
     slots_per_extent: int
-    partial: dict[int, None] = dataclasses.field(default_factory=dict)  # extents with free slots
+    # Extents with free slots, in the order they joined; alloc takes from the first. An
+    # OrderedDict: a dict's first key is found past every entry deleted before it, and
+    # alloc deletes extents from the front as they fill, so refilling a pool whose
+    # extents were all part free (7,813 extents of 64 KiB slots, 64 GiB) took an alloc
+    # of 8 slots from 3.5 to 9.4 us as it went (medians of each quarter of the refill);
+    # with this, 2.7-2.9 us throughout.
+    partial: OrderedDict[int, None] = dataclasses.field(default_factory=OrderedDict)
 
 
 class Pool:

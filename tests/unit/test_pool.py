@@ -90,3 +90,19 @@ def test_an_emptied_extent_is_parked_for_its_class_and_given_up_for_another():
     assert len(taken) == 4 and pool.alloc(small, 1).size == 0
     pool.free(taken)
     assert pool.alloc(small, 1).size == 1 and pool.id_capacity <= capacity + 4
+
+
+def test_a_fragmented_pool_refills_its_part_free_extents_in_the_order_they_came_free():
+    # Every extent half free, the extents' free slots come back in the order the
+    # extents had a slot freed, an extent at a time: alloc takes the oldest one's first.
+    pool = Pool(64 * MiB, slab_bytes=4 * MiB)
+    cls = pool.class_for(1 * MiB)               # 4 slots an extent
+    ids = pool.alloc(cls, 64)
+    extent_of = {int(s): int(pool._extent_of[s]) for s in ids}
+    freed = ids.reshape(16, 4)[::-1, ::2].reshape(-1)    # the last extent's first
+    pool.free(freed.tolist())
+    order = list(dict.fromkeys(extent_of[int(s)] for s in freed))
+    taken = []
+    while len(got := pool.alloc(cls, 1)):
+        taken.append(extent_of[int(got[0])])
+    assert taken == [e for e in order for _ in range(2)]
