@@ -76,7 +76,7 @@ class Session:
     # them would otherwise grow it without bound. An OrderedDict, whose oldest entry goes
     # in O(1): a dict's first key, found by iterating, is found past every entry deleted
     # before it, and at the cap each call dropped one more: past it, a leased lookup cost
-    # a real server 52 µs of CPU against 44 so (one CPU, the two side by side).
+    # a real server 52 µs of CPU against 44 with this (one CPU, the two side by side).
     leases: OrderedDict[int, None] = dataclasses.field(default_factory=OrderedDict)
     # An aligned Get answer's header and pad, packed in place for each Get (Ops.get).
     head: bytearray = dataclasses.field(default_factory=lambda: bytearray(_GET_HEAD.size))
