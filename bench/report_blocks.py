@@ -229,6 +229,9 @@ _TLS = ("plain", "TLS")
 # where the scheduler puts them, and all on one CPU (--one-cpu).
 _SWEEP_RECORD = "fastpath-3fd6c1cbbc"
 _SWEEP_ONE_CPU_RECORD = "fastpath-6b4f7b2b9e"
+# The same on one CPU with cubic at both ends (--congestion cubic): bbr's state of each
+# connection taken out of the large calls (docs/fastpath.md, TCP congestion control).
+_SWEEP_CUBIC_RECORD = "fastpath-351585bd09"
 _SWEEP = (
     *(Pick(f"{size} {n}", ("get fast/raw", "put fast/raw"))
       for size in ("64 KiB", "1 MiB", "4 MiB") for n in (1, 8, 32, 128)),
@@ -285,6 +288,11 @@ VIEWS: dict[str, Callable[[dict[str, Record]], str]] = {
         Pick("hits"), Pick("every page a hit again"))),
     "fastpath-sweep": _figures(_SWEEP_RECORD, _SWEEP),
     "fastpath-sweep-one-cpu": _figures(_SWEEP_ONE_CPU_RECORD, _SWEEP),
+    "fastpath-sweep-cubic": _figures(_SWEEP_CUBIC_RECORD, (
+        *(Pick(f"{size} {n}", ("get fast/raw",))
+          for size, n in [("64 KiB", 8), ("64 KiB", 32), ("1 MiB", 1), ("1 MiB", 8)]),
+        Pick("get of one 1 MiB page", ("fast p50 us", "raw p50 us")),
+        Pick("1 x 1 MiB", ("fast: server", "fast: client", "raw: peer", "raw: client")))),
     "fastpath-split": _figures("fastpath-e623177c0a", _SPLIT, ("fastpath-4cc547bfe8", _SPLIT)),
     "fastpath-floor": _figures("fastpath-0f925144f7", tuple(
         Pick(call, ("our client", "our server", "the two on each other", "KVStoreClient's own",
