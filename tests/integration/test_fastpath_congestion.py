@@ -6,6 +6,7 @@ test needs iproute2's ss."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from kvstore_client import KVStoreClient, PageLayout
+from kvstore_connector.config import ConnectorConfig, open_client
 from kvstore_testing.serverproc import ServerProcess
 
 pytestmark = pytest.mark.skipif(shutil.which("ss") is None, reason="needs iproute2's ss")
@@ -121,3 +123,21 @@ def test_a_client_s_connections_take_the_one_it_asks_for():
 def test_a_client_asking_for_one_the_host_lacks_is_refused_at_once():
     with pytest.raises(ValueError, match="no TCP congestion control 'nosuch'"):
         KVStoreClient("127.0.0.1:1", data_congestion="nosuch")
+
+
+def test_an_engine_s_connections_take_the_one_its_connector_config_names():
+    # What an engine's saves are sent under: kv_connector_extra_config's data_congestion
+    # reaches the client the connector opens (open_client), on every fast-path connection.
+    name = next(n for n in ("reno", "cubic") if n != _host_default())
+    config = ConnectorConfig.from_mapping({"data_congestion": name, "shared_memory": False})
+    with ServerProcess(dram="64MiB").start(wait=120) as srv:
+        config = dataclasses.replace(config, server=srv.address)
+        # As the worker half opens it: a remote engine's, its pages over TCP.
+        with open_client(config, timeout=10.0, shared_memory=config.shared_memory,
+                         data_connections=2) as c:
+            ns = c.register_layout(LAYOUT)
+            pages = np.full((2, LAYOUT.page_bytes), 3, dtype=np.uint8)
+            c.put(ns, [b"a", b"b"], pages)
+            np.testing.assert_array_equal(c.get(ns, [b"a", b"b"]), pages)
+            mine = _ends(srv.port + 1, "dport")
+            assert mine and all(name in words for words in mine), mine

@@ -40,3 +40,9 @@ def test_fields_of_a_mixed_mapping_are_ours_and_the_rest_the_engines():
                                                 "remote_connections": 3}
     every = {f: getattr(ConnectorConfig(), f) for f in ConnectorConfig.__dataclass_fields__}
     assert ConnectorConfig.fields_of({**every, "backend_name": "kvstore"}) == every
+
+
+def test_a_congestion_control_the_host_lacks_stops_the_start_with_the_setting_named():
+    with pytest.raises(ValueError, match="data_congestion: this kernel has no TCP "
+                                         "congestion control 'nosuch'"):
+        ConnectorConfig.from_mapping({"data_congestion": "nosuch"})
