@@ -5,12 +5,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
-import socket
 from collections.abc import Mapping
 from typing import Any
 
 from kvstore_client import KVStoreClient
-from kvstore_protocol.congestion import CongestionRefused, set_congestion
+from kvstore_protocol.congestion import CongestionRefused, check_congestion
 
 __all__ = ["ConnectorConfig", "LoadMode", "LookupMode", "Role", "SavePolicy", "min_hit_tokens",
            "open_client", "remote_store"]
@@ -182,14 +181,13 @@ class ConnectorConfig:
         except re.error as exc:
             raise ValueError(f"kvstore connector config: fail_loads: {exc}") from None
         if config.data_congestion:
-            # Tried on a socket now: a name this host lacks stops the engine's start
-            # with the setting named, not at its first call to the store.
-            with socket.socket() as probe:
-                try:
-                    set_congestion(probe, config.data_congestion)
-                except CongestionRefused as exc:
-                    raise ValueError(f"kvstore connector config: data_congestion: {exc}"
-                                     ) from None
+            # A name this host lacks stops the engine's start with the setting named
+            # (KVStoreClient would refuse it too, without saying which setting).
+            try:
+                check_congestion(config.data_congestion)
+            except CongestionRefused as exc:
+                raise ValueError(f"kvstore connector config: data_congestion: {exc}"
+                                 ) from None
         if bool(config.tls_cert) != bool(config.tls_key):
             raise ValueError("kvstore connector config: a client certificate needs both "
                              "tls_cert and tls_key")

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import socket
 import threading
 import time
 import weakref
@@ -32,7 +31,7 @@ import grpc
 import numpy as np
 
 from kvstore_protocol._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore_protocol.congestion import set_congestion
+from kvstore_protocol.congestion import check_congestion
 from kvstore_protocol.convert import layout_to_proto
 from kvstore_protocol.keys import Packed
 from kvstore_protocol.layout import PageLayout
@@ -160,10 +159,9 @@ class KVStoreClient:
                  data_congestion: str = "") -> None:
         self.address = address
         if data_congestion:
-            # Tried on a socket now: a name this host lacks is an error here, not a fast
+            # Tried now: a name this host lacks is an error here, not a fast
             # path that falls back to gRPC later.
-            with socket.socket() as probe:
-                set_congestion(probe, data_congestion)
+            check_congestion(data_congestion)
         self._channel = (with_token(channel, token) if channel is not None else
                          open_channel(address, token=token, tls_ca=tls_ca, tls_cert=tls_cert,
                                       tls_key=tls_key))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import errno
 import socket
 
-__all__ = ["CongestionRefused", "congestion_of", "set_congestion"]
+__all__ = ["CongestionRefused", "check_congestion", "congestion_of", "set_congestion"]
 
 _NAME_MAX = 16          # TCP_CA_NAME_MAX: the name and its NUL
 
@@ -53,6 +53,14 @@ def set_congestion(sock: socket.socket, name: str) -> None:
         else:
             why = f"TCP congestion control {name!r}: {exc.strerror or exc}"
         raise CongestionRefused(why) from None
+
+
+def check_congestion(name: str) -> None:
+    """CongestionRefused unless this host gives `name` to this user's sockets: tried on a
+    socket of its own, so that a name set in a config or an argument is an error where it
+    is read, not a connection that fails or falls back later."""
+    with socket.socket() as probe:
+        set_congestion(probe, name)
 
 
 def congestion_of(sock: socket.socket) -> str:

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 
-from kvstore_protocol.congestion import CongestionRefused, set_congestion
+from kvstore_protocol.congestion import CongestionRefused, check_congestion
 from kvstore_protocol.units import format_size
 
 from .auth import Authenticator
@@ -56,11 +55,10 @@ def check_host(config: ServerConfig, pool_bytes: int, memory: HostMemory | None 
     if c.auth_file:
         Authenticator(c.auth_file)      # ConfigError names the file and the entry
     if c.data_congestion:
-        with socket.socket() as probe:
-            try:
-                set_congestion(probe, c.data_congestion)
-            except CongestionRefused as exc:
-                raise ConfigError(f"data_congestion: {exc}") from None
+        try:
+            check_congestion(c.data_congestion)
+        except CongestionRefused as exc:
+            raise ConfigError(f"data_congestion: {exc}") from None
     if c.disk:
         _check_disk_dir(c.disk_dir, c.disk)
     # With a group the pool is a memfd (region.py): shm_dir holds only its socket.
