@@ -30,8 +30,7 @@ remote connector drives it: key packing and the client's own Python are in the f
 
 Each side's gets and puts of TURNS_FROM bytes or more go round CONNECTIONS connections, one
 call each in turn (_Turns says why): clients of one connection each, and as many raw
-clients; smaller calls stay on one connection a side. Each round opens its connections
-anew (_connections says why).
+clients; smaller calls stay on one connection a side.
 """
 
 from __future__ import annotations
@@ -361,27 +360,8 @@ def _pinned(pids: tuple[int, ...]) -> Iterator[None]:
                 os.sched_setaffinity(int(task), mine)
 
 
-# Each round opens its own connections, both sides. Why: under bbr one loopback
-# connection's large calls keep a speed of their own for as long as it lives (_Turns),
-# about once or twice another's (docs/fastpath.md, TCP congestion control), so rounds on
-# the same connections repeat one draw of that luck, and the median over rounds did not
-# make it smaller. Fresh connections draw again each round.
-def _connections(srv: ServerProcess, peer: _RawPeer, spec: Sweep, stack: contextlib.ExitStack
-                 ) -> tuple[_Turns[KVStoreClient], _Turns[RawClient]]:
-    """spec.connections clients of one fast-path connection each, and as many raw
-    clients, closed with stack."""
-    cs = _Turns([stack.enter_context(
-        KVStoreClient(srv.address, timeout=120, shared_memory=False, data_plane=True,
-                      data_connections=1)) for _ in range(spec.connections)])
-    raws = _Turns([RawClient("127.0.0.1", peer.port) for _ in range(spec.connections)])
-    for raw in raws.items:
-        stack.callback(raw.close)
-    return cs, raws
-
-
 def sweep(spec: Sweep) -> list[dict[str, float]]:
-    """Rounds of every pattern, one server and one raw peer for all of them, each round
-    on connections of its own (_connections says why)."""
+    """Rounds of every pattern, one server and one raw peer for all of them."""
     biggest = max(spec.page_sizes) * max(spec.pages_a_call)
     stored = sum(spec.page_sizes) * max(spec.pages_a_call)
     dram = -(-(stored + 2 * biggest + 256 * MiB) // (256 * MiB)) * 256
@@ -390,32 +370,32 @@ def sweep(spec: Sweep) -> list[dict[str, float]]:
     peer = _RawPeer(congestion=spec.congestion)
     figures = []
     extra = {"data_congestion": spec.congestion} if spec.congestion else {}
-    n = max(spec.pages_a_call)
-    stored_pages = []                            # (layout, keys, pages) a page size
     try:
-        with ServerProcess(dram=f"{dram}MiB", **extra).start(wait=300) as srv:
-            with KVStoreClient(srv.address, timeout=120, shared_memory=False,
-                               data_plane=True, data_connections=1) as c:
-                for page in spec.page_sizes:
-                    ns = c.register_layout(_layout(page))
-                    keys = [f"s{page}-{i}".encode().ljust(16, b".") for i in range(n)]
-                    pages = src.reshape(-1)[:n * page].reshape(n, page)
-                    c.put(ns, keys, pages)
-                    stored_pages.append((_layout(page), keys, pages))
+        with ServerProcess(dram=f"{dram}MiB", **extra).start(wait=300) as srv, \
+                contextlib.ExitStack() as stack:
+            cs = _Turns([stack.enter_context(
+                KVStoreClient(srv.address, timeout=120, shared_memory=False, data_plane=True,
+                              data_connections=1)) for _ in range(spec.connections)])
+            raws = _Turns([RawClient("127.0.0.1", peer.port) for _ in range(spec.connections)])
+            for raw in raws.items:
+                stack.callback(raw.close)
+            c = cs.items[0]
+            for page in spec.page_sizes:
+                ns = c.register_layout(_layout(page))
+                n = max(spec.pages_a_call)
+                keys = [f"s{page}-{i}".encode().ljust(16, b".") for i in range(n)]
+                pages = src.reshape(-1)[:n * page].reshape(n, page)
+                c.put(ns, keys, pages)
+                check = page_aligned_empty((n, page))
+                for client in cs.items:            # every connection reads them back whole
+                    check[:] = 0
+                    client.get_into(ns, keys, check)
+                    if not np.array_equal(check, pages):
+                        raise SystemExit(f"{page} B pages came back different")
             pids = (srv.proc.pid, peer.proc.pid)
             with _pinned(pids) if spec.one_cpu else contextlib.nullcontext():
                 for r in range(spec.rounds):
-                    with contextlib.ExitStack() as stack:
-                        cs, raws = _connections(srv, peer, spec, stack)
-                        for layout, keys, pages in stored_pages:
-                            check = page_aligned_empty(pages.shape)
-                            for client in cs.items:    # every connection reads them whole
-                                check[:] = 0
-                                client.get_into(client.register_layout(layout), keys, check)
-                                if not np.array_equal(check, pages):
-                                    raise SystemExit(f"{layout.page_bytes} B pages came "
-                                                     "back different")
-                        figures.append(_round(cs, raws, spec, out, src, r, pids))
+                    figures.append(_round(cs, raws, spec, out, src, r, pids))
     finally:
         peer.close()
     return figures
@@ -434,7 +414,7 @@ def report(spec: Sweep, rounds: list[dict[str, float]], iperf: float | None) -> 
     lines = [f"medians of {len(rounds)} rounds; raw = bench/rawpeer.py, a plain TCP peer in "
              "its own process, same run, same call pattern and buffers; gets and puts of "
              f"{TURNS_FROM // MiB} MiB or more go round {spec.connections} connections a "
-             "side, one call each in turn, smaller calls on one, new connections each round; "
+             "side, one call each in turn, smaller calls on one; "
              + (f"TCP congestion control {spec.congestion} at both ends (--congestion); "
                 if spec.congestion else f"TCP congestion control {congestion_control()}; ")
              + "ratio = fast / raw within a round, then the median; "
