@@ -159,8 +159,8 @@ class KVStoreClient:
                  data_congestion: str = "") -> None:
         self.address = address
         if data_congestion:
-            # Tried now: a name this host lacks is an error here, not a fast
-            # path that falls back to gRPC later.
+            # A name this host lacks is an error here, not a fast path that falls back
+            # to gRPC later.
             check_congestion(data_congestion)
         self._channel = (with_token(channel, token) if channel is not None else
                          open_channel(address, token=token, tls_ca=tls_ca, tls_cert=tls_cert,
