@@ -44,7 +44,7 @@ from kvstore_protocol import fastwire as fw
 from kvstore_testing.serverproc import ServerProcess
 
 from .fastpath_sweep import _layout, _pinned, _RawPeer
-from .rawpeer import RawClient
+from .rawpeer import RawClient, connect
 
 __all__ = ["Floor", "floor", "floor_report", "main_floor"]
 
@@ -76,8 +76,7 @@ class _Lean:
     answer received straight into the caller's buffer."""
 
     def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=60)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = connect("127.0.0.1", port)
         self.sock.sendall(fw.encode_header(fw.Op.HELLO, 0, flags=fw.QUIET | fw.ALIGNED))
         head = self.sock.recv(4096)
         if fw.decode_header(head[:fw.HEADER.size], request=False).flags & fw.ALIGNED == 0:

@@ -30,6 +30,8 @@ import tempfile
 import time
 from collections.abc import Callable
 
+from .rawpeer import connect
+
 __all__ = ["LMCacheClient", "LMCacheServer", "cache_key", "lmcache_imports"]
 
 # Native order and sizes, as the server packs and unpacks them.
@@ -61,8 +63,7 @@ class LMCacheClient:
     """PUT, GET into a buffer, EXIST and HEALTH over one connection to an LMCache server."""
 
     def __init__(self, port: int, host: str = "127.0.0.1", timeout: float = 60) -> None:
-        self.sock = socket.create_connection((host, port), timeout=timeout)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = connect(host, port, timeout)
         self._reply = memoryview(bytearray(REPLY.size))
 
     def _read_reply(self) -> tuple[int, ...]:

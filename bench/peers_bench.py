@@ -61,7 +61,7 @@ from .fastpath_sweep import (
     congestion_control,
 )
 from .lmcache_peer import LMCacheClient, LMCacheServer, cache_key, lmcache_imports
-from .rawpeer import RawClient
+from .rawpeer import RawClient, connect
 
 __all__ = ["RespClient", "main"]
 
@@ -105,8 +105,7 @@ class RespClient:
     """GET and SET over RESP on one socket; GET's bulk reply lands in the caller's buffer."""
 
     def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=60)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = connect("127.0.0.1", port)
         self._crlf = memoryview(bytearray(2))
 
     @staticmethod

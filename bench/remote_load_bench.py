@@ -46,6 +46,7 @@ from kvstore_connector.worker.staging import StagingRing
 from kvstore_testing.serverproc import ServerProcess
 
 from .layerpeer import REQUEST, pages as peer_pages
+from .rawpeer import connect
 
 __all__ = ["LAYOUT", "main"]
 
@@ -88,9 +89,7 @@ class RawLoad:
         self._ring = ring
         self._socks = []
         for _ in range(connections):
-            sock = socket.create_connection(("127.0.0.1", port), timeout=60)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._socks.append(sock)
+            self._socks.append(connect("127.0.0.1", port))
 
     def load(self, pages: int, layers: int, layer_bytes: int,
              check: np.ndarray | None = None) -> None:
