@@ -276,7 +276,7 @@ class Calls:
     def get_few(self, who: Principal, layout_id: bytes, data: bytes, key_size: int,
                 now: Callable[[LayoutInfo, list[int]], bool] | None = None
                 ) -> tuple[LayoutInfo, list[int], list[int]] | None:
-        """get's pins as Python ints, for up to FEW_KEYS keys all in DRAM: (layout, slots,
+        """get's pins as Python ints, for up to FEW_READS keys all in DRAM: (layout, slots,
         pool offsets), under the same rules as get; None where get must be asked instead
         (nothing pinned: a key below DRAM or missing, or more keys). The caller ends it
         with store.unpin_few once the pages are sent (store/few_reads.py); now: the

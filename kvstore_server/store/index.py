@@ -54,7 +54,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["FEW_KEYS", "MAX_SLOT", "KeyIndex"]
+__all__ = ["FEW_KEYS", "FEW_READS", "MAX_SLOT", "KeyIndex"]
 
 MAX_SLOT = (1 << 31) - 1      # slot ids fit the 32-bit ref with room for the two codes
 _LIVE = 2                     # ref of a live entry: slot + _LIVE
@@ -76,6 +76,13 @@ _REACH_BYTE = 0 if sys.byteorder == "little" else 7   # the reach's byte in a me
 # batch insert's calls cost more than the walk at every count up to it (that bench's
 # "reserve 16 + commit").
 FEW_KEYS = 16
+# A Get of up to this many keys is found as a list too (find_few; store/few_reads.py): an
+# engine's per-layer Get names the same block of pages once a layer, so its slots are
+# remembered (_FOUND) and found again with no hashing at all. Past FEW_KEYS a miss is
+# hashed in numpy's batch form, which costs about the same from 24 keys up to hundreds
+# (13.9 us at 32 and 15.6 at 128, in one process, where the Python walk took 16.4 and
+# 61.6). A remembered answer holds at most this many keys: _FOUND stays a few MiB.
+FEW_READS = 128
 
 # The slots of a few 16-byte keys all found, by (the index's generation, the packed keys):
 # an engine asks the same prefix again at every scheduler step (a waiting request's
@@ -160,8 +167,9 @@ class KeyIndex:
         return self._find(words, self._home(_hash(words, self._seed)))
 
     def find_few(self, data: bytes) -> list[int]:
-        """find() of a few keys (up to FEW_KEYS) given packed (n * key_size bytes), as a
-        list, with no numpy call on the way in (_find_rows)."""
+        """find() of a few keys (up to FEW_KEYS; a Get's up to FEW_READS) given packed
+        (n * key_size bytes), as a list: up to FEW_KEYS with no numpy call on the way in
+        (_find_rows), and 16-byte keys found whole before are remembered (_FOUND)."""
         if self.key_size == 16 and data:
             if len(data) == 16:                 # one row read costs less than a take
                 return [self.find_one(data)]
@@ -171,12 +179,21 @@ class KeyIndex:
                 hit = _FOUND.get((self._gen, data))
                 if hit is not None:
                     return list(hit)
-                found = self._find_pairs(memoryview(data).cast("Q").tolist())
-                if -1 not in found:
+                found = self._find_packed(data)
+                if -1 not in found and len(data) <= 16 * FEW_READS:
                     self._remember(data, found)
                 return found
-            return self._find_pairs(memoryview(data).cast("Q").tolist())
+            return self._find_packed(data)
+        if len(data) > FEW_KEYS * self.key_size:
+            return self.find(data).tolist()
         return self._find_rows(self._word_rows(data))
+
+    def _find_packed(self, data: bytes) -> list[int]:
+        """find() of packed 16-byte keys as a list: walked in Python ints up to FEW_KEYS
+        (_find_pairs), in numpy's batch form past it (FEW_READS says why)."""
+        if len(data) <= 16 * FEW_KEYS:
+            return self._find_pairs(memoryview(data).cast("Q").tolist())
+        return self.find(data).tolist()
 
     def find_leading(self, data: bytes) -> list[int]:
         """The slots of a few packed keys' leading run, up to the first absent key: the

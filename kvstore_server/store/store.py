@@ -556,7 +556,7 @@ class Store:
     def pin_few(self, layout_id: bytes, keys: Packed,
                 now: Callable[[LayoutInfo, list[int]], bool] | None = None
                 ) -> tuple[LayoutInfo, list[int], list[int]] | None:
-        """pin_read of up to FEW_KEYS keys all in DRAM, as ints: (layout, slots, offsets),
+        """pin_read of up to FEW_READS keys all in DRAM, as ints: (layout, slots, offsets),
         or None (nothing pinned: ask pin_read); now: pages used under the lock, unpinned
         (FewReads.pin). End it with unpin_few (few_reads.py)."""
         return self._few.pin(layout_id, keys, now)

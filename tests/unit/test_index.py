@@ -297,11 +297,13 @@ def test_find_few_reads_packed_bytes_as_find_does(key_size):
     absent = rng.integers(0, 256, (200, key_size), dtype=np.uint8)
     everything = np.concatenate([stored, absent])
     model = {row.tobytes(): i for i, row in enumerate(stored) if i % 5}
-    for lo in range(0, len(everything), index_module.FEW_KEYS):
-        chunk = everything[lo:lo + index_module.FEW_KEYS]
-        expected = [model.get(row.tobytes(), -1) for row in chunk]
-        assert index.find_few(chunk.tobytes()) == expected
-        assert index.find(chunk).tolist() == expected
+    # A block of a Get's size too (up to FEW_READS): past FEW_KEYS found by the batch.
+    for step in (index_module.FEW_KEYS, index_module.FEW_KEYS + 1, index_module.FEW_READS):
+        for lo in range(0, len(everything), step):
+            chunk = everything[lo:lo + step]
+            expected = [model.get(row.tobytes(), -1) for row in chunk]
+            assert index.find_few(chunk.tobytes()) == expected
+            assert index.find(chunk).tolist() == expected
     assert index.find(everything).tolist() == [model.get(row.tobytes(), -1)
                                                for row in everything]     # the batch
     with pytest.raises(ValueError, match="whole number"):
@@ -348,6 +350,27 @@ def test_few_keys_found_again_are_never_answered_from_before_a_removal():
     index.insert(packed(keys[4:]), list(range(70, 82)))
     assert index.find_few(data) == [41, 1, 2, 40, *range(70, 82)]
     assert other.find_few(data) == list(range(50, 66))
+
+
+def test_a_gets_block_found_again_is_never_answered_from_before_a_removal():
+    """A block of up to FEW_READS 16-byte keys, all found, is remembered as a few keys
+    are: found again, and after a removal of one of them never its old slot; a longer
+    one is not remembered, so _FOUND holds at most FEW_READS keys an entry."""
+    n = index_module.FEW_READS
+    keys = [i.to_bytes(16, "little") for i in range(1000, 1000 + n + 1)]
+    data = packed(keys[:n])
+    index = KeyIndex(16, seed=5)
+    index.insert(packed(keys), list(range(n + 1)))
+    assert index.find_few(data) == list(range(n))
+    assert (index._gen, data) in index_module._FOUND
+    assert index.find_few(data) == list(range(n))                 # remembered
+    index.remove_slots([n // 2])
+    assert index.find_few(data) == [*range(n // 2), -1, *range(n // 2 + 1, n)]
+    index.insert(keys[n // 2], [5000])
+    assert index.find_few(data) == [*range(n // 2), 5000, *range(n // 2 + 1, n)]
+    longer = packed(keys)
+    assert index.find_few(longer) == [*range(n // 2), 5000, *range(n // 2 + 1, n + 1)]
+    assert (index._gen, longer) not in index_module._FOUND
 
 
 @pytest.mark.parametrize("key_size", [16, 20])

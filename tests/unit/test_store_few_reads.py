@@ -9,6 +9,7 @@ from kvstore_protocol.keys import Packed
 from kvstore_protocol.layout import PageLayout
 from kvstore_server.region import Region
 from kvstore_server.store import Store
+from kvstore_server.store.index import FEW_READS
 from kvstore_server.store.slots import SlotState
 
 MiB = 1 << 20
@@ -36,10 +37,16 @@ def _put(store: Store, info, ks: list[bytes]) -> None:
 
 
 @pytest.mark.parametrize("key_size", [16, 24])
-@pytest.mark.parametrize("pick", [[0], [3, 1, 2], [0, 0, 5], list(range(16)), [4, 5, 6, 7, 8]])
+@pytest.mark.parametrize("pick", [
+    [0], [3, 1, 2], [0, 0, 5], list(range(16)), [4, 5, 6, 7, 8],
+    list(range(0, 34, 2)),                      # past FEW_KEYS, scattered: one array
+    [9, 3, 1, 7, 5, 11, 13, 15, 2],             # SCATTERED_FROM and more, out of order
+    [0, 2, 4, 6, 8, 10, 12, 0, 2],              # scattered, keys named twice
+    list(range(40)), list(range(FEW_READS)),    # a run past FEW_KEYS, up to FEW_READS
+])
 def test_pin_few_agrees_with_pin_read(store, key_size, pick):
     info = store.register_layout(LAYOUT)
-    ks = _keys("k", 16, key_size)
+    ks = _keys("k", FEW_READS, key_size)
     _put(store, info, ks)
     asked = Packed(b"".join(ks[i] for i in pick), key_size)
     before = (info.served, info.bytes_out)
@@ -65,11 +72,12 @@ def test_pin_few_agrees_with_pin_read(store, key_size, pick):
 
 def test_pin_few_answers_none_and_pins_nothing_where_pin_read_must_answer(store):
     info = store.register_layout(LAYOUT)
-    ks = _keys("k", 20)
-    _put(store, info, ks[:17])
+    ks = _keys("k", FEW_READS + 1)
+    _put(store, info, ks)
     absent = _keys("absent", 1)[0]
     for asked in (Packed(ks[0] + absent, 16),           # a key missing: NOT_FOUND or read-back
-                  Packed(b"".join(ks[:17]), 16),        # more than FEW_KEYS
+                  Packed(b"".join(ks[:20]) + absent, 16),   # one past FEW_KEYS missing
+                  Packed(b"".join(ks), 16),             # more than FEW_READS
                   Packed(b"", 0),                       # none
                   Packed(b"x" * 24, 24)):               # a key size the layout never saw
         assert store.pin_few(info.layout_id, asked) is None
@@ -119,6 +127,29 @@ def test_a_run_side_by_side_pinned_by_pin_few_frees_its_deleted_pages_at_unpin(s
     assert not store._slots.pins.any()
     assert store.exists(info.layout_id, ks).tolist() == [True] * 3 + [False] + [True] \
         + [False] + [True] * 2
+
+
+def test_scattered_pages_pinned_by_pin_few_free_their_deleted_pages_at_unpin(store):
+    # SCATTERED_FROM or more pages not side by side are pinned and unpinned through one
+    # array: a page deleted meanwhile still goes free with its last pin, a key named twice
+    # holds its page until both pins go.
+    info = store.register_layout(LAYOUT)
+    ks = _keys("k", 40)
+    _put(store, info, ks)
+    pick = [ks[i] for i in range(0, 40, 2)] + [ks[2]]          # 21 keys, k2 twice
+    _, slots, _ = store.pin_few(info.layout_id, Packed(b"".join(pick), 16))
+    assert len(slots) == 21 and slots[1] == slots[-1]
+    assert store._slots.pins[slots[1]] == 2
+    assert store.delete(info.layout_id, [ks[2], ks[4]]) == 2
+    doomed = [slots[1], slots[2]]
+    assert store._slots.state[doomed].tolist() == [int(SlotState.DOOMED)] * 2
+    used = store.stats().used_bytes
+    store.unpin_few(slots)
+    assert store._slots.state[doomed].tolist() == [int(SlotState.FREE)] * 2
+    assert store.stats().used_bytes == used - 2 * info.page_bytes
+    assert not store._slots.pins.any()
+    assert store.exists(info.layout_id, ks[:6]).tolist() == [True, True, False, True,
+                                                             False, True]
 
 
 class _ArrayOnlyPolicy:
