@@ -41,16 +41,11 @@ from .index import FEW_READS
 from .layouts import LayoutInfo
 from .lease_book import LeaseBook
 from .slots import SlotState
-from .state import StoreState, side_by_side
+from .state import SCATTERED_FROM, StoreState, side_by_side
 
 __all__ = ["FewReads"]
 
 _DOOMED = int(SlotState.DOOMED)
-
-# From this many pages not side by side, a pin touches, reads and pins them through one
-# array rather than a numpy store per slot: in one process a Get of 16 scattered pages
-# took 15.7 us slot by slot and 11.9 through the array, of 8 about the same either way.
-SCATTERED_FROM = 8
 
 
 class FewReads:

@@ -201,7 +201,7 @@ class KeyIndex:
         run of 16-byte keys found whole is remembered whole (_FOUND), so asked again it
         costs no hashing at all, the first key's neither."""
         size = self.key_size
-        whole = size == 16 and type(data) is bytes and len(data) > size
+        whole = size == 16 and type(data) is bytes and size < len(data) <= 16 * FEW_READS
         if whole:
             hit = _FOUND.get((self._gen, data))
             if hit is not None:

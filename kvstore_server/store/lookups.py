@@ -16,7 +16,7 @@ from kvstore_protocol.layout import MAX_LOOKUP_LAYOUTS
 
 from ..errors import Outcome, StoreError
 from .below import Below
-from .index import FEW_KEYS
+from .index import FEW_KEYS, FEW_READS
 from .layouts import LayoutInfo
 from .lease_book import LeaseBook
 from .leases import LeaseKind
@@ -48,20 +48,22 @@ class Lookups:
                lease_ttl: float = 0.0) -> tuple[int, int]:
         """(leading keys present in every layout, lease id or 0)."""
         keys = Packed.of(keys)
-        if len(layout_ids) == 1 and keys.n <= FEW_KEYS:
+        if len(layout_ids) == 1 and keys.n <= FEW_READS:
             found = self._lookup_one(layout_ids[0], keys, lease_ttl)
             if found is not None:
                 return found
         count, lease_id, _ = self._lookup(layout_ids, keys, lease_ttl, offsets=False)
         return count, lease_id
 
-    # An engine's own lookup: its rank's one layout, a block of keys or a few, leased or
-    # not. _lookup's general form (a list of layouts made unique, a run per layout, the
-    # count taken over them) cost more than the finds and touches it wraps: in one
-    # process, 9.4 us for 16 keys without a lease against 5.6 here, the same work done.
+    # An engine's own lookup: its rank's one layout, a block of keys or a prompt's up to
+    # FEW_READS (2,048 tokens in 16-token pages), leased or not. _lookup's general form (a
+    # list of layouts made unique, a run per layout, the count taken over them) cost more
+    # than the finds and touches it wraps: in one process, 9.4 us for 16 keys without a
+    # lease against 5.6 here, the same work done, and 26-56 us for 17 to 128 keys
+    # against 6-8 here (a prompt asked again: its run remembered, KeyIndex.find_leading).
     def _lookup_one(self, layout_id: bytes, keys: Packed, lease_ttl: float
                     ) -> tuple[int, int] | None:
-        """_lookup of one layout and up to FEW_KEYS keys: (count, lease id or 0), hits
+        """_lookup of one layout and up to FEW_READS keys: (count, lease id or 0), hits
         and misses counted, the run touched and leased where asked; None where a tier
         below holds pages (its reach is asked outside the lock: _lookup's way)."""
         s = self._s

@@ -30,12 +30,17 @@ from .quota import TenantLedger
 from .slots import SlotTable
 from .timed_lock import TimedLock
 
-__all__ = ["StoreState"]
+__all__ = ["SCATTERED_FROM", "StoreState"]
 
 
 # From this many slots a run side by side is served by slices (side_by_side): below, a
 # few scalar stores cost less than making the range to compare with.
 SPAN_FROM = 4
+
+# From this many slots not side by side, a few slots' touch and pin go through one array
+# rather than a numpy store per slot: in one process a Get of 16 scattered pages took
+# 15.7 us slot by slot and 11.9 through the array, of 8 about the same either way.
+SCATTERED_FROM = 8
 
 
 def side_by_side(slots: list[int]) -> bool:
@@ -100,6 +105,9 @@ class StoreState:
         hundreds (under the lock)."""
         if side_by_side(slots):
             self.touch_span(slots[0], len(slots))
+            return
+        if len(slots) >= SCATTERED_FROM:
+            self.touch(np.array(slots, dtype=np.int64))
             return
         now = self.clock() - self.started_at
         touched = self.slots.touched_at

@@ -1,4 +1,5 @@
-"""The store's few-key paths (a call of up to 16 keys walks Python ints and scalar pins)
+"""The store's few-key paths (a call of up to 16 keys walks Python ints and scalar pins;
+a Get's or a lookup's of up to FEW_READS finds its keys as a list)
 against a model of what the batch paths answer: counts, pins, frees, the pool's use."""
 
 import dataclasses
@@ -38,8 +39,8 @@ def _put(store, info, ks):
 
 @pytest.mark.parametrize("key_size", [16, 24])
 def test_few_key_lookups_pins_and_deletes_agree_with_a_model(store, key_size):
-    """Random prefixes of 0-20 keys (across the few-key bound), repeats included, over
-    one or two layouts with holes: the count is the shortest leading run, a leased
+    """Random prefixes of 0-20 keys (across the few-key bound) and of 100-139 (across
+    FEW_READS), repeats included, over one or two layouts with holes: the count is the shortest leading run, a leased
     lookup pins each named page once per naming, and its release after a delete frees
     exactly the deleted pages (a repeated slot unpinned as often as pinned)."""
     rng = np.random.default_rng(key_size)
@@ -51,8 +52,14 @@ def test_few_key_lookups_pins_and_deletes_agree_with_a_model(store, key_size):
         _put(store, info, [_key(i, key_size) for i in held])
         stored[info.layout_id].update(held)
     for _ in range(300):
-        n = int(rng.integers(0, 21))
-        names = [int(i) for i in rng.integers(0, 64, n)]
+        if rng.random() < 0.7:
+            n = int(rng.integers(0, 21))
+            names = [int(i) for i in rng.integers(0, 64, n)]
+        else:                       # a prompt's, across FEW_READS: keys of both, a hole
+            n = int(rng.integers(100, 140))
+            both = sorted(stored[a.layout_id] & stored[b.layout_id])
+            names = [int(i) for i in rng.choice(both, n)]
+            names[int(rng.integers(0, n))] = int(rng.integers(0, 64))
         if n > 2 and rng.random() < 0.3:
             names[-1] = names[0]                       # a repeat
         layouts = [a.layout_id] if rng.random() < 0.5 else [a.layout_id, b.layout_id]
