@@ -27,8 +27,12 @@ MiB = 1 << 20
 # 64 KiB pages: 32 layers, 16 tokens, 1 kv head of 32, bf16 (store_bench's "64KiB").
 LAYOUT = PageLayout(model="calls", num_layers=32, page_tokens=16, num_kv_heads=1,
                     head_size=32)
+# A prompt's lookup and a layer's Get of a block name more than 16 keys: "lookup 64" and
+# "get 32 (few read)" (the fast path's, store/few_reads.py) measure the way such calls
+# take (index.FEW_READS).
 CALLS = ("lookup 1", "lookup 16", "lookup 16 miss", "leased lookup 16 + release",
-         "acquire 1 + release", "get 1 (calls)", "reserve 1 + commit", "put 1 (calls)",
+         "lookup 64", "leased lookup 64 + release", "acquire 1 + release", "get 1 (calls)",
+         "get 32 (few read)", "reserve 1 + commit", "put 1 (calls)",
          "reserve 16 + commit", "delete 1", "dict lookup 16 (baseline)")
 
 
@@ -70,6 +74,10 @@ def per_call_us(n: int = 2000, rounds: int = 5) -> dict[str, float]:
         one = keys[0]
         res = store.reserve(layout, keys)
         store.commit(res.lease_id)
+        block = [i.to_bytes(16, "little") for i in range(1 << 21, (1 << 21) + 64)]
+        res = store.reserve(layout, block)
+        store.commit(res.lease_id)
+        data64, data32 = b"".join(block), b"".join(block[:32])
         missing = b"".join(i.to_bytes(16, "little") for i in range(16))
         as_dict = {key: i for i, key in enumerate(keys)}
         fresh = iter(range(1 << 40, 1 << 41))
@@ -89,6 +97,22 @@ def per_call_us(n: int = 2000, rounds: int = 5) -> dict[str, float]:
         def leased() -> Callable[[], object] | None:
             found = calls.lookup(who, [client_id], data, 16, 30_000)
             calls.release(who, found.lease_id)
+            return None
+
+        def lookup64() -> Callable[[], object] | None:
+            calls.lookup(who, [client_id], data64, 16, 0)
+            return None
+
+        def leased64() -> Callable[[], object] | None:
+            found = calls.lookup(who, [client_id], data64, 16, 30_000)
+            calls.release(who, found.lease_id)
+            return None
+
+        def get32() -> Callable[[], object] | None:
+            few = calls.get_few(who, client_id, data32, 16)
+            if few is None:
+                raise RuntimeError("a Get of 32 pages in DRAM did not take the few read")
+            store.unpin_few(few[1])
             return None
 
         def acquire() -> Callable[[], object] | None:
@@ -136,8 +160,9 @@ def per_call_us(n: int = 2000, rounds: int = 5) -> dict[str, float]:
                 as_dict.get(key)
             return None
 
-        fns = dict(zip(CALLS, (lookup1, lookup16, lookup_miss, leased, acquire, get,
-                               reserve1, put1, reserve16, delete1, baseline), strict=True))
+        fns = dict(zip(CALLS, (lookup1, lookup16, lookup_miss, leased, lookup64, leased64,
+                               acquire, get, get32, reserve1, put1, reserve16, delete1,
+                               baseline), strict=True))
         store_one()                     # the page the first delete takes
         out: dict[str, list[float]] = {name: [] for name in CALLS}
         for _ in range(rounds):
