@@ -183,6 +183,10 @@ def test_keys_that_share_a_few_hashes_are_found_exactly(monkeypatch):
     # tombstones of removed keys, so lookups go through the window the reach covers.
     monkeypatch.setattr(index_module, "_hash",
                         lambda words, seed: (words[:, 0] >> np.uint64(56)) << np.uint64(60))
+    # The walk's own hash (a few keys' insert and find) the same, so both forms agree.
+    monkeypatch.setattr(KeyIndex, "_hash_one",
+                        lambda self, words: (((words[0] >> 56) << 60) & index_module._MASK)
+                        >> self._bits_int)
     ix = KeyIndex(8, capacity=8)
     keys = [b"k%07d" % i for i in range(500)]
     ix.insert(packed(keys[:300]), np.arange(300))
@@ -255,16 +259,16 @@ def test_one_key_finds_what_a_batch_finds(key_size):
 
 @pytest.mark.parametrize("key_size", [2, 16, 20, 64])
 def test_few_keys_take_python_ints_and_agree_with_the_batch(key_size):
-    """insert() and find() of up to _FEW keys walk Python ints (_insert_few, _find_one):
-    keys put a few at a time, among tombstones, through growth and rehashes, must be
-    found as a dict finds them, by both paths."""
+    """insert() of up to _FEW_INSERT keys and find() of up to _FEW walk Python ints
+    (_insert_few, _find_one): keys put a few at a time, among tombstones, through growth
+    and rehashes, must be found as a dict finds them, by both paths."""
     rng = np.random.default_rng(100 + key_size)
-    pool = key_pool(key_size, 8000, rng)        # 800 inserts of up to _FEW (16) keys
+    pool = key_pool(key_size, 16000, rng)       # 400 inserts of up to 64 keys
     ix, model = KeyIndex(key_size, capacity=8), {}
     free = list(range(len(pool)))[::-1]
-    for step in range(800):
+    for step in range(400):
         absent = [k for k in pool if k not in model]
-        n = int(rng.integers(1, index_module._FEW + 1))
+        n = int(rng.integers(1, index_module._FEW_INSERT + 17))   # past it too
         new = [absent[i] for i in rng.choice(len(absent), n, replace=False)]
         slots = [free.pop() for _ in new]
         ix.insert(packed(new), slots)
