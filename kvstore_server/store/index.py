@@ -76,8 +76,9 @@ _REACH_BYTE = 0 if sys.byteorder == "little" else 7   # the reach's byte in a me
 # batch insert's calls cost more than the walk at every count up to it (that bench's
 # "reserve 16 + commit").
 FEW_KEYS = 16
-# A Get of up to this many keys is found as a list too (find_few; store/few_reads.py): an
-# engine's per-layer Get names the same block of pages once a layer, so its slots are
+# A Get or a lookup of up to this many keys is found as a list too (find_few,
+# find_leading; store/few_reads.py, store/lookups.py): an engine names the same block of
+# pages once a layer and the same prompt once a scheduler step, so their slots are
 # remembered (_FOUND) and found again with no hashing at all. Past FEW_KEYS a miss is
 # hashed in numpy's batch form, which costs about the same from 24 keys up to hundreds
 # (13.9 us at 32 and 15.6 at 128, in one process, where the Python walk took 16.4 and
@@ -172,9 +173,9 @@ class KeyIndex:
         return self._find(words, self._home(_hash(words, self._seed)))
 
     def find_few(self, data: bytes) -> list[int]:
-        """find() of a few keys (up to FEW_KEYS; a Get's up to FEW_READS) given packed
+        """find() of a few keys (a Get's or a lookup's, up to FEW_READS) given packed
         (n * key_size bytes), as a list: up to FEW_KEYS with no numpy call on the way in
-        (_find_rows), and 16-byte keys found whole before are remembered (_FOUND)."""
+        (_find_rows), and 16-byte keys all found are remembered (_FOUND)."""
         if self.key_size == 16 and data:
             if len(data) == 16:                 # one row read costs less than a take
                 return [self.find_one(data)]

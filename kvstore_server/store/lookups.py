@@ -59,8 +59,8 @@ class Lookups:
     # FEW_READS (2,048 tokens in 16-token pages), leased or not. _lookup's general form (a
     # list of layouts made unique, a run per layout, the count taken over them) cost more
     # than the finds and touches it wraps: in one process, 9.4 us for 16 keys without a
-    # lease against 5.6 here, the same work done, and 26-56 us for 17 to 128 keys
-    # against 6-8 here (a prompt asked again: its run remembered, KeyIndex.find_leading).
+    # lease against 5.6 here, the same work done, and 26-51 us for 32 to 128 keys
+    # against 5-6 here (a prompt asked again: its run remembered, KeyIndex.find_leading).
     def _lookup_one(self, layout_id: bytes, keys: Packed, lease_ttl: float
                     ) -> tuple[int, int] | None:
         """_lookup of one layout and up to FEW_READS keys: (count, lease id or 0), hits
