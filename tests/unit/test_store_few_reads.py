@@ -109,6 +109,16 @@ def test_a_page_pinned_by_pin_few_is_not_evicted_and_a_delete_frees_it_at_unpin(
     assert store.stats().used_bytes == used - info.page_bytes
 
 
+def _unpin_frees_the_doomed(store, info, slots: list[int], doomed: list[int]) -> None:
+    """Pages deleted while pinned are DOOMED, and the unpin frees them, nothing else."""
+    assert store._slots.state[doomed].tolist() == [int(SlotState.DOOMED)] * len(doomed)
+    used = store.stats().used_bytes
+    store.unpin_few(slots)
+    assert store._slots.state[doomed].tolist() == [int(SlotState.FREE)] * len(doomed)
+    assert store.stats().used_bytes == used - len(doomed) * info.page_bytes
+    assert not store._slots.pins.any()
+
+
 def test_a_run_side_by_side_pinned_by_pin_few_frees_its_deleted_pages_at_unpin(store):
     # Slots side by side are pinned and unpinned by slices (state.side_by_side): a page
     # deleted meanwhile still goes free with its last pin, the others stay stored.
@@ -119,12 +129,7 @@ def test_a_run_side_by_side_pinned_by_pin_few_frees_its_deleted_pages_at_unpin(s
     assert slots == list(range(slots[0], slots[0] + 6))
     assert store.delete(info.layout_id, [ks[3], ks[5]]) == 2
     doomed = [slots[1], slots[3]]
-    assert store._slots.state[doomed].tolist() == [int(SlotState.DOOMED)] * 2
-    used = store.stats().used_bytes
-    store.unpin_few(slots)
-    assert store._slots.state[doomed].tolist() == [int(SlotState.FREE)] * 2
-    assert store.stats().used_bytes == used - 2 * info.page_bytes
-    assert not store._slots.pins.any()
+    _unpin_frees_the_doomed(store, info, slots, doomed)
     assert store.exists(info.layout_id, ks).tolist() == [True] * 3 + [False] + [True] \
         + [False] + [True] * 2
 
@@ -142,12 +147,7 @@ def test_scattered_pages_pinned_by_pin_few_free_their_deleted_pages_at_unpin(sto
     assert store._slots.pins[slots[1]] == 2
     assert store.delete(info.layout_id, [ks[2], ks[4]]) == 2
     doomed = [slots[1], slots[2]]
-    assert store._slots.state[doomed].tolist() == [int(SlotState.DOOMED)] * 2
-    used = store.stats().used_bytes
-    store.unpin_few(slots)
-    assert store._slots.state[doomed].tolist() == [int(SlotState.FREE)] * 2
-    assert store.stats().used_bytes == used - 2 * info.page_bytes
-    assert not store._slots.pins.any()
+    _unpin_frees_the_doomed(store, info, slots, doomed)
     assert store.exists(info.layout_id, ks[:6]).tolist() == [True, True, False, True,
                                                              False, True]
 
