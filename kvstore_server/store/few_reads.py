@@ -97,7 +97,7 @@ class FewReads:
             if run:
                 pins[first:first + n] += 1
             elif scattered is not None:
-                _add_pins(s, slots, scattered, 1)
+                self._book.pin(scattered)       # a slot named twice, twice
             else:
                 for slot in slots:          # a slot named twice is pinned twice
                     pins[slot] += 1
@@ -122,13 +122,8 @@ class FewReads:
                     if freed:
                         self._eviction.free(freed)
                 return
-            if len(slots) >= SCATTERED_FROM:
-                scattered = np.array(slots, dtype=np.int64)
-                _add_pins(s, slots, scattered, -1)
-                if _DOOMED in state[scattered].tolist():
-                    doomed = scattered[(pins[scattered] == 0) & (state[scattered] == _DOOMED)]
-                    if doomed.size:
-                        self._eviction.free(np.unique(doomed))
+            if len(slots) >= SCATTERED_FROM:   # as a lease's: one array
+                self._book.unpin(np.array(slots, dtype=np.int64))
                 return
             freed = []
             for slot in slots:
@@ -139,12 +134,3 @@ class FewReads:
             if freed:
                 self._eviction.free(freed)
 
-
-def _add_pins(s: StoreState, slots: list[int], scattered: np.ndarray, delta: int) -> None:
-    """delta pins on each of these slots (scattered: the same as an array); a slot named
-    twice gets it twice. Repeats are looked for in the list: SlotTable.add_pins's numpy
-    search cost more than the pins themselves at these sizes."""
-    if len(set(slots)) == len(slots):
-        s.slots.pins[scattered] += delta
-    else:
-        s.slots.add_pins(scattered, delta)

@@ -26,6 +26,7 @@ import numpy as np
 from ..errors import Outcome, StoreError
 from .evict import Eviction
 from .holdback import HoldBack
+from .index import FEW_READS
 from .leases import FOREVER, Lease, LeaseKind, LeaseTable, footprint
 from .slots import SlotState
 from .state import StoreState
@@ -38,7 +39,9 @@ DOOMED = SlotState.DOOMED
 # The same as a plain int, for numpy: an IntEnum compared with an array sends numpy's
 # attribute probes through the enum's metaclass on every comparison.
 _DOOMED = int(DOOMED)
-_FEW_PINS = 16         # up to this many slots, pins skip add_pins' numpy search for repeats (see pin)
+# Up to this many slots, pins skip add_pins' numpy search for repeats (see pin): a set of
+# the listed slots costs less up to a Get's or a lookup's block (index.FEW_READS).
+_FEW_PINS = FEW_READS
 
 
 def owns(tenant: str | None, lease: Lease) -> bool:
