@@ -82,31 +82,19 @@ def per_call_us(n: int = 2000, rounds: int = 5) -> dict[str, float]:
         as_dict = {key: i for i, key in enumerate(keys)}
         fresh = iter(range(1 << 40, 1 << 41))
 
-        def lookup1() -> Callable[[], object] | None:
-            calls.lookup(who, [client_id], one, 16, 0)
-            return None
+        # A lookup of these packed keys, and the same leased and then released.
+        def lookup_of(packed: bytes) -> Callable[[], Callable[[], object] | None]:
+            def call() -> Callable[[], object] | None:
+                calls.lookup(who, [client_id], packed, 16, 0)
+                return None
+            return call
 
-        def lookup16() -> Callable[[], object] | None:
-            calls.lookup(who, [client_id], data, 16, 0)
-            return None
-
-        def lookup_miss() -> Callable[[], object] | None:
-            calls.lookup(who, [client_id], missing, 16, 0)
-            return None
-
-        def leased() -> Callable[[], object] | None:
-            found = calls.lookup(who, [client_id], data, 16, 30_000)
-            calls.release(who, found.lease_id)
-            return None
-
-        def lookup64() -> Callable[[], object] | None:
-            calls.lookup(who, [client_id], data64, 16, 0)
-            return None
-
-        def leased64() -> Callable[[], object] | None:
-            found = calls.lookup(who, [client_id], data64, 16, 30_000)
-            calls.release(who, found.lease_id)
-            return None
+        def leased_of(packed: bytes) -> Callable[[], Callable[[], object] | None]:
+            def call() -> Callable[[], object] | None:
+                found = calls.lookup(who, [client_id], packed, 16, 30_000)
+                calls.release(who, found.lease_id)
+                return None
+            return call
 
         def get32() -> Callable[[], object] | None:
             few = calls.get_few(who, client_id, data32, 16)
@@ -160,7 +148,8 @@ def per_call_us(n: int = 2000, rounds: int = 5) -> dict[str, float]:
                 as_dict.get(key)
             return None
 
-        fns = dict(zip(CALLS, (lookup1, lookup16, lookup_miss, leased, lookup64, leased64,
+        fns = dict(zip(CALLS, (lookup_of(one), lookup_of(data), lookup_of(missing),
+                               leased_of(data), lookup_of(data64), leased_of(data64),
                                acquire, get, get32, reserve1, put1, reserve16, delete1,
                                baseline), strict=True))
         store_one()                     # the page the first delete takes
