@@ -133,4 +133,3 @@ class FewReads:
                     freed.append(slot)
             if freed:
                 self._eviction.free(freed)
-
