@@ -23,7 +23,8 @@ twice the calls (a 14-step hash, a tag compare, then a second round), spent far 
 - each bucket keeps a reach: how far past it the entries whose home it is may lie (an
   upper bound, raised by inserts, reset by a rehash). Only keys not at home whose home
   has a reach go on, in one gather of the buckets their homes' reaches cover, laid end
-  to end. No lookup walks past tombstones to an empty bucket.
+  to end (up to _FEW_FAR of them, each probed alone in Python ints instead: the
+  gather's calls cost more). No lookup walks past tombstones to an empty bucket.
 
 Why linear probing: a probe past the home bucket reads the next record, usually on the
 line just read, and the table stays one array. The load stays at or below 1/2,
@@ -81,9 +82,9 @@ FEW_KEYS = 16
 # pages once a layer and the same prompt once a scheduler step, so their slots are
 # remembered (_FOUND) and found again with no hashing at all. Past FEW_KEYS a miss is
 # hashed in numpy's batch form, whose cost grows far slower with the keys than the walk's
-# (in one process, an index of 200 to 65,536 keys: 14 us at 32 keys and 32 at 128, where
-# the Python walk took 19 and 75-81). A remembered answer holds at most this many keys:
-# _FOUND stays a few MiB.
+# (in one process, an index of 4,096 keys, six seeds: 14-20 us at 32 keys and 21-31 at
+# 128, where the Python walk took 19-21 and 75-81). A remembered answer holds at most
+# this many keys: _FOUND stays a few MiB.
 FEW_READS = 128
 
 # The slots of a few 16-byte keys all found, by (the index's generation, the packed keys):
@@ -99,6 +100,13 @@ _FOUND: dict[tuple[int, bytes], list[int]] = {}
 _FOUND_MAX = 1024
 _GENERATIONS = itertools.count()
 _FEW = FEW_KEYS
+# A batch find's keys not in their home bucket are probed one by one in Python ints
+# (_probe_one) up to this many, past it in one gather (_probe). Why: _probe's dozen numpy
+# calls cost about 15 us however few keys they probe, a key probed alone about 1 (in one
+# process: 3 keys 4.9 us against 15.2, 12 keys 13.2 against 15.6, 32 keys 32 against
+# 16.5), and a find of 17 to 128 keys mostly has a few such keys: over six seeds its
+# median went from 30-31 us to 17-23, a find of 512 keys unchanged at 37.
+_FEW_FAR = 8
 # An insert walks its keys in Python ints (_insert_few) up to this many: the batch form's
 # checks and placing cost about 90 us whatever the count, the walk about 2 us a key (in
 # one process: 17 keys 92 us by the batch and 38 walked, 32 keys 104 and 67, 64 keys 116
@@ -561,8 +569,12 @@ class KeyIndex:
         np.putmask(slot, elsewhere, -1)
         reach = rows.view(np.uint8)[:, 8 * nw + _REACH_BYTE]
         far = (elsewhere & (reach != 0)).nonzero()[0]    # not flatnonzero: fewer calls
-        if far.size:
+        if far.size > _FEW_FAR:
             self._probe(slot, far, words[far], home[far], reach[far])
+        elif far.size:
+            for i, key, at, most in zip(far.tolist(), words[far].tolist(),
+                                        home[far].tolist(), reach[far].tolist(), strict=True):
+                slot[i] = self._probe_one(key, at, most)
         return slot
 
     def _hash_one(self, words: list[int]) -> int:

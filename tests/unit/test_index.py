@@ -234,6 +234,34 @@ def test_a_lookup_whose_probe_spans_more_buckets_than_the_step_table():
     assert (ix.find(absent) == -1).all()
 
 
+@pytest.mark.parametrize("key_size", [5, 16, 64])
+def test_a_batchs_keys_past_their_home_are_found_alike_one_by_one_or_gathered(
+        key_size, monkeypatch):
+    """A batch find probes its keys not at home one by one (_probe_one) up to _FEW_FAR,
+    past it in one gather (_probe): batches of 17 to 100 keys, present, removed and never
+    stored, answer the model either way, and some of them did probe one by one."""
+    rng = np.random.default_rng(40 + key_size)
+    pool = key_pool(key_size, 3000, rng)
+    ix, model = KeyIndex(key_size, capacity=8), {}
+    ix.insert(packed(pool[:2000]), np.arange(2000))
+    model.update(zip(pool[:2000], range(2000)))
+    gone = np.arange(0, 2000, 5)                          # tombstones among the runs
+    ix.remove_slots(gone)
+    for slot in gone.tolist():
+        del model[pool[slot]]
+    probed = []
+    one_by_one = KeyIndex._probe_one
+    monkeypatch.setattr(KeyIndex, "_probe_one",
+                        lambda self, *a: probed.append(1) or one_by_one(self, *a))
+    for _ in range(60):
+        query = [pool[i] for i in rng.choice(len(pool), int(rng.integers(17, 101)))]
+        expected = [model.get(k, -1) for k in query]
+        for few in (0, 1 << 20):                          # always gathered, never
+            monkeypatch.setattr(index_module, "_FEW_FAR", few)
+            assert ix.find(packed(query)).tolist() == expected
+    assert probed
+
+
 @pytest.mark.parametrize("key_size", [3, 16, 20, 64])
 def test_one_key_finds_what_a_batch_finds(key_size):
     """find() of one key takes a path of its own (Python ints, no numpy batch): it must
