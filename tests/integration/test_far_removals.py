@@ -122,7 +122,13 @@ def test_with_a_disk_tier_only_what_left_the_disk_too_is_reported(fleet, tmp_pat
         for part in range(0, len(ks), 20):
             c.put(ns, ks[part:part + 20], pages(20))
             c.evict(everything=True, tier="dram")       # DRAM -> disk -> far
-        assert wait_for(lambda: far_writes(c) >= 80)
+        # How many pages go on to the far tier depends on the disk's write-behind, which
+        # drops what it cannot keep up with (68 to 108 of the 160 in five runs beside a
+        # busy CPU, where a wait for 80 failed): wait until the far tier's writes have
+        # settled, not for a number.
+        wait_value(lambda: (far_writes(c), time.sleep(1.0), far_writes(c)),
+                   lambda seen: 0 < seen[0] == seen[2], "the far tier's writes to settle",
+                   timeout=30)
         time.sleep(TTL + DELAY + 1)
         held = c.exists(ns, ks)         # what the disk still holds, the far copies gone
         gone = {k for k, h in zip(ks, held, strict=True) if not h}
