@@ -30,8 +30,11 @@ LAYOUT = PageLayout(model="calls", num_layers=32, page_tokens=16, num_kv_heads=1
 # A prompt's lookup and a layer's Get of a block name more than 16 keys: "lookup 64" and
 # "get 32 (few read)" (the fast path's, store/few_reads.py) measure the way such calls
 # take (index.FEW_READS).
+# A prompt asked for the first time mostly has only its head stored: "half" lookups name
+# keys of which the first half are stored (KeyIndex.find_run).
 CALLS = ("lookup 1", "lookup 16", "lookup 16 miss", "leased lookup 16 + release",
-         "lookup 64", "leased lookup 64 + release", "acquire 1 + release", "get 1 (calls)",
+         "lookup 64", "leased lookup 64 + release", "lookup 64 half", "lookup 512",
+         "lookup 512 half", "acquire 1 + release", "get 1 (calls)",
          "get 32 (few read)", "reserve 1 + commit", "put 1 (calls)",
          "reserve 16 + commit", "delete 1", "dict lookup 16 (baseline)")
 
@@ -79,6 +82,16 @@ def per_call_us(n: int = 2000, rounds: int = 5) -> dict[str, float]:
         store.commit(res.lease_id)
         data64, data32 = b"".join(block), b"".join(block[:32])
         missing = b"".join(i.to_bytes(16, "little") for i in range(16))
+        prompt = [i.to_bytes(16, "little") for i in range(1 << 22, (1 << 22) + 512)]
+        for at in range(0, 512, 128):
+            store.commit(store.reserve(layout, prompt[at:at + 128]).lease_id)
+        absent = [i.to_bytes(16, "little") for i in range(1 << 23, (1 << 23) + 256)]
+        half64 = b"".join(block[:32] + absent[:32])
+        data512, half512 = b"".join(prompt), b"".join(prompt[:256] + absent)
+        for packed, count in ((half64, 32), (data512, 512), (half512, 256)):
+            if calls.lookup(who, [client_id], packed, 16, 0).count != count:
+                raise RuntimeError(f"a lookup of {len(packed) // 16} keys did not count "
+                                   f"the {count} stored")
         as_dict = {key: i for i, key in enumerate(keys)}
         fresh = iter(range(1 << 40, 1 << 41))
 
@@ -150,6 +163,7 @@ def per_call_us(n: int = 2000, rounds: int = 5) -> dict[str, float]:
 
         fns = dict(zip(CALLS, (lookup_of(one), lookup_of(data), lookup_of(missing),
                                leased_of(data), lookup_of(data64), leased_of(data64),
+                               lookup_of(half64), lookup_of(data512), lookup_of(half512),
                                acquire, get, get32, reserve1, put1, reserve16, delete1,
                                baseline), strict=True))
         store_one()                     # the page the first delete takes

@@ -51,7 +51,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -181,6 +181,38 @@ class KeyIndex:
             return np.array(self._find_rows(words.tolist()), dtype=np.int64)
         return self._find(words, self._home(_hash(words, self._seed)))
 
+    # A lookup counts a prefix's leading keys, and a prompt asked for the first time mostly
+    # has only its head stored: the keys past its first absent one need no probe past
+    # their home bucket, which in find() costs the most of the batch (_FEW_FAR).
+    def find_run(self, keys) -> np.ndarray:
+        """The slots of the keys' leading run: find() up to the first absent key, left
+        out with every key after it. keys: as find() takes them."""
+        words = self._words(keys)
+        if len(words) <= FEW_KEYS:
+            found = self._find_rows(words.tolist())
+            return np.array(found[:found.index(-1)] if -1 in found else found,
+                            dtype=np.int64)
+        home = self._home(_hash(words, self._seed))
+        slot, ok, reach = self._at_home(words, home)
+        away = (~ok).nonzero()[0]
+        if not away.size:
+            return slot
+        # The first key away from home whose home has no reach is absent: the run ends
+        # there at the latest, and only the keys away before it are probed.
+        absent = away[reach[away] == 0]
+        end = int(absent[0]) if absent.size else len(words)
+        far = away[away < end]
+        if far.size > _FEW_FAR:
+            slot[far] = -1
+            self._probe(slot, far, words[far], home[far], reach[far])
+            missed = (slot[:end] < 0).nonzero()[0]
+            return slot[:int(missed[0]) if missed.size else end]
+        for i, past in self._probed(far, words, home, reach):
+            if past < 0:
+                return slot[:i]
+            slot[i] = past
+        return slot[:end]
+
     def find_few(self, data: bytes) -> list[int]:
         """find() of a few keys (a Get's or a lookup's, up to FEW_READS) given packed
         (n * key_size bytes), as a list: up to FEW_KEYS with no numpy call on the way in
@@ -225,7 +257,11 @@ class KeyIndex:
         if first < 0:
             return []
         slots = [first]
-        if len(data) > size:
+        if len(data) > (FEW_KEYS + 1) * size:
+            slots += self.find_run(data[size:]).tolist()
+            if whole and len(slots) * size == len(data):
+                self._remember(data, slots)
+        elif len(data) > size:
             slots += self.find_few(data[size:])
             if -1 in slots:
                 del slots[slots.index(-1):]
@@ -558,24 +594,37 @@ class KeyIndex:
         return (h >> self._bits).view(np.int64)
 
     def _find(self, words: np.ndarray, home: np.ndarray) -> np.ndarray:
-        nw = self._nw
-        rows = self._table.take(home, axis=0)
-        slot = (rows[:, nw] >> _SHIFT).view(np.int64)
-        slot -= _LIVE                      # empty -2, tombstone -1
-        ok = slot >= 0
-        for j in range(nw):
-            ok &= rows[:, j] == words[:, j]
+        slot, ok, reach = self._at_home(words, home)
         elsewhere = ~ok
         np.putmask(slot, elsewhere, -1)
-        reach = rows.view(np.uint8)[:, 8 * nw + _REACH_BYTE]
         far = (elsewhere & (reach != 0)).nonzero()[0]    # not flatnonzero: fewer calls
         if far.size > _FEW_FAR:
             self._probe(slot, far, words[far], home[far], reach[far])
         elif far.size:
-            for i, key, at, most in zip(far.tolist(), words[far].tolist(),
-                                        home[far].tolist(), reach[far].tolist(), strict=True):
-                slot[i] = self._probe_one(key, at, most)
+            for i, found in self._probed(far, words, home, reach):
+                slot[i] = found
         return slot
+
+    def _at_home(self, words: np.ndarray, home: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What each key's home bucket holds, in one gather: (the slot there, -2 empty
+        and -1 a tombstone; whether it is the key's; the home's reach)."""
+        nw = self._nw
+        rows = self._table.take(home, axis=0)
+        slot = (rows[:, nw] >> _SHIFT).view(np.int64)
+        slot -= _LIVE
+        ok = slot >= 0
+        for j in range(nw):
+            ok &= rows[:, j] == words[:, j]
+        return slot, ok, rows.view(np.uint8)[:, 8 * nw + _REACH_BYTE]
+
+    def _probed(self, far: np.ndarray, words: np.ndarray, home: np.ndarray,
+                reach: np.ndarray) -> Iterator[tuple[int, int]]:
+        """(index, slot or -1) of each key far[i] past its home, in order, probed one by
+        one in Python ints (_FEW_FAR says when)."""
+        for i, key, at, most in zip(far.tolist(), words[far].tolist(), home[far].tolist(),
+                                    reach[far].tolist(), strict=True):
+            yield i, self._probe_one(key, at, most)
 
     def _hash_one(self, words: list[int]) -> int:
         """One key's home bucket: _hash and _home in Python ints."""

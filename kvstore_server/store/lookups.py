@@ -24,16 +24,9 @@ from .state import StoreState
 
 __all__ = ["FEW_LEADING", "Lookups"]
 
-# Up to this many keys, _leading reads them as Python ints: its numpy form is three calls.
+# Up to this many keys, a slot array is read as Python ints (store.py's _absent and
+# _placed): numpy's forms cost a few calls whatever the count.
 FEW_LEADING = 64
-
-
-def _leading(slots: np.ndarray) -> int:
-    """How many leading entries are slots (>= 0), up to the first -1."""
-    if len(slots) <= FEW_LEADING:
-        listed = slots.tolist()
-        return listed.index(-1) if -1 in listed else len(listed)
-    return int(np.argmin(slots >= 0)) if (slots < 0).any() else len(slots)
 
 
 class Lookups:
@@ -117,10 +110,13 @@ class Lookups:
             # One key is found once: its own find says whether it is absent.
             if not s.lower.holds_pages and len(keys) > 1 and self._first_absent(infos, keys):
                 return self._missed(infos, len(keys))
-            found = [s.find(info, keys) for info in infos]
             if not s.lower.holds_pages:
-                count = min(_leading(f) for f in found)
-                return self._count_and_lease(infos, keys, found, count, lease_ttl, offsets)
+                # Each layout's leading run alone: a prefix mostly absent past its head
+                # probes none of its absent keys (KeyIndex.find_run).
+                found = [s.find_run(info, keys) for info in infos]
+                return self._count_and_lease(infos, keys, found, min(map(len, found)),
+                                             lease_ttl, offsets)
+            found = [s.find(info, keys) for info in infos]
         # The tier below is asked outside the store's lock: it has its own, and its probe
         # costs a dict lookup a key (a Lookup of 60 M keys held the store's lock seconds).
         count = min(self._below.reach(info, keys, slots) for info, slots
@@ -159,8 +155,8 @@ class Lookups:
     # A few keys (an engine's per-block or per-layer call): each layout's leading run by
     # KeyIndex.find_leading (its first key alone, so a prefix missing it counts 0 with
     # nothing more hashed; a run asked again, remembered), as Python lists up to the
-    # first absent key: the array forms of _first_absent, find and _leading cost about
-    # as much again as the finds.
+    # first absent key: the array forms (_first_absent, then find and a count of its
+    # leading slots) cost about as much again as the finds.
     @staticmethod
     def _find_leading(infos: list[LayoutInfo], keys: Packed) -> list[list[int]]:
         """Each layout's slots of the leading keys it holds, as many as every layout

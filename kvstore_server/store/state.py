@@ -81,6 +81,15 @@ class StoreState:
             return np.array(index.find_few(keys.data), dtype=np.int64)
         return index.find(keys.rows)
 
+    @staticmethod
+    def find_run(info: LayoutInfo, keys: Packed) -> np.ndarray:
+        """The READY slots of the keys' leading run, up to the first absent key (under
+        the lock): KeyIndex.find_run."""
+        index = info.ready.get(keys.size)
+        if index is None or not len(keys):
+            return np.empty(0, dtype=np.int64)
+        return index.find_run(keys.rows)
+
     def touch(self, slots: np.ndarray) -> None:
         """These slots' pages were used now (under the lock)."""
         # Reversed: the prefix's head becomes the most recent, its tail goes first.

@@ -262,6 +262,47 @@ def test_a_batchs_keys_past_their_home_are_found_alike_one_by_one_or_gathered(
     assert probed
 
 
+@pytest.mark.parametrize("key_size", [5, 16, 64])
+def test_a_run_is_found_up_to_its_first_absent_key(key_size, monkeypatch):
+    """find_run answers find() cut at its first -1, for runs that end at once, part way
+    or never, past keys present, removed (tombstones) and never stored, with the keys
+    away from their home probed one by one or gathered."""
+    rng = np.random.default_rng(60 + key_size)
+    pool = key_pool(key_size, 3000, rng)
+    ix = KeyIndex(key_size, capacity=8)
+    ix.insert(packed(pool[:2000]), np.arange(2000))
+    ix.remove_slots(np.arange(0, 2000, 5))
+    stored = [k for i, k in enumerate(pool[:2000]) if i % 5]
+    for _ in range(80):
+        head = [stored[i] for i in rng.choice(len(stored), int(rng.integers(0, 200)))]
+        tail = [pool[i] for i in rng.choice(len(pool), int(rng.integers(0, 200)))]
+        query = head + tail
+        whole = ix.find(packed(query)).tolist() if query else []
+        expected = whole[:whole.index(-1)] if -1 in whole else whole
+        for few in (0, 1 << 20):
+            monkeypatch.setattr(index_module, "_FEW_FAR", few)
+            assert ix.find_run(packed(query)).tolist() == expected
+
+
+def test_a_run_among_keys_that_share_a_few_hashes(monkeypatch):
+    # Nearly every key lies past its home, among tombstones: the run's probes cover
+    # reaches of many buckets, one by one and gathered.
+    monkeypatch.setattr(index_module, "_hash",
+                        lambda words, seed: (words[:, 0] >> np.uint64(56)) << np.uint64(60))
+    monkeypatch.setattr(KeyIndex, "_hash_one",
+                        lambda self, words: (((words[0] >> 56) << 60) & index_module._MASK)
+                        >> self._bits_int)
+    ix = KeyIndex(8, capacity=8)
+    keys = [b"k%07d" % i for i in range(500)]
+    ix.insert(packed(keys[:300]), np.arange(300))
+    ix.remove_slots(np.arange(150, 300, 7))
+    for few in (0, 1 << 20):
+        monkeypatch.setattr(index_module, "_FEW_FAR", few)
+        assert ix.find_run(packed(keys[:140])).tolist() == list(range(140))
+        assert ix.find_run(packed(keys[100:400])).tolist() == list(range(100, 150))
+        assert ix.find_run(packed(keys[300:] + keys[:10])).tolist() == []
+
+
 @pytest.mark.parametrize("key_size", [3, 16, 20, 64])
 def test_one_key_finds_what_a_batch_finds(key_size):
     """find() of one key takes a path of its own (Python ints, no numpy batch): it must
