@@ -178,9 +178,9 @@ def test_growth_tombstones_and_shrink():
     assert ix.find(keys[19_900:]).tolist() == list(range(19_900, 20_000))
 
 
-def test_keys_that_share_a_few_hashes_are_found_exactly(monkeypatch):
-    # Every key hashes to one of 16 homes: almost every key lies past its home, among
-    # tombstones of removed keys, so lookups go through the window the reach covers.
+def few_hashes(monkeypatch) -> tuple[KeyIndex, list[bytes]]:
+    """An index of 8-byte keys whose hashes take one of 16 homes, holding keys[:300] of
+    the 500 returned (slot i for keys[i]): almost every key lies past its home."""
     monkeypatch.setattr(index_module, "_hash",
                         lambda words, seed: (words[:, 0] >> np.uint64(56)) << np.uint64(60))
     # The walk's own hash (a few keys' insert and find) the same, so both forms agree.
@@ -190,6 +190,13 @@ def test_keys_that_share_a_few_hashes_are_found_exactly(monkeypatch):
     ix = KeyIndex(8, capacity=8)
     keys = [b"k%07d" % i for i in range(500)]
     ix.insert(packed(keys[:300]), np.arange(300))
+    return ix, keys
+
+
+def test_keys_that_share_a_few_hashes_are_found_exactly(monkeypatch):
+    # Every key hashes to one of 16 homes: almost every key lies past its home, among
+    # tombstones of removed keys, so lookups go through the window the reach covers.
+    ix, keys = few_hashes(monkeypatch)
     ix.remove_slots(np.arange(0, 300, 7))
     ix.insert(packed(keys[0:300:14]), np.arange(300, 300 + len(keys[0:300:14])))
     expected = [-1 if i >= 300 or i % 7 == 0 else i for i in range(500)]
@@ -287,14 +294,7 @@ def test_a_run_is_found_up_to_its_first_absent_key(key_size, monkeypatch):
 def test_a_run_among_keys_that_share_a_few_hashes(monkeypatch):
     # Nearly every key lies past its home, among tombstones: the run's probes cover
     # reaches of many buckets, one by one and gathered.
-    monkeypatch.setattr(index_module, "_hash",
-                        lambda words, seed: (words[:, 0] >> np.uint64(56)) << np.uint64(60))
-    monkeypatch.setattr(KeyIndex, "_hash_one",
-                        lambda self, words: (((words[0] >> 56) << 60) & index_module._MASK)
-                        >> self._bits_int)
-    ix = KeyIndex(8, capacity=8)
-    keys = [b"k%07d" % i for i in range(500)]
-    ix.insert(packed(keys[:300]), np.arange(300))
+    ix, keys = few_hashes(monkeypatch)
     ix.remove_slots(np.arange(150, 300, 7))
     for few in (0, 1 << 20):
         monkeypatch.setattr(index_module, "_FEW_FAR", few)
