@@ -22,11 +22,7 @@ from .lease_book import LeaseBook
 from .leases import LeaseKind
 from .state import StoreState
 
-__all__ = ["FEW_LEADING", "Lookups"]
-
-# Up to this many keys, a slot array is read as Python ints (store.py's _absent and
-# _placed): numpy's forms cost a few calls whatever the count.
-FEW_LEADING = 64
+__all__ = ["Lookups"]
 
 
 class Lookups:

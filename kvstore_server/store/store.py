@@ -61,7 +61,7 @@ from .index import FEW_KEYS
 from .layouts import DEFAULT_MAX_LAYOUTS, LayoutInfo, LayoutRegistry
 from .lease_book import LeaseBook
 from .leases import DEFAULT_LEASE_MEMORY, FOREVER, LeaseKind, LeaseTable
-from .lookups import FEW_LEADING, Lookups
+from .lookups import Lookups
 from .metrics import StoreCollector
 from .pool import Pool
 from .presence import AREA_BYTES, Presence
@@ -82,6 +82,9 @@ __all__ = ["FOREVER", "LayoutInfo", "Pinned", "Reservation", "Retained", "Store"
 FREE, WRITING, READY, DOOMED = SlotState
 _READY = int(READY)                           # for numpy: see lease_book._DOOMED
 
+# Up to this many keys, a slot array is read as Python ints (_absent, _placed): numpy's
+# forms cost a few calls whatever the count.
+FEW_LEADING = 64
 _NONE_MISSING = np.empty(0, dtype=np.int64)      # acquire: no key is missing
 _FEW_STORES = 4         # a commit's slots up to this many are stored one by one
 
@@ -393,7 +396,7 @@ class Store:
     def _placed(self, n: int, wanted: list[int], got: np.ndarray
                 ) -> tuple[np.ndarray, np.ndarray]:
         """(slot, pool offset) of each of n keys: got[j] for key wanted[j], -1 for the
-        rest. A few keys as Python ints (see lookups.FEW_LEADING): the array form is 5 calls."""
+        rest. A few keys as Python ints (see FEW_LEADING): the array form is 5 calls."""
         if n <= FEW_LEADING:
             slot_list, off_list = [-1] * n, [-1] * n
             offset = self._s.pool.offset
